@@ -1,0 +1,173 @@
+"""MoECombine: the combine step of an MoE layer (down-projection + return all-to-all + top-k sum).
+
+For each local token t: out[t] = sum_k w[t, k] * (h_row(t, k) @ w_down[e(t, k)]), where h is the
+stacked expert input in the plan layout on the expert's owner. Backends:
+- ``reference``: executes the plan with torch ops and one process-group exchange (CPU and GPU).
+- ``overlap``: the persistent grouped GEMM || consumer kernels (CUDA, NVSHMEM, CuTe DSL).
+- ``auto``: ``overlap`` where it can run, else ``reference``.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .planner import SUPPORTED_TILE_M, CombinePlan, plan_combine
+from .reference import reference_combine, world
+
+BACKENDS = ("auto", "reference", "overlap")
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def overlap_available(device: torch.device | None = None) -> tuple[bool, str]:
+    """Whether the overlap backend can run here, and why not."""
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    if device is not None and device.type != "cuda":
+        return False, f"tensors are on {device}, not CUDA"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False, "needs a Hopper (sm_90) GPU"
+    for mod in ("cutlass", "nvshmem.core"):
+        try:
+            if importlib.util.find_spec(mod) is None:
+                return False, f"{mod} is not installed (pip install moe-overlap[gpu])"
+        except ModuleNotFoundError:
+            return False, f"{mod} is not installed (pip install moe-overlap[gpu])"
+    if importlib.util.find_spec("moe_overlap.overlap") is None:
+        return False, "this build has no overlap backend"
+    return True, ""
+
+
+class MoECombine(torch.nn.Module):
+    """Combine for one MoE layer; construct once per layer, call `plan` then `forward` per step.
+
+    num_experts: global experts E (E // world_size per rank); hidden_size K: rows of w_down;
+    out_features N: columns of w_down; topk: experts per token; max_tokens_per_rank: the most tokens
+    any rank routes in one call (sizes plans and communication buffers).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, out_features: int, topk: int,
+                 max_tokens_per_rank: int, group=None, tile_m: int = 128, backend: str = "auto",
+                 ccta="auto", mgb="auto", transport: str = "nvlink", validate: bool = True):
+        super().__init__()
+        rank, W = world(group)
+        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                        ("out_features", out_features), ("topk", topk),
+                        ("max_tokens_per_rank", max_tokens_per_rank)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if num_experts % W:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the world size {W}")
+        if topk > num_experts:
+            raise ValueError(f"topk={topk} exceeds num_experts={num_experts}")
+        if tile_m not in SUPPORTED_TILE_M:
+            raise ValueError(f"tile_m={tile_m!r} not supported; use one of {SUPPORTED_TILE_M}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; choose from {BACKENDS}")
+        for name, v in (("ccta", ccta), ("mgb", mgb)):
+            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                or (name == "mgb" and v < 1)):
+                raise ValueError(f"{name} must be 'auto' or a positive int, got {v!r}")
+        self.group, self.rank, self.world_size = group, rank, W
+        self.num_experts, self.experts_per_rank = num_experts, num_experts // W
+        self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
+        self.max_tokens_per_rank, self.tile_m, self.validate = max_tokens_per_rank, tile_m, validate
+        self.transport, self.requested_backend = transport, backend
+        self.ccta, self.mgb = ccta, mgb
+        self._impl = None  # overlap backend object, built lazily on the first CUDA call
+
+    # the most rows one rank can receive: every token of every rank routed to its experts
+    @property
+    def max_rows(self) -> int:
+        return self.world_size * self.max_tokens_per_rank * self.topk
+
+    def resolved_mgb(self) -> int:
+        if self.mgb != "auto":
+            return self.mgb
+        if self._impl is not None and hasattr(self._impl, "mgb"):
+            return int(self._impl.mgb)
+        return 2
+
+    def plan(self, expert_counts: torch.Tensor, validate: bool | None = None) -> CombinePlan:
+        """The plan of this rank for all-gathered counts [W, E], sized for max_tokens_per_rank."""
+        if tuple(expert_counts.shape) != (self.world_size, self.num_experts):
+            raise ValueError(f"expert_counts has shape {tuple(expert_counts.shape)}, expected "
+                             f"[world_size={self.world_size}, num_experts={self.num_experts}]")
+        return plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=self.resolved_mgb(),
+                            max_rows=self.max_rows,
+                            validate=self.validate if validate is None else validate)
+
+    def backend_for(self, device: torch.device) -> str:
+        if self.requested_backend != "auto":
+            return self.requested_backend
+        ok, _ = overlap_available(device)
+        return "overlap" if ok and self.world_size > 1 else "reference"
+
+    def check_inputs(self, h, w_down, plan, topk_ids, topk_weights):
+        """Clear errors for bad input, before any work."""
+        for name, t in (("h", h), ("w_down", w_down), ("topk_ids", topk_ids),
+                        ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not isinstance(plan, CombinePlan):
+            raise TypeError(f"plan must be a CombinePlan, got {type(plan).__name__}")
+        if h.dim() != 2 or h.shape[1] != self.hidden_size:
+            raise ValueError(f"h must be [rows, hidden_size={self.hidden_size}], got "
+                             f"{tuple(h.shape)}")
+        El, K, N = self.experts_per_rank, self.hidden_size, self.out_features
+        if tuple(w_down.shape) != (El, K, N):
+            raise ValueError(f"w_down must be [experts_per_rank={El}, K={K}, N={N}], got "
+                             f"{tuple(w_down.shape)}")
+        if h.dtype not in _FLOAT or w_down.dtype != h.dtype:
+            raise TypeError(f"h and w_down must share a float dtype, got {h.dtype} and "
+                            f"{w_down.dtype}")
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
+            raise ValueError(f"topk_ids must be [tokens, topk={self.topk}], got "
+                             f"{tuple(topk_ids.shape)}")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape "
+                             f"{tuple(topk_ids.shape)}")
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+        if topk_ids.shape[0] > self.max_tokens_per_rank:
+            raise ValueError(f"capacity exceeded: {topk_ids.shape[0]} tokens > "
+                             f"max_tokens_per_rank={self.max_tokens_per_rank}")
+        devs = {t.device for t in (h, w_down, topk_ids, topk_weights)} | {plan.device}
+        if len(devs) != 1:
+            raise ValueError(f"h, w_down, plan, topk_ids and topk_weights must be on one device, "
+                             f"got {sorted(map(str, devs))}")
+        if plan.world_size != self.world_size or plan.rank != self.rank:
+            raise ValueError(f"plan is for rank {plan.rank} of world size {plan.world_size}; this "
+                             f"process group is rank {self.rank} of {self.world_size}")
+        if plan.num_experts != self.num_experts:
+            raise ValueError(f"plan has {plan.num_experts} experts, this layer {self.num_experts}")
+        if plan.tile_m != self.tile_m:
+            raise ValueError(f"plan has tile_m={plan.tile_m}, this layer {self.tile_m}")
+        if self.validate:  # reads data (a host sync on CUDA); validate=False for CUDA graphs
+            if topk_ids.numel() and (int(topk_ids.min()) < 0
+                                     or int(topk_ids.max()) >= self.num_experts):
+                raise ValueError(f"expert ids must be in [0, {self.num_experts}), got "
+                                 f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
+            need = int(plan.total_rows.item())
+            if h.shape[0] < need:
+                raise ValueError(f"h has {h.shape[0]} rows but the plan lays out {need}")
+
+    def forward(self, h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
+        backend = self.backend_for(h.device)
+        if backend == "reference":
+            return reference_combine(h, w_down, plan, topk_ids, topk_weights, self.group)
+        ok, why = overlap_available(h.device)
+        if not ok:
+            raise RuntimeError(f"backend 'overlap' cannot run: {why}")
+        if self._impl is None:
+            from .overlap import OverlapCombine
+            self._impl = OverlapCombine(
+                group=self.group, num_experts=self.num_experts, hidden_size=self.hidden_size,
+                out_features=self.out_features, topk=self.topk,
+                max_tokens_per_rank=self.max_tokens_per_rank, tile_m=self.tile_m,
+                ccta=self.ccta, mgb=self.mgb, transport=self.transport)
+        return self._impl.forward(h, w_down, plan, topk_ids, topk_weights)

@@ -1,0 +1,58 @@
+"""Run a function on W local processes joined by a process group (gloo on CPU, NCCL on CUDA)."""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, backend, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # W ranks share the machine's cores
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        results[rank] = ("ok", fn(rank, world_size, *args))
+    except Exception:  # noqa: BLE001 - returned to the parent with the traceback
+        results[rank] = ("error", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args, backend: str = "gloo"):
+    """fn(rank, world_size, *args) on world_size processes; returns the list of results.
+
+    fn must be importable (module level). A failure on any rank raises with that rank's traceback."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        out = dict(results)
+    errors = [(r, out[r][1]) for r in sorted(out) if out[r][0] == "error"]
+    if errors:
+        r, tb = errors[0]
+        raise RuntimeError(f"rank {r} failed:\n{tb}")
+    missing = [r for r in range(world_size) if r not in out]
+    if missing:
+        raise RuntimeError(f"ranks {missing} died without a result (exit codes "
+                           f"{[p.exitcode for p in procs]})")
+    return [out[r][1] for r in range(world_size)]
