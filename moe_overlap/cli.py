@@ -1,0 +1,217 @@
+"""moe-overlap command line: demo | plan-stats | validate."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+
+def _progress(it, total, desc):
+    try:
+        from tqdm import tqdm
+        return tqdm(it, total=total, desc=desc, file=sys.stderr)
+    except ImportError:
+        return it
+
+
+# ------------------------------------------------------------------------------- demo
+def cmd_demo(args) -> int:
+    from .routing import ROUTER_MODES
+    from .validation import LayerCase, check_layers, passed
+
+    cases = [LayerCase(mode=m, tokens=args.tokens, num_experts=args.experts, topk=args.topk,
+                       model_dim=64, hidden=128, out_features=96, tile_m=args.tile_m, mgb=args.mgb,
+                       seed=args.seed, dtype=args.dtype) for m in ROUTER_MODES]
+    print(f"moe-overlap demo: {args.world_size} CPU ranks (gloo), {args.tokens} tokens/rank, "
+          f"{args.experts} experts, top-{args.topk}, tile_m={args.tile_m}, mgb={args.mgb}, "
+          f"{args.dtype}, backend=reference")
+    t0 = time.time()
+    results = check_layers(args.world_size, cases)
+    ok = True
+    hdr = (f"{'router mode':<14}{'rows':>7}{'padded':>8}{'pad %':>7}{'remote %':>9}{'bands':>7}"
+           f"{'segs':>6}{'err vs baseline':>17}{'err vs f64':>12}  result")
+    print(hdr)
+    print("-" * len(hdr))
+    for case, res in zip(cases, results):
+        good = passed(res)
+        ok &= good
+        s = [r["stats"] for r in res]
+        rows = sum(x["rows_valid"] for x in s)
+        padded = sum(x["rows_padded"] for x in s)
+        remote = sum(x["remote_rows"] for x in s)
+        print(f"{case.mode:<14}{rows:>7}{padded:>8}{100 * (padded - rows) / max(rows, 1):>7.1f}"
+              f"{100 * remote / max(rows, 1):>9.1f}{sum(x['bands'] for x in s):>7}"
+              f"{sum(x['segments'] for x in s):>6}{max(r['rel_err'] for r in res):>17.2e}"
+              f"{max(r['rel_err_f64'] for r in res):>12.2e}  {'ok' if good else 'MISMATCH'}")
+    print(f"(sums over {args.world_size} ranks; max relative errors over ranks; "
+          f"{time.time() - t0:.1f} s)")
+    print("demo passed" if ok else "demo FAILED: the overlapped plan does not match the baseline")
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------------------- plan-stats
+def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, scaling="weak"):
+    """Padding overhead and band/segment counts, aggregated over all ranks of each world size.
+
+    scaling "weak": `tokens` per rank at every W; "strong": `tokens` in all, tokens // W per rank."""
+    import torch
+
+    from .planner import count_assignments, plan_combine
+    from .routing import route
+
+    rows = []
+    for W in world_sizes:
+        if experts % W:
+            raise ValueError(f"--experts {experts} is not divisible by world size {W}")
+        per_rank = tokens if scaling == "weak" else max(1, tokens // W)
+        for mode in modes:
+            counts = torch.stack([count_assignments(route(per_rank, experts, topk, mode, seed=seed,
+                                                          rank=r)[0], experts)
+                                  for r in range(W)])
+            for tm in tile_ms:
+                tot = {"rows_valid": 0, "rows_padded": 0, "bands": 0, "remote_bands": 0,
+                       "segments": 0, "remote_rows": 0}
+                worst = 0.0
+                for r in range(W):
+                    s = plan_combine(counts, r, tile_m=tm, mgb=2).stats()
+                    for k in tot:
+                        tot[k] += s[k]
+                    worst = max(worst, s["padding_overhead"])
+                rows.append({"scaling": scaling, "world_size": W, "tokens_per_rank": per_rank,
+                             "mode": mode, "tile_m": tm, **tot,
+                             "padding_overhead": (tot["rows_padded"] - tot["rows_valid"])
+                             / max(tot["rows_valid"], 1),
+                             "worst_rank_padding_overhead": worst,
+                             "remote_fraction": tot["remote_rows"] / max(tot["rows_valid"], 1)})
+    return rows
+
+
+def cmd_plan_stats(args) -> int:
+    world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    tile_ms = [int(t) for t in args.tile_m.split(",")]
+    modes = args.modes.split(",")
+    rows = (plan_stats_rows(world_sizes, tile_ms, modes, args.tokens, args.experts, args.topk,
+                            args.seed, "weak")
+            + plan_stats_rows(world_sizes, tile_ms, modes, args.global_tokens, args.experts,
+                              args.topk, args.seed, "strong"))
+    os.makedirs(args.out, exist_ok=True)
+    print(f"plan statistics: {args.experts} experts, top-{args.topk}; weak scaling: {args.tokens} "
+          f"tokens/rank; strong scaling: {args.global_tokens} tokens over all ranks.\n"
+          "padding = padded rows / routed rows - 1, over all ranks")
+    hdr = (f"{'scaling':<8}{'W':>4}{'tok/rank':>9} {'router mode':<14}{'tile_m':>7}{'pad %':>8}"
+           f"{'worst rank %':>13}{'remote %':>9}{'bands':>8}{'segments':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['scaling']:<8}{r['world_size']:>4}{r['tokens_per_rank']:>9} {r['mode']:<14}"
+              f"{r['tile_m']:>7}"
+              f"{100 * r['padding_overhead']:>8.1f}{100 * r['worst_rank_padding_overhead']:>13.1f}"
+              f"{100 * r['remote_fraction']:>9.1f}{r['bands']:>8}{r['segments']:>9}")
+    meta = {"tokens_per_rank": args.tokens, "global_tokens": args.global_tokens,
+            "experts": args.experts, "topk": args.topk, "seed": args.seed}
+    with open(os.path.join(args.out, "plan_stats.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    png = os.path.join(args.out, "plan_stats.png")
+    try:
+        _plot_plan_stats(rows, modes, tile_ms, png, meta)
+        print(f"wrote {os.path.join(args.out, 'plan_stats.json')} and {png}")
+    except ImportError:
+        print(f"wrote {os.path.join(args.out, 'plan_stats.json')} (install matplotlib for the plot)")
+    return 0
+
+
+def _plot_plan_stats(rows, modes, tile_ms, path, meta):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scalings = (("weak", f"{meta['tokens_per_rank']} tokens/rank"),
+                ("strong", f"{meta['global_tokens']} tokens in all"))
+    fig, axes = plt.subplots(2, len(modes), figsize=(4.2 * len(modes), 6.6), sharey="row",
+                             squeeze=False)
+    for row, (scaling, what) in enumerate(scalings):
+        for ax, mode in zip(axes[row], modes):
+            for tm in tile_ms:
+                pts = sorted((r["world_size"], 100 * r["padding_overhead"]) for r in rows
+                             if r["mode"] == mode and r["tile_m"] == tm and r["scaling"] == scaling)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"tile_m={tm}")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}, {what}", fontsize=9)
+            ax.set_xlabel("world size W")
+            ax.grid(alpha=0.3)
+        axes[row][0].set_ylabel("padding (% of routed rows)")
+    axes[0][0].legend()
+    fig.suptitle(f"Padding vs rank count ({meta['experts']} experts, top-{meta['topk']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- validate
+def cmd_validate(args) -> int:
+    from .routing import ROUTER_MODES
+    from .validation import LayerCase, check_layers, passed
+
+    world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    grid = [(m, tm, mgb) for m in ROUTER_MODES for tm in (64, 128) for mgb in (1, 2, 4)]
+    failures = 0
+    total = 0
+    for W in _progress(world_sizes, len(world_sizes), "world sizes"):
+        E = args.experts if args.experts % W == 0 else W * max(1, args.experts // W)
+        cases = [LayerCase(mode=m, tile_m=tm, mgb=mgb, num_experts=E, tokens=args.tokens,
+                           topk=args.topk, seed=i, backend=args.backend, dtype=args.dtype)
+                 for i, (m, tm, mgb) in enumerate(grid)]
+        for case, res in zip(cases, check_layers(W, cases)):
+            total += 1
+            if not passed(res):
+                failures += 1
+                print(f"MISMATCH W={W} {case}: "
+                      f"{[(r['rel_err'], r['rel_err_f64']) for r in res]}")
+    print(f"validate: {total - failures}/{total} cases passed (backend={args.backend}, "
+          f"{args.dtype})")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    p = argparse.ArgumentParser(prog="moe-overlap", description=__doc__)
+    sub = p.add_subparsers(dest="cmd")
+    d = sub.add_parser("demo", help="4 CPU ranks: router -> dispatch -> combine, vs the baseline")
+    d.add_argument("--world-size", type=int, default=4)
+    d.add_argument("--tokens", type=int, default=256)
+    d.add_argument("--experts", type=int, default=16)
+    d.add_argument("--topk", type=int, default=4)
+    d.add_argument("--tile-m", type=int, default=64)
+    d.add_argument("--mgb", type=int, default=2)
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    d.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("plan-stats", help="padding overhead and band/segment counts vs W")
+    s.add_argument("--world-sizes", default="4,8,16,32,64")
+    s.add_argument("--tile-m", default="64,128,256")
+    s.add_argument("--modes", default="balanced,moderate_skew,stress_skew")
+    s.add_argument("--tokens", type=int, default=4096, help="tokens per rank (weak scaling)")
+    s.add_argument("--global-tokens", type=int, default=32768,
+                   help="tokens over all ranks (strong scaling)")
+    s.add_argument("--experts", type=int, default=256)
+    s.add_argument("--topk", type=int, default=8)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default="out/plan-stats")
+    v = sub.add_parser("validate", help="the validation grid on CPU ranks")
+    v.add_argument("--world-sizes", default="2,3,4")
+    v.add_argument("--experts", type=int, default=12)
+    v.add_argument("--tokens", type=int, default=96)
+    v.add_argument("--topk", type=int, default=2)
+    v.add_argument("--backend", default="reference", choices=["reference", "auto"])
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["demo"] + argv  # the main job: the CPU demo
+    args = p.parse_args(argv)
+    return {"demo": cmd_demo, "plan-stats": cmd_plan_stats, "validate": cmd_validate}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
