@@ -164,14 +164,14 @@ def cmd_validate(args) -> int:
         cases = [LayerCase(mode=m, tile_m=tm, mgb=mgb, num_experts=E, tokens=args.tokens,
                            topk=args.topk, seed=i, backend=args.backend, dtype=args.dtype)
                  for i, (m, tm, mgb) in enumerate(grid)]
-        for case, res in zip(cases, check_layers(W, cases)):
+        for case, res in zip(cases, check_layers(W, cases, args.device)):
             total += 1
             if not passed(res):
                 failures += 1
                 print(f"MISMATCH W={W} {case}: "
                       f"{[(r['rel_err'], r['rel_err_f64']) for r in res]}")
     print(f"validate: {total - failures}/{total} cases passed (backend={args.backend}, "
-          f"{args.dtype})")
+          f"{args.dtype}, {args.device})")
     return 1 if failures else 0
 
 
@@ -204,8 +204,10 @@ def main(argv=None) -> int:
     v.add_argument("--experts", type=int, default=12)
     v.add_argument("--tokens", type=int, default=96)
     v.add_argument("--topk", type=int, default=2)
-    v.add_argument("--backend", default="reference", choices=["reference", "auto"])
+    v.add_argument("--backend", default="reference", choices=["reference", "overlap", "auto"])
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    v.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: one GPU per rank, NCCL")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["demo"] + argv  # the main job: the CPU demo

@@ -19,10 +19,10 @@ def free_port() -> int:
 def _worker(rank, world_size, port, backend, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # W ranks share the machine's cores
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
         results[rank] = ("ok", fn(rank, world_size, *args))
     except Exception:  # noqa: BLE001 - returned to the parent with the traceback
         results[rank] = ("error", traceback.format_exc())

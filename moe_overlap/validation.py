@@ -103,20 +103,22 @@ def float64_truth(case: LayerCase, rank: int, world_size: int, dtype) -> torch.T
     return out
 
 
-def _spawned(rank, world_size, cases):
-    return [run_layer(rank, world_size, c, group=None) for c in cases]
+def _spawned(rank, world_size, cases, device):
+    dev = f"cuda:{rank}" if device == "cuda" else device
+    return [run_layer(rank, world_size, c, group=None, device=dev) for c in cases]
 
 
-def check_layers(world_size: int, cases: list[LayerCase]) -> list[list[dict]]:
-    """Run the cases on world_size CPU processes (gloo, one process group for all of them);
-    returns, per case, one result per rank."""
+def check_layers(world_size: int, cases: list[LayerCase], device: str = "cpu") -> list[list[dict]]:
+    """Run the cases on world_size processes (one process group for all of them: gloo on CPU,
+    NCCL with one GPU per rank on CUDA); returns, per case, one result per rank."""
     from .launch import spawn
-    per_rank = spawn(_spawned, world_size, list(cases))
+    per_rank = spawn(_spawned, world_size, list(cases), device,
+                     backend="nccl" if device == "cuda" else "gloo")
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
 
 
-def check_layer(world_size: int, case: LayerCase) -> list[dict]:
-    return check_layers(world_size, [case])[0]
+def check_layer(world_size: int, case: LayerCase, device: str = "cpu") -> list[dict]:
+    return check_layers(world_size, [case], device)[0]
 
 
 def passed(results: list[dict]) -> bool:
