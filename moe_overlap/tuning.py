@@ -1,0 +1,151 @@
+"""Choosing `ccta` (SMs reserved for the consumer) and `mgb` (bands per transfer).
+
+First an analytic choice from two measured rates: the grouped GEMM's throughput per SM and the
+consumer's copy bandwidth as a function of its SM count. Overlapped time for c consumer SMs is about
+
+    T(c) = max(F / ((S - c) * gemm_per_sm), B_remote / copy_bw(c)) + t_tail(c)
+
+where F is the GEMM's FLOPs, B_remote the bytes that leave the GPU, and t_tail the last segment's
+transfer, which cannot overlap (the schedule makes it one band). Then, where a GPU and the overlap
+backend are at hand, `autotune` times a few neighbours of that choice and caches the winner per shape
+bucket (device, W, N, K, experts per rank, tile_m, rows rounded up to a power of two).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+CCTA_CHOICES = (4, 8, 12, 16, 20, 24, 32)
+MGB_CHOICES = (1, 2, 4)
+
+
+@dataclass
+class CostModel:
+    """Rates of one GPU (defaults: H200 measured in this project; see bench/NOTES.md)."""
+    num_sms: int = 132
+    gemm_tflops: float = 790.0  # whole-GPU bf16 GEMM rate
+    # consumer copy bandwidth (GB/s) measured at these SM counts; linear in between, flat after
+    copy_gbps: dict = field(default_factory=lambda: {2: 40.0, 4: 80.0, 8: 160.0, 16: 300.0,
+                                                     32: 360.0})
+    link_gbps: float = 380.0  # GPU<->GPU copy ceiling
+    signal_us: float = 2.0  # per-transfer overhead (flag wait + arrival signal)
+
+    def copy_bw(self, ccta: int) -> float:
+        pts = sorted(self.copy_gbps.items())
+        if ccta <= pts[0][0]:
+            bw = pts[0][1] * ccta / pts[0][0]
+        elif ccta >= pts[-1][0]:
+            bw = pts[-1][1]
+        else:
+            for (c0, b0), (c1, b1) in zip(pts, pts[1:]):
+                if c0 <= ccta <= c1:
+                    bw = b0 + (b1 - b0) * (ccta - c0) / (c1 - c0)
+                    break
+        return min(bw, self.link_gbps) * 1e9
+
+    def gemm_s(self, flops: float, ccta: int) -> float:
+        per_sm = self.gemm_tflops * 1e12 / self.num_sms
+        return flops / ((self.num_sms - ccta) * per_sm)
+
+
+def predict(model: CostModel, rows: int, remote_rows: int, N: int, K: int, tile_m: int,
+            ccta: int, mgb: int, bytes_per_elem: int = 2) -> dict:
+    """Predicted times (seconds) of one combine with this (ccta, mgb)."""
+    flops = 2.0 * rows * N * K
+    remote_bytes = remote_rows * N * bytes_per_elem
+    band_bytes = tile_m * N * bytes_per_elem
+    segments = max(1, math.ceil(remote_rows / (tile_m * mgb))) if remote_rows else 0
+    t_gemm = model.gemm_s(flops, ccta)
+    bw = model.copy_bw(ccta)
+    t_comm = remote_bytes / bw + segments * model.signal_us * 1e-6 / max(ccta, 1)
+    t_tail = (min(band_bytes, remote_bytes) / bw) if remote_rows else 0.0
+    # a consumer transfer of mgb bands can start only once its last band is done
+    t_wait = (mgb - 1) * model.gemm_s(2.0 * tile_m * N * K, ccta) if remote_rows else 0.0
+    return {"t_gemm": t_gemm, "t_comm": t_comm,
+            "t_overlap": max(t_gemm, t_comm) + t_tail + t_wait}
+
+
+def analytic_choice(rows: int, remote_rows: int, N: int, K: int, tile_m: int = 128,
+                    model: CostModel | None = None, ccta_choices=CCTA_CHOICES,
+                    mgb_choices=MGB_CHOICES) -> tuple[int, int]:
+    """(ccta, mgb) minimizing the predicted overlapped time (ties: fewer SMs, smaller mgb)."""
+    model = model or CostModel()
+    best = None
+    for c in ccta_choices:
+        if c >= model.num_sms:
+            continue
+        for m in mgb_choices:
+            t = predict(model, rows, remote_rows, N, K, tile_m, c, m)["t_overlap"]
+            if best is None or t < best[0] * (1 - 1e-9):
+                best = (t, c, m)
+    return best[1], best[2]
+
+
+def shape_key(device_name: str, world_size: int, N: int, K: int, experts_per_rank: int,
+              tile_m: int, rows: int) -> str:
+    bucket = 1 << max(0, math.ceil(math.log2(max(rows, 1))))
+    return f"{device_name}|W{world_size}|N{N}|K{K}|E{experts_per_rank}|tm{tile_m}|rows{bucket}"
+
+
+class TuneCache:
+    """JSON file of tuned (ccta, mgb) per shape key. Default: ~/.cache/moe-overlap/tune.json,
+    or $MOE_OVERLAP_TUNE_CACHE."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or os.environ.get(
+            "MOE_OVERLAP_TUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
+                                                   "moe-overlap", "tune.json"))
+        self.entries: dict = {}
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.entries = json.load(f)
+
+    def get(self, key: str):
+        e = self.entries.get(key)
+        return (e["ccta"], e["mgb"]) if e else None
+
+    def put(self, key: str, ccta: int, mgb: int, **info):
+        self.entries[key] = {"ccta": ccta, "mgb": mgb, **info}
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def neighbours(ccta: int, mgb: int, ccta_choices=CCTA_CHOICES, mgb_choices=MGB_CHOICES):
+    """The analytic choice and its neighbours on the (ccta, mgb) grid, the choice first."""
+    ci = ccta_choices.index(ccta) if ccta in ccta_choices else 0
+    mi = mgb_choices.index(mgb) if mgb in mgb_choices else 0
+    out = [(ccta, mgb)]
+    for dc in (-1, 0, 1):
+        for dm in (-1, 0, 1):
+            c, m = ci + dc, mi + dm
+            if 0 <= c < len(ccta_choices) and 0 <= m < len(mgb_choices):
+                cand = (ccta_choices[c], mgb_choices[m])
+                if cand not in out:
+                    out.append(cand)
+    return out
+
+
+def autotune(time_fn, key: str, first: tuple[int, int], cache: TuneCache | None = None,
+             candidates=None) -> tuple[int, int]:
+    """Time `time_fn(ccta, mgb) -> seconds` on the candidates (default: the neighbours of `first`),
+    cache and return the fastest. A cached key is returned without timing."""
+    cache = cache or TuneCache()
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    results = {}
+    for c, m in candidates or neighbours(*first):
+        results[(c, m)] = time_fn(c, m)
+    best = min(results, key=results.get)
+    cache.put(key, best[0], best[1], seconds=results[best],
+              tried={f"{c},{m}": t for (c, m), t in results.items()}, analytic=list(first))
+    return best
+
+
+def model_to_json(model: CostModel) -> dict:
+    return asdict(model)

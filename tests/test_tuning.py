@@ -1,0 +1,52 @@
+"""ccta/mgb choice: the analytic model's properties and the autotune cache."""
+import pytest
+
+from moe_overlap.tuning import (CostModel, TuneCache, analytic_choice, autotune, neighbours,
+                                predict, shape_key)
+
+
+def test_more_remote_bytes_need_no_fewer_consumer_sms():
+    choices = [analytic_choice(16384, remote, 8192, 2048)[0]
+               for remote in (0, 2048, 8192, 16384)]
+    assert choices == sorted(choices)
+    assert choices[-1] > choices[0]
+
+
+def test_predicted_overlap_is_at_least_each_part():
+    p = predict(CostModel(), 16384, 8192, 8192, 2048, 128, ccta=16, mgb=2)
+    assert p["t_overlap"] >= max(p["t_gemm"], p["t_comm"])
+
+
+def test_gemm_time_grows_as_sms_are_reserved():
+    m = CostModel()
+    assert m.gemm_s(1e12, 24) > m.gemm_s(1e12, 8) > m.gemm_s(1e12, 0)
+    assert m.gemm_s(1e12, 0) == pytest.approx(1e12 / 790e12)
+
+
+def test_copy_bandwidth_interpolates_and_caps_at_the_link():
+    m = CostModel()
+    assert m.copy_bw(16) == pytest.approx(300e9)
+    assert 160e9 < m.copy_bw(12) < 300e9
+    assert m.copy_bw(128) <= 380e9
+
+
+def test_autotune_picks_the_fastest_and_caches(tmp_path):
+    cache = TuneCache(str(tmp_path / "t.json"))
+    calls = []
+
+    def fake_time(c, m):
+        calls.append((c, m))
+        return abs(c - 12) + 0.1 * m
+
+    key = shape_key("H200", 2, 8192, 2048, 16, 128, 16000)
+    assert autotune(fake_time, key, (16, 2), cache) == (12, 1)
+    n = len(calls)
+    assert n == len(neighbours(16, 2))
+    again = TuneCache(str(tmp_path / "t.json"))
+    assert autotune(fake_time, key, (16, 2), again) == (12, 1)
+    assert len(calls) == n  # cached: not timed again
+
+
+def test_shape_key_buckets_rows_by_power_of_two():
+    assert shape_key("d", 2, 1, 1, 1, 128, 9000) == shape_key("d", 2, 1, 1, 1, 128, 16384)
+    assert shape_key("d", 2, 1, 1, 1, 128, 9000) != shape_key("d", 2, 1, 1, 1, 128, 17000)
