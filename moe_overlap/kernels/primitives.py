@@ -1,0 +1,219 @@
+"""Small device helpers shared by the CuTe DSL kernels: flags, fences, timers, bounded waits.
+
+Every helper takes raw 64-bit global addresses (``cutlass.Int64``), so kernels can receive plain
+``tensor.data_ptr()`` ints (cheap to pass on every launch, no DLPack conversion) and peer
+addresses alike. Import this module only where CuTe DSL is installed (kernels import it lazily).
+
+Memory-ordering vocabulary (PTX memory model):
+- ``st_release_*`` / ``red_release_*``: every write of this thread that precedes it (and every write
+  that precedes it in causality order, e.g. writes of other threads of the CTA ordered by a
+  ``bar.sync`` before it) is visible to a thread that observes the value with an acquire.
+- ``ld_acquire_*``: later reads of the observing thread (and, after a ``bar.sync``, of its CTA) see
+  those writes.
+- Scope: ``gpu`` between kernels of one GPU (producer -> consumer band flags), ``sys`` across GPUs
+  (consumer -> token owner arrival counters over NVLink).
+
+Error buffer (``int64[8]``, zeroed by the host): [0] code (0 = ok), [1] rank, [2] index (segment /
+source rank), [3] band, [4] observed value, [5] expected value, [6] elapsed ns. The first writer
+wins (atom.cas on [0]); the host reads it after a synchronize (see ``describe_error``).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+ERR_WORDS = 8
+ERR_CONSUMER_TIMEOUT = 1  # consumer waited too long for band_ready[b] == epoch
+ERR_SCALE_TIMEOUT = 2  # owner's scale waited too long for a source's arrival counter
+ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
+             ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive"}
+
+
+# ---- loads / stores with ordering -------------------------------------------------------------
+def ld_s32(addr):
+    """Plain (weak) 32-bit global load."""
+    return cute.arch.inline_ptx("ld.global.s32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[addr])
+
+
+def ld_s64(addr):
+    return cute.arch.inline_ptx("ld.global.s64 {$w0}, [{$r0}];", write_only_types=[Int64],
+                                read_only_args=[addr])
+
+
+def ld_relaxed_gpu_s32(addr):
+    return cute.arch.inline_ptx("ld.relaxed.gpu.global.s32 {$w0}, [{$r0}];",
+                                write_only_types=[Int32], read_only_args=[addr])
+
+
+def ld_acquire_gpu_s32(addr):
+    return cute.arch.inline_ptx("ld.acquire.gpu.global.s32 {$w0}, [{$r0}];",
+                                write_only_types=[Int32], read_only_args=[addr])
+
+
+def ld_acquire_sys_s32(addr):
+    return cute.arch.inline_ptx("ld.acquire.sys.global.s32 {$w0}, [{$r0}];",
+                                write_only_types=[Int32], read_only_args=[addr])
+
+
+def ld_acquire_gpu_s64(addr):
+    return cute.arch.inline_ptx("ld.acquire.gpu.global.s64 {$w0}, [{$r0}];",
+                                write_only_types=[Int64], read_only_args=[addr])
+
+
+def ld_acquire_sys_s64(addr):
+    return cute.arch.inline_ptx("ld.acquire.sys.global.s64 {$w0}, [{$r0}];",
+                                write_only_types=[Int64], read_only_args=[addr])
+
+
+def st_s32(addr, val):
+    cute.arch.inline_ptx("st.global.s32 [{$r0}], {$r1};", read_only_args=[addr, Int32(val)])
+
+
+def st_s64(addr, val):
+    cute.arch.inline_ptx("st.global.s64 [{$r0}], {$r1};", read_only_args=[addr, Int64(val)])
+
+
+def st_release_gpu_s32(addr, val):
+    cute.arch.inline_ptx("st.release.gpu.global.s32 [{$r0}], {$r1};",
+                         read_only_args=[addr, Int32(val)])
+
+
+def st_release_sys_s32(addr, val):
+    cute.arch.inline_ptx("st.release.sys.global.s32 [{$r0}], {$r1};",
+                         read_only_args=[addr, Int32(val)])
+
+
+def red_release_gpu_add_s64(addr, val):
+    cute.arch.inline_ptx("red.release.gpu.global.add.u64 [{$r0}], {$r1};",
+                         read_only_args=[addr, Int64(val)])
+
+
+def red_release_sys_add_s64(addr, val):
+    """Arrival signal on a (peer) counter: release at system scope, adds ``val``."""
+    cute.arch.inline_ptx("red.release.sys.global.add.u64 [{$r0}], {$r1};",
+                         read_only_args=[addr, Int64(val)])
+
+
+def red_release_gpu_add_s32(addr, val):
+    cute.arch.inline_ptx("red.release.gpu.global.add.s32 [{$r0}], {$r1};",
+                         read_only_args=[addr, Int32(val)])
+
+
+def atom_cas_s64(addr, cmp, val):
+    return cute.arch.inline_ptx("atom.relaxed.gpu.global.cas.b64 {$w0}, [{$r0}], {$r1}, {$r2};",
+                                write_only_types=[Int64],
+                                read_only_args=[addr, Int64(cmp), Int64(val)])
+
+
+# ---- 16-byte vectors -------------------------------------------------------------------------
+def ld_v4_cg(addr):
+    """16-byte load cached in L2 only (data written by another running kernel: never .nc)."""
+    return cute.arch.inline_ptx("ld.global.cg.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Int32, Int32, Int32, Int32],
+                                read_only_args=[addr])
+
+
+def ld_v4(addr):
+    return cute.arch.inline_ptx("ld.global.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Int32, Int32, Int32, Int32],
+                                read_only_args=[addr])
+
+
+def st_v4(addr, v):
+    cute.arch.inline_ptx("st.global.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                         read_only_args=[addr, v[0], v[1], v[2], v[3]])
+
+
+# ---- fences, timer, CTA-wide vote --------------------------------------------------------------
+def fence_acq_rel_gpu():
+    cute.arch.inline_ptx("fence.acq_rel.gpu;")
+
+
+def fence_acq_rel_sys():
+    cute.arch.inline_ptx("fence.acq_rel.sys;")
+
+
+def globaltimer():
+    """Nanoseconds, global (same clock on every SM)."""
+    return cute.arch.globaltimer()
+
+
+def block_sync():
+    cute.arch.barrier()
+
+
+def block_any(pred):
+    """CTA-wide barrier that also ORs ``pred`` (Int32, non-zero = true) over the CTA's threads.
+    Every thread of the CTA must call it (it is a ``bar.sync`` on barrier 0)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p, q; setp.ne.s32 p, {$r0}, 0; bar.red.or.pred q, 0, p; "
+        "selp.s32 {$w0}, 1, 0, q; }",
+        write_only_types=[Int32], read_only_args=[Int32(pred)])
+
+
+# ---- errors and bounded waits ----------------------------------------------------------------
+@cute.jit
+def record_error(err_addr: Int64, code: Int32, rank: Int32, index: Int32, band: Int32,
+                 observed: Int64, expected: Int64, elapsed: Int64):
+    """First error wins; later ones are dropped (one thread calls this)."""
+    old = atom_cas_s64(err_addr, Int64(0), Int64(code))
+    if old == Int64(0):
+        st_s64(err_addr + Int64(8), Int64(rank))
+        st_s64(err_addr + Int64(16), Int64(index))
+        st_s64(err_addr + Int64(24), Int64(band))
+        st_s64(err_addr + Int64(32), observed)
+        st_s64(err_addr + Int64(40), expected)
+        st_s64(err_addr + Int64(48), elapsed)
+        fence_acq_rel_sys()
+
+
+@cute.jit
+def wait_eq_gpu_s32(addr: Int64, expected: Int32, t0: Int64, timeout_ns: Int64):
+    """Spin (acquire, gpu scope) until ``*addr == expected`` or ``timeout_ns`` has passed since
+    ``t0``. Returns (timed_out: Int32, last value: Int32, now - t0: Int64)."""
+    v = ld_acquire_gpu_s32(addr)
+    timed_out = Int32(0)
+    elapsed = Int64(0)
+    while v != expected and timed_out == Int32(0):
+        elapsed = globaltimer() - t0
+        if elapsed > timeout_ns:
+            timed_out = Int32(1)
+        v = ld_acquire_gpu_s32(addr)
+    if v == expected:
+        timed_out = Int32(0)
+    return timed_out, v, elapsed
+
+
+@cute.jit
+def wait_ge_sys_s64(addr: Int64, expected: Int64, t0: Int64, timeout_ns: Int64):
+    """Spin (acquire, sys scope) until ``*addr >= expected`` or the timeout passes.
+    Returns (timed_out: Int32, last value: Int64, now - t0: Int64)."""
+    v = ld_acquire_sys_s64(addr)
+    timed_out = Int32(0)
+    elapsed = Int64(0)
+    while v < expected and timed_out == Int32(0):
+        elapsed = globaltimer() - t0
+        if elapsed > timeout_ns:
+            timed_out = Int32(1)
+        v = ld_acquire_sys_s64(addr)
+    if v >= expected:
+        timed_out = Int32(0)
+    return timed_out, v, elapsed
+
+
+def describe_error(err_host: list[int]) -> str | None:
+    """Human-readable text of an error buffer read back to the host (None when clear)."""
+    code = int(err_host[0])
+    if code == 0:
+        return None
+    what = ERR_NAMES.get(code, f"device error code {code}")
+    rank, index, band, obs, exp, el = (int(v) for v in err_host[1:7])
+    if code == ERR_CONSUMER_TIMEOUT:
+        return (f"{what}: rank {rank}, segment {index}, band {band}: band_ready={obs}, epoch={exp}"
+                f" after {el / 1e6:.1f} ms (producer stalled, not launched, or plan/epoch mismatch)")
+    if code == ERR_SCALE_TIMEOUT:
+        return (f"{what}: rank {rank}, source rank {index}: counter={obs}, expected>={exp} after "
+                f"{el / 1e6:.1f} ms (a peer's consumer did not run, timed out, or sent fewer rows)")
+    return f"{what}: {list(err_host)}"

@@ -1,0 +1,145 @@
+"""Owner's scale: out[t] = sum_k w[t, k] * recv[row(t, k)] (fp32 accumulate, bf16 out), fused
+with the bounded wait for the arrivals.
+
+Each CTA first waits (threads s < W, ld.acquire.sys bounded by %globaltimer) until
+``counter[s] >= expected_cum[s]`` for every source rank s; ``expected_cum`` lives on the device and
+is advanced by the caller on the stream before the launch (``expected_cum += rows from s + 1``: the
+consumer adds one call marker per call besides the rows), so no host ints change between calls and
+CUDA graphs replay. On timeout the kernel records (rank, source, counter, expected) in the error
+buffer and exits. ``bar.red.or`` then orders every thread's receive-buffer loads after the acquire.
+
+Then each thread owns 8 columns (16 bytes) of one token at a time: TOPK 16-byte loads of
+recv[row(t, k)], bf16 -> fp32 by shifts, fma with w[t, k] (fp32), cvt.rn.bf16x2 and one 16-byte
+store. Grid-stride over (token, column-chunk) pairs.
+"""
+import os
+
+DEFAULT_THREADS = 256
+DEFAULT_TIMEOUT_NS = 10_000_000_000
+
+
+def build_scale(topk: int, threads: int = DEFAULT_THREADS):
+    if topk < 1 or topk > 64:
+        raise ValueError(f"topk={topk} must be in [1, 64]")
+    import cutlass
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64, Float32
+    from . import primitives as P
+
+    NT = threads
+    K = topk
+
+    def as_f32(bits):
+        return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32],
+                                    read_only_args=[bits])
+
+    def pack_bf16x2(lo, hi):
+        return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};",
+                                    write_only_types=[Int32], read_only_args=[hi, lo])
+
+    @cute.kernel
+    def scale_kernel(recv: Int64, rows: Int64, weights: Int64, out: Int64, T: Int32,
+                     n_chunks: Int32, row_bytes: Int64, counters: Int64, expected: Int64,
+                     world: Int32, rank: Int32, err: Int64, timeout_ns: Int64, epoch_ptr: Int64,
+                     slot_bytes: Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        tidx = Int32(tidx)
+        to = Int32(0)
+        if tidx < world:
+            t0 = P.globaltimer()
+            exp = P.ld_s64(expected + Int64(tidx) * Int64(8))
+            to2, v, el = P.wait_ge_sys_s64(counters + Int64(tidx) * Int64(8), exp, t0,
+                                           timeout_ns)
+            if to2 != Int32(0):
+                to = Int32(1)
+                P.record_error(err, Int32(P.ERR_SCALE_TIMEOUT), rank, tidx, Int32(-1), v, exp,
+                               el)
+        failed = P.block_any(to)
+        if failed == Int32(0):
+            base = recv + Int64(P.ld_s32(epoch_ptr) & Int32(1)) * slot_bytes
+            total = Int64(T) * Int64(n_chunks)
+            i = Int64(Int32(bidx) * Int32(NT) + tidx)
+            stride = Int64(Int32(nblk) * Int32(NT))
+            while i < total:
+                t = i // Int64(n_chunks)
+                c = i - t * Int64(n_chunks)
+                acc = [Float32(0.0)] * 8
+                for k in cutlass.range_constexpr(K):
+                    a = t * Int64(K) + Int64(k)
+                    r = P.ld_s32(rows + a * Int64(4))
+                    w = cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];",
+                                             write_only_types=[Float32],
+                                             read_only_args=[weights + a * Int64(4)])
+                    v4 = P.ld_v4_cg(base + Int64(r) * row_bytes + c * Int64(16))
+                    for j in cutlass.range_constexpr(4):
+                        lo = as_f32(v4[j] << Int32(16))
+                        hi = as_f32(v4[j] & Int32(-65536))
+                        acc[2 * j] = acc[2 * j] + w * lo
+                        acc[2 * j + 1] = acc[2 * j + 1] + w * hi
+                o = [pack_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
+                P.st_v4(out + t * row_bytes + c * Int64(16), o)
+                i = i + stride
+
+    @cute.jit
+    def launch(recv: Int64, rows: Int64, weights: Int64, out: Int64, T: Int32, n_chunks: Int32,
+               row_bytes: Int64, counters: Int64, expected: Int64, world: Int32, rank: Int32,
+               err: Int64, timeout_ns: Int64, epoch_ptr: Int64, slot_bytes: Int64, grid: Int32,
+               stream: cuda.CUstream):
+        scale_kernel(recv, rows, weights, out, T, n_chunks, row_bytes, counters, expected, world,
+                     rank, err, timeout_ns, epoch_ptr, slot_bytes).launch(
+            grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+
+    return launch
+
+
+def compile_scale(topk: int, threads: int = DEFAULT_THREADS):
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    launch = build_scale(topk, threads)
+    ex = [Int64(0)] * 4 + [Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), Int32(1), Int32(0),
+                           Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), cuda.CUstream(0)]
+    return cute.compile(launch, *ex)
+
+
+class Scale:
+    """Compiled fused wait + scale. ``launch`` never synchronizes."""
+
+    def __init__(self, topk: int, threads: int = DEFAULT_THREADS,
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS):
+        self.topk, self.threads, self.timeout_ns = topk, threads, int(timeout_ns)
+        self._fn = None
+
+    def compile(self):
+        if self._fn is None:
+            self._fn = compile_scale(self.topk, self.threads)
+        return self._fn
+
+    def launch(self, *, recv, rows, weights, out, counters, expected, rank, err, epoch,
+               slot_bytes, num_sms: int, stream=None):
+        """recv: receive buffer base (slot 0); rows: int32 [T, topk]; weights: fp32 [T, topk];
+        out: [T, N] bf16; counters / expected: int64 [W]."""
+        import torch
+        import cuda.bindings.driver as cuda
+        fn = self.compile()
+        T, N = out.shape
+        n_chunks = N // 8
+        if stream is None:
+            stream = torch.cuda.current_stream(out.device)
+        work = max(1, T * n_chunks)
+        grid = max(1, min(num_sms * 2, (work + self.threads - 1) // self.threads))
+        fn(recv.data_ptr(), rows.data_ptr(), weights.data_ptr(), out.data_ptr(), T, n_chunks,
+           N * 2, counters.data_ptr(), expected.data_ptr(), counters.numel(), rank,
+           err.data_ptr(), self.timeout_ns, epoch.data_ptr(), int(slot_bytes), grid,
+           cuda.CUstream(stream.cuda_stream))
+
+
+def scale_torch(recv_slot, rows, weights):
+    """Reference of the arithmetic (no wait): fp32 accumulate, bf16 out."""
+    import torch
+    T, K = rows.shape
+    g = recv_slot[rows.reshape(-1).long()].view(T, K, -1).float()
+    return (g * weights.float().unsqueeze(-1)).sum(1).to(torch.bfloat16)

@@ -1,0 +1,290 @@
+"""OverlapCombine: producer GEMM || consumer (ship bands) || owner's scale, no host sync.
+
+One call of ``forward(h, w_down, plan, topk_ids, topk_weights)`` on the current stream ``s0``:
+
+    s0: epoch += 1; expected_cum[s] += rows from s + 1; rows(t, k); weights -> fp32
+    cs (high priority) waits s0, then: consumer (ccta CTAs, spins on band flags)
+    s0: producer: y[bands] = h[bands] @ w_down[band_expert], band_ready[b] = epoch (release, gpu)
+    cs: scale (waits on arrival counters, then out = sum_k w * recv[row])
+    s0 waits cs; returns out
+
+Receive buffer: symmetric, two slots ``[2, max_tokens_per_rank * topk, N]`` used by epoch parity.
+Why two: a peer may start shipping call i+1 while this rank's scale still reads call i. It cannot
+ship call i+2 before this rank's scale of call i is done: every consumer adds a call marker (+1) to
+every owner's counter[rank] when it starts, each rank's consumer of call i+1 starts after its scale
+of call i (same stream), and the peer's scale of call i+1 (before its consumer of i+2) waits for
+that marker.
+
+Everything per call lives on the device (epoch, expected counts, flags), so the call is capturable
+in a CUDA graph and replays with new data in the same input tensors.
+
+Producer: ``moe_overlap.kernels.grouped_gemm.GroupedGemm`` once it exists; until then (or with
+``producer="torch"``) a torch stand-in: all-expert matmul + gather by band expert, then one torch
+op that sets the flags of all valid bands (no host sync; test-only speed).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .planner import recv_rows as _recv_rows
+
+TRANSPORTS = ("nvlink", "nvshmem")
+
+
+class OverlapError(RuntimeError):
+    pass
+
+
+class OverlapCombine:
+    _instances = 0
+
+    def __init__(self, group=None, num_experts: int = 8, hidden_size: int = 1024,
+                 out_features: int = 1024, topk: int = 2, max_tokens_per_rank: int = 1024,
+                 tile_m: int = 128, ccta="auto", mgb="auto", transport: str = "nvlink",
+                 producer: str | None = None, timeout_s: float = 10.0, consumer_threads: int = 512,
+                 consumer_unroll: int = 4):
+        if not torch.cuda.is_available():
+            raise OverlapError("OverlapCombine needs CUDA")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}; choose from {TRANSPORTS}")
+        if out_features % 8:
+            raise ValueError(f"out_features={out_features} must be a multiple of 8 (16-byte rows)")
+        if producer is None:
+            producer = os.environ.get("MOE_OVERLAP_PRODUCER", "auto")
+        if producer not in ("auto", "torch", "grouped_gemm"):
+            raise ValueError(f"producer={producer!r}; choose auto, torch or grouped_gemm")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = W = dist.get_world_size(group)
+        if num_experts % W:
+            raise ValueError(f"num_experts={num_experts} not divisible by world size {W}")
+        self.num_experts, self.experts_per_rank = num_experts, num_experts // W
+        self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
+        self.max_tokens_per_rank, self.tile_m = max_tokens_per_rank, tile_m
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(self.device)
+        self.num_sms = props.multi_processor_count
+        if ccta == "auto":
+            ccta = 16
+        if not isinstance(ccta, int) or not 1 <= ccta < self.num_sms:
+            raise ValueError(f"ccta={ccta!r} must be an int in [1, {self.num_sms - 1}]")
+        self.ccta = ccta
+        self.mgb = 2 if mgb == "auto" else mgb
+        self.transport = transport
+        self.timeout_ns = int(timeout_s * 1e9)
+        if os.environ.get("CUDA_MODULE_LOADING", "") != "EAGER":
+            warnings.warn("CUDA_MODULE_LOADING is not EAGER: a spinning kernel plus a lazily "
+                          "loaded module can deadlock; OverlapCombine warms every kernel up, "
+                          "but set CUDA_MODULE_LOADING=EAGER before CUDA starts", RuntimeWarning)
+
+        from .runtime.nvshmem import NvshmemRuntime
+        from .kernels.consumer import Consumer
+        from .kernels.scale import Scale
+        self.rt = NvshmemRuntime.get(group)
+        self.max_recv_rows = max_tokens_per_rank * topk
+        OverlapCombine._instances += 1  # same construction order on every rank
+        self.buffers = self.rt.buffers(2 * self.max_recv_rows, out_features,
+                                       key=f"overlap{OverlapCombine._instances}")
+        self.recv, self.counters = self.buffers.recv, self.buffers.counters
+        self.slot_bytes = self.max_recv_rows * out_features * 2
+        dev = self.device
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.rt.barrier()  # counters are quiescent here: start the expectations from them
+        self.expected = self.counters.clone()
+        self.err = torch.zeros(8, dtype=torch.int64, device=dev)
+        self._band_ready = None
+        self._y = None
+        self.cs = torch.cuda.Stream(device=dev, priority=-1)
+        self.consumer = Consumer(transport, consumer_threads, consumer_unroll, self.timeout_ns)
+        self.scale = Scale(topk, timeout_ns=self.timeout_ns)
+        self.producer_kind = self._pick_producer(producer)
+        self._gemm = None
+        self._warm = False
+
+    # ---- producer ----------------------------------------------------------------------------
+    def _pick_producer(self, producer: str) -> str:
+        self._tile_n = next((t for t in (256, 128, 64) if self.out_features % t == 0), None)
+        if producer == "torch":
+            return "torch"
+        if self._tile_n is None or self.tile_m not in (64, 128) or self.hidden_size % 64:
+            if producer == "grouped_gemm":
+                raise ValueError("GroupedGemm needs tile_m in (64, 128), N % 64 == 0, K % 64 == 0")
+            return "torch"
+        try:
+            from .kernels.grouped_gemm import GroupedGemm  # noqa: F401
+            return "grouped_gemm"
+        except Exception:
+            if producer == "grouped_gemm":
+                raise
+            return "torch"
+
+    def _buffers_for(self, h, plan):
+        """y [rows of h, N] (a view of a buffer with one scratch row more) and band_ready."""
+        rows = h.shape[0]
+        if self._y is None or self._y.shape[0] != rows + 1:
+            self._y = torch.zeros(rows + 1, self.out_features, dtype=torch.bfloat16,
+                                  device=self.device)  # last row: scratch for invalid bands
+        if self._band_ready is None or self._band_ready.numel() != plan.band_capacity:
+            # never reset during use: a fresh tensor starts at 0 < every epoch
+            self._band_ready = torch.zeros(plan.band_capacity, dtype=torch.int32,
+                                           device=self.device)
+        return self._y, self._band_ready
+
+    def _torch_producer(self, h, w_down, plan, y, band_ready, epoch):
+        """Stand-in producer (torch ops, no host sync): every band = h[band rows] @ w[expert]."""
+        tm, cap = plan.tile_m, plan.band_capacity
+        R = h.shape[0]
+        ar = torch.arange(tm, device=h.device)
+        bidx = torch.arange(cap, device=h.device)
+        valid = bidx < plan.num_bands.to(bidx.dtype)
+        src = plan.band_src_row.long().clamp(min=0)[:, None] + ar  # [cap, tm]
+        src_in = src.clamp(max=R - 1)
+        expert = plan.band_expert.long().clamp(min=0)
+        y_all = torch.matmul(h.unsqueeze(0), w_down)  # [El, R, N] (test sizes only)
+        vals = y_all[expert[:, None].expand(-1, tm), src_in]  # [cap, tm, N]
+        dst = torch.where(valid[:, None] & (src < R), src, torch.full_like(src, y.shape[0] - 1))
+        # y here is the (rows + 1)-row buffer: the last row absorbs invalid bands
+        y.index_copy_(0, dst.reshape(-1), vals.reshape(-1, y.shape[1]).to(y.dtype))
+        band_ready.copy_(torch.where(valid, epoch.expand(cap), band_ready))
+
+    def _produce(self, h, w_down, plan, y_ext, band_ready):
+        """y_ext: [rows + 1, N]; the producer writes y = y_ext[:rows]."""
+        if self.producer_kind == "torch":
+            self._torch_producer(h, w_down, plan, y_ext, band_ready, self.epoch)
+        else:
+            if self._gemm is None:
+                from .kernels.grouped_gemm import GroupedGemm
+                self._gemm = GroupedGemm(tile_m=self.tile_m, tile_n=self._tile_n)
+            self._gemm(h, w_down, y_ext[:h.shape[0]], plan.band_expert, plan.band_src_row,
+                       plan.schedule, plan.num_bands, band_ready, self.epoch, ccta=self.ccta)
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_inputs(self, h, w_down, plan, topk_ids, topk_weights):
+        El, K, N = self.experts_per_rank, self.hidden_size, self.out_features
+        if h.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16:
+            raise TypeError(f"overlap backend needs bf16 h and w_down, got {h.dtype}, "
+                            f"{w_down.dtype}")
+        if h.dim() != 2 or h.shape[1] != K or not h.is_contiguous():
+            raise ValueError(f"h must be contiguous [rows, {K}], got {tuple(h.shape)}")
+        if tuple(w_down.shape) != (El, K, N):
+            raise ValueError(f"w_down must be [{El}, {K}, {N}], got {tuple(w_down.shape)}")
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
+            raise ValueError(f"topk_ids must be [T, {self.topk}], got {tuple(topk_ids.shape)}")
+        if topk_ids.shape[0] > self.max_tokens_per_rank:
+            raise ValueError(f"capacity exceeded: {topk_ids.shape[0]} tokens > "
+                             f"max_tokens_per_rank={self.max_tokens_per_rank}")
+        if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError("topk_weights must have topk_ids' shape")
+        if plan.tile_m != self.tile_m or plan.world_size != self.world_size \
+                or plan.rank != self.rank or plan.num_experts != self.num_experts:
+            raise ValueError("plan does not match this layer (tile_m / world / rank / experts)")
+        for t in (h, w_down, topk_ids, topk_weights):
+            if t.device != self.device:
+                raise ValueError(f"tensors must be on {self.device}, got {t.device}")
+
+    def check_errors(self):
+        """Synchronizes; raises OverlapError with the device error record if a wait timed out."""
+        from .kernels.primitives import describe_error
+        torch.cuda.synchronize(self.device)
+        msg = describe_error(self.err.tolist())
+        if msg:
+            raise OverlapError(msg)
+
+    # ---- warm-up -----------------------------------------------------------------------------
+    def warmup(self):
+        """Load and run every kernel once alone (empty work) before any overlapped launch."""
+        if self._warm:
+            return
+        dev = self.device
+        z = torch.zeros(1, dtype=torch.int32, device=dev)
+        from types import SimpleNamespace
+        empty = SimpleNamespace(rank=self.rank, world_size=0, **{n: z for n in (
+            "num_segments", "segment_start", "segment_bands", "segment_dest", "segment_src_row",
+            "segment_dest_row", "segment_rows", "schedule", "num_bands", "num_remote_bands",
+            "band_src_row", "band_valid", "band_dest_row")})
+        yb = torch.zeros(1, self.out_features, dtype=torch.bfloat16, device=dev)
+        flags = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.consumer.launch(y=yb, plan=empty, band_ready=flags, epoch=z,
+                             recv_peers=self.buffers.recv_peers, ctr_peers=self.buffers.ctr_peers,
+                             recv_sym=self.recv.data_ptr(), ctr_sym=self.counters.data_ptr(),
+                             err=self.err, ccta=self.ccta, slot_bytes=0)
+        out = torch.empty(0, self.out_features, dtype=torch.bfloat16, device=dev)
+        zi = torch.zeros(1, dtype=torch.int32, device=dev)
+        zf = torch.zeros(1, dtype=torch.float32, device=dev)
+        self.scale.launch(recv=self.recv, rows=zi, weights=zf, out=out,
+                          counters=self.counters[:0], expected=self.expected, rank=self.rank,
+                          err=self.err, epoch=z, slot_bytes=0, num_sms=self.num_sms)
+        torch.cuda.synchronize(dev)
+        self._warm = True
+
+    def begin_call(self, topk_ids, topk_weights):
+        """Per-call device bookkeeping on the current stream (no host ints): epoch += 1,
+        expected_cum[s] += my assignments to rank s's experts + 1 (s's call marker).
+        Returns (recv rows int32 [T, topk], weights fp32 [T, topk])."""
+        El, W = self.experts_per_rank, self.world_size
+        self.epoch.add_(1)
+        owner = (topk_ids.reshape(-1).long() // El).clamp(0, W - 1)
+        self.expected.index_add_(0, owner, torch.ones_like(owner))
+        self.expected.add_(1)
+        rows = _recv_rows(topk_ids, self.num_experts).to(torch.int32).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        return rows, weights
+
+    def ship(self, y, plan, band_ready, ccta=None, slot_bytes=None, stream=None):
+        """Launch the consumer alone (for tests and benchmarks)."""
+        self.consumer.launch(y=y, plan=plan, band_ready=band_ready, epoch=self.epoch,
+                             recv_peers=self.buffers.recv_peers,
+                             ctr_peers=self.buffers.ctr_peers, recv_sym=self.recv.data_ptr(),
+                             ctr_sym=self.counters.data_ptr(), err=self.err,
+                             ccta=self.ccta if ccta is None else ccta,
+                             slot_bytes=self.slot_bytes if slot_bytes is None else slot_bytes,
+                             stream=stream)
+
+    # ---- the call ------------------------------------------------------------------------------
+    def forward(self, h, w_down, plan, topk_ids, topk_weights, check: bool = False):
+        self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
+        if not self._warm:
+            self.warmup()
+            # solo producer pass (loads its kernels) on scratch flags
+            y, _ = self._buffers_for(h, plan)
+            scratch = torch.zeros(plan.band_capacity, dtype=torch.int32, device=self.device)
+            self._produce(h, w_down, plan, y, scratch)
+            torch.cuda.synchronize(self.device)
+        y, band_ready = self._buffers_for(h, plan)
+        s0 = torch.cuda.current_stream(self.device)
+        T = topk_ids.shape[0]
+        El, W = self.experts_per_rank, self.world_size
+        rows, weights = self.begin_call(topk_ids, topk_weights)
+        out = torch.empty(T, self.out_features, dtype=torch.bfloat16, device=self.device)
+        cs = self.cs
+        cs.wait_stream(s0)
+        with torch.cuda.stream(cs):
+            self.consumer.launch(y=y, plan=plan, band_ready=band_ready, epoch=self.epoch,
+                                 recv_peers=self.buffers.recv_peers, ctr_peers=self.buffers.ctr_peers,
+                                 recv_sym=self.recv.data_ptr(),
+                                 ctr_sym=self.counters.data_ptr(), err=self.err, ccta=self.ccta,
+                                 slot_bytes=self.slot_bytes, stream=cs)
+        self._produce(h, w_down, plan, y, band_ready)
+        with torch.cuda.stream(cs):
+            self.scale.launch(recv=self.recv, rows=rows, weights=weights, out=out,
+                              counters=self.counters, expected=self.expected, rank=self.rank,
+                              err=self.err, epoch=self.epoch, slot_bytes=self.slot_bytes,
+                              num_sms=self.num_sms, stream=cs)
+        s0.wait_stream(cs)
+        if not torch.cuda.is_current_stream_capturing():
+            for t in (rows, weights, out, y):
+                t.record_stream(cs)
+        if check:
+            self.check_errors()
+        return out
+
+    __call__ = forward
+
+    def recv_slot(self, epoch: int | None = None) -> torch.Tensor:
+        """The receive slot of an epoch (default: the last call's), a [max_recv_rows, N] view."""
+        e = int(self.epoch.item()) if epoch is None else epoch
+        return self.recv.view(2, self.max_recv_rows, self.out_features)[e & 1]

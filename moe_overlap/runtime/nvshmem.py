@@ -1,0 +1,181 @@
+"""NVSHMEM for a torch process group: bootstrap, symmetric receive buffer + arrival counters.
+
+    rt = NvshmemRuntime(group)                      # collective; one per process and group
+    b = rt.buffers(max_recv_rows, N, key="layer0")  # collective on first call, then reused
+    b.recv, b.counters, b.recv_peers, b.ctr_peers   # buffers + int64 [W] peer address tables
+    rt.peer_tensor(recv, pe)                        # torch view of a peer's buffer (NVLink P2P)
+    rt.finalize()                                   # collective
+
+Bootstrap: rank 0 of the group creates an NVSHMEM unique id, broadcast to the group with
+``torch.distributed.broadcast_object_list``; every rank then calls ``nvshmem.core.init`` with
+(uid, group rank, group size) on its current CUDA device. Symmetric allocations are collective:
+every rank must make the same calls in the same order.
+
+Receive buffer: ``[max_recv_rows, N]`` bf16. Counters: ``int64 [W]``, counter[s] on rank d counts
+rows that rank s has delivered to d, monotone over calls (never reset); the receiver keeps the
+cumulative expected value on device. nvshmem4py is imported lazily, so this module imports on a
+machine without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class NvshmemError(RuntimeError):
+    pass
+
+
+def _nvshmem():
+    try:
+        import nvshmem.core as nc
+        from cuda.core import Device
+    except Exception as e:  # ImportError, missing libnvshmem, ...
+        raise NvshmemError(
+            f"NVSHMEM is not available ({type(e).__name__}: {e}); install nvshmem4py-cu13 and "
+            "nvidia-nvshmem-cu13 (pip install moe-overlap[gpu])") from e
+    return nc, Device
+
+
+@dataclass
+class CombineBuffers:
+    recv: torch.Tensor  # [rows, N] bf16, symmetric
+    counters: torch.Tensor  # int64 [W], symmetric; counters[s] = rows (+ markers) from rank s
+    recv_peers: torch.Tensor  # int64 [W]: recv's base address on every rank, mapped here
+    ctr_peers: torch.Tensor  # int64 [W]: counters' base address on every rank, mapped here
+
+
+class NvshmemRuntime:
+    _live: dict = {}  # one initialized runtime per process (NVSHMEM is process-global)
+
+    def __init__(self, group=None, device: torch.device | int | None = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise NvshmemError("NvshmemRuntime needs an initialized torch.distributed group")
+        if not torch.cuda.is_available():
+            raise NvshmemError("NvshmemRuntime needs CUDA")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else \
+            torch.device("cuda", device if isinstance(device, int) else device.index)
+        self.device = dev
+        self._tensors: list[torch.Tensor] = []
+        self._buffers: dict[str, CombineBuffers] = {}
+        self._peer_views: list[torch.Tensor] = []
+        self._finalized = False
+        if NvshmemRuntime._live:
+            raise NvshmemError("NVSHMEM is already initialized in this process; reuse "
+                               "NvshmemRuntime.get(group) or finalize() the old runtime first")
+        nc, Device = _nvshmem()
+        self._nc = nc
+        torch.cuda.set_device(dev)
+        cdev = Device(dev.index)
+        cdev.set_current()
+        # unique id from group rank 0, broadcast over the group
+        uid = nc.get_unique_id(empty=(self.rank != 0))
+        payload = [bytes(uid._data.tobytes()) if self.rank == 0 else None]
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(payload, src=src, group=group)
+        if self.rank != 0:
+            import numpy as np
+            uid._data.view(np.int8)[:] = np.frombuffer(payload[0], dtype=np.int8)
+        try:
+            nc.init(device=cdev, uid=uid, rank=self.rank, nranks=self.world_size,
+                    initializer_method="uid")
+        except Exception as e:
+            raise NvshmemError(f"nvshmem.core.init failed on rank {self.rank}/{self.world_size} "
+                               f"(device {dev}): {e}") from e
+        NvshmemRuntime._live[id(self)] = self
+
+    @classmethod
+    def get(cls, group=None) -> "NvshmemRuntime":
+        """The process's live runtime (created on first use)."""
+        for rt in cls._live.values():
+            if rt.group is group:
+                return rt
+        if cls._live:
+            raise NvshmemError("NVSHMEM already runs for another process group")
+        return cls(group)
+
+    # ---- symmetric memory -----------------------------------------------------------------
+    def alloc(self, shape, dtype) -> torch.Tensor:
+        """Collective symmetric allocation (zeroed; returns after every rank zeroed it)."""
+        self._check_live()
+        t = self._nc.tensor(tuple(shape), dtype=dtype)
+        if t is None:
+            raise NvshmemError("nvshmem4py was built without torch interop")
+        t.zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self._tensors.append(t)
+        return t
+
+    def buffers(self, max_recv_rows: int, n: int, key: str = "combine"):
+        """The receive buffer [max_recv_rows, n] bf16 and counters int64 [W] of ``key``,
+        allocated (collectively) on the first call and reused by later calls with that key.
+        Returns a CombineBuffers (recv, counters, recv_peers, ctr_peers). A later request must
+        fit in the first allocation (same n, rows <= capacity). Distinct users (e.g. one MoE layer
+        each) take distinct keys, created in the same order on every rank."""
+        if max_recv_rows < 1 or n < 1:
+            raise ValueError(f"buffers({max_recv_rows}, {n}): sizes must be positive")
+        self._check_live()
+        b = self._buffers.get(key)
+        if b is None:
+            recv = self.alloc((max_recv_rows, n), torch.bfloat16)
+            ctr = self.alloc((self.world_size,), torch.int64)
+            b = CombineBuffers(recv, ctr, self.peer_ptrs(recv), self.peer_ptrs(ctr))
+            self._buffers[key] = b
+        elif n != b.recv.shape[1] or max_recv_rows > b.recv.shape[0]:
+            raise NvshmemError(
+                f"receive buffer request [{max_recv_rows}, {n}] exceeds the allocated "
+                f"[{b.recv.shape[0]}, {b.recv.shape[1]}] of {key!r} (symmetric buffers are "
+                "allocated once; construct with the largest size)")
+        return b
+
+    def peer_tensor(self, t: torch.Tensor, pe: int) -> torch.Tensor:
+        self._check_live()
+        if not 0 <= pe < self.world_size:
+            raise ValueError(f"pe={pe} out of range [0, {self.world_size})")
+        if pe == self.rank:
+            return t
+        p = self._nc.get_peer_tensor(t, pe)
+        if p is None or p.data_ptr() == 0:
+            raise NvshmemError(f"rank {pe} is not reachable by load/store from rank {self.rank} "
+                               "(no NVLink/P2P mapping); use transport='nvshmem'")
+        return p
+
+    def peer_ptrs(self, t: torch.Tensor) -> torch.Tensor:
+        """int64 [W] device tensor: base address of ``t`` on every rank, as mapped here."""
+        views = [self.peer_tensor(t, pe) for pe in range(self.world_size)]
+        self._peer_views.extend(views)  # keep the mappings' owners alive
+        ptrs = [v.data_ptr() for v in views]
+        return torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+
+    def barrier(self):
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    # ---- teardown -------------------------------------------------------------------------
+    def _check_live(self):
+        if self._finalized:
+            raise NvshmemError("NvshmemRuntime was finalized")
+
+    def finalize(self):
+        """Collective: frees the symmetric tensors and finalizes NVSHMEM. Idempotent."""
+        if self._finalized:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self._buffers.clear()
+        self._peer_views.clear()
+        for t in self._tensors:
+            try:
+                self._nc.free_tensor(t)
+            except Exception:
+                pass
+        self._tensors.clear()
+        self._nc.finalize()
+        self._finalized = True
+        NvshmemRuntime._live.pop(id(self), None)
