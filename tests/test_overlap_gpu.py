@@ -232,7 +232,7 @@ def _run(outdir):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)
+        p.join(timeout=240)
     for p in procs:
         if p.is_alive():
             p.kill()
