@@ -26,20 +26,30 @@ PEAK_TFLOPS = 790.0  # measured bf16 dense rate on this workplace's H200 (KINDS.
 DEV = "cuda"
 
 
-def timeit(fn, warmup=5, reps=30):
+def time_interleaved(fns, warmup=3, rounds=40):
+    """Times every fn once per round, rounds interleaved (clock / power drift hits all alike).
+    Returns per-name dict(median_ms, p10_ms, p90_ms, times)."""
     for _ in range(warmup):
-        fn()
+        for fn in fns.values():
+            fn()
     torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
+    ev = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            ev[k].append((s, e))
     torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in ev)
-    q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]
-    return dict(median_ms=statistics.median(ts), p10_ms=q(0.1), p90_ms=q(0.9), reps=reps)
+    out = {}
+    for k, pairs in ev.items():
+        raw = [s.elapsed_time(e) for s, e in pairs]
+        ts = sorted(raw)
+        q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]
+        out[k] = dict(median_ms=statistics.median(ts), p10_ms=q(0.1), p90_ms=q(0.9),
+                      rounds=rounds, times=raw)
+    return out
 
 
 def balanced_bands(T, E, tile_m):
@@ -52,13 +62,9 @@ def balanced_bands(T, E, tile_m):
     return band_expert, band_src_row, b.clone(), torch.tensor([nb], dtype=torch.int32, device=DEV)
 
 
-def library(x, w, T, E):
-    """Returns (name, fn) of the faster library grouped GEMM, and all candidates' timings."""
+def library_candidates(x, w, T, E):
     rows_e = T // E
     offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * rows_e
-    cands = {}
-    if hasattr(torch, "_grouped_mm"):
-        cands["torch._grouped_mm"] = lambda: torch._grouped_mm(x, w, offs=offs)
     xs = x.view(E, rows_e, -1)
     out = torch.empty(T, w.shape[2], device=DEV, dtype=torch.bfloat16).view(E, rows_e, -1)
 
@@ -66,22 +72,22 @@ def library(x, w, T, E):
         for e in range(E):
             torch.matmul(xs[e], w[e], out=out[e])
         return out
-    cands["matmul loop"] = loop
-    cands["bmm"] = lambda: torch.bmm(xs, w, out=out)
-    res = {}
+    cands = {"matmul loop": loop, "bmm": lambda: torch.bmm(xs, w, out=out)}
+    if hasattr(torch, "_grouped_mm"):
+        cands["torch._grouped_mm"] = lambda: torch._grouped_mm(x, w, offs=offs)
+    ok = {}
     for name, fn in cands.items():
         try:
             fn()
             torch.cuda.synchronize()
-            res[name] = timeit(fn)
+            ok[name] = fn
         except Exception as ex:  # e.g. _grouped_mm unsupported for this layout
-            res[name] = dict(error=repr(ex)[:200])
-    ok = {k: v for k, v in res.items() if "median_ms" in v}
-    best = min(ok, key=lambda k: ok[k]["median_ms"])
-    return best, cands[best], res
+            print(f"  library {name} unavailable: {ex!r:.120}")
+    return ok
 
 
-def run_shape(T, N, K, E, configs, reps):
+def run_shape(T, N, K, E, configs, rounds):
+    """configs: {name: (GroupedGemm kwargs, [ccta...])}."""
     flops = 2.0 * T * N * K
     x = torch.randn(T, K, device=DEV).to(torch.bfloat16)
     w = (torch.randn(E, K, N, device=DEV) / K ** 0.5).to(torch.bfloat16)
@@ -89,34 +95,48 @@ def run_shape(T, N, K, E, configs, reps):
     rec = dict(T=T, N=N, K=K, E=E, gflop=flops / 1e9,
                floor_ms=flops / (PEAK_TFLOPS * 1e12) * 1e3,
                bytes_floor_ms=(T * K + E * K * N + T * N) * 2 / 4.8e12 * 1e3, runs=[])
-    lib_name, lib_fn, lib_all = library(x, w, T, E)
-    ref = lib_fn().reshape(T, N).float()
-    rec["library"] = dict(best=lib_name, all=lib_all)
-    lib_ms = lib_all[lib_name]["median_ms"]
-    rec["lib_ms"] = lib_ms
-    rec["lib_tflops"] = flops / lib_ms / 1e9
+    libs = library_candidates(x, w, T, E)
+    ref = (x.view(E, T // E, K).float() @ w.float()).reshape(T, N)
     epoch = torch.ones(1, dtype=torch.int32, device=DEV)
-    for (tile_m, tile_n, stages, signal, cfg_cctas) in configs:
-        g = GroupedGemm(tile_m=tile_m, tile_n=tile_n, stages=stages, signal=signal)
-        be, bs, sched, nb = balanced_bands(T, E, tile_m)
+    fns, meta = {}, {}
+    for name, (kw, cctas) in configs.items():
+        g = GroupedGemm(**kw)
+        be, bs, sched, nb = balanced_bands(T, E, g.tile_m)
         ready = torch.zeros(be.numel(), dtype=torch.int32, device=DEV)
-        for ccta in cfg_cctas:
-            fn = lambda: g(x, w, y, be, bs, sched, nb, ready, epoch, ccta=ccta)
+        for ccta in cctas:
+            fn = (lambda g=g, be=be, bs=bs, sched=sched, nb=nb, ready=ready, ccta=ccta:
+                  g(x, w, y, be, bs, sched, nb, ready, epoch, ccta=ccta))
             y.fill_(float("nan"))
+            ready.zero_()
             fn()
             torch.cuda.synchronize()
             err = ((y.float() - ref).norm() / ref.norm()).item()
-            t = timeit(fn, reps=reps)
-            r = dict(tile_m=tile_m, tile_n=tile_n, stages=stages, signal=signal, ccta=ccta,
-                     rel_err_vs_lib=err, flags_ok=bool((ready == 1).all().item()) if signal else None,
-                     tflops=flops / t["median_ms"] / 1e9, vs_lib=lib_ms / t["median_ms"], **t)
-            rec["runs"].append(r)
-            print(f"  T={T} K={K} E={E} {tile_m}x{tile_n} st={stages} sig={int(signal)} "
-                  f"ccta={ccta}: {t['median_ms']:.3f} ms [{t['p10_ms']:.3f},{t['p90_ms']:.3f}] "
-                  f"{r['tflops']:.0f} TF/s  {r['vs_lib']:.3f}x lib  err={err:.1e}", flush=True)
-    print(f"  library {lib_name}: {lib_ms:.3f} ms {rec['lib_tflops']:.0f} TF/s "
-          f"(floor {rec['floor_ms']:.3f} ms)", flush=True)
-    del x, w, y
+            flags_ok = bool((ready == 1).all().item()) if kw.get("signal", True) else None
+            key = f"{name}@{ccta}"
+            fns[key] = fn
+            meta[key] = dict(config=name, ccta=ccta, kwargs={k: v for k, v in kw.items()},
+                             rel_err=err, flags_ok=flags_ok)
+    for k, fn in libs.items():
+        fns["lib:" + k] = fn
+    t = time_interleaved(fns, rounds=rounds)
+    lib_name = min(libs, key=lambda k: t["lib:" + k]["median_ms"])
+    lib_t = t["lib:" + lib_name]
+    rec["library"] = {k: {kk: vv for kk, vv in t["lib:" + k].items() if kk != "times"} for k in libs}
+    rec["lib_best"], rec["lib_ms"] = lib_name, lib_t["median_ms"]
+    rec["lib_tflops"] = flops / lib_t["median_ms"] / 1e9
+    for key, m in meta.items():
+        tt = t[key]
+        paired = statistics.median(l / o for l, o in zip(lib_t["times"], tt["times"]))
+        r = dict(m, tflops=flops / tt["median_ms"] / 1e9, vs_lib=lib_t["median_ms"] / tt["median_ms"],
+                 vs_lib_paired=paired, **{kk: vv for kk, vv in tt.items() if kk != "times"})
+        rec["runs"].append(r)
+        print(f"  T={T} K={K} E={E} {key:<18} {tt['median_ms']:.3f} ms [{tt['p10_ms']:.3f},"
+              f"{tt['p90_ms']:.3f}] {r['tflops']:.0f} TF/s {r['vs_lib']:.3f}x lib (paired "
+              f"{paired:.3f}) err={m['rel_err']:.1e} flags={m['flags_ok']}", flush=True)
+    print(f"  library {lib_name}: {rec['lib_ms']:.3f} ms {rec['lib_tflops']:.0f} TF/s "
+          f"(floor {rec['floor_ms']:.3f} ms); all: " +
+          ", ".join(f"{k} {t['lib:' + k]['median_ms']:.3f}" for k in libs), flush=True)
+    del x, w, y, ref
     torch.cuda.empty_cache()
     return rec
 
@@ -125,7 +145,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     N = 8192
@@ -135,13 +155,24 @@ def main():
     if args.quick:
         shapes = shapes[1:2]
     cctas = [0, 8, 16, 24]
+    base = dict(tile_m=128, tile_n=256)
     results = []
     for i, (T, K, E) in enumerate(shapes):
-        configs = [(128, 256, None, True, cctas), (128, 256, None, False, [0])]
-        if i == 1:  # tile-shape / depth exploration on one shape, ccta=0
-            configs += [(128, 128, None, True, [0]), (64, 256, None, True, [0]),
-                        (128, 256, 3, True, [0])]
-        results.append(run_shape(T, N, K, E, configs, args.reps))
+        configs = {
+            "v1": (dict(base), cctas),
+            "v1-noflag": (dict(base, signal=False), [0]),
+            "evl": (dict(base, b_evict_last=True), cctas),
+            "evl-noflag": (dict(base, b_evict_last=True, signal=False), [0]),
+        }
+        if i == 1:  # tile shape / depth / epilogue exploration on one shape, ccta=0
+            configs.update({
+                "st3": (dict(base, stages=3), [0]),
+                "epi64x2": (dict(base, epi_n=64, epi_stages=2), [0]),
+                "evl-epi64x2": (dict(base, epi_n=64, epi_stages=2, b_evict_last=True), [0]),
+                "128x128": (dict(tile_m=128, tile_n=128), [0]),
+                "64x256": (dict(tile_m=64, tile_n=256), [0]),
+            })
+        results.append(run_shape(T, N, K, E, configs, args.rounds))
     doc = dict(bench="grouped_gemm", device=torch.cuda.get_device_name(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
@@ -150,19 +181,23 @@ def main():
     path = os.path.join(args.out, f"grouped_gemm_{args.tag or 'bench'}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-    # ---- short table last
+    # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
-    print(f"{'T':>6} {'K':>5} {'E':>3} {'floor':>6} {'lib':>6} {'lib TF':>6} | "
-          f"{'c0':>5} {'c8':>5} {'c16':>5} {'c24':>5} {'noflag':>6} | {'x lib':>5} {'flag%':>5}")
-    for r in results:
-        d = {(x['tile_m'], x['tile_n'], x['stages'], x['signal'], x['ccta']): x for x in r["runs"]}
-        tf = lambda c, s=True: d.get((128, 256, None, s, c), {}).get("tflops", float("nan"))
-        c0 = d.get((128, 256, None, True, 0), {})
-        nf = d.get((128, 256, None, False, 0), {})
-        flag = (c0.get("median_ms", 0) / nf.get("median_ms", 1) - 1) * 100 if nf else float("nan")
-        print(f"{r['T']:>6} {r['K']:>5} {r['E']:>3} {r['floor_ms']:>6.3f} {r['lib_ms']:>6.3f} "
-              f"{r['lib_tflops']:>6.0f} | {tf(0):>5.0f} {tf(8):>5.0f} {tf(16):>5.0f} {tf(24):>5.0f} "
-              f"{tf(0, False):>6.0f} | {c0.get('vs_lib', float('nan')):>5.3f} {flag:>5.1f}")
+    for cfg in ("v1", "evl"):
+        print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
+              f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
+        for r in results:
+            d = {(x["config"], x["ccta"]): x for x in r["runs"]}
+            tf = lambda c, n=cfg: d.get((n, c), {}).get("tflops", float("nan"))
+            c0, nf = d.get((cfg, 0), {}), d.get((cfg + "-noflag", 0), {})
+            flag = (c0["median_ms"] / nf["median_ms"] - 1) * 100 if c0 and nf else float("nan")
+            print(f"[{cfg}] {r['T']:>6} {r['K']:>5} {r['E']:>3} {r['lib_ms']:>6.3f} "
+                  f"{r['lib_tflops']:>5.0f} | {tf(0):>4.0f} {tf(8):>4.0f} {tf(16):>4.0f} "
+                  f"{tf(24):>4.0f} {tf(0, cfg + '-noflag'):>4.0f} | {c0.get('vs_lib', 0):>5.3f} "
+                  f"{c0.get('vs_lib_paired', 0):>5.3f} {flag:>5.1f}")
+    r = results[min(1, len(results) - 1)]
+    print("explore T=%d K=%d E=%d: " % (r["T"], r["K"], r["E"]) + ", ".join(
+        f"{x['config']} {x['tflops']:.0f}" for x in r["runs"] if x["ccta"] == 0))
 
 
 if __name__ == "__main__":

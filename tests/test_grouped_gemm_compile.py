@@ -24,11 +24,12 @@ def gg_mod():
     return grouped_gemm
 
 
-@pytest.mark.parametrize("tile_m,tile_n,signal", [
-    (128, 256, True), (64, 256, True), (128, 128, True), (128, 256, False)])
-def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, signal):
+@pytest.mark.parametrize("tile_m,tile_n,signal,extra", [
+    (128, 256, True, {}), (64, 256, True, {}), (128, 128, True, {}), (128, 256, False, {}),
+    (128, 256, True, dict(b_evict_last=True, epi_n=64, epi_stages=2))])
+def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, signal, extra):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
-    g = gg_mod.GroupedGemm(tile_m=tile_m, tile_n=tile_n, signal=signal)
+    g = gg_mod.GroupedGemm(tile_m=tile_m, tile_n=tile_n, signal=signal, **extra)
     # N, K small but several tiles; the compile cache is keyed on them, not on rows / experts
     fn = g.compile(N=2 * tile_n, K=256, keep_ptx=True)
     assert fn is not None

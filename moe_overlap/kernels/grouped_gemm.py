@@ -81,12 +81,17 @@ def _kernel_class():
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
     class _GroupedGemmKernel:
-        def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile):
+        def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
+                     epi_stages=4, b_evict_last=False):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
             self.req_stages = stages
             self.signal = signal
             self.signal_k_tile = signal_k_tile
+            self.epi_n, self.epi_stages = epi_n, epi_stages
+            # L2 eviction priority of the weight (B) loads: EVICT_LAST keeps an expert's weights
+            # resident across the waves of its bands (CUTLASS CacheHintSm90 encodings).
+            self.b_cache_policy = 0x14F0000000000000 if b_evict_last else None
             # Two consumer warpgroups (stacked along M) for the 128x256 tile, else one.
             self.atom_layout_mnk = (2, 1, 1) if (tile_m > 64 and tile_n > 128) else (1, 1, 1)
             self.num_mma_wg = math.prod(self.atom_layout_mnk)
@@ -107,10 +112,10 @@ def _kernel_class():
                 self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n))
             self.tile_shape_mnk = (self.tile_m, self.tile_n, self.tile_k)
             if self.num_mma_wg == 2:
-                self.epi_tile = (min(128, self.tile_m), min(32, self.tile_n))
+                self.epi_tile = (min(128, self.tile_m), min(self.epi_n, self.tile_n))
             else:
-                self.epi_tile = (min(64, self.tile_m), min(32, self.tile_n))
-            self.epi_stage = 4
+                self.epi_tile = (min(64, self.tile_m), min(self.epi_n, self.tile_n))
+            self.epi_stage = self.epi_stages
             ab_bytes = (self.tile_m * self.tile_k * a_dtype.width // 8
                         + self.tile_n * self.tile_k * b_dtype.width // 8)
             epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_stage
@@ -267,8 +272,13 @@ def _kernel_class():
                         bar = mainloop_pipeline.producer_get_barrier(prod_state)
                         cute.copy(tma_atom_a, tAgA_k[(None, prod_state.count)],
                                   tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_atom_b, tBgB_k[(None, prod_state.count)],
-                                  tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
+                        if cutlass.const_expr(self.b_cache_policy is None):
+                            cute.copy(tma_atom_b, tBgB_k[(None, prod_state.count)],
+                                      tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
+                        else:
+                            cute.copy(tma_atom_b, tBgB_k[(None, prod_state.count)],
+                                      tBsB[(None, prod_state.index)], tma_bar_ptr=bar,
+                                      cache_policy=cutlass.Int64(self.b_cache_policy))
                         mainloop_pipeline.producer_commit(prod_state)
                         prod_state.advance()
                     t = t + gdim
@@ -452,11 +462,14 @@ def _num_sms(device):
 class GroupedGemm:
     """Persistent grouped GEMM producer (see the module docstring for the tensors).
 
-    GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=3)
+    GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=3,
+                epi_n=32, epi_stages=4, b_evict_last=False)
         tile_m in {64, 128}; tile_n in {64, 128, 256}; tile_k = 64 (bf16);
         stages: smem pipeline depth (None: as many as fit);
         signal: compile-time switch for the band flag epilogue (False: plain grouped GEMM);
-        signal_k_tile: k iteration of the next tile at which the previous tile's flag is posted.
+        signal_k_tile: k iteration of the next tile at which the previous tile's flag is posted;
+        epi_n, epi_stages: epilogue sub-tile width (32 or 64) and its smem buffers;
+        b_evict_last: load the weights with the L2 EVICT_LAST policy.
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
              ccta=0, band_counter=None, stream=None) -> y
@@ -468,7 +481,8 @@ class GroupedGemm:
 
     _compiled = {}
 
-    def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=3):
+    def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=3,
+                 epi_n=32, epi_stages=4, b_evict_last=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -479,6 +493,11 @@ class GroupedGemm:
         self.stages = stages
         self.signal = bool(signal)
         self.signal_k_tile = int(signal_k_tile)
+        if epi_n not in (32, 64) or epi_n > tile_n:
+            raise ValueError(f"epi_n must be 32 or 64 (<= tile_n), got {epi_n}")
+        if epi_stages < 1:
+            raise ValueError(f"epi_stages must be >= 1, got {epi_stages}")
+        self.epi_n, self.epi_stages, self.b_evict_last = int(epi_n), int(epi_stages), bool(b_evict_last)
         self._counters = {}
 
     # ---------------------------------------------------------------- validation
@@ -534,11 +553,12 @@ class GroupedGemm:
     # ---------------------------------------------------------------- compilation
     def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
-                self.signal_k_tile, int(N), int(K))
+                self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last, int(N), int(K))
 
     def _kernel(self):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
-                                   self.signal, self.signal_k_tile)
+                                   self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
+                                   self.b_evict_last)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
