@@ -147,6 +147,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--cluster", type=int, default=1, help="also time the cluster_n=2 variants")
     args = ap.parse_args()
     N = 8192
     shapes = [(16384, 2048, 4), (16384, 2048, 16), (16384, 2048, 64),
@@ -164,6 +165,12 @@ def main():
             "evl": (dict(base, b_evict_last=True), cctas),
             "evl-noflag": (dict(base, b_evict_last=True, signal=False), [0]),
         }
+        if args.cluster:
+            configs.update({
+                "cl2": (dict(base, cluster_n=2), cctas),
+                "cl2-noflag": (dict(base, cluster_n=2, signal=False), [0]),
+                "cl2-evl": (dict(base, cluster_n=2, b_evict_last=True), [0]),
+            })
         if i == 1:  # tile shape / depth / epilogue exploration on one shape, ccta=0
             configs.update({
                 "st3": (dict(base, stages=3), [0]),
@@ -183,7 +190,7 @@ def main():
         json.dump(doc, f, indent=1)
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
-    for cfg in ("v1", "evl"):
+    for cfg in ("v1", "evl") + (("cl2",) if args.cluster else ()):
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:

@@ -28,10 +28,10 @@ N, K = 512, 256
 _GEMMS = {}
 
 
-def _gemm(tile_m, tile_n):
-    key = (tile_m, tile_n)
+def _gemm(tile_m, tile_n, **kw):
+    key = (tile_m, tile_n, tuple(sorted(kw.items())))
     if key not in _GEMMS:
-        _GEMMS[key] = GroupedGemm(tile_m=tile_m, tile_n=tile_n)
+        _GEMMS[key] = GroupedGemm(tile_m=tile_m, tile_n=tile_n, **kw)
     return _GEMMS[key]
 
 
@@ -101,6 +101,19 @@ CASES = [
 
 @pytest.mark.parametrize("kind,W,El,tile_m,tile_n,ccta", CASES)
 def test_grouped_gemm_matches_reference(kind, W, El, tile_m, tile_n, ccta):
+    _check_case(kind, W, El, tile_m, tile_n, ccta)
+
+
+@pytest.mark.parametrize("kind,W,El,tile_m,tile_n,ccta,extra", [
+    ("skew", 2, 4, 128, 256, 0, dict(cluster_n=2)),
+    ("zero_expert", 8, 2, 64, 256, 7, dict(cluster_n=2, b_evict_last=True)),
+    ("one_expert", 1, 4, 128, 128, 24, dict(cluster_n=2, epi_n=64, epi_stages=2)),
+])
+def test_grouped_gemm_cluster_and_options(kind, W, El, tile_m, tile_n, ccta, extra):
+    _check_case(kind, W, El, tile_m, tile_n, ccta, **extra)
+
+
+def _check_case(kind, W, El, tile_m, tile_n, ccta, **extra):
     gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, W, El, tile_m, tile_n, ccta)).encode()))
     counts = _counts(kind, W, El, gen)
     rank = W - 1
@@ -108,7 +121,7 @@ def test_grouped_gemm_matches_reference(kind, W, El, tile_m, tile_n, ccta):
     nb = int(plan["num_bands"].item())
     total = plan["total_rows"]
     rows = total + 2 * tile_m  # rows past the last band must stay untouched
-    g = _gemm(tile_m, tile_n)
+    g = _gemm(tile_m, tile_n, **extra)
     band_ready = torch.zeros(plan["cap"], dtype=torch.int32, device=DEV)
     epoch = torch.zeros(1, dtype=torch.int32, device=DEV)
     sched = plan["schedule"][:nb].tolist()

@@ -82,13 +82,16 @@ def _kernel_class():
 
     class _GroupedGemmKernel:
         def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
-                     epi_stages=4, b_evict_last=False):
+                     epi_stages=4, b_evict_last=False, cluster_n=1):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
             self.req_stages = stages
             self.signal = signal
             self.signal_k_tile = signal_k_tile
             self.epi_n, self.epi_stages = epi_n, epi_stages
+            # cluster_n = 2: the two CTAs of a cluster take tiles 2q and 2q+1 (same band,
+            # adjacent n tiles); each loads half of the band's A tile and multicasts it to both.
+            self.cluster_n = cluster_n
             # L2 eviction priority of the weight (B) loads: EVICT_LAST keeps an expert's weights
             # resident across the waves of its bands (CUTLASS CacheHintSm90 encodings).
             self.b_cache_policy = 0x14F0000000000000 if b_evict_last else None
@@ -158,8 +161,13 @@ def _kernel_class():
             a_smem = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
             b_smem = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
             c_smem = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
-            tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem, (self.tile_m, self.tile_k))
+            if cutlass.const_expr(self.cluster_n > 1):
+                tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), mA, a_smem,
+                    (self.tile_m, self.tile_k), num_multicast=self.cluster_n)
+            else:
+                tma_atom_a, tma_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem, (self.tile_m, self.tile_k))
             tma_atom_b, tma_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem, (self.tile_n, self.tile_k))
             tma_atom_c, tma_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -181,7 +189,7 @@ def _kernel_class():
                         self.epi_smem_layout_staged, mBandExpert, mBandSrcRow, mSchedule,
                         mNumBands, mReady, mCounter, mEpoch).launch(
                 grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
-                min_blocks_per_mp=1, stream=stream)
+                cluster=[self.cluster_n, 1, 1], min_blocks_per_mp=1, stream=stream)
 
         # ---------------------------------------------------------------- device kernel
         @cute.kernel
@@ -206,18 +214,30 @@ def _kernel_class():
             tma_copy_bytes = (cute.size_in_bytes(self.a_dtype, a_smem_layout)
                               + cute.size_in_bytes(self.b_dtype, b_smem_layout))
 
+            # cluster of cluster_n CTAs along N: (1, cluster_n, 1)
+            cta_layout_mnk = cute.make_layout((1, self.cluster_n, 1))
+            if cutlass.const_expr(self.cluster_n > 1):
+                cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                a_mcast_mask = cute.make_layout_image_mask(
+                    cta_layout_mnk, cta_layout_mnk.get_flat_coord(cta_rank), mode=1)
+            else:
+                cta_rank = 0
+                a_mcast_mask = 0
+
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             mainloop_pipeline = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(),
                 num_stages=self.ab_stage,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4),
+                # every consumer warp releases the stage to each CTA that multicast into it
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_mma_wg * 4 * self.cluster_n),
                 tx_count=tma_copy_bytes,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
                 defer_sync=True,
             )
-            pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
 
             sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
             sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
@@ -231,7 +251,8 @@ def _kernel_class():
             gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None))
 
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                tma_atom_a, cta_rank, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2))
             tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
                 tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
 
@@ -250,7 +271,7 @@ def _kernel_class():
             # Scheduler: linear tile t = p * n_tiles + n_tile, CTA i takes i, i+G, ...
             total_tiles = mNumBands[0] * n_tiles
 
-            pipeline_init_wait(cluster_shape_mn=(1, 1))
+            pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
 
             if warp_group_idx == 0:
                 cute.arch.setmaxregister_decrease(self.load_regs)
@@ -271,7 +292,8 @@ def _kernel_class():
                         mainloop_pipeline.producer_acquire(prod_state)
                         bar = mainloop_pipeline.producer_get_barrier(prod_state)
                         cute.copy(tma_atom_a, tAgA_k[(None, prod_state.count)],
-                                  tAsA[(None, prod_state.index)], tma_bar_ptr=bar)
+                                  tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=a_mcast_mask)
                         if cutlass.const_expr(self.b_cache_policy is None):
                             cute.copy(tma_atom_b, tBgB_k[(None, prod_state.count)],
                                       tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
@@ -463,13 +485,15 @@ class GroupedGemm:
     """Persistent grouped GEMM producer (see the module docstring for the tensors).
 
     GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=3,
-                epi_n=32, epi_stages=4, b_evict_last=False)
+                epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=1)
         tile_m in {64, 128}; tile_n in {64, 128, 256}; tile_k = 64 (bf16);
         stages: smem pipeline depth (None: as many as fit);
         signal: compile-time switch for the band flag epilogue (False: plain grouped GEMM);
         signal_k_tile: k iteration of the next tile at which the previous tile's flag is posted;
         epi_n, epi_stages: epilogue sub-tile width (32 or 64) and its smem buffers;
-        b_evict_last: load the weights with the L2 EVICT_LAST policy.
+        b_evict_last: load the weights with the L2 EVICT_LAST policy;
+        cluster_n: 2 = clusters of two CTAs (tiles 2q, 2q+1 of one band) sharing the A tile by
+        TMA multicast; needs an even N/tile_n, and the grid is rounded down to even.
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
              ccta=0, band_counter=None, stream=None) -> y
@@ -482,7 +506,7 @@ class GroupedGemm:
     _compiled = {}
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=3,
-                 epi_n=32, epi_stages=4, b_evict_last=False):
+                 epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=1):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -498,6 +522,9 @@ class GroupedGemm:
         if epi_stages < 1:
             raise ValueError(f"epi_stages must be >= 1, got {epi_stages}")
         self.epi_n, self.epi_stages, self.b_evict_last = int(epi_n), int(epi_stages), bool(b_evict_last)
+        if cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
+        self.cluster_n = int(cluster_n)
         self._counters = {}
 
     # ---------------------------------------------------------------- validation
@@ -534,6 +561,8 @@ class GroupedGemm:
             raise ValueError(f"y must be [{rows}, {N}], got {tuple(y.shape)}")
         if N % self.tile_n != 0:
             raise ValueError(f"N={N} must be a multiple of tile_n={self.tile_n}")
+        if (N // self.tile_n) % self.cluster_n != 0:
+            raise ValueError(f"N/tile_n={N // self.tile_n} must be a multiple of cluster_n={self.cluster_n}")
         if K % self.tile_k != 0:
             raise ValueError(f"K={K} must be a multiple of tile_k={self.tile_k}")
         if E < 1 or rows < 1:
@@ -553,12 +582,13 @@ class GroupedGemm:
     # ---------------------------------------------------------------- compilation
     def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
-                self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last, int(N), int(K))
+                self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last, self.cluster_n,
+                int(N), int(K))
 
     def _kernel(self):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
-                                   self.b_evict_last)
+                                   self.b_evict_last, self.cluster_n)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
@@ -609,6 +639,7 @@ class GroupedGemm:
         rows, K, E, N = self._check(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                     band_ready, epoch, band_counter, ccta)
         grid = _num_sms(x.device) - ccta
+        grid -= grid % self.cluster_n
         if grid < 1:
             raise ValueError(f"ccta={ccta} leaves no SM for the producer")
         if band_counter is None:
