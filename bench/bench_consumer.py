@@ -54,7 +54,8 @@ def bench(args):
     rt = NvshmemRuntime.get()
     sizes = [32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20]
     cctas = [2, 4, 8, 16, 32]
-    variants = [("nvlink", 512, 4), ("nvlink", 512, 8), ("nvlink", 1024, 4), ("nvshmem", 512, 1)]
+    variants = [("nvlink", 512, 4), ("nvlink", 512, 8), ("nvlink", 1024, 4), ("nvlink", 1024, 8),
+                ("nvshmem", 512, 1)]
     if args.quick:
         sizes, cctas, variants = [8 << 20], [8, 16], variants[:1]
     max_rows = max(sizes) // ROW_BYTES
@@ -95,15 +96,30 @@ def bench(args):
                 for _ in range(3):
                     launch()
                 rt.barrier()
+                # eager: host-bound for small sizes (Python launch cost of the CuTe call)
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
                 for _ in range(args.iters):
                     launch()
                 e1.record()
                 torch.cuda.synchronize()
+                t_eager = e0.elapsed_time(e1) / args.iters * 1e-3
+                # CUDA graph of `iters` launches: device time per launch
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(args.iters):
+                        launch()
+                g.replay()
+                torch.cuda.synchronize()
+                rt.barrier()
+                e0.record()
+                g.replay()
+                e1.record()
+                torch.cuda.synchronize()
                 t = e0.elapsed_time(e1) / args.iters * 1e-3
                 results.append(dict(variant=name, ccta=ccta, bytes=S, us=t * 1e6,
-                                    gbps=S / t / 1e9, segments=int(plan.band_capacity)))
+                                    gbps=S / t / 1e9, segments=int(plan.band_capacity),
+                                    eager_us=t_eager * 1e6))
         if int(err[0].item()) != 0:
             raise RuntimeError(f"device error {err.tolist()}")
     # correctness spot check of the last variant run: receive == sender's y
@@ -119,7 +135,7 @@ def bench(args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
     if "RANK" not in os.environ:  # spawn 2 ranks ourselves
         import torch.multiprocessing as mp
@@ -150,7 +166,12 @@ def _entry(rank, args):
         print(f"consumer bench: {meta}")
         variants = sorted({r["variant"] for r in results}, key=lambda v: (v != "copy_engine", v))
         sizes = sorted({r["bytes"] for r in results})
-        print("GB/s per direction (both directions at once); rows: variant@ccta, cols: bytes")
+        eag = [r["eager_us"] for r in results if "eager_us" in r]
+        if eag:
+            print(f"eager launch-to-launch time (host-bound below ~{min(eag):.0f} us): "
+                  f"min {min(eag):.1f} us, median {sorted(eag)[len(eag) // 2]:.1f} us")
+        print("GB/s per direction (both directions at once, CUDA-graph timed); "
+              "rows: variant@ccta, cols: bytes")
         print("variant@ccta".ljust(28) + "".join(f"{s >> 10:>9}K" for s in sizes))
         for v in variants:
             for c in sorted({r["ccta"] for r in results if r["variant"] == v}):

@@ -103,7 +103,8 @@ class OverlapCombine:
         self.scale = Scale(topk, timeout_ns=self.timeout_ns)
         self.producer_kind = self._pick_producer(producer)
         self._gemm = None
-        self._warm = False
+        self._warm = False  # consumer + scale loaded (warmup())
+        self._prod_warm = False  # producer compiled and run once alone
 
     # ---- producer ----------------------------------------------------------------------------
     def _pick_producer(self, producer: str) -> str:
@@ -249,11 +250,14 @@ class OverlapCombine:
         self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
         if not self._warm:
             self.warmup()
-            # solo producer pass (loads its kernels) on scratch flags
+        if not self._prod_warm:
+            # solo producer pass on scratch flags: compiles and loads its module while nothing
+            # spins (loading a module next to a spinning kernel can stall until the spin ends)
             y, _ = self._buffers_for(h, plan)
             scratch = torch.zeros(plan.band_capacity, dtype=torch.int32, device=self.device)
             self._produce(h, w_down, plan, y, scratch)
             torch.cuda.synchronize(self.device)
+            self._prod_warm = True
         y, band_ready = self._buffers_for(h, plan)
         s0 = torch.cuda.current_stream(self.device)
         T = topk_ids.shape[0]
