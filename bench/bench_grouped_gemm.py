@@ -147,7 +147,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--tag", default="")
-    ap.add_argument("--cluster", type=int, default=1, help="also time the cluster_n=2 variants")
+    ap.add_argument("--cluster1-all", type=int, default=0, help="time cluster_n=1 at every ccta")
     args = ap.parse_args()
     N = 8192
     shapes = [(16384, 2048, 4), (16384, 2048, 16), (16384, 2048, 64),
@@ -159,26 +159,15 @@ def main():
     base = dict(tile_m=128, tile_n=256)
     results = []
     for i, (T, K, E) in enumerate(shapes):
+        # "def": the defaults (cluster_n=2 for even N/tile_n, flag posted mid k loop)
         configs = {
-            "v1": (dict(base), cctas),
-            "v1-noflag": (dict(base, signal=False), [0]),
-            "evl": (dict(base, b_evict_last=True), cctas),
-            "evl-noflag": (dict(base, b_evict_last=True, signal=False), [0]),
+            "def": (dict(base), cctas),
+            "def-noflag": (dict(base, signal=False), [0]),
+            "cl2-sk3": (dict(base, signal_k_tile=3), [0]),
+            "cl2-sklast": (dict(base, signal_k_tile=-1), [0]),
+            "cl1": (dict(base, cluster_n=1), [0] if not args.cluster1_all else cctas),
+            "cl1-noflag": (dict(base, cluster_n=1, signal=False), [0]),
         }
-        if args.cluster:
-            configs.update({
-                "cl2": (dict(base, cluster_n=2), cctas),
-                "cl2-noflag": (dict(base, cluster_n=2, signal=False), [0]),
-                "cl2-evl": (dict(base, cluster_n=2, b_evict_last=True), [0]),
-            })
-        if i == 1:  # tile shape / depth / epilogue exploration on one shape, ccta=0
-            configs.update({
-                "st3": (dict(base, stages=3), [0]),
-                "epi64x2": (dict(base, epi_n=64, epi_stages=2), [0]),
-                "evl-epi64x2": (dict(base, epi_n=64, epi_stages=2, b_evict_last=True), [0]),
-                "128x128": (dict(tile_m=128, tile_n=128), [0]),
-                "64x256": (dict(tile_m=64, tile_n=256), [0]),
-            })
         results.append(run_shape(T, N, K, E, configs, args.rounds))
     doc = dict(bench="grouped_gemm", device=torch.cuda.get_device_name(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -190,7 +179,7 @@ def main():
         json.dump(doc, f, indent=1)
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
-    for cfg in ("v1", "evl") + (("cl2",) if args.cluster else ()):
+    for cfg in ("def", "cl1"):
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:

@@ -105,9 +105,11 @@ def test_grouped_gemm_matches_reference(kind, W, El, tile_m, tile_n, ccta):
 
 
 @pytest.mark.parametrize("kind,W,El,tile_m,tile_n,ccta,extra", [
-    ("skew", 2, 4, 128, 256, 0, dict(cluster_n=2)),
+    ("skew", 2, 4, 128, 256, 0, dict(cluster_n=1, signal_k_tile=3)),
     ("zero_expert", 8, 2, 64, 256, 7, dict(cluster_n=2, b_evict_last=True)),
     ("one_expert", 1, 4, 128, 128, 24, dict(cluster_n=2, epi_n=64, epi_stages=2)),
+    ("balanced", 2, 4, 64, 128, 8, dict(cluster_n=1, signal_k_tile=-1)),
+    ("skew", 1, 4, 128, 256, 8, dict(cluster_n=2, signal_k_tile=1)),
 ])
 def test_grouped_gemm_cluster_and_options(kind, W, El, tile_m, tile_n, ccta, extra):
     _check_case(kind, W, El, tile_m, tile_n, ccta, **extra)

@@ -335,7 +335,14 @@ def _kernel_class():
                 is_store_warp = warp_idx == self.epi_store_warp_id
                 # Band whose stores were issued by the store warp but not yet signalled (-1: none).
                 pend_band = cutlass.Int32(-1)
-                signal_k = min(max(self.signal_k_tile, 1), k_tile_cnt - 1)
+                # k iteration of the next tile at which the previous tile's flag is posted:
+                # None = the middle of the k loop, -1 = its last iteration, else fixed (>= 1).
+                if cutlass.const_expr(self.signal_k_tile is None):
+                    signal_k = max(k_tile_cnt // 2, 1)
+                elif cutlass.const_expr(self.signal_k_tile < 0):
+                    signal_k = k_tile_cnt - 1
+                else:
+                    signal_k = min(max(self.signal_k_tile, 1), k_tile_cnt - 1)
                 tiles_done = cutlass.Int32(0)
 
                 t = cutlass.Int32(bidx)
@@ -484,16 +491,19 @@ def _num_sms(device):
 class GroupedGemm:
     """Persistent grouped GEMM producer (see the module docstring for the tensors).
 
-    GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=3,
-                epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=1)
+    GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=None,
+                epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None)
         tile_m in {64, 128}; tile_n in {64, 128, 256}; tile_k = 64 (bf16);
         stages: smem pipeline depth (None: as many as fit);
         signal: compile-time switch for the band flag epilogue (False: plain grouped GEMM);
-        signal_k_tile: k iteration of the next tile at which the previous tile's flag is posted;
+        signal_k_tile: k iteration of the next tile at which the previous tile's flag is posted
+        (its TMA stores must be complete then, so earlier = lower flag latency but the epilogue
+        warp may stall on the stores); None: K/tile_k // 2, -1: the last k iteration;
         epi_n, epi_stages: epilogue sub-tile width (32 or 64) and its smem buffers;
         b_evict_last: load the weights with the L2 EVICT_LAST policy;
         cluster_n: 2 = clusters of two CTAs (tiles 2q, 2q+1 of one band) sharing the A tile by
-        TMA multicast; needs an even N/tile_n, and the grid is rounded down to even.
+        TMA multicast; needs an even N/tile_n, and the grid is rounded down to even;
+        None: 2 where N/tile_n is even, else 1.
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
              ccta=0, band_counter=None, stream=None) -> y
@@ -505,8 +515,8 @@ class GroupedGemm:
 
     _compiled = {}
 
-    def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=3,
-                 epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=1):
+    def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
+                 signal_k_tile=None, epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -516,15 +526,21 @@ class GroupedGemm:
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
         self.stages = stages
         self.signal = bool(signal)
-        self.signal_k_tile = int(signal_k_tile)
+        self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
         if epi_n not in (32, 64) or epi_n > tile_n:
             raise ValueError(f"epi_n must be 32 or 64 (<= tile_n), got {epi_n}")
         if epi_stages < 1:
             raise ValueError(f"epi_stages must be >= 1, got {epi_stages}")
         self.epi_n, self.epi_stages, self.b_evict_last = int(epi_n), int(epi_stages), bool(b_evict_last)
-        if cluster_n not in (1, 2):
-            raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
-        self.cluster_n = int(cluster_n)
+        if cluster_n not in (None, 1, 2):
+            raise ValueError(f"cluster_n must be None, 1 or 2, got {cluster_n}")
+        self.cluster_n = cluster_n
+
+    def cluster_for(self, N):
+        """Cluster size used for output width N."""
+        if self.cluster_n is not None:
+            return self.cluster_n
+        return 2 if (N // self.tile_n) % 2 == 0 else 1
         self._counters = {}
 
     # ---------------------------------------------------------------- validation
@@ -561,8 +577,9 @@ class GroupedGemm:
             raise ValueError(f"y must be [{rows}, {N}], got {tuple(y.shape)}")
         if N % self.tile_n != 0:
             raise ValueError(f"N={N} must be a multiple of tile_n={self.tile_n}")
-        if (N // self.tile_n) % self.cluster_n != 0:
-            raise ValueError(f"N/tile_n={N // self.tile_n} must be a multiple of cluster_n={self.cluster_n}")
+        if (N // self.tile_n) % self.cluster_for(N) != 0:
+            raise ValueError(f"N/tile_n={N // self.tile_n} must be a multiple of "
+                             f"cluster_n={self.cluster_for(N)}")
         if K % self.tile_k != 0:
             raise ValueError(f"K={K} must be a multiple of tile_k={self.tile_k}")
         if E < 1 or rows < 1:
@@ -582,13 +599,13 @@ class GroupedGemm:
     # ---------------------------------------------------------------- compilation
     def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
-                self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last, self.cluster_n,
-                int(N), int(K))
+                self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last,
+                self.cluster_for(N), int(N), int(K))
 
-    def _kernel(self):
+    def _kernel(self, N):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
-                                   self.b_evict_last, self.cluster_n)
+                                   self.b_evict_last, self.cluster_for(N))
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
@@ -610,7 +627,7 @@ class GroupedGemm:
         fy = make_fake_tensor(bf16, (rows, N), (N, 1), assumed_align=16)
         fv = lambda: make_fake_tensor(i32, (bcap,), (1,), assumed_align=4)
         f1 = lambda: make_fake_tensor(i32, (1,), (1,), assumed_align=4)
-        fn = cute.compile(self._kernel(), fx, fw, fy, fv(), fv(), fv(), f1(), fv(), fv(), f1(),
+        fn = cute.compile(self._kernel(N), fx, fw, fy, fv(), fv(), fv(), f1(), fv(), fv(), f1(),
                           cutlass.Int32(1), make_fake_stream(),
                           options="--keep-ptx" if keep_ptx else None)
         GroupedGemm._compiled[key] = fn
@@ -639,7 +656,7 @@ class GroupedGemm:
         rows, K, E, N = self._check(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                     band_ready, epoch, band_counter, ccta)
         grid = _num_sms(x.device) - ccta
-        grid -= grid % self.cluster_n
+        grid -= grid % self.cluster_for(N)
         if grid < 1:
             raise ValueError(f"ccta={ccta} leaves no SM for the producer")
         if band_counter is None:
@@ -658,7 +675,7 @@ class GroupedGemm:
         key = ("dlpack",) + self._key(N, K)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:
-            fn = cute.compile(self._kernel(), *args, cutlass.Int32(grid), cu_stream)
+            fn = cute.compile(self._kernel(N), *args, cutlass.Int32(grid), cu_stream)
             GroupedGemm._compiled[key] = fn
         fn(*args, cutlass.Int32(grid), cu_stream)
         return y
