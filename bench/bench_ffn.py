@@ -1,0 +1,263 @@
+"""Tensor-parallel FFN baseline and the band all-reduce kernel vs NCCL (issue 5).
+
+    torchrun --nproc-per-node 2 bench/bench_ffn.py [--tokens 8192] [--shapes llama3-8b,...]
+        [--act1 gelu] [--act2 none] [--rounds 30] [--skip-kernel] [--out DIR]
+    python bench/bench_ffn.py --dry-run      # CPU: parse, list shapes / FLOPs / bytes, exit
+
+Shapes (input = output N = P, hidden O), T = 8192 tokens, bf16, hidden split over the G ranks:
+Llama 3 8B (4096, 14336), Llama 3 70B (8192, 28672), DeepSeek V3 dense (7168, 18432) and expert
+(7168, 2048), Llama 4 Scout expert (5120, 8192) and shared (5120, 16384), Mixtral 8x7B expert
+(4096, 14336).
+
+Per shape, CUDA events, rounds interleaved, median (p10-p90), every rank starting together:
+- ``baseline``: the plain-torch TP layer (``moe_overlap.ffn_reference.ffn_tp_reference``: addmm
+  with b1, act1 in place, mm (+b2 on rank 0), NCCL all_reduce in bf16, act2 in place);
+- ``compute``: the same without the all_reduce (the floor a perfect overlap reaches when compute
+  dominates); ``allreduce_bf16``: NCCL all_reduce of the [T, N] bf16 partial alone;
+  ``overlap_headroom`` = baseline - max(compute, allreduce_bf16);
+- ``nccl_fp32``: NCCL all_reduce of a [T, N] fp32 buffer (the fused kernel's accumulator size);
+- ``band_ar``: ``moe_overlap.kernels.switch.BandAllReduce`` (unicast backend, fp32 accumulator
+  -> + b2, act2 -> bf16 out, accumulator zeroed), including its three tiny bookkeeping launches;
+  ``band_ar_nozero``: the same without zeroing the accumulator.
+Bus bandwidth (NCCL convention) = 2 (G-1)/G * bytes / time. JSON (device, date, git commit,
+per-rank medians) to --out (default $OUT, else bench/results); the table is printed last.
+NVLink multicast is never used: the script sets NCCL_NVLS_ENABLE=0 and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless already set.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {  # name: (P = N, O)
+    "llama3-8b": (4096, 14336),
+    "llama3-70b": (8192, 28672),
+    "deepseek-v3-dense": (7168, 18432),
+    "deepseek-v3-expert": (7168, 2048),
+    "llama4-scout-expert": (5120, 8192),
+    "llama4-scout-shared": (5120, 16384),
+    "mixtral-8x7b-expert": (4096, 14336),
+}
+ACTS = ("relu", "gelu", "gelu_tanh", "silu")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--shapes", default="all",
+                    help=f"comma-separated subset of {', '.join(SHAPES)} (default all)")
+    ap.add_argument("--act1", default="gelu", choices=ACTS)
+    ap.add_argument("--act2", default="none", choices=("none",) + ACTS)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--band-rows", type=int, default=128)
+    ap.add_argument("--ccta", type=int, default=None,
+                    help="CTAs of the band all-reduce (default: one per SM)")
+    ap.add_argument("--threads", type=int, default=512)
+    ap.add_argument("--unroll", type=int, default=2)
+    ap.add_argument("--skip-kernel", action="store_true",
+                    help="time only the torch/NCCL baseline (no CuTe DSL needed)")
+    ap.add_argument("--quick", action="store_true", help="3 shapes, 10 rounds")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the plan (shapes, FLOPs, bytes) and exit; no GPU needed")
+    ap.add_argument("--world", type=int, default=None,
+                    help="world size assumed by --dry-run (default: $WORLD_SIZE or 2)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    names = list(SHAPES) if a.shapes == "all" else [s.strip() for s in a.shapes.split(",") if s]
+    bad = [n for n in names if n not in SHAPES]
+    if bad:
+        ap.error(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+    if a.quick:
+        names = names[:3] if a.shapes == "all" else names
+        a.rounds = min(a.rounds, 10)
+    if a.tokens < 1 or a.rounds < 1 or a.warmup < 0 or a.band_rows < 1:
+        ap.error("--tokens, --rounds, --band-rows must be >= 1 and --warmup >= 0")
+    a.shape_names = names
+    return a
+
+
+def plan(a, world):
+    rows = []
+    for name in a.shape_names:
+        P, O = SHAPES[name]
+        T, N, Ol = a.tokens, P, O // world
+        flops = 2 * T * P * Ol + 2 * T * Ol * N  # per rank
+        rows.append(dict(shape=name, P=P, O=O, N=N, T=T, O_local=Ol, gflop_per_rank=flops / 1e9,
+                         partial_bytes_bf16=T * N * 2, acc_bytes_fp32=T * N * 4,
+                         divisible=O % world == 0))
+    return rows
+
+
+def time_interleaved(fns, warmup, rounds, barrier):
+    import torch
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    ev = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            barrier()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            ev[k].append((s, e))
+    torch.cuda.synchronize()
+    out = {}
+    for k, pairs in ev.items():
+        ts = sorted(s.elapsed_time(e) for s, e in pairs)
+        q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]  # noqa: E731
+        out[k] = dict(median_ms=statistics.median(ts), p10_ms=q(0.1), p90_ms=q(0.9))
+    return out
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def bench_shape(a, name, rank, world, dev):
+    import torch
+    import torch.distributed as dist
+    from moe_overlap.ffn_reference import ffn_tp_reference
+    P, O = SHAPES[name]
+    T, N, Ol = a.tokens, P, O // world
+    g = torch.Generator(device=dev).manual_seed(rank)
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    x = torch.randn(T, P, generator=g, **bf)
+    w1 = torch.randn(P, Ol, generator=g, **bf) * P ** -0.5
+    b1 = torch.randn(Ol, generator=g, **bf) * 0.1
+    w2 = torch.randn(Ol, N, generator=g, **bf) * O ** -0.5
+    b2 = torch.randn(N, generator=g, **bf) * 0.1
+    y = torch.empty(T, N, **bf)
+    part = torch.randn(T, N, generator=g, **bf)
+    acc32 = torch.randn(T, N, generator=g, device=dev)
+
+    def baseline():
+        ffn_tp_reference(x, w1, b1, w2, b2, a.act1, a.act2, None, world, rank, out=y)
+
+    def compute():
+        ffn_tp_reference(x, w1, b1, w2, b2, a.act1, a.act2, None, 1, rank, out=y)
+
+    fns = dict(baseline=baseline, compute=compute,
+               allreduce_bf16=lambda: dist.all_reduce(part),
+               nccl_fp32=lambda: dist.all_reduce(acc32))
+    ars = []
+    if not a.skip_kernel:
+        from moe_overlap.kernels.switch import BandAllReduce
+        for zero in (True, False):
+            ar = BandAllReduce(T, N, backend="unicast", act2=a.act2, band_rows=a.band_rows,
+                               ccta=a.ccta, threads=a.threads, unroll=a.unroll, zero_acc=zero)
+            ar.compile()
+            out = torch.empty(T, N, **bf)
+            fns["band_ar" if zero else "band_ar_nozero"] = (
+                lambda ar=ar, out=out: ar(T, b2=b2, out=out))
+            ars.append(ar)
+    with torch.inference_mode():
+        res = time_interleaved(fns, a.warmup, a.rounds, dist.barrier)
+    for ar in ars:
+        ar.check()  # raises on a device timeout
+    # the slowest rank's median is the layer's time
+    keys = sorted(res)
+    med = torch.tensor([res[k]["median_ms"] for k in keys], dtype=torch.float64, device=dev)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    for k, v in zip(keys, med.tolist()):
+        res[k]["max_rank_median_ms"] = v
+    bus = 2 * (world - 1) / world
+    m = {k: res[k]["max_rank_median_ms"] for k in keys}
+    flops = 2 * T * P * Ol + 2 * T * Ol * N
+    row = dict(shape=name, P=P, O=O, N=N, T=T, O_local=Ol, world=world, times=res,
+               baseline_ms=m["baseline"], compute_ms=m["compute"],
+               allreduce_bf16_ms=m["allreduce_bf16"],
+               overlap_headroom_ms=m["baseline"] - max(m["compute"], m["allreduce_bf16"]),
+               compute_tflops=flops / (m["compute"] * 1e-3) / 1e12,
+               busbw_bf16_GBs=bus * T * N * 2 / (m["allreduce_bf16"] * 1e-3) / 1e9,
+               busbw_nccl_fp32_GBs=bus * T * N * 4 / (m["nccl_fp32"] * 1e-3) / 1e9)
+    if "band_ar" in m:
+        row["busbw_band_ar_GBs"] = bus * T * N * 4 / (m["band_ar"] * 1e-3) / 1e9
+        row["band_ar_vs_nccl_fp32"] = m["nccl_fp32"] / m["band_ar"]
+    del x, w1, w2, y, part, acc32, ars
+    torch.cuda.empty_cache()
+    return row
+
+
+def table(rows, kernel):
+    h = (f"{'shape':22s} {'P':>5s} {'O':>6s} {'base ms':>8s} {'comp ms':>8s} {'AR16 ms':>8s} "
+         f"{'headroom':>8s} {'TFLOP/s':>7s} {'NCCL32':>7s}")
+    if kernel:
+        h += f" {'bandAR':>7s} {'noZero':>7s} {'x NCCL':>6s}"
+    lines = [h]
+    for r in rows:
+        t = r["times"]
+        s = (f"{r['shape']:22s} {r['P']:5d} {r['O']:6d} {r['baseline_ms']:8.3f} "
+             f"{r['compute_ms']:8.3f} {r['allreduce_bf16_ms']:8.3f} "
+             f"{r['overlap_headroom_ms']:8.3f} {r['compute_tflops']:7.0f} "
+             f"{t['nccl_fp32']['max_rank_median_ms']:7.3f}")
+        if kernel:
+            s += (f" {t['band_ar']['max_rank_median_ms']:7.3f} "
+                  f"{t['band_ar_nozero']['max_rank_median_ms']:7.3f} "
+                  f"{r['band_ar_vs_nccl_fp32']:6.2f}")
+        lines.append(s)
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.dry_run:
+        world = a.world or int(os.environ.get("WORLD_SIZE", "2"))
+        for r in plan(a, world):
+            print(json.dumps(r))
+        return 0
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    import torch
+    import torch.distributed as dist
+    if not torch.cuda.is_available():
+        print("bench_ffn: needs CUDA GPUs (use --dry-run on a CPU machine)", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ:
+        print("bench_ffn: launch with torchrun --nproc-per-node G", file=sys.stderr)
+        return 2
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bad = [n for n in a.shape_names if SHAPES[n][1] % world]
+    if bad:
+        raise SystemExit(f"hidden size of {bad} is not divisible by world size {world}")
+    rows = []
+    try:
+        for name in a.shape_names:
+            rows.append(bench_shape(a, name, rank, world, dev))
+            if rank == 0:
+                print(f"done {name}: baseline {rows[-1]['baseline_ms']:.3f} ms", flush=True)
+    finally:
+        if rank == 0 and rows:
+            out = a.out or os.environ.get("OUT") or os.path.join(os.path.dirname(
+                os.path.abspath(__file__)), "results")
+            os.makedirs(out, exist_ok=True)
+            meta = dict(device=torch.cuda.get_device_name(dev), world=world,
+                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                        commit=_git_commit(), torch=torch.__version__, args=vars(a))
+            with open(os.path.join(out, "bench_ffn.json"), "w") as f:
+                json.dump(dict(meta=meta, results=rows), f, indent=1)
+            print(table(rows, not a.skip_kernel))
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

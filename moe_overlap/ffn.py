@@ -1,0 +1,378 @@
+"""Tensor-parallel FFN layers (issue 5): ``FusedFFN`` and ``ShardedExperts``.
+
+``FusedFFN``: ``Y = act2(sum_g act1(X W1_g + b1_g) W2_g + b2)`` over the G ranks of ``group``.
+Rank g holds the column slice ``W1[:, g O/G : (g+1) O/G]`` / ``b1[...]``, the matching row slice of
+W2, and the full b2; ``forward(X)`` returns the full ``[T, N]`` output on every rank. Math layout:
+``W1 [P, O]`` (``X @ W1``), ``W2 [O, N]``.
+
+``ShardedExperts``: E experts, each split over all G ranks the same way (1/G of every ``W_in[e]``'s
+columns, the matching rows of ``W_out[e]``); ``forward(x, rows_per_expert)`` takes the rows of all
+experts stacked expert-major and returns the all-reduced ``[rows, N]`` output on every rank.
+
+Backends:
+- ``reference``: plain torch (``moe_overlap.ffn_reference``): addmm with the bias fused, in-place
+  activation, mm (+b2 fused on rank 0), one in-place ``all_reduce`` (gloo on CPU, NCCL on CUDA),
+  act2 in place. This is also the fair baseline of ``bench/bench_ffn.py``.
+- ``fused``: the single CuTe DSL kernel (compute blocks + communication blocks). Its communication
+  half exists (``moe_overlap.kernels.switch``); the compute half does not yet, so this backend
+  raises ``NotImplementedError`` (a ``RuntimeError``) naming what is missing.
+  ``comm="unicast"`` (peer loads/stores over NVLink) or ``comm="switch"`` (NVLink multicast;
+  refused unless multicast is explicitly allowed and available, see ``require_multicast``).
+
+All argument checks raise ``TypeError`` / ``ValueError`` before any work is done.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .ffn_reference import (ACT2, ACTIVATIONS, activation_, check_activation,  # noqa: F401
+                            experts_tp_reference, ffn_tp_reference)
+
+BACKENDS = ("reference", "fused")
+COMMS = ("unicast", "switch")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+FUSED_MISSING = (
+    "the fused compute kernel (moe_overlap/kernels/fused_ffn.py: compute blocks that keep "
+    "act1(X W1_g + b1_g) tiles on chip, multiply them by W2_g tiles and TMA-reduce-add into the "
+    "fp32 Y accumulator with per-tile counters / band ready flags) and its host wiring (symmetric "
+    "accumulator + flags, epoch). The communication blocks exist: "
+    "moe_overlap.kernels.switch.BandAllReduce")
+
+
+def _group_world(group) -> tuple[int, int]:
+    if group is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group was given but torch.distributed is not initialized")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of `group`")
+    return rank, dist.get_world_size(group)
+
+
+def _pos_int(name, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name}={v!r} must be a positive int")
+    return v
+
+
+def _check_dtype(dtype, backend):
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype={dtype} is not supported: choose from {DTYPES}")
+    if backend == "fused" and dtype != torch.bfloat16:
+        raise TypeError(f"backend='fused' computes in bfloat16, got dtype={dtype}")
+
+
+def _check_backend(backend, comm):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: choose from {BACKENDS}")
+    if comm is not None and comm not in COMMS:
+        raise ValueError(f"comm={comm!r}: choose from {COMMS}")
+    if backend == "reference" and comm is not None:
+        raise ValueError(f"comm={comm!r} applies to backend='fused' only (the reference backend "
+                         f"all-reduces with torch.distributed)")
+    return comm or "unicast"
+
+
+def _check_device_vs_group(device: torch.device, group, world: int):
+    if world == 1:
+        return
+    be = dist.get_backend(group)
+    if device.type == "cuda" and str(be) == "gloo":
+        raise ValueError("weights are on CUDA but the process group uses gloo; use nccl")
+    if device.type == "cpu" and str(be) == "nccl":
+        raise ValueError("weights are on the CPU but the process group uses nccl; use gloo "
+                         "(or move the module to the rank's GPU)")
+
+
+def _fused_unavailable(comm: str, what: str):
+    if comm == "switch":
+        from .kernels.switch import require_multicast
+        require_multicast()  # raises a clear RuntimeError on our machines
+    raise NotImplementedError(f"{what}(backend='fused', comm={comm!r}) is not available yet: "
+                              f"missing {FUSED_MISSING}. Use backend='reference'.")
+
+
+def _check_tensor(name, t, shape, dtype, device, allow_none=False):
+    if t is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name} is required")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if not (t.is_floating_point()):
+        raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    return t
+
+
+def _tracks_grad(x, w) -> bool:
+    """In-place activations only where autograd is not recording (inference / no_grad)."""
+    return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+
+
+class FusedFFN(torch.nn.Module):
+    """Tensor-parallel FFN ``Y = act2(act1(X W1 + b1) W2 + b2)``, this rank's slices only.
+
+    Args: ``in_features`` P, ``hidden_features`` O (divisible by G), ``out_features`` N (default
+    P); ``act1`` in ``ACTIVATIONS`` (relu, gelu, gelu_tanh, silu), ``act2`` in ``ACT2`` (None or
+    "none" for no activation); ``bias``: keep b1 and b2; ``group``: the TP process group (None: the
+    default group if initialized, else a single process); ``dtype`` / ``device`` of the
+    parameters; ``backend`` "reference" | "fused"; ``comm`` "unicast" | "switch" (fused only).
+    Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
+    ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
+                 *, act1: str = "gelu", act2: str | None = None, bias: bool = True, group=None,
+                 dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "reference",
+                 comm: str | None = None):
+        super().__init__()
+        P = _pos_int("in_features", in_features)
+        O = _pos_int("hidden_features", hidden_features)
+        N = _pos_int("out_features", P if out_features is None else out_features)
+        self.act1 = check_activation(act1, allow_none=False, what="act1")
+        self.act2 = check_activation(act2, allow_none=True, what="act2")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias={bias!r} must be a bool")
+        self.comm = _check_backend(backend, comm)
+        _check_dtype(dtype, backend)
+        rank, G = _group_world(group)
+        if O % G:
+            raise ValueError(f"hidden_features={O} is not divisible by the TP world size {G}")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        _check_device_vs_group(device, group, G)
+        self.in_features, self.hidden_features, self.out_features = P, O, N
+        self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
+        self.local_hidden = O // G
+        kw = dict(dtype=dtype, device=device)
+        self.w1 = torch.nn.Parameter(torch.zeros(P, O // G, **kw))
+        self.w2 = torch.nn.Parameter(torch.zeros(O // G, N, **kw))
+        self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw)) if bias else None
+        self.b2 = torch.nn.Parameter(torch.zeros(N, **kw)) if bias else None
+        if backend == "fused":
+            _fused_unavailable(self.comm, "FusedFFN")
+
+    # ---- weights --------------------------------------------------------------------------
+    def local_slice(self) -> slice:
+        """This rank's hidden columns of W1 / b1 (rows of W2)."""
+        o = self.local_hidden
+        return slice(self.rank * o, (self.rank + 1) * o)
+
+    @torch.no_grad()
+    def load_full_weights(self, W1, b1, W2, b2):
+        """Copy this rank's slices of the unsplit weights (any device / float dtype; cast to the
+        module's dtype). ``W1 [P, O]``, ``b1 [O]``, ``W2 [O, N]``, ``b2 [N]`` (biases None iff
+        the module has none)."""
+        P, O, N = self.in_features, self.hidden_features, self.out_features
+        has_bias = self.b1 is not None
+        _check_tensor("W1", W1, (P, O), None, None)
+        _check_tensor("W2", W2, (O, N), None, None)
+        if has_bias:
+            _check_tensor("b1", b1, (O,), None, None)
+            _check_tensor("b2", b2, (N,), None, None)
+        elif b1 is not None or b2 is not None:
+            raise ValueError("this module was built with bias=False; pass b1=b2=None")
+        s = self.local_slice()
+        self.w1.copy_(W1[:, s])
+        self.w2.copy_(W2[s, :])
+        if has_bias:
+            self.b1.copy_(b1[s])
+            self.b2.copy_(b2)
+        return self
+
+    @classmethod
+    def from_full_weights(cls, W1, b1, W2, b2, group=None, *, act1: str = "gelu",
+                          act2: str | None = None, backend: str = "reference",
+                          comm: str | None = None, dtype: torch.dtype | None = None, device=None):
+        """Build the module from the unsplit weights (same on every rank) and keep this rank's
+        slices. dtype / device default to W1's. b1 and b2 are both given or both None."""
+        if not isinstance(W1, torch.Tensor) or W1.dim() != 2:
+            raise TypeError("W1 must be a 2-D tensor [P, O]")
+        if not isinstance(W2, torch.Tensor) or W2.dim() != 2:
+            raise TypeError("W2 must be a 2-D tensor [O, N]")
+        if (b1 is None) != (b2 is None):
+            raise ValueError("pass both biases b1 and b2, or neither")
+        P, O = W1.shape
+        if W2.shape[0] != O:
+            raise ValueError(f"W2 has {W2.shape[0]} rows but W1 has {O} columns (hidden size)")
+        mod = cls(P, O, W2.shape[1], act1=act1, act2=act2, bias=b1 is not None, group=group,
+                  dtype=dtype or W1.dtype, device=device if device is not None else W1.device,
+                  backend=backend, comm=comm)
+        return mod.load_full_weights(W1, b1, W2, b2)
+
+    # ---- forward --------------------------------------------------------------------------
+    def check_input(self, x) -> torch.Tensor:
+        """Validates X ([..., P], the module's dtype and device); returns it as [T, P]."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"X must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2:
+            raise ValueError(f"X must be [tokens, {self.in_features}] (or [..., "
+                             f"{self.in_features}]), got shape {tuple(x.shape)}")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"X has {x.shape[-1]} features, expected in_features="
+                             f"{self.in_features}")
+        if x.dtype != self.w1.dtype:
+            raise TypeError(f"X has dtype {x.dtype}, the module computes in {self.w1.dtype}")
+        if x.device != self.w1.device:
+            raise ValueError(f"X is on {x.device}, the module's weights are on {self.w1.device}")
+        return x.reshape(-1, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """X ``[..., P]`` (the same on every rank of the group) -> Y ``[..., N]`` on every rank."""
+        lead = x.shape[:-1] if isinstance(x, torch.Tensor) else None
+        x2 = self.check_input(x)
+        if self.backend == "fused":  # pragma: no cover - the constructor already refused
+            _fused_unavailable(self.comm, "FusedFFN")
+        y = ffn_tp_reference(x2, self.w1, self.b1, self.w2, self.b2, self.act1, self.act2,
+                             self.group, self.world_size, self.rank,
+                             inplace=not _tracks_grad(x2, self.w1))
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, hidden={self.hidden_features} ({self.local_hidden} on "
+                f"rank {self.rank} of {self.world_size}), out={self.out_features}, "
+                f"act1={self.act1}, act2={self.act2}, backend={self.backend}")
+
+
+class ShardedExperts(torch.nn.Module):
+    """E experts, each split over all G ranks of ``group`` (tensor-parallel experts).
+
+    Expert e: ``y = act(x W_in[e] + b_in[e]) W_out[e] + b_out[e]`` with ``W_in [E, P, O]``,
+    ``W_out [E, O, N]``; rank g holds ``w_in [E, P, O/G]`` (columns g O/G..), ``w_out [E, O/G, N]``
+    (matching rows), the b_in slice and the full b_out. ``forward(x, rows_per_expert)``: x
+    ``[R, P]`` with expert e's rows contiguous, expert-major (``rows_per_expert`` a list of E ints
+    or an int tensor, sum <= R; rows past the sum are zero in the output) -> ``[R, N]``, identical on
+    every rank.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, hidden_features: int,
+                 out_features: int | None = None, *, activation: str = "silu", bias: bool = False,
+                 group=None, dtype: torch.dtype = torch.bfloat16, device=None,
+                 backend: str = "reference", comm: str | None = None):
+        super().__init__()
+        E = _pos_int("num_experts", num_experts)
+        P = _pos_int("in_features", in_features)
+        O = _pos_int("hidden_features", hidden_features)
+        N = _pos_int("out_features", P if out_features is None else out_features)
+        self.activation = check_activation(activation, allow_none=False, what="activation")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias={bias!r} must be a bool")
+        self.comm = _check_backend(backend, comm)
+        _check_dtype(dtype, backend)
+        rank, G = _group_world(group)
+        if O % G:
+            raise ValueError(f"hidden_features={O} is not divisible by the world size {G}")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        _check_device_vs_group(device, group, G)
+        self.num_experts, self.in_features, self.hidden_features = E, P, O
+        self.out_features, self.local_hidden = N, O // G
+        self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
+        kw = dict(dtype=dtype, device=device)
+        self.w_in = torch.nn.Parameter(torch.zeros(E, P, O // G, **kw))
+        self.w_out = torch.nn.Parameter(torch.zeros(E, O // G, N, **kw))
+        self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw)) if bias else None
+        self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw)) if bias else None
+        if backend == "fused":
+            _fused_unavailable(self.comm, "ShardedExperts")
+
+    def local_slice(self) -> slice:
+        o = self.local_hidden
+        return slice(self.rank * o, (self.rank + 1) * o)
+
+    @torch.no_grad()
+    def load_full_weights(self, W_in, W_out, b_in=None, b_out=None):
+        E, P, O, N = self.num_experts, self.in_features, self.hidden_features, self.out_features
+        _check_tensor("W_in", W_in, (E, P, O), None, None)
+        _check_tensor("W_out", W_out, (E, O, N), None, None)
+        if self.b_in is not None:
+            _check_tensor("b_in", b_in, (E, O), None, None)
+            _check_tensor("b_out", b_out, (E, N), None, None)
+        elif b_in is not None or b_out is not None:
+            raise ValueError("this module was built with bias=False; pass b_in=b_out=None")
+        s = self.local_slice()
+        self.w_in.copy_(W_in[:, :, s])
+        self.w_out.copy_(W_out[:, s, :])
+        if self.b_in is not None:
+            self.b_in.copy_(b_in[:, s])
+            self.b_out.copy_(b_out)
+        return self
+
+    @classmethod
+    def from_full_weights(cls, W_in, W_out, b_in=None, b_out=None, group=None, *,
+                          activation: str = "silu", backend: str = "reference",
+                          comm: str | None = None, dtype: torch.dtype | None = None,
+                          device=None):
+        """Unsplit expert weights ``W_in [E, P, O]``, ``W_out [E, O, N]`` (biases ``[E, O]`` /
+        ``[E, N]``, both or neither), the same on every rank; keeps this rank's slices."""
+        if not isinstance(W_in, torch.Tensor) or W_in.dim() != 3:
+            raise TypeError("W_in must be a 3-D tensor [E, P, O]")
+        if not isinstance(W_out, torch.Tensor) or W_out.dim() != 3:
+            raise TypeError("W_out must be a 3-D tensor [E, O, N]")
+        if (b_in is None) != (b_out is None):
+            raise ValueError("pass both biases b_in and b_out, or neither")
+        E, P, O = W_in.shape
+        if W_out.shape[0] != E or W_out.shape[1] != O:
+            raise ValueError(f"W_out has shape {tuple(W_out.shape)}, expected [{E}, {O}, N]")
+        mod = cls(E, P, O, W_out.shape[2], activation=activation, bias=b_in is not None,
+                  group=group, dtype=dtype or W_in.dtype,
+                  device=device if device is not None else W_in.device, backend=backend,
+                  comm=comm)
+        return mod.load_full_weights(W_in, W_out, b_in, b_out)
+
+    def check_input(self, x, rows_per_expert) -> list[int]:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x must be [rows, {self.in_features}], got {tuple(x.shape)}")
+        if x.dtype != self.w_in.dtype:
+            raise TypeError(f"x has dtype {x.dtype}, the module computes in {self.w_in.dtype}")
+        if x.device != self.w_in.device:
+            raise ValueError(f"x is on {x.device}, the module's weights are on {self.w_in.device}")
+        if isinstance(rows_per_expert, torch.Tensor):
+            if rows_per_expert.dim() != 1 or rows_per_expert.is_floating_point():
+                raise TypeError("rows_per_expert must be a 1-D integer tensor or a list of ints")
+            rows = [int(v) for v in rows_per_expert.tolist()]  # host sync
+        else:
+            try:
+                rows = list(rows_per_expert)
+            except TypeError:
+                raise TypeError("rows_per_expert must be a list of ints or a 1-D int tensor")
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in rows):
+                raise TypeError("rows_per_expert must hold ints")
+        if len(rows) != self.num_experts:
+            raise ValueError(f"rows_per_expert has {len(rows)} entries, expected num_experts="
+                             f"{self.num_experts}")
+        if any(v < 0 for v in rows):
+            raise ValueError(f"rows_per_expert has negative counts: {rows}")
+        if sum(rows) > x.shape[0]:
+            raise ValueError(f"rows_per_expert sums to {sum(rows)} but x has only "
+                             f"{x.shape[0]} rows")
+        return rows
+
+    def forward(self, x: torch.Tensor, rows_per_expert) -> torch.Tensor:
+        rows = self.check_input(x, rows_per_expert)
+        if self.backend == "fused":  # pragma: no cover - the constructor already refused
+            _fused_unavailable(self.comm, "ShardedExperts")
+        return experts_tp_reference(x, rows, self.w_in, self.w_out, self.b_in, self.b_out,
+                                    self.activation, self.group, self.world_size, self.rank,
+                                    inplace=not _tracks_grad(x, self.w_in))
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, in={self.in_features}, hidden="
+                f"{self.hidden_features} ({self.local_hidden} on rank {self.rank} of "
+                f"{self.world_size}), out={self.out_features}, activation={self.activation}, "
+                f"backend={self.backend}")

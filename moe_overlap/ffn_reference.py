@@ -1,0 +1,219 @@
+"""References for the tensor-parallel FFN (issue 5): the float64 truth of the unsplit layer, the
+plain-torch TP baseline (the ``reference`` backend of ``FusedFFN`` / ``ShardedExperts`` and the fair
+baseline of ``bench/bench_ffn.py``), and a multi-rank check used by the tests.
+
+Layer (math layout, row-major): ``X [T, P]``, ``W1 [P, O]``, ``b1 [O]``, ``W2 [O, N]``, ``b2 [N]``::
+
+    Y = act2(act1(X W1 + b1) W2 + b2)
+      = act2(sum_g act1(X W1[:, cols_g] + b1[cols_g]) W2[rows_g, :] + b2)
+
+with rank g of G holding the column slice ``cols_g = [g O/G, (g+1) O/G)`` of W1/b1 and the matching
+row slice of W2, and the full b2.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")  # act1; act2 also takes "none"
+ACT2 = ("none",) + ACTIVATIONS
+
+
+def check_activation(name, *, allow_none: bool, what: str) -> str:
+    """Normalize an activation name (None -> "none" when allowed); raises ValueError otherwise."""
+    if name is None and allow_none:
+        return "none"
+    choices = ACT2 if allow_none else ACTIVATIONS
+    if not isinstance(name, str) or name not in choices:
+        raise ValueError(f"{what}={name!r}: choose from {choices}")
+    return name
+
+
+def activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Out-of-place activation (any dtype, float64 included)."""
+    if name == "none":
+        return x
+    if name == "relu":
+        return F.relu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "silu":
+        return F.silu(x)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def activation_(x: torch.Tensor, name: str) -> torch.Tensor:
+    """In place where torch has an in-place kernel (relu, silu); returns the result."""
+    if name == "none":
+        return x
+    if name == "relu":
+        return F.relu_(x)
+    if name == "silu":
+        return F.silu(x, inplace=True)
+    return activation(x, name)  # gelu has no in-place form
+
+
+# ---------------------------------------------------------------- float64 truth
+def ffn_truth(x, w1, b1, w2, b2, act1: str, act2: str = "none") -> torch.Tensor:
+    """Unsplit layer in float64 on the CPU (the truth the tests compare against)."""
+    d = dict(dtype=torch.float64, device="cpu")
+    h = x.to(**d) @ w1.to(**d)
+    if b1 is not None:
+        h = h + b1.to(**d)
+    y = activation(h, act1) @ w2.to(**d)
+    if b2 is not None:
+        y = y + b2.to(**d)
+    return activation(y, act2)
+
+
+def experts_truth(x, rows_per_expert, w_in, w_out, b_in=None, b_out=None,
+                  act: str = "silu") -> torch.Tensor:
+    """Unsplit experts in float64: rows of expert e (contiguous in x) -> act(x W_in[e] + b_in[e])
+    W_out[e] + b_out[e]; rows past sum(rows_per_expert) are zero."""
+    d = dict(dtype=torch.float64, device="cpu")
+    out = torch.zeros(x.shape[0], w_out.shape[2], **d)
+    start = 0
+    for e, n in enumerate(rows_per_expert):
+        if n:
+            h = x[start:start + n].to(**d) @ w_in[e].to(**d)
+            if b_in is not None:
+                h = h + b_in[e].to(**d)
+            y = activation(h, act) @ w_out[e].to(**d)
+            if b_out is not None:
+                y = y + b_out[e].to(**d)
+            out[start:start + n] = y
+        start += n
+    return out
+
+
+def rel_err(a: torch.Tensor, truth: torch.Tensor) -> float:
+    """Relative Frobenius error of a against truth (float64)."""
+    a = a.detach().to(torch.float64).cpu()
+    t = truth.detach().to(torch.float64).cpu()
+    den = t.norm().item()
+    num = (a - t).norm().item()
+    return num / den if den > 0 else num
+
+
+def tolerance(dtype: torch.dtype, hidden: int = 0) -> float:
+    """Relative (Frobenius) error bound of a layer computed in ``dtype`` against the float64 truth:
+    a few roundings of H and of the partial outputs (bf16 measures ~3e-3)."""
+    return {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.5e-2}.get(dtype, 1e-10)
+
+
+# ---------------------------------------------------------------- plain-torch TP baseline
+def ffn_tp_reference(x, w1, b1, w2, b2, act1: str, act2: str, group=None, world: int = 1,
+                     rank: int = 0, out: torch.Tensor | None = None,
+                     inplace: bool = True) -> torch.Tensor:
+    """This rank's share of the layer, then the all-reduce: the best plain-torch TP FFN.
+
+    - GEMM1 with the bias fused (``addmm``), activation in place;
+    - GEMM2 writes the partial; rank 0 fuses b2 into it (``addmm``), the others use ``mm``, so b2
+      is added exactly once and needs no extra pass after the all-reduce;
+    - one in-place ``all_reduce`` (NCCL on CUDA, gloo on CPU) of the partial in the layer's dtype,
+      as Megatron-style TP does;
+    - act2 in place.
+    ``inplace=False`` uses out-of-place activations (autograd-safe; the all-reduce itself is not
+    differentiated: inference only). ``w1 [P, O/G]``, ``b1 [O/G]`` (or None), ``w2 [O/G, N]``, ``b2 [N]`` (or None)."""
+    import torch.distributed as dist
+
+    h = torch.addmm(b1, x, w1) if b1 is not None else torch.mm(x, w1)
+    act = activation_ if inplace else activation
+    h = act(h, act1)
+    if b2 is not None and rank == 0:
+        y = torch.addmm(b2, h, w2, out=out) if out is not None else torch.addmm(b2, h, w2)
+    else:
+        y = torch.mm(h, w2, out=out) if out is not None else torch.mm(h, w2)
+    if world > 1:
+        dist.all_reduce(y, group=group)
+    return act(y, act2)
+
+
+def experts_tp_reference(x, rows_per_expert, w_in, w_out, b_in, b_out, act: str, group=None,
+                         world: int = 1, rank: int = 0, inplace: bool = True) -> torch.Tensor:
+    """Sharded experts, plain torch: per-expert GEMM pair on this rank's slices into one output
+    buffer, one all-reduce. ``w_in [E, P, O/G]``, ``w_out [E, O/G, N]``; ``b_out`` added on
+    rank 0 only (fused into addmm)."""
+    import torch.distributed as dist
+
+    y = torch.empty(x.shape[0], w_out.shape[2], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(rows_per_expert):
+        if n:
+            xe = x[start:start + n]
+            h = torch.addmm(b_in[e], xe, w_in[e]) if b_in is not None else torch.mm(xe, w_in[e])
+            h = activation_(h, act) if inplace else activation(h, act)
+            bias = b_out is not None and rank == 0
+            if inplace:  # write straight into the output rows (out= is not autograd-safe)
+                ye = y[start:start + n]
+                torch.addmm(b_out[e], h, w_out[e], out=ye) if bias else torch.mm(h, w_out[e],
+                                                                                  out=ye)
+            else:
+                y[start:start + n] = (torch.addmm(b_out[e], h, w_out[e]) if bias
+                                      else torch.mm(h, w_out[e]))
+        start += n
+    if start < x.shape[0]:
+        y[start:].zero_()
+    if world > 1:
+        dist.all_reduce(y, group=group)
+    return y
+
+
+# ---------------------------------------------------------------- multi-rank check (tests, CLI)
+def _case_inputs(case: dict):
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    P, O, N, T = case["P"], case["O"], case["N"], case["T"]
+    dt = getattr(torch, case.get("dtype", "bfloat16"))
+    s1, s2 = 1 / math.sqrt(P), 1 / math.sqrt(O)
+    if case.get("experts"):
+        E = case["E"]
+        rows = case["rows"]
+        x = torch.randn(T, P, generator=g).to(dt)
+        w_in = (torch.randn(E, P, O, generator=g) * s1).to(dt)
+        w_out = (torch.randn(E, O, N, generator=g) * s2).to(dt)
+        b_in = (torch.randn(E, O, generator=g) * 0.1).to(dt) if case.get("bias") else None
+        b_out = (torch.randn(E, N, generator=g) * 0.1).to(dt) if case.get("bias") else None
+        return x, rows, w_in, w_out, b_in, b_out
+    x = torch.randn(T, P, generator=g).to(dt)
+    w1 = (torch.randn(P, O, generator=g) * s1).to(dt)
+    b1 = (torch.randn(O, generator=g) * 0.1).to(dt) if case.get("bias", True) else None
+    w2 = (torch.randn(O, N, generator=g) * s2).to(dt)
+    b2 = (torch.randn(N, generator=g) * 0.1).to(dt) if case.get("bias", True) else None
+    return x, w1, b1, w2, b2
+
+
+def check_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Run each case on this rank (process group already set up by ``launch.spawn`` or absent for
+    world 1) with the reference backend; returns per-case errors against the float64 truth and the
+    max difference between this rank's output and rank 0's (all ranks must agree)."""
+    import torch.distributed as dist
+
+    from .ffn import FusedFFN, ShardedExperts
+
+    group = dist.group.WORLD if dist.is_initialized() else None
+    results = []
+    for case in cases:
+        if case.get("experts"):
+            x, rows, w_in, w_out, b_in, b_out = _case_inputs(case)
+            mod = ShardedExperts.from_full_weights(w_in, w_out, b_in, b_out, group=group,
+                                                   activation=case["act1"])
+            y = mod(x, rows)
+            truth = experts_truth(x, rows, w_in, w_out, b_in, b_out, case["act1"])
+        else:
+            x, w1, b1, w2, b2 = _case_inputs(case)
+            mod = FusedFFN.from_full_weights(w1, b1, w2, b2, group=group, act1=case["act1"],
+                                             act2=case.get("act2"))
+            y = mod(x)
+            truth = ffn_truth(x, w1, b1, w2, b2, case["act1"], case.get("act2") or "none")
+        y0 = y.clone()
+        if world > 1:
+            dist.broadcast(y0, 0, group=group)
+        results.append(dict(rel_err=rel_err(y, truth), shape=tuple(y.shape),
+                            dtype=str(y.dtype), rank_diff=(y.float() - y0.float()).abs().max()
+                            .item() if y.numel() else 0.0,
+                            tol=tolerance(y.dtype, case["O"])))
+    return results

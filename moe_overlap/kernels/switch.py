@@ -1,0 +1,715 @@
+"""All-reduce of finished row bands across the TP group: the communication blocks of the fused FFN.
+
+Three operations, two backends (``BACKENDS``):
+
+============  =====================================================  ==============================
+operation     ``switch`` (NVLink multicast address, NVLS)            ``unicast`` (peer addresses)
+============  =====================================================  ==============================
+load-reduce   ``multimem.ld_reduce.relaxed.sys.global.add.v4.f32``   G x ``ld.relaxed.sys.v4.f32``
+              (SASS ``LDGMC.E.ADD.F32x4.RN.STRONG.SYS``; the bf16    from every peer's buffer,
+              form ``...add.acc::f32.v4.bf16x2`` is                  summed in fp32
+              ``LDGMC.E.F32ADD.BF16x8.RN.STRONG.SYS``)
+store-all     ``multimem.st.relaxed.sys.global.v4.f32``              G x ``st.relaxed.sys.v4.f32``
+              (SASS ``STG.E.128.STRONG.SYS`` on the multicast VA)    to every peer's buffer
+flag-add-all  ``multimem.red.release.sys.global.add.u32``            G x ``red.release.sys.add.u32``
+              (SASS ``MEMBAR.ALL.SYS`` + ``REDG.E.ADD.STRONG.SYS``)  on every peer's flag
+============  =====================================================  ==============================
+
+Only the load-reduce has a multicast-specific SASS opcode (``LDGMC``) on sm_90a: ``multimem.st`` and
+``multimem.red`` assemble to the same ``STG``/``REDG`` as their unicast forms (the multicast is in
+the address mapping), so tests check them in the PTX and ``LDGMC`` in the SASS.
+
+NVLink multicast is FORBIDDEN on our machines: the ``switch`` backend is compiled (and its SASS
+checked) in tests, but every host entry point calls ``require_multicast()`` first, which refuses
+unless multicast is explicitly allowed AND available. Nothing here calls ``cuMulticastCreate``;
+a switch launch takes multicast addresses made elsewhere.
+
+Band all-reduce kernel (``build_band_allreduce``), communication CTAs only, G = world size
+(compile-time), fp32 accumulator ``acc [M, N]`` (row-major, contiguous, N % 4 == 0) in symmetric
+memory, bands of ``band_rows`` rows; CTA c owns bands c, c + grid, ... and walks them in 3 phases:
+
+1. ready: thread 0 waits (``ld.acquire.gpu``, bounded) until ``band_ready[b] - epoch >= 0``
+   (written with release semantics, gpu scope, by this GPU's compute blocks after their TMA
+   reduce-adds into the band completed, ``cp.async.bulk.wait_group`` + ``fence.proxy.async``);
+   ``bar.red.or`` shares the outcome and orders the CTA after the acquire; then
+   ``fence.acq_rel.sys`` + flag-add-all(arrive[b], 1): "my partial of band b is complete".
+2. reduce-scatter + all-gather: thread 0 waits (``ld.acquire.sys``, bounded) until the local
+   ``arrive[b] - expected[b] >= 0`` (every rank's partial is complete and, by the release/acquire
+   chain, visible); the CTA load-reduces chunk ``rank`` of the band (the band's 16-byte vectors cut
+   into G equal chunks) from all G accumulators, stores the fp32 sum to all G accumulators
+   (overwriting chunk ``rank`` everywhere; only this rank ever reads or writes chunk ``rank`` of a
+   band in this phase, and every thread's loads of a vector precede its stores of it), then
+   ``bar.sync`` + ``fence.acq_rel.sys`` + flag-add-all(done[b], 1).
+3. epilogue: thread 0 waits until ``done[b] - expected[b] >= 0`` (every chunk of the band holds the
+   total in the local accumulator), ``fence.proxy.alias`` (switch: the totals arrived through the
+   multicast alias of the memory read here through its unicast address), then every thread reads
+   its vectors of the band, adds b2 (bf16, optional), applies act2, writes bf16 ``out`` and, with
+   ``zero_acc``, zeroes the accumulator for the next call's reduce-adds (no rank touches this
+   band of this accumulator again in this call once done[b] is complete).
+
+Flags are monotone u32 counters in symmetric memory, never reset; ``epoch [1]`` (int32, device) is
+advanced on the stream before each call (first call: epoch 1) and ``expected[b]`` (int32, device,
+local) by G for every band the call covers, so no host int changes between calls of one shape and
+CUDA graphs replay; calls with fewer rows leave the later bands' counters and expectations alone. Comparisons
+are wrap-safe (signed difference). Every wait is bounded by ``%globaltimer`` (``timeout_ns`` since
+the CTA started); a timeout records (code, rank, band, observed, expected, elapsed) in the error
+buffer (``int64[8]``, first writer wins) and the CTA stops. All CTAs of all ranks must be
+co-resident (grid <= SMs left free by the compute blocks), as in any persistent spinning kernel.
+
+All pointers are 64-bit ints (``tensor.data_ptr()``); ``acc_remote`` / ``arrive_remote`` /
+``done_remote`` are multicast addresses (switch) or device pointers to ``int64[G]`` tables of every
+rank's address (unicast, own rank included). CuTe DSL is imported lazily.
+"""
+
+import functools
+import os
+
+BACKENDS = ("unicast", "switch")
+ACT2 = ("none", "relu", "gelu", "gelu_tanh", "silu")
+DEFAULT_THREADS = 512
+DEFAULT_UNROLL = 2
+DEFAULT_BAND_ROWS = 128
+DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s
+ERR_WORDS = 8
+ERR_READY_TIMEOUT = 11  # this GPU's compute blocks never marked the band ready
+ERR_ARRIVE_TIMEOUT = 12  # some rank's partial of the band never arrived
+ERR_DONE_TIMEOUT = 13  # some rank never finished its chunk of the band
+ERR_NAMES = {ERR_READY_TIMEOUT: "band all-reduce timed out waiting for band_ready (local compute)",
+             ERR_ARRIVE_TIMEOUT: "band all-reduce timed out waiting for every rank's partial",
+             ERR_DONE_TIMEOUT: "band all-reduce timed out waiting for every rank's reduced chunk"}
+
+# Environment switches that mean "no NVLink multicast here" (all set on our machines).
+MULTICAST_DISABLERS = (("NVSHMEM_DISABLE_NVLS", "1"), ("NCCL_NVLS_ENABLE", "0"),
+                       ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))
+ALLOW_ENV = "MOE_OVERLAP_ALLOW_MULTICAST"
+
+
+# ---------------------------------------------------------------- multicast guard (host)
+def _truthy(v: str) -> bool:
+    return v.strip().lower() in ("1", "true", "yes", "on")
+
+
+def multicast_unavailable_reason(allow: bool | None = None, device=None) -> str | None:
+    """Why the ``switch`` backend may not run here (None when it may). Never creates a multicast
+    object: it only reads the environment and a device attribute."""
+    allowed = _truthy(os.environ.get(ALLOW_ENV, "")) if allow is None else bool(allow)
+    if not allowed:
+        return (f"NVLink multicast is not explicitly allowed (set {ALLOW_ENV}=1 or pass "
+                f"allow=True where multicast is permitted; it is forbidden on the shared machines)")
+    for name, off in MULTICAST_DISABLERS:
+        v = os.environ.get(name)
+        if v is not None and (v.strip() == off or (off == "1" and _truthy(v))):
+            return f"NVLink multicast is disabled in this environment ({name}={v})"
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        idx = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    except Exception as e:  # pragma: no cover
+        return f"CUDA is not usable: {e}"
+    try:
+        import cuda.bindings.driver as drv
+        err, dev = drv.cuDeviceGet(idx)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return f"cuDeviceGet({idx}) failed: {err}"
+        err, ok = drv.cuDeviceGetAttribute(
+            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev)
+        if err != drv.CUresult.CUDA_SUCCESS or not ok:
+            return f"device {idx} does not support NVLink multicast"
+    except Exception as e:  # pragma: no cover
+        return f"cannot query multicast support: {e}"
+    return None
+
+
+def require_multicast(allow: bool | None = None, device=None) -> None:
+    """Raises RuntimeError unless NVLink multicast is explicitly allowed AND available."""
+    why = multicast_unavailable_reason(allow, device)
+    if why is not None:
+        raise RuntimeError(f"the 'switch' (NVLink multicast) backend refuses to run: {why}. "
+                           f"Use the 'unicast' backend.")
+
+
+# ---------------------------------------------------------------- device functions
+@functools.lru_cache(maxsize=None)
+def device_lib():
+    """Namespace of the CuTe DSL device functions (imports CuTe DSL on first use)."""
+    import types
+
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    def ptx(s, out=(), args=()):
+        return cute.arch.inline_ptx(s, write_only_types=list(out), read_only_args=list(args))
+
+    V4 = "{{$w0}, {$w1}, {$w2}, {$w3}}"
+
+    # -- switch: NVLink multicast addresses --
+    def mm_ld_reduce_v4_f32(mc_addr):
+        """Sum over every GPU of the 4 fp32 at the multicast address (fp32 add)."""
+        return ptx("multimem.ld_reduce.relaxed.sys.global.add.v4.f32 " + V4 + ", [{$r0}];",
+                   [Float32] * 4, [mc_addr])
+
+    def mm_ld_reduce_v4_bf16x2(mc_addr):
+        """Sum over every GPU of 8 bf16 (fp32 accumulation in the switch), packed bf16x2."""
+        return ptx("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 " + V4
+                   + ", [{$r0}];", [Int32] * 4, [mc_addr])
+
+    def mm_st_v4_f32(mc_addr, v):
+        ptx("multimem.st.relaxed.sys.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+            (), [mc_addr, v[0], v[1], v[2], v[3]])
+
+    def mm_red_release_add_u32(mc_addr, val):
+        ptx("multimem.red.release.sys.global.add.u32 [{$r0}], {$r1};", (), [mc_addr, Int32(val)])
+
+    # -- unicast: one peer address at a time --
+    def ld_v4_f32_sys(addr):
+        return ptx("ld.relaxed.sys.global.v4.f32 " + V4 + ", [{$r0}];", [Float32] * 4, [addr])
+
+    def ld_v4_f32_cg(addr):
+        return ptx("ld.global.cg.v4.f32 " + V4 + ", [{$r0}];", [Float32] * 4, [addr])
+
+    def st_v4_f32_sys(addr, v):
+        ptx("st.relaxed.sys.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", (),
+            [addr, v[0], v[1], v[2], v[3]])
+
+    def st_v4_zero(addr):
+        ptx("st.global.v4.u32 [{$r0}], {{$r1}, {$r1}, {$r1}, {$r1}};", (), [addr, Int32(0)])
+
+    def red_release_sys_add_u32(addr, val):
+        ptx("red.release.sys.global.add.u32 [{$r0}], {$r1};", (), [addr, Int32(val)])
+
+    def uc_ld_reduce_v4_f32(peer_addrs, off):
+        """Load-reduce from every peer: all G loads issued before the adds (in flight together)."""
+        vs = [ld_v4_f32_sys(a + off) for a in peer_addrs]
+        s = list(vs[0])
+        for v in vs[1:]:
+            s = [s[j] + v[j] for j in range(4)]
+        return s
+
+    def uc_st_v4_f32(peer_addrs, off, v):
+        for a in peer_addrs:
+            st_v4_f32_sys(a + off, v)
+
+    # -- flags, fences, timer --
+    def ld_s64(addr):
+        return ptx("ld.global.s64 {$w0}, [{$r0}];", [Int64], [addr])
+
+    def ld_s32(addr):
+        return ptx("ld.global.s32 {$w0}, [{$r0}];", [Int32], [addr])
+
+    def st_s64(addr, v):
+        ptx("st.global.s64 [{$r0}], {$r1};", (), [addr, Int64(v)])
+
+    def ld_acquire_gpu_s32(addr):
+        return ptx("ld.acquire.gpu.global.s32 {$w0}, [{$r0}];", [Int32], [addr])
+
+    def ld_acquire_sys_s32(addr):
+        return ptx("ld.acquire.sys.global.s32 {$w0}, [{$r0}];", [Int32], [addr])
+
+    def ld_v2_u32(addr):
+        return ptx("ld.global.v2.u32 {{$w0}, {$w1}}, [{$r0}];", [Int32] * 2, [addr])
+
+    def st_v2_u32(addr, a, b):
+        ptx("st.global.v2.u32 [{$r0}], {{$r1}, {$r2}};", (), [addr, a, b])
+
+    def fence_acq_rel_sys():
+        ptx("fence.acq_rel.sys;")
+
+    def fence_proxy_alias():
+        ptx("fence.proxy.alias;")
+
+    def atom_cas_s64(addr, cmp, val):
+        return ptx("atom.relaxed.gpu.global.cas.b64 {$w0}, [{$r0}], {$r1}, {$r2};", [Int64],
+                   [addr, Int64(cmp), Int64(val)])
+
+    def block_any(pred):
+        """bar.sync on barrier 0 that ORs pred over the CTA (every thread must call it)."""
+        return ptx("{ .reg .pred p, q; setp.ne.s32 p, {$r0}, 0; bar.red.or.pred q, 0, p; "
+                   "selp.s32 {$w0}, 1, 0, q; }", [Int32], [Int32(pred)])
+
+    def as_f32(bits):
+        return ptx("mov.b32 {$w0}, {$r0};", [Float32], [bits])
+
+    def pack_bf16x2(lo, hi):
+        return ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", [Int32], [hi, lo])
+
+    def act(x, name):
+        """act2 on one fp32 value (name is a Python constant)."""
+        if name == "none":
+            return x
+        if name == "relu":
+            return cute.arch.fmax(x, Float32(0.0))
+        if name == "silu":
+            return x / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
+        if name == "gelu":
+            return Float32(0.5) * x * (Float32(1.0) + cute.math.erf(x * Float32(0.7071067811865476)))
+        if name == "gelu_tanh":
+            u = Float32(0.7978845608028654) * (x + Float32(0.044715) * x * x * x)
+            return Float32(0.5) * x * (Float32(1.0) + cute.math.tanh(u, fastmath=True))
+        raise ValueError(f"act2={name!r}")
+
+    @cute.jit
+    def record_error(err: Int64, code: Int32, rank: Int32, band: Int32, observed: Int64,
+                     expected: Int64, elapsed: Int64):
+        """First error wins (atom.cas on word 0); one thread calls it."""
+        old = atom_cas_s64(err, Int64(0), Int64(code))
+        if old == Int64(0):
+            st_s64(err + Int64(8), Int64(rank))
+            st_s64(err + Int64(16), Int64(band))
+            st_s64(err + Int64(24), Int64(band))
+            st_s64(err + Int64(32), observed)
+            st_s64(err + Int64(40), expected)
+            st_s64(err + Int64(48), elapsed)
+            fence_acq_rel_sys()
+
+    @cute.jit
+    def wait_ge_gpu(addr: Int64, expected: Int32, t0: Int64, timeout_ns: Int64):
+        """Spin (ld.acquire.gpu) until ``*addr - expected >= 0`` (wrap-safe) or timeout.
+        Returns (timed_out, last value, elapsed ns)."""
+        v = ld_acquire_gpu_s32(addr)
+        timed_out = Int32(0)
+        elapsed = Int64(0)
+        while v - expected < Int32(0) and timed_out == Int32(0):
+            elapsed = cute.arch.globaltimer() - t0
+            if elapsed > timeout_ns:
+                timed_out = Int32(1)
+            v = ld_acquire_gpu_s32(addr)
+        if v - expected >= Int32(0):
+            timed_out = Int32(0)
+        return timed_out, v, elapsed
+
+    @cute.jit
+    def wait_ge_sys(addr: Int64, expected: Int32, t0: Int64, timeout_ns: Int64):
+        """Same as wait_ge_gpu with ld.acquire.sys (flags written by other GPUs)."""
+        v = ld_acquire_sys_s32(addr)
+        timed_out = Int32(0)
+        elapsed = Int64(0)
+        while v - expected < Int32(0) and timed_out == Int32(0):
+            elapsed = cute.arch.globaltimer() - t0
+            if elapsed > timeout_ns:
+                timed_out = Int32(1)
+            v = ld_acquire_sys_s32(addr)
+        if v - expected >= Int32(0):
+            timed_out = Int32(0)
+        return timed_out, v, elapsed
+
+    return types.SimpleNamespace(**{k: v for k, v in locals().items()
+                                    if callable(v) and not k.startswith("_")})
+
+
+# ---------------------------------------------------------------- band all-reduce kernel
+def _check_options(world, backend, act2, threads, unroll):
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 16:
+        raise ValueError(f"world={world!r} must be an int in [1, 16]")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: choose from {BACKENDS}")
+    if act2 not in ACT2:
+        raise ValueError(f"act2={act2!r}: choose from {ACT2}")
+    if threads % 32 or not world <= threads <= 1024 or threads < 32:
+        raise ValueError(f"threads={threads} must be a multiple of 32 in [32, 1024]")
+    if unroll < 1 or unroll > 8:
+        raise ValueError(f"unroll={unroll} must be in [1, 8]")
+
+
+def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none",
+                         threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
+                         zero_acc: bool = True):
+    """The @cute.jit launcher of one (world, backend, act2, threads, unroll, zero_acc) variant.
+    Arguments: see ``ARG_NAMES`` (ints), then a ``CUstream``."""
+    _check_options(world, backend, act2, threads, unroll)
+    import cutlass
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32, Int64
+
+    L = device_lib()
+    G, NT, U = world, threads, unroll
+    SWITCH = backend == "switch"
+    ACT = act2
+    ZERO = bool(zero_acc)
+
+    @cute.jit
+    def reduce_chunk(acc_r: Int64, peers, v0: Int64, lo: Int64, hi: Int64, tidx: Int32):
+        """Vectors [lo, hi) of the band starting at vector v0: load-reduce from all, store to all;
+        U vectors (G loads each) in flight per thread."""
+        i = lo + Int64(tidx)
+        step = Int64(NT * U)
+        while i + Int64((U - 1) * NT) < hi:
+            sums = []
+            for u in cutlass.range_constexpr(U):
+                off = (v0 + i + Int64(u * NT)) * Int64(16)
+                if cutlass.const_expr(SWITCH):
+                    sums.append(L.mm_ld_reduce_v4_f32(acc_r + off))
+                else:
+                    sums.append(L.uc_ld_reduce_v4_f32(peers, off))
+            for u in cutlass.range_constexpr(U):
+                off = (v0 + i + Int64(u * NT)) * Int64(16)
+                if cutlass.const_expr(SWITCH):
+                    L.mm_st_v4_f32(acc_r + off, sums[u])
+                else:
+                    L.uc_st_v4_f32(peers, off, sums[u])
+            i = i + step
+        while i < hi:
+            off = (v0 + i) * Int64(16)
+            if cutlass.const_expr(SWITCH):
+                L.mm_st_v4_f32(acc_r + off, L.mm_ld_reduce_v4_f32(acc_r + off))
+            else:
+                L.uc_st_v4_f32(peers, off, L.uc_ld_reduce_v4_f32(peers, off))
+            i = i + Int64(NT)
+
+    @cute.jit
+    def flag_add_all(flag_r: Int64, fpeers, boff: Int64, tidx: Int32):
+        """+1 on flag[b] of every rank, release at sys scope (after a bar.sync of the CTA)."""
+        if cutlass.const_expr(SWITCH):
+            if tidx == Int32(0):
+                L.fence_acq_rel_sys()
+                L.mm_red_release_add_u32(flag_r + boff, 1)
+        else:
+            if tidx == Int32(0):
+                L.fence_acq_rel_sys()
+                for p in cutlass.range_constexpr(G):
+                    L.red_release_sys_add_u32(fpeers[p] + boff, 1)
+
+    @cute.jit
+    def epilogue(acc: Int64, out: Int64, b2: Int64, v0: Int64, nvec: Int64, ncols4: Int64,
+                 tidx: Int32):
+        """Vectors [0, nvec) of the band at vector v0: (+ b2), act2, bf16 out, (zero acc)."""
+        i = Int64(tidx)
+        while i < nvec:
+            gv = v0 + i
+            v = L.ld_v4_f32_cg(acc + gv * Int64(16))
+            x = [v[0], v[1], v[2], v[3]]
+            if b2 != Int64(0):
+                c4 = gv - (gv // ncols4) * ncols4  # column / 4
+                w = L.ld_v2_u32(b2 + c4 * Int64(8))
+                x[0] = x[0] + L.as_f32(w[0] << Int32(16))
+                x[1] = x[1] + L.as_f32(w[0] & Int32(-65536))
+                x[2] = x[2] + L.as_f32(w[1] << Int32(16))
+                x[3] = x[3] + L.as_f32(w[1] & Int32(-65536))
+            y = [L.act(x[j], ACT) for j in range(4)]
+            L.st_v2_u32(out + gv * Int64(8), L.pack_bf16x2(y[0], y[1]),
+                        L.pack_bf16x2(y[2], y[3]))
+            if cutlass.const_expr(ZERO):
+                L.st_v4_zero(acc + gv * Int64(16))
+            i = i + Int64(NT)
+
+    @cute.kernel
+    def band_allreduce_kernel(acc: Int64, acc_remote: Int64, out: Int64, b2: Int64, M: Int32,
+                              N: Int32, band_rows: Int32, band_ready: Int64, arrive: Int64,
+                              arrive_remote: Int64, done: Int64, done_remote: Int64,
+                              expected: Int64, epoch_ptr: Int64, err: Int64, timeout_ns: Int64,
+                              rank: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        tidx = Int32(tidx)
+        bidx = Int32(bidx)
+        nblk = Int32(nblk)
+        t_start = cute.arch.globaltimer()
+        epoch = L.ld_s32(epoch_ptr)
+        nbands = (M + band_rows - Int32(1)) // band_rows
+        ncols4 = Int64(N // Int32(4))
+        # peer tables (unicast): G addresses each, kept in registers
+        acc_p = []
+        arr_p = []
+        done_p = []
+        if cutlass.const_expr(not SWITCH):
+            for p in cutlass.range_constexpr(G):
+                acc_p.append(L.ld_s64(acc_remote + Int64(p * 8)))
+                arr_p.append(L.ld_s64(arrive_remote + Int64(p * 8)))
+                done_p.append(L.ld_s64(done_remote + Int64(p * 8)))
+        failed = Int32(0)
+
+        # ---- phase 1: local partial complete -> arrive[b] += 1 on every rank
+        b = bidx
+        while b < nbands and failed == Int32(0):
+            to = Int32(0)
+            if tidx == Int32(0):
+                t, v, el = L.wait_ge_gpu(band_ready + Int64(b) * Int64(4), epoch, t_start,
+                                         timeout_ns)
+                if t != Int32(0):
+                    to = Int32(1)
+                    L.record_error(err, Int32(ERR_READY_TIMEOUT), rank, b, Int64(v),
+                                   Int64(epoch), el)
+            failed = L.block_any(to)
+            if failed == Int32(0):
+                flag_add_all(arrive_remote, arr_p, Int64(b) * Int64(4), tidx)
+            b = b + nblk
+
+        # ---- phase 2: all partials arrived -> reduce-scatter + all-gather chunk `rank`
+        b = bidx
+        while b < nbands and failed == Int32(0):
+            to = Int32(0)
+            if tidx == Int32(0):
+                exp_b = L.ld_s32(expected + Int64(b) * Int64(4))
+                t, v, el = L.wait_ge_sys(arrive + Int64(b) * Int64(4), exp_b, t_start,
+                                         timeout_ns)
+                if t != Int32(0):
+                    to = Int32(1)
+                    L.record_error(err, Int32(ERR_ARRIVE_TIMEOUT), rank, b, Int64(v),
+                                   Int64(exp_b), el)
+            failed = L.block_any(to)
+            if failed == Int32(0):
+                row0 = b * band_rows
+                rows = M - row0
+                if rows > band_rows:
+                    rows = band_rows
+                v0 = Int64(row0) * ncols4
+                nvec = Int64(rows) * ncols4
+                per = (nvec + Int64(G - 1)) // Int64(G)
+                lo = Int64(rank) * per
+                hi = lo + per
+                if hi > nvec:
+                    hi = nvec
+                reduce_chunk(acc_remote, acc_p, v0, lo, hi, tidx)
+                cute.arch.barrier()
+                flag_add_all(done_remote, done_p, Int64(b) * Int64(4), tidx)
+            b = b + nblk
+
+        # ---- phase 3: every chunk reduced -> + b2, act2, bf16 out (, zero acc)
+        b = bidx
+        while b < nbands and failed == Int32(0):
+            to = Int32(0)
+            if tidx == Int32(0):
+                exp_b = L.ld_s32(expected + Int64(b) * Int64(4))
+                t, v, el = L.wait_ge_sys(done + Int64(b) * Int64(4), exp_b, t_start,
+                                         timeout_ns)
+                if t != Int32(0):
+                    to = Int32(1)
+                    L.record_error(err, Int32(ERR_DONE_TIMEOUT), rank, b, Int64(v),
+                                   Int64(exp_b), el)
+            failed = L.block_any(to)
+            if failed == Int32(0):
+                if cutlass.const_expr(SWITCH):
+                    L.fence_proxy_alias()
+                row0 = b * band_rows
+                rows = M - row0
+                if rows > band_rows:
+                    rows = band_rows
+                epilogue(acc, out, b2, Int64(row0) * ncols4, Int64(rows) * ncols4, ncols4, tidx)
+            b = b + nblk
+
+    @cute.jit
+    def launch(acc: Int64, acc_remote: Int64, out: Int64, b2: Int64, M: Int32, N: Int32,
+               band_rows: Int32, band_ready: Int64, arrive: Int64, arrive_remote: Int64,
+               done: Int64, done_remote: Int64, expected: Int64, epoch_ptr: Int64, err: Int64,
+               timeout_ns: Int64, rank: Int32, grid: Int32, stream: cuda.CUstream):
+        band_allreduce_kernel(acc, acc_remote, out, b2, M, N, band_rows, band_ready, arrive,
+                              arrive_remote, done, done_remote, expected, epoch_ptr, err,
+                              timeout_ns, rank).launch(grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+
+    return launch
+
+
+ARG_NAMES = ("acc", "acc_remote", "out", "b2", "M", "N", "band_rows", "band_ready", "arrive",
+             "arrive_remote", "done", "done_remote", "expected", "epoch", "err", "timeout_ns",
+             "rank", "grid")
+_INT32_ARGS = {"M", "N", "band_rows", "rank", "grid"}
+
+
+def example_args():
+    """Placeholder arguments for ``cute.compile`` (no GPU needed)."""
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    return [Int32(1) if n in _INT32_ARGS else Int64(0) for n in ARG_NAMES] + [cuda.CUstream(0)]
+
+
+def compile_band_allreduce(world: int, backend: str = "unicast", act2: str = "none",
+                           threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
+                           zero_acc: bool = True, keep: bool = False):
+    """cute.compile one variant (``CUTE_DSL_ARCH=sm_90a`` compiles without a GPU). With
+    ``keep=True`` the result carries ``__ptx__`` and ``__cubin__`` for inspection."""
+    import cutlass.cute as cute
+    launch = build_band_allreduce(world, backend, act2, threads, unroll, zero_acc)
+    if keep:
+        return cute.compile[cute.KeepPTX(), cute.KeepCUBIN()](launch, *example_args())
+    return cute.compile(launch, *example_args())
+
+
+def find_nvdisasm() -> str | None:
+    """Path of an nvdisasm binary (PATH, the nvidia-cuda-nvdisasm wheel, /usr/local/cuda*), or
+    None."""
+    import glob
+    import shutil
+    p = shutil.which("nvdisasm")
+    if p:
+        return p
+    try:
+        from importlib import metadata
+        for f in metadata.distribution("nvidia-cuda-nvdisasm").files or ():
+            if f.name == "nvdisasm":
+                return str(f.locate())
+    except Exception:  # noqa: BLE001 - wheel not installed
+        pass
+    found = sorted(glob.glob("/usr/local/cuda*/bin/nvdisasm"))
+    return found[-1] if found else None
+
+
+def sass_of(cubin: bytes, nvdisasm: str | None = None) -> str:
+    """SASS text of a cubin (raises RuntimeError when no nvdisasm is found)."""
+    import subprocess
+    import tempfile
+    tool = nvdisasm or find_nvdisasm()
+    if tool is None:
+        raise RuntimeError("no nvdisasm found (pip install nvidia-cuda-nvdisasm)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin if isinstance(cubin, bytes) else cubin.encode())
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], check=True, capture_output=True,
+                              text=True).stdout
+
+
+def describe_error(err_host) -> str | None:
+    """Text of an error buffer read back to the host (None when clear)."""
+    code = int(err_host[0])
+    if code == 0:
+        return None
+    rank, band, _, obs, exp, el = (int(v) for v in err_host[1:7])
+    what = ERR_NAMES.get(code, f"device error code {code}")
+    return (f"{what}: rank {rank}, band {band}: flag={obs}, expected>={exp} after {el / 1e6:.1f} "
+            f"ms (a rank not launched, stalled, timed out earlier, or epochs out of step)")
+
+
+# ---------------------------------------------------------------- host side
+class BandAllReduce:
+    """Band all-reduce of an fp32 ``[M, N]`` accumulator over a process group of G CUDA ranks,
+    then ``out = act2(sum + b2)`` in bf16 on every rank.
+
+    Owns (per rank): one symmetric allocation (torch symmetric memory, CUDA backend, multicast off)
+    holding ``acc [max_rows, N]`` fp32 and the ``arrive`` / ``done`` u32 counters, the local
+    ``band_ready`` flags, ``epoch`` and the error buffer. Typical use::
+
+        ar = BandAllReduce(max_rows, N, group, act2="silu")
+        ar.acc[:M].copy_(partial)            # or let compute blocks reduce-add into ar.acc
+        out = ar(M, b2=b2)                   # bf16 [M, N], identical on every rank
+        ar.check()                           # optional: syncs, raises on a device timeout
+
+    ``__call__`` marks every band ready itself (standalone use); a producer kernel instead
+    passes ``mark_ready=False`` and writes ``band_ready[b] = epoch`` (release, gpu scope).
+    ``backend="switch"`` calls ``require_multicast()`` first (refused on our machines).
+    """
+
+    def __init__(self, max_rows: int, N: int, group=None, *, backend: str = "unicast",
+                 act2: str = "none", band_rows: int = DEFAULT_BAND_ROWS, ccta: int | None = None,
+                 threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
+                 zero_acc: bool = True, timeout_ns: int = DEFAULT_TIMEOUT_NS):
+        import torch
+        import torch.distributed as dist
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: choose from {BACKENDS}")
+        if act2 is None:
+            act2 = "none"
+        if act2 not in ACT2:
+            raise ValueError(f"act2={act2!r}: choose from {ACT2}")
+        for name, v in (("max_rows", max_rows), ("N", N), ("band_rows", band_rows)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive int")
+        if N % 4:
+            raise ValueError(f"N={N} must be a multiple of 4 (16-byte fp32 vectors)")
+        if backend == "switch":
+            require_multicast()
+        if not torch.cuda.is_available():
+            raise RuntimeError("BandAllReduce needs CUDA GPUs (use the reference backend on CPU)")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("BandAllReduce needs an initialized torch.distributed process "
+                               "group (NCCL)")
+        _check_options(dist.get_world_size(group), backend, act2, threads, unroll)
+        # our own symmetric memory never asks for multicast (setdefault: only if unset)
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.max_rows, self.N, self.band_rows = max_rows, N, band_rows
+        self.backend, self.act2, self.timeout_ns = backend, act2, int(timeout_ns)
+        self.threads, self.unroll, self.zero_acc = threads, unroll, zero_acc
+        dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.max_bands = -(-max_rows // band_rows)
+        acc_bytes = max_rows * N * 4
+        flag_off = (acc_bytes + 255) // 256 * 256
+        flag_bytes = (self.max_bands * 4 + 255) // 256 * 256
+        total = flag_off + 2 * flag_bytes
+        self._buf = symm_mem.empty(total, dtype=torch.uint8, device=dev)
+        self._buf.zero_()
+        self._hdl = symm_mem.rendezvous(self._buf, self.group)
+        self.acc = self._buf[:acc_bytes].view(torch.float32).view(max_rows, N)
+        self.arrive = self._buf[flag_off:flag_off + self.max_bands * 4].view(torch.int32)
+        self.done = self._buf[flag_off + flag_bytes:
+                              flag_off + flag_bytes + self.max_bands * 4].view(torch.int32)
+        ptrs = [int(p) for p in self._hdl.buffer_ptrs]
+        if backend == "switch":
+            mc = int(self._hdl.multicast_ptr)
+            if mc == 0:
+                raise RuntimeError("the symmetric buffer has no multicast address (multicast "
+                                   "was not set up by torch symmetric memory)")
+            self._remote = (mc, mc + flag_off, mc + flag_off + flag_bytes)
+            self._tables = None
+        else:
+            self._tables = torch.tensor(
+                [ptrs, [p + flag_off for p in ptrs], [p + flag_off + flag_bytes for p in ptrs]],
+                dtype=torch.int64, device=dev)
+            self._remote = tuple(int(self._tables[i].data_ptr()) for i in range(3))
+        self.band_ready = torch.zeros(self.max_bands, dtype=torch.int32, device=dev)
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.expected = torch.zeros(self.max_bands, dtype=torch.int32, device=dev)
+        self.err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=dev)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.ccta = int(ccta) if ccta is not None else sms
+        if not 1 <= self.ccta <= sms:
+            raise ValueError(f"ccta={self.ccta} must be in [1, {sms}] (CTAs must be co-resident)")
+        self._fn = None
+        torch.cuda.synchronize(dev)
+        dist.barrier(group=self.group)  # every rank's counters are zero before anyone signals
+
+    def compile(self):
+        if self._fn is None:
+            self._fn = compile_band_allreduce(self.world, self.backend, self.act2, self.threads,
+                                              self.unroll, self.zero_acc)
+        return self._fn
+
+    def __call__(self, M: int, b2=None, out=None, *, mark_ready: bool = True, stream=None):
+        """All-reduce rows [0, M) of ``self.acc`` (same M on every rank); returns ``out``
+        (bf16 [M, N], allocated when None). Never synchronizes."""
+        import torch
+        import cuda.bindings.driver as cuda
+        if isinstance(M, bool) or not isinstance(M, int) or not 0 <= M <= self.max_rows:
+            raise ValueError(f"M={M!r} must be an int in [0, max_rows={self.max_rows}]")
+        if out is None:
+            out = torch.empty(M, self.N, dtype=torch.bfloat16, device=self.device)
+        elif (out.dtype != torch.bfloat16 or tuple(out.shape) != (M, self.N)
+              or not out.is_contiguous() or out.device != self.device):
+            raise ValueError(f"out must be a contiguous bf16 [{M}, {self.N}] tensor on "
+                             f"{self.device}")
+        if b2 is not None and (b2.dtype != torch.bfloat16 or tuple(b2.shape) != (self.N,)
+                               or not b2.is_contiguous() or b2.device != self.device
+                               or b2.data_ptr() % 8):
+            raise ValueError(f"b2 must be a contiguous, 8-byte aligned bf16 [{self.N}] tensor "
+                             f"on {self.device}")
+        fn = self.compile()
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        if M == 0:
+            return out
+        nb = -(-M // self.band_rows)
+        with torch.cuda.stream(stream):  # device-side bookkeeping, no host sync
+            self.epoch.add_(1)
+            self.expected[:nb].add_(self.world)  # bands [0, nb) get G arrivals / G chunks
+            if mark_ready:
+                self.band_ready[:nb].copy_(self.epoch.expand(nb))
+        fn(self.acc.data_ptr(), self._remote[0], out.data_ptr(),
+           0 if b2 is None else b2.data_ptr(), M, self.N, self.band_rows,
+           self.band_ready.data_ptr(), self.arrive.data_ptr(), self._remote[1],
+           self.done.data_ptr(), self._remote[2], self.expected.data_ptr(),
+           self.epoch.data_ptr(), self.err.data_ptr(),
+           self.timeout_ns, self.rank, min(self.ccta, nb), cuda.CUstream(stream.cuda_stream))
+        return out
+
+    def check(self):
+        """Synchronize and raise RuntimeError if the kernel recorded a timeout."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        msg = describe_error(self.err.tolist())
+        if msg:
+            raise RuntimeError(msg)

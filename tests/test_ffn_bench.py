@@ -1,0 +1,45 @@
+"""bench/bench_ffn.py imports and parses its arguments on a CPU machine (it runs on GPUs only)."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_ffn.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_ffn", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_issue_shapes_and_defaults(bench):
+    a = bench.parse_args([])
+    assert a.tokens == 8192 and a.shape_names == list(bench.SHAPES)
+    assert bench.SHAPES["llama3-70b"] == (8192, 28672)
+    assert bench.SHAPES["deepseek-v3-expert"] == (7168, 2048)
+    assert len(bench.SHAPES) == 7
+    rows = bench.plan(a, 2)
+    assert all(r["divisible"] and r["N"] == r["P"] for r in rows)
+    r = next(r for r in rows if r["shape"] == "llama3-8b")
+    assert r["O_local"] == 7168 and r["acc_bytes_fp32"] == 8192 * 4096 * 4
+
+
+def test_argument_errors(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shapes", "gpt-5"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--act1", "tanh"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tokens", "0"])
+    a = bench.parse_args(["--shapes", "mixtral-8x7b-expert,llama4-scout-shared", "--quick"])
+    assert a.shape_names == ["mixtral-8x7b-expert", "llama4-scout-shared"] and a.rounds == 10
+
+
+def test_dry_run_prints_plan(bench, capsys):
+    assert bench.main(["--dry-run", "--world", "4", "--shapes", "llama3-8b"]) == 0
+    row = json.loads(capsys.readouterr().out.strip())
+    assert row["O_local"] == 14336 // 4

@@ -1,0 +1,98 @@
+"""2-GPU checks of the band all-reduce (unicast backend) against NCCL ``all_reduce``. Skipped
+without 2 CUDA GPUs or CuTe DSL. One spawn of 2 NCCL ranks runs every check; the lead runs it with
+``NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` set (never
+multicast).
+
+Per rank, each check: fp32 partials written into the symmetric accumulator, the kernel's bf16
+output compared with ``act2(all_reduce(partial) + b2)`` computed in fp32 from NCCL's fp32 sum
+(tolerance: one bf16 rounding), and the accumulator zeroed afterwards:
+  - shapes with a ragged last band, N not a multiple of the band chunking, several CTAs per band
+    set, every act2, b2 present / absent, three consecutive calls (epochs 1..3, counters never
+    reset), a call with fewer rows than the previous one, then more again;
+  - a timeout: band_ready never set (mark_ready=False) -> check() raises naming the band.
+The switch backend is not run (multicast is forbidden); its refusal is tested on CPU.
+"""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+from moe_overlap.launch import spawn  # noqa: E402
+
+CASES = [  # (M, N, act2, bias, band_rows, ccta)
+    (256, 512, "none", False, 128, 2),
+    (300, 1024, "silu", True, 128, 3),  # ragged last band
+    (77, 4096, "gelu", True, 64, 132),  # fewer rows than the previous call
+    (1000, 264, "relu", True, 32, 8),  # N / 4 not a multiple of G * threads
+    (1000, 264, "gelu_tanh", False, 32, 8),
+]
+
+
+def _ref(partial, b2, act2):
+    import torch.distributed as dist
+    from moe_overlap.ffn_reference import activation
+    s = partial.clone()
+    dist.all_reduce(s)
+    if b2 is not None:
+        s += b2.float()
+    return activation(s, act2)
+
+
+def _worker(rank, world):
+    import os
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    from moe_overlap.kernels.switch import BandAllReduce
+    dev = torch.device("cuda", rank)
+    res = []
+    ars = {}
+    for i, (M, N, act2, bias, band_rows, ccta) in enumerate(CASES):
+        key = (N, act2, band_rows)
+        if key not in ars:
+            ars[key] = BandAllReduce(1024, N, backend="unicast", act2=act2, band_rows=band_rows,
+                                     ccta=min(ccta, 132), timeout_ns=5_000_000_000)
+        ar = ars[key]
+        g = torch.Generator(device=dev).manual_seed(1000 * i + rank)
+        b2 = (torch.randn(N, generator=g, device=dev) * 0.1).to(torch.bfloat16) if bias else None
+        if b2 is not None:
+            torch.distributed.broadcast(b2, 0)
+        for call in range(3):
+            partial = torch.randn(M, N, generator=g, device=dev)
+            ar.acc[:M].copy_(partial)
+            out = ar(M, b2=b2)
+            ar.check()
+            ref = _ref(partial, b2, act2)
+            err = ((out.float() - ref).abs() / (ref.abs() + 1e-2)).max().item()
+            zeroed = bool((ar.acc[:M] == 0).all().item())
+            res.append(dict(case=i, call=call, err=err, zeroed=zeroed))
+    # timeout: nobody marks the bands ready
+    ar = next(iter(ars.values()))
+    ar.timeout_ns = 200_000_000
+    ar(64, mark_ready=False)
+    try:
+        ar.check()
+        res.append(dict(timeout="no error"))
+    except RuntimeError as e:
+        res.append(dict(timeout=str(e)))
+    return res
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(_worker, 2, backend="nccl")
+
+
+def test_unicast_allreduce_matches_nccl(results):
+    for rank_res in results:
+        for r in rank_res[:-1]:
+            assert r["err"] < 1e-2, r  # one bf16 rounding of the fp32 result
+            assert r["zeroed"], r
+
+
+def test_timeout_is_reported(results):
+    for rank_res in results:
+        msg = rank_res[-1]["timeout"]
+        assert "timed out waiting for band_ready" in msg and "band 0" in msg, msg
