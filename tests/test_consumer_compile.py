@@ -78,3 +78,32 @@ def test_bad_options_raise_before_compiling():
         build_consumer("nvlink", unroll=0)
     with pytest.raises(ValueError, match="topk"):
         build_scale(0)
+
+
+def test_launch_cache_reuses_packed_args(monkeypatch):
+    from moe_overlap.kernels.primitives import LaunchCache
+
+    class Fake:
+        def __init__(self):
+            self.packs, self.runs, self.calls = 0, [], 0
+
+        def generate_execution_args(self, *args):
+            self.packs += 1
+            return ([a for a in args[:-1]], None)
+
+        def run_compiled_program(self, exe):
+            self.runs.append(list(exe))
+
+        def __call__(self, *args):
+            self.calls += 1
+
+    f = Fake()
+    monkeypatch.setenv("MOE_OVERLAP_FAST_LAUNCH", "0")
+    LaunchCache(f)((1, 2), 0)
+    assert f.calls == 1 and f.packs == 0
+    monkeypatch.setenv("MOE_OVERLAP_FAST_LAUNCH", "1")
+    lc = LaunchCache(f)
+    lc((1, 2), 0)
+    lc((1, 2), 0)
+    lc((1, 3), 0)
+    assert f.packs == 2 and f.runs == [[1, 2], [1, 2], [1, 3]]

@@ -193,7 +193,7 @@ def _worker(rank, world, port, outdir):
             try:
                 ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N,
                                     topk=TOPK, max_tokens_per_rank=T_MAX, tile_m=TILE_M, ccta=8,
-                                    transport=tr, timeout_s=20.0, producer=prod)
+                                    transport=tr, timeout_s=10.0, producer=prod)
                 res[f"{tag}_producer"] = ov.producer_kind
                 if tag == "torchprod":  # the producer stand-in, to tell producer from consumer bugs
                     _forward_checks(ov, res, tag, seed=40)

@@ -217,3 +217,31 @@ def describe_error(err_host: list[int]) -> str | None:
         return (f"{what}: rank {rank}, source rank {index}: counter={obs}, expected>={exp} after "
                 f"{el / 1e6:.1f} ms (a peer's consumer did not run, timed out, or sent fewer rows)")
     return f"{what}: {list(err_host)}"
+
+
+class LaunchCache:
+    """Host-side launch helper for a CuTe-compiled function taking only ints + a stream.
+
+    ``fn(*args)`` spends ~60 us of its ~95 us per call in ``generate_execution_args`` (measured
+    on the consumer's 28 arguments). With ``MOE_OVERLAP_FAST_LAUNCH=1`` the packed arguments of
+    the last call are reused when the ints are unchanged (persistent buffers: the usual case) and
+    ``run_compiled_program`` is called directly. Off by default until measured on the GPU; CUDA
+    graphs avoid the host cost entirely."""
+
+    def __init__(self, fn):
+        import os
+        self.fn = fn
+        self.enabled = os.environ.get("MOE_OVERLAP_FAST_LAUNCH", "0") == "1" and all(
+            hasattr(fn, a) for a in ("generate_execution_args", "run_compiled_program"))
+        self._key = None
+        self._packed = None
+
+    def __call__(self, ints, stream_handle: int):
+        import cuda.bindings.driver as cuda
+        if not self.enabled:
+            return self.fn(*ints, cuda.CUstream(stream_handle))
+        key = (tuple(ints), int(stream_handle))
+        if key != self._key:
+            self._packed = self.fn.generate_execution_args(*ints, cuda.CUstream(stream_handle))
+            self._key = key
+        return self.fn.run_compiled_program(self._packed[0])

@@ -112,6 +112,7 @@ class Scale:
                  timeout_ns: int = DEFAULT_TIMEOUT_NS):
         self.topk, self.threads, self.timeout_ns = topk, threads, int(timeout_ns)
         self._fn = None
+        self._launcher = None
 
     def compile(self):
         if self._fn is None:
@@ -125,16 +126,19 @@ class Scale:
         import torch
         import cuda.bindings.driver as cuda
         fn = self.compile()
+        if self._launcher is None:
+            from .primitives import LaunchCache
+            self._launcher = LaunchCache(fn)
         T, N = out.shape
         n_chunks = N // 8
         if stream is None:
             stream = torch.cuda.current_stream(out.device)
         work = max(1, T * n_chunks)
         grid = max(1, min(num_sms * 2, (work + self.threads - 1) // self.threads))
-        fn(recv.data_ptr(), rows.data_ptr(), weights.data_ptr(), out.data_ptr(), T, n_chunks,
-           N * 2, counters.data_ptr(), expected.data_ptr(), counters.numel(), rank,
-           err.data_ptr(), self.timeout_ns, epoch.data_ptr(), int(slot_bytes), grid,
-           cuda.CUstream(stream.cuda_stream))
+        self._launcher((recv.data_ptr(), rows.data_ptr(), weights.data_ptr(), out.data_ptr(), T,
+                        n_chunks, N * 2, counters.data_ptr(), expected.data_ptr(),
+                        counters.numel(), rank, err.data_ptr(), self.timeout_ns, epoch.data_ptr(),
+                        int(slot_bytes), grid), stream.cuda_stream)
 
 
 def scale_torch(recv_slot, rows, weights):
