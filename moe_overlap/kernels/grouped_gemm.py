@@ -535,13 +535,13 @@ class GroupedGemm:
         if cluster_n not in (None, 1, 2):
             raise ValueError(f"cluster_n must be None, 1 or 2, got {cluster_n}")
         self.cluster_n = cluster_n
+        self._counters = {}
 
     def cluster_for(self, N):
         """Cluster size used for output width N."""
         if self.cluster_n is not None:
             return self.cluster_n
         return 2 if (N // self.tile_n) % 2 == 0 else 1
-        self._counters = {}
 
     # ---------------------------------------------------------------- validation
     def _check(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
