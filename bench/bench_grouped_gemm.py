@@ -163,10 +163,8 @@ def main():
         configs = {
             "def": (dict(base), cctas),
             "def-noflag": (dict(base, signal=False), [0]),
-            "cl2-sk3": (dict(base, signal_k_tile=3), [0]),
-            "cl2-sklast": (dict(base, signal_k_tile=-1), [0]),
-            "cl1": (dict(base, cluster_n=1), [0] if not args.cluster1_all else cctas),
-            "cl1-noflag": (dict(base, cluster_n=1, signal=False), [0]),
+            "sw": (dict(base, store_warp=True), cctas),
+            "sw-noflag": (dict(base, store_warp=True, signal=False), [0]),
         }
         results.append(run_shape(T, N, K, E, configs, args.rounds))
     doc = dict(bench="grouped_gemm", device=torch.cuda.get_device_name(),
@@ -179,7 +177,7 @@ def main():
         json.dump(doc, f, indent=1)
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
-    for cfg in ("def", "cl1"):
+    for cfg in ("def", "sw"):
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:

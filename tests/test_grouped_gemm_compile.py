@@ -27,7 +27,8 @@ def gg_mod():
 @pytest.mark.parametrize("tile_m,tile_n,signal,extra", [
     (128, 256, True, {}), (64, 256, True, {}), (128, 128, True, {}), (128, 256, False, {}),
     (128, 256, True, dict(b_evict_last=True, epi_n=64, epi_stages=2)),
-    (128, 256, True, dict(cluster_n=1, signal_k_tile=3)), (64, 128, True, dict(cluster_n=1))])
+    (128, 256, True, dict(cluster_n=1, signal_k_tile=3)), (64, 128, True, dict(cluster_n=1)),
+    (128, 256, True, dict(store_warp=True)), (64, 128, False, dict(store_warp=True))])
 def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, signal, extra):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     g = gg_mod.GroupedGemm(tile_m=tile_m, tile_n=tile_n, signal=signal, **extra)

@@ -82,7 +82,7 @@ def _kernel_class():
 
     class _GroupedGemmKernel:
         def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
-                     epi_stages=4, b_evict_last=False, cluster_n=1):
+                     epi_stages=4, b_evict_last=False, cluster_n=1, store_warp=False):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
             self.req_stages = stages
@@ -101,11 +101,20 @@ def _kernel_class():
             self.threads_per_wg = 128
             self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
             self.load_warp_id = 0
-            self.epi_store_warp_id = 4  # first warp of the first consumer warpgroup
+            # store_warp: TMA stores + flags from warp 1 (idle in the producer warpgroup), so no
+            # consumer warp ever waits on memory; else from the first consumer warp.
+            self.store_warp = store_warp
+            self.epi_store_warp_id = 1 if store_warp else 4
             self.load_regs = 40
             self.mma_regs = 232 if self.num_mma_wg == 2 else 240
             self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
             self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+            # store_warp handshake per epilogue sub-tile (consumer threads + the store warp):
+            # FULL: consumers bar.arrive after writing the smem buffer, store warp bar.sync;
+            # EMPTY: store warp bar.arrive once the buffer is free, consumers bar.sync before
+            # writing it.  Each side alternates arrive/sync, so generations never mix.
+            self.epi_full = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_mma_threads + 32)
+            self.epi_empty = pipeline.NamedBarrier(barrier_id=3, num_threads=self.num_mma_threads + 32)
             self.buffer_align_bytes = 1024
 
         # ---------------------------------------------------------------- host-side setup
@@ -306,6 +315,40 @@ def _kernel_class():
                     t = t + gdim
                 mainloop_pipeline.producer_tail(prod_state)
 
+            # ------------------------------------------------------------ store warp (option)
+            if cutlass.const_expr(self.store_warp):
+                if warp_idx == self.epi_store_warp_id:
+                    epoch_s = mEpoch[0]
+                    t = cutlass.Int32(bidx)
+                    tiles_done_s = cutlass.Int32(0)
+                    while t < total_tiles:
+                        p = t // n_tiles
+                        n_tile = t - p * n_tiles
+                        b = mSchedule[p]
+                        m_tile = mBandSrcRow[b] // self.tile_m
+                        gC_epi = cute.zipped_divide(gC[(None, None, m_tile, n_tile)], self.epi_tile)
+                        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
+                        epi_tile_num = cute.size(gC_epi, mode=[1])
+                        epi_tile_shape = gC_epi.shape[1]
+                        epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
+                        for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                            epi_buffer = (tiles_done_s * epi_tile_num + epi_idx) % self.epi_stage
+                            # buffer epi_buffer is free: the store that last read it is at least
+                            # epi_stage - 1 groups old (wait_group.read below)
+                            self.epi_empty.arrive()
+                            self.epi_full.arrive_and_wait()
+                            cute.copy(tma_atom_c, bSG_sD[(None, epi_buffer)],
+                                      bSG_gD[(None, epi_tile_layout.get_hier_coord(epi_idx))])
+                            cute.arch.cp_async_bulk_commit_group()
+                            cute.arch.cp_async_bulk_wait_group(self.epi_stage - 1, read=True)
+                        if cutlass.const_expr(self.signal):
+                            # the consumers are already in the next tile's main loop
+                            self._signal_band(b, n_tiles, epoch_s, mReady, mCounter)
+                        tiles_done_s = tiles_done_s + 1
+                        t = t + gdim
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+
             # ------------------------------------------------------------ consumer warpgroups
             if warp_group_idx > 0:
                 cute.arch.setmaxregister_increase(self.mma_regs)
@@ -327,9 +370,13 @@ def _kernel_class():
                 tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
                 size_tRS_rD = cute.size(tRS_rD)
 
-                tma_store_pipeline = pipeline.PipelineTmaStore.create(
-                    num_stages=self.epi_stage,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+                if cutlass.const_expr(not self.store_warp):
+                    tma_store_pipeline = pipeline.PipelineTmaStore.create(
+                        num_stages=self.epi_stage,
+                        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                                 self.num_mma_threads))
+                # flags from a consumer warp (deferred into the next main loop) unless store_warp
+                sig_in_mma = self.signal and not self.store_warp
 
                 epoch = mEpoch[0]
                 is_store_warp = warp_idx == self.epi_store_warp_id
@@ -375,7 +422,7 @@ def _kernel_class():
                         mainloop_pipeline.consumer_release(release_state)
                         release_state.advance()
                         read_state.advance()
-                        if cutlass.const_expr(self.signal):
+                        if cutlass.const_expr(sig_in_mma):
                             # Deferred flag of the previous tile: its TMA stores were issued a few
                             # k tiles ago, so waiting for their completion here rarely stalls.
                             if k_tile == signal_k and pend_band >= 0:
@@ -385,7 +432,7 @@ def _kernel_class():
                     cute.nvgpu.warpgroup.wait_group(0)
                     mainloop_pipeline.consumer_release(release_state)
                     release_state.advance()
-                    if cutlass.const_expr(self.signal):
+                    if cutlass.const_expr(sig_in_mma):
                         if pend_band >= 0:  # k_tile_cnt too small for an in-loop signal
                             if is_store_warp:
                                 self._signal_band(pend_band, n_tiles, epoch, mReady, mCounter)
@@ -393,8 +440,6 @@ def _kernel_class():
 
                     # ---- epilogue: acc -> bf16 -> smem (stmatrix) -> gmem (TMA store)
                     gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
-                    bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
                     epi_tile_num = cute.size(gC_epi, mode=[1])
                     epi_tile_shape = gC_epi.shape[1]
                     epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
@@ -404,26 +449,35 @@ def _kernel_class():
                             tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
                         tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
                         epi_buffer = (num_prev_epi + epi_idx) % self.epi_stage
+                        if cutlass.const_expr(self.store_warp):
+                            self.epi_empty.arrive_and_wait()
                         cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, epi_buffer)])
                         # stmatrix (generic proxy) -> TMA store (async proxy) reads smem
                         cute.arch.fence_proxy("async.shared", space="cta")
-                        self.epi_barrier.arrive_and_wait()
-                        gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
-                        if is_store_warp:
-                            cute.copy(tma_atom_c, bSG_sD[(None, epi_buffer)], bSG_gD[(None, gmem_coord)])
-                            tma_store_pipeline.producer_commit()
-                            tma_store_pipeline.producer_acquire()
-                        self.epi_barrier.arrive_and_wait()
-                    if cutlass.const_expr(self.signal):
+                        if cutlass.const_expr(self.store_warp):
+                            self.epi_full.arrive()
+                        else:
+                            self.epi_barrier.arrive_and_wait()
+                            if is_store_warp:
+                                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                                    tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                    gC_epi)
+                                cute.copy(tma_atom_c, bSG_sD[(None, epi_buffer)],
+                                          bSG_gD[(None, epi_tile_layout.get_hier_coord(epi_idx))])
+                                tma_store_pipeline.producer_commit()
+                                tma_store_pipeline.producer_acquire()
+                            self.epi_barrier.arrive_and_wait()
+                    if cutlass.const_expr(sig_in_mma):
                         pend_band = b
                     tiles_done = tiles_done + 1
                     t = t + gdim
 
-                if cutlass.const_expr(self.signal):
+                if cutlass.const_expr(sig_in_mma):
                     if pend_band >= 0:
                         if is_store_warp:
                             self._signal_band(pend_band, n_tiles, epoch, mReady, mCounter)
-                tma_store_pipeline.producer_tail()
+                if cutlass.const_expr(not self.store_warp):
+                    tma_store_pipeline.producer_tail()
 
         @cute.jit
         def _signal_band(self, b: cutlass.Int32, n_tiles: cutlass.Constexpr, epoch: cutlass.Int32,
@@ -492,7 +546,7 @@ class GroupedGemm:
     """Persistent grouped GEMM producer (see the module docstring for the tensors).
 
     GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=None,
-                epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None)
+                epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None, store_warp=False)
         tile_m in {64, 128}; tile_n in {64, 128, 256}; tile_k = 64 (bf16);
         stages: smem pipeline depth (None: as many as fit);
         signal: compile-time switch for the band flag epilogue (False: plain grouped GEMM);
@@ -503,7 +557,10 @@ class GroupedGemm:
         b_evict_last: load the weights with the L2 EVICT_LAST policy;
         cluster_n: 2 = clusters of two CTAs (tiles 2q, 2q+1 of one band) sharing the A tile by
         TMA multicast; needs an even N/tile_n, and the grid is rounded down to even;
-        None: 2 where N/tile_n is even, else 1.
+        None: 2 where N/tile_n is even, else 1;
+        store_warp: issue the epilogue TMA stores and post the flags from a dedicated warp of the
+        producer warpgroup (flag posted as soon as the tile's stores complete; no consumer warp
+        waits on memory); signal_k_tile is then unused.
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
              ccta=0, band_counter=None, stream=None) -> y
@@ -516,7 +573,8 @@ class GroupedGemm:
     _compiled = {}
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
-                 signal_k_tile=None, epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None):
+                 signal_k_tile=None, epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None,
+                 store_warp=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -535,6 +593,7 @@ class GroupedGemm:
         if cluster_n not in (None, 1, 2):
             raise ValueError(f"cluster_n must be None, 1 or 2, got {cluster_n}")
         self.cluster_n = cluster_n
+        self.store_warp = bool(store_warp)
         self._counters = {}
 
     def cluster_for(self, N):
@@ -600,12 +659,12 @@ class GroupedGemm:
     def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last,
-                self.cluster_for(N), int(N), int(K))
+                self.cluster_for(N), self.store_warp, int(N), int(K))
 
     def _kernel(self, N):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
-                                   self.b_evict_last, self.cluster_for(N))
+                                   self.b_evict_last, self.cluster_for(N), self.store_warp)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
