@@ -187,8 +187,6 @@ def bench_shape(a, name, rank, world, dev):
     if "band_ar" in m:
         row["busbw_band_ar_GBs"] = bus * T * N * 4 / (m["band_ar"] * 1e-3) / 1e9
         row["band_ar_vs_nccl_fp32"] = m["nccl_fp32"] / m["band_ar"]
-    del x, w1, w2, y, part, acc32, ars
-    torch.cuda.empty_cache()
     return row
 
 
@@ -242,6 +240,7 @@ def main(argv=None):
     try:
         for name in a.shape_names:
             rows.append(bench_shape(a, name, rank, world, dev))
+            torch.cuda.empty_cache()  # this shape's tensors died with bench_shape's frame
             if rank == 0:
                 print(f"done {name}: baseline {rows[-1]['baseline_ms']:.3f} ms", flush=True)
     finally:

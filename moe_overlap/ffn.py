@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ffn_reference import (ACT2, ACTIVATIONS, activation_, check_activation,  # noqa: F401
+from .ffn_reference import (ACT2, ACTIVATIONS, check_activation,  # noqa: F401 (re-exported)
                             experts_tp_reference, ffn_tp_reference)
 
 BACKENDS = ("reference", "fused")
@@ -253,8 +253,8 @@ class ShardedExperts(torch.nn.Module):
     ``W_out [E, O, N]``; rank g holds ``w_in [E, P, O/G]`` (columns g O/G..), ``w_out [E, O/G, N]``
     (matching rows), the b_in slice and the full b_out. ``forward(x, rows_per_expert)``: x
     ``[R, P]`` with expert e's rows contiguous, expert-major (``rows_per_expert`` a list of E ints
-    or an int tensor, sum <= R; rows past the sum are zero in the output) -> ``[R, N]``, identical on
-    every rank.
+    or an int tensor, sum <= R; rows past the sum are zero in the output) -> ``[R, N]``,
+    identical on every rank.
     """
 
     def __init__(self, num_experts: int, in_features: int, hidden_features: int,

@@ -118,7 +118,8 @@ def ffn_tp_reference(x, w1, b1, w2, b2, act1: str, act2: str, group=None, world:
       as Megatron-style TP does;
     - act2 in place.
     ``inplace=False`` uses out-of-place activations (autograd-safe; the all-reduce itself is not
-    differentiated: inference only). ``w1 [P, O/G]``, ``b1 [O/G]`` (or None), ``w2 [O/G, N]``, ``b2 [N]`` (or None)."""
+    differentiated: inference only). ``w1 [P, O/G]``, ``b1 [O/G]`` (or None), ``w2 [O/G, N]``,
+    ``b2 [N]`` (or None)."""
     import torch.distributed as dist
 
     h = torch.addmm(b1, x, w1) if b1 is not None else torch.mm(x, w1)

@@ -9,7 +9,7 @@ output compared with ``act2(all_reduce(partial) + b2)`` computed in fp32 from NC
   - shapes with a ragged last band, N not a multiple of the band chunking, several CTAs per band
     set, every act2, b2 present / absent, three consecutive calls (epochs 1..3, counters never
     reset), a call with fewer rows than the previous one, then more again;
-  - a timeout: band_ready never set (mark_ready=False) -> check() raises naming the band.
+  - a timeout: producer=True but no producer writes band_ready -> check() raises naming band 0.
 The switch backend is not run (multicast is forbidden); its refusal is tested on CPU.
 """
 import pytest
@@ -71,7 +71,7 @@ def _worker(rank, world):
     # timeout: nobody marks the bands ready
     ar = next(iter(ars.values()))
     ar.timeout_ns = 200_000_000
-    ar(64, mark_ready=False)
+    ar(64, producer=True)  # nobody writes band_ready
     try:
         ar.check()
         res.append(dict(timeout="no error"))

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from moe_overlap.kernels.switch import (ALLOW_ENV, MULTICAST_DISABLERS, multicast_unavailable_reason,
-                                        require_multicast)
+from moe_overlap.kernels.switch import (ALLOW_ENV, MULTICAST_DISABLERS,
+                                        multicast_unavailable_reason, require_multicast)
 
 ALL_VARS = [name for name, _ in MULTICAST_DISABLERS] + [ALLOW_ENV]
 

@@ -28,12 +28,14 @@ Band all-reduce kernel (``build_band_allreduce``), communication CTAs only, G = 
 (compile-time), fp32 accumulator ``acc [M, N]`` (row-major, contiguous, N % 4 == 0) in symmetric
 memory, bands of ``band_rows`` rows; CTA c owns bands c, c + grid, ... and walks them in 3 phases:
 
-1. ready: thread 0 waits (``ld.acquire.gpu``, bounded) until ``band_ready[b] - epoch >= 0``
+1. ready (only with a concurrent producer, ``wait_ready``): thread 0 waits (``ld.acquire.gpu``,
+   bounded) until ``band_ready[b] - epoch >= 0``
    (written with release semantics, gpu scope, by this GPU's compute blocks after their TMA
    reduce-adds into the band completed, ``cp.async.bulk.wait_group`` + ``fence.proxy.async``);
    ``bar.red.or`` shares the outcome and orders the CTA after the acquire; then
    ``fence.acq_rel.sys`` + flag-add-all(arrive[b], 1): "my partial of band b is complete".
-2. reduce-scatter + all-gather: thread 0 waits (``ld.acquire.sys``, bounded) until the local
+2. reduce-scatter + all-gather: thread 0 advances ``expected[b] += G`` (local; band b belongs to
+   one CTA per call) and waits (``ld.acquire.sys``, bounded) until the local
    ``arrive[b] - expected[b] >= 0`` (every rank's partial is complete and, by the release/acquire
    chain, visible); the CTA load-reduces chunk ``rank`` of the band (the band's 16-byte vectors cut
    into G equal chunks) from all G accumulators, stores the fp32 sum to all G accumulators
@@ -43,18 +45,21 @@ memory, bands of ``band_rows`` rows; CTA c owns bands c, c + grid, ... and walks
 3. epilogue: thread 0 waits until ``done[b] - expected[b] >= 0`` (every chunk of the band holds the
    total in the local accumulator), ``fence.proxy.alias`` (switch: the totals arrived through the
    multicast alias of the memory read here through its unicast address), then every thread reads
-   its vectors of the band, adds b2 (bf16, optional), applies act2, writes bf16 ``out`` and, with
-   ``zero_acc``, zeroes the accumulator for the next call's reduce-adds (no rank touches this
-   band of this accumulator again in this call once done[b] is complete).
+   its vectors of the band, adds b2 (bf16 [N]; zeros when the layer has none), applies act2,
+   writes bf16 ``out`` and, with ``zero_acc``, zeroes the accumulator for the next call's
+   reduce-adds (no rank touches this band of this accumulator again in this call once done[b]
+   is complete).
 
-Flags are monotone u32 counters in symmetric memory, never reset; ``epoch [1]`` (int32, device) is
-advanced on the stream before each call (first call: epoch 1) and ``expected[b]`` (int32, device,
-local) by G for every band the call covers, so no host int changes between calls of one shape and
-CUDA graphs replay; calls with fewer rows leave the later bands' counters and expectations alone. Comparisons
-are wrap-safe (signed difference). Every wait is bounded by ``%globaltimer`` (``timeout_ns`` since
-the CTA started); a timeout records (code, rank, band, observed, expected, elapsed) in the error
-buffer (``int64[8]``, first writer wins) and the CTA stops. All CTAs of all ranks must be
-co-resident (grid <= SMs left free by the compute blocks), as in any persistent spinning kernel.
+Flags are monotone u32 counters in symmetric memory, never reset; ``expected[b]`` (int32, local)
+is advanced by the kernel itself for every band a call covers (calls with fewer rows leave the
+later bands' counters and expectations alone); ``epoch [1]`` (int32, device) is advanced on the
+stream before each call that waits for a producer. No host int changes between calls of one
+shape, so CUDA graphs replay.
+Comparisons are wrap-safe (signed difference). Every wait is bounded by ``%globaltimer``
+(``timeout_ns`` since the CTA started); a timeout records (code, rank, band, observed, expected,
+elapsed) in the error buffer (``int64[8]``, first writer wins) and the CTA stops. All CTAs of all
+ranks must be co-resident (grid <= SMs left free by the compute blocks), as in any persistent
+spinning kernel.
 
 All pointers are 64-bit ints (``tensor.data_ptr()``); ``acc_remote`` / ``arrive_remote`` /
 ``done_remote`` are multicast addresses (switch) or device pointers to ``int64[G]`` tables of every
@@ -135,7 +140,6 @@ def device_lib():
     """Namespace of the CuTe DSL device functions (imports CuTe DSL on first use)."""
     import types
 
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
@@ -198,6 +202,9 @@ def device_lib():
     def ld_s32(addr):
         return ptx("ld.global.s32 {$w0}, [{$r0}];", [Int32], [addr])
 
+    def st_s32(addr, v):
+        ptx("st.global.s32 [{$r0}], {$r1};", (), [addr, Int32(v)])
+
     def st_s64(addr, v):
         ptx("st.global.s64 [{$r0}], {$r1};", (), [addr, Int64(v)])
 
@@ -243,7 +250,8 @@ def device_lib():
         if name == "silu":
             return x / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
         if name == "gelu":
-            return Float32(0.5) * x * (Float32(1.0) + cute.math.erf(x * Float32(0.7071067811865476)))
+            e = cute.math.erf(x * Float32(0.7071067811865476))
+            return Float32(0.5) * x * (Float32(1.0) + e)
         if name == "gelu_tanh":
             u = Float32(0.7978845608028654) * (x + Float32(0.044715) * x * x * x)
             return Float32(0.5) * x * (Float32(1.0) + cute.math.tanh(u, fastmath=True))
@@ -321,7 +329,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
-    from cutlass import Float32, Int32, Int64
+    from cutlass import Int32, Int64
 
     L = device_lib()
     G, NT, U = world, threads, unroll
@@ -379,14 +387,11 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         while i < nvec:
             gv = v0 + i
             v = L.ld_v4_f32_cg(acc + gv * Int64(16))
-            x = [v[0], v[1], v[2], v[3]]
-            if b2 != Int64(0):
-                c4 = gv - (gv // ncols4) * ncols4  # column / 4
-                w = L.ld_v2_u32(b2 + c4 * Int64(8))
-                x[0] = x[0] + L.as_f32(w[0] << Int32(16))
-                x[1] = x[1] + L.as_f32(w[0] & Int32(-65536))
-                x[2] = x[2] + L.as_f32(w[1] << Int32(16))
-                x[3] = x[3] + L.as_f32(w[1] & Int32(-65536))
+            # b2 is always a valid bf16 [N] (the host passes zeros when there is none): no branch
+            c4 = gv - (gv // ncols4) * ncols4  # column / 4
+            w = L.ld_v2_u32(b2 + c4 * Int64(8))
+            x = [v[0] + L.as_f32(w[0] << Int32(16)), v[1] + L.as_f32(w[0] & Int32(-65536)),
+                 v[2] + L.as_f32(w[1] << Int32(16)), v[3] + L.as_f32(w[1] & Int32(-65536))]
             y = [L.act(x[j], ACT) for j in range(4)]
             L.st_v2_u32(out + gv * Int64(8), L.pack_bf16x2(y[0], y[1]),
                         L.pack_bf16x2(y[2], y[3]))
@@ -399,7 +404,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
                               N: Int32, band_rows: Int32, band_ready: Int64, arrive: Int64,
                               arrive_remote: Int64, done: Int64, done_remote: Int64,
                               expected: Int64, epoch_ptr: Int64, err: Int64, timeout_ns: Int64,
-                              rank: Int32):
+                              rank: Int32, wait_ready: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
@@ -426,12 +431,13 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         while b < nbands and failed == Int32(0):
             to = Int32(0)
             if tidx == Int32(0):
-                t, v, el = L.wait_ge_gpu(band_ready + Int64(b) * Int64(4), epoch, t_start,
-                                         timeout_ns)
-                if t != Int32(0):
-                    to = Int32(1)
-                    L.record_error(err, Int32(ERR_READY_TIMEOUT), rank, b, Int64(v),
-                                   Int64(epoch), el)
+                if wait_ready != Int32(0):
+                    t, v, el = L.wait_ge_gpu(band_ready + Int64(b) * Int64(4), epoch, t_start,
+                                             timeout_ns)
+                    if t != Int32(0):
+                        to = Int32(1)
+                        L.record_error(err, Int32(ERR_READY_TIMEOUT), rank, b, Int64(v),
+                                       Int64(epoch), el)
             failed = L.block_any(to)
             if failed == Int32(0):
                 flag_add_all(arrive_remote, arr_p, Int64(b) * Int64(4), tidx)
@@ -442,7 +448,10 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         while b < nbands and failed == Int32(0):
             to = Int32(0)
             if tidx == Int32(0):
-                exp_b = L.ld_s32(expected + Int64(b) * Int64(4))
+                # band b belongs to this CTA alone in this call: advance its expectation here
+                # (phase 3 re-reads it, same thread; the next call sees it after the kernel ends)
+                exp_b = L.ld_s32(expected + Int64(b) * Int64(4)) + Int32(G)
+                L.st_s32(expected + Int64(b) * Int64(4), exp_b)
                 t, v, el = L.wait_ge_sys(arrive + Int64(b) * Int64(4), exp_b, t_start,
                                          timeout_ns)
                 if t != Int32(0):
@@ -494,18 +503,20 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
     def launch(acc: Int64, acc_remote: Int64, out: Int64, b2: Int64, M: Int32, N: Int32,
                band_rows: Int32, band_ready: Int64, arrive: Int64, arrive_remote: Int64,
                done: Int64, done_remote: Int64, expected: Int64, epoch_ptr: Int64, err: Int64,
-               timeout_ns: Int64, rank: Int32, grid: Int32, stream: cuda.CUstream):
+               timeout_ns: Int64, rank: Int32, wait_ready: Int32, grid: Int32,
+               stream: cuda.CUstream):
         band_allreduce_kernel(acc, acc_remote, out, b2, M, N, band_rows, band_ready, arrive,
                               arrive_remote, done, done_remote, expected, epoch_ptr, err,
-                              timeout_ns, rank).launch(grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+                              timeout_ns, rank, wait_ready).launch(grid=[grid, 1, 1], block=[NT, 1, 1],
+                                                       stream=stream)
 
     return launch
 
 
 ARG_NAMES = ("acc", "acc_remote", "out", "b2", "M", "N", "band_rows", "band_ready", "arrive",
              "arrive_remote", "done", "done_remote", "expected", "epoch", "err", "timeout_ns",
-             "rank", "grid")
-_INT32_ARGS = {"M", "N", "band_rows", "rank", "grid"}
+             "rank", "wait_ready", "grid")
+_INT32_ARGS = {"M", "N", "band_rows", "rank", "wait_ready", "grid"}
 
 
 def example_args():
@@ -525,6 +536,56 @@ def compile_band_allreduce(world: int, backend: str = "unicast", act2: str = "no
     if keep:
         return cute.compile[cute.KeepPTX(), cute.KeepCUBIN()](launch, *example_args())
     return cute.compile(launch, *example_args())
+
+
+def emulate_band_allreduce(accs, M: int, band_rows: int, b2=None, act2: str = "none",
+                            grid: int = 1, zero_acc: bool = True):
+    """CPU model of the kernel's schedule and index math, rank by rank and phase by phase, in
+    torch (tests use it to check the band / chunk / column arithmetic without a GPU).
+
+    ``accs``: one fp32 ``[>= M, N]`` tensor per rank (modified in place like the symmetric
+    accumulators). Returns (outs: bf16 ``[M, N]`` per rank, coverage: int ``[M * N / 4]`` counting
+    how many (rank, vector) reduce steps touched each vector: must be all ones)."""
+    import torch
+    from ..ffn_reference import activation
+    G = len(accs)
+    N = accs[0].shape[1]
+    if N % 4:
+        raise ValueError(f"N={N} must be a multiple of 4")
+    ncols4 = N // 4
+    flat = [a.view(-1, 4) for a in accs]  # 16-byte vectors, like the kernel's gv index
+    nbands = (M + band_rows - 1) // band_rows
+    coverage = torch.zeros(M * ncols4, dtype=torch.int64)
+    for bidx in range(grid):  # phase 2 of every CTA: reduce-scatter + all-gather
+        for b in range(bidx, nbands, grid):
+            row0 = b * band_rows
+            rows = min(M - row0, band_rows)
+            v0, nvec = row0 * ncols4, rows * ncols4
+            per = (nvec + G - 1) // G
+            for rank in range(G):
+                lo, hi = rank * per, min(rank * per + per, nvec)
+                if hi <= lo:
+                    continue
+                total = sum(f[v0 + lo:v0 + hi] for f in flat)
+                for f in flat:
+                    f[v0 + lo:v0 + hi] = total
+                coverage[v0 + lo:v0 + hi] += 1
+    outs = []
+    for rank in range(G):  # phase 3: epilogue on every rank
+        out = torch.empty(M * ncols4, 4, dtype=torch.bfloat16)
+        bias = torch.zeros(N) if b2 is None else b2.float()
+        for bidx in range(grid):
+            for b in range(bidx, nbands, grid):
+                row0 = b * band_rows
+                rows = min(M - row0, band_rows)
+                gv = torch.arange(row0 * ncols4, (row0 + rows) * ncols4)
+                c4 = gv - (gv // ncols4) * ncols4
+                x = flat[rank][gv] + bias.view(-1, 4)[c4]
+                out[gv] = activation(x, act2).to(torch.bfloat16)
+                if zero_acc:
+                    flat[rank][gv] = 0
+        outs.append(out.view(M, N))
+    return outs, coverage
 
 
 def find_nvdisasm() -> str | None:
@@ -585,8 +646,9 @@ class BandAllReduce:
         out = ar(M, b2=b2)                   # bf16 [M, N], identical on every rank
         ar.check()                           # optional: syncs, raises on a device timeout
 
-    ``__call__`` marks every band ready itself (standalone use); a producer kernel instead
-    passes ``mark_ready=False`` and writes ``band_ready[b] = epoch`` (release, gpu scope).
+    Standalone (``producer=False``) a call is one kernel launch; with a producer kernel
+    (``producer=True``) the call advances ``epoch`` and the producer writes
+    ``band_ready[b] = epoch`` (release, gpu scope) as each band's partial is complete.
     ``backend="switch"`` calls ``require_multicast()`` first (refused on our machines).
     """
 
@@ -639,11 +701,18 @@ class BandAllReduce:
         self.done = self._buf[flag_off + flag_bytes:
                               flag_off + flag_bytes + self.max_bands * 4].view(torch.int32)
         ptrs = [int(p) for p in self._hdl.buffer_ptrs]
+        # the tensor may sit at an offset inside the symmetric segment (mempool allocations);
+        # allocations are made in the same order on every rank, so the offset is the same
+        seg_off = self._buf.data_ptr() - ptrs[self.rank]
+        if not 0 <= seg_off <= int(self._hdl.buffer_size) - total:
+            raise RuntimeError(f"symmetric buffer at offset {seg_off} outside its segment")
+        ptrs = [p + seg_off for p in ptrs]
         if backend == "switch":
             mc = int(self._hdl.multicast_ptr)
             if mc == 0:
                 raise RuntimeError("the symmetric buffer has no multicast address (multicast "
                                    "was not set up by torch symmetric memory)")
+            mc += seg_off
             self._remote = (mc, mc + flag_off, mc + flag_off + flag_bytes)
             self._tables = None
         else:
@@ -653,6 +722,7 @@ class BandAllReduce:
             self._remote = tuple(int(self._tables[i].data_ptr()) for i in range(3))
         self.band_ready = torch.zeros(self.max_bands, dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._zero_b2 = torch.zeros(N, dtype=torch.bfloat16, device=dev)
         self.expected = torch.zeros(self.max_bands, dtype=torch.int32, device=dev)
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=dev)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -669,9 +739,13 @@ class BandAllReduce:
                                               self.unroll, self.zero_acc)
         return self._fn
 
-    def __call__(self, M: int, b2=None, out=None, *, mark_ready: bool = True, stream=None):
+    def __call__(self, M: int, b2=None, out=None, *, producer: bool = False, stream=None):
         """All-reduce rows [0, M) of ``self.acc`` (same M on every rank); returns ``out``
-        (bf16 [M, N], allocated when None). Never synchronizes."""
+        (bf16 [M, N], allocated when None). Never synchronizes.
+
+        ``producer=False``: the accumulator is complete in stream order (one kernel launch, no
+        ready waits). ``producer=True``: advances ``epoch`` on the stream and waits for
+        ``band_ready[b] == epoch``, written by a concurrently running producer."""
         import torch
         import cuda.bindings.driver as cuda
         if isinstance(M, bool) or not isinstance(M, int) or not 0 <= M <= self.max_rows:
@@ -693,17 +767,16 @@ class BandAllReduce:
         if M == 0:
             return out
         nb = -(-M // self.band_rows)
-        with torch.cuda.stream(stream):  # device-side bookkeeping, no host sync
-            self.epoch.add_(1)
-            self.expected[:nb].add_(self.world)  # bands [0, nb) get G arrivals / G chunks
-            if mark_ready:
-                self.band_ready[:nb].copy_(self.epoch.expand(nb))
+        if producer:
+            with torch.cuda.stream(stream):  # on the device: no host int changes (CUDA graphs)
+                self.epoch.add_(1)
         fn(self.acc.data_ptr(), self._remote[0], out.data_ptr(),
-           0 if b2 is None else b2.data_ptr(), M, self.N, self.band_rows,
+           (self._zero_b2 if b2 is None else b2).data_ptr(), M, self.N, self.band_rows,
            self.band_ready.data_ptr(), self.arrive.data_ptr(), self._remote[1],
            self.done.data_ptr(), self._remote[2], self.expected.data_ptr(),
            self.epoch.data_ptr(), self.err.data_ptr(),
-           self.timeout_ns, self.rank, min(self.ccta, nb), cuda.CUstream(stream.cuda_stream))
+           self.timeout_ns, self.rank, int(bool(producer)), min(self.ccta, nb),
+           cuda.CUstream(stream.cuda_stream))
         return out
 
     def check(self):
