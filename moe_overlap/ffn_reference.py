@@ -189,7 +189,7 @@ def _case_inputs(case: dict):
 
 def check_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Run each case on this rank (process group already set up by ``launch.spawn`` or absent for
-    world 1) with the reference backend; returns per-case errors against the float64 truth and the
+    world 1) with the reference backend (on ``cuda:rank`` when the case says ``device="cuda"``); returns per-case errors against the float64 truth and the
     max difference between this rank's output and rank 0's (all ranks must agree)."""
     import torch.distributed as dist
 
@@ -198,14 +198,17 @@ def check_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     group = dist.group.WORLD if dist.is_initialized() else None
     results = []
     for case in cases:
+        dev = torch.device(f"cuda:{rank}") if case.get("device") == "cuda" else torch.device("cpu")
         if case.get("experts"):
-            x, rows, w_in, w_out, b_in, b_out = _case_inputs(case)
+            x, rows, w_in, w_out, b_in, b_out = (
+                t.to(dev) if isinstance(t, torch.Tensor) else t for t in _case_inputs(case))
             mod = ShardedExperts.from_full_weights(w_in, w_out, b_in, b_out, group=group,
                                                    activation=case["act1"])
             y = mod(x, rows)
             truth = experts_truth(x, rows, w_in, w_out, b_in, b_out, case["act1"])
         else:
-            x, w1, b1, w2, b2 = _case_inputs(case)
+            x, w1, b1, w2, b2 = (t.to(dev) if t is not None else None
+                                 for t in _case_inputs(case))
             mod = FusedFFN.from_full_weights(w1, b1, w2, b2, group=group, act1=case["act1"],
                                              act2=case.get("act2"))
             y = mod(x)

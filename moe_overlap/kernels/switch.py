@@ -704,7 +704,8 @@ class BandAllReduce:
         # the tensor may sit at an offset inside the symmetric segment (mempool allocations);
         # allocations are made in the same order on every rank, so the offset is the same
         seg_off = self._buf.data_ptr() - ptrs[self.rank]
-        if not 0 <= seg_off <= int(self._hdl.buffer_size) - total:
+        seg_size = getattr(self._hdl, "buffer_size", None)
+        if seg_off < 0 or (seg_size is not None and seg_off + total > int(seg_size)):
             raise RuntimeError(f"symmetric buffer at offset {seg_off} outside its segment")
         ptrs = [p + seg_off for p in ptrs]
         if backend == "switch":
