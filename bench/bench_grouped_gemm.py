@@ -166,6 +166,8 @@ def main():
             "sw": (dict(base, store_warp=True), cctas),
             "sw-noflag": (dict(base, store_warp=True, signal=False), [0]),
         }
+        if os.environ.get("BENCH_SW", "1") == "0":  # store_warp variant failed its tests
+            configs = {k: v for k, v in configs.items() if not k.startswith("sw")}
         results.append(run_shape(T, N, K, E, configs, args.rounds))
     doc = dict(bench="grouped_gemm", device=torch.cuda.get_device_name(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
