@@ -23,6 +23,10 @@ after its remote segments, CTA i copies local bands i, i + ccta, ... from y into
 receive buffer (same 16-byte copy, HBM -> HBM) and adds the rows to its own counter[rank]. The
 scale therefore reads every assignment from the receive buffer and waits on every counter alike.
 
+Call marker and receive slots: at kernel start CTA 0 adds 1 to counter[rank] on every rank (its
+own too), and every destination row is offset by (epoch & 1) * slot_bytes (double-buffered receive
+buffer). See moe_overlap/overlap.py for why this makes back-to-back calls race-free.
+
 Dependencies are one-way: the consumer waits on the producer's band flags, never the reverse.
 All pointers are passed as 64-bit ints (``tensor.data_ptr()``), see primitives.py.
 """
