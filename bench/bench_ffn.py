@@ -56,7 +56,9 @@ def parse_args(argv=None):
     ap.add_argument("--act2", default="none", choices=("none",) + ACTS)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--band-rows", type=int, default=128)
+    ap.add_argument("--band-rows", type=int, default=32,
+                    help="rows per band of the band all-reduce (default 32: T=8192 gives 256 "
+                         "bands, enough for one CTA per SM; one CTA works on one band at a time)")
     ap.add_argument("--ccta", type=int, default=None,
                     help="CTAs of the band all-reduce (default: one per SM)")
     ap.add_argument("--threads", type=int, default=512)
