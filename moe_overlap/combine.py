@@ -73,7 +73,7 @@ class MoECombine(torch.nn.Module):
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
         self.max_tokens_per_rank, self.tile_m, self.validate = max_tokens_per_rank, tile_m, validate
         self.transport, self.requested_backend = transport, backend
-        self.ccta, self.mgb = ccta, mgb
+        self.ccta, self.mgb = self._resolve_auto(ccta, mgb)
         self._impl = None  # overlap backend object, built lazily on the first CUDA call
 
     # the most rows one rank can receive: every token of every rank routed to its experts
@@ -81,12 +81,23 @@ class MoECombine(torch.nn.Module):
     def max_rows(self) -> int:
         return self.world_size * self.max_tokens_per_rank * self.topk
 
+    def _resolve_auto(self, ccta, mgb):
+        """'auto' -> a tuned value cached for this shape bucket, else the analytic choice for the
+        expected load (each rank receives about max_tokens_per_rank * topk rows, (W-1)/W remote)."""
+        if ccta != "auto" and mgb != "auto":
+            return ccta, mgb
+        from .tuning import TuneCache, analytic_choice, shape_key
+        rows = self.max_tokens_per_rank * self.topk
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        self.tune_key = shape_key(dev, self.world_size, self.out_features, self.hidden_size,
+                                  self.experts_per_rank, self.tile_m, rows)
+        choice = TuneCache().get(self.tune_key) or analytic_choice(
+            rows, rows * (self.world_size - 1) // self.world_size, self.out_features,
+            self.hidden_size, self.tile_m)
+        return (choice[0] if ccta == "auto" else ccta), (choice[1] if mgb == "auto" else mgb)
+
     def resolved_mgb(self) -> int:
-        if self.mgb != "auto":
-            return self.mgb
-        if self._impl is not None and hasattr(self._impl, "mgb"):
-            return int(self._impl.mgb)
-        return 2
+        return self.mgb
 
     def plan(self, expert_counts: torch.Tensor, validate: bool | None = None) -> CombinePlan:
         """The plan of this rank for all-gathered counts [W, E], sized for max_tokens_per_rank."""

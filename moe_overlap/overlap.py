@@ -152,8 +152,10 @@ class OverlapCombine:
         y.index_copy_(0, dst.reshape(-1), vals.reshape(-1, y.shape[1]).to(y.dtype))
         band_ready.copy_(torch.where(valid, epoch.expand(cap), band_ready))
 
-    def _produce(self, h, w_down, plan, y_ext, band_ready):
-        """y_ext: [rows + 1, N]; the producer writes y = y_ext[:rows]."""
+    def _produce(self, h, w_down, plan, y_ext, band_ready, ccta=None):
+        """y_ext: [rows + 1, N]; the producer writes y = y_ext[:rows]. ccta: SMs left out of the
+        producer's grid (default: the consumer's reservation)."""
+        ccta = self.ccta if ccta is None else ccta
         if self.producer_kind == "torch":
             self._torch_producer(h, w_down, plan, y_ext, band_ready, self.epoch)
         else:
@@ -161,7 +163,7 @@ class OverlapCombine:
                 from .kernels.grouped_gemm import GroupedGemm
                 self._gemm = GroupedGemm(tile_m=self.tile_m, tile_n=self._tile_n)
             self._gemm(h, w_down, y_ext[:h.shape[0]], plan.band_expert, plan.band_src_row,
-                       plan.schedule, plan.num_bands, band_ready, self.epoch, ccta=self.ccta)
+                       plan.schedule, plan.num_bands, band_ready, self.epoch, ccta=ccta)
 
     # ---- checks ------------------------------------------------------------------------------
     def check_inputs(self, h, w_down, plan, topk_ids, topk_weights):
@@ -246,7 +248,10 @@ class OverlapCombine:
                              stream=stream)
 
     # ---- the call ------------------------------------------------------------------------------
-    def forward(self, h, w_down, plan, topk_ids, topk_weights, check: bool = False):
+    def forward(self, h, w_down, plan, topk_ids, topk_weights, check: bool = False,
+                overlap: bool = True):
+        """overlap=False: our own non-overlapped path (the same GEMM on every SM, then the
+        consumer, then the scale), the bitwise reference of the overlapped call."""
         self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
         if not self._warm:
             self.warmup()
@@ -265,6 +270,8 @@ class OverlapCombine:
         rows, weights = self.begin_call(topk_ids, topk_weights)
         out = torch.empty(T, self.out_features, dtype=torch.bfloat16, device=self.device)
         cs = self.cs
+        if not overlap:  # all bands final before the consumer starts
+            self._produce(h, w_down, plan, y, band_ready, ccta=0)
         cs.wait_stream(s0)
         with torch.cuda.stream(cs):
             self.consumer.launch(y=y, plan=plan, band_ready=band_ready, epoch=self.epoch,
@@ -272,7 +279,8 @@ class OverlapCombine:
                                  recv_sym=self.recv.data_ptr(),
                                  ctr_sym=self.counters.data_ptr(), err=self.err, ccta=self.ccta,
                                  slot_bytes=self.slot_bytes, stream=cs)
-        self._produce(h, w_down, plan, y, band_ready)
+        if overlap:
+            self._produce(h, w_down, plan, y, band_ready)
         with torch.cuda.stream(cs):
             self.scale.launch(recv=self.recv, rows=rows, weights=weights, out=out,
                               counters=self.counters, expected=self.expected, rank=self.rank,

@@ -25,12 +25,13 @@ MGB_CHOICES = (1, 2, 4)
 class CostModel:
     """Rates of one GPU (defaults: H200 measured in this project; see bench/NOTES.md)."""
     num_sms: int = 132
-    gemm_tflops: float = 790.0  # whole-GPU bf16 GEMM rate
-    # consumer copy bandwidth (GB/s) measured at these SM counts; linear in between, flat after
-    copy_gbps: dict = field(default_factory=lambda: {2: 40.0, 4: 80.0, 8: 160.0, 16: 300.0,
-                                                     32: 360.0})
+    gemm_tflops: float = 650.0  # our grouped GEMM on all SMs (bench/results/grouped_gemm_v3.json)
+    # consumer copy bandwidth (GB/s per direction, both directions busy) at these SM counts,
+    # 8 MiB transfers (bench/results/consumer_run3); linear in between, flat after
+    copy_gbps: dict = field(default_factory=lambda: {2: 78.0, 4: 152.0, 8: 282.0, 16: 286.0,
+                                                     32: 289.0})
     link_gbps: float = 380.0  # GPU<->GPU copy ceiling
-    signal_us: float = 2.0  # per-transfer overhead (flag wait + arrival signal)
+    signal_us: float = 6.0  # per-launch fixed cost of the consumer (run 3: ~5.9 us)
 
     def copy_bw(self, ccta: int) -> float:
         pts = sorted(self.copy_gbps.items())
@@ -56,10 +57,9 @@ def predict(model: CostModel, rows: int, remote_rows: int, N: int, K: int, tile_
     flops = 2.0 * rows * N * K
     remote_bytes = remote_rows * N * bytes_per_elem
     band_bytes = tile_m * N * bytes_per_elem
-    segments = max(1, math.ceil(remote_rows / (tile_m * mgb))) if remote_rows else 0
     t_gemm = model.gemm_s(flops, ccta)
     bw = model.copy_bw(ccta)
-    t_comm = remote_bytes / bw + segments * model.signal_us * 1e-6 / max(ccta, 1)
+    t_comm = remote_bytes / bw + model.signal_us * 1e-6
     t_tail = (min(band_bytes, remote_bytes) / bw) if remote_rows else 0.0
     # a consumer transfer of mgb bands can start only once its last band is done
     t_wait = (mgb - 1) * model.gemm_s(2.0 * tile_m * N * K, ccta) if remote_rows else 0.0
