@@ -179,7 +179,8 @@ def main():
         json.dump(doc, f, indent=1)
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
-    for cfg in ("def", "sw"):
+    present = {x["config"] for r in results for x in r["runs"]}
+    for cfg in [c for c in ("def", "sw") if c in present]:
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:
