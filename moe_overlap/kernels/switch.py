@@ -621,6 +621,11 @@ def sass_of(cubin: bytes, nvdisasm: str | None = None) -> str:
                               text=True).stdout
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_variant(world, backend, act2, threads, unroll, zero_acc):
+    return compile_band_allreduce(world, backend, act2, threads, unroll, zero_acc)
+
+
 def describe_error(err_host) -> str | None:
     """Text of an error buffer read back to the host (None when clear)."""
     code = int(err_host[0])
@@ -736,8 +741,8 @@ class BandAllReduce:
 
     def compile(self):
         if self._fn is None:
-            self._fn = compile_band_allreduce(self.world, self.backend, self.act2, self.threads,
-                                              self.unroll, self.zero_acc)
+            self._fn = _compiled_variant(self.world, self.backend, self.act2, self.threads,
+                                         self.unroll, bool(self.zero_acc))
         return self._fn
 
     def __call__(self, M: int, b2=None, out=None, *, producer: bool = False, stream=None):
