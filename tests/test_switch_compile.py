@@ -120,8 +120,7 @@ def test_bf16_load_reduce_helper_assembles_to_ldgmc():
     def launch(src: Int64, dst: Int64, stream: cuda.CUstream):
         k(src, dst).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
-    c = cute.compile[cute.KeepPTX(), cute.KeepCUBIN()](launch, Int64(0), Int64(0),
-                                                        cuda.CUstream(0))
+    c = switch.compile_keep(launch, Int64(0), Int64(0), cuda.CUstream(0))
     assert "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2" in c.__ptx__
     assert "LDGMC.E.F32ADD.BF16x8.RN.STRONG.SYS" in _sass(c.__cubin__)
 

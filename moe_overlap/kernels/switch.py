@@ -534,8 +534,26 @@ def compile_band_allreduce(world: int, backend: str = "unicast", act2: str = "no
     import cutlass.cute as cute
     launch = build_band_allreduce(world, backend, act2, threads, unroll, zero_acc)
     if keep:
-        return cute.compile[cute.KeepPTX(), cute.KeepCUBIN()](launch, *example_args())
+        return compile_keep(launch, *example_args())
     return cute.compile(launch, *example_args())
+
+
+def compile_keep(launch, *args):
+    """``cute.compile`` keeping PTX and cubin (``.__ptx__``, ``.__cubin__``) in memory; the files
+    CuTe DSL dumps on the way go to a temporary folder, not the working directory."""
+    import tempfile
+
+    import cutlass.cute as cute
+    opts = [cute.KeepPTX(), cute.KeepCUBIN()]
+    with tempfile.TemporaryDirectory(prefix="switch_dump_") as d:
+        try:
+            from cutlass.base_dsl.compiler import DumpDir
+            opts.append(DumpDir(d))
+        except Exception:  # noqa: BLE001 - older/newer DSL without the option: dump to cwd
+            pass
+        c = cute.compile[tuple(opts)](launch, *args)
+        _ = (c.__ptx__, c.__cubin__)  # read while the folder exists
+    return c
 
 
 def emulate_band_allreduce(accs, M: int, band_rows: int, b2=None, act2: str = "none",
