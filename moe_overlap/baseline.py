@@ -14,16 +14,44 @@ import torch.distributed as dist
 from .reference import _source_to_expert_major, world
 
 
-def _grouped_mm_fn():
-    fn = getattr(torch, "_grouped_mm", None)
-    return fn
+def _time_ms(fn, reps=5):
+    for _ in range(2):
+        fn()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / reps
+
+
+def _scale_fp32(recv, rows, w):
+    T, k = rows.shape
+    g = recv.index_select(0, rows.reshape(-1)).view(T, k, -1)
+    return torch.einsum("tkn,tk->tn", g.float(), w.float()).to(recv.dtype)
+
+
+def _scale_bmm(recv, rows, w):
+    """Gather in bf16, then a batched [1 x k] @ [k x N] product (fp32 accumulation in cuBLAS)."""
+    T, k = rows.shape
+    g = recv.index_select(0, rows.reshape(-1)).view(T, k, -1)
+    return torch.bmm(w.to(recv.dtype).unsqueeze(1), g).squeeze(1)
 
 
 class SequentialBaseline:
-    """Prepared for one routing: expert_counts [W, E] (all-gathered) and this rank's topk_ids."""
+    """Prepared for one routing: expert_counts [W, E] (all-gathered) and this rank's topk_ids.
+
+    On CUDA each stage picks its fastest plain-torch variant once (timed on the first call):
+    - expert GEMM into the all-to-all's source-major send order: `grouped_mm` or `loop`
+      (cuBLAS per expert) followed by one row permutation, or `blocks` (cuBLAS per
+      (expert, source) block written straight into the send buffer, no permutation);
+    - scale: `fp32` (gather, fp32 einsum), `bmm` (gather, batched GEMM), or `compiled`
+      (torch.compile of the fp32 gather + weighted sum: one fused kernel).
+    """
 
     def __init__(self, expert_counts: torch.Tensor, topk_ids: torch.Tensor, group=None,
-                 gemm: str = "auto"):
+                 gemm: str = "auto", scale: str = "auto"):
         self.rank, self.W = world(group)
         self.group = group
         E = expert_counts.shape[1]
@@ -36,6 +64,21 @@ class SequentialBaseline:
                             device=dev)
         self.to_source_major = torch.empty_like(perm)
         self.to_source_major[perm] = torch.arange(perm.numel(), device=dev)
+        # (compact row start, source-major row start, rows) of every (expert, source) block
+        self.blocks = []
+        src_off = [0] * self.W
+        acc = 0
+        for s in range(self.W):
+            src_off[s] = acc
+            acc += sum(counts_h[s][self.rank * El:(self.rank + 1) * El])
+        comp = 0
+        for e in range(El):
+            for s in range(self.W):
+                n = counts_h[s][self.rank * El + e]
+                sm = src_off[s] + sum(counts_h[s][self.rank * El:self.rank * El + e])
+                if n:
+                    self.blocks.append((comp, sm, n, e))
+                comp += n
         self.in_splits = [sum(counts_h[s][self.rank * El:(self.rank + 1) * El])
                           for s in range(self.W)]
         self.out_splits = [sum(counts_h[self.rank][r * El:(r + 1) * El]) for r in range(self.W)]
@@ -46,52 +89,60 @@ class SequentialBaseline:
         self.rows = rows.view(T, k)
         self.offs = torch.tensor(self.rows_e, device=dev, dtype=torch.int32).cumsum(0).to(
             torch.int32)
-        self.gemm = gemm
+        self.gemm, self.scale_kind = gemm, scale
         self._recv = None
+        self._compiled = None
 
-    # ---- parts ---------------------------------------------------------------------------
+    # ---- stage 1: expert GEMM, rows in source-major (send) order --------------------------
     def expert_gemm(self, h: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         if self.gemm == "auto":
-            self.gemm = self._pick_gemm(h, w_down)
-        if self.gemm == "grouped_mm":
-            return _grouped_mm_fn()(h, w_down, offs=self.offs)
-        out = torch.empty(h.shape[0], w_down.shape[2], dtype=h.dtype, device=h.device)
-        start = 0
-        for e, n in enumerate(self.rows_e):
-            if n:
-                torch.matmul(h[start:start + n], w_down[e], out=out[start:start + n])
-            start += n
+            self.gemm = self._pick("gemm", self._gemm_variants(), h, w_down)
+        return self._send(self.gemm, h, w_down)
+
+    def _gemm_variants(self):
+        out = ["loop", "blocks"]
+        fn = getattr(torch, "_grouped_mm", None)
+        if fn is not None:
+            out.append("grouped_mm")
         return out
 
-    def _pick_gemm(self, h, w_down) -> str:
-        """grouped_mm if it runs here and beats the per-expert loop (timed once)."""
-        fn = _grouped_mm_fn()
-        if fn is None or not h.is_cuda:
-            return "loop"
-        try:
-            fn(h, w_down, offs=self.offs)
-        except Exception:  # noqa: BLE001 - unsupported layout/arch: fall back
-            return "loop"
+    def _send(self, kind, h, w_down):
+        N = w_down.shape[2]
+        if kind == "blocks":
+            send = torch.empty(h.shape[0], N, dtype=h.dtype, device=h.device)
+            for comp, sm, n, e in self.blocks:
+                torch.matmul(h[comp:comp + n], w_down[e], out=send[sm:sm + n])
+            return send
+        if kind == "grouped_mm":
+            y = torch._grouped_mm(h, w_down, offs=self.offs)
+        else:
+            y = torch.empty(h.shape[0], N, dtype=h.dtype, device=h.device)
+            start = 0
+            for e, n in enumerate(self.rows_e):
+                if n:
+                    torch.matmul(h[start:start + n], w_down[e], out=y[start:start + n])
+                start += n
+        return y.index_select(0, self.to_source_major)
+
+    def _pick(self, what, variants, *args):
+        """The fastest variant that runs (CPU: the first)."""
+        if not args[0].is_cuda:
+            return variants[0]
         times = {}
-        for name in ("grouped_mm", "loop"):
-            self.gemm = name
-            for _ in range(2):
-                self.expert_gemm(h, w_down)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(5):
-                self.expert_gemm(h, w_down)
-            e.record()
-            e.synchronize()
-            times[name] = s.elapsed_time(e)
-        # every rank must take the same choice only for symmetry of timing; take the local best
+        for v in variants:
+            try:
+                fn = (lambda v=v: self._send(v, *args)) if what == "gemm" else \
+                    (lambda v=v: self._scale(v, *args))
+                times[v] = _time_ms(fn)
+            except Exception:  # noqa: BLE001 - a variant this build or layout does not support
+                continue
         return min(times, key=times.get)
 
-    def exchange(self, y: torch.Tensor) -> torch.Tensor:
-        send = y.index_select(0, self.to_source_major)
-        if self._recv is None or self._recv.shape[1] != y.shape[1]:
-            self._recv = torch.empty(sum(self.out_splits), y.shape[1], dtype=y.dtype,
-                                     device=y.device)
+    # ---- stage 2: exchange ---------------------------------------------------------------
+    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+        if self._recv is None or self._recv.shape[1] != send.shape[1]:
+            self._recv = torch.empty(sum(self.out_splits), send.shape[1], dtype=send.dtype,
+                                     device=send.device)
         if self.W == 1:
             self._recv.copy_(send)
         else:
@@ -99,10 +150,23 @@ class SequentialBaseline:
                                    group=self.group)
         return self._recv
 
+    # ---- stage 3: top-k weighted sum -----------------------------------------------------
     def scale(self, recv: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        T, k = self.rows.shape
-        g = recv.index_select(0, self.rows.reshape(-1)).view(T, k, -1)
-        return torch.einsum("tkn,tk->tn", g.float(), topk_weights.float()).to(recv.dtype)
+        if self.scale_kind == "auto":
+            variants = ["fp32", "bmm"]
+            if recv.is_cuda:
+                variants.append("compiled")
+            self.scale_kind = self._pick("scale", variants, recv, topk_weights)
+        return self._scale(self.scale_kind, recv, topk_weights)
+
+    def _scale(self, kind, recv, w):
+        if kind == "bmm":
+            return _scale_bmm(recv, self.rows, w)
+        if kind == "compiled":
+            if self._compiled is None:
+                self._compiled = torch.compile(_scale_fp32, dynamic=False)
+            return self._compiled(recv, self.rows, w)
+        return _scale_fp32(recv, self.rows, w)
 
     def __call__(self, h_compact: torch.Tensor, w_down: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:

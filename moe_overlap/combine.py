@@ -171,7 +171,10 @@ class MoECombine(torch.nn.Module):
         backend = self.backend_for(h.device)
         if backend == "reference":
             return reference_combine(h, w_down, plan, topk_ids, topk_weights, self.group)
-        ok, why = overlap_available(h.device)
+        return self._overlap_impl(h.device).forward(h, w_down, plan, topk_ids, topk_weights)
+
+    def _overlap_impl(self, device):
+        ok, why = overlap_available(device)
         if not ok:
             raise RuntimeError(f"backend 'overlap' cannot run: {why}")
         if self._impl is None:
@@ -181,4 +184,54 @@ class MoECombine(torch.nn.Module):
                 out_features=self.out_features, topk=self.topk,
                 max_tokens_per_rank=self.max_tokens_per_rank, tile_m=self.tile_m,
                 ccta=self.ccta, mgb=self.mgb, transport=self.transport)
-        return self._impl.forward(h, w_down, plan, topk_ids, topk_weights)
+        return self._impl
+
+    def autotune(self, h, w_down, expert_counts, topk_ids, topk_weights, candidates=None,
+                 reps: int = 5, cache=None) -> tuple[int, int]:
+        """Time (ccta, mgb) candidates (default: the current choice and its grid neighbours) on
+        this input with the overlap backend, keep the fastest (slowest rank counts), cache it for
+        this shape bucket (rank 0 writes) and use it from now on. Collective: call on every rank.
+        A bucket every rank finds cached is not timed again."""
+        import torch.distributed as dist
+
+        from .tuning import TuneCache, neighbours
+        self.check_inputs(h, w_down, self.plan(expert_counts), topk_ids, topk_weights)
+        impl = self._overlap_impl(h.device)
+        cache = cache or TuneCache()
+        dev = h.device
+
+        def agree(x: float, op) -> float:
+            t = torch.tensor([x], dtype=torch.float64, device=dev)
+            if self.world_size > 1:
+                dist.all_reduce(t, op=op, group=self.group)
+            return float(t.item())
+
+        hit = cache.get(self.tune_key)
+        if agree(0.0 if hit is None else 1.0, dist.ReduceOp.MIN) == 1.0:
+            choice = tuple(hit)
+        else:
+            times = {}
+            for c, m in candidates or neighbours(self.ccta, self.mgb):
+                plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
+                                    max_rows=self.max_rows, validate=False)
+                impl.ccta = c
+                for _ in range(2):
+                    impl.forward(h, w_down, plan, topk_ids, topk_weights)
+                impl.check_errors()
+                if self.world_size > 1:
+                    dist.barrier(group=self.group)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    impl.forward(h, w_down, plan, topk_ids, topk_weights)
+                end.record()
+                end.synchronize()
+                times[(c, m)] = agree(start.elapsed_time(end) / reps, dist.ReduceOp.MAX)
+            choice = min(times, key=times.get)
+            if self.rank == 0:
+                cache.put(self.tune_key, choice[0], choice[1], ms=times[choice],
+                          tried={f"{c},{m}": t for (c, m), t in times.items()})
+        self.ccta, self.mgb = choice
+        impl.ccta = self.ccta
+        return choice

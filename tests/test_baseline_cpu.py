@@ -21,10 +21,15 @@ def _check(rank, W, mode):
     x_plan = dispatch_to_plan(x, ids, plan, counts)
     x_c, _ = sequential_dispatch(x, ids, E)
     same_data = torch.equal(x_plan[plan_to_compact_rows(plan, counts)], x_c)
-    base = SequentialBaseline(counts, ids)
-    out = base(x_c, w, gates)
     ref = sequential_combine(x_c, w, counts, ids, gates)
-    return same_data, float((out - ref).abs().max()), base.gemm
+    errs = {}
+    for gemm in ("loop", "blocks"):
+        for scale in ("fp32", "bmm"):
+            base = SequentialBaseline(counts, ids, gemm=gemm, scale=scale)
+            errs[gemm, scale] = float((base(x_c, w, gates) - ref).abs().max())
+    auto = SequentialBaseline(counts, ids)
+    auto(x_c, w, gates)
+    return same_data, max(errs.values()), auto.gemm
 
 
 def test_prepared_baseline_matches_sequential_combine():
