@@ -84,13 +84,13 @@ class MoECombine(torch.nn.Module):
     def _resolve_auto(self, ccta, mgb):
         """'auto' -> a tuned value cached for this shape bucket, else the analytic choice for the
         expected load (each rank receives about max_tokens_per_rank * topk rows, (W-1)/W remote)."""
-        if ccta != "auto" and mgb != "auto":
-            return ccta, mgb
         from .tuning import TuneCache, analytic_choice, shape_key
         rows = self.max_tokens_per_rank * self.topk
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.tune_key = shape_key(dev, self.world_size, self.out_features, self.hidden_size,
                                   self.experts_per_rank, self.tile_m, rows)
+        if ccta != "auto" and mgb != "auto":
+            return ccta, mgb
         choice = TuneCache().get(self.tune_key) or analytic_choice(
             rows, rows * (self.world_size - 1) // self.world_size, self.out_features,
             self.hidden_size, self.tile_m)
@@ -188,13 +188,13 @@ class MoECombine(torch.nn.Module):
 
     def autotune(self, h, w_down, expert_counts, topk_ids, topk_weights, candidates=None,
                  reps: int = 5, cache=None) -> tuple[int, int]:
-        """Time (ccta, mgb) candidates (default: the current choice and its grid neighbours) on
-        this input with the overlap backend, keep the fastest (slowest rank counts), cache it for
-        this shape bucket (rank 0 writes) and use it from now on. Collective: call on every rank.
-        A bucket every rank finds cached is not timed again."""
+        """Time (ccta, mgb) candidates (default: `tuning.coordinate_search` from the current
+        choice) on this input with the overlap backend (CUDA-graph replays), keep the fastest
+        (the slowest rank counts), cache it for this shape bucket (rank 0 writes) and use it from
+        now on. Collective: call on every rank. A bucket every rank finds cached is not timed."""
         import torch.distributed as dist
 
-        from .tuning import TuneCache, neighbours
+        from .tuning import TuneCache, coordinate_search
         self.check_inputs(h, w_down, self.plan(expert_counts), topk_ids, topk_weights)
         impl = self._overlap_impl(h.device)
         cache = cache or TuneCache()
@@ -210,28 +210,54 @@ class MoECombine(torch.nn.Module):
         if agree(0.0 if hit is None else 1.0, dist.ReduceOp.MIN) == 1.0:
             choice = tuple(hit)
         else:
-            times = {}
-            for c, m in candidates or neighbours(self.ccta, self.mgb):
+            def measure(c, m):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
                                     max_rows=self.max_rows, validate=False)
                 impl.ccta = c
-                for _ in range(2):
-                    impl.forward(h, w_down, plan, topk_ids, topk_weights)
-                impl.check_errors()
-                if self.world_size > 1:
-                    dist.barrier(group=self.group)
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(reps):
-                    impl.forward(h, w_down, plan, topk_ids, topk_weights)
-                end.record()
-                end.synchronize()
-                times[(c, m)] = agree(start.elapsed_time(end) / reps, dist.ReduceOp.MAX)
-            choice = min(times, key=times.get)
+                return agree(_graph_ms(
+                    lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights), reps,
+                    barrier=(lambda: dist.barrier(group=self.group)) if self.world_size > 1
+                    else (lambda: None), check=impl.check_errors), dist.ReduceOp.MAX)
+
+            if candidates:
+                times = {cm: measure(*cm) for cm in candidates}
+                choice = min(times, key=times.get)
+            else:
+                choice, times = coordinate_search(measure, (self.ccta, self.mgb),
+                                                  num_sms=impl.num_sms)
             if self.rank == 0:
                 cache.put(self.tune_key, choice[0], choice[1], ms=times[choice],
                           tried={f"{c},{m}": t for (c, m), t in times.items()})
         self.ccta, self.mgb = choice
         impl.ccta = self.ccta
         return choice
+
+
+def _graph_ms(fn, reps: int, barrier, check, replays: int = 5) -> float:
+    """Median milliseconds per call of `reps` calls captured in one CUDA graph. Eager calls of the
+    overlap backend are bound by the host (each CuTe DSL launch costs ~0.1 ms of Python), which
+    would hide the differences autotuning is looking for."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile, load, warm up outside the capture
+            fn()
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(replays):
+        barrier()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    check()
+    del graph
+    return sorted(times)[len(times) // 2]

@@ -7,8 +7,9 @@ consumer's copy bandwidth as a function of its SM count. Overlapped time for c c
 
 where F is the GEMM's FLOPs, B_remote the bytes that leave the GPU, and t_tail the last segment's
 transfer, which cannot overlap (the schedule makes it one band). Then, where a GPU and the overlap
-backend are at hand, `autotune` times a few neighbours of that choice and caches the winner per shape
-bucket (device, W, N, K, experts per rank, tile_m, rows rounded up to a power of two).
+backend are at hand, `MoECombine.autotune` times the candidates of `coordinate_search` on the real
+input (CUDA-graph replays) and caches the winner per shape bucket (device, W, N, K, experts per rank,
+tile_m, rows rounded up to a power of two) in a `TuneCache`.
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ MGB_CHOICES = (1, 2, 4)
 class CostModel:
     """Rates of one GPU (defaults: H200 measured in this project; see bench/NOTES.md)."""
     num_sms: int = 132
-    gemm_tflops: float = 650.0  # our grouped GEMM on all SMs (bench/results/grouped_gemm_v3.json)
-    # consumer copy bandwidth (GB/s per direction, both directions busy) at these SM counts,
-    # 8 MiB transfers (bench/results/consumer_run3); linear in between, flat after
-    copy_gbps: dict = field(default_factory=lambda: {2: 78.0, 4: 152.0, 8: 282.0, 16: 286.0,
-                                                     32: 289.0})
+    gemm_tflops: float = 680.0  # our grouped GEMM on all SMs inside the combine (sweep v2)
+    # remote bytes per second the consumer achieves in the combine (GB/s per direction, both
+    # directions busy, local bands copied too) at these SM counts (bench/results/
+    # combine_sweep_2xh200_v2.json, balanced routing); linear in between, flat after
+    copy_gbps: dict = field(default_factory=lambda: {4: 77.0, 8: 137.0, 16: 170.0, 24: 198.0,
+                                                     32: 205.0})
     link_gbps: float = 380.0  # GPU<->GPU copy ceiling
     signal_us: float = 6.0  # per-launch fixed cost of the consumer (run 3: ~5.9 us)
 
@@ -115,36 +117,20 @@ class TuneCache:
         os.replace(tmp, self.path)
 
 
-def neighbours(ccta: int, mgb: int, ccta_choices=CCTA_CHOICES, mgb_choices=MGB_CHOICES):
-    """The analytic choice and its neighbours on the (ccta, mgb) grid, the choice first."""
-    ci = ccta_choices.index(ccta) if ccta in ccta_choices else 0
-    mi = mgb_choices.index(mgb) if mgb in mgb_choices else 0
-    out = [(ccta, mgb)]
-    for dc in (-1, 0, 1):
-        for dm in (-1, 0, 1):
-            c, m = ci + dc, mi + dm
-            if 0 <= c < len(ccta_choices) and 0 <= m < len(mgb_choices):
-                cand = (ccta_choices[c], mgb_choices[m])
-                if cand not in out:
-                    out.append(cand)
-    return out
-
-
-def autotune(time_fn, key: str, first: tuple[int, int], cache: TuneCache | None = None,
-             candidates=None) -> tuple[int, int]:
-    """Time `time_fn(ccta, mgb) -> seconds` on the candidates (default: the neighbours of `first`),
-    cache and return the fastest. A cached key is returned without timing."""
-    cache = cache or TuneCache()
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
-    results = {}
-    for c, m in candidates or neighbours(*first):
-        results[(c, m)] = time_fn(c, m)
-    best = min(results, key=results.get)
-    cache.put(key, best[0], best[1], seconds=results[best],
-              tried={f"{c},{m}": t for (c, m), t in results.items()}, analytic=list(first))
-    return best
+def coordinate_search(time_fn, first: tuple[int, int], ccta_choices=CCTA_CHOICES,
+                      mgb_choices=MGB_CHOICES, num_sms: int = 132):
+    """Time `time_fn(ccta, mgb) -> seconds`: every ccta at the first guess's mgb, then every mgb at
+    the best ccta. Returns ((ccta, mgb), {(ccta, mgb): seconds}). The ccta axis is searched whole
+    because the overlapped time is not convex in it (GEMM and consumer contend for memory)."""
+    times = {}
+    for c in ccta_choices:
+        if c < num_sms:
+            times[(c, first[1])] = time_fn(c, first[1])
+    c_best = min(times, key=times.get)[0]
+    for m in mgb_choices:
+        if (c_best, m) not in times:
+            times[(c_best, m)] = time_fn(c_best, m)
+    return min(times, key=times.get), times
 
 
 def model_to_json(model: CostModel) -> dict:

@@ -1,7 +1,7 @@
 """ccta/mgb choice: the analytic model's properties and the autotune cache."""
 import pytest
 
-from moe_overlap.tuning import (CostModel, TuneCache, analytic_choice, autotune, neighbours,
+from moe_overlap.tuning import (CostModel, TuneCache, analytic_choice, coordinate_search,
                                 predict, shape_key)
 
 
@@ -31,21 +31,26 @@ def test_copy_bandwidth_interpolates_and_caps_at_the_link():
     assert m.copy_bw(128) == pytest.approx(380e9)  # capped at the link
 
 
-def test_autotune_picks_the_fastest_and_caches(tmp_path):
-    cache = TuneCache(str(tmp_path / "t.json"))
+def test_coordinate_search_scans_ccta_then_mgb():
     calls = []
 
-    def fake_time(c, m):
+    def fake_time(c, m):  # best at ccta 24 (not a neighbour of the first guess), mgb 2
         calls.append((c, m))
-        return abs(c - 12) + 0.1 * m
+        return abs(c - 24) + abs(m - 2) * 0.5 + (0.1 if c == 4 else 0)
 
+    best, times = coordinate_search(fake_time, (8, 1))
+    assert best == (24, 2)
+    assert {c for c, m in calls if m == 1} == {4, 8, 12, 16, 20, 24, 32}
+    assert {(24, 2), (24, 4)} <= set(calls) and len(calls) == len(set(calls)) == 9
+    assert times[best] == min(times.values())
+
+
+def test_tune_cache_round_trip(tmp_path):
     key = shape_key("H200", 2, 8192, 2048, 16, 128, 16000)
-    assert autotune(fake_time, key, (16, 2), cache) == (12, 1)
-    n = len(calls)
-    assert n == len(neighbours(16, 2))
-    again = TuneCache(str(tmp_path / "t.json"))
-    assert autotune(fake_time, key, (16, 2), again) == (12, 1)
-    assert len(calls) == n  # cached: not timed again
+    cache = TuneCache(str(tmp_path / "t.json"))
+    assert cache.get(key) is None
+    cache.put(key, 24, 2, ms=1.0)
+    assert TuneCache(str(tmp_path / "t.json")).get(key) == (24, 2)
 
 
 def test_shape_key_buckets_rows_by_power_of_two():
