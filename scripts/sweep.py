@@ -109,7 +109,8 @@ def worker(rank, W, args):
         El = E // W
         ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N, topk=k,
                             max_tokens_per_rank=T, tile_m=args.tile_m, ccta=args.ccta[0],
-                            mgb=1, transport=args.transport)
+                            mgb=1, transport=args.transport,
+                            local_copy=bool(args.local_copy), copy=args.copy)
         for mode in args.modes:
             seed = 1000 * si + args.modes.index(mode)
             ids, gates = route(T, E, k, mode, seed=seed, rank=rank, device=dev)
@@ -247,6 +248,10 @@ def main():
     ap.add_argument("--mgb", default="1,2,4")
     ap.add_argument("--tile-m", type=int, default=128)
     ap.add_argument("--transport", default="nvlink", choices=["nvlink", "nvshmem"])
+    ap.add_argument("--local-copy", type=int, default=1, choices=[0, 1],
+                    help="0: the owner's scale reads local rows from y (consumer v2 option)")
+    ap.add_argument("--copy", default="ldst", choices=["ldst", "tma"],
+                    help="consumer copy: thread ld/st (v1) or TMA bulk copies")
     ap.add_argument("--world-size", type=int, default=0, help="default: every visible GPU")
     ap.add_argument("--reps", type=int, default=4, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=15)
@@ -271,15 +276,18 @@ def main():
             os.remove(os.environ["MOE_OVERLAP_TUNE_CACHE"])
     points, tuned = spawn(worker, W, args, backend="nccl")[0]
     summary = summarize(points, tuned)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = os.environ.get("GIT_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        except OSError:
+            commit = ""
     meta = dict(device=torch.cuda.get_device_name(0), world_size=W, torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                git_commit=commit or os.environ.get("GIT_COMMIT", ""), tile_m=args.tile_m,
-                transport=args.transport, reps=args.reps, replays=args.replays,
+                git_commit=commit, tile_m=args.tile_m,
+                transport=args.transport, local_copy=args.local_copy, copy=args.copy,
+                reps=args.reps, replays=args.replays,
                 seconds=time.time() - t0)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, summary=summary, points=points, autotune=tuned), f, indent=1)
