@@ -90,6 +90,7 @@ class SequentialBaseline:
         self.offs = torch.tensor(self.rows_e, device=dev, dtype=torch.int32).cumsum(0).to(
             torch.int32)
         self.gemm, self.scale_kind = gemm, scale
+        self.variant_ms = {}  # what auto-selection timed: {"gemm": {...}, "scale": {...}}
         self._recv = None
         self._compiled = None
 
@@ -134,8 +135,11 @@ class SequentialBaseline:
                 fn = (lambda v=v: self._send(v, *args)) if what == "gemm" else \
                     (lambda v=v: self._scale(v, *args))
                 times[v] = _time_ms(fn)
-            except Exception:  # noqa: BLE001 - a variant this build or layout does not support
+            except Exception as e:  # noqa: BLE001 - a variant this build or layout lacks
+                times_failed = self.variant_ms.setdefault(what + "_failed", {})
+                times_failed[v] = f"{type(e).__name__}: {str(e)[:120]}"
                 continue
+        self.variant_ms[what] = times
         return min(times, key=times.get)
 
     # ---- stage 2: exchange ---------------------------------------------------------------

@@ -182,6 +182,7 @@ def worker(rank, W, args):
                         gemm_tflops=flops / t_gemm / 1e9, bitwise_equal=bitwise,
                         rel_err_vs_seq=err_max, passed=ok, timing=ov_mode,
                         seq_timing=seq_mode, seq_gemm=base.gemm, seq_scale=base.scale_kind,
+                        seq_variants_ms=base.variant_ms,
                         analytic=list(choice)))
                     if rank == 0:
                         print(f"[{shape} {mode} ccta={ccta} mgb={mgb}] ov {t_ov:.3f} ms gemm "
