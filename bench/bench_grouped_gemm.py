@@ -148,6 +148,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--tag", default="")
     ap.add_argument("--cluster1-all", type=int, default=0, help="time cluster_n=1 at every ccta")
+    ap.add_argument("--shapes", default="", help="TxKxE,... (default: the issue's eight shapes)")
     args = ap.parse_args()
     N = 8192
     shapes = [(16384, 2048, 4), (16384, 2048, 16), (16384, 2048, 64),
@@ -155,6 +156,8 @@ def main():
               (16384, 1024, 16), (16384, 4096, 16)]
     if args.quick:
         shapes = shapes[1:2]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     cctas = [0, 8, 16, 24]
     base = dict(tile_m=128, tile_n=256)
     results = []
