@@ -3,7 +3,9 @@
     torchrun --nproc-per-node 2 bench/bench_consumer.py [--quick]
     (or python bench/bench_consumer.py, which spawns 2 ranks itself)
 
-Each rank ships S bytes to the other (S = rows * N * 2, N = 4096) as segments of
+Variants: thread copies (nvlink, threads x unroll), nvshmem put_signal, and copy="tma" (bulk
+copies through a shared-memory ring, stages x chunk; BENCH_TMA_ONLY=1 times only those next to
+the v1 default). Each rank ships S bytes to the other (S = rows * N * 2, N = 4096) as segments of
 min(tile_m, ceil(rows / ccta)) rows with every band flag preset (data ready): this measures the
 shipping alone. Timing: CUDA events around `iters` back-to-back consumer launches after a barrier;
 GB/s = S / time per launch (one direction; both directions run at the same time). Baseline: a
@@ -54,10 +56,19 @@ def bench(args):
     rt = NvshmemRuntime.get()
     sizes = [32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20]
     cctas = [2, 4, 8, 16, 32]
-    variants = [("nvlink", 512, 4), ("nvlink", 512, 8), ("nvlink", 1024, 4), ("nvlink", 1024, 8),
-                ("nvshmem", 512, 1)]
+    # (transport, threads, unroll, options); copy="tma": bulk copies through a smem ring of
+    # stages x chunk_bytes (threads / unroll unused there)
+    variants = [("nvlink", 512, 4, {}), ("nvlink", 512, 8, {}), ("nvlink", 1024, 4, {}),
+                ("nvlink", 1024, 8, {}), ("nvshmem", 512, 1, {}),
+                ("nvlink", 32, 1, dict(copy="tma")),
+                ("nvlink", 32, 1, dict(copy="tma", stages=6, chunk_bytes=32768, lookahead=2)),
+                ("nvlink", 32, 1, dict(copy="tma", stages=24, chunk_bytes=8192, lookahead=8)),
+                ("nvlink", 32, 1, dict(copy="tma", stages=8, chunk_bytes=16384, lookahead=2))]
+    if os.environ.get("BENCH_TMA_ONLY") == "1":
+        variants = [variants[0]] + [v for v in variants if v[3].get("copy") == "tma"]
     if args.quick:
-        sizes, cctas, variants = [8 << 20], [8, 16], variants[:1]
+        sizes, cctas = [8 << 20], [8, 16]
+        variants = [variants[0], next(v for v in variants if v[3].get("copy") == "tma")]
     max_rows = max(sizes) // ROW_BYTES
     buf = rt.buffers(max_rows, N, key="bench")
     y = torch.randn(max_rows, N, device=dev).to(torch.bfloat16)
@@ -79,10 +90,14 @@ def bench(args):
         torch.cuda.synchronize()
         t = e0.elapsed_time(e1) / args.iters * 1e-3
         results.append(dict(variant="copy_engine", ccta=0, bytes=S, us=t * 1e6, gbps=S / t / 1e9))
-    for tr, threads, unroll in variants:
-        cons = Consumer(tr, threads, unroll, timeout_ns=5_000_000_000)
+    for tr, threads, unroll, opts in variants:
+        cons = Consumer(tr, threads, unroll, timeout_ns=5_000_000_000, **opts)
         cons.compile()
-        name = f"{tr}_t{threads}_u{unroll}"
+        if opts.get("copy") == "tma":
+            o = cons.options
+            name = f"{tr}_tma_s{o['stages']}x{o['chunk_bytes'] >> 10}K_l{o['lookahead']}"
+        else:
+            name = f"{tr}_t{threads}_u{unroll}"
         for ccta in cctas:
             for S in sizes:
                 rows = S // ROW_BYTES

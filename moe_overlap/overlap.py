@@ -18,6 +18,24 @@ that marker.
 Everything per call lives on the device (epoch, expected counts, flags), so the call is capturable
 in a CUDA graph and replays with new data in the same input tensors.
 
+Options (v1 defaults ``local_copy=True, copy="ldst"``; v2 = ``local_copy=False, copy="tma"``):
+- ``local_copy=False``: the consumer ships remote segments only. ``begin_call(..., plan)`` builds,
+  on the device, each (t, k) assignment's source row: the receive-slot row r (remote experts) or,
+  for this rank's own experts, y row = expert_row_start[e] + group_row_start[e, rank] +
+  (r - first receive row of expert g), encoded as -(y row) - 1; expected[rank] only advances by
+  the call marker. The scale is ordered after the producer on the stream (cs waits s0 after the
+  producer launch), not on the band flags.
+  Memory ordering: the producer's y stores (TMA, async proxy) are complete and visible to later
+  work at its kernel boundary; the cs -> s0 event wait orders the scale launch after that boundary
+  (no flag needed). Why not spin on band_ready in the scale instead: the scale's 2 x SMs CTAs could
+  take the SMs (registers) the persistent producer still needs and deadlock it until the timeout;
+  ordered after the producer they never spin on local work. Remote rows keep the sys-scope
+  counter release/acquire. y is rewritten only by the next call's producer, which s0 orders after
+  this call's scale (s0 waits cs at the end of the call).
+- ``copy="tma"`` (nvlink only): the consumer moves segments with bulk copies through a shared
+  memory ring (see moe_overlap/kernels/consumer.py); ``consumer_stages`` / ``consumer_chunk``
+  size the ring.
+
 Producer: ``moe_overlap.kernels.grouped_gemm.GroupedGemm`` once it exists; until then (or with
 ``producer="torch"``) a torch stand-in: all-expert matmul + gather by band expert, then one torch
 op that sets the flags of all valid bands (no host sync; test-only speed).
@@ -46,13 +64,21 @@ class OverlapCombine:
                  out_features: int = 1024, topk: int = 2, max_tokens_per_rank: int = 1024,
                  tile_m: int = 128, ccta="auto", mgb="auto", transport: str = "nvlink",
                  producer: str | None = None, timeout_s: float = 10.0, consumer_threads: int = 512,
-                 consumer_unroll: int = 4):
+                 consumer_unroll: int = 4, local_copy: bool = True, copy: str = "ldst",
+                 consumer_stages: int | None = None, consumer_chunk: int | None = None):
         if not torch.cuda.is_available():
             raise OverlapError("OverlapCombine needs CUDA")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}; choose from {TRANSPORTS}")
         if out_features % 8:
             raise ValueError(f"out_features={out_features} must be a multiple of 8 (16-byte rows)")
+        from .kernels.consumer import check_options, DEFAULT_STAGES, DEFAULT_CHUNK, \
+            DEFAULT_LOOKAHEAD
+        stages = DEFAULT_STAGES if consumer_stages is None else int(consumer_stages)
+        chunk = DEFAULT_CHUNK if consumer_chunk is None else int(consumer_chunk)
+        lookahead = min(DEFAULT_LOOKAHEAD, max(1, stages // 2))
+        check_options(transport, copy, stages, chunk, lookahead)
+        self.local_copy, self.copy = bool(local_copy), copy
         if producer is None:
             producer = os.environ.get("MOE_OVERLAP_PRODUCER", "auto")
         if producer not in ("auto", "torch", "grouped_gemm"):
@@ -99,8 +125,10 @@ class OverlapCombine:
         self._band_ready = None
         self._y = None
         self.cs = torch.cuda.Stream(device=dev, priority=-1)
-        self.consumer = Consumer(transport, consumer_threads, consumer_unroll, self.timeout_ns)
-        self.scale = Scale(topk, timeout_ns=self.timeout_ns)
+        self.consumer = Consumer(transport, consumer_threads, consumer_unroll, self.timeout_ns,
+                                 local_copy=self.local_copy, copy=copy, stages=stages,
+                                 chunk_bytes=chunk, lookahead=lookahead)
+        self.scale = Scale(topk, timeout_ns=self.timeout_ns, y_src=not self.local_copy)
         self.producer_kind = self._pick_producer(producer)
         self._gemm = None
         self._warm = False  # consumer + scale loaded (warmup())
@@ -220,22 +248,48 @@ class OverlapCombine:
         zf = torch.zeros(1, dtype=torch.float32, device=dev)
         self.scale.launch(recv=self.recv, rows=zi, weights=zf, out=out,
                           counters=self.counters[:0], expected=self.expected, rank=self.rank,
-                          err=self.err, epoch=z, slot_bytes=0, num_sms=self.num_sms)
+                          err=self.err, epoch=z, slot_bytes=0, num_sms=self.num_sms, y=yb)
         torch.cuda.synchronize(dev)
         self._warm = True
 
-    def begin_call(self, topk_ids, topk_weights):
+    def begin_call(self, topk_ids, topk_weights, plan=None):
         """Per-call device bookkeeping on the current stream (no host ints): epoch += 1,
-        expected_cum[s] += my assignments to rank s's experts + 1 (s's call marker).
-        Returns (recv rows int32 [T, topk], weights fp32 [T, topk])."""
+        expected_cum[s] += my assignments to rank s's experts + 1 (s's call marker); with
+        local_copy=False the own rank's rows are not counted (they are read from y).
+        Returns (rows int32 [T, topk], weights fp32 [T, topk]): receive rows, or with
+        local_copy=False and a plan, source rows (see source_rows). Without a plan (consumer-only
+        use) the rows are plain receive rows."""
         El, W = self.experts_per_rank, self.world_size
         self.epoch.add_(1)
         owner = (topk_ids.reshape(-1).long() // El).clamp(0, W - 1)
-        self.expected.index_add_(0, owner, torch.ones_like(owner))
+        if self.local_copy:
+            self.expected.index_add_(0, owner, torch.ones_like(owner))
+        else:
+            self.expected.index_add_(0, owner, (owner != self.rank).long())
         self.expected.add_(1)
-        rows = _recv_rows(topk_ids, self.num_experts).to(torch.int32).contiguous()
+        rows = _recv_rows(topk_ids, self.num_experts)
+        if not self.local_copy and plan is not None:
+            rows = self.source_rows(topk_ids, rows, plan)
+        rows = rows.to(torch.int32).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
         return rows, weights
+
+    def source_rows(self, topk_ids, recv_rows, plan):
+        """Device-only (no sync): the scale's source of each (t, k): the receive row r for remote
+        experts; for local expert e (global g): -(y row) - 1 with y row = expert_row_start[e] +
+        group_row_start[e, rank] + r - (first receive row of g)."""
+        E, El, rank = self.num_experts, self.experts_per_rank, self.rank
+        ids = topk_ids.reshape(-1).long()
+        r = recv_rows.reshape(-1).long()
+        cnt = torch.zeros(E, dtype=torch.long, device=ids.device).scatter_add_(
+            0, ids.clamp(0, E - 1), torch.ones_like(ids))
+        first = torch.cumsum(cnt, 0) - cnt
+        el = ids - rank * El
+        local = (el >= 0) & (el < El)
+        elc = el.clamp(0, El - 1)
+        yrow = (plan.expert_row_start.long()[elc] + plan.group_row_start.long()[elc, rank]
+                + r - first[ids.clamp(0, E - 1)])
+        return torch.where(local, -yrow - 1, r).view(topk_ids.shape)
 
     def ship(self, y, plan, band_ready, ccta=None, slot_bytes=None, stream=None):
         """Launch the consumer alone (for tests and benchmarks)."""
@@ -267,7 +321,7 @@ class OverlapCombine:
         s0 = torch.cuda.current_stream(self.device)
         T = topk_ids.shape[0]
         El, W = self.experts_per_rank, self.world_size
-        rows, weights = self.begin_call(topk_ids, topk_weights)
+        rows, weights = self.begin_call(topk_ids, topk_weights, plan)
         out = torch.empty(T, self.out_features, dtype=torch.bfloat16, device=self.device)
         cs = self.cs
         if not overlap:  # all bands final before the consumer starts
@@ -281,11 +335,15 @@ class OverlapCombine:
                                  slot_bytes=self.slot_bytes, stream=cs)
         if overlap:
             self._produce(h, w_down, plan, y, band_ready)
+        if not self.local_copy:
+            # the scale reads local rows straight from y: order it after the producer (kernel
+            # boundary = y final and visible; see the module doc for why not a flag spin)
+            cs.wait_stream(s0)
         with torch.cuda.stream(cs):
             self.scale.launch(recv=self.recv, rows=rows, weights=weights, out=out,
                               counters=self.counters, expected=self.expected, rank=self.rank,
                               err=self.err, epoch=self.epoch, slot_bytes=self.slot_bytes,
-                              num_sms=self.num_sms, stream=cs)
+                              num_sms=self.num_sms, stream=cs, y=y)
         s0.wait_stream(cs)
         if not torch.cuda.is_current_stream_capturing():
             for t in (rows, weights, out, y):

@@ -53,18 +53,105 @@ def test_consumer_nvshmem_compiles():
     assert compile_consumer("nvshmem") is not None
 
 
-@pytest.mark.parametrize("topk", [1, 2, 8])
-def test_scale_compiles(topk):
-    import cuda.bindings.driver as cuda
-    from cutlass import Int32, Int64
-    from moe_overlap.kernels.scale import build_scale
-    args = [Int64(0)] * 4 + [Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), Int32(1),
-                             Int32(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1),
-                             cuda.CUstream(0)]
-    ptx = _ptx(build_scale(topk), *args)
+@pytest.mark.parametrize("topk,y_src", [(1, False), (2, False), (8, False), (2, True),
+                                         (8, True)])
+def test_scale_compiles(topk, y_src):
+    from moe_overlap.kernels.scale import build_scale, scale_example_args
+    ptx = _ptx(build_scale(topk, y_src=y_src), *scale_example_args())
     assert "ld.acquire.sys.global.s64" in ptx  # arrival counter wait
     assert "cvt.rn.bf16x2.f32" in ptx
     assert ptx.count("ld.global.cg.v4.u32") >= topk
+    assert ".local" not in ptx.split(".entry", 1)[1]
+
+
+# ---- consumer v2: local_copy=False, copy="tma" ------------------------------------------------
+def _nvdisasm():
+    import glob
+    import shutil
+    import site
+    p = shutil.which("nvdisasm")
+    if p:
+        return p
+    for d in site.getsitepackages():
+        for c in glob.glob(os.path.join(d, "nvidia", "*", "bin", "nvdisasm")):
+            return c
+    return None
+
+
+def _compile_keep(launch, *args):
+    import cutlass.cute as cute
+    c = cute.compile[cute.KeepPTX(), cute.KeepCUBIN()](launch, *args)
+    return c.__ptx__, getattr(c, "__cubin__", None)
+
+
+def _sass(cubin):
+    import subprocess
+    import tempfile
+    nvd = _nvdisasm()
+    if nvd is None or not cubin:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        r = subprocess.run([nvd, f.name], capture_output=True, text=True, timeout=60)
+    return r.stdout if r.returncode == 0 else None
+
+
+@pytest.mark.parametrize("local_copy", [True, False])
+def test_consumer_tma_compiles_with_bulk_copies(local_copy):
+    from moe_overlap.kernels.consumer import build_consumer
+    ptx, cubin = _compile_keep(build_consumer("nvlink", copy="tma", local_copy=local_copy),
+                               *_consumer_args())
+    body = ptx.split(".entry", 1)[1]
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in body  # y -> smem
+    assert "cp.async.bulk.global.shared::cta.bulk_group" in body  # smem -> peer
+    assert "cp.async.bulk.commit_group" in body
+    assert "cp.async.bulk.wait_group.read" in body  # stage reuse
+    assert "cp.async.bulk.wait_group 0" in body  # writes complete before the release signal
+    assert "mbarrier.try_wait.parity.shared::cta.b64" in body
+    assert "mbarrier.arrive.expect_tx.shared::cta.b64" in body
+    assert "fence.proxy.async.global" in body  # acquire -> async-proxy loads; stores -> release
+    assert "ld.acquire.gpu.global.s32" in body and "red.release.sys.global.add.u64" in body
+    assert "%globaltimer" in body
+    assert "ld.global.cg.v4.u32" not in body  # no thread-copy fallback left in
+    # order inside the shipping path: wait_group 0, then the sys fence, then the remote signal
+    i_wait = body.index("cp.async.bulk.wait_group 0")
+    assert body.index("fence.acq_rel.sys", i_wait) < body.index("red.release.sys.global",
+                                                                 i_wait)
+    assert ("red.release.gpu.global.add.u64" in body) == local_copy  # own counter: local bands
+    assert ".reqntid 32" in ptx
+    sass = _sass(cubin)
+    if sass is not None:
+        assert "UBLKCP.S.G" in sass and "UBLKCP.G.S" in sass, "no bulk copies in SASS"
+
+
+@pytest.mark.parametrize("copy", ["ldst"])
+def test_consumer_no_local_copy_compiles(copy):
+    from moe_overlap.kernels.consumer import build_consumer
+    ptx = _ptx(build_consumer("nvlink", local_copy=False, copy=copy), *_consumer_args())
+    body = ptx.split(".entry", 1)[1]
+    assert "red.release.gpu.global.add.u64" not in body  # no local-band signal
+    assert "red.release.sys.global.add.u64" in body and "st.global.v4.u32" in body
+    assert "cp.async.bulk" not in body
+
+
+def test_consumer_nvshmem_no_local_copy_compiles():
+    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+    import nvshmem.core
+    try:
+        nvshmem.core.find_device_bitcode_library(arch="90")
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"no NVSHMEM sm_90 device bitcode: {e}")
+    from moe_overlap.kernels.consumer import compile_consumer
+    assert compile_consumer("nvshmem", local_copy=False) is not None
+
+
+def test_consumer_v1_ptx_unchanged_by_default():
+    """The default build is v1: thread copies, local bands copied, no bulk copies."""
+    from moe_overlap.kernels.consumer import build_consumer
+    body = _ptx(build_consumer("nvlink"), *_consumer_args()).split(".entry", 1)[1]
+    assert "cp.async.bulk" not in body and "mbarrier" not in body
+    assert "red.release.gpu.global.add.u64" in body
 
 
 def test_bad_options_raise_before_compiling():
@@ -78,6 +165,14 @@ def test_bad_options_raise_before_compiling():
         build_consumer("nvlink", unroll=0)
     with pytest.raises(ValueError, match="topk"):
         build_scale(0)
+    with pytest.raises(ValueError, match="copy"):
+        build_consumer("nvlink", copy="dma")
+    with pytest.raises(ValueError, match="tma"):
+        build_consumer("nvshmem", copy="tma")
+    with pytest.raises(ValueError, match="shared"):
+        build_consumer("nvlink", copy="tma", stages=16, chunk_bytes=32768)
+    with pytest.raises(ValueError, match="lookahead"):
+        build_consumer("nvlink", copy="tma", stages=4, lookahead=4)
 
 
 def test_launch_cache_reuses_packed_args(monkeypatch):

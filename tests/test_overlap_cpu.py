@@ -30,3 +30,56 @@ def test_overlap_needs_cuda():
     from moe_overlap.overlap import OverlapCombine, OverlapError
     with pytest.raises(OverlapError, match="CUDA"):
         OverlapCombine()
+
+
+@pytest.mark.parametrize("W,E,topk,tile_m,mode", [(2, 8, 2, 128, "moderate_skew"),
+                                                  (4, 16, 4, 64, "stress_skew"),
+                                                  (3, 6, 2, 64, "balanced")])
+def test_source_rows_match_the_band_table(W, E, topk, tile_m, mode):
+    """local_copy=False: every local (t, k) assignment's y row (encoded -(y row) - 1) equals the
+    row the plan's local band puts it in (band_src_row + r - band_dest_row); remote assignments
+    keep their receive row."""
+    from types import SimpleNamespace
+    from moe_overlap.overlap import OverlapCombine
+    from moe_overlap.planner import plan_combine, recv_rows
+    from moe_overlap.routing import route
+    El = E // W
+    Ts = [50 + 17 * r for r in range(W)]
+    ids = [route(Ts[r], E, topk, mode=mode, seed=5, rank=r)[0] for r in range(W)]
+    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids])
+    for rank in range(W):
+        plan = plan_combine(counts, rank, tile_m=tile_m, mgb=2)
+        me = SimpleNamespace(num_experts=E, experts_per_rank=El, rank=rank)
+        r = recv_rows(ids[rank], E)
+        src = OverlapCombine.source_rows(me, ids[rank], r, plan)
+        assert src.shape == ids[rank].shape
+        bt = plan.band_table()
+        local_bands = [(d0, v, s0) for dd, s0, d0, v in zip(bt["band_dest"], bt["band_src_row"],
+                                                             bt["band_dest_row"],
+                                                             bt["band_valid"]) if dd == rank]
+        for e_id, rr, s in zip(ids[rank].reshape(-1).tolist(), r.reshape(-1).tolist(),
+                               src.reshape(-1).tolist()):
+            if e_id // El != rank:
+                assert s == rr
+                continue
+            hits = [s0 + rr - d0 for d0, v, s0 in local_bands if d0 <= rr < d0 + v]
+            assert len(hits) == 1 and s == -hits[0] - 1, (rank, e_id, rr, s, hits)
+
+
+def test_scale_torch_reads_y_for_negative_rows():
+    from moe_overlap.kernels.scale import scale_torch
+    recv = torch.arange(12.0).view(6, 2).to(torch.bfloat16)
+    y = -torch.arange(8.0).view(4, 2).to(torch.bfloat16)
+    rows = torch.tensor([[0, -1], [-4, 5]], dtype=torch.int32)
+    w = torch.tensor([[1.0, 2.0], [0.5, 1.0]])
+    out = scale_torch(recv, rows, w, y=y).float()
+    exp = torch.stack([recv[0].float() + 2 * y[0].float(), 0.5 * y[3].float() + recv[5].float()])
+    assert torch.equal(out, exp.to(torch.bfloat16).float())
+
+
+def test_overlap_options_checked_before_cuda():
+    from moe_overlap.kernels.consumer import Consumer
+    with pytest.raises(ValueError, match="tma"):
+        Consumer("nvshmem", copy="tma")
+    with pytest.raises(ValueError, match="copy"):
+        Consumer("nvlink", copy="dma")

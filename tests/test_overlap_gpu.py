@@ -10,6 +10,13 @@ Per transport (nvlink, nvshmem):
   - CUDA graph: capture one forward, replay twice with new h / w_down / routing written into the
     captured tensors, compare each replay with the reference;
 and last, a timeout: flags never set -> the host raises a clear error naming segment and band.
+
+Consumer v2 options run the same checks under their own tags:
+  - ``nvlink_v2``: OverlapCombine(local_copy=False, copy="tma") (bulk-copy consumer, scale reads
+    local rows from y); the consumer-alone check then expects local rows NOT written (still NaN)
+    and the own counter to hold only call markers; the timeout check runs for it too;
+  - ``nvshmem_v2``: local_copy=False with the nvshmem transport (copy stays put_signal);
+  - ``nvlink_tma``: copy="tma" with local_copy=True (local bands copied by bulk copies too).
 """
 import json
 import os
@@ -95,10 +102,18 @@ def _consumer_alone(ov, res, tag, seed):
             for sr, dr, v in p["local"]:
                 exp[dr:dr + v] = p["y"][sr:sr + v]
     n_rows = T * TOPK
+    n_local = sum(v for _, _, v in mine["local"])
+    if not ov.local_copy:  # v2: local rows stay in y, the receive slot keeps its poison there
+        mask = torch.zeros(slot.shape[0], dtype=torch.bool)
+        for sr, dr, v in mine["local"]:
+            mask[dr:dr + v] = True
+        res[f"{tag}_local_rows_untouched"] = bool(torch.isnan(slot[mask].float()).all())
+        exp[mask] = slot[mask]  # (NaN bit patterns may differ between CPU and GPU fills)
     got_bits = slot[:n_rows].view(torch.int16)
     exp_bits = exp[:n_rows].view(torch.int16)
     res[f"{tag}_consumer_bitexact"] = bool(torch.equal(got_bits, exp_bits))
-    res[f"{tag}_consumer_rows_unwritten"] = int(torch.isnan(slot[:n_rows].float()).any(1).sum())
+    unwritten = int(torch.isnan(slot[:n_rows].float()).any(1).sum())
+    res[f"{tag}_consumer_rows_unwritten"] = unwritten - (0 if ov.local_copy else n_local)
     torch.cuda.synchronize(dev)
     res[f"{tag}_counters_match"] = bool(torch.equal(ov.counters.cpu(), ov.expected.cpu()))
 
@@ -158,7 +173,7 @@ def _graph_checks(ov, res, tag, seed):
         ov.rt.barrier()
 
 
-def _timeout_check(ov, res):
+def _timeout_check(ov, res, tag="timeout"):
     from moe_overlap.overlap import OverlapError
     dev = ov.device
     T = 100
@@ -172,11 +187,11 @@ def _timeout_check(ov, res):
     ov.ship(y, plan, never)
     try:
         ov.check_errors()
-        res["timeout_raised"] = (plan.counts()[0] == 0)
-        res["timeout_msg"] = ""
+        res[f"{tag}_raised"] = (plan.counts()[0] == 0)
+        res[f"{tag}_msg"] = ""
     except OverlapError as e:
-        res["timeout_raised"] = True
-        res["timeout_msg"] = str(e)
+        res[f"{tag}_raised"] = True
+        res[f"{tag}_msg"] = str(e)
 
 
 def _worker(rank, world, port, outdir):
@@ -187,26 +202,44 @@ def _worker(rank, world, port, outdir):
     res = {}
     try:
         from moe_overlap.overlap import OverlapCombine
-        configs = (("nvlink", "nvlink", None), ("torchprod", "nvlink", "torch"),
-                   ("nvshmem", "nvshmem", None))
-        for i, (tag, tr, prod) in enumerate(configs):
+        v1 = dict(local_copy=True, copy="ldst")
+        v2 = dict(local_copy=False, copy="tma")
+        configs = (("nvlink", "nvlink", None, v1), ("torchprod", "nvlink", "torch", v1),
+                   ("nvshmem", "nvshmem", None, v1),
+                   ("nvlink_v2", "nvlink", None, v2),
+                   ("nvshmem_v2", "nvshmem", None, dict(local_copy=False, copy="ldst")),
+                   ("nvlink_tma", "nvlink", None, dict(local_copy=True, copy="tma")),
+                   ("torchprod_v2", "nvlink", "torch", v2))
+        only = os.environ.get("MOE_TEST_CONFIGS")  # e.g. "nvlink_v2,nvshmem_v2" (debugging)
+        if only:
+            configs = tuple(c for c in configs if c[0] in only.split(","))
+        timeout_ov = {}
+        for i, (tag, tr, prod, opts) in enumerate(configs):
             try:
                 ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N,
                                     topk=TOPK, max_tokens_per_rank=T_MAX, tile_m=TILE_M, ccta=8,
-                                    transport=tr, timeout_s=10.0, producer=prod)
+                                    transport=tr, timeout_s=10.0, producer=prod, **opts)
                 res[f"{tag}_producer"] = ov.producer_kind
-                if tag == "torchprod":  # the producer stand-in, to tell producer from consumer bugs
-                    _forward_checks(ov, res, tag, seed=40)
+                if tag.startswith("torchprod"):  # producer stand-in: producer vs consumer bugs
+                    _forward_checks(ov, res, tag, seed=40 + i)
                     continue
-                _consumer_alone(ov, res, tr, seed=10 + i)
-                _forward_checks(ov, res, tr, seed=20 + i)
-                _graph_checks(ov, res, tr, seed=30 + i)
-            except Exception as e:  # record and go on to the next transport
+                _consumer_alone(ov, res, tag, seed=10 + i)
+                _forward_checks(ov, res, tag, seed=20 + i)
+                _graph_checks(ov, res, tag, seed=30 + i)
+                if tag in ("nvshmem", "nvlink_v2"):
+                    timeout_ov[tag] = ov
+            except Exception as e:  # record and go on to the next config
                 import traceback
                 res[f"{tag}_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
                 continue  # separate buffers per config: the next one starts clean
         if not any(k.endswith("_error") for k in res):
-            _timeout_check(ov, res)
+            # v1 keeps the historical key names (timeout_raised / timeout_msg)
+            for tag in ("nvlink_v2", "nvshmem"):  # the v1 one last, as before
+                if tag not in timeout_ov:
+                    continue
+                tov = timeout_ov[tag]
+                _timeout_check(tov, res, "timeout" if tag == "nvshmem" else f"timeout_{tag}")
+                tov.rt.barrier()
     except Exception as e:
         import traceback
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
@@ -216,7 +249,7 @@ def _worker(rank, world, port, outdir):
         os._exit(1)  # a peer may sit in a collective: no teardown
     try:
         from moe_overlap.runtime.nvshmem import NvshmemRuntime
-        if "timeout_raised" not in res:  # after a timeout peers may be mid-call: skip teardown
+        if not any(k.endswith("_raised") for k in res):  # after a timeout: skip teardown
             for rt in list(NvshmemRuntime._live.values()):
                 rt.finalize()
     except Exception:
@@ -232,7 +265,7 @@ def _run(outdir):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=240)
+        p.join(timeout=420)
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -251,17 +284,29 @@ def results():
     return res
 
 
-@pytest.mark.parametrize("tr", ["nvlink", "nvshmem"])
+V2 = ["nvlink_v2", "nvshmem_v2", "nvlink_tma"]
+
+
+def _selected(tag):
+    only = os.environ.get("MOE_TEST_CONFIGS")
+    if only and tag not in only.split(","):
+        pytest.skip(f"{tag} not in MOE_TEST_CONFIGS")
+
+
+@pytest.mark.parametrize("tr", ["nvlink", "nvshmem"] + V2)
 def test_consumer_alone_bit_exact(results, tr):
+    _selected(tr)
     for r in results:
         assert "error" not in r and f"{tr}_error" not in r, r
         assert r[f"{tr}_consumer_bitexact"], r
         assert r[f"{tr}_consumer_rows_unwritten"] == 0, r
         assert r[f"{tr}_counters_match"], r
+        assert r.get(f"{tr}_local_rows_untouched", True), r
 
 
-@pytest.mark.parametrize("tr", ["nvlink", "nvshmem", "torchprod"])
+@pytest.mark.parametrize("tr", ["nvlink", "nvshmem", "torchprod"] + V2 + ["torchprod_v2"])
 def test_forward_matches_fp32_reference_two_calls(results, tr):
+    _selected(tr)
     for r in results:
         assert f"{tr}_error" not in r, r
         for call in range(2):
@@ -269,16 +314,20 @@ def test_forward_matches_fp32_reference_two_calls(results, tr):
             assert r[f"{tr}_forward{call}_rel_err"] < 1e-2, r
 
 
-@pytest.mark.parametrize("tr", ["nvlink", "nvshmem"])
+@pytest.mark.parametrize("tr", ["nvlink", "nvshmem"] + V2)
 def test_cuda_graph_replay_new_data(results, tr):
+    _selected(tr)
     for r in results:
         assert f"{tr}_error" not in r, r
         for rep in range(2):
             assert r[f"{tr}_graph{rep}_rel_err"] < 1e-2, r
 
 
-def test_timeout_raises_clear_error(results):
+@pytest.mark.parametrize("tag", ["nvshmem", "nvlink_v2"])
+def test_timeout_raises_clear_error(results, tag):
+    _selected(tag)
+    key = "timeout" if tag == "nvshmem" else f"timeout_{tag}"
     for r in results:
-        assert r.get("timeout_raised"), r
-        if r["timeout_msg"]:
-            assert "timed out" in r["timeout_msg"] and "segment" in r["timeout_msg"], r
+        assert r.get(f"{key}_raised"), r
+        if r[f"{key}_msg"]:
+            assert "timed out" in r[f"{key}_msg"] and "segment" in r[f"{key}_msg"], r

@@ -27,6 +27,20 @@ Call marker and receive slots: at kernel start CTA 0 adds 1 to counter[rank] on 
 own too), and every destination row is offset by (epoch & 1) * slot_bytes (double-buffered receive
 buffer). See moe_overlap/overlap.py for why this makes back-to-back calls race-free.
 
+Options (compile-time; v1 = ``local_copy=True, copy="ldst"`` stays the default until measured):
+- ``local_copy=False``: the local-band loop is left out; the owner's scale reads local
+  assignments straight from y (see scale.py and OverlapCombine), so the rank's own counter only
+  receives the call marker.
+- ``copy="tma"`` (transport nvlink only): thread 0 of each CTA moves a segment as ``chunk_bytes``
+  chunks through a ring of ``stages`` shared-memory buffers: ``cp.async.bulk`` global -> shared
+  (completion on a per-stage mbarrier, tx bytes), then ``cp.async.bulk.global.shared::cta`` to the
+  peer's mapped receive address (bulk group). Loads run ``lookahead`` chunks ahead; a stage is
+  reloaded only after ``cp.async.bulk.wait_group.read`` says its store has read it, so up to
+  ``stages - lookahead`` stores are in flight per CTA. Ordering: band flag ld.acquire.gpu ->
+  fence.proxy.async.global -> bulk loads (async proxy reads after the acquire); before the arrival
+  signal: cp.async.bulk.wait_group 0 (writes complete, not only read) -> fence.proxy.async.global
+  -> fence.acq_rel.sys -> red.release.sys.
+
 Dependencies are one-way: the consumer waits on the producer's band flags, never the reverse.
 All pointers are passed as 64-bit ints (``tensor.data_ptr()``), see primitives.py.
 """
@@ -37,6 +51,11 @@ TRANSPORTS = ("nvlink", "nvshmem")
 DEFAULT_THREADS = 512
 DEFAULT_UNROLL = 4
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s
+COPIES = ("ldst", "tma")
+TMA_THREADS = 32  # copy="tma": one warp, thread 0 issues every bulk copy
+DEFAULT_STAGES = 12
+DEFAULT_CHUNK = 16384  # bytes per stage: 12 x 16 KiB = 192 KiB of shared memory per CTA
+DEFAULT_LOOKAHEAD = 4
 
 
 def _cute():
@@ -45,11 +64,31 @@ def _cute():
     return cutlass, cute
 
 
-def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
-                   unroll: int = DEFAULT_UNROLL):
-    """Returns the @cute.jit launcher for one (transport, threads, unroll) variant."""
+def check_options(transport, copy, stages, chunk_bytes, lookahead):
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}; choose from {TRANSPORTS}")
+    if copy not in COPIES:
+        raise ValueError(f"copy={copy!r}; choose from {COPIES}")
+    if copy == "tma":
+        if transport != "nvlink":
+            raise ValueError("copy='tma' needs transport='nvlink' (nvshmem ships with "
+                             "put_signal_nbi_block)")
+        if chunk_bytes % 16 or not 16 <= chunk_bytes <= (1 << 19):
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of 16 in [16, 512K]")
+        if not 1 <= lookahead < stages:
+            raise ValueError(f"need 1 <= lookahead={lookahead} < stages={stages}")
+        if stages * chunk_bytes + 8 * stages > 227 * 1024:
+            raise ValueError(f"stages * chunk_bytes = {stages * chunk_bytes} B exceeds shared "
+                             "memory (227 KiB)")
+
+
+def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
+                   unroll: int = DEFAULT_UNROLL, local_copy: bool = True, copy: str = "ldst",
+                   stages: int = DEFAULT_STAGES, chunk_bytes: int = DEFAULT_CHUNK,
+                   lookahead: int = DEFAULT_LOOKAHEAD):
+    """Returns the @cute.jit launcher for one variant (see the module doc for the options).
+    copy="tma" runs TMA_THREADS threads per CTA whatever ``threads`` says."""
+    check_options(transport, copy, stages, chunk_bytes, lookahead)
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"threads={threads} must be a multiple of 32 in [32, 1024]")
     if unroll < 1 or unroll > 16:
@@ -59,8 +98,11 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
     from cutlass import Int32, Int64
     from . import primitives as P
 
-    NT = threads
+    use_tma = copy == "tma"
+    NT = TMA_THREADS if use_tma else threads
     U = unroll
+    S, C, L = stages, chunk_bytes, lookahead
+    LOCAL_COPY = bool(local_copy)
     use_nvshmem = transport == "nvshmem"
     if use_nvshmem:
         import nvshmem.core.device.cute as nvdev
@@ -84,6 +126,55 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
         while i < nvec:
             P.st_v4(dst + i * Int64(16), P.ld_v4_cg(src + i * Int64(16)))
             i = i + Int64(NT)
+
+    @cute.jit
+    def tma_issue_load(src: Int64, nbytes: Int64, j: Int32, g0: Int32, smem0: Int32,
+                       mbar0: Int32):
+        """Thread 0: bulk-load chunk j of the transfer (global chunk number g0 + j)."""
+        st = (g0 + j) % Int32(S)
+        off = Int64(j) * Int64(C)
+        sz = Int64(C)
+        if nbytes - off < sz:
+            sz = nbytes - off
+        bar = mbar0 + st * Int32(8)
+        P.mbar_arrive_expect_tx(bar, Int32(sz))
+        P.bulk_load_g2s(smem0 + st * Int32(C), src + off, Int32(sz), bar)
+
+    @cute.jit
+    def tma_copy(src: Int64, dst: Int64, nbytes: Int64, g0: Int32, smem0: Int32, mbar0: Int32,
+                 t0: Int64, timeout_ns: Int64, err: Int64, rank: Int32, seg: Int32):
+        """Thread 0 only: copy nbytes (multiple of 16) src -> dst through the smem ring and wait
+        until every store has COMPLETED (wait_group 0). Returns (next g0, timed_out)."""
+        nch = Int32((nbytes + Int64(C - 1)) // Int64(C))
+        j = Int32(0)
+        while j < nch and j < Int32(L):
+            tma_issue_load(src, nbytes, j, g0, smem0, mbar0)
+            j = j + Int32(1)
+        c = Int32(0)
+        to = Int32(0)
+        while c < nch and to == Int32(0):
+            g = g0 + c
+            st = g % Int32(S)
+            to, el = P.wait_mbar_parity(mbar0 + st * Int32(8), (g // Int32(S)) & Int32(1), t0,
+                                        timeout_ns)
+            if to != Int32(0):
+                P.record_error(err, Int32(P.ERR_COPY_TIMEOUT), rank, seg, st, Int64(c),
+                               Int64(nch), el)
+            else:
+                off = Int64(c) * Int64(C)
+                sz = Int64(C)
+                if nbytes - off < sz:
+                    sz = nbytes - off
+                P.bulk_store_s2g(dst + off, smem0 + st * Int32(C), Int32(sz))
+                P.bulk_commit_group()
+                if c + Int32(L) < nch:
+                    # the stage of chunk c + L last held chunk c + L - S: its store must have
+                    # finished reading shared memory (at most S - L groups still reading)
+                    P.bulk_wait_group_read(S - L)
+                    tma_issue_load(src, nbytes, c + Int32(L), g0, smem0, mbar0)
+            c = c + Int32(1)
+        P.bulk_wait_group_all()  # writes complete (not only read) before any release signal
+        return g0 + nch, to
 
     @cute.jit
     def wait_bands(sched: Int64, band_ready: Int64, pos0: Int32, nbands: Int32, epoch: Int32,
@@ -123,11 +214,25 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
         t_start = P.globaltimer()
         # receive slot of this call (double buffer by epoch parity, see OverlapCombine)
         slot_off = Int64(epoch & Int32(1)) * slot_bytes
+        smem0 = Int32(0)
+        mbar0 = Int32(0)
+        gchunk = Int32(0)  # chunks moved by this CTA so far (ring stage / phase of the next one)
+        if cutlass.const_expr(use_tma):
+            alloc = cutlass.memory.SmemAllocator()
+            ring = alloc.allocate_array(cutlass.Int8, S * C, byte_alignment=128)
+            bars = alloc.allocate_array(cutlass.Int64, S, byte_alignment=8)
+            smem0 = ring.toint()
+            mbar0 = bars.toint()
+            if tidx == Int32(0):
+                for st in cutlass.range_constexpr(S):
+                    P.mbar_init(mbar0 + Int32(st * 8), 1)
+                P.fence_mbar_init()
+            P.block_sync()
 
         # ---- call marker: +1 on counter[rank] of every rank (ours too). It tells each owner
         # that this rank's consumer of this call has started, i.e. (stream order) that this
         # rank's scale of the previous call is done reading its receive slot.
-        if bidx == Int32(0) and tidx < world:
+        if bidx == Int32(0) and tidx < world:  # world <= threads (checked by the launcher)
             if cutlass.const_expr(use_nvshmem):
                 sig_m = cute.make_tensor(cute.make_ptr(cutlass.Uint64,
                                                        ctr_sym + Int64(rank) * Int64(8),
@@ -171,6 +276,21 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                                              cute.make_layout(1))
                     nvdev.put_signal_nbi_block(dst_t, src_t, sig_t, Int64(rows),
                                                SignalOp.SIGNAL_ADD, dest)
+                elif cutlass.const_expr(use_tma):
+                    dst = P.ld_s64(recv_peers + Int64(dest) * Int64(8)) + dst_off
+                    to2 = Int32(0)
+                    if tidx == Int32(0):
+                        # async-proxy reads of y after the generic acquire of the band flags
+                        P.fence_proxy_async_global()
+                        gchunk, to2 = tma_copy(src, dst, nbytes, gchunk, smem0, mbar0, t_start,
+                                               timeout_ns, err, rank, s)
+                        if to2 == Int32(0):
+                            P.fence_proxy_async_global()
+                            P.fence_acq_rel_sys()
+                            P.red_release_sys_add_s64(
+                                P.ld_s64(ctr_peers + Int64(dest) * Int64(8))
+                                + Int64(rank) * Int64(8), Int64(rows))
+                    failed = P.block_any(to2)
                 else:
                     dst = P.ld_s64(recv_peers + Int64(dest) * Int64(8)) + dst_off
                     copy_rows(src, dst, nbytes, tidx)
@@ -182,29 +302,43 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                             Int64(rows))
             s = s + nblk
 
-        # ---- local bands: y -> own receive buffer --------------------------------------------
-        nb = P.ld_s32(num_bands)
-        p = P.ld_s32(num_remote_bands) + bidx
-        own_recv = P.ld_s64(recv_peers + Int64(rank) * Int64(8))
-        own_ctr = P.ld_s64(ctr_peers + Int64(rank) * Int64(8)) + Int64(rank) * Int64(8)
-        while p < nb and failed == Int32(0):
-            to = Int32(0)
-            if tidx == Int32(0):
-                to = wait_bands(schedule, band_ready, p, Int32(1), epoch, t_start, timeout_ns,
-                                err, rank, Int32(-1))
-            failed = P.block_any(to)
-            if failed == Int32(0):
-                b = P.ld_s32(schedule + Int64(p) * Int64(4))
-                boff = Int64(b) * Int64(4)
-                rows = P.ld_s32(band_valid + boff)
-                src = y + Int64(P.ld_s32(band_src_row + boff)) * row_bytes
-                dst = own_recv + slot_off + Int64(P.ld_s32(band_dest_row + boff)) * row_bytes
-                copy_rows(src, dst, Int64(rows) * row_bytes, tidx)
-                P.block_sync()
+        # ---- local bands: y -> own receive buffer (v1; left out with local_copy=False) -------
+        if cutlass.const_expr(LOCAL_COPY):
+            nb = P.ld_s32(num_bands)
+            p = P.ld_s32(num_remote_bands) + bidx
+            own_recv = P.ld_s64(recv_peers + Int64(rank) * Int64(8))
+            own_ctr = P.ld_s64(ctr_peers + Int64(rank) * Int64(8)) + Int64(rank) * Int64(8)
+            while p < nb and failed == Int32(0):
+                to = Int32(0)
                 if tidx == Int32(0):
-                    P.fence_acq_rel_gpu()
-                    P.red_release_gpu_add_s64(own_ctr, Int64(rows))
-            p = p + nblk
+                    to = wait_bands(schedule, band_ready, p, Int32(1), epoch, t_start,
+                                    timeout_ns, err, rank, Int32(-1))
+                failed = P.block_any(to)
+                if failed == Int32(0):
+                    b = P.ld_s32(schedule + Int64(p) * Int64(4))
+                    boff = Int64(b) * Int64(4)
+                    rows = P.ld_s32(band_valid + boff)
+                    src = y + Int64(P.ld_s32(band_src_row + boff)) * row_bytes
+                    dst = own_recv + slot_off + Int64(P.ld_s32(band_dest_row + boff)) * row_bytes
+                    if cutlass.const_expr(use_tma):
+                        to3 = Int32(0)
+                        if tidx == Int32(0):
+                            P.fence_proxy_async_global()
+                            gchunk, to3 = tma_copy(src, dst, Int64(rows) * row_bytes, gchunk,
+                                                   smem0, mbar0, t_start, timeout_ns, err, rank,
+                                                   Int32(-1))
+                            if to3 == Int32(0):
+                                P.fence_proxy_async_global()
+                                P.fence_acq_rel_gpu()
+                                P.red_release_gpu_add_s64(own_ctr, Int64(rows))
+                        failed = P.block_any(to3)
+                    else:
+                        copy_rows(src, dst, Int64(rows) * row_bytes, tidx)
+                        P.block_sync()
+                        if tidx == Int32(0):
+                            P.fence_acq_rel_gpu()
+                            P.red_release_gpu_add_s64(own_ctr, Int64(rows))
+                p = p + nblk
         if cutlass.const_expr(use_nvshmem):
             nvdev.quiet()
 
@@ -235,13 +369,14 @@ _ARG_NAMES = ("y", "row_bytes", "rank", "num_segments", "segment_start", "segmen
 
 
 def compile_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
-                     unroll: int = DEFAULT_UNROLL):
+                     unroll: int = DEFAULT_UNROLL, **options):
     """cute.compile the consumer (no GPU needed with CUTE_DSL_ARCH=sm_90a). Returns the compiled
-    callable ``f(*ints, stream)`` taking the args of ``_ARG_NAMES`` as ints, then a CUstream."""
+    callable ``f(*ints, stream)`` taking the args of ``_ARG_NAMES`` as ints, then a CUstream.
+    options: local_copy, copy, stages, chunk_bytes, lookahead (see build_consumer)."""
     cutlass, cute = _cute()
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
-    launch = build_consumer(transport, threads, unroll)
+    launch = build_consumer(transport, threads, unroll, **options)
     ex = [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 22 + [Int32(1), Int32(1), cuda.CUstream(0)]
     if transport == "nvshmem" and not _have_gpu():
         _point_nvshmem_bitcode_at_sm90()
@@ -268,10 +403,15 @@ class Consumer:
     """Compiled consumer + launch helper. ``launch`` takes torch tensors, never synchronizes."""
 
     def __init__(self, transport: str = "nvlink", threads: int = DEFAULT_THREADS,
-                 unroll: int = DEFAULT_UNROLL, timeout_ns: int = DEFAULT_TIMEOUT_NS):
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r}; choose from {TRANSPORTS}")
+                 unroll: int = DEFAULT_UNROLL, timeout_ns: int = DEFAULT_TIMEOUT_NS,
+                 local_copy: bool = True, copy: str = "ldst", stages: int = DEFAULT_STAGES,
+                 chunk_bytes: int = DEFAULT_CHUNK, lookahead: int = DEFAULT_LOOKAHEAD):
+        check_options(transport, copy, stages, chunk_bytes, lookahead)
         self.transport, self.threads, self.unroll = transport, threads, unroll
+        self.local_copy, self.copy = bool(local_copy), copy
+        self.options = dict(local_copy=self.local_copy, copy=copy, stages=stages,
+                            chunk_bytes=chunk_bytes, lookahead=lookahead)
+        self.block_threads = TMA_THREADS if copy == "tma" else threads
         self.timeout_ns = int(timeout_ns)
         self._fn = None
         self._nvshmem_obj = None
@@ -283,12 +423,14 @@ class Consumer:
                 from nvshmem.core.interop.cute import cute_compile_helper
                 import cuda.bindings.driver as cuda
                 from cutlass import Int32, Int64
-                launch = build_consumer(self.transport, self.threads, self.unroll)
+                launch = build_consumer(self.transport, self.threads, self.unroll,
+                                        **self.options)
                 ex = [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 22 + [Int32(1), Int32(1),
                                                                         cuda.CUstream(0)]
                 self._fn, self._nvshmem_obj = cute_compile_helper(launch, *ex)
             else:
-                self._fn = compile_consumer(self.transport, self.threads, self.unroll)
+                self._fn = compile_consumer(self.transport, self.threads, self.unroll,
+                                            **self.options)
         return self._fn
 
     def launch(self, *, y, plan, band_ready, epoch, recv_peers, ctr_peers, recv_sym, ctr_sym,
@@ -297,6 +439,9 @@ class Consumer:
         receive buffer / counter base address on every rank (own rank: local); recv_sym / ctr_sym:
         local symmetric addresses (nvshmem transport); err: int64 [8]."""
         import torch
+        if plan.world_size > self.block_threads:
+            raise ValueError(f"world size {plan.world_size} > {self.block_threads} threads per "
+                             "CTA (one thread per rank posts the call marker)")
         fn = self.compile()
         if self._launcher is None:
             from .primitives import LaunchCache

@@ -26,8 +26,10 @@ from cutlass import Int32, Int64
 ERR_WORDS = 8
 ERR_CONSUMER_TIMEOUT = 1  # consumer waited too long for band_ready[b] == epoch
 ERR_SCALE_TIMEOUT = 2  # owner's scale waited too long for a source's arrival counter
+ERR_COPY_TIMEOUT = 3  # consumer (copy="tma") waited too long for a bulk load into shared memory
 ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
-             ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive"}
+             ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
+             ERR_COPY_TIMEOUT: "consumer timed out waiting for a bulk (TMA) load of y"}
 
 
 # ---- loads / stores with ordering -------------------------------------------------------------
@@ -153,6 +155,67 @@ def block_any(pred):
         write_only_types=[Int32], read_only_args=[Int32(pred)])
 
 
+# ---- bulk (TMA) copies: global -> shared -> global (peer) ---------------------------------------
+# Shared-memory operands are 32-bit shared-window addresses (``smem_ptr.toint()``). Sizes are
+# bytes, multiples of 16; global addresses 16-byte aligned.
+def mbar_init(mbar, count: int = 1):
+    cute.arch.inline_ptx(f"mbarrier.init.shared::cta.b64 [{{$r0}}], {int(count)};",
+                         read_only_args=[Int32(mbar)])
+
+
+def fence_mbar_init():
+    """Make mbarrier.init visible to the async proxy (bulk copies complete_tx on it)."""
+    cute.arch.inline_ptx("fence.mbarrier_init.release.cluster;")
+    cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
+
+
+def mbar_arrive_expect_tx(mbar, nbytes):
+    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
+                         read_only_args=[Int32(mbar), Int32(nbytes)])
+
+
+def mbar_try_wait_parity(mbar, parity):
+    """Int32 1 once the phase with this parity has completed (one bounded try, no spin)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; "
+        "selp.s32 {$w0}, 1, 0, p; }",
+        write_only_types=[Int32], read_only_args=[Int32(mbar), Int32(parity)])
+
+
+def bulk_load_g2s(smem, gaddr, nbytes, mbar):
+    """cp.async.bulk global -> shared (this CTA), completion as tx bytes on ``mbar``."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+        "[{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[Int32(smem), Int64(gaddr), Int32(nbytes), Int32(mbar)])
+
+
+def bulk_store_s2g(gaddr, smem, nbytes):
+    """cp.async.bulk shared -> global (may be a peer GPU's mapped address), bulk-group completion."""
+    cute.arch.inline_ptx("cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
+                         read_only_args=[Int64(gaddr), Int32(smem), Int32(nbytes)])
+
+
+def bulk_commit_group():
+    cute.arch.inline_ptx("cp.async.bulk.commit_group;")
+
+
+def bulk_wait_group_read(n: int):
+    """At most ``n`` committed bulk groups still READING shared memory (their smem may be reused
+    by the others); their global writes may still be in flight."""
+    cute.arch.inline_ptx(f"cp.async.bulk.wait_group.read {int(n)};")
+
+
+def bulk_wait_group_all():
+    """Every committed bulk group complete, global writes included (before a release signal)."""
+    cute.arch.inline_ptx("cp.async.bulk.wait_group 0;")
+
+
+def fence_proxy_async_global():
+    """Order generic-proxy and async-proxy (bulk copy) accesses to global memory of this thread."""
+    cute.arch.inline_ptx("fence.proxy.async.global;")
+
+
 # ---- errors and bounded waits ----------------------------------------------------------------
 @cute.jit
 def record_error(err_addr: Int64, code: Int32, rank: Int32, index: Int32, band: Int32,
@@ -203,6 +266,23 @@ def wait_ge_sys_s64(addr: Int64, expected: Int64, t0: Int64, timeout_ns: Int64):
     return timed_out, v, elapsed
 
 
+@cute.jit
+def wait_mbar_parity(mbar: Int32, parity: Int32, t0: Int64, timeout_ns: Int64):
+    """Spin on an mbarrier phase (bulk load landed) until done or the timeout passes since t0.
+    Returns (timed_out: Int32, now - t0: Int64)."""
+    done = mbar_try_wait_parity(mbar, parity)
+    timed_out = Int32(0)
+    elapsed = Int64(0)
+    while done == Int32(0) and timed_out == Int32(0):
+        elapsed = globaltimer() - t0
+        if elapsed > timeout_ns:
+            timed_out = Int32(1)
+        done = mbar_try_wait_parity(mbar, parity)
+    if done != Int32(0):
+        timed_out = Int32(0)
+    return timed_out, elapsed
+
+
 def describe_error(err_host: list[int]) -> str | None:
     """Human-readable text of an error buffer read back to the host (None when clear)."""
     code = int(err_host[0])
@@ -213,6 +293,9 @@ def describe_error(err_host: list[int]) -> str | None:
     if code == ERR_CONSUMER_TIMEOUT:
         return (f"{what}: rank {rank}, segment {index}, band {band}: band_ready={obs}, epoch={exp}"
                 f" after {el / 1e6:.1f} ms (producer stalled, not launched, or plan/epoch mismatch)")
+    if code == ERR_COPY_TIMEOUT:
+        return (f"{what}: rank {rank}, segment {index} (-1: local band), stage {band} after "
+                f"{el / 1e6:.1f} ms (bulk copy engine stalled or bad address)")
     if code == ERR_SCALE_TIMEOUT:
         return (f"{what}: rank {rank}, source rank {index}: counter={obs}, expected>={exp} after "
                 f"{el / 1e6:.1f} ms (a peer's consumer did not run, timed out, or sent fewer rows)")

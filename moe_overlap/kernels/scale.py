@@ -11,6 +11,13 @@ buffer and exits. ``bar.red.or`` then orders every thread's receive-buffer loads
 Then each thread owns 8 columns (16 bytes) of one token at a time: TOPK 16-byte loads of
 recv[row(t, k)], bf16 -> fp32 by shifts, fma with w[t, k] (fp32), cvt.rn.bf16x2 and one 16-byte
 store. Grid-stride over (token, column-chunk) pairs.
+
+``y_src=True`` (OverlapCombine(local_copy=False)): a negative entry r of ``rows`` names row
+``-r - 1`` of ``y`` (the producer's output on this GPU: assignments to this rank's own experts,
+which the consumer no longer copies); r >= 0 is a receive-slot row as before. The caller orders
+the scale after the producer on the stream (kernel boundary: y is final and visible), so the
+kernel itself waits only on the arrival counters (the own counter then expects just the call
+marker).
 """
 import os
 
@@ -18,7 +25,7 @@ DEFAULT_THREADS = 256
 DEFAULT_TIMEOUT_NS = 10_000_000_000
 
 
-def build_scale(topk: int, threads: int = DEFAULT_THREADS):
+def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False):
     if topk < 1 or topk > 64:
         raise ValueError(f"topk={topk} must be in [1, 64]")
     import cutlass
@@ -29,6 +36,7 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS):
 
     NT = threads
     K = topk
+    Y_SRC = bool(y_src)
 
     def as_f32(bits):
         return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32],
@@ -42,7 +50,7 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS):
     def scale_kernel(recv: Int64, rows: Int64, weights: Int64, out: Int64, T: Int32,
                      n_chunks: Int32, row_bytes: Int64, counters: Int64, expected: Int64,
                      world: Int32, rank: Int32, err: Int64, timeout_ns: Int64, epoch_ptr: Int64,
-                     slot_bytes: Int64):
+                     slot_bytes: Int64, y: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
@@ -73,7 +81,11 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS):
                     w = cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];",
                                              write_only_types=[Float32],
                                              read_only_args=[weights + a * Int64(4)])
-                    v4 = P.ld_v4_cg(base + Int64(r) * row_bytes + c * Int64(16))
+                    src = base + Int64(r) * row_bytes
+                    if cutlass.const_expr(Y_SRC):
+                        if r < Int32(0):  # local expert: row -r - 1 of y
+                            src = y + Int64(Int32(-1) - r) * row_bytes
+                    v4 = P.ld_v4_cg(src + c * Int64(16))
                     for j in cutlass.range_constexpr(4):
                         lo = as_f32(v4[j] << Int32(16))
                         hi = as_f32(v4[j] & Int32(-65536))
@@ -86,43 +98,52 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS):
     @cute.jit
     def launch(recv: Int64, rows: Int64, weights: Int64, out: Int64, T: Int32, n_chunks: Int32,
                row_bytes: Int64, counters: Int64, expected: Int64, world: Int32, rank: Int32,
-               err: Int64, timeout_ns: Int64, epoch_ptr: Int64, slot_bytes: Int64, grid: Int32,
-               stream: cuda.CUstream):
+               err: Int64, timeout_ns: Int64, epoch_ptr: Int64, slot_bytes: Int64, y: Int64,
+               grid: Int32, stream: cuda.CUstream):
         scale_kernel(recv, rows, weights, out, T, n_chunks, row_bytes, counters, expected, world,
-                     rank, err, timeout_ns, epoch_ptr, slot_bytes).launch(
+                     rank, err, timeout_ns, epoch_ptr, slot_bytes, y).launch(
             grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch
 
 
-def compile_scale(topk: int, threads: int = DEFAULT_THREADS):
-    import cutlass.cute as cute
+def scale_example_args():
+    """Example arguments of the scale launcher (types only), for cute.compile."""
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
-    launch = build_scale(topk, threads)
-    ex = [Int64(0)] * 4 + [Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), Int32(1), Int32(0),
-                           Int64(0), Int64(0), Int64(0), Int64(0), Int32(1), cuda.CUstream(0)]
-    return cute.compile(launch, *ex)
+    return [Int64(0)] * 4 + [Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), Int32(1),
+                             Int32(0), Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1),
+                             cuda.CUstream(0)]
+
+
+def compile_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False):
+    import cutlass.cute as cute
+    launch = build_scale(topk, threads, y_src)
+    return cute.compile(launch, *scale_example_args())
 
 
 class Scale:
     """Compiled fused wait + scale. ``launch`` never synchronizes."""
 
     def __init__(self, topk: int, threads: int = DEFAULT_THREADS,
-                 timeout_ns: int = DEFAULT_TIMEOUT_NS):
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS, y_src: bool = False):
         self.topk, self.threads, self.timeout_ns = topk, threads, int(timeout_ns)
+        self.y_src = bool(y_src)
         self._fn = None
         self._launcher = None
 
     def compile(self):
         if self._fn is None:
-            self._fn = compile_scale(self.topk, self.threads)
+            self._fn = compile_scale(self.topk, self.threads, self.y_src)
         return self._fn
 
     def launch(self, *, recv, rows, weights, out, counters, expected, rank, err, epoch,
-               slot_bytes, num_sms: int, stream=None):
-        """recv: receive buffer base (slot 0); rows: int32 [T, topk]; weights: fp32 [T, topk];
-        out: [T, N] bf16; counters / expected: int64 [W]."""
+               slot_bytes, num_sms: int, stream=None, y=None):
+        """recv: receive buffer base (slot 0); rows: int32 [T, topk] (y_src: negative = y row
+        -r - 1); weights: fp32 [T, topk]; out: [T, N] bf16; counters / expected: int64 [W];
+        y: [rows, N] bf16 (needed with y_src)."""
+        if self.y_src and y is None:
+            raise ValueError("Scale(y_src=True) needs y")
         import torch
         import cuda.bindings.driver as cuda
         fn = self.compile()
@@ -138,12 +159,19 @@ class Scale:
         self._launcher((recv.data_ptr(), rows.data_ptr(), weights.data_ptr(), out.data_ptr(), T,
                         n_chunks, N * 2, counters.data_ptr(), expected.data_ptr(),
                         counters.numel(), rank, err.data_ptr(), self.timeout_ns, epoch.data_ptr(),
-                        int(slot_bytes), grid), stream.cuda_stream)
+                        int(slot_bytes), 0 if y is None else y.data_ptr(), grid),
+                       stream.cuda_stream)
 
 
-def scale_torch(recv_slot, rows, weights):
-    """Reference of the arithmetic (no wait): fp32 accumulate, bf16 out."""
+def scale_torch(recv_slot, rows, weights, y=None):
+    """Reference of the arithmetic (no wait): fp32 accumulate, bf16 out. With y, negative rows
+    r read y[-r - 1] (y_src encoding)."""
     import torch
     T, K = rows.shape
-    g = recv_slot[rows.reshape(-1).long()].view(T, K, -1).float()
+    r = rows.reshape(-1).long()
+    if y is None:
+        g = recv_slot[r]
+    else:
+        g = torch.where((r < 0)[:, None], y[(-r - 1).clamp(min=0)], recv_slot[r.clamp(min=0)])
+    g = g.view(T, K, -1).float()
     return (g * weights.float().unsqueeze(-1)).sum(1).to(torch.bfloat16)
