@@ -68,6 +68,8 @@ def _inputs(T=5, K=8, N=6, El=4, E=4, dtype=torch.float32):
     (lambda a: a.update(plan=plan_combine(torch.ones(2, 4, dtype=torch.long), 1)), ValueError,
      "world size"),
     (lambda a: a.update(plan="plan"), TypeError, "CombinePlan"),
+    (lambda a: a.update(w_down=a["w_down"].to("meta")), ValueError, "one device"),
+    (lambda a: a.update(plan=a["plan"].to("meta")), ValueError, "one device"),
     (lambda a: a.update(h=a["h"][:10]), ValueError, "rows"),
 ])
 def test_forward_rejects_bad_input(mutate, exc, msg):
