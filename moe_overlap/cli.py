@@ -159,6 +159,7 @@ def cmd_validate(args) -> int:
     grid = [(m, tm, mgb) for m in ROUTER_MODES for tm in (64, 128) for mgb in (1, 2, 4)]
     failures = 0
     total = 0
+    records = []
     for W in _progress(world_sizes, len(world_sizes), "world sizes"):
         E = args.experts if args.experts % W == 0 else W * max(1, args.experts // W)
         cases = [LayerCase(mode=m, tile_m=tm, mgb=mgb, num_experts=E, tokens=args.tokens,
@@ -166,12 +167,16 @@ def cmd_validate(args) -> int:
                  for i, (m, tm, mgb) in enumerate(grid)]
         for case, res in zip(cases, check_layers(W, cases, args.device)):
             total += 1
+            records.append({"world_size": W, "passed": passed(res), "ranks": res})
             if not passed(res):
                 failures += 1
                 print(f"MISMATCH W={W} {case}: "
                       f"{[(r['rel_err'], r['rel_err_f64']) for r in res]}")
     print(f"validate: {total - failures}/{total} cases passed (backend={args.backend}, "
           f"{args.dtype}, {args.device})")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"passed": total - failures, "total": total, "cases": records}, f, indent=1)
     return 1 if failures else 0
 
 
@@ -206,6 +211,7 @@ def main(argv=None) -> int:
     v.add_argument("--topk", type=int, default=2)
     v.add_argument("--backend", default="reference", choices=["reference", "overlap", "auto"])
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    v.add_argument("--out", default="", help="write every case's results as JSON")
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: one GPU per rank, NCCL")
     argv = list(sys.argv[1:] if argv is None else argv)
