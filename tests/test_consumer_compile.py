@@ -125,6 +125,15 @@ def test_consumer_tma_compiles_with_bulk_copies(local_copy):
         assert "UBLKCP.S.G" in sass and "UBLKCP.G.S" in sass, "no bulk copies in SASS"
 
 
+def test_consumer_tma_small_ring_compiles():
+    """The ring the GPU test uses to wrap mbarrier phases often: 3 x 4 KiB, lookahead 1."""
+    from moe_overlap.kernels.consumer import build_consumer
+    ptx = _ptx(build_consumer("nvlink", copy="tma", stages=3, chunk_bytes=4096, lookahead=1),
+               *_consumer_args())
+    assert "cp.async.bulk.wait_group.read 2;" in ptx  # stages - lookahead groups may read
+    assert ptx.count("mbarrier.init.shared::cta.b64") == 3
+
+
 @pytest.mark.parametrize("copy", ["ldst"])
 def test_consumer_no_local_copy_compiles(copy):
     from moe_overlap.kernels.consumer import build_consumer
