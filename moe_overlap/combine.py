@@ -48,7 +48,8 @@ class MoECombine(torch.nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, out_features: int, topk: int,
                  max_tokens_per_rank: int, group=None, tile_m: int = 128, backend: str = "auto",
-                 ccta="auto", mgb="auto", transport: str = "nvlink", validate: bool = True):
+                 ccta="auto", mgb="auto", transport: str = "nvlink", validate: bool = True,
+                 local_copy: bool = True, copy: str = "ldst"):
         super().__init__()
         rank, W = world(group)
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
@@ -73,6 +74,9 @@ class MoECombine(torch.nn.Module):
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
         self.max_tokens_per_rank, self.tile_m, self.validate = max_tokens_per_rank, tile_m, validate
         self.transport, self.requested_backend = transport, backend
+        # consumer variants (overlap backend): local_copy=False lets the scale read local rows
+        # straight from the GEMM output; copy="tma" ships with bulk copies through shared memory
+        self.local_copy, self.copy = local_copy, copy
         self.ccta, self.mgb = self._resolve_auto(ccta, mgb)
         self._impl = None  # overlap backend object, built lazily on the first CUDA call
 
@@ -183,7 +187,8 @@ class MoECombine(torch.nn.Module):
                 group=self.group, num_experts=self.num_experts, hidden_size=self.hidden_size,
                 out_features=self.out_features, topk=self.topk,
                 max_tokens_per_rank=self.max_tokens_per_rank, tile_m=self.tile_m,
-                ccta=self.ccta, mgb=self.mgb, transport=self.transport)
+                ccta=self.ccta, mgb=self.mgb, transport=self.transport,
+                local_copy=self.local_copy, copy=self.copy)
         return self._impl
 
     def autotune(self, h, w_down, expert_counts, topk_ids, topk_weights, candidates=None,

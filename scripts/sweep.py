@@ -194,7 +194,8 @@ def worker(rank, W, args):
                 # MoECombine.autotune (cached per shape bucket: the first mode tunes, the others
                 # reuse the cached choice, as a user's later calls would)
                 comb = MoECombine(E, K, N, k, T, tile_m=args.tile_m, backend="overlap",
-                                  transport=args.transport, validate=False)
+                                  transport=args.transport, validate=False,
+                                  local_copy=bool(args.local_copy), copy=args.copy)
                 first = (comb.ccta, comb.mgb)
                 choice = comb.autotune(h, w_down, counts, ids, gates)
                 plan = comb.plan(counts)
