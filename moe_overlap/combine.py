@@ -49,7 +49,7 @@ class MoECombine(torch.nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, out_features: int, topk: int,
                  max_tokens_per_rank: int, group=None, tile_m: int = 128, backend: str = "auto",
                  ccta="auto", mgb="auto", transport: str = "nvlink", validate: bool = True,
-                 local_copy: bool = True, copy: str = "ldst"):
+                 local_copy: bool | None = None, copy: str | None = None):
         super().__init__()
         rank, W = world(group)
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
@@ -75,8 +75,12 @@ class MoECombine(torch.nn.Module):
         self.max_tokens_per_rank, self.tile_m, self.validate = max_tokens_per_rank, tile_m, validate
         self.transport, self.requested_backend = transport, backend
         # consumer variants (overlap backend): local_copy=False lets the scale read local rows
-        # straight from the GEMM output; copy="tma" ships with bulk copies through shared memory
-        self.local_copy, self.copy = local_copy, copy
+        # straight from the GEMM output; copy="tma" ships with bulk copies through shared memory.
+        # Defaults: the variant measured fastest and validated for the transport (sweep v3 for
+        # nvlink; nvshmem keeps its put and the local copy, the configuration its tests ran).
+        nvlink = transport == "nvlink"
+        self.local_copy = (not nvlink) if local_copy is None else local_copy
+        self.copy = ("tma" if nvlink else "ldst") if copy is None else copy
         self.ccta, self.mgb = self._resolve_auto(ccta, mgb)
         self._impl = None  # overlap backend object, built lazily on the first CUDA call
 
