@@ -1,4 +1,4 @@
-"""moe-overlap command line: demo | plan-stats | validate."""
+"""moe-overlap command line: demo | plan-stats | validate | sweep."""
 from __future__ import annotations
 
 import argparse
@@ -152,6 +152,9 @@ def _plot_plan_stats(rows, modes, tile_ms, path, meta):
 
 # ------------------------------------------------------------------------------- validate
 def cmd_validate(args) -> int:
+    if args.backend == "overlap":  # the GPU grid: router modes x ccta x mgb x benchmark shapes
+        from .sweep import main as sweep_main
+        return sweep_main(["--validate-only", "--out", args.out or "validate_overlap.json"])
     from .routing import ROUTER_MODES
     from .validation import LayerCase, check_layers, passed
 
@@ -204,7 +207,10 @@ def main(argv=None) -> int:
     s.add_argument("--topk", type=int, default=8)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default="out/plan-stats")
-    v = sub.add_parser("validate", help="the validation grid on CPU ranks")
+    sub.add_parser("sweep", help="GPUs: overlap validation grid + ccta x mgb sweep (see "
+                   "`moe-overlap sweep --help`)", add_help=False)
+    v = sub.add_parser("validate", help="the validation grid: CPU ranks (reference backend), or "
+                       "the GPU grid of the overlap backend (--backend overlap)")
     v.add_argument("--world-sizes", default="2,3,4")
     v.add_argument("--experts", type=int, default=12)
     v.add_argument("--tokens", type=int, default=96)
@@ -215,6 +221,9 @@ def main(argv=None) -> int:
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: one GPU per rank, NCCL")
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sweep"]:  # GPUs: its own options (moe_overlap/sweep.py)
+        from .sweep import main as sweep_main
+        return sweep_main(argv[1:])
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["demo"] + argv  # the main job: the CPU demo
     args = p.parse_args(argv)

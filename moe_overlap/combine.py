@@ -203,6 +203,7 @@ class MoECombine(torch.nn.Module):
         now on. Collective: call on every rank. A bucket every rank finds cached is not timed."""
         import torch.distributed as dist
 
+        from .timing import time_calls
         from .tuning import TuneCache, coordinate_search
         self.check_inputs(h, w_down, self.plan(expert_counts), topk_ids, topk_weights)
         impl = self._overlap_impl(h.device)
@@ -215,6 +216,10 @@ class MoECombine(torch.nn.Module):
                 dist.all_reduce(t, op=op, group=self.group)
             return float(t.item())
 
+        def barrier():
+            if self.world_size > 1:
+                dist.barrier(group=self.group)
+
         hit = cache.get(self.tune_key)
         if agree(0.0 if hit is None else 1.0, dist.ReduceOp.MIN) == 1.0:
             choice = tuple(hit)
@@ -223,10 +228,10 @@ class MoECombine(torch.nn.Module):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
                                     max_rows=self.max_rows, validate=False)
                 impl.ccta = c
-                return agree(_graph_ms(
-                    lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights), reps,
-                    barrier=(lambda: dist.barrier(group=self.group)) if self.world_size > 1
-                    else (lambda: None), check=impl.check_errors), dist.ReduceOp.MAX)
+                ms = time_calls(lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights),
+                                reps=reps, replays=5, barrier=barrier)[0]
+                impl.check_errors()
+                return agree(ms, dist.ReduceOp.MAX)
 
             if candidates:
                 times = {cm: measure(*cm) for cm in candidates}
@@ -240,33 +245,3 @@ class MoECombine(torch.nn.Module):
         self.ccta, self.mgb = choice
         impl.ccta = self.ccta
         return choice
-
-
-def _graph_ms(fn, reps: int, barrier, check, replays: int = 5) -> float:
-    """Median milliseconds per call of `reps` calls captured in one CUDA graph. Eager calls of the
-    overlap backend are bound by the host (each CuTe DSL launch costs ~0.1 ms of Python), which
-    would hide the differences autotuning is looking for."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile, load, warm up outside the capture
-            fn()
-    check()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(replays):
-        barrier()
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    check()
-    del graph
-    return sorted(times)[len(times) // 2]

@@ -50,3 +50,10 @@ def test_validate_small_grid():
 def test_bad_subcommand_fails():
     r = run_cli("nonsense")
     assert r.returncode != 0
+
+
+def test_gpu_commands_fail_clearly_without_gpus():
+    r = run_cli("validate", "--backend", "overlap")
+    assert r.returncode != 0 and "needs at least 2 GPUs" in r.stderr
+    r = run_cli("sweep", "--help")
+    assert r.returncode == 0 and "--validate-only" in r.stdout
