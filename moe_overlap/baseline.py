@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .reference import _source_to_expert_major, world
+from .reference import source_to_expert_major, world
 
 
 def _time_ms(fn, reps=5):
@@ -60,7 +60,7 @@ class SequentialBaseline:
         self.rows_e = [sum(counts_h[s][self.rank * El + e] for s in range(self.W))
                        for e in range(El)]
         dev = topk_ids.device
-        perm = torch.tensor(_source_to_expert_major(counts_h, self.rank, El), dtype=torch.long,
+        perm = torch.tensor(source_to_expert_major(counts_h, self.rank, El), dtype=torch.long,
                             device=dev)
         self.to_source_major = torch.empty_like(perm)
         self.to_source_major[perm] = torch.arange(perm.numel(), device=dev)

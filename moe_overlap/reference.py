@@ -88,11 +88,11 @@ def sequential_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     recv = torch.empty(sum(out_splits), x.shape[1], dtype=x.dtype, device=x.device)
     all_to_all(recv, send, out_splits, in_splits, group)
     # source-major -> expert-major (compact layout)
-    perm = _source_to_expert_major(counts_h, rank, El)
+    perm = source_to_expert_major(counts_h, rank, El)
     return recv.index_select(0, torch.tensor(perm, device=x.device, dtype=torch.long)), counts
 
 
-def _source_to_expert_major(counts_h, rank, El) -> list[int]:
+def source_to_expert_major(counts_h, rank, El) -> list[int]:
     """perm such that compact[i] = source_major[perm[i]]."""
     W = len(counts_h)
     src_off = {}
@@ -118,7 +118,7 @@ def sequential_combine(h_compact: torch.Tensor, w_down: torch.Tensor, expert_cou
     counts_h = expert_counts.tolist()
     rows_e = [sum(counts_h[s][rank * El + e] for s in range(W)) for e in range(El)]
     y = grouped_matmul(h_compact, w_down, rows_e)
-    perm = _source_to_expert_major(counts_h, rank, El)
+    perm = source_to_expert_major(counts_h, rank, El)
     inv = torch.empty(len(perm), dtype=torch.long, device=y.device)
     inv[torch.tensor(perm, dtype=torch.long, device=y.device)] = torch.arange(
         len(perm), device=y.device)
