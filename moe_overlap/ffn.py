@@ -13,9 +13,15 @@ Backends:
 - ``reference``: plain torch (``moe_overlap.ffn_reference``): addmm with the bias fused, in-place
   activation, mm (+b2 fused on rank 0), one in-place ``all_reduce`` (gloo on CPU, NCCL on CUDA),
   act2 in place. This is also the fair baseline of ``bench/bench_ffn.py``.
-- ``fused``: the single CuTe DSL kernel (compute blocks + communication blocks). Its communication
-  half exists (``moe_overlap.kernels.switch``); the compute half does not yet, so this backend
-  raises ``NotImplementedError`` (a ``RuntimeError``) naming what is missing.
+- ``fused`` (``FusedFFN`` only; CUDA Hopper GPUs, CuTe DSL, bf16): two persistent CuTe DSL kernels
+  running at the same time on one GPU: the compute blocks
+  (``moe_overlap.kernels.fused_ffn.FusedFFNCompute``: act1(X W1_g + b1_g) tiles on chip, times W2_g,
+  TMA reduce-add into the fp32 symmetric accumulator, per-band ready flags) on the current stream
+  and SMs - ``ccta`` SMs, and the communication blocks (``moe_overlap.kernels.switch.BandAllReduce``,
+  ``producer=True``: band all-reduce across the group, + b2, act2, bf16 out, accumulator zeroed for
+  the next call) on a high-priority stream and ``ccta`` SMs. Where CUDA / CuTe DSL are missing the
+  constructor raises ``NotImplementedError`` (a ``RuntimeError``) saying why.
+  ``ShardedExperts(backend="fused")`` is not written yet (same error).
   ``comm="unicast"`` (peer loads/stores over NVLink) or ``comm="switch"`` (NVLink multicast;
   refused unless multicast is explicitly allowed and available, see ``require_multicast``).
 
@@ -34,11 +40,10 @@ COMMS = ("unicast", "switch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 FUSED_MISSING = (
-    "the fused compute kernel (moe_overlap/kernels/fused_ffn.py: compute blocks that keep "
-    "act1(X W1_g + b1_g) tiles on chip, multiply them by W2_g tiles and TMA-reduce-add into the "
-    "fp32 Y accumulator with per-tile counters / band ready flags) and its host wiring (symmetric "
-    "accumulator + flags, epoch). The communication blocks exist: "
-    "moe_overlap.kernels.switch.BandAllReduce")
+    "the fused compute kernel for sharded experts (a grouped variant of "
+    "moe_overlap/kernels/fused_ffn.py over the experts' row ranges, with its host wiring); the "
+    "dense FusedFFN(backend='fused') exists")
+FUSED_DEFAULT_CCTA = 16  # SMs of the communication blocks (band all-reduce) in the fused backend
 
 
 def _group_world(group) -> tuple[int, int]:
@@ -97,6 +102,33 @@ def _fused_unavailable(comm: str, what: str):
                               f"missing {FUSED_MISSING}. Use backend='reference'.")
 
 
+def _fused_requirements(comm: str, device: torch.device, what: str = "FusedFFN"):
+    """Raises NotImplementedError (a RuntimeError) naming the first missing requirement of the
+    fused backend on this machine: multicast for comm='switch', CUDA, a CUDA device, CuTe DSL."""
+    if comm == "switch":
+        from .kernels.switch import require_multicast
+        require_multicast()  # raises a clear RuntimeError on our machines
+    why = None
+    if not torch.cuda.is_available():
+        why = "no CUDA GPU is available"
+    elif device.type != "cuda":
+        why = f"the module's device is {device}, not a CUDA GPU"
+    else:
+        major, _ = torch.cuda.get_device_capability(device)
+        if major != 9:
+            why = f"{torch.cuda.get_device_name(device)} is not a Hopper (sm_90) GPU"
+        else:
+            try:
+                import cutlass.cute  # noqa: F401
+            except Exception as e:  # noqa: BLE001 - ImportError or a broken install
+                why = f"CuTe DSL (nvidia-cutlass-dsl) is not importable ({e})"
+    if why is not None:
+        raise NotImplementedError(
+            f"{what}(backend='fused', comm={comm!r}) cannot run here: the fused compute kernel "
+            f"(moe_overlap/kernels/fused_ffn.py) and the band all-reduce need CUDA Hopper GPUs "
+            f"and CuTe DSL; {why}. Use backend='reference'.")
+
+
 def _check_tensor(name, t, shape, dtype, device, allow_none=False):
     if t is None:
         if allow_none:
@@ -128,6 +160,12 @@ class FusedFFN(torch.nn.Module):
     "none" for no activation); ``bias``: keep b1 and b2; ``group``: the TP process group (None: the
     default group if initialized, else a single process); ``dtype`` / ``device`` of the
     parameters; ``backend`` "reference" | "fused"; ``comm`` "unicast" | "switch" (fused only).
+    Fused only: ``ccta`` (SMs of the communication blocks, default 16; the compute blocks take
+    the others), ``max_tokens`` (rows the symmetric accumulator is first sized for; it grows,
+    collectively, when a call brings more), ``tile_m`` (64 or 128: compute m-tile = all-reduce
+    band); needs P % 64 == 0, (O/G) % 128 == 0, N % 128 == 0, bf16, Hopper GPUs, CuTe DSL. The
+    fused forward is inference only (its output carries no autograd graph) and collective (every
+    rank of the group calls it with the same token count).
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
     ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
     """
@@ -135,7 +173,8 @@ class FusedFFN(torch.nn.Module):
     def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
                  *, act1: str = "gelu", act2: str | None = None, bias: bool = True, group=None,
                  dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "reference",
-                 comm: str | None = None):
+                 comm: str | None = None, ccta: int | None = None, max_tokens: int | None = None,
+                 tile_m: int = 128):
         super().__init__()
         P = _pos_int("in_features", in_features)
         O = _pos_int("hidden_features", hidden_features)
@@ -162,7 +201,111 @@ class FusedFFN(torch.nn.Module):
         self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw)) if bias else None
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw)) if bias else None
         if backend == "fused":
-            _fused_unavailable(self.comm, "FusedFFN")
+            self._init_fused(device, ccta, max_tokens, tile_m)
+        elif ccta is not None or max_tokens is not None or tile_m != 128:
+            raise ValueError("ccta / max_tokens / tile_m apply to backend='fused' only")
+
+    # ---- fused backend ----------------------------------------------------------------------
+    def _init_fused(self, device, ccta, max_tokens, tile_m):
+        """Checks (before any allocation or launch) and the compute-kernel object; the
+        BandAllReduce (collective: symmetric memory) is made on the first forward, sized for
+        max(max_tokens, that call's tokens)."""
+        _fused_requirements(self.comm, device)
+        from .kernels.fused_ffn import FusedFFNCompute
+        if tile_m not in (64, 128):
+            raise ValueError(f"tile_m={tile_m!r} must be 64 or 128")
+        P, O, N = self.in_features, self.local_hidden, self.out_features
+        if P % 64:
+            raise ValueError(f"backend='fused' needs in_features % 64 == 0, got {P}")
+        if O % 128:
+            raise ValueError(f"backend='fused' needs hidden_features / world_size % 128 == 0, "
+                             f"got {O}")
+        if N % 128:
+            raise ValueError(f"backend='fused' needs out_features % 128 == 0, got {N}")
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        ccta = FUSED_DEFAULT_CCTA if ccta is None else ccta
+        if isinstance(ccta, bool) or not isinstance(ccta, int) or not 1 <= ccta < sms:
+            raise ValueError(f"ccta={ccta!r} must be an int in [1, {sms - 1}] (SMs of the "
+                             f"communication blocks; the rest compute)")
+        if max_tokens is not None:
+            _pos_int("max_tokens", max_tokens)
+        self.ccta, self.max_tokens, self.tile_m = ccta, max_tokens, tile_m
+        self._compute = FusedFFNCompute(tile_m=tile_m, band_rows=tile_m)
+        self._allreduce = None
+        self._comm_stream = None
+        self._warm = False
+
+    def _fused_allreduce(self, M: int):
+        """The BandAllReduce for M rows (collective on first use / growth: every rank calls
+        forward with the same M)."""
+        from .kernels.switch import BandAllReduce
+        ar = self._allreduce
+        if ar is None or ar.max_rows < M:
+            rows = max(M, self.max_tokens or 0, ar.max_rows * 2 if ar is not None else 0)
+            rows = -(-rows // self.tile_m) * self.tile_m
+            # band_rows == tile_m: one ready flag per compute m-tile
+            self._allreduce = ar = BandAllReduce(
+                rows, self.out_features, self.group, backend=self.comm, act2=self.act2,
+                band_rows=self.tile_m, ccta=self.ccta)
+            self._warm = False
+        if self._comm_stream is None:  # high priority: its CTAs go first when SMs free up
+            try:
+                lo, hi = torch.cuda.Stream.priority_range()
+                prio = min(lo, hi)  # lower number = higher priority
+            except Exception:  # noqa: BLE001 - older torch: -1 is "high" everywhere
+                prio = -1
+            self._comm_stream = torch.cuda.Stream(device=self.w1.device, priority=prio)
+        return ar
+
+    def _fused_warmup(self, ar):
+        """Loads and runs every kernel once, alone, before the first overlapped launch (a spinning
+        kernel next to a lazily loaded one deadlocks): the compute kernel on scratch buffers,
+        then a standalone (producer=False) all-reduce of a zero band (collective)."""
+        dev = self.w1.device
+        tm = self.tile_m
+        x = torch.zeros(tm, self.in_features, dtype=torch.bfloat16, device=dev)
+        acc = torch.zeros(tm, self.out_features, dtype=torch.float32, device=dev)
+        ready = torch.zeros(1, dtype=torch.int32, device=dev)
+        epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._compute(x, *self._fused_weights(), acc, ready, epoch, ccta=ar.ccta,
+                      act1=self.act1)
+        torch.cuda.synchronize(dev)
+        ar(min(tm, ar.max_rows))  # acc is zero: writes zeros, leaves acc zero; no epoch change
+        torch.cuda.synchronize(dev)
+        ar.check()
+        self._warm = True
+
+    def _forward_fused(self, x2: torch.Tensor) -> torch.Tensor:
+        M = x2.shape[0]
+        out = torch.empty(M, self.out_features, dtype=torch.bfloat16, device=x2.device)
+        if M == 0:
+            return out
+        x2 = x2.contiguous()
+        ar = self._fused_allreduce(M)
+        if not self._warm:
+            self._fused_warmup(ar)
+        cur = torch.cuda.current_stream(x2.device)
+        comm = self._comm_stream
+        # one epoch per call, advanced in the compute stream's order: the compute kernel (same
+        # stream) and the all-reduce (comm stream, which waits on this point) read the same value
+        ar.epoch.add_(1)
+        comm.wait_stream(cur)  # x, weights, the zeroed accumulator, the epoch
+        b2 = self.b2.detach() if self.b2 is not None else None
+        ar(M, b2=b2, out=out, producer=True, bump_epoch=False, stream=comm)
+        out.record_stream(comm)
+        self._compute(x2, *self._fused_weights(), ar.acc[:M], ar.band_ready, ar.epoch,
+                      ccta=ar.ccta, act1=self.act1, stream=cur)
+        cur.wait_stream(comm)  # join: out is final, acc zeroed for the next call
+        return out
+
+    def _fused_weights(self):
+        return (self.w1.detach(), self.b1.detach() if self.b1 is not None else None,
+                self.w2.detach())
+
+    def check_fused(self):
+        """Synchronizes and raises RuntimeError if the all-reduce recorded a timeout."""
+        if self._allreduce is not None:
+            self._allreduce.check()
 
     # ---- weights --------------------------------------------------------------------------
     def local_slice(self) -> slice:
@@ -195,7 +338,8 @@ class FusedFFN(torch.nn.Module):
     @classmethod
     def from_full_weights(cls, W1, b1, W2, b2, group=None, *, act1: str = "gelu",
                           act2: str | None = None, backend: str = "reference",
-                          comm: str | None = None, dtype: torch.dtype | None = None, device=None):
+                          comm: str | None = None, dtype: torch.dtype | None = None, device=None,
+                          **fused_kw):
         """Build the module from the unsplit weights (same on every rank) and keep this rank's
         slices. dtype / device default to W1's. b1 and b2 are both given or both None."""
         if not isinstance(W1, torch.Tensor) or W1.dim() != 2:
@@ -209,7 +353,7 @@ class FusedFFN(torch.nn.Module):
             raise ValueError(f"W2 has {W2.shape[0]} rows but W1 has {O} columns (hidden size)")
         mod = cls(P, O, W2.shape[1], act1=act1, act2=act2, bias=b1 is not None, group=group,
                   dtype=dtype or W1.dtype, device=device if device is not None else W1.device,
-                  backend=backend, comm=comm)
+                  backend=backend, comm=comm, **fused_kw)
         return mod.load_full_weights(W1, b1, W2, b2)
 
     # ---- forward --------------------------------------------------------------------------
@@ -233,8 +377,8 @@ class FusedFFN(torch.nn.Module):
         """X ``[..., P]`` (the same on every rank of the group) -> Y ``[..., N]`` on every rank."""
         lead = x.shape[:-1] if isinstance(x, torch.Tensor) else None
         x2 = self.check_input(x)
-        if self.backend == "fused":  # pragma: no cover - the constructor already refused
-            _fused_unavailable(self.comm, "FusedFFN")
+        if self.backend == "fused":  # inference only: the output has no autograd graph
+            return self._forward_fused(x2.detach()).reshape(*lead, self.out_features)
         y = ffn_tp_reference(x2, self.w1, self.b1, self.w2, self.b2, self.act1, self.act2,
                              self.group, self.world_size, self.rank,
                              inplace=not _tracks_grad(x2, self.w1))

@@ -763,13 +763,17 @@ class BandAllReduce:
                                          self.unroll, bool(self.zero_acc))
         return self._fn
 
-    def __call__(self, M: int, b2=None, out=None, *, producer: bool = False, stream=None):
+    def __call__(self, M: int, b2=None, out=None, *, producer: bool = False, stream=None,
+                 bump_epoch: bool = True):
         """All-reduce rows [0, M) of ``self.acc`` (same M on every rank); returns ``out``
         (bf16 [M, N], allocated when None). Never synchronizes.
 
         ``producer=False``: the accumulator is complete in stream order (one kernel launch, no
         ready waits). ``producer=True``: advances ``epoch`` on the stream and waits for
-        ``band_ready[b] == epoch``, written by a concurrently running producer."""
+        ``band_ready[b] == epoch``, written by a concurrently running producer.
+        ``bump_epoch=False`` (with ``producer=True``): the caller has already advanced
+        ``self.epoch`` in this stream's order (e.g. on the producer's stream, which this stream
+        waited on), so the producer kernel and this call read the same epoch."""
         import torch
         import cuda.bindings.driver as cuda
         if isinstance(M, bool) or not isinstance(M, int) or not 0 <= M <= self.max_rows:
@@ -791,7 +795,7 @@ class BandAllReduce:
         if M == 0:
             return out
         nb = -(-M // self.band_rows)
-        if producer:
+        if producer and bump_epoch:
             with torch.cuda.stream(stream):  # on the device: no host int changes (CUDA graphs)
                 self.epoch.add_(1)
         fn(self.acc.data_ptr(), self._remote[0], out.data_ptr(),

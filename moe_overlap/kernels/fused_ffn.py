@@ -1,0 +1,793 @@
+"""Fused FFN compute blocks (issue 5): ``acc += act1(X W1_g + b1_g) W2_g`` with band ready flags.
+
+This is the compute half of ``FusedFFN(backend="fused")``; the communication half is
+``moe_overlap.kernels.switch.BandAllReduce`` (``producer=True``), running concurrently on its own
+``ccta`` SMs and waiting on the flags written here.
+
+Per GPU g (tensors all CUDA, row-major, no host synchronization in the call path)::
+
+    x     [M, P]    bf16          (the same on every rank)
+    w1    [P, O_g]  bf16          (this rank's column slice of W1; O_g contiguous)
+    b1    [O_g]     bf16 or None
+    w2    [O_g, N]  bf16          (this rank's row slice of W2; N contiguous)
+    acc   [M, N]    fp32          (BandAllReduce.acc[:M]; zero on entry, the previous call's
+                                   all-reduce zeroed it)
+    band_ready [>= ceil(M / band_rows)] int32   (BandAllReduce.band_ready)
+    epoch      [1] int32          (BandAllReduce.epoch, advanced in stream order before the call)
+
+    acc[m, n] += sum_j act1(x[m] @ w1[:, j] + b1[j]) @ w2[j, n]      (fp32, TMA reduce-add)
+    band_ready[b] = epoch          (st.release.gpu) once every contribution to rows
+                                   [b * band_rows, (b + 1) * band_rows) of acc is complete
+
+Hopper (sm_90a) CuTe DSL kernel, same skeleton as ``grouped_gemm.py`` (persistent CTAs, one TMA
+producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``PipelineTmaStore``):
+
+* work unit = (m-tile of ``tile_m`` rows, j-tile of ``tile_o`` hidden columns), linear index
+  u = m_tile * J + j (J = O_g / tile_o): m-major, so the J contributions of one band run at the
+  same time on J CTAs and bands complete (and are published) in order; CTA i takes
+  u = i, i + G, ... with G = SMs - ccta (a launch argument).
+* GEMM1: K-loop over P (tile_k = 64) through a TMA/mbarrier pipeline (X tile + W1 tile per
+  stage); the accumulator starts at b1 (fp32), so the bias costs nothing; act1 in registers;
+  converted to bf16 and written to shared memory (``sH``, the K-major swizzled layout WGMMA reads
+  as its A operand) with stmatrix + ``fence.proxy.async.shared::cta``. H never goes to HBM.
+* GEMM2: for each n-tile (rotated start n = j mod N/tile_n, so the J CTAs of a band do not
+  reduce into the same columns at once): acc_tile = sH @ W2[j, n] (A from smem, B from a second
+  TMA pipeline of whole tile_o x tile_n W2 tiles), then the fp32 tile goes out in
+  ``tile_m x epi_n`` sub-tiles through ``epi_stages`` shared-memory buffers with TMA
+  reduce-add (``cp.reduce.async.bulk.tensor.2d.global.shared::cta.add``): the reductions of one
+  product are in flight while the next product's WGMMAs run.
+* Counting: the unit (m, j) is complete once its N/tile_n bulk reductions have completed; the
+  epilogue warp (the one that issued them) counts it on ``band_counter[b]`` and the last of the
+  band's J * (m-tiles in band) contributions publishes ``band_ready[b] = epoch``. The count is
+  posted (deferred, as in grouped_gemm) in the middle of the next unit's GEMM1 k-loop, when the
+  reductions are long finished. See ``_signal_band`` for the memory-ordering argument.
+
+Simplified in this first version (correctness over speed):
+  - GEMM2 and its epilogue are not ping-ponged: the next n-tile's WGMMAs start after the current
+    tile's sub-tiles are written to shared memory (the TMA reductions themselves overlap);
+  - no clusters / multicast; tile_o = 128 (H tile = 128 x 128 bf16 = 32 KiB of smem) and
+    tile_n = 128 only; one consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128);
+  - the pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never
+    waits on another CTA or on the communication blocks (one-way dependency).
+
+cutlass is imported lazily: importing this module needs only torch.
+"""
+
+import math
+
+import torch
+
+__all__ = ["FusedFFNCompute", "fused_ffn_compute_reference", "ACTIVATIONS"]
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+_SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
+
+
+# --------------------------------------------------------------------------------------------
+# Plain torch reference (the truth the tests use)
+# --------------------------------------------------------------------------------------------
+def fused_ffn_compute_reference(x, w1, b1, w2, act1: str, acc=None):
+    """fp32 ``act1(x @ w1 + b1) @ w2`` with H rounded to bf16 like the kernel (inputs any float
+    dtype, any device); added into ``acc`` when given (returned), else returned as a new tensor."""
+    from ..ffn_reference import activation
+    if act1 not in ACTIVATIONS:
+        raise ValueError(f"act1={act1!r}: choose from {ACTIVATIONS}")
+    h = x.float() @ w1.float()
+    if b1 is not None:
+        h = h + b1.float()
+    h = activation(h, act1).to(torch.bfloat16).float()
+    y = h @ w2.float()
+    if acc is None:
+        return y
+    acc += y
+    return acc
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+def _kernel_class():
+    """Builds the kernel class on first use (imports cutlass lazily)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+    from cutlass.utils import LayoutEnum
+
+    from .switch import device_lib
+
+    act_fn = device_lib().act  # fp32 relu / gelu (erf) / gelu_tanh / silu, same as act2
+
+    class _FusedFFNKernel:
+        def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages1, stages2, epi_n,
+                     epi_stages, signal_k_tile):
+            self.acc_dtype = cutlass.Float32
+            self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, tile_k
+            self.act1 = act1
+            self.req_stages1, self.stages2 = stages1, stages2
+            self.epi_n, self.epi_stage = epi_n, epi_stages
+            self.signal_k_tile = signal_k_tile
+            # one consumer warpgroup per 64 rows; WG w owns rows [64 w, 64 w + 64) of the tile in
+            # both GEMMs, so the H rows it writes to sH are the ones its GEMM2 reads.
+            self.num_mma_wg = tile_m // 64
+            self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
+            self.threads_per_wg = 128
+            self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
+            self.load_warp_id = 0
+            self.epi_store_warp_id = 4  # first consumer warp: issues the reductions, posts flags
+            self.load_regs = 40
+            self.mma_regs = 232 if self.num_mma_wg == 2 else 240
+            self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
+            self.epi_barrier = pipeline.NamedBarrier(barrier_id=1,
+                                                     num_threads=self.num_mma_threads)
+            self.buffer_align_bytes = 1024
+
+        # ---------------------------------------------------------------- host-side setup
+        def _setup(self):
+            bf16, f32 = cutlass.BFloat16, cutlass.Float32
+            kmaj = LayoutEnum.ROW_MAJOR  # A operands (X, sH): K contiguous
+            # GEMM1: A = X tile (K-major), B = W1 tile (O contiguous: MN-major)
+            self.tiled_mma1 = sm90_utils.make_trivial_tiled_mma(
+                bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_o))
+            # GEMM2: A = sH (K-major, K = tile_o), B = W2 tile (N contiguous: MN-major)
+            self.tiled_mma2 = sm90_utils.make_trivial_tiled_mma(
+                bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n))
+            self.epi_tile = (self.tile_m, self.epi_n)
+
+            def smem_layout(layout, dtype, shape_2d, stages):
+                is_k_major = layout.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
+                major_size = shape_2d[1] if is_k_major else shape_2d[0]
+                atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                    sm90_utils.get_smem_layout_atom(layout, dtype, major_size), dtype)
+                return cute.tile_to_shape(atom, cute.append(shape_2d, stages),
+                                          order=(0, 1, 2) if is_k_major else (1, 0, 2))
+
+            x_bytes = self.tile_m * self.tile_k * 2
+            w1_bytes = self.tile_o * self.tile_k * 2
+            w2_bytes = self.tile_n * self.tile_o * 2
+            h_bytes = self.tile_m * self.tile_o * 2
+            epi_bytes = self.tile_m * self.epi_n * 4 * self.epi_stage
+            fixed = 1024 + self.stages2 * w2_bytes + h_bytes + epi_bytes  # + mbarriers, align
+            max_stages1 = (_SMEM_CAPACITY_SM90 - fixed) // (x_bytes + w1_bytes)
+            self.stages1 = max_stages1 if self.req_stages1 is None else self.req_stages1
+            if self.stages1 < 2 or self.stages1 > max_stages1:
+                raise ValueError(f"stages1={self.stages1} does not fit in shared memory "
+                                 f"(2..{max_stages1} with stages2={self.stages2}, "
+                                 f"epi_stages={self.epi_stage})")
+            self.tx1 = x_bytes + w1_bytes
+            self.tx2 = w2_bytes
+            self.sX_layout = smem_layout(kmaj, bf16, (self.tile_m, self.tile_k), self.stages1)
+            self.sW1_layout = smem_layout(self.b_layout, bf16, (self.tile_o, self.tile_k),
+                                          self.stages1)
+            self.sW2_layout = smem_layout(self.b_layout, bf16, (self.tile_n, self.tile_o),
+                                          self.stages2)
+            self.sH_layout = smem_layout(kmaj, bf16, (self.tile_m, self.tile_o), 1)
+            o_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, f32, self.epi_n), f32)
+            self.sO_layout = cute.tile_to_shape(o_atom, cute.append(self.epi_tile, self.epi_stage),
+                                                order=(0, 1, 2))
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mW1: cute.Tensor, mB1: cute.Tensor,
+                     mW2: cute.Tensor, mAcc: cute.Tensor, mReady: cute.Tensor,
+                     mCounter: cute.Tensor, mEpoch: cute.Tensor, mt_per_band: cutlass.Int32,
+                     num_ctas: cutlass.Int32, stream):
+            self.b_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mW1)
+            self._setup()
+            bf16, f32 = cutlass.BFloat16, cutlass.Float32
+            sX1 = cute.slice_(self.sX_layout, (None, None, 0))
+            sW11 = cute.slice_(self.sW1_layout, (None, None, 0))
+            sW21 = cute.slice_(self.sW2_layout, (None, None, 0))
+            sO1 = cute.slice_(self.sO_layout, (None, None, 0))
+            G2S = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp
+            tma_atom_x, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                G2S(), mX, sX1, (self.tile_m, self.tile_k))
+            tma_atom_w1, tma_w1 = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                G2S(), mW1, sW11, (self.tile_o, self.tile_k))
+            tma_atom_w2, tma_w2 = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                G2S(), mW2, sW21, (self.tile_n, self.tile_o))
+            # TMA reduce-add of fp32 sub-tiles into acc (cp.reduce.async.bulk.tensor ... .add)
+            tma_atom_o, tma_o = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(
+                    cute.nvgpu.cpasync.ReductionKind.ADD), mAcc, sO1, self.epi_tile)
+
+            @cute.struct
+            class SharedStorage:
+                mbar1: cute.struct.MemRange[cutlass.Int64, self.stages1 * 2]
+                mbar2: cute.struct.MemRange[cutlass.Int64, self.stages2 * 2]
+                sX: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sX_layout)],
+                                      self.buffer_align_bytes]
+                sW1: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sW1_layout)],
+                                       self.buffer_align_bytes]
+                sW2: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sW2_layout)],
+                                       self.buffer_align_bytes]
+                sH: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sH_layout)],
+                                      self.buffer_align_bytes]
+                sO: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(self.sO_layout)],
+                                      self.buffer_align_bytes]
+
+            self.shared_storage = SharedStorage
+            self.kernel(tma_atom_x, tma_x, tma_atom_w1, tma_w1, tma_atom_w2, tma_w2, tma_atom_o,
+                        tma_o, self.tiled_mma1, self.tiled_mma2, self.sX_layout,
+                        self.sW1_layout, self.sW2_layout, self.sH_layout, self.sO_layout, mB1,
+                        mReady, mCounter, mEpoch, mt_per_band).launch(
+                grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1], cluster=[1, 1, 1],
+                min_blocks_per_mp=1, stream=stream)
+
+        # ---------------------------------------------------------------- device kernel
+        @cute.kernel
+        def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor, tma_atom_w1: cute.CopyAtom,
+                   mW1: cute.Tensor, tma_atom_w2: cute.CopyAtom, mW2: cute.Tensor,
+                   tma_atom_o: cute.CopyAtom, mAcc: cute.Tensor, tiled_mma1: cute.TiledMma,
+                   tiled_mma2: cute.TiledMma, sX_layout: cute.ComposedLayout,
+                   sW1_layout: cute.ComposedLayout, sW2_layout: cute.ComposedLayout,
+                   sH_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+                   mB1: cute.Tensor, mReady: cute.Tensor, mCounter: cute.Tensor,
+                   mEpoch: cute.Tensor, mt_per_band: cutlass.Int32):
+            bf16, f32 = cutlass.BFloat16, cutlass.Float32
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_x)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_w1)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_w2)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_o)
+
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            cta_vmnk = cute.make_layout((1, 1, 1, 1))
+            # stage: X tile + W1 tile (GEMM1 k step)
+            pipe1 = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar1.data_ptr(), num_stages=self.stages1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_wg * 4),
+                tx_count=self.tx1, cta_layout_vmnk=cta_vmnk, defer_sync=True)
+            # stage: one whole tile_n x tile_o W2 tile (one GEMM2 product)
+            pipe2 = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar2.data_ptr(), num_stages=self.stages2,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_wg * 4),
+                tx_count=self.tx2, cta_layout_vmnk=cta_vmnk, defer_sync=True)
+            pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+            sW1 = storage.sW1.get_tensor(sW1_layout.outer, swizzle=sW1_layout.inner)
+            sW2 = storage.sW2.get_tensor(sW2_layout.outer, swizzle=sW2_layout.inner)
+            sH3 = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)
+            sH = sH3[(None, None, 0)]
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+            gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))  # bM,bK,RM,RK
+            gW1 = cute.local_tile(mW1, (self.tile_o, self.tile_k), (None, None))  # bO,bK,RO,RK
+            gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_o), (None, None))  # bN,bO,RN,RO
+            gAcc = cute.local_tile(mAcc, (self.tile_m, self.tile_n), (None, None))  # bM,bN,RM,RN
+
+            one = cute.make_layout(1)
+            tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+            tW1sW1, tW1gW1 = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_w1, 0, one, cute.group_modes(sW1, 0, 2), cute.group_modes(gW1, 0, 2))
+            tW2sW2, tW2gW2 = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_w2, 0, one, cute.group_modes(sW2, 0, 2), cute.group_modes(gW2, 0, 2))
+
+            warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+            mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+            wg_slice = mma_wg_layout(warp_group_idx - 1)
+            thr_mma1 = tiled_mma1.get_slice(wg_slice)
+            thr_mma2 = tiled_mma2.get_slice(wg_slice)
+            tCrX = tiled_mma1.make_fragment_A(thr_mma1.partition_A(sX))
+            tCrW1 = tiled_mma1.make_fragment_B(thr_mma1.partition_B(sW1))
+            tCrH = tiled_mma2.make_fragment_A(thr_mma2.partition_A(sH))
+            tCrW2 = tiled_mma2.make_fragment_B(thr_mma2.partition_B(sW2))
+            # coordinates of the GEMM1 accumulator elements (for the bias column)
+            tCcH = thr_mma1.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_o)))
+            acc1 = cute.make_rmem_tensor(tCcH.shape, self.acc_dtype)
+            tCcO = thr_mma2.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            acc2 = cute.make_rmem_tensor(tCcO.shape, self.acc_dtype)
+
+            k_tiles = cute.size(gX, mode=[3])  # P / tile_k
+            m_tiles = cute.size(gX, mode=[2])  # ceil(M / tile_m): TMA clips the ragged tail
+            J = cute.size(gW1, mode=[2])  # O_g / tile_o
+            n_tiles = cute.size(gAcc, mode=[3])  # N / tile_n
+            total_units = m_tiles * J
+
+            pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+            if warp_group_idx == 0:
+                cute.arch.setmaxregister_decrease(self.load_regs)
+            # ------------------------------------------------------------ producer (TMA) warp
+            if warp_idx == self.load_warp_id:
+                st1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                   self.stages1)
+                st2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                   self.stages2)
+                u = cutlass.Int32(bidx)
+                while u < total_units:
+                    m_tile = u // J
+                    j_tile = u - m_tile * J
+                    tXgX_k = tXgX[(None, m_tile, None)]
+                    tW1gW1_k = tW1gW1[(None, j_tile, None)]
+                    for k_tile in range(k_tiles):
+                        pipe1.producer_acquire(st1)
+                        bar1 = pipe1.producer_get_barrier(st1)
+                        cute.copy(tma_atom_x, tXgX_k[(None, k_tile)], tXsX[(None, st1.index)],
+                                  tma_bar_ptr=bar1)
+                        cute.copy(tma_atom_w1, tW1gW1_k[(None, k_tile)],
+                                  tW1sW1[(None, st1.index)], tma_bar_ptr=bar1)
+                        pipe1.producer_commit(st1)
+                        st1.advance()
+                    for nn in range(n_tiles):
+                        n_tile = nn + j_tile
+                        n_tile = n_tile - (n_tile // n_tiles) * n_tiles  # rotated start
+                        pipe2.producer_acquire(st2)
+                        bar2 = pipe2.producer_get_barrier(st2)
+                        cute.copy(tma_atom_w2, tW2gW2[(None, n_tile, j_tile)],
+                                  tW2sW2[(None, st2.index)], tma_bar_ptr=bar2)
+                        pipe2.producer_commit(st2)
+                        st2.advance()
+                    u = u + gdim
+                pipe1.producer_tail(st1)
+                pipe2.producer_tail(st2)
+
+            # ------------------------------------------------------------ consumer warpgroups
+            if warp_group_idx > 0:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                ctid = tidx - self.threads_per_wg
+                read1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                     self.stages1)
+                rel1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                    self.stages1)
+                read2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                     self.stages2)
+                num_kb1 = cute.size(tCrX, mode=[2])
+                num_kb2 = cute.size(tCrH, mode=[2])
+
+                # H: fp32 accumulator -> bf16 -> sH with stmatrix
+                h_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), bf16)
+                h_copy = cute.make_tiled_copy_S(
+                    sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=bf16,
+                                                      elem_ty_acc=self.acc_dtype),
+                    cute.make_tiled_copy_C_atom(h_atom, tiled_mma1))
+                thr_h = h_copy.get_slice(ctid)
+                tRS_sH = thr_h.partition_D(sH)
+                tRS_rAcc1 = h_copy.retile(acc1)
+                rH_shape = cute.shape(thr_h.partition_S(sH))
+                tRS_rHf = cute.make_rmem_tensor(rH_shape, self.acc_dtype)
+                tRS_rH = cute.make_rmem_tensor(rH_shape, bf16)
+                size_rH = cute.size(tRS_rHf)
+
+                # output: fp32 sub-tiles -> sO (st.shared; the 16-bit stmatrix atom only gives
+                # the accumulator's thread/value layout) -> TMA reduce-add
+                o_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), bf16)
+                o_copy = cute.make_tiled_copy_S(
+                    sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=f32,
+                                                      elem_ty_acc=self.acc_dtype),
+                    cute.make_tiled_copy_C_atom(o_atom, tiled_mma2))
+                thr_o = o_copy.get_slice(ctid)
+                tRS_sO = thr_o.partition_D(sO)
+                tRS_rAcc2 = o_copy.retile(acc2)
+                rO_shape = cute.shape(thr_o.partition_S(sO))
+                tRS_rO = cute.make_rmem_tensor(rO_shape[:3], self.acc_dtype)
+                size_rO = cute.size(tRS_rO)
+                red_pipeline = pipeline.PipelineTmaStore.create(
+                    num_stages=self.epi_stage,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                             self.num_mma_threads))
+
+                epoch = mEpoch[0]
+                is_store_warp = warp_idx == self.epi_store_warp_id
+                pend_band = cutlass.Int32(-1)  # band of the last unit, not yet counted
+                pend_need = cutlass.Int32(0)
+                if cutlass.const_expr(self.signal_k_tile is None):
+                    signal_k = max(k_tiles // 2, 1)
+                else:
+                    signal_k = min(max(self.signal_k_tile, 1), k_tiles - 1)
+                epis_done = cutlass.Int32(0)
+
+                u = cutlass.Int32(bidx)
+                while u < total_units:
+                    m_tile = u // J
+                    j_tile = u - m_tile * J
+
+                    # ---- GEMM1: acc1 = b1[j tile] (+) X[m] @ W1[:, j]
+                    for i in cutlass.range_constexpr(cute.size(acc1)):
+                        acc1[i] = mB1[j_tile * self.tile_o + tCcH[i][1]]
+                    read1.reset_count()
+                    rel1.reset_count()
+                    tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    pipe1.consumer_wait(read1)
+                    for kb in cutlass.range_constexpr(num_kb1):
+                        cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read1.index)],
+                                  tCrW1[(None, None, kb, read1.index)], acc1)
+                    cute.nvgpu.warpgroup.commit_group()
+                    read1.advance()
+                    for k_tile in range(1, k_tiles):
+                        pipe1.consumer_wait(read1)
+                        for kb in cutlass.range_constexpr(num_kb1):
+                            cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read1.index)],
+                                      tCrW1[(None, None, kb, read1.index)], acc1)
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        pipe1.consumer_release(rel1)
+                        rel1.advance()
+                        read1.advance()
+                        # deferred count of the previous unit: its reductions were issued a
+                        # whole GEMM1 ago, so the wait_group 0 inside rarely stalls
+                        if k_tile == signal_k and pend_band >= 0:
+                            if is_store_warp:
+                                self._signal_band(pend_band, pend_need, epoch, mReady,
+                                                  mCounter)
+                            pend_band = cutlass.Int32(-1)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    pipe1.consumer_release(rel1)
+                    rel1.advance()
+                    if pend_band >= 0:  # P / tile_k too small for an in-loop count
+                        if is_store_warp:
+                            self._signal_band(pend_band, pend_need, epoch, mReady, mCounter)
+                        pend_band = cutlass.Int32(-1)
+
+                    # ---- act1 in registers, bf16, stmatrix into sH
+                    for i in cutlass.range_constexpr(cute.size(acc1)):
+                        acc1[i] = act_fn(acc1[i], self.act1)
+                    for v in cutlass.range_constexpr(size_rH):
+                        tRS_rHf[v] = tRS_rAcc1[v]
+                    tRS_rH.store(tRS_rHf.load().to(bf16))
+                    cute.copy(h_copy, tRS_rH, tRS_sH)
+                    # generic-proxy smem writes -> visible to WGMMA (async proxy) reads
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.epi_barrier.arrive_and_wait()
+
+                    # ---- GEMM2 + TMA reduce-add, one n tile at a time
+                    for nn in range(n_tiles):
+                        n_tile = nn + j_tile
+                        n_tile = n_tile - (n_tile // n_tiles) * n_tiles
+                        acc2.fill(0.0)
+                        tiled_mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        pipe2.consumer_wait(read2)
+                        cute.nvgpu.warpgroup.fence()
+                        for kb in cutlass.range_constexpr(num_kb2):
+                            cute.gemm(tiled_mma2, acc2, tCrH[(None, None, kb)],
+                                      tCrW2[(None, None, kb, read2.index)], acc2)
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        pipe2.consumer_release(read2)
+                        read2.advance()
+
+                        gO_epi = cute.zipped_divide(gAcc[(None, None, m_tile, n_tile)],
+                                                    self.epi_tile)
+                        epi_num = cute.size(gO_epi, mode=[1])
+                        epi_shape = gO_epi.shape[1]
+                        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                        for epi_idx in cutlass.range_constexpr(epi_num):
+                            for v in cutlass.range_constexpr(size_rO):
+                                tRS_rO[v] = tRS_rAcc2[epi_idx * size_rO + v]
+                            buf = (epis_done + epi_idx) % self.epi_stage
+                            cute.copy(o_copy, tRS_rO, tRS_sO[(None, None, None, buf)])
+                            # st.shared (generic) -> TMA reduce (async proxy) reads sO
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            self.epi_barrier.arrive_and_wait()
+                            if is_store_warp:
+                                bSG_sO, bSG_gO = cute.nvgpu.cpasync.tma_partition(
+                                    tma_atom_o, 0, one, cute.group_modes(sO, 0, 2), gO_epi)
+                                cute.copy(tma_atom_o, bSG_sO[(None, buf)],
+                                          bSG_gO[(None, epi_layout.get_hier_coord(epi_idx))])
+                                red_pipeline.producer_commit()
+                                # buffer reuse: at most epi_stages - 1 groups still reading sO
+                                red_pipeline.producer_acquire()
+                            self.epi_barrier.arrive_and_wait()
+                        epis_done = epis_done + epi_num
+
+                    # this unit is counted once its reductions completed (deferred, see above)
+                    b = m_tile // mt_per_band
+                    mt_in_band = m_tiles - b * mt_per_band
+                    if mt_in_band > mt_per_band:
+                        mt_in_band = mt_per_band
+                    pend_band = b
+                    pend_need = mt_in_band * J
+                    u = u + gdim
+
+                if pend_band >= 0:
+                    if is_store_warp:
+                        self._signal_band(pend_band, pend_need, epoch, mReady, mCounter)
+                red_pipeline.producer_tail()
+
+        @cute.jit
+        def _signal_band(self, b: cutlass.Int32, need: cutlass.Int32, epoch: cutlass.Int32,
+                         mReady: cute.Tensor, mCounter: cute.Tensor):
+            """Counts one finished unit (m-tile, j-tile) of band b; the ``need``-th (last) one
+            publishes ``band_ready[b] = epoch``. Called by all 32 lanes of the epilogue warp
+            (the warp that issued every TMA reduce-add of the unit: bulk async-group state is
+            per thread, so every lane waits).
+
+            Memory-ordering argument (producer side; the consumer is BandAllReduce phase 1):
+            1. ``cp.async.bulk.wait_group 0`` (not ``.read``): every bulk tensor reduce-add this
+               thread committed is complete, i.e. its read-modify-writes of acc have been
+               performed, not merely its shared-memory source read. All reductions of the unit
+               were committed before this point (and none of a later unit: this runs inside the
+               next unit's GEMM1, which issues no reductions, or after the last unit).
+            2. ``fence.proxy.async.global``: those writes were made by the async proxy; the
+               fence orders them before this thread's later generic-proxy operations (the
+               atomic below).
+            3. ``bar.warp.sync``, then lane 0 alone: orders every lane's completed wait before
+               lane 0's atomic (the elected lane that issued the copies may not be lane 0).
+            4. ``atom.add.acq_rel.gpu`` on band_counter[b]: the release half publishes this
+               unit's writes; the acquire half makes every earlier unit's writes of the band
+               (released by earlier RMWs of the same counter: one release sequence) visible.
+            5. The thread that sees old == need - 1 has acquired all ``need`` units of the band.
+               It resets the counter (relaxed: nobody touches it again in this launch; the next
+               launch is ordered by the kernel boundary), then ``st.release.gpu band_ready[b] =
+               epoch``. Release is cumulative, so BandAllReduce's ``ld.acquire.gpu`` that reads
+               ``band_ready[b] - epoch >= 0`` sees the complete band of acc; it then orders its
+               CTA with bar.red and its peers with ``fence.acq_rel.sys`` + release adds, and
+               reads acc through the generic proxy only (no TMA), so no further proxy fence is
+               needed on that side.
+            The compute blocks never wait for the communication blocks (one-way dependency).
+            """
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")
+            cute.arch.sync_warp()
+            if cute.arch.lane_idx() == 0:
+                cnt_ptr = mCounter.iterator + b
+                old = cute.arch.atomic_add(cnt_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+                if old == need - 1:
+                    cute.arch.store(cnt_ptr, cutlass.Int32(0), sem="relaxed", scope="gpu")
+                    cute.arch.store(mReady.iterator + b, epoch, sem="release", scope="gpu")
+
+    return _FusedFFNKernel
+
+
+# --------------------------------------------------------------------------------------------
+# Host wrapper
+# --------------------------------------------------------------------------------------------
+_KERNEL_CLASS = None
+_NUM_SMS = {}
+
+
+def _get_kernel_class():
+    global _KERNEL_CLASS
+    if _KERNEL_CLASS is None:
+        _KERNEL_CLASS = _kernel_class()
+    return _KERNEL_CLASS
+
+
+def _num_sms(device):
+    idx = torch.device(device).index
+    if idx is None:
+        idx = torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+class FusedFFNCompute:
+    """Compute blocks of the fused TP FFN (see the module docstring).
+
+    FusedFFNCompute(tile_m=128, tile_o=128, tile_n=128, band_rows=None, stages1=None,
+                    stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None)
+        tile_m in {64, 128} (one consumer warpgroup per 64 rows); tile_o = tile_n = 128;
+        band_rows: rows per ready flag, a multiple of tile_m (None: tile_m); must equal the
+        BandAllReduce's band_rows; stages1: GEMM1 pipeline depth (None: as many as fit);
+        stages2: W2 tile buffers; epi_n (fp32 columns per reduce sub-tile, 32) and epi_stages
+        (sub-tile buffers); signal_k_tile: GEMM1 k iteration of the next unit at which the
+        previous unit is counted (None: the middle).
+
+    __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc
+        x [M, P] bf16, w1 [P, O_g] bf16, b1 [O_g] (any float dtype) or None, w2 [O_g, N] bf16,
+        acc [M, N] fp32 (contiguous rows; zero on entry unless you want the sum added),
+        band_ready int32 [>= ceil(M / band_rows)], epoch int32 [1] (read on the device);
+        P % 64 == 0, O_g % tile_o == 0, N % tile_n == 0; any M >= 1 (the TMA clips the ragged
+        last m-tile). ccta: SMs left to the communication blocks (grid = SMs - ccta, capped at
+        the number of units). Never synchronizes. All checks raise before any launch.
+    Compile cache key: (tiles, stages, act1, P, O_g, N); M and the flag capacity are runtime.
+    """
+
+    _compiled = {}
+
+    def __init__(self, tile_m=128, tile_o=128, tile_n=128, band_rows=None, stages1=None,
+                 stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None):
+        if tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
+        if tile_o != 128:
+            raise ValueError(f"tile_o must be 128 in this version, got {tile_o}")
+        if tile_n != 128:
+            raise ValueError(f"tile_n must be 128 in this version, got {tile_n}")
+        band_rows = tile_m if band_rows is None else band_rows
+        if isinstance(band_rows, bool) or not isinstance(band_rows, int) or band_rows < 1 \
+                or band_rows % tile_m:
+            raise ValueError(f"band_rows={band_rows!r} must be a positive multiple of "
+                             f"tile_m={tile_m}")
+        if stages1 is not None and (not isinstance(stages1, int) or stages1 < 2):
+            raise ValueError(f"stages1 must be None or an int >= 2, got {stages1!r}")
+        if not isinstance(stages2, int) or stages2 < 1:
+            raise ValueError(f"stages2 must be an int >= 1, got {stages2!r}")
+        if epi_n not in (16, 32):
+            raise ValueError(f"epi_n must be 16 or 32, got {epi_n}")
+        if not isinstance(epi_stages, int) or epi_stages < 1:
+            raise ValueError(f"epi_stages must be an int >= 1, got {epi_stages!r}")
+        self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, 64
+        self.band_rows = band_rows
+        self.stages1, self.stages2 = stages1, stages2
+        self.epi_n, self.epi_stages = epi_n, epi_stages
+        self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
+        self._counters = {}
+        self._b1_zero = {}
+
+    # ---------------------------------------------------------------- validation
+    def check(self, x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu",
+              need_cuda=True):
+        """All argument checks (TypeError / ValueError); returns (M, P, O_g, N)."""
+        if act1 not in ACTIVATIONS:
+            raise ValueError(f"act1={act1!r}: choose from {ACTIVATIONS}")
+        tensors = dict(x=x, w1=w1, w2=w2, acc=acc, band_ready=band_ready, epoch=epoch)
+        if b1 is not None:
+            tensors["b1"] = b1
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if need_cuda and t.device.type != "cuda":
+                raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+            if t.device != x.device:
+                raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        for name in ("x", "w1", "w2", "acc"):
+            if tensors[name].data_ptr() % 16:
+                raise ValueError(f"{name} must be 16-byte aligned (TMA)")
+        for name in ("x", "w1", "w2"):
+            if tensors[name].dtype != torch.bfloat16:
+                raise TypeError(f"{name} must be bfloat16, got {tensors[name].dtype}")
+        if acc.dtype != torch.float32:
+            raise TypeError(f"acc must be float32, got {acc.dtype}")
+        if b1 is not None and not b1.is_floating_point():
+            raise TypeError(f"b1 must be floating point, got {b1.dtype}")
+        for name in ("band_ready", "epoch"):
+            if tensors[name].dtype != torch.int32:
+                raise TypeError(f"{name} must be int32, got {tensors[name].dtype}")
+        if x.dim() != 2 or w1.dim() != 2 or w2.dim() != 2 or acc.dim() != 2:
+            raise ValueError(f"expected x [M, P], w1 [P, O_g], w2 [O_g, N], acc [M, N]; got "
+                             f"{tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)}, "
+                             f"{tuple(acc.shape)}")
+        M, P = x.shape
+        Pw, O = w1.shape
+        Ow, N = w2.shape
+        if M < 1:
+            raise ValueError("x needs at least one row")
+        if Pw != P:
+            raise ValueError(f"P mismatch: x has P={P}, w1 has {Pw} rows")
+        if Ow != O:
+            raise ValueError(f"O_g mismatch: w1 has {O} columns, w2 has {Ow} rows")
+        if b1 is not None and (b1.dim() != 1 or b1.numel() != O):
+            raise ValueError(f"b1 must be [{O}], got {tuple(b1.shape)}")
+        if tuple(acc.shape) != (M, N):
+            raise ValueError(f"acc must be [{M}, {N}], got {tuple(acc.shape)}")
+        if P % self.tile_k:
+            raise ValueError(f"P={P} must be a multiple of tile_k={self.tile_k}")
+        if O % self.tile_o:
+            raise ValueError(f"O_g={O} must be a multiple of tile_o={self.tile_o}")
+        if N % self.tile_n:
+            raise ValueError(f"N={N} must be a multiple of tile_n={self.tile_n}")
+        nb = -(-M // self.band_rows)
+        if band_ready.dim() != 1 or band_ready.numel() < nb:
+            raise ValueError(f"band_ready must be 1-D with >= ceil(M / band_rows) = {nb} "
+                             f"entries, got {tuple(band_ready.shape)}")
+        if epoch.numel() != 1:
+            raise ValueError("epoch must have exactly one element")
+        if isinstance(ccta, bool) or not isinstance(ccta, int) or ccta < 0:
+            raise ValueError(f"ccta must be a non-negative int, got {ccta!r}")
+        return M, P, O, N
+
+    # ---------------------------------------------------------------- compilation
+    def _key(self, P, O, N, act1):
+        return (self.tile_m, self.tile_o, self.tile_n, self.stages1, self.stages2, self.epi_n,
+                self.epi_stages, self.signal_k_tile, act1, int(P), int(O), int(N))
+
+    def _kernel(self, act1):
+        return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
+                                   self.stages1, self.stages2, self.epi_n, self.epi_stages,
+                                   self.signal_k_tile)
+
+    def compile(self, P, O, N, act1="gelu", keep_ptx=False):
+        """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no
+        GPU with CUTE_DSL_ARCH=sm_90a (compile-only tests). keep_ptx: keep ``fn.__ptx__`` (text)
+        and ``fn.__cubin__``."""
+        if act1 not in ACTIVATIONS:
+            raise ValueError(f"act1={act1!r}: choose from {ACTIVATIONS}")
+        key = ("fake", bool(keep_ptx)) + self._key(P, O, N, act1)
+        fn = FusedFFNCompute._compiled.get(key)
+        if fn is not None:
+            return fn
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_tensor
+        from cutlass.runtime import make_fake_stream
+        M, nb = cute.sym_int(), cute.sym_int()
+        bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+        fx = make_fake_tensor(bf16, (M, P), (P, 1), assumed_align=16)
+        fw1 = make_fake_tensor(bf16, (O, P), (1, O), assumed_align=16)
+        fb1 = make_fake_tensor(f32, (O,), (1,), assumed_align=16)
+        fw2 = make_fake_tensor(bf16, (N, O), (1, N), assumed_align=16)
+        facc = make_fake_tensor(f32, (M, N), (N, 1), assumed_align=16)
+        fr = make_fake_tensor(i32, (nb,), (1,), assumed_align=4)
+        fc = make_fake_tensor(i32, (nb,), (1,), assumed_align=4)
+        fe = make_fake_tensor(i32, (1,), (1,), assumed_align=4)
+        args = (fx, fw1, fb1, fw2, facc, fr, fc, fe, cutlass.Int32(1), cutlass.Int32(1),
+                make_fake_stream())
+        if keep_ptx:  # PTX and cubin in memory (fn.__ptx__, fn.__cubin__); dumps to a tmp dir
+            from .switch import compile_keep
+            fn = compile_keep(self._kernel(act1), *args)
+        else:
+            fn = cute.compile(self._kernel(act1), *args)
+        FusedFFNCompute._compiled[key] = fn
+        return fn
+
+    # ---------------------------------------------------------------- launch
+    @staticmethod
+    def _cute_args(x, w1, b1f, w2, acc, band_ready, counter, epoch):
+        """torch -> cute tensors; M and the flag capacity are marked dynamic."""
+        from cutlass.cute.runtime import from_dlpack
+
+        def dyn(t, mode, align):
+            return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(
+                mode=mode, stride_order=t.dim_order())
+
+        w1t = w1.t()  # (O_g, P) view, strides (1, O_g): MN-major B of GEMM1
+        w2t = w2.t()  # (N, O_g) view, strides (1, N): MN-major B of GEMM2
+        return (dyn(x, 0, 16), from_dlpack(w1t, assumed_align=16),
+                from_dlpack(b1f, assumed_align=16), from_dlpack(w2t, assumed_align=16),
+                dyn(acc, 0, 16), dyn(band_ready, 0, 4), dyn(counter, 0, 4),
+                from_dlpack(epoch, assumed_align=4))
+
+    def counter_for(self, band_ready):
+        """The persistent zero scratch counter that goes with band_ready (same length)."""
+        key = (band_ready.device, band_ready.data_ptr(), band_ready.numel())
+        c = self._counters.get(key)
+        if c is None:
+            c = torch.zeros(band_ready.numel(), dtype=torch.int32, device=band_ready.device)
+            self._counters[key] = c
+        return c
+
+    def grid(self, M, O, device, ccta):
+        units = -(-M // self.tile_m) * (O // self.tile_o)
+        g = min(_num_sms(device) - ccta, units)
+        if g < 1:
+            raise ValueError(f"ccta={ccta} leaves no SM for the compute blocks")
+        return g
+
+    def __call__(self, x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu",
+                 stream=None):
+        M, P, O, N = self.check(x, w1, b1, w2, acc, band_ready, epoch, ccta, act1)
+        grid = self.grid(M, O, x.device, ccta)
+        torch_stream = stream if stream is not None else torch.cuda.current_stream(x.device)
+        with torch.cuda.stream(torch_stream):
+            if b1 is None:
+                zk = (x.device, O)
+                if zk not in self._b1_zero:
+                    self._b1_zero[zk] = torch.zeros(O, dtype=torch.float32, device=x.device)
+                b1f = self._b1_zero[zk]
+            else:
+                b1f = b1 if b1.dtype == torch.float32 else b1.float()
+                if b1f.data_ptr() % 16:
+                    b1f = b1f.clone()
+        counter = self.counter_for(band_ready)
+        import cutlass
+        import cutlass.cute as cute
+        import cuda.bindings.driver as cuda_drv
+        cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
+        args = self._cute_args(x, w1, b1f, w2, acc, band_ready, counter, epoch)
+        mt = cutlass.Int32(self.band_rows // self.tile_m)
+        key = ("dlpack",) + self._key(P, O, N, act1)
+        fn = FusedFFNCompute._compiled.get(key)
+        if fn is None:
+            fn = cute.compile(self._kernel(act1), *args, mt, cutlass.Int32(grid), cu_stream)
+            FusedFFNCompute._compiled[key] = fn
+        # b1f (if converted) was allocated on torch_stream: freeing it after the launch is safe
+        fn(*args, mt, cutlass.Int32(grid), cu_stream)
+        return acc

@@ -1,0 +1,190 @@
+"""GPU checks of the fused FFN compute kernel (moe_overlap/kernels/fused_ffn.py). Skipped without
+CUDA (Hopper) or CuTe DSL.
+
+Single GPU (``-k single``; runs alone: ``python -m pytest -q tests/test_fused_ffn_gpu.py -k single``):
+the compute kernel on its own, in a child process with a watchdog (a hang fails the test instead
+of blocking the run), against the float32 torch reference with H rounded to bf16
+(``fused_ffn_compute_reference``), ||out - ref|| / ||ref|| < 1e-2, fresh random inputs per case:
+every act1, tile_m 128 / 64, ragged M (TMA clips the last m-tile), band_rows = tile_m and
+2 tile_m, b1 present / absent, ccta 0 / 16 / 120; after each call every band's flag equals the
+epoch and the scratch counters are back to zero; two calls in a row (the test re-zeroes acc and
+advances the epoch, like the all-reduce's epilogue and FusedFFN.forward do).
+
+Two GPUs (NCCL, ``moe_overlap.launch.spawn``): ``FusedFFN(backend="fused")`` (compute kernel ||
+BandAllReduce on a high-priority stream) against ``FusedFFN(backend="reference")`` and the float64
+truth, several act1 / act2 / bias / ragged-M cases, two calls in a row per module. Run with
+``NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+CUDA_MODULE_LOADING=EAGER`` (never multicast).
+"""
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if torch.cuda.get_device_capability(0)[0] != 9:
+    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+SINGLE_TIMEOUT_S = 600
+
+# (M, P, O_g, N, act1, tile_m, band_rows, bias, ccta)
+SINGLE_CASES = [
+    (256, 512, 256, 256, "relu", 128, 128, True, 0),
+    (300, 256, 384, 384, "gelu", 128, 128, True, 16),  # ragged last m-tile
+    (777, 512, 256, 128, "silu", 128, 256, False, 16),  # 2 m-tiles per band, ragged
+    (64, 128, 128, 256, "gelu_tanh", 64, 64, True, 120),  # one unit: grid of 1
+    (1000, 1024, 512, 512, "silu", 64, 128, True, 16),
+]
+
+
+def _single_worker(q):
+    try:
+        from moe_overlap.kernels.fused_ffn import (FusedFFNCompute,
+                                                   fused_ffn_compute_reference)
+        torch.cuda.set_device(0)
+        dev = torch.device("cuda", 0)
+        res = []
+        for i, (M, P, O, N, act1, tm, br, bias, ccta) in enumerate(SINGLE_CASES):
+            g = torch.Generator(device=dev).manual_seed(100 + i)
+            comp = FusedFFNCompute(tile_m=tm, band_rows=br)
+            nb = -(-M // br)
+            ready = torch.zeros(nb + 2, dtype=torch.int32, device=dev)
+            epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+            acc = torch.zeros(M, N, dtype=torch.float32, device=dev)
+            for call in range(2):
+                x = torch.randn(M, P, generator=g, device=dev).to(torch.bfloat16)
+                w1 = (torch.randn(P, O, generator=g, device=dev) / P ** 0.5).to(torch.bfloat16)
+                b1 = ((torch.randn(O, generator=g, device=dev) * 0.1).to(torch.bfloat16)
+                      if bias else None)
+                w2 = (torch.randn(O, N, generator=g, device=dev) / O ** 0.5).to(torch.bfloat16)
+                acc.zero_()  # what the all-reduce's epilogue does for the next call
+                epoch.add_(1)  # what FusedFFN.forward does before each call
+                comp(x, w1, b1, w2, acc, ready, epoch, ccta=ccta, act1=act1)
+                torch.cuda.synchronize()
+                ref = fused_ffn_compute_reference(x, w1, b1, w2, act1)
+                err = ((acc - ref).norm() / ref.norm()).item()
+                flags = ready.tolist()
+                counter = comp.counter_for(ready).tolist()
+                res.append(dict(case=i, call=call, err=err, epoch=int(epoch.item()),
+                                flags=flags[:nb], tail=flags[nb:], counter=counter,
+                                finite=bool(torch.isfinite(acc).all().item())))
+        # errors raised before any launch (CUDA tensors)
+        comp = FusedFFNCompute()
+        x = torch.zeros(256, 100, dtype=torch.bfloat16, device=dev)
+        errs = []
+        for args in [
+            (x, torch.zeros(100, 128, dtype=torch.bfloat16, device=dev)),
+            (x[:, :64].contiguous(), torch.zeros(64, 100, dtype=torch.bfloat16, device=dev)),
+        ]:
+            try:
+                O = args[1].shape[1]
+                comp(args[0], args[1], None, torch.zeros(O, 128, dtype=torch.bfloat16,
+                                                         device=dev),
+                     torch.zeros(256, 128, device=dev), ready, epoch)
+                errs.append("no error")
+            except ValueError as e:
+                errs.append(str(e))
+        q.put(("ok", res, errs))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        import traceback
+        q.put(("error", traceback.format_exc(), None))
+
+
+@pytest.fixture(scope="module")
+def single_results():
+    import multiprocessing as mp
+    import queue
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_single_worker, args=(q,))
+    p.start()
+    try:
+        status, res, errs = q.get(timeout=SINGLE_TIMEOUT_S)
+    except queue.Empty:
+        p.kill()
+        p.join()
+        pytest.fail(f"the single-GPU compute kernel run did not finish in {SINGLE_TIMEOUT_S} s "
+                    f"(hang?)")
+    p.join(timeout=60)
+    if status != "ok":
+        pytest.fail(f"single-GPU worker failed:\n{res}")
+    return res, errs
+
+
+def test_single_compute_matches_reference(single_results):
+    res, _ = single_results
+    assert len(res) == 2 * len(SINGLE_CASES)
+    for r in res:
+        assert r["finite"], r
+        assert r["err"] < 1e-2, r
+
+
+def test_single_flags_equal_epoch_and_counters_reset(single_results):
+    res, _ = single_results
+    for r in res:
+        assert all(f == r["epoch"] for f in r["flags"]), r
+        assert all(f == 0 for f in r["tail"]), r  # bands past M untouched
+        assert all(c == 0 for c in r["counter"]), r
+
+
+def test_single_bad_shapes_raise(single_results):
+    _, errs = single_results
+    assert "tile_k" in errs[0], errs
+    assert "tile_o" in errs[1], errs
+
+
+# ---------------------------------------------------------------- 2 GPUs: FusedFFN end to end
+FFN_CASES = [  # (T, P, O, N, act1, act2, bias)
+    (256, 512, 512, 512, "gelu", None, True),
+    (300, 256, 1024, 384, "silu", "relu", True),  # ragged band
+    (1000, 512, 512, 256, "relu", "gelu_tanh", False),
+]
+
+
+def _ffn_worker(rank, world):
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    import torch.distributed as dist
+
+    from moe_overlap.ffn import FusedFFN
+    from moe_overlap.ffn_reference import ffn_truth, rel_err
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD
+    res = []
+    for i, (T, P, O, N, act1, act2, bias) in enumerate(FFN_CASES):
+        g = torch.Generator().manual_seed(7 + i)  # same weights on every rank
+        W1 = (torch.randn(P, O, generator=g) / P ** 0.5).to(torch.bfloat16).to(dev)
+        W2 = (torch.randn(O, N, generator=g) / O ** 0.5).to(torch.bfloat16).to(dev)
+        b1 = (torch.randn(O, generator=g) * 0.1).to(torch.bfloat16).to(dev) if bias else None
+        b2 = (torch.randn(N, generator=g) * 0.1).to(torch.bfloat16).to(dev) if bias else None
+        fused = FusedFFN.from_full_weights(W1, b1, W2, b2, group, act1=act1, act2=act2,
+                                           backend="fused", ccta=8)
+        ref = FusedFFN.from_full_weights(W1, b1, W2, b2, group, act1=act1, act2=act2)
+        for call in range(2):
+            x = torch.randn(T, P, generator=g).to(torch.bfloat16).to(dev)
+            with torch.no_grad():
+                y = fused(x)
+                yr = ref(x)
+            fused.check_fused()
+            truth = ffn_truth(x, W1, b1, W2, b2, act1, act2 or "none")
+            y0 = y.clone()
+            dist.broadcast(y0, 0, group=group)
+            res.append(dict(case=i, call=call, err_truth=rel_err(y, truth),
+                            err_ref=rel_err(y, yr.double()),
+                            ref_err_truth=rel_err(yr, truth),
+                            rank_diff=(y.float() - y0.float()).abs().max().item()))
+    return res
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fused_ffn_matches_reference_on_two_gpus():
+    from moe_overlap.launch import spawn
+    for rank_res in spawn(_ffn_worker, 2, backend="nccl"):
+        assert len(rank_res) == 2 * len(FFN_CASES)
+        for r in rank_res:
+            assert r["err_truth"] < 1.5e-2, r  # bf16 tolerance of the layer (ffn_reference)
+            assert r["err_ref"] < 1e-2, r
+            assert r["rank_diff"] == 0.0, r  # every rank holds the same all-reduced output
