@@ -281,6 +281,8 @@ class FusedFFN(torch.nn.Module):
         if M == 0:
             return out
         x2 = x2.contiguous()
+        if x2.data_ptr() % 16:  # TMA needs 16-byte aligned rows
+            x2 = x2.clone()
         ar = self._fused_allreduce(M)
         if not self._warm:
             self._fused_warmup(ar)

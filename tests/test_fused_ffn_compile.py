@@ -159,3 +159,24 @@ def test_reference_semantics():
         y, (torch.relu(x.float() @ w1.float()).to(torch.bfloat16).float() @ w2.float()))
     with pytest.raises(ValueError, match="act1"):
         fused_ffn_compute_reference(x, w1, b1, w2, "tanh")
+
+
+def test_runtime_argument_path_compiles(ffn_mod):
+    """The launcher's own path (torch tensors -> from_dlpack -> cute.compile), with CPU tensors
+    standing in for CUDA ones (compiling reads only their metadata): ragged M, no b1."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.runtime import make_fake_stream
+    c = ffn_mod.FusedFFNCompute(tile_m=64, band_rows=128)
+    M, P, O, N = 300, 128, 256, 384
+    x = torch.zeros(M, P, dtype=torch.bfloat16)
+    w1 = torch.zeros(P, O, dtype=torch.bfloat16)
+    w2 = torch.zeros(O, N, dtype=torch.bfloat16)
+    acc = torch.zeros(M, N)
+    ready = torch.zeros(3, dtype=torch.int32)
+    epoch = torch.zeros(1, dtype=torch.int32)
+    assert c.check(x, w1, None, w2, acc, ready, epoch, need_cuda=False) == (M, P, O, N)
+    args = c._cute_args(x, w1, torch.zeros(O), w2, acc, ready, c.counter_for(ready), epoch)
+    fn = cute.compile(c._kernel("silu"), *args, cutlass.Int32(2), cutlass.Int32(8),
+                      make_fake_stream())
+    assert fn is not None
