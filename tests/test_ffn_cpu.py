@@ -173,6 +173,10 @@ def test_hidden_not_divisible_by_world():
 
 
 def test_fused_backend_refuses_clearly(monkeypatch):
+    monkeypatch.delenv("MOE_OVERLAP_EXPERIMENTAL_FUSED", raising=False)
+    with pytest.raises(NotImplementedError, match="experimental.*MOE_OVERLAP_EXPERIMENTAL_FUSED"):
+        _ffn(backend="fused")
+    monkeypatch.setenv("MOE_OVERLAP_EXPERIMENTAL_FUSED", "1")
     with pytest.raises(NotImplementedError, match="fused compute kernel") as ei:
         _ffn(backend="fused")
     assert isinstance(ei.value, RuntimeError)

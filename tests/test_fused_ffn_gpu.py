@@ -147,6 +147,7 @@ FFN_CASES = [  # (T, P, O, N, act1, act2, bias)
 
 def _ffn_worker(rank, world):
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ["MOE_OVERLAP_EXPERIMENTAL_FUSED"] = "1"  # this test is what would lift the opt-in
     import torch.distributed as dist
 
     from moe_overlap.ffn import FusedFFN

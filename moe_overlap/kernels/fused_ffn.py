@@ -340,6 +340,12 @@ def _kernel_class():
             if warp_group_idx > 0:
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 ctid = tidx - self.threads_per_wg
+                # coordinates of this thread's own GEMM1 accumulator values, for the bias column:
+                # the slice must be the thread's (tCcH above is sliced by warpgroup, i.e. holds
+                # the coordinates of the warpgroup's first thread; run 5 on the H200 failed with
+                # the bias added at the wrong columns, ~12% error, when it was used here)
+                tCcH_thr = tiled_mma1.get_slice(ctid).partition_C(
+                    cute.make_identity_tensor((self.tile_m, self.tile_o)))
                 read1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                      self.stages1)
                 rel1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -398,7 +404,7 @@ def _kernel_class():
 
                     # ---- GEMM1: acc1 = b1[j tile] (+) X[m] @ W1[:, j]
                     for i in cutlass.range_constexpr(cute.size(acc1)):
-                        acc1[i] = mB1[j_tile * self.tile_o + tCcH[i][1]]
+                        acc1[i] = mB1[j_tile * self.tile_o + tCcH_thr[i][1]]
                     read1.reset_count()
                     rel1.reset_count()
                     tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
