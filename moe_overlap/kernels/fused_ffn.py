@@ -57,6 +57,8 @@ import math
 
 import torch
 
+from .grouped_gemm import _num_sms  # SM count per device, cached (imports no cutlass)
+
 __all__ = ["FusedFFNCompute", "fused_ffn_compute_reference", "ACTIVATIONS"]
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -554,7 +556,6 @@ def _kernel_class():
 # Host wrapper
 # --------------------------------------------------------------------------------------------
 _KERNEL_CLASS = None
-_NUM_SMS = {}
 
 
 def _get_kernel_class():
@@ -562,15 +563,6 @@ def _get_kernel_class():
     if _KERNEL_CLASS is None:
         _KERNEL_CLASS = _kernel_class()
     return _KERNEL_CLASS
-
-
-def _num_sms(device):
-    idx = torch.device(device).index
-    if idx is None:
-        idx = torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 class FusedFFNCompute:
