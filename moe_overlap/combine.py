@@ -64,9 +64,13 @@ class MoECombine(torch.nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; choose from {BACKENDS}")
         for name, v in (("ccta", ccta), ("mgb", mgb)):
-            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 0
-                                or (name == "mgb" and v < 1)):
+            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be 'auto' or a positive int, got {v!r}")
+        if transport not in ("nvlink", "nvshmem"):
+            raise ValueError(f"transport={transport!r}; choose 'nvlink' or 'nvshmem'")
+        if copy not in (None, "ldst", "tma") or (copy == "tma" and transport != "nvlink"):
+            raise ValueError(f"copy={copy!r} with transport={transport!r}: use 'ldst', or 'tma' "
+                             "with nvlink")
         self.group, self.rank, self.world_size = group, rank, W
         self.num_experts, self.experts_per_rank = num_experts, num_experts // W
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
@@ -102,15 +106,12 @@ class MoECombine(torch.nn.Module):
             self.hidden_size, self.tile_m)
         return (choice[0] if ccta == "auto" else ccta), (choice[1] if mgb == "auto" else mgb)
 
-    def resolved_mgb(self) -> int:
-        return self.mgb
-
     def plan(self, expert_counts: torch.Tensor, validate: bool | None = None) -> CombinePlan:
         """The plan of this rank for all-gathered counts [W, E], sized for max_tokens_per_rank."""
         if tuple(expert_counts.shape) != (self.world_size, self.num_experts):
             raise ValueError(f"expert_counts has shape {tuple(expert_counts.shape)}, expected "
                              f"[world_size={self.world_size}, num_experts={self.num_experts}]")
-        return plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=self.resolved_mgb(),
+        return plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=self.mgb,
                             max_rows=self.max_rows,
                             validate=self.validate if validate is None else validate)
 

@@ -106,6 +106,12 @@ def test_constructor_rejects_bad_backend_and_mgb():
         MoECombine(4, 8, 6, 2, 16, backend="fast")
     with pytest.raises(ValueError, match="mgb"):
         MoECombine(4, 8, 6, 2, 16, mgb=0)
+    with pytest.raises(ValueError, match="ccta"):
+        MoECombine(4, 8, 6, 2, 16, ccta=0)
+    with pytest.raises(ValueError, match="transport"):
+        MoECombine(4, 8, 6, 2, 16, transport="pigeon")
+    with pytest.raises(ValueError, match="copy"):
+        MoECombine(4, 8, 6, 2, 16, transport="nvshmem", copy="tma")
 
 
 def test_overlap_backend_without_gpu_raises_clearly():
