@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -97,30 +96,6 @@ def plan(a, world):
     return rows
 
 
-def time_interleaved(fns, warmup, rounds, barrier):
-    import torch
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    torch.cuda.synchronize()
-    ev = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            barrier()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            ev[k].append((s, e))
-    torch.cuda.synchronize()
-    out = {}
-    for k, pairs in ev.items():
-        ts = sorted(s.elapsed_time(e) for s, e in pairs)
-        q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]  # noqa: E731
-        out[k] = dict(median_ms=statistics.median(ts), p10_ms=q(0.1), p90_ms=q(0.9))
-    return out
-
-
 def _git_commit():
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -166,6 +141,7 @@ def bench_shape(a, name, rank, world, dev):
             fns["band_ar" if zero else "band_ar_nozero"] = (
                 lambda ar=ar, out=out: ar(T, b2=b2, out=out))
             ars.append(ar)
+    from moe_overlap.timing import time_interleaved
     with torch.inference_mode():
         res = time_interleaved(fns, a.warmup, a.rounds, dist.barrier)
     for ar in ars:

@@ -21,35 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_overlap.kernels.grouped_gemm import GroupedGemm  # noqa: E402
+from moe_overlap.timing import time_interleaved  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense rate on this workplace's H200 (KINDS.md)
 DEV = "cuda"
-
-
-def time_interleaved(fns, warmup=3, rounds=40):
-    """Times every fn once per round, rounds interleaved (clock / power drift hits all alike).
-    Returns per-name dict(median_ms, p10_ms, p90_ms, times)."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    torch.cuda.synchronize()
-    ev = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            ev[k].append((s, e))
-    torch.cuda.synchronize()
-    out = {}
-    for k, pairs in ev.items():
-        raw = [s.elapsed_time(e) for s, e in pairs]
-        ts = sorted(raw)
-        q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]
-        out[k] = dict(median_ms=statistics.median(ts), p10_ms=q(0.1), p90_ms=q(0.9),
-                      rounds=rounds, times=raw)
-    return out
 
 
 def balanced_bands(T, E, tile_m):

@@ -43,3 +43,34 @@ def time_calls(fn, reps: int = 4, replays: int = 15, barrier=lambda: None, graph
         times.append(start.elapsed_time(end) / reps)
     del captured
     return statistics.median(times), ("graph" if graph else "eager"), times
+
+
+def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambda: None) -> dict:
+    """Times every fn once per round, rounds interleaved (clock and power drift hit all alike);
+    `barrier()` before each timed call lines ranks up. Returns, per name,
+    dict(median_ms, p10_ms, p90_ms, rounds, times) with `times` in round order (for paired ratios)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    ev = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            barrier()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            ev[k].append((s, e))
+    torch.cuda.synchronize()
+    out = {}
+    for k, pairs in ev.items():
+        raw = [s.elapsed_time(e) for s, e in pairs]
+        ts = sorted(raw)
+
+        def q(f, ts=ts):
+            return ts[min(len(ts) - 1, int(f * len(ts)))]
+
+        out[k] = dict(median_ms=statistics.median(ts), p10_ms=q(0.1), p90_ms=q(0.9),
+                      rounds=rounds, times=raw)
+    return out
