@@ -138,6 +138,27 @@ def _fused_requirements(comm: str, device: torch.device, what: str = "FusedFFN")
             f"and CuTe DSL; {why}. Use backend='reference'.")
 
 
+def _check_layer(in_features, hidden_features, out_features, bias, dtype, backend, comm, group,
+                 device, world_name):
+    """Checks shared by FusedFFN and ShardedExperts; returns (P, O, N, comm, rank, G, device) with
+    comm resolved and the device made explicit (cuda -> cuda:current)."""
+    P = _pos_int("in_features", in_features)
+    O = _pos_int("hidden_features", hidden_features)
+    N = _pos_int("out_features", P if out_features is None else out_features)
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias={bias!r} must be a bool")
+    comm = _check_backend(backend, comm)
+    _check_dtype(dtype, backend)
+    rank, G = _group_world(group)
+    if O % G:
+        raise ValueError(f"hidden_features={O} is not divisible by {world_name} {G}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _check_device_vs_group(device, group, G)
+    return P, O, N, comm, rank, G, device
+
+
 def _check_tensor(name, t, shape, dtype, device, allow_none=False):
     if t is None:
         if allow_none:
@@ -185,22 +206,11 @@ class FusedFFN(torch.nn.Module):
                  comm: str | None = None, ccta: int | None = None, max_tokens: int | None = None,
                  tile_m: int = 128):
         super().__init__()
-        P = _pos_int("in_features", in_features)
-        O = _pos_int("hidden_features", hidden_features)
-        N = _pos_int("out_features", P if out_features is None else out_features)
         self.act1 = check_activation(act1, allow_none=False, what="act1")
         self.act2 = check_activation(act2, allow_none=True, what="act2")
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias={bias!r} must be a bool")
-        self.comm = _check_backend(backend, comm)
-        _check_dtype(dtype, backend)
-        rank, G = _group_world(group)
-        if O % G:
-            raise ValueError(f"hidden_features={O} is not divisible by the TP world size {G}")
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        _check_device_vs_group(device, group, G)
+        P, O, N, self.comm, rank, G, device = _check_layer(
+            in_features, hidden_features, out_features, bias, dtype, backend, comm, group, device,
+            "the TP world size")
         self.in_features, self.hidden_features, self.out_features = P, O, N
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
         self.local_hidden = O // G
@@ -418,21 +428,10 @@ class ShardedExperts(torch.nn.Module):
                  backend: str = "reference", comm: str | None = None):
         super().__init__()
         E = _pos_int("num_experts", num_experts)
-        P = _pos_int("in_features", in_features)
-        O = _pos_int("hidden_features", hidden_features)
-        N = _pos_int("out_features", P if out_features is None else out_features)
         self.activation = check_activation(activation, allow_none=False, what="activation")
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias={bias!r} must be a bool")
-        self.comm = _check_backend(backend, comm)
-        _check_dtype(dtype, backend)
-        rank, G = _group_world(group)
-        if O % G:
-            raise ValueError(f"hidden_features={O} is not divisible by the world size {G}")
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        _check_device_vs_group(device, group, G)
+        P, O, N, self.comm, rank, G, device = _check_layer(
+            in_features, hidden_features, out_features, bias, dtype, backend, comm, group, device,
+            "the world size")
         self.num_experts, self.in_features, self.hidden_features = E, P, O
         self.out_features, self.local_hidden = N, O // G
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
