@@ -64,6 +64,11 @@ def parse_args(argv=None):
     ap.add_argument("--unroll", type=int, default=2)
     ap.add_argument("--skip-kernel", action="store_true",
                     help="time only the torch/NCCL baseline (no CuTe DSL needed)")
+    ap.add_argument("--no-fused", action="store_true",
+                    help="skip FusedFFN(backend='fused') and its ablations")
+    ap.add_argument("--fused-ccta", type=int, default=None,
+                    help="SMs of the fused layer's communication blocks (default: FusedFFN's)")
+    ap.add_argument("--fused-tile-m", type=int, default=128, choices=(64, 128))
     ap.add_argument("--quick", action="store_true", help="3 shapes, 10 rounds")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan (shapes, FLOPs, bytes) and exit; no GPU needed")
@@ -141,9 +146,14 @@ def bench_shape(a, name, rank, world, dev):
             fns["band_ar" if zero else "band_ar_nozero"] = (
                 lambda ar=ar, out=out: ar(T, b2=b2, out=out))
             ars.append(ar)
+    fused_info = {}
+    if not a.skip_kernel and not a.no_fused:
+        fused_info = add_fused(a, fns, x, w1, b1, w2, b2, y, baseline, rank, world, dev)
     from moe_overlap.timing import time_interleaved
     with torch.inference_mode():
         res = time_interleaved(fns, a.warmup, a.rounds, dist.barrier)
+    if fused_info:
+        fused_info["mod"].check_fused()
     for ar in ars:
         ar.check()  # raises on a device timeout
     # the slowest rank's median is the layer's time
@@ -162,10 +172,101 @@ def bench_shape(a, name, rank, world, dev):
                compute_tflops=flops / (m["compute"] * 1e-3) / 1e12,
                busbw_bf16_GBs=bus * T * N * 2 / (m["allreduce_bf16"] * 1e-3) / 1e9,
                busbw_nccl_fp32_GBs=bus * T * N * 4 / (m["nccl_fp32"] * 1e-3) / 1e9)
+    if "fused" in m:
+        row.update(fused_ms=m["fused"], speedup_vs_baseline=m["baseline"] / m["fused"],
+                   bound_speedup=m["baseline"] / max(m["compute"], m["allreduce_bf16"]),
+                   fused_err_vs_baseline=fused_info["err"],
+                   fused_tflops=flops / (m["fused"] * 1e-3) / 1e12,
+                   fused_compute_tflops=flops / (m["fused_compute"] * 1e-3) / 1e12,
+                   memory=fused_info["memory"])
     if "band_ar" in m:
         row["busbw_band_ar_GBs"] = bus * T * N * 4 / (m["band_ar"] * 1e-3) / 1e9
         row["band_ar_vs_nccl_fp32"] = m["nccl_fp32"] / m["band_ar"]
     return row
+
+
+def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
+    """FusedFFN(backend="fused") and the issue's ablations, registered in ``fns``:
+
+    - ``fused``: the layer (compute blocks || band all-reduce on ccta SMs);
+    - ``fused_compute``: its compute kernel alone on all SMs (accumulating; flags unread);
+    - ``abl_no_spec`` (no block specialization): compute kernel on all SMs, then the band
+      all-reduce in stream order (the same two kernels, not concurrent);
+    - ``abl_nccl``: compute kernel on all SMs, then NCCL all_reduce of the fp32 accumulator,
+      + b2 (+ act2) -> bf16, accumulator zeroed (unicast vs NCCL all-reduce);
+    - ``abl_no_fusion``: torch addmm + act1 + mm (separate kernels, H in HBM) into the fp32
+      accumulator, then our band all-reduce.
+    Returns {"mod", "err" (fused vs the baseline's output), "memory"}."""
+    import torch
+    import torch.distributed as dist
+    from moe_overlap.ffn import EXPERIMENTAL_FUSED_ENV, FusedFFN
+    from moe_overlap.ffn_reference import activation_, rel_err
+    os.environ[EXPERIMENTAL_FUSED_ENV] = "1"  # the bench measures it whether or not it is default
+    T, P = x.shape
+    N = w2.shape[1]
+    Ol = w1.shape[1]
+    kw = {} if a.fused_ccta is None else dict(ccta=a.fused_ccta)
+    mod = FusedFFN(P, Ol * world, N, act1=a.act1, act2=a.act2, device=dev, backend="fused",
+                   max_tokens=T, tile_m=a.fused_tile_m, **kw)
+    with torch.no_grad():
+        mod.w1.copy_(w1)
+        mod.b1.copy_(b1)
+        mod.w2.copy_(w2)
+        mod.b2.copy_(b2)
+    # correctness in the same run: the fused layer against the plain-torch layer's output
+    with torch.inference_mode():
+        yf = mod(x)
+        baseline()
+        torch.cuda.synchronize(dev)
+        mod.check_fused()
+        err = rel_err(yf, y_base.double())
+    ar = mod._fused_allreduce(T)
+    comp = mod._compute
+    acc = ar.acc[:T]
+    out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
+
+    def compute_alone():
+        comp(x, w1, b1, w2, acc, ar.band_ready, ar.epoch, ccta=0, act1=a.act1)
+
+    def no_spec():
+        compute_alone()
+        ar(T, b2=b2, out=out)  # standalone: no flag waits; zeroes acc
+
+    def nccl():
+        compute_alone()
+        dist.all_reduce(acc)
+        torch.add(acc, b2, out=out)
+        activation_(out, a.act2)
+        acc.zero_()
+
+    def no_fusion():
+        h = torch.addmm(b1, x, w1)
+        h = activation_(h, a.act1)
+        acc.copy_(torch.mm(h, w2))
+        ar(T, b2=b2, out=out)
+
+    fns.update(fused=lambda: mod(x), fused_compute=compute_alone, abl_no_spec=no_spec,
+               abl_nccl=nccl, abl_no_fusion=no_fusion)
+    # activation memory: bytes the layer allocates beyond its inputs and weights. Baseline: the
+    # peak of the torch caching allocator during one call (H, the partial/output). Fused: the
+    # allocator's peak (the output) plus the symmetric fp32 accumulator (allocated once, outside
+    # the caching allocator, sized for max_tokens rows).
+    peaks = {}
+    for name, fn in (("baseline", baseline), ("fused", lambda: mod(x))):
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        with torch.inference_mode():
+            keep = fn()
+        torch.cuda.synchronize(dev)
+        peaks[name] = torch.cuda.max_memory_allocated(dev) - base
+        del keep
+    acc_bytes = ar.acc[:T].numel() * 4
+    memory = dict(baseline_bytes=peaks["baseline"] + y_base.numel() * 2,  # y is preallocated
+                  fused_bytes=peaks["fused"] + acc_bytes, fused_acc_bytes=acc_bytes,
+                  h_bytes=T * Ol * 2, out_bytes=T * N * 2)
+    memory["fused_over_baseline"] = memory["fused_bytes"] / memory["baseline_bytes"]
+    return dict(mod=mod, err=err, memory=memory)
 
 
 def table(rows, kernel):
@@ -185,6 +286,23 @@ def table(rows, kernel):
                   f"{t['band_ar_nozero']['max_rank_median_ms']:7.3f} "
                   f"{r['band_ar_vs_nccl_fp32']:6.2f}")
         lines.append(s)
+    fused = [r for r in rows if "fused_ms" in r]
+    if fused:
+        lines.append("")
+        lines.append(f"{'shape':22s} {'base ms':>8s} {'fused ms':>8s} {'x base':>6s} "
+                     f"{'bound x':>7s} {'fcomp ms':>8s} {'noSpec':>7s} {'NCCL':>7s} "
+                     f"{'noFuse':>7s} {'err':>8s} {'mem x':>6s}")
+        for r in fused:
+            t = r["times"]
+
+            def ms(k):
+                return t[k]["max_rank_median_ms"]
+            lines.append(f"{r['shape']:22s} {r['baseline_ms']:8.3f} {r['fused_ms']:8.3f} "
+                         f"{r['speedup_vs_baseline']:6.2f} {r['bound_speedup']:7.2f} "
+                         f"{ms('fused_compute'):8.3f} {ms('abl_no_spec'):7.3f} "
+                         f"{ms('abl_nccl'):7.3f} {ms('abl_no_fusion'):7.3f} "
+                         f"{r['fused_err_vs_baseline']:8.1e} "
+                         f"{r['memory']['fused_over_baseline']:6.2f}")
     return "\n".join(lines)
 
 
