@@ -103,13 +103,14 @@ def _kernel_class():
 
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages1, stages2, epi_n,
-                     epi_stages, signal_k_tile):
+                     epi_stages, signal_k_tile, diag_plain_store=False):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, tile_k
             self.act1 = act1
             self.req_stages1, self.stages2 = stages1, stages2
             self.epi_n, self.epi_stage = epi_n, epi_stages
             self.signal_k_tile = signal_k_tile
+            self.diag_plain_store = diag_plain_store
             # one consumer warpgroup per 64 rows; WG w owns rows [64 w, 64 w + 64) of the tile in
             # both GEMMs, so the H rows it writes to sH are the ones its GEMM2 reads.
             self.num_mma_wg = tile_m // 64
@@ -192,9 +193,13 @@ def _kernel_class():
             tma_atom_w2, tma_w2 = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 G2S(), mW2, sW21, (self.tile_n, self.tile_o))
             # TMA reduce-add of fp32 sub-tiles into acc (cp.reduce.async.bulk.tensor ... .add)
+            # (diag_plain_store: a plain TMA store instead, wrong results; isolates the cost of
+            # the L2 read-modify-write in bench/bench_fused_compute.py)
+            o_op = (cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp() if self.diag_plain_store else
+                    cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(
+                        cute.nvgpu.cpasync.ReductionKind.ADD))
             tma_atom_o, tma_o = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(
-                    cute.nvgpu.cpasync.ReductionKind.ADD), mAcc, sO1, self.epi_tile)
+                o_op, mAcc, sO1, self.epi_tile)
 
             @cute.struct
             class SharedStorage:
@@ -590,7 +595,7 @@ class FusedFFNCompute:
     _compiled = {}
 
     def __init__(self, tile_m=128, tile_o=128, tile_n=128, band_rows=None, stages1=None,
-                 stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None):
+                 stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None, _diag_plain_store=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_o != 128:
@@ -615,6 +620,7 @@ class FusedFFNCompute:
         self.stages1, self.stages2 = stages1, stages2
         self.epi_n, self.epi_stages = epi_n, epi_stages
         self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
+        self._diag_plain_store = bool(_diag_plain_store)  # benchmarks only: results are wrong
         self._counters = {}
         self._b1_zero = {}
 
@@ -685,12 +691,13 @@ class FusedFFNCompute:
     # ---------------------------------------------------------------- compilation
     def _key(self, P, O, N, act1):
         return (self.tile_m, self.tile_o, self.tile_n, self.stages1, self.stages2, self.epi_n,
-                self.epi_stages, self.signal_k_tile, act1, int(P), int(O), int(N))
+                self.epi_stages, self.signal_k_tile, self._diag_plain_store, act1, int(P), int(O),
+                int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
                                    self.stages1, self.stages2, self.epi_n, self.epi_stages,
-                                   self.signal_k_tile)
+                                   self.signal_k_tile, self._diag_plain_store)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
         """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no

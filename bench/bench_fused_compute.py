@@ -1,0 +1,106 @@
+"""Where the time of the fused FFN compute kernel goes (issue 5), one GPU.
+
+    python bench/bench_fused_compute.py [--shapes llama3-8b,deepseek-v3-expert] [--tokens 8192]
+        [--rounds 20] [--out DIR]
+
+Per shape (the rank-0 slice of bench_ffn.py's shapes at G = 2: x [T, P], w1 [P, O/2], w2 [O/2, P]),
+interleaved CUDA-event timing, median:
+- ``torch``: addmm(b1) + act1 + mm (cuBLAS, bf16 out): the GEMM rate the kernel competes with;
+- ``fused``: FusedFFNCompute on every SM (TMA reduce-add of fp32 tiles into acc);
+- ``fused_half_grid``: the same on half the SMs (time nearly unchanged = a shared resource such as
+  the L2's reduction rate is the limit; time doubled = per-SM work is);
+- ``plain_store``: the same kernel with plain TMA stores instead of reduce-adds (wrong results:
+  isolates the cost of the L2 read-modify-write);
+- ``tile_m64``, ``epi4``: tile_m = 64, and 4 epilogue buffers of 16 columns.
+The reduce-add traffic is T * N * 4 * O_g / tile_o bytes; the table gives its rate per variant.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_ffn import SHAPES  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="llama3-8b,deepseek-v3-expert")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--act1", default="gelu")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import torch
+    from moe_overlap.ffn_reference import activation_
+    from moe_overlap.kernels.fused_ffn import FusedFFNCompute, fused_ffn_compute_reference
+    from moe_overlap.timing import time_interleaved
+    dev = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    variants = {
+        "fused": (dict(), 0),
+        "fused_half_grid": (dict(), sms // 2),
+        "plain_store": (dict(_diag_plain_store=True), 0),
+        "tile_m64": (dict(tile_m=64), 0),
+        "epi4": (dict(epi_n=16, epi_stages=4), 0),
+    }
+    rows = []
+    for name in a.shapes.split(","):
+        P, O = SHAPES[name]
+        T, N, Ol = a.tokens, P, O // 2
+        g = torch.Generator(device=dev).manual_seed(0)
+        bf = dict(dtype=torch.bfloat16, device=dev)
+        x = torch.randn(T, P, generator=g, **bf)
+        w1 = torch.randn(P, Ol, generator=g, **bf) * P ** -0.5
+        b1 = torch.randn(Ol, generator=g, **bf) * 0.1
+        w2 = torch.randn(Ol, N, generator=g, **bf) * Ol ** -0.5
+        acc = torch.zeros(T, N, dtype=torch.float32, device=dev)
+        epoch = torch.ones(1, dtype=torch.int32, device=dev)
+        fns = {}
+
+        def torch_ffn():
+            h = activation_(torch.addmm(b1, x, w1), a.act1)
+            return torch.mm(h, w2)
+        fns["torch"] = torch_ffn
+        errs = {}
+        for vname, (kw, ccta) in variants.items():
+            comp = FusedFFNCompute(**kw)
+            ready = torch.zeros(-(-T // comp.band_rows), dtype=torch.int32, device=dev)
+            if not kw.get("_diag_plain_store"):  # correctness of each real variant, once
+                acc.zero_()
+                comp(x, w1, b1, w2, acc, ready, epoch, ccta=ccta, act1=a.act1)
+                ref = fused_ffn_compute_reference(x[:512], w1, b1, w2, a.act1)
+                errs[vname] = ((acc[:512] - ref).norm() / ref.norm()).item()
+            fns[vname] = (lambda comp=comp, ready=ready, ccta=ccta:
+                          comp(x, w1, b1, w2, acc, ready, epoch, ccta=ccta, act1=a.act1))
+        res = time_interleaved(fns, 3, a.rounds)
+        flops = 4 * T * P * Ol
+        red_bytes = {v: T * N * 4 * Ol / 128 for v in variants}
+        row = dict(shape=name, T=T, P=P, O_local=Ol, N=N, errors=errs, times=res)
+        row["ms"] = {k: res[k]["median_ms"] for k in res}
+        row["tflops"] = {k: flops / (v * 1e-3) / 1e12 for k, v in row["ms"].items()}
+        row["reduce_TBs"] = {k: red_bytes[k] / (row["ms"][k] * 1e-3) / 1e12 for k in variants}
+        rows.append(row)
+        torch.cuda.empty_cache()
+    out = a.out or os.environ.get("OUT") or os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "results")
+    os.makedirs(out, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(dev), sms=sms, commit=os.environ.get(
+        "GIT_COMMIT"), date=datetime.datetime.now(datetime.timezone.utc).isoformat())
+    with open(os.path.join(out, "bench_fused_compute.json"), "w") as f:
+        json.dump(dict(meta=meta, results=rows), f, indent=1)
+    names = ["torch"] + list(variants)
+    print(f"{'shape':20s} " + " ".join(f"{n:>16s}" for n in names))
+    for r in rows:
+        print(f"{r['shape']:20s} " + " ".join(
+            f"{r['ms'][n]:7.3f}ms{r['tflops'][n]:5.0f}TF" for n in names))
+        print(f"{'  reduce TB/s, err':20s} {'':16s} " + " ".join(
+            f"{r['reduce_TBs'][n]:7.2f} {r['errors'].get(n, float('nan')):8.1e}"
+            for n in variants))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
