@@ -11,7 +11,9 @@ interleaved CUDA-event timing, median:
   the L2's reduction rate is the limit; time doubled = per-SM work is);
 - ``plain_store``: the same kernel with plain TMA stores instead of reduce-adds (wrong results:
   isolates the cost of the L2 read-modify-write);
-- ``tile_m64``, ``epi4``: tile_m = 64, and 4 epilogue buffers of 16 columns.
+- ``tile_m64``, ``epi4``: tile_m = 64, and 4 epilogue buffers of 16 columns;
+- ``tile_o256*``: 256 hidden columns per unit (two H chunks in smem, GEMM2 with K = 256: half
+  the reduce-add bytes), on all SMs, half of them, and with plain stores.
 The reduce-add traffic is T * N * 4 * O_g / tile_o bytes; the table gives its rate per variant.
 """
 import argparse
@@ -45,6 +47,9 @@ def main(argv=None):
         "plain_store": (dict(_diag_plain_store=True), 0),
         "tile_m64": (dict(tile_m=64), 0),
         "epi4": (dict(epi_n=16, epi_stages=4), 0),
+        "tile_o256": (dict(tile_o=256), 0),
+        "tile_o256_half_grid": (dict(tile_o=256), sms // 2),
+        "tile_o256_plain": (dict(tile_o=256, _diag_plain_store=True), 0),
     }
     rows = []
     for name in a.shapes.split(","):
@@ -77,7 +82,8 @@ def main(argv=None):
                           comp(x, w1, b1, w2, acc, ready, epoch, ccta=ccta, act1=a.act1))
         res = time_interleaved(fns, 3, a.rounds)
         flops = 4 * T * P * Ol
-        red_bytes = {v: T * N * 4 * Ol / 128 for v in variants}
+        red_bytes = {v: T * N * 4 * Ol / kw.get("tile_o", 128)
+                     for v, (kw, _) in variants.items()}
         row = dict(shape=name, T=T, P=P, O_local=Ol, N=N, errors=errs, times=res)
         row["ms"] = {k: res[k]["median_ms"] for k in res}
         row["tflops"] = {k: flops / (v * 1e-3) / 1e12 for k, v in row["ms"].items()}

@@ -249,7 +249,10 @@ class FusedFFN(torch.nn.Module):
         if max_tokens is not None:
             _pos_int("max_tokens", max_tokens)
         self.ccta, self.max_tokens, self.tile_m = ccta, max_tokens, tile_m
-        self._compute = FusedFFNCompute(tile_m=tile_m, band_rows=tile_m)
+        # 256 hidden columns per unit where they divide O/G: half the fp32 reduce-add traffic
+        # of 128 (the kernel's limit; bench/NOTES.md, fused FFN v2)
+        self.tile_o = 256 if O % 256 == 0 else 128
+        self._compute = FusedFFNCompute(tile_m=tile_m, tile_o=self.tile_o, band_rows=tile_m)
         self._allreduce = None
         self._comm_stream = None
         self._warm = False

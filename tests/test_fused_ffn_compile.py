@@ -32,22 +32,24 @@ def ffn_mod():
     return fused_ffn
 
 
-def _compiled(mod, tile_m, act1):
-    key = (tile_m, act1)
+def _compiled(mod, tile_m, act1, tile_o=128):
+    key = (tile_m, act1, tile_o)
     if key not in _CACHE:
-        fn = mod.FusedFFNCompute(tile_m=tile_m).compile(P=256, O=256, N=256, act1=act1,
-                                                        keep_ptx=True)
+        fn = mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o).compile(
+            P=256, O=512, N=256, act1=act1, keep_ptx=True)
         _CACHE[key] = (fn.__ptx__, fn.__cubin__)
     return _CACHE[key]
 
 
-@pytest.mark.parametrize("tile_m,act1", [(128, "gelu"), (64, "relu")])
-def test_ptx_has_wgmma_tma_reduce_and_flags(ffn_mod, tile_m, act1):
-    ptx, _ = _compiled(ffn_mod, tile_m, act1)
+@pytest.mark.parametrize("tile_m,act1,tile_o", [(128, "gelu", 128), (64, "relu", 128),
+                                               (128, "gelu", 256)])
+def test_ptx_has_wgmma_tma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o):
+    ptx, _ = _compiled(ffn_mod, tile_m, act1, tile_o)
     body = ptx.split(".entry", 1)[1]
     wg = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
                     r"%rd\d+, %rd\d+, p, 1,\s*1, 0, 1;", body)
-    assert len(wg) >= 4 + 8, "GEMM1 (4 k16 steps per k tile) + GEMM2 (8 k16 steps)"
+    chunks = tile_o // 128  # GEMM1 per 128-column chunk (4 k16 steps per k tile), GEMM2 8 per chunk
+    assert len(wg) >= chunks * (4 + 8), len(wg)
     assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in body  # H -> sH
     assert "fence.proxy.async.shared::cta" in body
     red = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile", body)
@@ -66,10 +68,11 @@ def test_act1_variants_compile(ffn_mod, act1, needle):
     assert needle in ptx.split(".entry", 1)[1]
 
 
-def test_sass_tma_reduce_no_spills(ffn_mod):
+@pytest.mark.parametrize("tile_o", [128, 256])
+def test_sass_tma_reduce_no_spills(ffn_mod, tile_o):
     from moe_overlap.kernels import switch
     tool = switch.find_nvdisasm()
-    _, cubin = _compiled(ffn_mod, 128, "gelu")
+    _, cubin = _compiled(ffn_mod, 128, "gelu", tile_o)
     if tool is None or not cubin:
         pytest.skip("no nvdisasm / cubin")
     sass = switch.sass_of(cubin, tool)

@@ -106,6 +106,11 @@ def _kernel_class():
                      epi_stages, signal_k_tile, diag_plain_store=False):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, tile_k
+            # H of one unit is tile_m x tile_o, computed and stored in chunks of 128 columns
+            # (GEMM1 accumulator 64 x 128 per warpgroup); GEMM2 reduces over all of them, so one
+            # unit's fp32 output (the reduce-add traffic) serves tile_o hidden columns
+            self.oc = 128
+            self.chunks = tile_o // self.oc
             self.act1 = act1
             self.req_stages1, self.stages2 = stages1, stages2
             self.epi_n, self.epi_stage = epi_n, epi_stages
@@ -133,8 +138,8 @@ def _kernel_class():
             # GEMM1: A = X tile (K-major), B = W1 tile (O contiguous: MN-major)
             self.tiled_mma1 = sm90_utils.make_trivial_tiled_mma(
                 bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_o))
-            # GEMM2: A = sH (K-major, K = tile_o), B = W2 tile (N contiguous: MN-major)
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.oc))
+            # GEMM2: A = sH (K-major, K = tile_o in chunks), B = W2 chunk (N contiguous)
             self.tiled_mma2 = sm90_utils.make_trivial_tiled_mma(
                 bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
                 self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n))
@@ -149,8 +154,8 @@ def _kernel_class():
                                           order=(0, 1, 2) if is_k_major else (1, 0, 2))
 
             x_bytes = self.tile_m * self.tile_k * 2
-            w1_bytes = self.tile_o * self.tile_k * 2
-            w2_bytes = self.tile_n * self.tile_o * 2
+            w1_bytes = self.oc * self.tile_k * 2
+            w2_bytes = self.tile_n * self.oc * 2
             h_bytes = self.tile_m * self.tile_o * 2
             epi_bytes = self.tile_m * self.epi_n * 4 * self.epi_stage
             fixed = 1024 + self.stages2 * w2_bytes + h_bytes + epi_bytes  # + mbarriers, align
@@ -163,11 +168,11 @@ def _kernel_class():
             self.tx1 = x_bytes + w1_bytes
             self.tx2 = w2_bytes
             self.sX_layout = smem_layout(kmaj, bf16, (self.tile_m, self.tile_k), self.stages1)
-            self.sW1_layout = smem_layout(self.b_layout, bf16, (self.tile_o, self.tile_k),
+            self.sW1_layout = smem_layout(self.b_layout, bf16, (self.oc, self.tile_k),
                                           self.stages1)
-            self.sW2_layout = smem_layout(self.b_layout, bf16, (self.tile_n, self.tile_o),
+            self.sW2_layout = smem_layout(self.b_layout, bf16, (self.tile_n, self.oc),
                                           self.stages2)
-            self.sH_layout = smem_layout(kmaj, bf16, (self.tile_m, self.tile_o), 1)
+            self.sH_layout = smem_layout(kmaj, bf16, (self.tile_m, self.oc), self.chunks)
             o_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
                 sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, f32, self.epi_n), f32)
             self.sO_layout = cute.tile_to_shape(o_atom, cute.append(self.epi_tile, self.epi_stage),
@@ -189,9 +194,9 @@ def _kernel_class():
             tma_atom_x, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 G2S(), mX, sX1, (self.tile_m, self.tile_k))
             tma_atom_w1, tma_w1 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                G2S(), mW1, sW11, (self.tile_o, self.tile_k))
+                G2S(), mW1, sW11, (self.oc, self.tile_k))
             tma_atom_w2, tma_w2 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                G2S(), mW2, sW21, (self.tile_n, self.tile_o))
+                G2S(), mW2, sW21, (self.tile_n, self.oc))
             # TMA reduce-add of fp32 sub-tiles into acc (cp.reduce.async.bulk.tensor ... .add)
             # (diag_plain_store: a plain TMA store instead, wrong results; isolates the cost of
             # the L2 read-modify-write in bench/bench_fused_compute.py)
@@ -255,7 +260,7 @@ def _kernel_class():
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                          self.num_mma_wg * 4),
                 tx_count=self.tx1, cta_layout_vmnk=cta_vmnk, defer_sync=True)
-            # stage: one whole tile_n x tile_o W2 tile (one GEMM2 product)
+            # stage: one tile_n x 128 W2 chunk (a GEMM2 product takes `chunks` stages)
             pipe2 = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar2.data_ptr(), num_stages=self.stages2,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -267,13 +272,12 @@ def _kernel_class():
             sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
             sW1 = storage.sW1.get_tensor(sW1_layout.outer, swizzle=sW1_layout.inner)
             sW2 = storage.sW2.get_tensor(sW2_layout.outer, swizzle=sW2_layout.inner)
-            sH3 = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)
-            sH = sH3[(None, None, 0)]
+            sH3 = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)  # M,128,chunk
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
             gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))  # bM,bK,RM,RK
-            gW1 = cute.local_tile(mW1, (self.tile_o, self.tile_k), (None, None))  # bO,bK,RO,RK
-            gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_o), (None, None))  # bN,bO,RN,RO
+            gW1 = cute.local_tile(mW1, (self.oc, self.tile_k), (None, None))  # bO,bK,RO,RK
+            gW2 = cute.local_tile(mW2, (self.tile_n, self.oc), (None, None))  # bN,bO,RN,RO
             gAcc = cute.local_tile(mAcc, (self.tile_m, self.tile_n), (None, None))  # bM,bN,RM,RN
 
             one = cute.make_layout(1)
@@ -291,17 +295,17 @@ def _kernel_class():
             thr_mma2 = tiled_mma2.get_slice(wg_slice)
             tCrX = tiled_mma1.make_fragment_A(thr_mma1.partition_A(sX))
             tCrW1 = tiled_mma1.make_fragment_B(thr_mma1.partition_B(sW1))
-            tCrH = tiled_mma2.make_fragment_A(thr_mma2.partition_A(sH))
+            tCrH = tiled_mma2.make_fragment_A(thr_mma2.partition_A(sH3))  # (.., kb, chunk)
             tCrW2 = tiled_mma2.make_fragment_B(thr_mma2.partition_B(sW2))
             # coordinates of the GEMM1 accumulator elements (for the bias column)
-            tCcH = thr_mma1.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_o)))
+            tCcH = thr_mma1.partition_C(cute.make_identity_tensor((self.tile_m, self.oc)))
             acc1 = cute.make_rmem_tensor(tCcH.shape, self.acc_dtype)
             tCcO = thr_mma2.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             acc2 = cute.make_rmem_tensor(tCcO.shape, self.acc_dtype)
 
             k_tiles = cute.size(gX, mode=[3])  # P / tile_k
             m_tiles = cute.size(gX, mode=[2])  # ceil(M / tile_m): TMA clips the ragged tail
-            J = cute.size(gW1, mode=[2])  # O_g / tile_o
+            J = cute.size(gW1, mode=[2]) // self.chunks  # O_g / tile_o
             n_tiles = cute.size(gAcc, mode=[3])  # N / tile_n
             total_units = m_tiles * J
 
@@ -320,25 +324,28 @@ def _kernel_class():
                     m_tile = u // J
                     j_tile = u - m_tile * J
                     tXgX_k = tXgX[(None, m_tile, None)]
-                    tW1gW1_k = tW1gW1[(None, j_tile, None)]
-                    for k_tile in range(k_tiles):
-                        pipe1.producer_acquire(st1)
-                        bar1 = pipe1.producer_get_barrier(st1)
-                        cute.copy(tma_atom_x, tXgX_k[(None, k_tile)], tXsX[(None, st1.index)],
-                                  tma_bar_ptr=bar1)
-                        cute.copy(tma_atom_w1, tW1gW1_k[(None, k_tile)],
-                                  tW1sW1[(None, st1.index)], tma_bar_ptr=bar1)
-                        pipe1.producer_commit(st1)
-                        st1.advance()
+                    for c in cutlass.range_constexpr(self.chunks):  # GEMM1 per 128-col chunk
+                        tW1gW1_k = tW1gW1[(None, j_tile * self.chunks + c, None)]
+                        for k_tile in range(k_tiles):
+                            pipe1.producer_acquire(st1)
+                            bar1 = pipe1.producer_get_barrier(st1)
+                            cute.copy(tma_atom_x, tXgX_k[(None, k_tile)],
+                                      tXsX[(None, st1.index)], tma_bar_ptr=bar1)
+                            cute.copy(tma_atom_w1, tW1gW1_k[(None, k_tile)],
+                                      tW1sW1[(None, st1.index)], tma_bar_ptr=bar1)
+                            pipe1.producer_commit(st1)
+                            st1.advance()
                     for nn in range(n_tiles):
                         n_tile = nn + j_tile
                         n_tile = n_tile - (n_tile // n_tiles) * n_tiles  # rotated start
-                        pipe2.producer_acquire(st2)
-                        bar2 = pipe2.producer_get_barrier(st2)
-                        cute.copy(tma_atom_w2, tW2gW2[(None, n_tile, j_tile)],
-                                  tW2sW2[(None, st2.index)], tma_bar_ptr=bar2)
-                        pipe2.producer_commit(st2)
-                        st2.advance()
+                        for c in cutlass.range_constexpr(self.chunks):  # K of GEMM2 by chunk
+                            pipe2.producer_acquire(st2)
+                            bar2 = pipe2.producer_get_barrier(st2)
+                            cute.copy(tma_atom_w2,
+                                      tW2gW2[(None, n_tile, j_tile * self.chunks + c)],
+                                      tW2sW2[(None, st2.index)], tma_bar_ptr=bar2)
+                            pipe2.producer_commit(st2)
+                            st2.advance()
                     u = u + gdim
                 pipe1.producer_tail(st1)
                 pipe2.producer_tail(st2)
@@ -352,13 +359,15 @@ def _kernel_class():
                 # the coordinates of the warpgroup's first thread; run 5 on the H200 failed with
                 # the bias added at the wrong columns, ~12% error, when it was used here)
                 tCcH_thr = tiled_mma1.get_slice(ctid).partition_C(
-                    cute.make_identity_tensor((self.tile_m, self.tile_o)))
+                    cute.make_identity_tensor((self.tile_m, self.oc)))
                 read1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                      self.stages1)
                 rel1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                     self.stages1)
                 read2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                      self.stages2)
+                rel2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                    self.stages2)
                 num_kb1 = cute.size(tCrX, mode=[2])
                 num_kb2 = cute.size(tCrH, mode=[2])
 
@@ -369,9 +378,9 @@ def _kernel_class():
                                                       elem_ty_acc=self.acc_dtype),
                     cute.make_tiled_copy_C_atom(h_atom, tiled_mma1))
                 thr_h = h_copy.get_slice(ctid)
-                tRS_sH = thr_h.partition_D(sH)
+                tRS_sH = thr_h.partition_D(sH3)  # (.., chunk)
                 tRS_rAcc1 = h_copy.retile(acc1)
-                rH_shape = cute.shape(thr_h.partition_S(sH))
+                rH_shape = cute.shape(thr_h.partition_S(sH3[(None, None, 0)]))
                 tRS_rHf = cute.make_rmem_tensor(rH_shape, self.acc_dtype)
                 tRS_rH = cute.make_rmem_tensor(rH_shape, bf16)
                 size_rH = cute.size(tRS_rHf)
@@ -409,51 +418,58 @@ def _kernel_class():
                     m_tile = u // J
                     j_tile = u - m_tile * J
 
-                    # ---- GEMM1: acc1 = b1[j tile] (+) X[m] @ W1[:, j]
-                    for i in cutlass.range_constexpr(cute.size(acc1)):
-                        acc1[i] = mB1[j_tile * self.tile_o + tCcH_thr[i][1]]
-                    read1.reset_count()
-                    rel1.reset_count()
-                    tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    pipe1.consumer_wait(read1)
-                    for kb in cutlass.range_constexpr(num_kb1):
-                        cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read1.index)],
-                                  tCrW1[(None, None, kb, read1.index)], acc1)
-                    cute.nvgpu.warpgroup.commit_group()
-                    read1.advance()
-                    for k_tile in range(1, k_tiles):
+                    for c in cutlass.range_constexpr(self.chunks):
+                        # ---- GEMM1 of chunk c: acc1 = b1[cols] (+) X[m] @ W1[:, cols],
+                        # cols = the 128 hidden columns (j_tile * chunks + c) * 128 ...
+                        jc = j_tile * self.chunks + c
+                        for i in cutlass.range_constexpr(cute.size(acc1)):
+                            acc1[i] = mB1[jc * self.oc + tCcH_thr[i][1]]
+                        read1.reset_count()
+                        rel1.reset_count()
+                        tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        cute.nvgpu.warpgroup.fence()
                         pipe1.consumer_wait(read1)
                         for kb in cutlass.range_constexpr(num_kb1):
                             cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read1.index)],
                                       tCrW1[(None, None, kb, read1.index)], acc1)
                         cute.nvgpu.warpgroup.commit_group()
-                        cute.nvgpu.warpgroup.wait_group(1)
+                        read1.advance()
+                        for k_tile in range(1, k_tiles):
+                            pipe1.consumer_wait(read1)
+                            for kb in cutlass.range_constexpr(num_kb1):
+                                cute.gemm(tiled_mma1, acc1,
+                                          tCrX[(None, None, kb, read1.index)],
+                                          tCrW1[(None, None, kb, read1.index)], acc1)
+                            cute.nvgpu.warpgroup.commit_group()
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            pipe1.consumer_release(rel1)
+                            rel1.advance()
+                            read1.advance()
+                            # deferred count of the previous unit (first chunk only: it resets
+                            # pend_band): its reductions were issued a whole GEMM1 ago, so the
+                            # wait_group 0 inside rarely stalls
+                            if k_tile == signal_k and pend_band >= 0:
+                                if is_store_warp:
+                                    self._signal_band(pend_band, pend_need, epoch, mReady,
+                                                      mCounter)
+                                pend_band = cutlass.Int32(-1)
+                        cute.nvgpu.warpgroup.wait_group(0)
                         pipe1.consumer_release(rel1)
                         rel1.advance()
-                        read1.advance()
-                        # deferred count of the previous unit: its reductions were issued a
-                        # whole GEMM1 ago, so the wait_group 0 inside rarely stalls
-                        if k_tile == signal_k and pend_band >= 0:
+                        if pend_band >= 0:  # P / tile_k too small for an in-loop count
                             if is_store_warp:
                                 self._signal_band(pend_band, pend_need, epoch, mReady,
                                                   mCounter)
                             pend_band = cutlass.Int32(-1)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    pipe1.consumer_release(rel1)
-                    rel1.advance()
-                    if pend_band >= 0:  # P / tile_k too small for an in-loop count
-                        if is_store_warp:
-                            self._signal_band(pend_band, pend_need, epoch, mReady, mCounter)
-                        pend_band = cutlass.Int32(-1)
 
-                    # ---- act1 in registers, bf16, stmatrix into sH
-                    for i in cutlass.range_constexpr(cute.size(acc1)):
-                        acc1[i] = act_fn(acc1[i], self.act1)
-                    for v in cutlass.range_constexpr(size_rH):
-                        tRS_rHf[v] = tRS_rAcc1[v]
-                    tRS_rH.store(tRS_rHf.load().to(bf16))
-                    cute.copy(h_copy, tRS_rH, tRS_sH)
+                        # ---- act1 in registers, bf16, stmatrix into chunk c of sH (each
+                        # warpgroup writes and later reads only its own 64 rows)
+                        for i in cutlass.range_constexpr(cute.size(acc1)):
+                            acc1[i] = act_fn(acc1[i], self.act1)
+                        for v in cutlass.range_constexpr(size_rH):
+                            tRS_rHf[v] = tRS_rAcc1[v]
+                        tRS_rH.store(tRS_rHf.load().to(bf16))
+                        cute.copy(h_copy, tRS_rH, tRS_sH[(None, None, None, c)])
                     # generic-proxy smem writes -> visible to WGMMA (async proxy) reads
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self.epi_barrier.arrive_and_wait()
@@ -464,15 +480,18 @@ def _kernel_class():
                         n_tile = n_tile - (n_tile // n_tiles) * n_tiles
                         acc2.fill(0.0)
                         tiled_mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                        pipe2.consumer_wait(read2)
                         cute.nvgpu.warpgroup.fence()
-                        for kb in cutlass.range_constexpr(num_kb2):
-                            cute.gemm(tiled_mma2, acc2, tCrH[(None, None, kb)],
-                                      tCrW2[(None, None, kb, read2.index)], acc2)
-                        cute.nvgpu.warpgroup.commit_group()
+                        for c in cutlass.range_constexpr(self.chunks):  # K = tile_o by chunk
+                            pipe2.consumer_wait(read2)
+                            for kb in cutlass.range_constexpr(num_kb2):
+                                cute.gemm(tiled_mma2, acc2, tCrH[(None, None, kb, c)],
+                                          tCrW2[(None, None, kb, read2.index)], acc2)
+                            cute.nvgpu.warpgroup.commit_group()
+                            read2.advance()
                         cute.nvgpu.warpgroup.wait_group(0)
-                        pipe2.consumer_release(read2)
-                        read2.advance()
+                        for c in cutlass.range_constexpr(self.chunks):
+                            pipe2.consumer_release(rel2)
+                            rel2.advance()
 
                         gO_epi = cute.zipped_divide(gAcc[(None, None, m_tile, n_tile)],
                                                     self.epi_tile)
@@ -598,8 +617,8 @@ class FusedFFNCompute:
                  stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None, _diag_plain_store=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
-        if tile_o != 128:
-            raise ValueError(f"tile_o must be 128 in this version, got {tile_o}")
+        if tile_o not in (128, 256):
+            raise ValueError(f"tile_o must be 128 or 256, got {tile_o}")
         if tile_n != 128:
             raise ValueError(f"tile_n must be 128 in this version, got {tile_n}")
         band_rows = tile_m if band_rows is None else band_rows
