@@ -6,14 +6,12 @@
 Per shape (the rank-0 slice of bench_ffn.py's shapes at G = 2: x [T, P], w1 [P, O/2], w2 [O/2, P]),
 interleaved CUDA-event timing, median:
 - ``torch``: addmm(b1) + act1 + mm (cuBLAS, bf16 out): the GEMM rate the kernel competes with;
-- ``fused``: FusedFFNCompute on every SM (TMA reduce-add of fp32 tiles into acc);
-- ``fused_half_grid``: the same on half the SMs (time nearly unchanged = a shared resource such as
-  the L2's reduction rate is the limit; time doubled = per-SM work is);
-- ``plain_store``: the same kernel with plain TMA stores instead of reduce-adds (wrong results:
-  isolates the cost of the L2 read-modify-write);
-- ``tile_m64``, ``epi4``: tile_m = 64, and 4 epilogue buffers of 16 columns;
-- ``tile_o256*``: 256 hidden columns per unit (two H chunks in smem, GEMM2 with K = 256: half
-  the reduce-add bytes), on all SMs, half of them, and with plain stores.
+- ``tma128`` / ``tma256``: FusedFFNCompute with the TMA reduce-add epilogue (fp32 sub-tiles through
+  shared memory), tile_o 128 / 256 (v1 / v2); ``tma128_plain``: plain TMA stores instead of
+  reduce-adds (wrong results: isolates the cost of the L2 read-modify-write);
+- ``red128`` / ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
+  ``red256_half_grid``: on half the SMs (time nearly unchanged = a shared resource such as the
+  L2's reduction rate is the limit; time doubled = per-SM work is); ``red256_m64``: tile_m = 64.
 The reduce-add traffic is T * N * 4 * O_g / tile_o bytes; the table gives its rate per variant.
 """
 import argparse
@@ -41,15 +39,14 @@ def main(argv=None):
     from moe_overlap.timing import time_interleaved
     dev = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    variants = {
-        "fused": (dict(), 0),
-        "fused_half_grid": (dict(), sms // 2),
-        "plain_store": (dict(_diag_plain_store=True), 0),
-        "tile_m64": (dict(tile_m=64), 0),
-        "epi4": (dict(epi_n=16, epi_stages=4), 0),
-        "tile_o256": (dict(tile_o=256), 0),
-        "tile_o256_half_grid": (dict(tile_o=256), sms // 2),
-        "tile_o256_plain": (dict(tile_o=256, _diag_plain_store=True), 0),
+    variants = {  # name: (FusedFFNCompute options, ccta)
+        "tma128": (dict(epilogue="tma"), 0),  # v1
+        "tma128_plain": (dict(epilogue="tma", _diag_plain_store=True), 0),
+        "tma256": (dict(epilogue="tma", tile_o=256), 0),  # v2
+        "red128": (dict(), 0),
+        "red256": (dict(tile_o=256), 0),  # v3 (FusedFFN's choice)
+        "red256_half_grid": (dict(tile_o=256), sms // 2),
+        "red256_m64": (dict(tile_o=256, tile_m=64), 0),
     }
     rows = []
     for name in a.shapes.split(","):

@@ -32,19 +32,20 @@ def ffn_mod():
     return fused_ffn
 
 
-def _compiled(mod, tile_m, act1, tile_o=128):
-    key = (tile_m, act1, tile_o)
+def _compiled(mod, tile_m, act1, tile_o=128, epilogue="red"):
+    key = (tile_m, act1, tile_o, epilogue)
     if key not in _CACHE:
-        fn = mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o).compile(
+        fn = mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, epilogue=epilogue).compile(
             P=256, O=512, N=256, act1=act1, keep_ptx=True)
         _CACHE[key] = (fn.__ptx__, fn.__cubin__)
     return _CACHE[key]
 
 
-@pytest.mark.parametrize("tile_m,act1,tile_o", [(128, "gelu", 128), (64, "relu", 128),
-                                               (128, "gelu", 256)])
-def test_ptx_has_wgmma_tma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o):
-    ptx, _ = _compiled(ffn_mod, tile_m, act1, tile_o)
+@pytest.mark.parametrize("tile_m,act1,tile_o,epilogue", [
+    (128, "gelu", 128, "tma"), (64, "relu", 128, "tma"), (128, "gelu", 256, "tma"),
+    (128, "gelu", 256, "red"), (64, "silu", 128, "red")])
+def test_ptx_has_wgmma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o, epilogue):
+    ptx, _ = _compiled(ffn_mod, tile_m, act1, tile_o, epilogue)
     body = ptx.split(".entry", 1)[1]
     wg = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
                     r"%rd\d+, %rd\d+, p, 1,\s*1, 0, 1;", body)
@@ -53,9 +54,16 @@ def test_ptx_has_wgmma_tma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o):
     assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in body  # H -> sH
     assert "fence.proxy.async.shared::cta" in body
     red = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile", body)
-    assert len(red) == 128 // 32  # one TMA reduce-add per 32-column fp32 sub-tile (tile_n 128)
-    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", body)
-    assert "fence.proxy.async.global" in body
+    vec = re.findall(r"red\.global\.add\.v2\.f32", body)
+    if epilogue == "tma":
+        assert len(red) == 128 // 32  # one TMA reduce-add per 32-column fp32 sub-tile
+        assert not vec
+        assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", body)
+        assert "fence.proxy.async.global" in body
+    else:
+        assert not red
+        assert len(vec) == 64 * 128 // 128 // 2  # a 64 x 128 tile per warpgroup: 32 pairs/thread
+        assert "fence.acq_rel.gpu" in body  # every thread orders its adds before the count
     assert "atom.global.acq_rel.add" in body or "atom.acq_rel.gpu" in body
     assert "st.release.gpu" in body
     assert "setmaxnreg" in body and "mbarrier.try_wait" in body
@@ -68,15 +76,15 @@ def test_act1_variants_compile(ffn_mod, act1, needle):
     assert needle in ptx.split(".entry", 1)[1]
 
 
-@pytest.mark.parametrize("tile_o", [128, 256])
-def test_sass_tma_reduce_no_spills(ffn_mod, tile_o):
+@pytest.mark.parametrize("tile_o,epilogue", [(128, "tma"), (256, "tma"), (256, "red")])
+def test_sass_reduce_no_spills(ffn_mod, tile_o, epilogue):
     from moe_overlap.kernels import switch
     tool = switch.find_nvdisasm()
-    _, cubin = _compiled(ffn_mod, 128, "gelu", tile_o)
+    _, cubin = _compiled(ffn_mod, 128, "gelu", tile_o, epilogue)
     if tool is None or not cubin:
         pytest.skip("no nvdisasm / cubin")
     sass = switch.sass_of(cubin, tool)
-    assert "UTMAREDG" in sass
+    assert ("UTMAREDG" if epilogue == "tma" else "REDG.E.ADD.F32x2") in sass
     assert "HGMMA" in sass
     assert not re.search(r"\b(STL|LDL)\b", sass), "register spills"
 
@@ -137,7 +145,8 @@ def test_bad_inputs_raise_before_launch(ffn_mod):
         chk(x[:0], w1, b1, w2, acc[:0], ready, epoch)
     for kw, msg in [(dict(tile_m=96), "tile_m"), (dict(tile_o=64), "tile_o"),
                     (dict(tile_n=256), "tile_n"), (dict(band_rows=192), "band_rows"),
-                    (dict(epi_n=8), "epi_n"), (dict(stages1=1), "stages1")]:
+                    (dict(epi_n=8), "epi_n"), (dict(stages1=1), "stages1"),
+                    (dict(epilogue="smem"), "epilogue"), (dict(_diag_plain_store=True), "tma")]:
         with pytest.raises(ValueError, match=msg):
             ffn_mod.FusedFFNCompute(**kw)
     assert ffn_mod.FusedFFNCompute(tile_m=64, band_rows=256).band_rows == 256

@@ -5,7 +5,7 @@ Single GPU (``-k single``; runs alone: ``python -m pytest -q tests/test_fused_ff
 the compute kernel on its own, in a child process with a watchdog (a hang fails the test instead
 of blocking the run), against the float32 torch reference with H rounded to bf16
 (``fused_ffn_compute_reference``), ||out - ref|| / ||ref|| < 1e-2, fresh random inputs per case:
-every act1, tile_m 128 / 64, tile_o 128 / 256, ragged M (TMA clips the last m-tile), band_rows = tile_m and
+every act1, tile_m 128 / 64, tile_o 128 / 256, red / TMA epilogues, ragged M (TMA clips the last m-tile), band_rows = tile_m and
 2 tile_m, b1 present / absent, ccta 0 / 16 / 120; after each call every band's flag equals the
 epoch and the scratch counters are back to zero; two calls in a row (the test re-zeroes acc and
 advances the epoch, like the all-reduce's epilogue and FusedFFN.forward do).
@@ -31,15 +31,17 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 SINGLE_TIMEOUT_S = 600
 
-# (M, P, O_g, N, act1, tile_m, band_rows, bias, ccta, tile_o)
+# (M, P, O_g, N, act1, tile_m, band_rows, bias, ccta, extra FusedFFNCompute options)
 SINGLE_CASES = [
-    (256, 512, 256, 256, "relu", 128, 128, True, 0, 128),
-    (300, 256, 384, 384, "gelu", 128, 128, True, 16, 128),  # ragged last m-tile
-    (777, 512, 256, 128, "silu", 128, 256, False, 16, 128),  # 2 m-tiles per band, ragged
-    (64, 128, 128, 256, "gelu_tanh", 64, 64, True, 120, 128),  # one unit: grid of 1
-    (1000, 1024, 512, 512, "silu", 64, 128, True, 16, 128),
-    (520, 512, 768, 384, "gelu", 128, 128, True, 16, 256),  # two H chunks per unit, ragged
-    (384, 256, 512, 256, "relu", 64, 128, False, 0, 256),
+    (256, 512, 256, 256, "relu", 128, 128, True, 0, {}),
+    (300, 256, 384, 384, "gelu", 128, 128, True, 16, {}),  # ragged last m-tile
+    (777, 512, 256, 128, "silu", 128, 256, False, 16, {}),  # 2 m-tiles per band, ragged
+    (64, 128, 128, 256, "gelu_tanh", 64, 64, True, 120, {}),  # one unit: grid of 1
+    (1000, 1024, 512, 512, "silu", 64, 128, True, 16, {}),
+    (520, 512, 768, 384, "gelu", 128, 128, True, 16, dict(tile_o=256)),  # two H chunks, ragged
+    (384, 256, 512, 256, "relu", 64, 128, False, 0, dict(tile_o=256)),
+    (300, 256, 512, 256, "gelu", 128, 128, True, 16, dict(epilogue="tma")),  # TMA reduce-add
+    (520, 512, 768, 384, "silu", 128, 256, True, 0, dict(epilogue="tma", tile_o=256)),
 ]
 
 
@@ -50,9 +52,9 @@ def _single_worker(q):
         torch.cuda.set_device(0)
         dev = torch.device("cuda", 0)
         res = []
-        for i, (M, P, O, N, act1, tm, br, bias, ccta, to) in enumerate(SINGLE_CASES):
+        for i, (M, P, O, N, act1, tm, br, bias, ccta, kw) in enumerate(SINGLE_CASES):
             g = torch.Generator(device=dev).manual_seed(100 + i)
-            comp = FusedFFNCompute(tile_m=tm, band_rows=br, tile_o=to)
+            comp = FusedFFNCompute(tile_m=tm, band_rows=br, **kw)
             nb = -(-M // br)
             ready = torch.zeros(nb + 2, dtype=torch.int32, device=dev)
             epoch = torch.zeros(1, dtype=torch.int32, device=dev)

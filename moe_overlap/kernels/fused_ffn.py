@@ -97,13 +97,19 @@ def _kernel_class():
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
     from cutlass.utils import LayoutEnum
 
+    from .primitives import fence_acq_rel_gpu
     from .switch import device_lib
+
+    def red_add_v2_f32(addr, a, b):
+        """acc[addr .. addr + 8) += (a, b): a relaxed gpu-scope vector reduction (sm_90)."""
+        cute.arch.inline_ptx("red.global.add.v2.f32 [{$r0}], {{$r1}, {$r2}};",
+                             read_only_args=[addr, a, b])
 
     act_fn = device_lib().act  # fp32 relu / gelu (erf) / gelu_tanh / silu, same as act2
 
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages1, stages2, epi_n,
-                     epi_stages, signal_k_tile, diag_plain_store=False):
+                     epi_stages, signal_k_tile, diag_plain_store=False, epilogue="red"):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, tile_k
             # H of one unit is tile_m x tile_o, computed and stored in chunks of 128 columns
@@ -116,6 +122,13 @@ def _kernel_class():
             self.epi_n, self.epi_stage = epi_n, epi_stages
             self.signal_k_tile = signal_k_tile
             self.diag_plain_store = diag_plain_store
+            # "red": each thread adds its accumulator pairs straight from registers into acc
+            # with red.global.add.v2.f32 (fire-and-forget: the next product's WGMMAs start at
+            # once, no shared-memory round trip, no barriers). "tma": fp32 sub-tiles through
+            # shared memory and TMA reduce-add (v1/v2; slower, see bench/NOTES.md).
+            self.red_epi = epilogue == "red"
+            if self.red_epi:  # the (unused) TMA output buffer shrinks to one 16-column sub-tile
+                epi_n, epi_stages = 16, 1
             # one consumer warpgroup per 64 rows; WG w owns rows [64 w, 64 w + 64) of the tile in
             # both GEMMs, so the H rows it writes to sH are the ones its GEMM2 reads.
             self.num_mma_wg = tile_m // 64
@@ -157,7 +170,7 @@ def _kernel_class():
             w1_bytes = self.oc * self.tile_k * 2
             w2_bytes = self.tile_n * self.oc * 2
             h_bytes = self.tile_m * self.tile_o * 2
-            epi_bytes = self.tile_m * self.epi_n * 4 * self.epi_stage
+            epi_bytes = 0 if self.red_epi else self.tile_m * self.epi_n * 4 * self.epi_stage
             fixed = 1024 + self.stages2 * w2_bytes + h_bytes + epi_bytes  # + mbarriers, align
             max_stages1 = (_SMEM_CAPACITY_SM90 - fixed) // (x_bytes + w1_bytes)
             self.stages1 = max_stages1 if self.req_stages1 is None else self.req_stages1
@@ -218,13 +231,14 @@ def _kernel_class():
                                        self.buffer_align_bytes]
                 sH: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sH_layout)],
                                       self.buffer_align_bytes]
-                sO: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(self.sO_layout)],
-                                      self.buffer_align_bytes]
+                # the red epilogue needs no output staging: 4 bytes stand in for sO
+                sO: cute.struct.Align[cute.struct.MemRange[
+                    f32, 1 if self.red_epi else cute.cosize(self.sO_layout)], 16]
 
             self.shared_storage = SharedStorage
             self.kernel(tma_atom_x, tma_x, tma_atom_w1, tma_w1, tma_atom_w2, tma_w2, tma_atom_o,
                         tma_o, self.tiled_mma1, self.tiled_mma2, self.sX_layout,
-                        self.sW1_layout, self.sW2_layout, self.sH_layout, self.sO_layout, mB1,
+                        self.sW1_layout, self.sW2_layout, self.sH_layout, self.sO_layout, mAcc, mB1,
                         mReady, mCounter, mEpoch, mt_per_band).launch(
                 grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1], cluster=[1, 1, 1],
                 min_blocks_per_mp=1, stream=stream)
@@ -237,6 +251,7 @@ def _kernel_class():
                    tiled_mma2: cute.TiledMma, sX_layout: cute.ComposedLayout,
                    sW1_layout: cute.ComposedLayout, sW2_layout: cute.ComposedLayout,
                    sH_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+                   mAccRaw: cute.Tensor,
                    mB1: cute.Tensor, mReady: cute.Tensor, mCounter: cute.Tensor,
                    mEpoch: cute.Tensor, mt_per_band: cutlass.Int32):
             bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -273,7 +288,9 @@ def _kernel_class():
             sW1 = storage.sW1.get_tensor(sW1_layout.outer, swizzle=sW1_layout.inner)
             sW2 = storage.sW2.get_tensor(sW2_layout.outer, swizzle=sW2_layout.inner)
             sH3 = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)  # M,128,chunk
-            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+            sO = None
+            if cutlass.const_expr(not self.red_epi):
+                sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
             gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))  # bM,bK,RM,RK
             gW1 = cute.local_tile(mW1, (self.oc, self.tile_k), (None, None))  # bO,bK,RO,RK
@@ -385,23 +402,30 @@ def _kernel_class():
                 tRS_rH = cute.make_rmem_tensor(rH_shape, bf16)
                 size_rH = cute.size(tRS_rHf)
 
-                # output: fp32 sub-tiles -> sO (st.shared; the 16-bit stmatrix atom only gives
-                # the accumulator's thread/value layout) -> TMA reduce-add
-                o_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), bf16)
-                o_copy = cute.make_tiled_copy_S(
-                    sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=f32,
-                                                      elem_ty_acc=self.acc_dtype),
-                    cute.make_tiled_copy_C_atom(o_atom, tiled_mma2))
-                thr_o = o_copy.get_slice(ctid)
-                tRS_sO = thr_o.partition_D(sO)
-                tRS_rAcc2 = o_copy.retile(acc2)
-                rO_shape = cute.shape(thr_o.partition_S(sO))
-                tRS_rO = cute.make_rmem_tensor(rO_shape[:3], self.acc_dtype)
-                size_rO = cute.size(tRS_rO)
-                red_pipeline = pipeline.PipelineTmaStore.create(
-                    num_stages=self.epi_stage,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                             self.num_mma_threads))
+                if cutlass.const_expr(not self.red_epi):
+                    # output: fp32 sub-tiles -> sO (st.shared; the 16-bit stmatrix atom only gives
+                    # the accumulator's thread/value layout) -> TMA reduce-add
+                    o_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), bf16)
+                    o_copy = cute.make_tiled_copy_S(
+                        sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=f32,
+                                                          elem_ty_acc=self.acc_dtype),
+                        cute.make_tiled_copy_C_atom(o_atom, tiled_mma2))
+                    thr_o = o_copy.get_slice(ctid)
+                    tRS_sO = thr_o.partition_D(sO)
+                    tRS_rAcc2 = o_copy.retile(acc2)
+                    rO_shape = cute.shape(thr_o.partition_S(sO))
+                    tRS_rO = cute.make_rmem_tensor(rO_shape[:3], self.acc_dtype)
+                    size_rO = cute.size(tRS_rO)
+                    red_pipeline = pipeline.PipelineTmaStore.create(
+                        num_stages=self.epi_stage,
+                        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                                 self.num_mma_threads))
+                # red epilogue: this thread's accumulator coordinates (per-thread slice) and acc
+                tCcO_thr = tiled_mma2.get_slice(ctid).partition_C(
+                    cute.make_identity_tensor((self.tile_m, self.tile_n)))
+                acc_base = cutlass.Int64(mAccRaw.iterator.toint())
+                acc_rows = cute.size(mAccRaw, mode=[0])
+                acc_ld = cutlass.Int64(cute.size(mAccRaw, mode=[1]))
 
                 epoch = mEpoch[0]
                 is_store_warp = warp_idx == self.epi_store_warp_id
@@ -449,17 +473,15 @@ def _kernel_class():
                             # pend_band): its reductions were issued a whole GEMM1 ago, so the
                             # wait_group 0 inside rarely stalls
                             if k_tile == signal_k and pend_band >= 0:
-                                if is_store_warp:
-                                    self._signal_band(pend_band, pend_need, epoch, mReady,
-                                                      mCounter)
+                                self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
+                                                 is_store_warp, ctid)
                                 pend_band = cutlass.Int32(-1)
                         cute.nvgpu.warpgroup.wait_group(0)
                         pipe1.consumer_release(rel1)
                         rel1.advance()
                         if pend_band >= 0:  # P / tile_k too small for an in-loop count
-                            if is_store_warp:
-                                self._signal_band(pend_band, pend_need, epoch, mReady,
-                                                  mCounter)
+                            self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
+                                             is_store_warp, ctid)
                             pend_band = cutlass.Int32(-1)
 
                         # ---- act1 in registers, bf16, stmatrix into chunk c of sH (each
@@ -493,29 +515,41 @@ def _kernel_class():
                             pipe2.consumer_release(rel2)
                             rel2.advance()
 
-                        gO_epi = cute.zipped_divide(gAcc[(None, None, m_tile, n_tile)],
-                                                    self.epi_tile)
-                        epi_num = cute.size(gO_epi, mode=[1])
-                        epi_shape = gO_epi.shape[1]
-                        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                        for epi_idx in cutlass.range_constexpr(epi_num):
-                            for v in cutlass.range_constexpr(size_rO):
-                                tRS_rO[v] = tRS_rAcc2[epi_idx * size_rO + v]
-                            buf = (epis_done + epi_idx) % self.epi_stage
-                            cute.copy(o_copy, tRS_rO, tRS_sO[(None, None, None, buf)])
-                            # st.shared (generic) -> TMA reduce (async proxy) reads sO
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            self.epi_barrier.arrive_and_wait()
-                            if is_store_warp:
-                                bSG_sO, bSG_gO = cute.nvgpu.cpasync.tma_partition(
-                                    tma_atom_o, 0, one, cute.group_modes(sO, 0, 2), gO_epi)
-                                cute.copy(tma_atom_o, bSG_sO[(None, buf)],
-                                          bSG_gO[(None, epi_layout.get_hier_coord(epi_idx))])
-                                red_pipeline.producer_commit()
-                                # buffer reuse: at most epi_stages - 1 groups still reading sO
-                                red_pipeline.producer_acquire()
-                            self.epi_barrier.arrive_and_wait()
-                        epis_done = epis_done + epi_num
+                        if cutlass.const_expr(self.red_epi):
+                            # fire-and-forget fp32 adds from registers (pairs of adjacent
+                            # columns of the WGMMA accumulator); rows past M are skipped
+                            row0 = m_tile * self.tile_m
+                            col0 = n_tile * self.tile_n
+                            for h in cutlass.range_constexpr(cute.size(acc2) // 2):
+                                rr = row0 + tCcO_thr[2 * h][0]
+                                if rr < acc_rows:
+                                    off = cutlass.Int64(rr) * acc_ld + (col0 + tCcO_thr[2 * h][1])
+                                    red_add_v2_f32(acc_base + off * 4, acc2[2 * h],
+                                                   acc2[2 * h + 1])
+                        else:
+                            gO_epi = cute.zipped_divide(gAcc[(None, None, m_tile, n_tile)],
+                                                        self.epi_tile)
+                            epi_num = cute.size(gO_epi, mode=[1])
+                            epi_shape = gO_epi.shape[1]
+                            epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                            for epi_idx in cutlass.range_constexpr(epi_num):
+                                for v in cutlass.range_constexpr(size_rO):
+                                    tRS_rO[v] = tRS_rAcc2[epi_idx * size_rO + v]
+                                buf = (epis_done + epi_idx) % self.epi_stage
+                                cute.copy(o_copy, tRS_rO, tRS_sO[(None, None, None, buf)])
+                                # st.shared (generic) -> TMA reduce (async proxy) reads sO
+                                cute.arch.fence_proxy("async.shared", space="cta")
+                                self.epi_barrier.arrive_and_wait()
+                                if is_store_warp:
+                                    bSG_sO, bSG_gO = cute.nvgpu.cpasync.tma_partition(
+                                        tma_atom_o, 0, one, cute.group_modes(sO, 0, 2), gO_epi)
+                                    cute.copy(tma_atom_o, bSG_sO[(None, buf)],
+                                              bSG_gO[(None, epi_layout.get_hier_coord(epi_idx))])
+                                    red_pipeline.producer_commit()
+                                    # buffer reuse: at most epi_stages - 1 groups still reading sO
+                                    red_pipeline.producer_acquire()
+                                self.epi_barrier.arrive_and_wait()
+                            epis_done = epis_done + epi_num
 
                     # this unit is counted once its reductions completed (deferred, see above)
                     b = m_tile // mt_per_band
@@ -527,9 +561,29 @@ def _kernel_class():
                     u = u + gdim
 
                 if pend_band >= 0:
-                    if is_store_warp:
-                        self._signal_band(pend_band, pend_need, epoch, mReady, mCounter)
-                red_pipeline.producer_tail()
+                    self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
+                                     is_store_warp, ctid)
+                if cutlass.const_expr(not self.red_epi):
+                    red_pipeline.producer_tail()
+
+        @cute.jit
+        def _count_unit(self, b: cutlass.Int32, need: cutlass.Int32, epoch: cutlass.Int32,
+                        mReady: cute.Tensor, mCounter: cute.Tensor, is_store_warp,
+                        ctid: cutlass.Int32):
+            """Counts one finished unit of band b (see ``_signal_band``). TMA epilogue: the warp
+            that issued the bulk reductions waits for them and counts. Red epilogue: the adds
+            were issued by every consumer thread, so every thread orders its own adds
+            (``fence.acq_rel.gpu``: they are performed, at gpu scope, before anything it does
+            next), the named barrier orders all of them before thread 0's ``atom.acq_rel.gpu``
+            (release is cumulative over what happens-before it), and thread 0 counts."""
+            if cutlass.const_expr(self.red_epi):
+                fence_acq_rel_gpu()
+                self.epi_barrier.arrive_and_wait()
+                if ctid == 0:
+                    self._publish(b, need, epoch, mReady, mCounter)
+            else:
+                if is_store_warp:
+                    self._signal_band(b, need, epoch, mReady, mCounter)
 
         @cute.jit
         def _signal_band(self, b: cutlass.Int32, need: cutlass.Int32, epoch: cutlass.Int32,
@@ -567,11 +621,18 @@ def _kernel_class():
             cute.arch.fence_proxy("async.global")
             cute.arch.sync_warp()
             if cute.arch.lane_idx() == 0:
-                cnt_ptr = mCounter.iterator + b
-                old = cute.arch.atomic_add(cnt_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-                if old == need - 1:
-                    cute.arch.store(cnt_ptr, cutlass.Int32(0), sem="relaxed", scope="gpu")
-                    cute.arch.store(mReady.iterator + b, epoch, sem="release", scope="gpu")
+                self._publish(b, need, epoch, mReady, mCounter)
+
+        @cute.jit
+        def _publish(self, b: cutlass.Int32, need: cutlass.Int32, epoch: cutlass.Int32,
+                     mReady: cute.Tensor, mCounter: cute.Tensor):
+            """Steps 4-5 of ``_signal_band``: one acq_rel count; the last of ``need`` resets the
+            counter and releases ``band_ready[b] = epoch``."""
+            cnt_ptr = mCounter.iterator + b
+            old = cute.arch.atomic_add(cnt_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+            if old == need - 1:
+                cute.arch.store(cnt_ptr, cutlass.Int32(0), sem="relaxed", scope="gpu")
+                cute.arch.store(mReady.iterator + b, epoch, sem="release", scope="gpu")
 
     return _FusedFFNKernel
 
@@ -614,7 +675,8 @@ class FusedFFNCompute:
     _compiled = {}
 
     def __init__(self, tile_m=128, tile_o=128, tile_n=128, band_rows=None, stages1=None,
-                 stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None, _diag_plain_store=False):
+                 stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None, epilogue="red",
+                 _diag_plain_store=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_o not in (128, 256):
@@ -630,6 +692,10 @@ class FusedFFNCompute:
             raise ValueError(f"stages1 must be None or an int >= 2, got {stages1!r}")
         if not isinstance(stages2, int) or stages2 < 1:
             raise ValueError(f"stages2 must be an int >= 1, got {stages2!r}")
+        if epilogue not in ("red", "tma"):
+            raise ValueError(f"epilogue must be 'red' or 'tma', got {epilogue!r}")
+        if _diag_plain_store and epilogue != "tma":
+            raise ValueError("_diag_plain_store applies to epilogue='tma' only")
         if epi_n not in (16, 32):
             raise ValueError(f"epi_n must be 16 or 32, got {epi_n}")
         if not isinstance(epi_stages, int) or epi_stages < 1:
@@ -640,6 +706,7 @@ class FusedFFNCompute:
         self.epi_n, self.epi_stages = epi_n, epi_stages
         self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
         self._diag_plain_store = bool(_diag_plain_store)  # benchmarks only: results are wrong
+        self.epilogue = epilogue
         self._counters = {}
         self._b1_zero = {}
 
@@ -710,13 +777,13 @@ class FusedFFNCompute:
     # ---------------------------------------------------------------- compilation
     def _key(self, P, O, N, act1):
         return (self.tile_m, self.tile_o, self.tile_n, self.stages1, self.stages2, self.epi_n,
-                self.epi_stages, self.signal_k_tile, self._diag_plain_store, act1, int(P), int(O),
-                int(N))
+                self.epi_stages, self.signal_k_tile, self._diag_plain_store, self.epilogue, act1,
+                int(P), int(O), int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
                                    self.stages1, self.stages2, self.epi_n, self.epi_stages,
-                                   self.signal_k_tile, self._diag_plain_store)
+                                   self.signal_k_tile, self._diag_plain_store, self.epilogue)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
         """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no
