@@ -13,7 +13,7 @@ Backends:
 - ``reference``: plain torch (``moe_overlap.ffn_reference``): addmm with the bias fused, in-place
   activation, mm (+b2 fused on rank 0), one in-place ``all_reduce`` (gloo on CPU, NCCL on CUDA),
   act2 in place. This is also the fair baseline of ``bench/bench_ffn.py``.
-- ``fused`` (``FusedFFN`` only; CUDA Hopper GPUs, CuTe DSL, bf16): two persistent CuTe DSL kernels
+- ``fused`` (CUDA Hopper GPUs, CuTe DSL, bf16, inference): two persistent CuTe DSL kernels
   running at the same time on one GPU: the compute blocks
   (``moe_overlap.kernels.fused_ffn.FusedFFNCompute``: act1(X W1_g + b1_g) tiles on chip, times W2_g,
   TMA reduce-add into the fp32 symmetric accumulator, per-band ready flags) on the current stream
@@ -21,15 +21,17 @@ Backends:
   ``producer=True``: band all-reduce across the group, + b2, act2, bf16 out, accumulator zeroed for
   the next call) on a high-priority stream and ``ccta`` SMs. Where CUDA / CuTe DSL are missing the
   constructor raises ``NotImplementedError`` (a ``RuntimeError``) saying why.
-  ``ShardedExperts(backend="fused")`` is not written yet (same error).
+  ``ShardedExperts(backend="fused")`` runs the same kernel grouped over the experts (each
+  expert's rows padded to tile_m, one launch; b_out seeds rank 0's accumulator).
+  Speed (2x H200, bench/NOTES.md): correct, but 0.3x the reference backend: the fp32 partial
+  tiles make the compute kernel L2-bandwidth bound (~320 TFLOP/s against cuBLAS's ~750), and
+  with two GPUs the all-reduce the overlap can hide is only 10-20 % of the layer.
   ``comm="unicast"`` (peer loads/stores over NVLink) or ``comm="switch"`` (NVLink multicast;
   refused unless multicast is explicitly allowed and available, see ``require_multicast``).
 
 All argument checks raise ``TypeError`` / ``ValueError`` before any work is done.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -41,11 +43,6 @@ BACKENDS = ("reference", "fused")
 COMMS = ("unicast", "switch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-FUSED_MISSING = (
-    "the fused compute kernel for sharded experts (a grouped variant of "
-    "moe_overlap/kernels/fused_ffn.py over the experts' row ranges, with its host wiring); the "
-    "dense FusedFFN(backend='fused') exists")
-EXPERIMENTAL_FUSED_ENV = "MOE_OVERLAP_EXPERIMENTAL_FUSED"  # opt in until the GPU tests pass
 FUSED_DEFAULT_CCTA = 16  # SMs of the communication blocks (band all-reduce) in the fused backend
 
 
@@ -97,26 +94,12 @@ def _check_device_vs_group(device: torch.device, group, world: int):
                          "(or move the module to the rank's GPU)")
 
 
-def _fused_unavailable(comm: str, what: str):
-    if comm == "switch":
-        from .kernels.switch import require_multicast
-        require_multicast()  # raises a clear RuntimeError on our machines
-    raise NotImplementedError(f"{what}(backend='fused', comm={comm!r}) is not available yet: "
-                              f"missing {FUSED_MISSING}. Use backend='reference'.")
-
-
 def _fused_requirements(comm: str, device: torch.device, what: str = "FusedFFN"):
     """Raises NotImplementedError (a RuntimeError) naming the first missing requirement of the
     fused backend on this machine: multicast for comm='switch', CUDA, a CUDA device, CuTe DSL."""
     if comm == "switch":
         from .kernels.switch import require_multicast
         require_multicast()  # raises a clear RuntimeError on our machines
-    if what == "FusedFFN" and os.environ.get(EXPERIMENTAL_FUSED_ENV) != "1":
-        raise NotImplementedError(
-            f"{what}(backend='fused') is experimental: the fused compute kernel has not passed its "
-            f"GPU correctness tests yet (first run on 2x H200: ~12% error from the bias column "
-            f"indexing; the fix is unverified on a GPU). Use backend='reference', or set "
-            f"{EXPERIMENTAL_FUSED_ENV}=1 to run it anyway.")
     why = None
     if not torch.cuda.is_available():
         why = "no CUDA GPU is available"
@@ -182,7 +165,119 @@ def _tracks_grad(x, w) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
 
 
-class FusedFFN(torch.nn.Module):
+class _FusedBackend:
+    """The fused backend's plumbing shared by FusedFFN and ShardedExperts: the compute-kernel
+    object, the BandAllReduce (symmetric fp32 accumulator, made on the first forward and grown
+    collectively), the high-priority communication stream, the warm-up, and one overlapped call.
+    The host class provides ``in_features``, ``out_features``, ``local_hidden``, ``group``,
+    ``comm``, ``w1``-like parameters via ``_run_compute`` and ``_fused_act2``."""
+
+    def _init_fused(self, device, ccta, max_tokens, tile_m):
+        """Checks (before any allocation or launch) and the compute-kernel object."""
+        _fused_requirements(self.comm, device, type(self).__name__)
+        from .kernels.fused_ffn import FusedFFNCompute
+        if tile_m not in (64, 128):
+            raise ValueError(f"tile_m={tile_m!r} must be 64 or 128")
+        P, O, N = self.in_features, self.local_hidden, self.out_features
+        if P % 64:
+            raise ValueError(f"backend='fused' needs in_features % 64 == 0, got {P}")
+        if O % 128:
+            raise ValueError(f"backend='fused' needs hidden_features / world_size % 128 == 0, "
+                             f"got {O}")
+        if N % 128:
+            raise ValueError(f"backend='fused' needs out_features % 128 == 0, got {N}")
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        ccta = FUSED_DEFAULT_CCTA if ccta is None else ccta
+        if isinstance(ccta, bool) or not isinstance(ccta, int) or not 1 <= ccta < sms:
+            raise ValueError(f"ccta={ccta!r} must be an int in [1, {sms - 1}] (SMs of the "
+                             f"communication blocks; the rest compute)")
+        if max_tokens is not None:
+            _pos_int("max_tokens", max_tokens)
+        self.ccta, self.max_tokens, self.tile_m = ccta, max_tokens, tile_m
+        # 256 hidden columns per unit where they divide O/G: half the fp32 reduce-add traffic
+        # of 128 (bench/NOTES.md, fused FFN v2)
+        self.tile_o = 256 if O % 256 == 0 else 128
+        self._compute = FusedFFNCompute(tile_m=tile_m, tile_o=self.tile_o, band_rows=tile_m)
+        self._allreduce = None
+        self._comm_stream = None
+        self._warm = False
+
+    def _fused_allreduce(self, M: int):
+        """The BandAllReduce for M rows (collective on first use / growth: every rank calls
+        forward with the same M)."""
+        from .kernels.switch import BandAllReduce
+        ar = self._allreduce
+        if ar is None or ar.max_rows < M:
+            rows = max(M, self.max_tokens or 0, ar.max_rows * 2 if ar is not None else 0)
+            rows = -(-rows // self.tile_m) * self.tile_m
+            # band_rows == tile_m: one ready flag per compute m-tile
+            self._allreduce = ar = BandAllReduce(
+                rows, self.out_features, self.group, backend=self.comm, act2=self._fused_act2,
+                band_rows=self.tile_m, ccta=self.ccta)
+            self._warm = False
+        if self._comm_stream is None:  # high priority: its CTAs go first when SMs free up
+            try:
+                lo, hi = torch.cuda.Stream.priority_range()
+                prio = min(lo, hi)  # lower number = higher priority
+            except Exception:  # noqa: BLE001 - older torch: -1 is "high" everywhere
+                prio = -1
+            self._comm_stream = torch.cuda.Stream(device=self._fused_device, priority=prio)
+        return ar
+
+    def _fused_warmup(self, ar):
+        """Loads and runs every kernel once, alone, before the first overlapped launch (a spinning
+        kernel next to a lazily loaded one deadlocks): the compute kernel on scratch buffers,
+        then a standalone (producer=False) all-reduce of a zero band (collective)."""
+        dev = self._fused_device
+        tm = self.tile_m
+        x = torch.zeros(tm, self.in_features, dtype=torch.bfloat16, device=dev)
+        acc = torch.zeros(tm, self.out_features, dtype=torch.float32, device=dev)
+        ready = torch.zeros(1, dtype=torch.int32, device=dev)
+        epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+        mte = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._run_compute(x, acc, ready, epoch, mte, torch.cuda.current_stream(dev))
+        torch.cuda.synchronize(dev)
+        ar(min(tm, ar.max_rows))  # acc is zero: writes zeros, leaves acc zero; no epoch change
+        torch.cuda.synchronize(dev)
+        ar.check()
+        self._warm = True
+
+    def _fused_call(self, x2: torch.Tensor, mte=None, acc_init=None) -> torch.Tensor:
+        """One overlapped layer call on M = x2.shape[0] rows: compute blocks (current stream)
+        || band all-reduce (comm stream) -> bf16 [M, N]. acc_init(acc) may write the
+        accumulator's starting value (zero otherwise) in the compute stream's order."""
+        M = x2.shape[0]
+        out = torch.empty(M, self.out_features, dtype=torch.bfloat16, device=x2.device)
+        if M == 0:
+            return out
+        x2 = x2.contiguous()
+        if x2.data_ptr() % 16:  # TMA needs 16-byte aligned rows
+            x2 = x2.clone()
+        ar = self._fused_allreduce(M)
+        if not self._warm:
+            self._fused_warmup(ar)
+        cur = torch.cuda.current_stream(x2.device)
+        comm = self._comm_stream
+        if acc_init is not None:
+            acc_init(ar.acc[:M])
+        # one epoch per call, advanced in the compute stream's order: the compute kernel (same
+        # stream) and the all-reduce (comm stream, which waits on this point) read the same value
+        ar.epoch.add_(1)
+        comm.wait_stream(cur)  # x, weights, the zeroed accumulator, the epoch
+        b2 = self._fused_b2()
+        ar(M, b2=b2, out=out, producer=True, bump_epoch=False, stream=comm)
+        out.record_stream(comm)
+        self._run_compute(x2, ar.acc[:M], ar.band_ready, ar.epoch, mte, cur)
+        cur.wait_stream(comm)  # join: out is final, acc zeroed for the next call
+        return out
+
+    def check_fused(self):
+        """Synchronizes and raises RuntimeError if the all-reduce recorded a timeout."""
+        if self._allreduce is not None:
+            self._allreduce.check()
+
+
+class FusedFFN(_FusedBackend, torch.nn.Module):
     """Tensor-parallel FFN ``Y = act2(act1(X W1 + b1) W2 + b2)``, this rank's slices only.
 
     Args: ``in_features`` P, ``hidden_features`` O (divisible by G), ``out_features`` N (default
@@ -224,112 +319,22 @@ class FusedFFN(torch.nn.Module):
         elif ccta is not None or max_tokens is not None or tile_m != 128:
             raise ValueError("ccta / max_tokens / tile_m apply to backend='fused' only")
 
-    # ---- fused backend ----------------------------------------------------------------------
-    def _init_fused(self, device, ccta, max_tokens, tile_m):
-        """Checks (before any allocation or launch) and the compute-kernel object; the
-        BandAllReduce (collective: symmetric memory) is made on the first forward, sized for
-        max(max_tokens, that call's tokens)."""
-        _fused_requirements(self.comm, device)
-        from .kernels.fused_ffn import FusedFFNCompute
-        if tile_m not in (64, 128):
-            raise ValueError(f"tile_m={tile_m!r} must be 64 or 128")
-        P, O, N = self.in_features, self.local_hidden, self.out_features
-        if P % 64:
-            raise ValueError(f"backend='fused' needs in_features % 64 == 0, got {P}")
-        if O % 128:
-            raise ValueError(f"backend='fused' needs hidden_features / world_size % 128 == 0, "
-                             f"got {O}")
-        if N % 128:
-            raise ValueError(f"backend='fused' needs out_features % 128 == 0, got {N}")
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        ccta = FUSED_DEFAULT_CCTA if ccta is None else ccta
-        if isinstance(ccta, bool) or not isinstance(ccta, int) or not 1 <= ccta < sms:
-            raise ValueError(f"ccta={ccta!r} must be an int in [1, {sms - 1}] (SMs of the "
-                             f"communication blocks; the rest compute)")
-        if max_tokens is not None:
-            _pos_int("max_tokens", max_tokens)
-        self.ccta, self.max_tokens, self.tile_m = ccta, max_tokens, tile_m
-        # 256 hidden columns per unit where they divide O/G: half the fp32 reduce-add traffic
-        # of 128 (the kernel's limit; bench/NOTES.md, fused FFN v2)
-        self.tile_o = 256 if O % 256 == 0 else 128
-        self._compute = FusedFFNCompute(tile_m=tile_m, tile_o=self.tile_o, band_rows=tile_m)
-        self._allreduce = None
-        self._comm_stream = None
-        self._warm = False
+    # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
+    @property
+    def _fused_device(self):
+        return self.w1.device
 
-    def _fused_allreduce(self, M: int):
-        """The BandAllReduce for M rows (collective on first use / growth: every rank calls
-        forward with the same M)."""
-        from .kernels.switch import BandAllReduce
-        ar = self._allreduce
-        if ar is None or ar.max_rows < M:
-            rows = max(M, self.max_tokens or 0, ar.max_rows * 2 if ar is not None else 0)
-            rows = -(-rows // self.tile_m) * self.tile_m
-            # band_rows == tile_m: one ready flag per compute m-tile
-            self._allreduce = ar = BandAllReduce(
-                rows, self.out_features, self.group, backend=self.comm, act2=self.act2,
-                band_rows=self.tile_m, ccta=self.ccta)
-            self._warm = False
-        if self._comm_stream is None:  # high priority: its CTAs go first when SMs free up
-            try:
-                lo, hi = torch.cuda.Stream.priority_range()
-                prio = min(lo, hi)  # lower number = higher priority
-            except Exception:  # noqa: BLE001 - older torch: -1 is "high" everywhere
-                prio = -1
-            self._comm_stream = torch.cuda.Stream(device=self.w1.device, priority=prio)
-        return ar
+    @property
+    def _fused_act2(self):
+        return self.act2
 
-    def _fused_warmup(self, ar):
-        """Loads and runs every kernel once, alone, before the first overlapped launch (a spinning
-        kernel next to a lazily loaded one deadlocks): the compute kernel on scratch buffers,
-        then a standalone (producer=False) all-reduce of a zero band (collective)."""
-        dev = self.w1.device
-        tm = self.tile_m
-        x = torch.zeros(tm, self.in_features, dtype=torch.bfloat16, device=dev)
-        acc = torch.zeros(tm, self.out_features, dtype=torch.float32, device=dev)
-        ready = torch.zeros(1, dtype=torch.int32, device=dev)
-        epoch = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._compute(x, *self._fused_weights(), acc, ready, epoch, ccta=ar.ccta,
-                      act1=self.act1)
-        torch.cuda.synchronize(dev)
-        ar(min(tm, ar.max_rows))  # acc is zero: writes zeros, leaves acc zero; no epoch change
-        torch.cuda.synchronize(dev)
-        ar.check()
-        self._warm = True
+    def _fused_b2(self):
+        return self.b2.detach() if self.b2 is not None else None
 
-    def _forward_fused(self, x2: torch.Tensor) -> torch.Tensor:
-        M = x2.shape[0]
-        out = torch.empty(M, self.out_features, dtype=torch.bfloat16, device=x2.device)
-        if M == 0:
-            return out
-        x2 = x2.contiguous()
-        if x2.data_ptr() % 16:  # TMA needs 16-byte aligned rows
-            x2 = x2.clone()
-        ar = self._fused_allreduce(M)
-        if not self._warm:
-            self._fused_warmup(ar)
-        cur = torch.cuda.current_stream(x2.device)
-        comm = self._comm_stream
-        # one epoch per call, advanced in the compute stream's order: the compute kernel (same
-        # stream) and the all-reduce (comm stream, which waits on this point) read the same value
-        ar.epoch.add_(1)
-        comm.wait_stream(cur)  # x, weights, the zeroed accumulator, the epoch
-        b2 = self.b2.detach() if self.b2 is not None else None
-        ar(M, b2=b2, out=out, producer=True, bump_epoch=False, stream=comm)
-        out.record_stream(comm)
-        self._compute(x2, *self._fused_weights(), ar.acc[:M], ar.band_ready, ar.epoch,
-                      ccta=ar.ccta, act1=self.act1, stream=cur)
-        cur.wait_stream(comm)  # join: out is final, acc zeroed for the next call
-        return out
-
-    def _fused_weights(self):
-        return (self.w1.detach(), self.b1.detach() if self.b1 is not None else None,
-                self.w2.detach())
-
-    def check_fused(self):
-        """Synchronizes and raises RuntimeError if the all-reduce recorded a timeout."""
-        if self._allreduce is not None:
-            self._allreduce.check()
+    def _run_compute(self, x, acc, ready, epoch, mte, stream):
+        self._compute(x, self.w1.detach(), self.b1.detach() if self.b1 is not None else None,
+                      self.w2.detach(), acc, ready, epoch, ccta=self.ccta, act1=self.act1,
+                      stream=stream)
 
     # ---- weights --------------------------------------------------------------------------
     def local_slice(self) -> slice:
@@ -402,7 +407,7 @@ class FusedFFN(torch.nn.Module):
         lead = x.shape[:-1] if isinstance(x, torch.Tensor) else None
         x2 = self.check_input(x)
         if self.backend == "fused":  # inference only: the output has no autograd graph
-            return self._forward_fused(x2.detach()).reshape(*lead, self.out_features)
+            return self._fused_call(x2.detach()).reshape(*lead, self.out_features)
         y = ffn_tp_reference(x2, self.w1, self.b1, self.w2, self.b2, self.act1, self.act2,
                              self.group, self.world_size, self.rank,
                              inplace=not _tracks_grad(x2, self.w1))
@@ -414,7 +419,7 @@ class FusedFFN(torch.nn.Module):
                 f"act1={self.act1}, act2={self.act2}, backend={self.backend}")
 
 
-class ShardedExperts(torch.nn.Module):
+class ShardedExperts(_FusedBackend, torch.nn.Module):
     """E experts, each split over all G ranks of ``group`` (tensor-parallel experts).
 
     Expert e: ``y = act(x W_in[e] + b_in[e]) W_out[e] + b_out[e]`` with ``W_in [E, P, O]``,
@@ -428,7 +433,8 @@ class ShardedExperts(torch.nn.Module):
     def __init__(self, num_experts: int, in_features: int, hidden_features: int,
                  out_features: int | None = None, *, activation: str = "silu", bias: bool = False,
                  group=None, dtype: torch.dtype = torch.bfloat16, device=None,
-                 backend: str = "reference", comm: str | None = None):
+                 backend: str = "reference", comm: str | None = None, ccta: int | None = None,
+                 max_tokens: int | None = None, tile_m: int = 128):
         super().__init__()
         E = _pos_int("num_experts", num_experts)
         self.activation = check_activation(activation, allow_none=False, what="activation")
@@ -444,7 +450,60 @@ class ShardedExperts(torch.nn.Module):
         self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw)) if bias else None
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw)) if bias else None
         if backend == "fused":
-            _fused_unavailable(self.comm, "ShardedExperts")
+            self._init_fused(device, ccta, max_tokens, tile_m)
+        elif ccta is not None or max_tokens is not None or tile_m != 128:
+            raise ValueError("ccta / max_tokens / tile_m apply to backend='fused' only")
+
+    # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
+    @property
+    def _fused_device(self):
+        return self.w_in.device
+
+    @property
+    def _fused_act2(self):
+        return "none"
+
+    def _fused_b2(self):
+        return None  # b_out differs per expert: it seeds the accumulator instead (forward)
+
+    def _run_compute(self, x, acc, ready, epoch, mte, stream):
+        self._compute.grouped(x, self.w_in.detach(),
+                              self.b_in.detach() if self.b_in is not None else None,
+                              self.w_out.detach(), acc, ready, epoch, mte, ccta=self.ccta,
+                              act1=self.activation, stream=stream)
+
+    def _forward_fused(self, x, rows):
+        """Experts' row groups padded to tile_m (an m-tile, hence a band, belongs to one
+        expert), one grouped compute launch || one band all-reduce, then the valid rows."""
+        tm, dev = self.tile_m, x.device
+        padded = [-(-n // tm) * tm for n in rows]
+        total, R_pad = sum(rows), sum(padded)
+        out = torch.zeros(x.shape[0], self.out_features, dtype=x.dtype, device=dev)
+        if total == 0:
+            return out
+        src, dst, tile_e, row_e, p0 = [], [], [], [], 0
+        start = 0
+        for e, (n, pn) in enumerate(zip(rows, padded)):
+            src.extend(range(start, start + n))
+            dst.extend(range(p0, p0 + n))
+            tile_e.extend([e] * (pn // tm))
+            row_e.extend([e] * pn)
+            start, p0 = start + n, p0 + pn
+        dst_t = torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True)
+        mte = torch.tensor(tile_e, dtype=torch.int32).to(dev, non_blocking=True)
+        x_pad = torch.zeros(R_pad, self.in_features, dtype=x.dtype, device=dev)
+        x_pad.index_copy_(0, dst_t, x[:total])
+        seed_acc = None
+        if self.b_out is not None and self.rank == 0:  # b_out[e] added once, to the sum
+            row_e_t = torch.tensor(row_e, dtype=torch.int64).to(dev, non_blocking=True)
+            b_out32 = self.b_out.detach().float()
+
+            def _seed(acc):
+                torch.index_select(b_out32, 0, row_e_t, out=acc)
+            seed_acc = _seed
+        y_pad = self._fused_call(x_pad, mte, seed_acc)
+        out[:total] = y_pad.index_select(0, dst_t)
+        return out
 
     def local_slice(self) -> slice:
         o = self.local_hidden
@@ -472,7 +531,7 @@ class ShardedExperts(torch.nn.Module):
     def from_full_weights(cls, W_in, W_out, b_in=None, b_out=None, group=None, *,
                           activation: str = "silu", backend: str = "reference",
                           comm: str | None = None, dtype: torch.dtype | None = None,
-                          device=None):
+                          device=None, **fused_kw):
         """Unsplit expert weights ``W_in [E, P, O]``, ``W_out [E, O, N]`` (biases ``[E, O]`` /
         ``[E, N]``, both or neither), the same on every rank; keeps this rank's slices."""
         if not isinstance(W_in, torch.Tensor) or W_in.dim() != 3:
@@ -487,7 +546,7 @@ class ShardedExperts(torch.nn.Module):
         mod = cls(E, P, O, W_out.shape[2], activation=activation, bias=b_in is not None,
                   group=group, dtype=dtype or W_in.dtype,
                   device=device if device is not None else W_in.device, backend=backend,
-                  comm=comm)
+                  comm=comm, **fused_kw)
         return mod.load_full_weights(W_in, W_out, b_in, b_out)
 
     def check_input(self, x, rows_per_expert) -> list[int]:
@@ -522,8 +581,8 @@ class ShardedExperts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, rows_per_expert) -> torch.Tensor:
         rows = self.check_input(x, rows_per_expert)
-        if self.backend == "fused":  # pragma: no cover - the constructor already refused
-            _fused_unavailable(self.comm, "ShardedExperts")
+        if self.backend == "fused":  # inference only: the output has no autograd graph
+            return self._forward_fused(x.detach(), rows)
         return experts_tp_reference(x, rows, self.w_in, self.w_out, self.b_in, self.b_out,
                                     self.activation, self.group, self.world_size, self.rank,
                                     inplace=not _tracks_grad(x, self.w_in))

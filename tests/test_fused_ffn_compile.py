@@ -146,7 +146,8 @@ def test_bad_inputs_raise_before_launch(ffn_mod):
     for kw, msg in [(dict(tile_m=96), "tile_m"), (dict(tile_o=64), "tile_o"),
                     (dict(tile_n=256), "tile_n"), (dict(band_rows=192), "band_rows"),
                     (dict(epi_n=8), "epi_n"), (dict(stages1=1), "stages1"),
-                    (dict(epilogue="smem"), "epilogue"), (dict(_diag_plain_store=True), "tma")]:
+                    (dict(epilogue="smem"), "epilogue"),
+                    (dict(_diag_plain_store=True, epilogue="red"), "tma")]:
         with pytest.raises(ValueError, match=msg):
             ffn_mod.FusedFFNCompute(**kw)
     assert ffn_mod.FusedFFNCompute(tile_m=64, band_rows=256).band_rows == 256
@@ -188,7 +189,36 @@ def test_runtime_argument_path_compiles(ffn_mod):
     ready = torch.zeros(3, dtype=torch.int32)
     epoch = torch.zeros(1, dtype=torch.int32)
     assert c.check(x, w1, None, w2, acc, ready, epoch, need_cuda=False) == (M, P, O, N)
-    args = c._cute_args(x, w1, torch.zeros(O), w2, acc, ready, c.counter_for(ready), epoch)
+    mte = torch.zeros(5, dtype=torch.int32)
+    args = c._cute_args(x, w1.unsqueeze(0), torch.zeros(1, O), w2.unsqueeze(0), acc, ready,
+                        c.counter_for(ready), epoch, mte)
     fn = cute.compile(c._kernel("silu"), *args, cutlass.Int32(2), cutlass.Int32(8),
                       make_fake_stream())
     assert fn is not None
+    # grouped (ShardedExperts): 3 experts, the same compiled kernel signature
+    w1g = torch.zeros(3, P, O, dtype=torch.bfloat16)
+    w2g = torch.zeros(3, O, N, dtype=torch.bfloat16)
+    args = c._cute_args(x, w1g, torch.zeros(3, O), w2g, acc, ready, c.counter_for(ready), epoch,
+                        mte)
+    assert cute.compile(c._kernel("silu"), *args, cutlass.Int32(2), cutlass.Int32(8),
+                        make_fake_stream()) is not None
+
+
+def test_grouped_argument_errors(ffn_mod):
+    c = ffn_mod.FusedFFNCompute()
+    bf = torch.bfloat16
+    x = torch.zeros(256, 128, dtype=bf)
+    acc = torch.zeros(256, 128)
+    ready = torch.zeros(2, dtype=torch.int32)
+    epoch = torch.zeros(1, dtype=torch.int32)
+    mte = torch.zeros(2, dtype=torch.int32)
+    w1 = torch.zeros(2, 128, 128, dtype=bf)
+    w2 = torch.zeros(2, 128, 128, dtype=bf)
+    with pytest.raises(ValueError, match="3-D"):
+        c.grouped(x, w1[0], None, w2, acc, ready, epoch, mte)
+    with pytest.raises(ValueError, match="experts"):
+        c.grouped(x, w1, None, w2[:1], acc, ready, epoch, mte)
+    with pytest.raises(ValueError, match="b1"):
+        c.grouped(x, w1, torch.zeros(3, 128), w2, acc, ready, epoch, mte)
+    with pytest.raises(ValueError, match="CUDA"):  # CPU tensors: refused before any launch
+        c.grouped(x, w1, None, w2, acc, ready, epoch, mte)

@@ -76,6 +76,29 @@ def _single_worker(q):
                 res.append(dict(case=i, call=call, err=err, epoch=int(epoch.item()),
                                 flags=flags[:nb], tail=flags[nb:], counter=counter,
                                 finite=bool(torch.isfinite(acc).all().item())))
+        # grouped launch (ShardedExperts): 3 experts, groups padded to tile_m, one empty
+        gres = []
+        for tile_o in (128, 256):
+            g = torch.Generator(device=dev).manual_seed(300 + tile_o)
+            E, P, O, N, tm = 3, 256, 512, 256, 128
+            tiles = [0, 0, 2, 2, 2]  # expert of each m-tile (expert 1 has no rows)
+            M = len(tiles) * tm
+            comp = FusedFFNCompute(tile_m=tm, tile_o=tile_o)
+            x = torch.randn(M, P, generator=g, device=dev).to(torch.bfloat16)
+            w1 = (torch.randn(E, P, O, generator=g, device=dev) / P ** 0.5).to(torch.bfloat16)
+            b1 = (torch.randn(E, O, generator=g, device=dev) * 0.1).to(torch.bfloat16)
+            w2 = (torch.randn(E, O, N, generator=g, device=dev) / O ** 0.5).to(torch.bfloat16)
+            acc = torch.zeros(M, N, device=dev)  # the kernel adds into it
+            ready = torch.zeros(len(tiles), dtype=torch.int32, device=dev)
+            epoch = torch.ones(1, dtype=torch.int32, device=dev)
+            mte = torch.tensor(tiles, dtype=torch.int32, device=dev)
+            comp.grouped(x, w1, b1, w2, acc, ready, epoch, mte, ccta=16, act1="silu")
+            torch.cuda.synchronize()
+            ref = torch.cat([fused_ffn_compute_reference(x[t * tm:(t + 1) * tm], w1[e], b1[e],
+                                                         w2[e], "silu")
+                             for t, e in enumerate(tiles)])
+            gres.append(dict(tile_o=tile_o, err=((acc - ref).norm() / ref.norm()).item(),
+                             flags=ready.tolist()))
         # errors raised before any launch (CUDA tensors)
         comp = FusedFFNCompute()
         x = torch.zeros(256, 100, dtype=torch.bfloat16, device=dev)
@@ -92,7 +115,7 @@ def _single_worker(q):
                 errs.append("no error")
             except ValueError as e:
                 errs.append(str(e))
-        q.put(("ok", res, errs))
+        q.put(("ok", res, (errs, gres)))
     except Exception:  # noqa: BLE001 - reported to the parent
         import traceback
         q.put(("error", traceback.format_exc(), None))
@@ -119,6 +142,14 @@ def single_results():
     return res, errs
 
 
+def test_single_grouped_matches_reference(single_results):
+    _, (_, gres) = single_results
+    assert len(gres) == 2
+    for r in gres:
+        assert r["err"] < 1e-2, r
+        assert r["flags"] == [1] * 5, r
+
+
 def test_single_compute_matches_reference(single_results):
     res, _ = single_results
     assert len(res) == 2 * len(SINGLE_CASES)
@@ -136,7 +167,7 @@ def test_single_flags_equal_epoch_and_counters_reset(single_results):
 
 
 def test_single_bad_shapes_raise(single_results):
-    _, errs = single_results
+    _, (errs, _) = single_results
     assert "tile_k" in errs[0], errs
     assert "tile_o" in errs[1], errs
 
@@ -152,7 +183,6 @@ FFN_CASES = [  # (T, P, O, N, act1, act2, bias)
 
 def _ffn_worker(rank, world):
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ["MOE_OVERLAP_EXPERIMENTAL_FUSED"] = "1"  # this test is what would lift the opt-in
     import torch.distributed as dist
 
     from moe_overlap.ffn import FusedFFN
@@ -194,3 +224,56 @@ def test_fused_ffn_matches_reference_on_two_gpus():
             assert r["err_truth"] < 1.5e-2, r  # bf16 tolerance of the layer (ffn_reference)
             assert r["err_ref"] < 1e-2, r
             assert r["rank_diff"] == 0.0, r  # every rank holds the same all-reduced output
+
+
+# ---------------------------------------------------------------- 2 GPUs: ShardedExperts
+EXPERT_CASES = [  # (E, rows_per_expert, P, O, N, activation, bias, extra rows)
+    (3, [100, 0, 250], 256, 512, 256, "silu", True, 5),
+    (2, [128, 77], 512, 768, 384, "gelu", False, 0),  # O/G = 384: tile_o 128
+]
+
+
+def _experts_worker(rank, world):
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    import torch.distributed as dist
+
+    from moe_overlap.ffn import ShardedExperts
+    from moe_overlap.ffn_reference import experts_truth, rel_err
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD
+    res = []
+    for i, (E, rows, P, O, N, act, bias, extra) in enumerate(EXPERT_CASES):
+        g = torch.Generator().manual_seed(11 + i)  # same weights and x on every rank
+        W_in = (torch.randn(E, P, O, generator=g) / P ** 0.5).to(torch.bfloat16).to(dev)
+        W_out = (torch.randn(E, O, N, generator=g) / O ** 0.5).to(torch.bfloat16).to(dev)
+        b_in = (torch.randn(E, O, generator=g) * 0.1).to(torch.bfloat16).to(dev) if bias else None
+        b_out = (torch.randn(E, N, generator=g) * 0.1).to(torch.bfloat16).to(dev) if bias else None
+        fused = ShardedExperts.from_full_weights(W_in, W_out, b_in, b_out, group, activation=act,
+                                                 backend="fused", ccta=8)
+        ref = ShardedExperts.from_full_weights(W_in, W_out, b_in, b_out, group, activation=act)
+        for call in range(2):
+            x = torch.randn(sum(rows) + extra, P, generator=g).to(torch.bfloat16).to(dev)
+            with torch.no_grad():
+                y = fused(x, rows)
+                yr = ref(x, rows)
+            fused.check_fused()
+            truth = experts_truth(x, rows, W_in, W_out, b_in, b_out, act)
+            y0 = y.clone()
+            dist.broadcast(y0, 0, group=group)
+            res.append(dict(case=i, call=call, err_truth=rel_err(y, truth),
+                            err_ref=rel_err(y, yr.double()),
+                            tail_zero=bool((y[sum(rows):] == 0).all().item()),
+                            rank_diff=(y.float() - y0.float()).abs().max().item()))
+    return res
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_sharded_experts_fused_matches_reference_on_two_gpus():
+    from moe_overlap.launch import spawn
+    for rank_res in spawn(_experts_worker, 2, backend="nccl"):
+        assert len(rank_res) == 2 * len(EXPERT_CASES)
+        for r in rank_res:
+            assert r["err_truth"] < 1.5e-2, r
+            assert r["err_ref"] < 1e-2, r
+            assert r["tail_zero"], r
+            assert r["rank_diff"] == 0.0, r

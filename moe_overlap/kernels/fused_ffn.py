@@ -194,8 +194,8 @@ def _kernel_class():
         @cute.jit
         def __call__(self, mX: cute.Tensor, mW1: cute.Tensor, mB1: cute.Tensor,
                      mW2: cute.Tensor, mAcc: cute.Tensor, mReady: cute.Tensor,
-                     mCounter: cute.Tensor, mEpoch: cute.Tensor, mt_per_band: cutlass.Int32,
-                     num_ctas: cutlass.Int32, stream):
+                     mCounter: cute.Tensor, mEpoch: cute.Tensor, mMtE: cute.Tensor,
+                     mt_per_band: cutlass.Int32, num_ctas: cutlass.Int32, stream):
             self.b_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mW1)
             self._setup()
             bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -239,7 +239,7 @@ def _kernel_class():
             self.kernel(tma_atom_x, tma_x, tma_atom_w1, tma_w1, tma_atom_w2, tma_w2, tma_atom_o,
                         tma_o, self.tiled_mma1, self.tiled_mma2, self.sX_layout,
                         self.sW1_layout, self.sW2_layout, self.sH_layout, self.sO_layout, mAcc, mB1,
-                        mReady, mCounter, mEpoch, mt_per_band).launch(
+                        mReady, mCounter, mEpoch, mMtE, mt_per_band).launch(
                 grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1], cluster=[1, 1, 1],
                 min_blocks_per_mp=1, stream=stream)
 
@@ -253,7 +253,7 @@ def _kernel_class():
                    sH_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                    mAccRaw: cute.Tensor,
                    mB1: cute.Tensor, mReady: cute.Tensor, mCounter: cute.Tensor,
-                   mEpoch: cute.Tensor, mt_per_band: cutlass.Int32):
+                   mEpoch: cute.Tensor, mMtE: cute.Tensor, mt_per_band: cutlass.Int32):
             bf16, f32 = cutlass.BFloat16, cutlass.Float32
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -293,8 +293,9 @@ def _kernel_class():
                 sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
             gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))  # bM,bK,RM,RK
-            gW1 = cute.local_tile(mW1, (self.oc, self.tile_k), (None, None))  # bO,bK,RO,RK
-            gW2 = cute.local_tile(mW2, (self.tile_n, self.oc), (None, None))  # bN,bO,RN,RO
+            # weights are (.., E): expert e = mMtE[m_tile] (E = 1 and zeros for the dense layer)
+            gW1 = cute.local_tile(mW1, (self.oc, self.tile_k), (None, None, None))  # bO,bK,RO,RK,E
+            gW2 = cute.local_tile(mW2, (self.tile_n, self.oc), (None, None, None))  # bN,bO,RN,RO,E
             gAcc = cute.local_tile(mAcc, (self.tile_m, self.tile_n), (None, None))  # bM,bN,RM,RN
 
             one = cute.make_layout(1)
@@ -341,8 +342,9 @@ def _kernel_class():
                     m_tile = u // J
                     j_tile = u - m_tile * J
                     tXgX_k = tXgX[(None, m_tile, None)]
+                    e = mMtE[m_tile]
                     for c in cutlass.range_constexpr(self.chunks):  # GEMM1 per 128-col chunk
-                        tW1gW1_k = tW1gW1[(None, j_tile * self.chunks + c, None)]
+                        tW1gW1_k = tW1gW1[(None, j_tile * self.chunks + c, None, e)]
                         for k_tile in range(k_tiles):
                             pipe1.producer_acquire(st1)
                             bar1 = pipe1.producer_get_barrier(st1)
@@ -359,7 +361,7 @@ def _kernel_class():
                             pipe2.producer_acquire(st2)
                             bar2 = pipe2.producer_get_barrier(st2)
                             cute.copy(tma_atom_w2,
-                                      tW2gW2[(None, n_tile, j_tile * self.chunks + c)],
+                                      tW2gW2[(None, n_tile, j_tile * self.chunks + c, e)],
                                       tW2sW2[(None, st2.index)], tma_bar_ptr=bar2)
                             pipe2.producer_commit(st2)
                             st2.advance()
@@ -441,13 +443,14 @@ def _kernel_class():
                 while u < total_units:
                     m_tile = u // J
                     j_tile = u - m_tile * J
+                    e = mMtE[m_tile]
 
                     for c in cutlass.range_constexpr(self.chunks):
                         # ---- GEMM1 of chunk c: acc1 = b1[cols] (+) X[m] @ W1[:, cols],
                         # cols = the 128 hidden columns (j_tile * chunks + c) * 128 ...
                         jc = j_tile * self.chunks + c
                         for i in cutlass.range_constexpr(cute.size(acc1)):
-                            acc1[i] = mB1[jc * self.oc + tCcH_thr[i][1]]
+                            acc1[i] = mB1[(e, jc * self.oc + tCcH_thr[i][1])]
                         read1.reset_count()
                         rel1.reset_count()
                         tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -654,13 +657,16 @@ class FusedFFNCompute:
     """Compute blocks of the fused TP FFN (see the module docstring).
 
     FusedFFNCompute(tile_m=128, tile_o=128, tile_n=128, band_rows=None, stages1=None,
-                    stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None)
-        tile_m in {64, 128} (one consumer warpgroup per 64 rows); tile_o = tile_n = 128;
-        band_rows: rows per ready flag, a multiple of tile_m (None: tile_m); must equal the
-        BandAllReduce's band_rows; stages1: GEMM1 pipeline depth (None: as many as fit);
-        stages2: W2 tile buffers; epi_n (fp32 columns per reduce sub-tile, 32) and epi_stages
-        (sub-tile buffers); signal_k_tile: GEMM1 k iteration of the next unit at which the
-        previous unit is counted (None: the middle).
+                    stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None, epilogue="tma")
+        tile_m in {64, 128} (one consumer warpgroup per 64 rows); tile_o in {128, 256} (hidden
+        columns per unit, computed in 128-column chunks kept in shared memory; 256 halves the
+        fp32 reduce-add traffic); tile_n = 128; band_rows: rows per ready flag, a multiple of
+        tile_m (None: tile_m); must equal the BandAllReduce's band_rows; stages1: GEMM1 pipeline
+        depth (None: as many as fit); stages2: W2 chunk buffers; epi_n (fp32 columns per reduce
+        sub-tile, 32) and epi_stages (sub-tile buffers); signal_k_tile: GEMM1 k iteration of the
+        next unit at which the previous unit is counted (None: the middle); epilogue: "tma"
+        (fp32 sub-tiles through shared memory, TMA reduce-add) or "red" (red.global.add.v2.f32
+        straight from registers; about as fast, see bench/NOTES.md).
 
     __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc
         x [M, P] bf16, w1 [P, O_g] bf16, b1 [O_g] (any float dtype) or None, w2 [O_g, N] bf16,
@@ -669,13 +675,17 @@ class FusedFFNCompute:
         P % 64 == 0, O_g % tile_o == 0, N % tile_n == 0; any M >= 1 (the TMA clips the ragged
         last m-tile). ccta: SMs left to the communication blocks (grid = SMs - ccta, capped at
         the number of units). Never synchronizes. All checks raise before any launch.
-    Compile cache key: (tiles, stages, act1, P, O_g, N); M and the flag capacity are runtime.
+    grouped(x, w1 [E, P, O_g], b1 [E, O_g] | None, w2 [E, O_g, N], acc, band_ready, epoch,
+            m_tile_expert, ...): the same kernel over several experts (expert groups padded to
+        tile_m rows; m_tile_expert names each m-tile's expert). The dense call is the E = 1 case.
+    Compile cache key: (tiles, stages, epilogue, act1, P, O_g, N); M, E, the flag capacity and
+    the m-tile table are runtime values.
     """
 
     _compiled = {}
 
     def __init__(self, tile_m=128, tile_o=128, tile_n=128, band_rows=None, stages1=None,
-                 stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None, epilogue="red",
+                 stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None, epilogue="tma",
                  _diag_plain_store=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
@@ -799,17 +809,18 @@ class FusedFFNCompute:
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_tensor
         from cutlass.runtime import make_fake_stream
-        M, nb = cute.sym_int(), cute.sym_int()
+        M, nb, E, mt = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
         bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
         fx = make_fake_tensor(bf16, (M, P), (P, 1), assumed_align=16)
-        fw1 = make_fake_tensor(bf16, (O, P), (1, O), assumed_align=16)
-        fb1 = make_fake_tensor(f32, (O,), (1,), assumed_align=16)
-        fw2 = make_fake_tensor(bf16, (N, O), (1, N), assumed_align=16)
+        fw1 = make_fake_tensor(bf16, (O, P, E), (1, O, P * O), assumed_align=16)
+        fb1 = make_fake_tensor(f32, (E, O), (O, 1), assumed_align=16)
+        fw2 = make_fake_tensor(bf16, (N, O, E), (1, N, O * N), assumed_align=16)
         facc = make_fake_tensor(f32, (M, N), (N, 1), assumed_align=16)
         fr = make_fake_tensor(i32, (nb,), (1,), assumed_align=4)
         fc = make_fake_tensor(i32, (nb,), (1,), assumed_align=4)
         fe = make_fake_tensor(i32, (1,), (1,), assumed_align=4)
-        args = (fx, fw1, fb1, fw2, facc, fr, fc, fe, cutlass.Int32(1), cutlass.Int32(1),
+        fm = make_fake_tensor(i32, (mt,), (1,), assumed_align=4)
+        args = (fx, fw1, fb1, fw2, facc, fr, fc, fe, fm, cutlass.Int32(1), cutlass.Int32(1),
                 make_fake_stream())
         if keep_ptx:  # PTX and cubin in memory (fn.__ptx__, fn.__cubin__); dumps to a tmp dir
             from .switch import compile_keep
@@ -821,20 +832,20 @@ class FusedFFNCompute:
 
     # ---------------------------------------------------------------- launch
     @staticmethod
-    def _cute_args(x, w1, b1f, w2, acc, band_ready, counter, epoch):
-        """torch -> cute tensors; M and the flag capacity are marked dynamic."""
+    def _cute_args(x, w1, b1f, w2, acc, band_ready, counter, epoch, mte):
+        """torch -> cute tensors (w1 [E, P, O_g], b1f [E, O_g] fp32, w2 [E, O_g, N]); M, E, the
+        flag capacity and the m-tile table length are marked dynamic."""
         from cutlass.cute.runtime import from_dlpack
 
         def dyn(t, mode, align):
             return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(
                 mode=mode, stride_order=t.dim_order())
 
-        w1t = w1.t()  # (O_g, P) view, strides (1, O_g): MN-major B of GEMM1
-        w2t = w2.t()  # (N, O_g) view, strides (1, N): MN-major B of GEMM2
-        return (dyn(x, 0, 16), from_dlpack(w1t, assumed_align=16),
-                from_dlpack(b1f, assumed_align=16), from_dlpack(w2t, assumed_align=16),
+        w1t = w1.permute(2, 1, 0)  # (O_g, P, E) view, strides (1, O_g, P O_g): MN-major B
+        w2t = w2.permute(2, 1, 0)  # (N, O_g, E) view, strides (1, N, O_g N): MN-major B
+        return (dyn(x, 0, 16), dyn(w1t, 2, 16), dyn(b1f, 0, 16), dyn(w2t, 2, 16),
                 dyn(acc, 0, 16), dyn(band_ready, 0, 4), dyn(counter, 0, 4),
-                from_dlpack(epoch, assumed_align=4))
+                from_dlpack(epoch, assumed_align=4), dyn(mte, 0, 4))
 
     def counter_for(self, band_ready):
         """The persistent zero scratch counter that goes with band_ready (same length)."""
@@ -855,24 +866,76 @@ class FusedFFNCompute:
     def __call__(self, x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu",
                  stream=None):
         M, P, O, N = self.check(x, w1, b1, w2, acc, band_ready, epoch, ccta, act1)
-        grid = self.grid(M, O, x.device, ccta)
-        torch_stream = stream if stream is not None else torch.cuda.current_stream(x.device)
+        dev = x.device
+        torch_stream = stream if stream is not None else torch.cuda.current_stream(dev)
+        mt = -(-M // self.tile_m)
         with torch.cuda.stream(torch_stream):
-            if b1 is None:
-                zk = (x.device, O)
-                if zk not in self._b1_zero:
-                    self._b1_zero[zk] = torch.zeros(O, dtype=torch.float32, device=x.device)
-                b1f = self._b1_zero[zk]
-            else:
-                b1f = b1 if b1.dtype == torch.float32 else b1.float()
-                if b1f.data_ptr() % 16:
-                    b1f = b1f.clone()
+            b1f = self._b1_rows(b1, 1, O, dev)
+        # the dense layer is the grouped kernel with one expert: every m-tile reads expert 0
+        zk = ("mte", dev)
+        mte = self._b1_zero.get(zk)
+        if mte is None or mte.numel() < mt:
+            mte = torch.zeros(max(mt, 1024), dtype=torch.int32, device=dev)
+            self._b1_zero[zk] = mte
+        return self._launch(x, w1.unsqueeze(0), b1f, w2.unsqueeze(0), acc, band_ready, epoch,
+                            mte, ccta, act1, torch_stream, M, P, O, N)
+
+    def grouped(self, x, w1, b1, w2, acc, band_ready, epoch, m_tile_expert, ccta=0,
+                act1="gelu", stream=None):
+        """One launch over several experts (``ShardedExperts``): x [M, P] holds the experts'
+        rows with every expert's group padded to a multiple of tile_m (so an m-tile, and a
+        band, belongs to one expert); w1 [E, P, O_g], b1 [E, O_g] or None, w2 [E, O_g, N];
+        m_tile_expert int32 [>= ceil(M / tile_m)]: the expert of each m-tile, in [0, E) (device
+        values: the caller guarantees the range; see ShardedExperts). Otherwise as __call__."""
+        for name, t, d in (("w1", w1, 3), ("w2", w2, 3)):
+            if not isinstance(t, torch.Tensor) or t.dim() != d:
+                raise ValueError(f"{name} must be a {d}-D tensor [E, ...]")
+        E = w1.shape[0]
+        if E < 1 or w2.shape[0] != E:
+            raise ValueError(f"w1 has {E} experts, w2 {w2.shape[0]}")
+        if b1 is not None and (not isinstance(b1, torch.Tensor) or b1.dim() != 2
+                               or b1.shape[0] != E):
+            raise ValueError(f"b1 must be [E={E}, O_g]")
+        M, P, O, N = self.check(x, w1[0], None if b1 is None else b1[0], w2[0], acc, band_ready,
+                                epoch, ccta, act1)
+        for name, t in (("w1", w1), ("w2", w2)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        mt = -(-M // self.tile_m)
+        if not isinstance(m_tile_expert, torch.Tensor) or m_tile_expert.dtype != torch.int32 \
+                or m_tile_expert.dim() != 1 or m_tile_expert.numel() < mt \
+                or m_tile_expert.device != x.device:
+            raise ValueError(f"m_tile_expert must be an int32 vector of >= {mt} entries on "
+                             f"{x.device}")
+        dev = x.device
+        torch_stream = stream if stream is not None else torch.cuda.current_stream(dev)
+        with torch.cuda.stream(torch_stream):
+            b1f = self._b1_rows(b1, E, O, dev)
+        return self._launch(x, w1, b1f, w2, acc, band_ready, epoch, m_tile_expert, ccta, act1,
+                            torch_stream, M, P, O, N)
+
+    def _b1_rows(self, b1, E, O, dev):
+        """b1 as a 16-byte aligned fp32 [E, O] (zeros, cached, when None)."""
+        if b1 is None:
+            zk = (dev, E, O)
+            if zk not in self._b1_zero:
+                self._b1_zero[zk] = torch.zeros(E, O, dtype=torch.float32, device=dev)
+            return self._b1_zero[zk]
+        b1f = b1.reshape(E, O)
+        b1f = b1f if b1f.dtype == torch.float32 else b1f.float()
+        if b1f.data_ptr() % 16 or not b1f.is_contiguous():
+            b1f = b1f.contiguous().clone()
+        return b1f
+
+    def _launch(self, x, w1, b1f, w2, acc, band_ready, epoch, mte, ccta, act1, torch_stream,
+                M, P, O, N):
+        grid = self.grid(M, O, x.device, ccta)
         counter = self.counter_for(band_ready)
         import cutlass
         import cutlass.cute as cute
         import cuda.bindings.driver as cuda_drv
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
-        args = self._cute_args(x, w1, b1f, w2, acc, band_ready, counter, epoch)
+        args = self._cute_args(x, w1, b1f, w2, acc, band_ready, counter, epoch, mte)
         mt = cutlass.Int32(self.band_rows // self.tile_m)
         key = ("dlpack",) + self._key(P, O, N, act1)
         fn = FusedFFNCompute._compiled.get(key)
