@@ -141,8 +141,6 @@ def main():
         configs = {
             "def": (dict(base), cctas),
             "def-noflag": (dict(base, signal=False), [0]),
-            # before split_count (v1-v5 default): the tile count waits for its acq_rel atomic
-            "acqrel": (dict(base, split_count=False), [0]),
             "sw": (dict(base, store_warp=True), cctas),
             "sw-noflag": (dict(base, store_warp=True, signal=False), [0]),
         }
@@ -160,14 +158,13 @@ def main():
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
     present = {x["config"] for r in results for x in r["runs"]}
-    for cfg in [c for c in ("def", "acqrel", "sw") if c in present]:
+    for cfg in [c for c in ("def", "sw") if c in present]:
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:
             d = {(x["config"], x["ccta"]): x for x in r["runs"]}
             tf = lambda c, n=cfg: d.get((n, c), {}).get("tflops", float("nan"))
-            c0 = d.get((cfg, 0), {})
-            nf = d.get(("def-noflag" if cfg == "acqrel" else cfg + "-noflag", 0), {})
+            c0, nf = d.get((cfg, 0), {}), d.get((cfg + "-noflag", 0), {})
             flag = (c0["median_ms"] / nf["median_ms"] - 1) * 100 if c0 and nf else float("nan")
             print(f"[{cfg}] {r['T']:>6} {r['K']:>5} {r['E']:>3} {r['lib_ms']:>6.3f} "
                   f"{r['lib_tflops']:>5.0f} | {tf(0):>4.0f} {tf(8):>4.0f} {tf(16):>4.0f} "

@@ -94,18 +94,12 @@ def _kernel_class():
 
     class _GroupedGemmKernel:
         def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
-                     epi_stages=4, b_evict_last=False, cluster_n=1, store_warp=False,
-                     split_count=True):
+                     epi_stages=4, b_evict_last=False, cluster_n=1, store_warp=False):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
             self.req_stages = stages
             self.signal = signal
             self.signal_k_tile = signal_k_tile
-            # split_count: the tile count is an atom.release whose result is examined one k
-            # iteration later (the warpgroup does not wait for the atomic's round trip, which
-            # is slow while weights stream from DRAM); only the last tile of a band then
-            # acquires (fence.acq_rel) and publishes. See _count_tile.
-            self.split_count = split_count
             self.epi_n, self.epi_stages = epi_n, epi_stages
             # cluster_n = 2: the two CTAs of a cluster take tiles 2q and 2q+1 (same band,
             # adjacent n tiles); each loads half of the band's A tile and multicasts it to both.
@@ -400,10 +394,6 @@ def _kernel_class():
                 is_store_warp = warp_idx == self.epi_store_warp_id
                 # Band whose stores were issued by the store warp but not yet signalled (-1: none).
                 pend_band = cutlass.Int32(-1)
-                # split_count: band counted at the signal point, its atomic's old value examined
-                # at the next k iteration (-1: none)
-                cnt_band = cutlass.Int32(-1)
-                cnt_old = cutlass.Int32(-1)
                 # k iteration of the next tile at which the previous tile's flag is posted:
                 # None = the middle of the k loop, -1 = its last iteration, else fixed (>= 1).
                 if cutlass.const_expr(self.signal_k_tile is None):
@@ -447,20 +437,9 @@ def _kernel_class():
                         if cutlass.const_expr(sig_in_mma):
                             # Deferred flag of the previous tile: its TMA stores were issued a few
                             # k tiles ago, so waiting for their completion here rarely stalls.
-                            if cutlass.const_expr(self.split_count):
-                                if k_tile == signal_k + 1 and cnt_band >= 0:
-                                    if is_store_warp:
-                                        self._finish_count(cnt_band, cnt_old, n_tiles, epoch,
-                                                           mReady, mCounter)
-                                    cnt_band = cutlass.Int32(-1)
                             if k_tile == signal_k and pend_band >= 0:
                                 if is_store_warp:
-                                    if cutlass.const_expr(self.split_count):
-                                        cnt_old = self._count_tile(pend_band, mCounter)
-                                    else:
-                                        self._signal_band(pend_band, n_tiles, epoch, mReady,
-                                                          mCounter)
-                                cnt_band = pend_band
+                                    self._signal_band(pend_band, n_tiles, epoch, mReady, mCounter)
                                 pend_band = cutlass.Int32(-1)
                     cute.nvgpu.warpgroup.wait_group(0)
                     mainloop_pipeline.consumer_release(release_state)
@@ -470,12 +449,6 @@ def _kernel_class():
                             if is_store_warp:
                                 self._signal_band(pend_band, n_tiles, epoch, mReady, mCounter)
                             pend_band = cutlass.Int32(-1)
-                        if cutlass.const_expr(self.split_count):
-                            if cnt_band >= 0:  # counted at the last k iteration
-                                if is_store_warp:
-                                    self._finish_count(cnt_band, cnt_old, n_tiles, epoch,
-                                                       mReady, mCounter)
-                                cnt_band = cutlass.Int32(-1)
 
                     # ---- epilogue: acc -> bf16 -> smem (stmatrix) -> gmem (TMA store)
                     gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
@@ -517,36 +490,6 @@ def _kernel_class():
                             self._signal_band(pend_band, n_tiles, epoch, mReady, mCounter)
                 if cutlass.const_expr(not self.store_warp):
                     tma_store_pipeline.producer_tail()
-
-        @cute.jit
-        def _count_tile(self, b: cutlass.Int32, mCounter: cute.Tensor) -> cutlass.Int32:
-            """First half of a split count (steps 1-3 of ``_signal_band``, then step 4 as
-            ``atom.add.release.gpu``): returns the counter's old value in lane 0 (-1 in the other
-            lanes). No acquire here, so the warp does not wait for the atomic to return until
-            ``_finish_count`` reads the value."""
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            cute.arch.fence_proxy("async.global")
-            cute.arch.sync_warp()
-            old = cutlass.Int32(-1)
-            if cute.arch.lane_idx() == 0:
-                old = cute.arch.atomic_add(mCounter.iterator + b, cutlass.Int32(1), sem="release",
-                                           scope="gpu")
-            return old
-
-        @cute.jit
-        def _finish_count(self, b: cutlass.Int32, old: cutlass.Int32, n_tiles: cutlass.Constexpr,
-                          epoch: cutlass.Int32, mReady: cute.Tensor, mCounter: cute.Tensor):
-            """Second half: the lane whose release-RMW saw ``n_tiles - 1`` read the value written
-            by the previous RMW of the same counter (one release sequence per earlier tile), so
-            ``fence.acq_rel.gpu`` after that read is an acquire pattern: every tile of band b is
-            visible to it. It resets the counter and releases ``band_ready[b] = epoch`` (step 5
-            of ``_signal_band``)."""
-            if cute.arch.lane_idx() == 0:
-                if old == n_tiles - 1:
-                    cute.arch.inline_ptx("fence.acq_rel.gpu;")
-                    cnt_ptr = mCounter.iterator + b
-                    cute.arch.store(cnt_ptr, cutlass.Int32(0), sem="relaxed", scope="gpu")
-                    cute.arch.store(mReady.iterator + b, epoch, sem="release", scope="gpu")
 
         @cute.jit
         def _signal_band(self, b: cutlass.Int32, n_tiles: cutlass.Constexpr, epoch: cutlass.Int32,
@@ -643,7 +586,7 @@ class GroupedGemm:
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None,
-                 store_warp=False, split_count=True):
+                 store_warp=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -663,7 +606,6 @@ class GroupedGemm:
             raise ValueError(f"cluster_n must be None, 1 or 2, got {cluster_n}")
         self.cluster_n = cluster_n
         self.store_warp = bool(store_warp)
-        self.split_count = bool(split_count)
         self._counters = {}
 
     def cluster_for(self, N):
@@ -729,13 +671,12 @@ class GroupedGemm:
     def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last,
-                self.cluster_for(N), self.store_warp, self.split_count, int(N), int(K))
+                self.cluster_for(N), self.store_warp, int(N), int(K))
 
     def _kernel(self, N):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
-                                   self.b_evict_last, self.cluster_for(N), self.store_warp,
-                                   self.split_count)
+                                   self.b_evict_last, self.cluster_for(N), self.store_warp)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
