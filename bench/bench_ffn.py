@@ -178,7 +178,8 @@ def bench_shape(a, name, rank, world, dev):
                    fused_err_vs_baseline=fused_info["err"],
                    fused_tflops=flops / (m["fused"] * 1e-3) / 1e12,
                    fused_compute_tflops=flops / (m["fused_compute"] * 1e-3) / 1e12,
-                   memory=fused_info["memory"])
+                   memory=fused_info["memory"],
+                   mean_std_ms={k: (res[k]["mean_ms"], res[k]["std_ms"]) for k in keys})
     if "band_ar" in m:
         row["busbw_band_ar_GBs"] = bus * T * N * 4 / (m["band_ar"] * 1e-3) / 1e9
         row["band_ar_vs_nccl_fp32"] = m["nccl_fp32"] / m["band_ar"]

@@ -48,7 +48,8 @@ def time_calls(fn, reps: int = 4, replays: int = 15, barrier=lambda: None, graph
 def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambda: None) -> dict:
     """Times every fn once per round, rounds interleaved (clock and power drift hit all alike);
     `barrier()` before each timed call lines ranks up. Returns, per name,
-    dict(median_ms, p10_ms, p90_ms, rounds, times) with `times` in round order (for paired ratios)."""
+    dict(median_ms, p10_ms, p90_ms, mean_ms, std_ms, rounds, times) with `times` in round order
+    (for paired ratios)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -72,5 +73,7 @@ def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambd
             return ts[min(len(ts) - 1, int(f * len(ts)))]
 
         out[k] = dict(median_ms=statistics.median(ts), p10_ms=q(0.1), p90_ms=q(0.9),
+                      mean_ms=statistics.fmean(ts),
+                      std_ms=statistics.stdev(ts) if len(ts) > 1 else 0.0,
                       rounds=rounds, times=raw)
     return out
