@@ -102,6 +102,8 @@ def plan(a, world):
 
 
 def _git_commit():
+    if os.environ.get("GIT_COMMIT"):  # set by the device scripts (the tree there has no .git)
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
