@@ -36,7 +36,7 @@ def _check(results, cases):
         assert r["rank_diff"] == 0.0, (case, r)  # every rank returns the same output
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_reference_backend_matches_float64_truth(world):
     cases = _cases(world)
     per_rank = spawn(check_cases, world, cases)
