@@ -172,6 +172,13 @@ class _FusedBackend:
     The host class provides ``in_features``, ``out_features``, ``local_hidden``, ``group``,
     ``comm``, ``w1``-like parameters via ``_run_compute`` and ``_fused_act2``."""
 
+    def _init_backend(self, backend, device, ccta, max_tokens, tile_m):
+        """The fused options are refused for the reference backend; the fused one is set up."""
+        if backend == "fused":
+            self._init_fused(device, ccta, max_tokens, tile_m)
+        elif ccta is not None or max_tokens is not None or tile_m != 128:
+            raise ValueError("ccta / max_tokens / tile_m apply to backend='fused' only")
+
     def _init_fused(self, device, ccta, max_tokens, tile_m):
         """Checks (before any allocation or launch) and the compute-kernel object."""
         _fused_requirements(self.comm, device, type(self).__name__)
@@ -314,10 +321,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.zeros(O // G, N, **kw))
         self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw)) if bias else None
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw)) if bias else None
-        if backend == "fused":
-            self._init_fused(device, ccta, max_tokens, tile_m)
-        elif ccta is not None or max_tokens is not None or tile_m != 128:
-            raise ValueError("ccta / max_tokens / tile_m apply to backend='fused' only")
+        self._init_backend(backend, device, ccta, max_tokens, tile_m)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -449,10 +453,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.w_out = torch.nn.Parameter(torch.zeros(E, O // G, N, **kw))
         self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw)) if bias else None
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw)) if bias else None
-        if backend == "fused":
-            self._init_fused(device, ccta, max_tokens, tile_m)
-        elif ccta is not None or max_tokens is not None or tile_m != 128:
-            raise ValueError("ccta / max_tokens / tile_m apply to backend='fused' only")
+        self._init_backend(backend, device, ccta, max_tokens, tile_m)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
