@@ -165,6 +165,28 @@ def _tracks_grad(x, w) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
 
 
+def padded_expert_layout(rows, tile_m: int, device):
+    """Where the fused ShardedExperts puts each expert's rows: expert-major, every group padded to
+    a multiple of tile_m (so an m-tile belongs to one expert). ``rows`` are host ints. Returns
+    ``(dst, tile_expert, row_expert, padded_rows)``: ``dst [sum(rows)]`` int64, the padded row of
+    each input row; ``tile_expert [padded_rows / tile_m]`` int32 and ``row_expert [padded_rows]``
+    int64, the expert of each m-tile / padded row. Built with device ops (no per-row Python, no
+    host sync: the sizes come from the host ints)."""
+    E = len(rows)
+    padded = [-(-n // tile_m) * tile_m for n in rows]
+    total, R_pad = sum(rows), sum(padded)
+    cnt = torch.tensor(rows + padded, dtype=torch.int64).to(device, non_blocking=True)
+    cnt, pcnt = cnt[:E], cnt[E:]
+    experts = torch.arange(E, device=device)
+    start = torch.cumsum(cnt, 0) - cnt
+    pstart = torch.cumsum(pcnt, 0) - pcnt
+    e_of_row = torch.repeat_interleave(experts, cnt, output_size=total)
+    dst = torch.arange(total, device=device) - start[e_of_row] + pstart[e_of_row]
+    row_expert = torch.repeat_interleave(experts, pcnt, output_size=R_pad)
+    tile_expert = row_expert[::tile_m].to(torch.int32)
+    return dst, tile_expert, row_expert, R_pad
+
+
 class _FusedBackend:
     """The fused backend's plumbing shared by FusedFFN and ShardedExperts: the compute-kernel
     object, the BandAllReduce (symmetric fp32 accumulator, made on the first forward and grown
@@ -477,26 +499,15 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         """Experts' row groups padded to tile_m (an m-tile, hence a band, belongs to one
         expert), one grouped compute launch || one band all-reduce, then the valid rows."""
         tm, dev = self.tile_m, x.device
-        padded = [-(-n // tm) * tm for n in rows]
-        total, R_pad = sum(rows), sum(padded)
+        total = sum(rows)
         out = torch.zeros(x.shape[0], self.out_features, dtype=x.dtype, device=dev)
         if total == 0:
             return out
-        src, dst, tile_e, row_e, p0 = [], [], [], [], 0
-        start = 0
-        for e, (n, pn) in enumerate(zip(rows, padded)):
-            src.extend(range(start, start + n))
-            dst.extend(range(p0, p0 + n))
-            tile_e.extend([e] * (pn // tm))
-            row_e.extend([e] * pn)
-            start, p0 = start + n, p0 + pn
-        dst_t = torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True)
-        mte = torch.tensor(tile_e, dtype=torch.int32).to(dev, non_blocking=True)
+        dst_t, mte, row_e_t, R_pad = padded_expert_layout(rows, tm, dev)
         x_pad = torch.zeros(R_pad, self.in_features, dtype=x.dtype, device=dev)
         x_pad.index_copy_(0, dst_t, x[:total])
         seed_acc = None
         if self.b_out is not None and self.rank == 0:  # b_out[e] added once, to the sum
-            row_e_t = torch.tensor(row_e, dtype=torch.int64).to(dev, non_blocking=True)
             b_out32 = self.b_out.detach().float()
 
             def _seed(acc):

@@ -186,3 +186,27 @@ def test_fused_backend_refuses_clearly(monkeypatch):
     monkeypatch.setenv("MOE_OVERLAP_ALLOW_MULTICAST", "1")
     with pytest.raises(RuntimeError, match="switch.*refuses.*TORCH_SYMM_MEM_DISABLE_MULTICAST"):
         _ffn(backend="fused", comm="switch")
+
+
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_padded_expert_layout_matches_a_plain_loop(tile_m):
+    """The fused ShardedExperts' row layout (device ops) against the obvious Python loop."""
+    from moe_overlap.ffn import padded_expert_layout
+    g = torch.Generator().manual_seed(tile_m)
+    for trial in range(20):
+        E = int(torch.randint(1, 9, (1,), generator=g))
+        rows = [int(v) if torch.rand(1, generator=g) > 0.25 else 0
+                for v in torch.randint(0, 3 * tile_m, (E,), generator=g)]
+        dst, tile_e, row_e, R_pad = padded_expert_layout(rows, tile_m, torch.device("cpu"))
+        want_dst, want_tiles, want_rows, p0 = [], [], [], 0
+        for e, n in enumerate(rows):
+            pn = -(-n // tile_m) * tile_m
+            want_dst += range(p0, p0 + n)
+            want_tiles += [e] * (pn // tile_m)
+            want_rows += [e] * pn
+            p0 += pn
+        assert R_pad == p0 and R_pad % tile_m == 0
+        assert dst.tolist() == want_dst and dst.dtype == torch.int64
+        assert tile_e.tolist() == want_tiles and tile_e.dtype == torch.int32
+        assert row_e.tolist() == want_rows
+        assert len(set(want_dst)) == sum(rows)  # every input row has its own padded row
