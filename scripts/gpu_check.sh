@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One scripted GPU check per area, for the device machine (see ../shared/device/README.md for how
+# the CuTe DSL / NVSHMEM parts get there; the tree there has no .git, so pass the commit):
+#
+#   source .devdeps/p2/setup.sh && GIT_COMMIT=<sha> bash scripts/gpu_check.sh <area> [quick]
+#
+# areas: gemm     grouped GEMM tests + bench (issue 3)
+#        combine  consumer / overlap tests (nvshmem configs need part 0) + the validation grid
+#                 and the ccta x mgb sweep (issue 4; "quick": one shape, no sweep)
+#        ffn      fused FFN / band all-reduce tests + bench_ffn + the compute-kernel breakdown
+#                 (issue 5; "quick": 3 shapes, 10 rounds)
+# Logs and JSON go to $OUT (the device tool brings them back); a short summary is printed last.
+# NVLink multicast stays off whatever the caller's environment says.
+set -uo pipefail
+area=${1:?usage: gpu_check.sh gemm|combine|ffn [quick]}
+quick=${2:-}
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export CUDA_MODULE_LOADING=EAGER
+export OUT=${OUT:-/tmp/moe_overlap_out}
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export GIT_COMMIT=${GIT_COMMIT:-unknown}
+mkdir -p "$OUT"
+ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
+summary=()
+
+run() {  # run <name> <timeout s> <command...>: log to $OUT/<name>.log, keep its last line
+    local name=$1 t=$2
+    shift 2
+    timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    summary+=("$(printf '%-22s rc=%-3s %s' "$name" "$rc" "$(grep -v Warning "$OUT/$name.log" | tail -1)")")
+    return $rc
+}
+
+case "$area" in
+gemm)
+    run gemm_tests 400 python -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_gpu.py
+    args=(--rounds 30)
+    [ "$quick" = quick ] && args=(--quick)
+    run gemm_bench 500 python bench/bench_grouped_gemm.py "${args[@]}" --out "$OUT"
+    ;;
+combine)
+    export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-6G}  # the sweep's largest shapes
+    run overlap_tests 400 python -m pytest -q -p no:cacheprovider tests/test_overlap_gpu.py \
+        tests/test_planner_gpu.py
+    if [ "$ngpu" -ge 2 ]; then
+        if [ "$quick" = quick ]; then
+            run validate 400 python scripts/sweep.py --validate-only --shapes 4096x16x4x8192x1024 \
+                --out "$OUT/validate.json"
+        else
+            run validate 500 python scripts/sweep.py --validate-only --out "$OUT/validate.json"
+            run sweep 550 python scripts/sweep.py --autotune 1 --out "$OUT/sweep.json"
+        fi
+    fi
+    ;;
+ffn)
+    run ffn_tests 500 python -m pytest -q -p no:cacheprovider tests/test_fused_ffn_gpu.py \
+        tests/test_ffn_gpu.py tests/test_switch_gpu.py
+    if [ "$ngpu" -ge 2 ]; then
+        args=(--rounds 100)
+        [ "$quick" = quick ] && args=(--quick)
+        run ffn_bench 550 torchrun --nproc-per-node "$ngpu" bench/bench_ffn.py "${args[@]}" \
+            --out "$OUT"
+    fi
+    run fused_compute 300 python bench/bench_fused_compute.py --out "$OUT"
+    ;;
+*)
+    echo "unknown area $area (gemm | combine | ffn)" >&2
+    exit 2
+    ;;
+esac
+
+echo "== gpu_check $area $quick (commit $GIT_COMMIT, $ngpu GPUs) -> $OUT"
+printf '%s\n' "${summary[@]}"
