@@ -23,9 +23,10 @@ Backends:
   constructor raises ``NotImplementedError`` (a ``RuntimeError``) saying why.
   ``ShardedExperts(backend="fused")`` runs the same kernel grouped over the experts (each
   expert's rows padded to tile_m, one launch; b_out seeds rank 0's accumulator).
-  Speed (2x H200, bench/NOTES.md): correct, but 0.3x the reference backend: the fp32 partial
-  tiles make the compute kernel L2-bandwidth bound (~320 TFLOP/s against cuBLAS's ~750), and
-  with two GPUs the all-reduce the overlap can hide is only 10-20 % of the layer.
+  Speed (2x H200, bench/NOTES.md): correct, but 0.24-0.36x the reference backend: the compute
+  kernel reaches ~320 TFLOP/s against cuBLAS's ~750 (GEMM1 starved of operands, the L2 busy
+  with the fp32 partial-tile reduce-adds), and with two GPUs the all-reduce that an overlap can
+  hide is only 10-20 % of the layer.
   ``comm="unicast"`` (peer loads/stores over NVLink) or ``comm="switch"`` (NVLink multicast;
   refused unless multicast is explicitly allowed and available, see ``require_multicast``).
 
@@ -192,7 +193,8 @@ class _FusedBackend:
     object, the BandAllReduce (symmetric fp32 accumulator, made on the first forward and grown
     collectively), the high-priority communication stream, the warm-up, and one overlapped call.
     The host class provides ``in_features``, ``out_features``, ``local_hidden``, ``group``,
-    ``comm``, ``w1``-like parameters via ``_run_compute`` and ``_fused_act2``."""
+    ``comm`` and the hooks ``_fused_device``, ``_fused_act2``, ``_fused_b2`` and
+    ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream)``."""
 
     def _init_backend(self, backend, device, ccta, max_tokens, tile_m):
         """The fused options are refused for the reference backend; the fused one is set up."""

@@ -1,6 +1,8 @@
 """Fused FFN compute blocks (issue 5): ``acc += act1(X W1_g + b1_g) W2_g`` with band ready flags.
 
-This is the compute half of ``FusedFFN(backend="fused")``; the communication half is
+This is the compute half of ``FusedFFN(backend="fused")`` and ``ShardedExperts(backend="fused")``
+(the same kernel over several experts: weights ``[E, ...]``, one expert per m-tile named by a
+device table, see ``FusedFFNCompute.grouped``); the communication half is
 ``moe_overlap.kernels.switch.BandAllReduce`` (``producer=True``), running concurrently on its own
 ``ccta`` SMs and waiting on the flags written here.
 
@@ -26,29 +28,32 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
   u = m_tile * J + j (J = O_g / tile_o): m-major, so the J contributions of one band run at the
   same time on J CTAs and bands complete (and are published) in order; CTA i takes
   u = i, i + G, ... with G = SMs - ccta (a launch argument).
-* GEMM1: K-loop over P (tile_k = 64) through a TMA/mbarrier pipeline (X tile + W1 tile per
-  stage); the accumulator starts at b1 (fp32), so the bias costs nothing; act1 in registers;
-  converted to bf16 and written to shared memory (``sH``, the K-major swizzled layout WGMMA reads
-  as its A operand) with stmatrix + ``fence.proxy.async.shared::cta``. H never goes to HBM.
+* GEMM1, per 128-column chunk of the unit's tile_o (1 or 2 chunks): K-loop over P (tile_k = 64)
+  through a TMA/mbarrier pipeline (X tile + W1 chunk per stage); the accumulator starts at b1
+  (fp32), so the bias costs nothing; act1 in registers; converted to bf16 and written to shared
+  memory (``sH``, chunk c of the K-major swizzled layout WGMMA reads as its A operand) with
+  stmatrix + ``fence.proxy.async.shared::cta``. H never goes to HBM.
 * GEMM2: for each n-tile (rotated start n = j mod N/tile_n, so the J CTAs of a band do not
-  reduce into the same columns at once): acc_tile = sH @ W2[j, n] (A from smem, B from a second
-  TMA pipeline of whole tile_o x tile_n W2 tiles), then the fp32 tile goes out in
-  ``tile_m x epi_n`` sub-tiles through ``epi_stages`` shared-memory buffers with TMA
-  reduce-add (``cp.reduce.async.bulk.tensor.2d.global.shared::cta.add``): the reductions of one
-  product are in flight while the next product's WGMMAs run.
-* Counting: the unit (m, j) is complete once its N/tile_n bulk reductions have completed; the
-  epilogue warp (the one that issued them) counts it on ``band_counter[b]`` and the last of the
+  reduce into the same columns at once): acc_tile = sH @ W2[j, n] with K = tile_o (A from smem,
+  B from a second TMA pipeline of tile_n x 128 W2 chunks), then the fp32 tile is added into acc:
+  ``epilogue="tma"`` (default) in ``tile_m x epi_n`` sub-tiles through ``epi_stages``
+  shared-memory buffers with TMA reduce-add (``cp.reduce.async.bulk.tensor...add``), in flight
+  while the next product's WGMMAs run; ``epilogue="red"`` straight from registers with
+  ``red.global.add.v2.f32``.
+* Counting: the unit (m, j) is complete once its N/tile_n reductions have completed; the
+  epilogue warp (the one that issued them; every consumer thread with the red epilogue, see
+  ``_count_unit``) counts it on ``band_counter[b]`` and the last of the
   band's J * (m-tiles in band) contributions publishes ``band_ready[b] = epoch``. The count is
   posted (deferred, as in grouped_gemm) in the middle of the next unit's GEMM1 k-loop, when the
   reductions are long finished. See ``_signal_band`` for the memory-ordering argument.
 
-Simplified in this first version (correctness over speed):
-  - GEMM2 and its epilogue are not ping-ponged: the next n-tile's WGMMAs start after the current
-    tile's sub-tiles are written to shared memory (the TMA reductions themselves overlap);
-  - no clusters / multicast; tile_o = 128 (H tile = 128 x 128 bf16 = 32 KiB of smem) and
-    tile_n = 128 only; one consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128);
-  - the pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never
-    waits on another CTA or on the communication blocks (one-way dependency).
+Measured (2x H200, bench/NOTES.md): correct; ~320 TFLOP/s at tile_o 256 against cuBLAS's ~750.
+Nsight Compute: the consumer warpgroups wait mostly on GEMM1's pipeline (only 2 stages fit next to
+the H tile, the W2 chunks and the epilogue buffers, and X is re-read per chunk), with the L2
+52-73 % busy. Not done yet: GEMM1 as one 128 x 256 tile, clusters with TMA multicast of W1 / W2,
+GEMM2 / epilogue ping-pong; tile_n = 128 only; one consumer warpgroup per 64 rows of tile_m
+(tile_m 64 or 128). The pipeline mbarrier waits are the usual unbounded ones (TMA completion);
+the kernel never waits on another CTA or on the communication blocks (one-way dependency).
 
 cutlass is imported lazily: importing this module needs only torch.
 """
@@ -109,7 +114,7 @@ def _kernel_class():
 
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages1, stages2, epi_n,
-                     epi_stages, signal_k_tile, diag_plain_store=False, epilogue="red"):
+                     epi_stages, signal_k_tile, diag_plain_store=False, epilogue="tma"):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, tile_k
             # H of one unit is tile_m x tile_o, computed and stored in chunks of 128 columns
@@ -124,8 +129,8 @@ def _kernel_class():
             self.diag_plain_store = diag_plain_store
             # "red": each thread adds its accumulator pairs straight from registers into acc
             # with red.global.add.v2.f32 (fire-and-forget: the next product's WGMMAs start at
-            # once, no shared-memory round trip, no barriers). "tma": fp32 sub-tiles through
-            # shared memory and TMA reduce-add (v1/v2; slower, see bench/NOTES.md).
+            # once, no shared-memory round trip, no barriers). "tma" (default): fp32 sub-tiles
+            # through shared memory and TMA reduce-add. About as fast as each other (NOTES.md).
             self.red_epi = epilogue == "red"
             if self.red_epi:  # the (unused) TMA output buffer shrinks to one 16-column sub-tile
                 epi_n, epi_stages = 16, 1
