@@ -45,7 +45,7 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
   ``_count_unit``) counts it on ``band_counter[b]`` and the last of the
   band's J * (m-tiles in band) contributions publishes ``band_ready[b] = epoch``. The count is
   posted (deferred, as in grouped_gemm) in the middle of the next unit's GEMM1 k-loop, when the
-  reductions are long finished. See ``_signal_band`` for the memory-ordering argument.
+  reductions are long finished. See ``_count_unit`` for the memory-ordering argument.
 
 Measured (2x H200, bench/NOTES.md): correct; ~320 TFLOP/s at tile_o 256 against cuBLAS's ~750.
 Nsight Compute: the consumer warpgroups wait mostly on GEMM1's pipeline (only 2 stages fit next to
@@ -57,8 +57,6 @@ the kernel never waits on another CTA or on the communication blocks (one-way de
 
 cutlass is imported lazily: importing this module needs only torch.
 """
-
-import math
 
 import torch
 
@@ -102,7 +100,8 @@ def _kernel_class():
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
     from cutlass.utils import LayoutEnum
 
-    from .primitives import fence_acq_rel_gpu
+    from .primitives import (count_band_after_bulk_stores, fence_acq_rel_gpu,
+                             publish_band_count)
     from .switch import device_lib
 
     def red_add_v2_f32(addr, a, b):
@@ -578,8 +577,11 @@ def _kernel_class():
         def _count_unit(self, b: cutlass.Int32, need: cutlass.Int32, epoch: cutlass.Int32,
                         mReady: cute.Tensor, mCounter: cute.Tensor, is_store_warp,
                         ctid: cutlass.Int32):
-            """Counts one finished unit of band b (see ``_signal_band``). TMA epilogue: the warp
-            that issued the bulk reductions waits for them and counts. Red epilogue: the adds
+            """Counts one finished unit of band b. TMA epilogue: the warp that issued the bulk
+            reductions waits for them and counts (``primitives.count_band_after_bulk_stores``,
+            whose docstring has the memory-ordering argument; on the consumer side
+            BandAllReduce's ``ld.acquire.gpu`` of the flag is followed by generic-proxy reads of
+            acc only, so it needs no proxy fence). Red epilogue: the adds
             were issued by every consumer thread, so every thread orders its own adds
             (``fence.acq_rel.gpu``: they are performed, at gpu scope, before anything it does
             next), the named barrier orders all of them before thread 0's ``atom.acq_rel.gpu``
@@ -588,59 +590,10 @@ def _kernel_class():
                 fence_acq_rel_gpu()
                 self.epi_barrier.arrive_and_wait()
                 if ctid == 0:
-                    self._publish(b, need, epoch, mReady, mCounter)
+                    publish_band_count(mCounter, mReady, b, need, epoch)
             else:
                 if is_store_warp:
-                    self._signal_band(b, need, epoch, mReady, mCounter)
-
-        @cute.jit
-        def _signal_band(self, b: cutlass.Int32, need: cutlass.Int32, epoch: cutlass.Int32,
-                         mReady: cute.Tensor, mCounter: cute.Tensor):
-            """Counts one finished unit (m-tile, j-tile) of band b; the ``need``-th (last) one
-            publishes ``band_ready[b] = epoch``. Called by all 32 lanes of the epilogue warp
-            (the warp that issued every TMA reduce-add of the unit: bulk async-group state is
-            per thread, so every lane waits).
-
-            Memory-ordering argument (producer side; the consumer is BandAllReduce phase 1):
-            1. ``cp.async.bulk.wait_group 0`` (not ``.read``): every bulk tensor reduce-add this
-               thread committed is complete, i.e. its read-modify-writes of acc have been
-               performed, not merely its shared-memory source read. All reductions of the unit
-               were committed before this point (and none of a later unit: this runs inside the
-               next unit's GEMM1, which issues no reductions, or after the last unit).
-            2. ``fence.proxy.async.global``: those writes were made by the async proxy; the
-               fence orders them before this thread's later generic-proxy operations (the
-               atomic below).
-            3. ``bar.warp.sync``, then lane 0 alone: orders every lane's completed wait before
-               lane 0's atomic (the elected lane that issued the copies may not be lane 0).
-            4. ``atom.add.acq_rel.gpu`` on band_counter[b]: the release half publishes this
-               unit's writes; the acquire half makes every earlier unit's writes of the band
-               (released by earlier RMWs of the same counter: one release sequence) visible.
-            5. The thread that sees old == need - 1 has acquired all ``need`` units of the band.
-               It resets the counter (relaxed: nobody touches it again in this launch; the next
-               launch is ordered by the kernel boundary), then ``st.release.gpu band_ready[b] =
-               epoch``. Release is cumulative, so BandAllReduce's ``ld.acquire.gpu`` that reads
-               ``band_ready[b] - epoch >= 0`` sees the complete band of acc; it then orders its
-               CTA with bar.red and its peers with ``fence.acq_rel.sys`` + release adds, and
-               reads acc through the generic proxy only (no TMA), so no further proxy fence is
-               needed on that side.
-            The compute blocks never wait for the communication blocks (one-way dependency).
-            """
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            cute.arch.fence_proxy("async.global")
-            cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                self._publish(b, need, epoch, mReady, mCounter)
-
-        @cute.jit
-        def _publish(self, b: cutlass.Int32, need: cutlass.Int32, epoch: cutlass.Int32,
-                     mReady: cute.Tensor, mCounter: cute.Tensor):
-            """Steps 4-5 of ``_signal_band``: one acq_rel count; the last of ``need`` resets the
-            counter and releases ``band_ready[b] = epoch``."""
-            cnt_ptr = mCounter.iterator + b
-            old = cute.arch.atomic_add(cnt_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-            if old == need - 1:
-                cute.arch.store(cnt_ptr, cutlass.Int32(0), sem="relaxed", scope="gpu")
-                cute.arch.store(mReady.iterator + b, epoch, sem="release", scope="gpu")
+                    count_band_after_bulk_stores(mCounter, mReady, b, need, epoch)
 
     return _FusedFFNKernel
 

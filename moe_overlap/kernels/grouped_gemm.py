@@ -29,7 +29,8 @@ stores are complete (wait_group 0 + fence.proxy.async.global); the tile that com
 resets the counter and stores band_ready[b] = epoch with release semantics.  By default the
 previous tile's flag is posted from the first consumer warp in the middle of the next tile's k
 loop (stores long finished, so no stall); store_warp=True posts it from a dedicated warp right
-after the stores complete.  See _signal_band for the memory-ordering argument.
+after the stores complete.  See primitives.count_band_after_bulk_stores for the
+memory-ordering argument.
 
 Measured (H200, bench/NOTES.md): 0.95-1.02x the best library grouped GEMM (cuBLAS bmm / per-expert
 matmul / torch._grouped_mm) at ccta=0 for T=16k-32k, N=8192, K=1k-4k, E=4-64.
@@ -40,8 +41,6 @@ cutlass is imported lazily: importing this module needs only torch.
 
 
 import math
-import os
-from typing import Optional
 
 import torch
 
@@ -88,9 +87,10 @@ def _kernel_class():
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
-    import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+    from .primitives import count_band_after_bulk_stores
 
     class _GroupedGemmKernel:
         def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
@@ -356,7 +356,7 @@ def _kernel_class():
                             cute.arch.cp_async_bulk_wait_group(self.epi_stage - 1, read=True)
                         if cutlass.const_expr(self.signal):
                             # the consumers are already in the next tile's main loop
-                            self._signal_band(b, n_tiles, epoch_s, mReady, mCounter)
+                            count_band_after_bulk_stores(mCounter, mReady, b, n_tiles, epoch_s)
                         tiles_done_s = tiles_done_s + 1
                         t = t + gdim
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -439,7 +439,8 @@ def _kernel_class():
                             # k tiles ago, so waiting for their completion here rarely stalls.
                             if k_tile == signal_k and pend_band >= 0:
                                 if is_store_warp:
-                                    self._signal_band(pend_band, n_tiles, epoch, mReady, mCounter)
+                                    count_band_after_bulk_stores(mCounter, mReady, pend_band,
+                                                                 n_tiles, epoch)
                                 pend_band = cutlass.Int32(-1)
                     cute.nvgpu.warpgroup.wait_group(0)
                     mainloop_pipeline.consumer_release(release_state)
@@ -447,7 +448,7 @@ def _kernel_class():
                     if cutlass.const_expr(sig_in_mma):
                         if pend_band >= 0:  # k_tile_cnt too small for an in-loop signal
                             if is_store_warp:
-                                self._signal_band(pend_band, n_tiles, epoch, mReady, mCounter)
+                                count_band_after_bulk_stores(mCounter, mReady, pend_band, n_tiles, epoch)
                             pend_band = cutlass.Int32(-1)
 
                     # ---- epilogue: acc -> bf16 -> smem (stmatrix) -> gmem (TMA store)
@@ -487,46 +488,9 @@ def _kernel_class():
                 if cutlass.const_expr(sig_in_mma):
                     if pend_band >= 0:
                         if is_store_warp:
-                            self._signal_band(pend_band, n_tiles, epoch, mReady, mCounter)
+                            count_band_after_bulk_stores(mCounter, mReady, pend_band, n_tiles, epoch)
                 if cutlass.const_expr(not self.store_warp):
                     tma_store_pipeline.producer_tail()
-
-        @cute.jit
-        def _signal_band(self, b: cutlass.Int32, n_tiles: cutlass.Constexpr, epoch: cutlass.Int32,
-                         mReady: cute.Tensor, mCounter: cute.Tensor):
-            """Counts one finished tile of band b; the last one publishes band_ready[b] = epoch.
-
-            Called by all 32 lanes of the epilogue store warp (the warp that issued the tile's
-            TMA stores; the bulk async-group state is per thread, so every lane waits).
-
-            Memory-ordering argument:
-            1. `cp.async.bulk.wait_group 0` (not `.read`): the bulk tensor stores of this thread
-               are complete, i.e. their writes to y have been performed (not merely their smem
-               source read).  The store warp issued every TMA store of the tile, and all of them
-               were committed before this point, so the whole tile is written.
-            2. `fence.proxy.async.global`: the writes were made by the async proxy; this fence
-               orders them before this thread's later generic-proxy operations (the atomic).
-            3. `__syncwarp` then lane 0 only: bar.warp.sync orders the other lanes' completed
-               waits before lane 0's atomic (the lane that issued the stores may not be lane 0).
-            4. `atom.add.acq_rel.gpu` on band_counter[b]: the release half publishes this tile's
-               writes; the acquire half makes every earlier tile's writes (released by earlier
-               RMWs on the same counter, which form one release sequence) visible to this thread.
-            5. The thread that sees old == n_tiles - 1 has acquired all n_tiles tiles.  It resets
-               the counter (relaxed; nobody touches it again in this launch, and the next launch
-               is ordered by the kernel boundary), then `st.release.gpu band_ready[b] = epoch`.
-               Release is cumulative, so a consumer that reads band_ready[b] == epoch with
-               `ld.acquire.gpu` sees all tiles of band b in y.  (A consumer that then reads y
-               through TMA / the async proxy must issue `fence.proxy.async` after its acquire.)
-            """
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            cute.arch.fence_proxy("async.global")
-            cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                cnt_ptr = mCounter.iterator + b
-                old = cute.arch.atomic_add(cnt_ptr, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-                if old == n_tiles - 1:
-                    cute.arch.store(cnt_ptr, cutlass.Int32(0), sem="relaxed", scope="gpu")
-                    cute.arch.store(mReady.iterator + b, epoch, sem="release", scope="gpu")
 
     return _GroupedGemmKernel
 

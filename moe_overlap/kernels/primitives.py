@@ -19,7 +19,6 @@ wins (atom.cas on [0]); the host reads it after a synchronize (see ``describe_er
 """
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
@@ -214,6 +213,54 @@ def bulk_wait_group_all():
 def fence_proxy_async_global():
     """Order generic-proxy and async-proxy (bulk copy) accesses to global memory of this thread."""
     cute.arch.inline_ptx("fence.proxy.async.global;")
+
+
+# ---- band-ready flags (producer side: grouped GEMM, fused FFN compute) -----------------------
+@cute.jit
+def publish_band_count(counter: cute.Tensor, ready: cute.Tensor, b: Int32, need: Int32,
+                       epoch: Int32):
+    """One thread counts one finished contribution to band b; the ``need``-th (last) one
+    publishes ``ready[b] = epoch``: steps 4-5 of ``count_band_after_bulk_stores``. The caller
+    has ordered the contribution's writes before this thread's atomic."""
+    cnt_ptr = counter.iterator + b
+    old = cute.arch.atomic_add(cnt_ptr, Int32(1), sem="acq_rel", scope="gpu")
+    if old == need - 1:
+        cute.arch.store(cnt_ptr, Int32(0), sem="relaxed", scope="gpu")
+        cute.arch.store(ready.iterator + b, epoch, sem="release", scope="gpu")
+
+
+@cute.jit
+def count_band_after_bulk_stores(counter: cute.Tensor, ready: cute.Tensor, b: Int32,
+                                 need: Int32, epoch: Int32):
+    """Counts one finished contribution (a tile / unit) to band b whose writes were bulk (TMA)
+    stores or reduce-adds; the last of ``need`` publishes ``ready[b] = epoch``. Called by all 32
+    lanes of the warp that issued those bulk operations (bulk async-group state is per thread,
+    so every lane waits), after all of them were committed and before any of a later
+    contribution.
+
+    Memory-ordering argument:
+    1. ``cp.async.bulk.wait_group 0`` (not ``.read``): the bulk operations of this thread are
+       complete, i.e. their writes have been performed, not merely their shared-memory source
+       read.
+    2. ``fence.proxy.async.global``: those writes were made by the async proxy; the fence orders
+       them before this thread's later generic-proxy operations (the atomic).
+    3. ``bar.warp.sync``, then lane 0 alone: orders every lane's completed wait before lane 0's
+       atomic (the lane that issued the copies may not be lane 0).
+    4. ``atom.add.acq_rel.gpu`` on ``counter[b]``: the release half publishes this
+       contribution's writes; the acquire half makes every earlier contribution's writes
+       (released by earlier RMWs of the same counter: one release sequence) visible.
+    5. The thread that sees old == need - 1 has acquired all ``need`` contributions. It resets
+       the counter (relaxed: nobody touches it again in this launch; the next launch is ordered
+       by the kernel boundary), then ``st.release.gpu ready[b] = epoch``. Release is cumulative,
+       so a consumer that reads ``ready[b] == epoch`` with ``ld.acquire.gpu`` sees the whole
+       band (one that then reads it through TMA / the async proxy must issue
+       ``fence.proxy.async`` after its acquire).
+    """
+    cute.arch.cp_async_bulk_wait_group(0, read=False)
+    cute.arch.fence_proxy("async.global")
+    cute.arch.sync_warp()
+    if cute.arch.lane_idx() == 0:
+        publish_band_count(counter, ready, b, need, epoch)
 
 
 # ---- errors and bounded waits ----------------------------------------------------------------
