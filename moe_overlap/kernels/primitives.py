@@ -296,6 +296,32 @@ def wait_eq_gpu_s32(addr: Int64, expected: Int32, t0: Int64, timeout_ns: Int64):
     return timed_out, v, elapsed
 
 
+def _wait_ge_s32(load_acquire):
+    """A bounded, wrap-safe spin ``until *addr - expected >= 0`` on Int32 epoch flags, loading
+    with ``load_acquire`` (gpu or sys scope)."""
+    @cute.jit
+    def wait(addr: Int64, expected: Int32, t0: Int64, timeout_ns: Int64):
+        v = load_acquire(addr)
+        timed_out = Int32(0)
+        elapsed = Int64(0)
+        while v - expected < Int32(0) and timed_out == Int32(0):
+            elapsed = cute.arch.globaltimer() - t0
+            if elapsed > timeout_ns:
+                timed_out = Int32(1)
+            v = load_acquire(addr)
+        if v - expected >= Int32(0):
+            timed_out = Int32(0)
+        return timed_out, v, elapsed
+    return wait
+
+
+# Spin until ``*addr - expected >= 0`` (wrap-safe Int32 epochs) or ``timeout_ns`` has passed since
+# ``t0``: ld.acquire.gpu (flags of kernels on this GPU) / ld.acquire.sys (flags written by other
+# GPUs). Return (timed_out: Int32, last value: Int32, now - t0: Int64).
+wait_ge_gpu_s32 = _wait_ge_s32(ld_acquire_gpu_s32)
+wait_ge_sys_s32 = _wait_ge_s32(ld_acquire_sys_s32)
+
+
 @cute.jit
 def wait_ge_sys_s64(addr: Int64, expected: Int64, t0: Int64, timeout_ns: Int64):
     """Spin (acquire, sys scope) until ``*addr >= expected`` or the timeout passes.

@@ -141,12 +141,17 @@ def device_lib():
     import types
 
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
+    from cutlass import Float32, Int32
 
     def ptx(s, out=(), args=()):
         return cute.arch.inline_ptx(s, write_only_types=list(out), read_only_args=list(args))
 
     V4 = "{{$w0}, {$w1}, {$w2}, {$w3}}"
+
+    # flags, fences, CTA vote, error record and bounded waits: the shared ones
+    from .primitives import (block_any, fence_acq_rel_sys, ld_s32, ld_s64,  # noqa: F401
+                             record_error, st_s32, wait_ge_gpu_s32 as wait_ge_gpu,
+                             wait_ge_sys_s32 as wait_ge_sys)
 
     # -- switch: NVLink multicast addresses --
     def mm_ld_reduce_v4_f32(mc_addr):
@@ -195,45 +200,15 @@ def device_lib():
         for a in peer_addrs:
             st_v4_f32_sys(a + off, v)
 
-    # -- flags, fences, timer --
-    def ld_s64(addr):
-        return ptx("ld.global.s64 {$w0}, [{$r0}];", [Int64], [addr])
-
-    def ld_s32(addr):
-        return ptx("ld.global.s32 {$w0}, [{$r0}];", [Int32], [addr])
-
-    def st_s32(addr, v):
-        ptx("st.global.s32 [{$r0}], {$r1};", (), [addr, Int32(v)])
-
-    def st_s64(addr, v):
-        ptx("st.global.s64 [{$r0}], {$r1};", (), [addr, Int64(v)])
-
-    def ld_acquire_gpu_s32(addr):
-        return ptx("ld.acquire.gpu.global.s32 {$w0}, [{$r0}];", [Int32], [addr])
-
-    def ld_acquire_sys_s32(addr):
-        return ptx("ld.acquire.sys.global.s32 {$w0}, [{$r0}];", [Int32], [addr])
-
+    # -- other flags --
     def ld_v2_u32(addr):
         return ptx("ld.global.v2.u32 {{$w0}, {$w1}}, [{$r0}];", [Int32] * 2, [addr])
 
     def st_v2_u32(addr, a, b):
         ptx("st.global.v2.u32 [{$r0}], {{$r1}, {$r2}};", (), [addr, a, b])
 
-    def fence_acq_rel_sys():
-        ptx("fence.acq_rel.sys;")
-
     def fence_proxy_alias():
         ptx("fence.proxy.alias;")
-
-    def atom_cas_s64(addr, cmp, val):
-        return ptx("atom.relaxed.gpu.global.cas.b64 {$w0}, [{$r0}], {$r1}, {$r2};", [Int64],
-                   [addr, Int64(cmp), Int64(val)])
-
-    def block_any(pred):
-        """bar.sync on barrier 0 that ORs pred over the CTA (every thread must call it)."""
-        return ptx("{ .reg .pred p, q; setp.ne.s32 p, {$r0}, 0; bar.red.or.pred q, 0, p; "
-                   "selp.s32 {$w0}, 1, 0, q; }", [Int32], [Int32(pred)])
 
     def as_f32(bits):
         return ptx("mov.b32 {$w0}, {$r0};", [Float32], [bits])
@@ -256,51 +231,6 @@ def device_lib():
             u = Float32(0.7978845608028654) * (x + Float32(0.044715) * x * x * x)
             return Float32(0.5) * x * (Float32(1.0) + cute.math.tanh(u, fastmath=True))
         raise ValueError(f"act2={name!r}")
-
-    @cute.jit
-    def record_error(err: Int64, code: Int32, rank: Int32, band: Int32, observed: Int64,
-                     expected: Int64, elapsed: Int64):
-        """First error wins (atom.cas on word 0); one thread calls it."""
-        old = atom_cas_s64(err, Int64(0), Int64(code))
-        if old == Int64(0):
-            st_s64(err + Int64(8), Int64(rank))
-            st_s64(err + Int64(16), Int64(band))
-            st_s64(err + Int64(24), Int64(band))
-            st_s64(err + Int64(32), observed)
-            st_s64(err + Int64(40), expected)
-            st_s64(err + Int64(48), elapsed)
-            fence_acq_rel_sys()
-
-    @cute.jit
-    def wait_ge_gpu(addr: Int64, expected: Int32, t0: Int64, timeout_ns: Int64):
-        """Spin (ld.acquire.gpu) until ``*addr - expected >= 0`` (wrap-safe) or timeout.
-        Returns (timed_out, last value, elapsed ns)."""
-        v = ld_acquire_gpu_s32(addr)
-        timed_out = Int32(0)
-        elapsed = Int64(0)
-        while v - expected < Int32(0) and timed_out == Int32(0):
-            elapsed = cute.arch.globaltimer() - t0
-            if elapsed > timeout_ns:
-                timed_out = Int32(1)
-            v = ld_acquire_gpu_s32(addr)
-        if v - expected >= Int32(0):
-            timed_out = Int32(0)
-        return timed_out, v, elapsed
-
-    @cute.jit
-    def wait_ge_sys(addr: Int64, expected: Int32, t0: Int64, timeout_ns: Int64):
-        """Same as wait_ge_gpu with ld.acquire.sys (flags written by other GPUs)."""
-        v = ld_acquire_sys_s32(addr)
-        timed_out = Int32(0)
-        elapsed = Int64(0)
-        while v - expected < Int32(0) and timed_out == Int32(0):
-            elapsed = cute.arch.globaltimer() - t0
-            if elapsed > timeout_ns:
-                timed_out = Int32(1)
-            v = ld_acquire_sys_s32(addr)
-        if v - expected >= Int32(0):
-            timed_out = Int32(0)
-        return timed_out, v, elapsed
 
     return types.SimpleNamespace(**{k: v for k, v in locals().items()
                                     if callable(v) and not k.startswith("_")})
@@ -436,7 +366,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
                                              timeout_ns)
                     if t != Int32(0):
                         to = Int32(1)
-                        L.record_error(err, Int32(ERR_READY_TIMEOUT), rank, b, Int64(v),
+                        L.record_error(err, Int32(ERR_READY_TIMEOUT), rank, b, b, Int64(v),
                                        Int64(epoch), el)
             failed = L.block_any(to)
             if failed == Int32(0):
@@ -456,7 +386,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
                                          timeout_ns)
                 if t != Int32(0):
                     to = Int32(1)
-                    L.record_error(err, Int32(ERR_ARRIVE_TIMEOUT), rank, b, Int64(v),
+                    L.record_error(err, Int32(ERR_ARRIVE_TIMEOUT), rank, b, b, Int64(v),
                                    Int64(exp_b), el)
             failed = L.block_any(to)
             if failed == Int32(0):
@@ -486,7 +416,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
                                          timeout_ns)
                 if t != Int32(0):
                     to = Int32(1)
-                    L.record_error(err, Int32(ERR_DONE_TIMEOUT), rank, b, Int64(v),
+                    L.record_error(err, Int32(ERR_DONE_TIMEOUT), rank, b, b, Int64(v),
                                    Int64(exp_b), el)
             failed = L.block_any(to)
             if failed == Int32(0):
