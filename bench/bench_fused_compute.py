@@ -6,12 +6,13 @@
 Per shape (the rank-0 slice of bench_ffn.py's shapes at G = 2: x [T, P], w1 [P, O/2], w2 [O/2, P]),
 interleaved CUDA-event timing, median:
 - ``torch``: addmm(b1) + act1 + mm (cuBLAS, bf16 out): the GEMM rate the kernel competes with;
-- ``tma128`` / ``tma256``: FusedFFNCompute with the TMA reduce-add epilogue (fp32 sub-tiles through
-  shared memory), tile_o 128 / 256 (v1 / v2); ``tma128_plain``: plain TMA stores instead of
-  reduce-adds (wrong results: isolates the cost of the L2 read-modify-write);
-- ``red128`` / ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
-  ``red256_half_grid``: on half the SMs (time nearly unchanged = a shared resource such as the
-  L2's reduction rate is the limit; time doubled = per-SM work is); ``red256_m64``: tile_m = 64.
+- ``tma256``: FusedFFNCompute's defaults (tile_o 256, TMA reduce-add epilogue, one operand ring
+  as deep as fits: 3 stages, 16-column epilogue sub-tiles); ``tma256_s2e32``: 2 stages with
+  32-column sub-tiles; ``tma256_plain``: plain TMA stores instead of reduce-adds (wrong results:
+  isolates the cost of the L2 read-modify-write); ``tma128``: tile_o 128 (5 stages);
+- ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
+  ``tma256_half_grid``: on half the SMs (time nearly unchanged = a shared resource such as the
+  L2's reduction rate is the limit; time doubled = per-SM work is); ``tma256_m64``: tile_m = 64.
 The reduce-add traffic is T * N * 4 * O_g / tile_o bytes; the table gives its rate per variant.
 """
 import argparse
@@ -40,13 +41,13 @@ def main(argv=None):
     dev = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     variants = {  # name: (FusedFFNCompute options, ccta)
-        "tma128": (dict(epilogue="tma"), 0),  # v1
-        "tma128_plain": (dict(epilogue="tma", _diag_plain_store=True), 0),
-        "tma256": (dict(epilogue="tma", tile_o=256), 0),  # v2
-        "red128": (dict(), 0),
-        "red256": (dict(tile_o=256), 0),  # v3 (FusedFFN's choice)
-        "red256_half_grid": (dict(tile_o=256), sms // 2),
-        "red256_m64": (dict(tile_o=256, tile_m=64), 0),
+        "tma256": (dict(), 0),  # v4 default: one ring, GEMM1 128 x 256, 3 stages, epi_n 16
+        "tma256_s2e32": (dict(stages=2, epi_n=32), 0),  # 2 stages, wider epilogue sub-tiles
+        "tma256_plain": (dict(_diag_plain_store=True), 0),
+        "tma128": (dict(tile_o=128), 0),  # 5 stages of 32 KiB
+        "red256": (dict(epilogue="red"), 0),
+        "tma256_half_grid": (dict(), sms // 2),
+        "tma256_m64": (dict(tile_m=64), 0),
     }
     rows = []
     for name in a.shapes.split(","):
@@ -79,7 +80,7 @@ def main(argv=None):
                           comp(x, w1, b1, w2, acc, ready, epoch, ccta=ccta, act1=a.act1))
         res = time_interleaved(fns, 3, a.rounds)
         flops = 4 * T * P * Ol
-        red_bytes = {v: T * N * 4 * Ol / kw.get("tile_o", 128)
+        red_bytes = {v: T * N * 4 * Ol / kw.get("tile_o", 256)
                      for v, (kw, _) in variants.items()}
         row = dict(shape=name, T=T, P=P, O_local=Ol, N=N, errors=errs, times=res)
         row["ms"] = {k: res[k]["median_ms"] for k in res}

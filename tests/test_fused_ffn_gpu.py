@@ -32,16 +32,16 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 SINGLE_TIMEOUT_S = 600
 
 # (M, P, O_g, N, act1, tile_m, band_rows, bias, ccta, extra FusedFFNCompute options)
-SINGLE_CASES = [
+SINGLE_CASES = [  # defaults: tile_o 256, TMA reduce-add epilogue, ring as deep as fits
     (256, 512, 256, 256, "relu", 128, 128, True, 0, {}),
-    (300, 256, 384, 384, "gelu", 128, 128, True, 16, {}),  # ragged last m-tile
+    (300, 256, 384, 384, "gelu", 128, 128, True, 16, dict(tile_o=128)),  # ragged last m-tile
     (777, 512, 256, 128, "silu", 128, 256, False, 16, {}),  # 2 m-tiles per band, ragged
-    (64, 128, 128, 256, "gelu_tanh", 64, 64, True, 120, {}),  # one unit: grid of 1
+    (64, 128, 128, 256, "gelu_tanh", 64, 64, True, 120, dict(tile_o=128)),  # one unit: grid 1
     (1000, 1024, 512, 512, "silu", 64, 128, True, 16, {}),
-    (520, 512, 768, 384, "gelu", 128, 128, True, 16, dict(tile_o=256)),  # two H chunks, ragged
-    (384, 256, 512, 256, "relu", 64, 128, False, 0, dict(tile_o=256)),
-    (300, 256, 512, 256, "gelu", 128, 128, True, 16, dict(epilogue="tma")),  # TMA reduce-add
-    (520, 512, 768, 384, "silu", 128, 256, True, 0, dict(epilogue="tma", tile_o=256)),
+    (520, 512, 768, 384, "gelu", 128, 128, True, 16, dict(epilogue="red")),  # ragged
+    (384, 256, 512, 256, "relu", 64, 128, False, 0, dict(tile_o=128, epilogue="red")),
+    (300, 256, 512, 256, "gelu", 128, 128, True, 16, dict(stages=2, epi_n=32)),
+    (520, 512, 768, 384, "silu", 128, 256, True, 0, dict(tile_o=128, epi_stages=1)),
 ]
 
 

@@ -88,6 +88,36 @@ def fused_ffn_compute_reference(x, w1, b1, w2, act1: str, acc=None):
     return acc
 
 
+def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_epi):
+    """Shared-memory plan of the kernel: returns (ring stages, epi_n).
+
+    Per CTA: the ring (stage = X tile tile_m x tile_k + one W1 tile tile_o x tile_k, or one W2
+    chunk tile_n x tile_o / 2 in the W1 tile's place: the same size when tile_n = 2 tile_k), the
+    unit's H tile (tile_m x tile_o bf16) and the fp32 epilogue buffers (tile_m x epi_n x
+    epi_stages, none for the red epilogue), plus 1 KiB for the mbarriers and alignment.
+    stages None: as many as fit; epi_n None: 32 unless that leaves fewer than 3 stages, then 16
+    (tile_o 256: 3 x 48 KiB stages + 64 KiB H + 16 KiB epilogue = 225 KiB of 227)."""
+    x_bytes, b_bytes = tile_m * tile_k * 2, tile_o * tile_k * 2
+    if tile_n * (tile_o // 2) * 2 != b_bytes:
+        raise ValueError(f"tile_n={tile_n} must be 2 * tile_k = {2 * tile_k} (a W2 chunk fills "
+                         f"a W1 stage buffer)")
+    h_bytes = tile_m * tile_o * 2
+
+    def fit(n):
+        epi = 0 if red_epi else tile_m * n * 4 * epi_stages
+        return (_SMEM_CAPACITY_SM90 - 1024 - h_bytes - epi) // (x_bytes + b_bytes)
+
+    if epi_n is None:
+        epi_n = 32 if red_epi or fit(32) >= 3 else 16
+    max_stages = fit(epi_n)
+    stages = max_stages if stages is None else stages
+    if stages < 2 or stages > max_stages:
+        raise ValueError(f"stages={stages} does not fit in shared memory (2..{max_stages} with "
+                         f"tile_m={tile_m}, tile_o={tile_o}, epi_n={epi_n}, "
+                         f"epi_stages={epi_stages})")
+    return stages, epi_n
+
+
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
@@ -112,17 +142,18 @@ def _kernel_class():
     act_fn = device_lib().act  # fp32 relu / gelu (erf) / gelu_tanh / silu, same as act2
 
     class _FusedFFNKernel:
-        def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages1, stages2, epi_n,
-                     epi_stages, signal_k_tile, diag_plain_store=False, epilogue="tma"):
+        def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages, epi_n, epi_stages,
+                     signal_k_tile, diag_plain_store=False, epilogue="tma"):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, tile_k
-            # H of one unit is tile_m x tile_o, computed and stored in chunks of 128 columns
-            # (GEMM1 accumulator 64 x 128 per warpgroup); GEMM2 reduces over all of them, so one
-            # unit's fp32 output (the reduce-add traffic) serves tile_o hidden columns
-            self.oc = 128
-            self.chunks = tile_o // self.oc
+            # GEMM1 computes the unit's whole tile_m x tile_o H tile at once (accumulator
+            # 64 x tile_o per warpgroup): X and W1 are read once per unit. GEMM2 reduces over
+            # all tile_o hidden columns, taking W2 in two k-chunks of tile_o / 2 rows per n tile,
+            # so that a W2 chunk (tile_n x tile_o / 2) is exactly as large as a W1 tile
+            # (tile_o x tile_k): both live in the same stage buffer of the one shared ring.
+            self.kc2 = tile_o // 2
             self.act1 = act1
-            self.req_stages1, self.stages2 = stages1, stages2
+            self.req_stages = stages
             self.epi_n, self.epi_stage = epi_n, epi_stages
             self.signal_k_tile = signal_k_tile
             self.diag_plain_store = diag_plain_store
@@ -131,8 +162,6 @@ def _kernel_class():
             # once, no shared-memory round trip, no barriers). "tma" (default): fp32 sub-tiles
             # through shared memory and TMA reduce-add. About as fast as each other (NOTES.md).
             self.red_epi = epilogue == "red"
-            if self.red_epi:  # the (unused) TMA output buffer shrinks to one 16-column sub-tile
-                epi_n, epi_stages = 16, 1
             # one consumer warpgroup per 64 rows; WG w owns rows [64 w, 64 w + 64) of the tile in
             # both GEMMs, so the H rows it writes to sH are the ones its GEMM2 reads.
             self.num_mma_wg = tile_m // 64
@@ -147,16 +176,20 @@ def _kernel_class():
             self.epi_barrier = pipeline.NamedBarrier(barrier_id=1,
                                                      num_threads=self.num_mma_threads)
             self.buffer_align_bytes = 1024
+            self.stages, self.epi_n = _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n,
+                                                 epi_stages, self.red_epi)
+            if self.red_epi:  # the (unused) TMA output buffer shrinks to one 16-column sub-tile
+                self.epi_n, self.epi_stage = 16, 1
 
         # ---------------------------------------------------------------- host-side setup
         def _setup(self):
             bf16, f32 = cutlass.BFloat16, cutlass.Float32
             kmaj = LayoutEnum.ROW_MAJOR  # A operands (X, sH): K contiguous
-            # GEMM1: A = X tile (K-major), B = W1 tile (O contiguous: MN-major)
+            # GEMM1: A = X tile (K-major), B = W1 tile (O contiguous: MN-major), N = tile_o
             self.tiled_mma1 = sm90_utils.make_trivial_tiled_mma(
                 bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.oc))
-            # GEMM2: A = sH (K-major, K = tile_o in chunks), B = W2 chunk (N contiguous)
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_o))
+            # GEMM2: A = sH (K-major, K = tile_o), B = W2 chunks (N contiguous)
             self.tiled_mma2 = sm90_utils.make_trivial_tiled_mma(
                 bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
                 self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n))
@@ -167,29 +200,21 @@ def _kernel_class():
                 major_size = shape_2d[1] if is_k_major else shape_2d[0]
                 atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
                     sm90_utils.get_smem_layout_atom(layout, dtype, major_size), dtype)
+                if stages is None:
+                    return cute.tile_to_shape(atom, shape_2d,
+                                              order=(0, 1) if is_k_major else (1, 0))
                 return cute.tile_to_shape(atom, cute.append(shape_2d, stages),
                                           order=(0, 1, 2) if is_k_major else (1, 0, 2))
 
-            x_bytes = self.tile_m * self.tile_k * 2
-            w1_bytes = self.oc * self.tile_k * 2
-            w2_bytes = self.tile_n * self.oc * 2
-            h_bytes = self.tile_m * self.tile_o * 2
-            epi_bytes = 0 if self.red_epi else self.tile_m * self.epi_n * 4 * self.epi_stage
-            fixed = 1024 + self.stages2 * w2_bytes + h_bytes + epi_bytes  # + mbarriers, align
-            max_stages1 = (_SMEM_CAPACITY_SM90 - fixed) // (x_bytes + w1_bytes)
-            self.stages1 = max_stages1 if self.req_stages1 is None else self.req_stages1
-            if self.stages1 < 2 or self.stages1 > max_stages1:
-                raise ValueError(f"stages1={self.stages1} does not fit in shared memory "
-                                 f"(2..{max_stages1} with stages2={self.stages2}, "
-                                 f"epi_stages={self.epi_stage})")
-            self.tx1 = x_bytes + w1_bytes
-            self.tx2 = w2_bytes
-            self.sX_layout = smem_layout(kmaj, bf16, (self.tile_m, self.tile_k), self.stages1)
-            self.sW1_layout = smem_layout(self.b_layout, bf16, (self.oc, self.tile_k),
-                                          self.stages1)
-            self.sW2_layout = smem_layout(self.b_layout, bf16, (self.tile_n, self.oc),
-                                          self.stages2)
-            self.sH_layout = smem_layout(kmaj, bf16, (self.tile_m, self.oc), self.chunks)
+            # the ring: stage s = X tile in sX[s] and a W1 tile or a W2 chunk in sB[s]
+            self.tx1 = (self.tile_m + self.tile_o) * self.tile_k * 2  # GEMM1 k step: X + W1
+            self.tx2 = self.tile_n * self.kc2 * 2  # GEMM2 chunk: W2 only (sX[s] idle)
+            self.sX_layout = smem_layout(kmaj, bf16, (self.tile_m, self.tile_k), self.stages)
+            self.sW1_layout = smem_layout(self.b_layout, bf16, (self.tile_o, self.tile_k),
+                                          self.stages)
+            self.sW2_layout = smem_layout(self.b_layout, bf16, (self.tile_n, self.kc2),
+                                          self.stages)
+            self.sH_layout = smem_layout(kmaj, bf16, (self.tile_m, self.tile_o), None)
             o_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
                 sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, f32, self.epi_n), f32)
             self.sO_layout = cute.tile_to_shape(o_atom, cute.append(self.epi_tile, self.epi_stage),
@@ -211,9 +236,9 @@ def _kernel_class():
             tma_atom_x, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 G2S(), mX, sX1, (self.tile_m, self.tile_k))
             tma_atom_w1, tma_w1 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                G2S(), mW1, sW11, (self.oc, self.tile_k))
+                G2S(), mW1, sW11, (self.tile_o, self.tile_k))
             tma_atom_w2, tma_w2 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                G2S(), mW2, sW21, (self.tile_n, self.oc))
+                G2S(), mW2, sW21, (self.tile_n, self.kc2))
             # TMA reduce-add of fp32 sub-tiles into acc (cp.reduce.async.bulk.tensor ... .add)
             # (diag_plain_store: a plain TMA store instead, wrong results; isolates the cost of
             # the L2 read-modify-write in bench/bench_fused_compute.py)
@@ -225,14 +250,12 @@ def _kernel_class():
 
             @cute.struct
             class SharedStorage:
-                mbar1: cute.struct.MemRange[cutlass.Int64, self.stages1 * 2]
-                mbar2: cute.struct.MemRange[cutlass.Int64, self.stages2 * 2]
+                mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
                 sX: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sX_layout)],
                                       self.buffer_align_bytes]
-                sW1: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sW1_layout)],
-                                       self.buffer_align_bytes]
-                sW2: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sW2_layout)],
-                                       self.buffer_align_bytes]
+                # W1 tiles and W2 chunks share these buffers (same size, see _ring_plan)
+                sB: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sW1_layout)],
+                                      self.buffer_align_bytes]
                 sH: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sH_layout)],
                                       self.buffer_align_bytes]
                 # the red epilogue needs no output staging: 4 bytes stand in for sO
@@ -272,34 +295,32 @@ def _kernel_class():
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             cta_vmnk = cute.make_layout((1, 1, 1, 1))
-            # stage: X tile + W1 tile (GEMM1 k step)
-            pipe1 = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar1.data_ptr(), num_stages=self.stages1,
+            # one ring for both GEMMs, consumed in the order it is filled: a unit's P / tile_k
+            # GEMM1 stages (X + W1, tx1 bytes), then 2 W2 chunk stages per n tile (tx2 bytes,
+            # armed by hand in the producer). One ring instead of two lets the next GEMM's
+            # operands stream in while the current one finishes and gives each GEMM all stages.
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                          self.num_mma_wg * 4),
                 tx_count=self.tx1, cta_layout_vmnk=cta_vmnk, defer_sync=True)
-            # stage: one tile_n x 128 W2 chunk (a GEMM2 product takes `chunks` stages)
-            pipe2 = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar2.data_ptr(), num_stages=self.stages2,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.num_mma_wg * 4),
-                tx_count=self.tx2, cta_layout_vmnk=cta_vmnk, defer_sync=True)
             pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
             sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
-            sW1 = storage.sW1.get_tensor(sW1_layout.outer, swizzle=sW1_layout.inner)
-            sW2 = storage.sW2.get_tensor(sW2_layout.outer, swizzle=sW2_layout.inner)
-            sH3 = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)  # M,128,chunk
+            sW1 = storage.sB.get_tensor(sW1_layout.outer, swizzle=sW1_layout.inner)
+            sW2 = storage.sB.get_tensor(sW2_layout.outer, swizzle=sW2_layout.inner)
+            sH = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)  # M, tile_o
             sO = None
             if cutlass.const_expr(not self.red_epi):
                 sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
             gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))  # bM,bK,RM,RK
             # weights are (.., E): expert e = mMtE[m_tile] (E = 1 and zeros for the dense layer)
-            gW1 = cute.local_tile(mW1, (self.oc, self.tile_k), (None, None, None))  # bO,bK,RO,RK,E
-            gW2 = cute.local_tile(mW2, (self.tile_n, self.oc), (None, None, None))  # bN,bO,RN,RO,E
+            gW1 = cute.local_tile(mW1, (self.tile_o, self.tile_k),
+                                  (None, None, None))  # bO,bK,RO,RK,E
+            gW2 = cute.local_tile(mW2, (self.tile_n, self.kc2),
+                                  (None, None, None))  # bN,bO2,RN,RO2,E
             gAcc = cute.local_tile(mAcc, (self.tile_m, self.tile_n), (None, None))  # bM,bN,RM,RN
 
             one = cute.make_layout(1)
@@ -317,17 +338,17 @@ def _kernel_class():
             thr_mma2 = tiled_mma2.get_slice(wg_slice)
             tCrX = tiled_mma1.make_fragment_A(thr_mma1.partition_A(sX))
             tCrW1 = tiled_mma1.make_fragment_B(thr_mma1.partition_B(sW1))
-            tCrH = tiled_mma2.make_fragment_A(thr_mma2.partition_A(sH3))  # (.., kb, chunk)
-            tCrW2 = tiled_mma2.make_fragment_B(thr_mma2.partition_B(sW2))
+            tCrH = tiled_mma2.make_fragment_A(thr_mma2.partition_A(sH))  # (.., kb over tile_o)
+            tCrW2 = tiled_mma2.make_fragment_B(thr_mma2.partition_B(sW2))  # (.., kb, stage)
             # coordinates of the GEMM1 accumulator elements (for the bias column)
-            tCcH = thr_mma1.partition_C(cute.make_identity_tensor((self.tile_m, self.oc)))
+            tCcH = thr_mma1.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_o)))
             acc1 = cute.make_rmem_tensor(tCcH.shape, self.acc_dtype)
             tCcO = thr_mma2.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             acc2 = cute.make_rmem_tensor(tCcO.shape, self.acc_dtype)
 
             k_tiles = cute.size(gX, mode=[3])  # P / tile_k
             m_tiles = cute.size(gX, mode=[2])  # ceil(M / tile_m): TMA clips the ragged tail
-            J = cute.size(gW1, mode=[2]) // self.chunks  # O_g / tile_o
+            J = cute.size(gW1, mode=[2])  # O_g / tile_o
             n_tiles = cute.size(gAcc, mode=[3])  # N / tile_n
             total_units = m_tiles * J
 
@@ -337,41 +358,36 @@ def _kernel_class():
                 cute.arch.setmaxregister_decrease(self.load_regs)
             # ------------------------------------------------------------ producer (TMA) warp
             if warp_idx == self.load_warp_id:
-                st1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                   self.stages1)
-                st2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                   self.stages2)
+                st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                  self.stages)
                 u = cutlass.Int32(bidx)
                 while u < total_units:
                     m_tile = u // J
                     j_tile = u - m_tile * J
-                    tXgX_k = tXgX[(None, m_tile, None)]
                     e = mMtE[m_tile]
-                    for c in cutlass.range_constexpr(self.chunks):  # GEMM1 per 128-col chunk
-                        tW1gW1_k = tW1gW1[(None, j_tile * self.chunks + c, None, e)]
-                        for k_tile in range(k_tiles):
-                            pipe1.producer_acquire(st1)
-                            bar1 = pipe1.producer_get_barrier(st1)
-                            cute.copy(tma_atom_x, tXgX_k[(None, k_tile)],
-                                      tXsX[(None, st1.index)], tma_bar_ptr=bar1)
-                            cute.copy(tma_atom_w1, tW1gW1_k[(None, k_tile)],
-                                      tW1sW1[(None, st1.index)], tma_bar_ptr=bar1)
-                            pipe1.producer_commit(st1)
-                            st1.advance()
-                    for nn in range(n_tiles):
+                    for k_tile in range(k_tiles):  # GEMM1: X tile + W1 tile per stage
+                        pipe.producer_acquire(st)
+                        bar = pipe.producer_get_barrier(st)
+                        cute.copy(tma_atom_x, tXgX[(None, m_tile, k_tile)],
+                                  tXsX[(None, st.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_w1, tW1gW1[(None, j_tile, k_tile, e)],
+                                  tW1sW1[(None, st.index)], tma_bar_ptr=bar)
+                        pipe.producer_commit(st)
+                        st.advance()
+                    for nn in range(n_tiles):  # GEMM2: two W2 chunks per n tile
                         n_tile = nn + j_tile
                         n_tile = n_tile - (n_tile // n_tiles) * n_tiles  # rotated start
-                        for c in cutlass.range_constexpr(self.chunks):  # K of GEMM2 by chunk
-                            pipe2.producer_acquire(st2)
-                            bar2 = pipe2.producer_get_barrier(st2)
-                            cute.copy(tma_atom_w2,
-                                      tW2gW2[(None, n_tile, j_tile * self.chunks + c, e)],
-                                      tW2sW2[(None, st2.index)], tma_bar_ptr=bar2)
-                            pipe2.producer_commit(st2)
-                            st2.advance()
+                        for c in cutlass.range_constexpr(2):
+                            # producer_acquire with this stage's byte count (tx2, not tx1)
+                            pipe.sync_object_empty.wait(st.index, st.phase)
+                            pipe.sync_object_full.arrive_and_expect_tx(st.index, self.tx2)
+                            bar = pipe.producer_get_barrier(st)
+                            cute.copy(tma_atom_w2, tW2gW2[(None, n_tile, j_tile * 2 + c, e)],
+                                      tW2sW2[(None, st.index)], tma_bar_ptr=bar)
+                            pipe.producer_commit(st)
+                            st.advance()
                     u = u + gdim
-                pipe1.producer_tail(st1)
-                pipe2.producer_tail(st2)
+                pipe.producer_tail(st)
 
             # ------------------------------------------------------------ consumer warpgroups
             if warp_group_idx > 0:
@@ -382,17 +398,13 @@ def _kernel_class():
                 # the coordinates of the warpgroup's first thread; run 5 on the H200 failed with
                 # the bias added at the wrong columns, ~12% error, when it was used here)
                 tCcH_thr = tiled_mma1.get_slice(ctid).partition_C(
-                    cute.make_identity_tensor((self.tile_m, self.oc)))
-                read1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                     self.stages1)
-                rel1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                    self.stages1)
-                read2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                     self.stages2)
-                rel2 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                    self.stages2)
+                    cute.make_identity_tensor((self.tile_m, self.tile_o)))
+                read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                    self.stages)
+                rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                   self.stages)
                 num_kb1 = cute.size(tCrX, mode=[2])
-                num_kb2 = cute.size(tCrH, mode=[2])
+                num_kb2 = cute.size(tCrW2, mode=[2])  # k blocks per W2 chunk (tile_o / 32)
 
                 # H: fp32 accumulator -> bf16 -> sH with stmatrix
                 h_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), bf16)
@@ -401,9 +413,9 @@ def _kernel_class():
                                                       elem_ty_acc=self.acc_dtype),
                     cute.make_tiled_copy_C_atom(h_atom, tiled_mma1))
                 thr_h = h_copy.get_slice(ctid)
-                tRS_sH = thr_h.partition_D(sH3)  # (.., chunk)
+                tRS_sH = thr_h.partition_D(sH)
                 tRS_rAcc1 = h_copy.retile(acc1)
-                rH_shape = cute.shape(thr_h.partition_S(sH3[(None, None, 0)]))
+                rH_shape = cute.shape(thr_h.partition_S(sH))
                 tRS_rHf = cute.make_rmem_tensor(rH_shape, self.acc_dtype)
                 tRS_rH = cute.make_rmem_tensor(rH_shape, bf16)
                 size_rH = cute.size(tRS_rHf)
@@ -449,79 +461,70 @@ def _kernel_class():
                     j_tile = u - m_tile * J
                     e = mMtE[m_tile]
 
-                    for c in cutlass.range_constexpr(self.chunks):
-                        # ---- GEMM1 of chunk c: acc1 = b1[cols] (+) X[m] @ W1[:, cols],
-                        # cols = the 128 hidden columns (j_tile * chunks + c) * 128 ...
-                        jc = j_tile * self.chunks + c
-                        for i in cutlass.range_constexpr(cute.size(acc1)):
-                            acc1[i] = mB1[(e, jc * self.oc + tCcH_thr[i][1])]
-                        read1.reset_count()
-                        rel1.reset_count()
-                        tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                        cute.nvgpu.warpgroup.fence()
-                        pipe1.consumer_wait(read1)
+                    # ---- GEMM1: acc1 = b1[cols] (+) X[m] @ W1[:, cols] over the unit's tile_o
+                    # hidden columns cols = j_tile * tile_o + [0, tile_o)
+                    for i in cutlass.range_constexpr(cute.size(acc1)):
+                        acc1[i] = mB1[(e, j_tile * self.tile_o + tCcH_thr[i][1])]
+                    tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    pipe.consumer_wait(read)
+                    for kb in cutlass.range_constexpr(num_kb1):
+                        cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read.index)],
+                                  tCrW1[(None, None, kb, read.index)], acc1)
+                    cute.nvgpu.warpgroup.commit_group()
+                    read.advance()
+                    for k_tile in range(1, k_tiles):
+                        pipe.consumer_wait(read)
                         for kb in cutlass.range_constexpr(num_kb1):
-                            cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read1.index)],
-                                      tCrW1[(None, None, kb, read1.index)], acc1)
+                            cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read.index)],
+                                      tCrW1[(None, None, kb, read.index)], acc1)
                         cute.nvgpu.warpgroup.commit_group()
-                        read1.advance()
-                        for k_tile in range(1, k_tiles):
-                            pipe1.consumer_wait(read1)
-                            for kb in cutlass.range_constexpr(num_kb1):
-                                cute.gemm(tiled_mma1, acc1,
-                                          tCrX[(None, None, kb, read1.index)],
-                                          tCrW1[(None, None, kb, read1.index)], acc1)
-                            cute.nvgpu.warpgroup.commit_group()
-                            cute.nvgpu.warpgroup.wait_group(1)
-                            pipe1.consumer_release(rel1)
-                            rel1.advance()
-                            read1.advance()
-                            # deferred count of the previous unit (first chunk only: it resets
-                            # pend_band): its reductions were issued a whole GEMM1 ago, so the
-                            # wait_group 0 inside rarely stalls
-                            if k_tile == signal_k and pend_band >= 0:
-                                self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
-                                                 is_store_warp, ctid)
-                                pend_band = cutlass.Int32(-1)
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        pipe1.consumer_release(rel1)
-                        rel1.advance()
-                        if pend_band >= 0:  # P / tile_k too small for an in-loop count
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        pipe.consumer_release(rel)
+                        rel.advance()
+                        read.advance()
+                        # deferred count of the previous unit: its reductions were issued a
+                        # whole GEMM1 ago, so the wait_group 0 inside rarely stalls
+                        if k_tile == signal_k and pend_band >= 0:
                             self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
                                              is_store_warp, ctid)
                             pend_band = cutlass.Int32(-1)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    pipe.consumer_release(rel)
+                    rel.advance()
+                    if pend_band >= 0:  # P / tile_k too small for an in-loop count
+                        self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
+                                         is_store_warp, ctid)
+                        pend_band = cutlass.Int32(-1)
 
-                        # ---- act1 in registers, bf16, stmatrix into chunk c of sH (each
-                        # warpgroup writes and later reads only its own 64 rows)
-                        for i in cutlass.range_constexpr(cute.size(acc1)):
-                            acc1[i] = act_fn(acc1[i], self.act1)
-                        for v in cutlass.range_constexpr(size_rH):
-                            tRS_rHf[v] = tRS_rAcc1[v]
-                        tRS_rH.store(tRS_rHf.load().to(bf16))
-                        cute.copy(h_copy, tRS_rH, tRS_sH[(None, None, None, c)])
+                    # ---- act1 in registers, bf16, stmatrix into sH (each warpgroup writes and
+                    # later reads only its own 64 rows, after its own GEMM2 WGMMAs completed)
+                    for v in cutlass.range_constexpr(size_rH):
+                        tRS_rHf[v] = act_fn(tRS_rAcc1[v], self.act1)
+                    tRS_rH.store(tRS_rHf.load().to(bf16))
+                    cute.copy(h_copy, tRS_rH, tRS_sH)
                     # generic-proxy smem writes -> visible to WGMMA (async proxy) reads
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self.epi_barrier.arrive_and_wait()
 
-                    # ---- GEMM2 + TMA reduce-add, one n tile at a time
+                    # ---- GEMM2 + reduce-add, one n tile at a time
                     for nn in range(n_tiles):
                         n_tile = nn + j_tile
                         n_tile = n_tile - (n_tile // n_tiles) * n_tiles
                         acc2.fill(0.0)
                         tiled_mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                         cute.nvgpu.warpgroup.fence()
-                        for c in cutlass.range_constexpr(self.chunks):  # K = tile_o by chunk
-                            pipe2.consumer_wait(read2)
+                        for c in cutlass.range_constexpr(2):  # K = tile_o in two W2 chunks
+                            pipe.consumer_wait(read)
                             for kb in cutlass.range_constexpr(num_kb2):
-                                cute.gemm(tiled_mma2, acc2, tCrH[(None, None, kb, c)],
-                                          tCrW2[(None, None, kb, read2.index)], acc2)
+                                cute.gemm(tiled_mma2, acc2, tCrH[(None, None, c * num_kb2 + kb)],
+                                          tCrW2[(None, None, kb, read.index)], acc2)
                             cute.nvgpu.warpgroup.commit_group()
-                            read2.advance()
+                            read.advance()
                         cute.nvgpu.warpgroup.wait_group(0)
-                        for c in cutlass.range_constexpr(self.chunks):
-                            pipe2.consumer_release(rel2)
-                            rel2.advance()
-
+                        for c in cutlass.range_constexpr(2):
+                            pipe.consumer_release(rel)
+                            rel.advance()
                         if cutlass.const_expr(self.red_epi):
                             # fire-and-forget fp32 adds from registers (pairs of adjacent
                             # columns of the WGMMA accumulator); rows past M are skipped
@@ -642,8 +645,8 @@ class FusedFFNCompute:
 
     _compiled = {}
 
-    def __init__(self, tile_m=128, tile_o=128, tile_n=128, band_rows=None, stages1=None,
-                 stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None, epilogue="tma",
+    def __init__(self, tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
+                 epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma",
                  _diag_plain_store=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
@@ -656,22 +659,23 @@ class FusedFFNCompute:
                 or band_rows % tile_m:
             raise ValueError(f"band_rows={band_rows!r} must be a positive multiple of "
                              f"tile_m={tile_m}")
-        if stages1 is not None and (not isinstance(stages1, int) or stages1 < 2):
-            raise ValueError(f"stages1 must be None or an int >= 2, got {stages1!r}")
-        if not isinstance(stages2, int) or stages2 < 1:
-            raise ValueError(f"stages2 must be an int >= 1, got {stages2!r}")
+        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
+                                   or stages < 2):
+            raise ValueError(f"stages must be None or an int >= 2, got {stages!r}")
         if epilogue not in ("red", "tma"):
             raise ValueError(f"epilogue must be 'red' or 'tma', got {epilogue!r}")
         if _diag_plain_store and epilogue != "tma":
             raise ValueError("_diag_plain_store applies to epilogue='tma' only")
-        if epi_n not in (16, 32):
-            raise ValueError(f"epi_n must be 16 or 32, got {epi_n}")
+        if epi_n not in (None, 16, 32):
+            raise ValueError(f"epi_n must be None, 16 or 32, got {epi_n}")
         if not isinstance(epi_stages, int) or epi_stages < 1:
             raise ValueError(f"epi_stages must be an int >= 1, got {epi_stages!r}")
         self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, 64
         self.band_rows = band_rows
-        self.stages1, self.stages2 = stages1, stages2
-        self.epi_n, self.epi_stages = epi_n, epi_stages
+        # shared-memory plan (raises if it does not fit): ring depth and epilogue sub-tile
+        self.stages, self.epi_n = _ring_plan(tile_m, tile_o, tile_n, self.tile_k, stages, epi_n,
+                                             epi_stages, epilogue == "red")
+        self.epi_stages = epi_stages
         self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
         self._diag_plain_store = bool(_diag_plain_store)  # benchmarks only: results are wrong
         self.epilogue = epilogue
@@ -744,13 +748,13 @@ class FusedFFNCompute:
 
     # ---------------------------------------------------------------- compilation
     def _key(self, P, O, N, act1):
-        return (self.tile_m, self.tile_o, self.tile_n, self.stages1, self.stages2, self.epi_n,
+        return (self.tile_m, self.tile_o, self.tile_n, self.stages, self.epi_n,
                 self.epi_stages, self.signal_k_tile, self._diag_plain_store, self.epilogue, act1,
                 int(P), int(O), int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
-                                   self.stages1, self.stages2, self.epi_n, self.epi_stages,
+                                   self.stages, self.epi_n, self.epi_stages,
                                    self.signal_k_tile, self._diag_plain_store, self.epilogue)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
