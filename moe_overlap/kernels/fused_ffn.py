@@ -28,18 +28,22 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
   u = m_tile * J + j (J = O_g / tile_o): m-major, so the J contributions of one band run at the
   same time on J CTAs and bands complete (and are published) in order; CTA i takes
   u = i, i + G, ... with G = SMs - ccta (a launch argument).
-* GEMM1, per 128-column chunk of the unit's tile_o (1 or 2 chunks): K-loop over P (tile_k = 64)
-  through a TMA/mbarrier pipeline (X tile + W1 chunk per stage); the accumulator starts at b1
-  (fp32), so the bias costs nothing; act1 in registers; converted to bf16 and written to shared
-  memory (``sH``, chunk c of the K-major swizzled layout WGMMA reads as its A operand) with
-  stmatrix + ``fence.proxy.async.shared::cta``. H never goes to HBM.
+* One TMA/mbarrier ring of stages feeds both GEMMs, consumed in the order it is filled: per unit,
+  P / tile_k GEMM1 stages (X tile + W1 tile), then two W2 chunk stages per n-tile (a W2 chunk,
+  tile_n x tile_o / 2, lives in the W1 tile's buffer: same size). One ring gives each GEMM every
+  stage and streams the next GEMM's operands while the current one finishes (``_ring_plan``:
+  tile_o 256 -> 3 x 48 KiB stages + 64 KiB H + 16 KiB epilogue buffers).
+* GEMM1: the unit's whole tile_m x tile_o H tile at once (64 x tile_o WGMMA accumulator per
+  warpgroup, X read once per unit); the accumulator starts at b1 (fp32), so the bias costs
+  nothing; act1 in registers; converted to bf16 and written to shared memory (``sH``, the
+  K-major swizzled layout WGMMA reads as its A operand) with stmatrix +
+  ``fence.proxy.async.shared::cta``. H never goes to HBM.
 * GEMM2: for each n-tile (rotated start n = j mod N/tile_n, so the J CTAs of a band do not
   reduce into the same columns at once): acc_tile = sH @ W2[j, n] with K = tile_o (A from smem,
-  B from a second TMA pipeline of tile_n x 128 W2 chunks), then the fp32 tile is added into acc:
+  B = the two W2 chunks from the ring), then the fp32 tile is added into acc:
   ``epilogue="tma"`` (default) in ``tile_m x epi_n`` sub-tiles through ``epi_stages``
-  shared-memory buffers with TMA reduce-add (``cp.reduce.async.bulk.tensor...add``), in flight
-  while the next product's WGMMAs run; ``epilogue="red"`` straight from registers with
-  ``red.global.add.v2.f32``.
+  shared-memory buffers with TMA reduce-add (``cp.reduce.async.bulk.tensor...add``);
+  ``epilogue="red"`` straight from registers with ``red.global.add.v2.f32``.
 * Counting: the unit (m, j) is complete once its N/tile_n reductions have completed; the
   epilogue warp (the one that issued them; every consumer thread with the red epilogue, see
   ``_count_unit``) counts it on ``band_counter[b]`` and the last of the
@@ -47,13 +51,13 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
   posted (deferred, as in grouped_gemm) in the middle of the next unit's GEMM1 k-loop, when the
   reductions are long finished. See ``_count_unit`` for the memory-ordering argument.
 
-Measured (2x H200, bench/NOTES.md): correct; ~320 TFLOP/s at tile_o 256 against cuBLAS's ~750.
-Nsight Compute: the consumer warpgroups wait mostly on GEMM1's pipeline (only 2 stages fit next to
-the H tile, the W2 chunks and the epilogue buffers, and X is re-read per chunk), with the L2
-52-73 % busy. Not done yet: GEMM1 as one 128 x 256 tile, clusters with TMA multicast of W1 / W2,
-GEMM2 / epilogue ping-pong; tile_n = 128 only; one consumer warpgroup per 64 rows of tile_m
-(tile_m 64 or 128). The pipeline mbarrier waits are the usual unbounded ones (TMA completion);
-the kernel never waits on another CTA or on the communication blocks (one-way dependency).
+Measured (2x H200, bench/NOTES.md): correct; v4 (this structure) ~430 TFLOP/s on the llama3-8b
+slice against cuBLAS's ~740 (v3, two 128-column GEMM1 chunks and separate pipelines: ~320).
+Not done yet: GEMM2 / epilogue ping-pong (the epilogue still serializes with GEMM2; a
+two-accumulator attempt made ptxas serialize the WGMMAs, see NOTES), clusters with TMA multicast
+of W1 / W2; tile_n = 128 only; one consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128).
+The pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never waits
+on another CTA or on the communication blocks (one-way dependency).
 
 cutlass is imported lazily: importing this module needs only torch.
 """
@@ -617,17 +621,18 @@ def _get_kernel_class():
 class FusedFFNCompute:
     """Compute blocks of the fused TP FFN (see the module docstring).
 
-    FusedFFNCompute(tile_m=128, tile_o=128, tile_n=128, band_rows=None, stages1=None,
-                    stages2=2, epi_n=32, epi_stages=2, signal_k_tile=None, epilogue="tma")
+    FusedFFNCompute(tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
+                    epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma")
         tile_m in {64, 128} (one consumer warpgroup per 64 rows); tile_o in {128, 256} (hidden
-        columns per unit, computed in 128-column chunks kept in shared memory; 256 halves the
-        fp32 reduce-add traffic); tile_n = 128; band_rows: rows per ready flag, a multiple of
-        tile_m (None: tile_m); must equal the BandAllReduce's band_rows; stages1: GEMM1 pipeline
-        depth (None: as many as fit); stages2: W2 chunk buffers; epi_n (fp32 columns per reduce
-        sub-tile, 32) and epi_stages (sub-tile buffers); signal_k_tile: GEMM1 k iteration of the
-        next unit at which the previous unit is counted (None: the middle); epilogue: "tma"
-        (fp32 sub-tiles through shared memory, TMA reduce-add) or "red" (red.global.add.v2.f32
-        straight from registers; about as fast, see bench/NOTES.md).
+        columns per unit: GEMM1's N, GEMM2's K; 256 halves the fp32 reduce-add traffic and is
+        faster, 128 serves O_g that 256 does not divide); tile_n = 128; band_rows: rows per
+        ready flag, a multiple of tile_m (None: tile_m); must equal the BandAllReduce's
+        band_rows; stages: depth of the operand ring (None: as many as fit, see _ring_plan);
+        epi_n (fp32 columns per reduce sub-tile; None: 32, or 16 where 32 would leave fewer than
+        3 stages) and epi_stages (sub-tile buffers); signal_k_tile: GEMM1 k iteration of the next
+        unit at which the previous unit is counted (None: the middle); epilogue: "tma" (fp32
+        sub-tiles through shared memory, TMA reduce-add) or "red" (red.global.add.v2.f32
+        straight from registers; slower since v4, see bench/NOTES.md).
 
     __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc
         x [M, P] bf16, w1 [P, O_g] bf16, b1 [O_g] (any float dtype) or None, w2 [O_g, N] bf16,
