@@ -145,6 +145,17 @@ def _kernel_class():
 
     act_fn = device_lib().act  # fp32 relu / gelu (erf) / gelu_tanh / silu, same as act2
 
+    def acc_to_smem_copy(tiled_mma, elem_ty_d):
+        """Tiled copy of a (row-major) fp32 WGMMA accumulator into shared memory as elem_ty_d:
+        stmatrix for bf16 (H), plain st.shared for fp32 (the epilogue's sub-tiles); the 16-bit
+        stmatrix atom gives the accumulator's thread/value layout in both cases."""
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4),
+                                   cutlass.BFloat16)
+        return cute.make_tiled_copy_S(
+            sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=elem_ty_d,
+                                              elem_ty_acc=cutlass.Float32),
+            cute.make_tiled_copy_C_atom(atom, tiled_mma))
+
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages, epi_n, epi_stages,
                      signal_k_tile, diag_plain_store=False, epilogue="tma"):
@@ -411,11 +422,7 @@ def _kernel_class():
                 num_kb2 = cute.size(tCrW2, mode=[2])  # k blocks per W2 chunk (tile_o / 32)
 
                 # H: fp32 accumulator -> bf16 -> sH with stmatrix
-                h_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), bf16)
-                h_copy = cute.make_tiled_copy_S(
-                    sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=bf16,
-                                                      elem_ty_acc=self.acc_dtype),
-                    cute.make_tiled_copy_C_atom(h_atom, tiled_mma1))
+                h_copy = acc_to_smem_copy(tiled_mma1, bf16)
                 thr_h = h_copy.get_slice(ctid)
                 tRS_sH = thr_h.partition_D(sH)
                 tRS_rAcc1 = h_copy.retile(acc1)
@@ -425,13 +432,8 @@ def _kernel_class():
                 size_rH = cute.size(tRS_rHf)
 
                 if cutlass.const_expr(not self.red_epi):
-                    # output: fp32 sub-tiles -> sO (st.shared; the 16-bit stmatrix atom only gives
-                    # the accumulator's thread/value layout) -> TMA reduce-add
-                    o_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), bf16)
-                    o_copy = cute.make_tiled_copy_S(
-                        sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=f32,
-                                                          elem_ty_acc=self.acc_dtype),
-                        cute.make_tiled_copy_C_atom(o_atom, tiled_mma2))
+                    # output: fp32 sub-tiles -> sO (st.shared) -> TMA reduce-add
+                    o_copy = acc_to_smem_copy(tiled_mma2, f32)
                     thr_o = o_copy.get_slice(ctid)
                     tRS_sO = thr_o.partition_D(sO)
                     tRS_rAcc2 = o_copy.retile(acc2)
