@@ -69,6 +69,10 @@ def parse_args(argv=None):
     ap.add_argument("--fused-ccta", type=int, default=None,
                     help="SMs of the fused layer's communication blocks (default: FusedFFN's)")
     ap.add_argument("--fused-tile-m", type=int, default=128, choices=(64, 128))
+    ap.add_argument("--lead-ms", type=float, default=4.0,
+                    help="GPU sleep before each timed call so that the events time GPU work, "
+                         "not the host's launch path (0: time from the host's first "
+                         "instruction after the barrier, as before 2026-11-30)")
     ap.add_argument("--quick", action="store_true", help="3 shapes, 10 rounds")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan (shapes, FLOPs, bytes) and exit; no GPU needed")
@@ -153,7 +157,10 @@ def bench_shape(a, name, rank, world, dev):
         fused_info = add_fused(a, fns, x, w1, b1, w2, b2, y, baseline, rank, world, dev)
     from moe_overlap.timing import time_interleaved
     with torch.inference_mode():
-        res = time_interleaved(fns, a.warmup, a.rounds, dist.barrier)
+        res = time_interleaved(fns, a.warmup, a.rounds, dist.barrier, lead_ms=a.lead_ms)
+    slow = {k: round(v["host_ms"], 3) for k, v in res.items() if v["host_ms"] > 0.8 * a.lead_ms}
+    if slow and a.lead_ms > 0:
+        print(f"WARNING: host launch time near or above --lead-ms {a.lead_ms}: {slow}")
     if fused_info:
         fused_info["mod"].check_fused()
     for ar in ars:
@@ -193,6 +200,7 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
 
     - ``fused``: the layer (compute blocks || band all-reduce on ccta SMs);
     - ``fused_compute``: its compute kernel alone on all SMs (accumulating; flags unread);
+    - ``fused_compute_plain_acc``: the same into a plain torch accumulator (diagnostic);
     - ``abl_no_spec`` (no block specialization): compute kernel on all SMs, then the band
       all-reduce in stream order (the same two kernels, not concurrent);
     - ``abl_nccl``: compute kernel on all SMs, then NCCL all_reduce of the fp32 accumulator,
@@ -230,6 +238,15 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
     def compute_alone():
         comp(x, w1, b1, w2, acc, ar.band_ready, ar.epoch, ccta=0, act1=a.act1)
 
+    # the same kernel into a plain (caching-allocator) accumulator: splits the symmetric-memory
+    # buffer's share of the gap to bench_fused_compute's standalone time from the other
+    # differences (both GPUs busy, NCCL in the same rounds)
+    acc_plain = torch.zeros_like(acc)
+    ready_plain = torch.zeros_like(ar.band_ready)
+
+    def compute_plain_acc():
+        comp(x, w1, b1, w2, acc_plain, ready_plain, ar.epoch, ccta=0, act1=a.act1)
+
     def no_spec():
         compute_alone()
         ar(T, b2=b2, out=out)  # standalone: no flag waits; zeroes acc
@@ -247,7 +264,8 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
         acc.copy_(torch.mm(h, w2))
         ar(T, b2=b2, out=out)
 
-    fns.update(fused=lambda: mod(x), fused_compute=compute_alone, abl_no_spec=no_spec,
+    fns.update(fused=lambda: mod(x), fused_compute=compute_alone,
+               fused_compute_plain_acc=compute_plain_acc, abl_no_spec=no_spec,
                abl_nccl=nccl, abl_no_fusion=no_fusion)
     # activation memory: bytes the layer allocates beyond its inputs and weights. Baseline: the
     # peak of the torch caching allocator during one call (H, the partial/output). Fused: the

@@ -4,7 +4,7 @@
 
 Shapes: total rows T in {16384, 32768}, N=8192, K=2048, E_local in {4, 16, 64} (balanced rows),
 plus K=1024 and K=4096 (T=16384, E=16).  For each: our kernel at ccta = 0, 8, 16, 24 (flags on),
-the same kernel with the flag epilogue compiled out (ccta=0), and the library: torch._grouped_mm or
+the same with flag_warp=True ("fw"), the kernel with the flag epilogue compiled out (ccta=0), and the library: torch._grouped_mm or
 per-expert torch.matmul, whichever is faster.  CUDA events around each call, warm-up, median of
 many runs and the p10-p90 spread.  Every input set is >= 128 MB (several times the 50 MB L2), so
 inputs are not rotated.  Writes JSON (device, date, git commit) to --out (default $OUT) and prints a
@@ -23,6 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_overlap.kernels.grouped_gemm import GroupedGemm  # noqa: E402
 from moe_overlap.timing import time_interleaved  # noqa: E402
 
+# GPU sleep before each timed call: the events then time the kernel, not its Python launch
+# path (which can approach the 0.4 ms of the K=1024 shape)
+LEAD_MS = float(os.environ.get("BENCH_LEAD_MS", "2.0"))
 PEAK_TFLOPS = 790.0  # measured bf16 dense rate on this workplace's H200 (KINDS.md)
 DEV = "cuda"
 
@@ -93,7 +96,7 @@ def run_shape(T, N, K, E, configs, rounds):
                              rel_err=err, flags_ok=flags_ok)
     for k, fn in libs.items():
         fns["lib:" + k] = fn
-    t = time_interleaved(fns, rounds=rounds)
+    t = time_interleaved(fns, rounds=rounds, lead_ms=LEAD_MS)
     lib_name = min(libs, key=lambda k: t["lib:" + k]["median_ms"])
     lib_t = t["lib:" + lib_name]
     rec["library"] = {k: {kk: vv for kk, vv in t["lib:" + k].items() if kk != "times"} for k in libs}
@@ -141,11 +144,12 @@ def main():
         configs = {
             "def": (dict(base), cctas),
             "def-noflag": (dict(base, signal=False), [0]),
-            "sw": (dict(base, store_warp=True), cctas),
-            "sw-noflag": (dict(base, store_warp=True, signal=False), [0]),
+            # flag_warp: same kernel, flags posted by an idle producer-warpgroup warp
+            "fw": (dict(base, flag_warp=True), cctas),
         }
-        if os.environ.get("BENCH_SW", "1") == "0":  # store_warp variant failed its tests
-            configs = {k: v for k, v in configs.items() if not k.startswith("sw")}
+        if os.environ.get("BENCH_SW", "0") == "1":  # store_warp (v5: not a consistent win)
+            configs["sw"] = (dict(base, store_warp=True), cctas)
+            configs["sw-noflag"] = (dict(base, store_warp=True, signal=False), [0])
         results.append(run_shape(T, N, K, E, configs, args.rounds))
     doc = dict(bench="grouped_gemm", device=torch.cuda.get_device_name(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -158,17 +162,19 @@ def main():
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
     present = {x["config"] for r in results for x in r["runs"]}
-    for cfg in [c for c in ("def", "sw") if c in present]:
+    for cfg in [c for c in ("def", "fw", "sw") if c in present]:
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:
             d = {(x["config"], x["ccta"]): x for x in r["runs"]}
             tf = lambda c, n=cfg: d.get((n, c), {}).get("tflops", float("nan"))
-            c0, nf = d.get((cfg, 0), {}), d.get((cfg + "-noflag", 0), {})
+            # flag cost against the kernel without flags (fw has no own no-flag build: same kernel)
+            nf_cfg = "def-noflag" if cfg == "fw" else cfg + "-noflag"
+            c0, nf = d.get((cfg, 0), {}), d.get((nf_cfg, 0), {})
             flag = (c0["median_ms"] / nf["median_ms"] - 1) * 100 if c0 and nf else float("nan")
             print(f"[{cfg}] {r['T']:>6} {r['K']:>5} {r['E']:>3} {r['lib_ms']:>6.3f} "
                   f"{r['lib_tflops']:>5.0f} | {tf(0):>4.0f} {tf(8):>4.0f} {tf(16):>4.0f} "
-                  f"{tf(24):>4.0f} {tf(0, cfg + '-noflag'):>4.0f} | {c0.get('vs_lib', 0):>5.3f} "
+                  f"{tf(24):>4.0f} {tf(0, nf_cfg):>4.0f} | {c0.get('vs_lib', 0):>5.3f} "
                   f"{c0.get('vs_lib_paired', 0):>5.3f} {flag:>5.1f}")
     r = results[min(1, len(results) - 1)]
     print("explore T=%d K=%d E=%d: " % (r["T"], r["K"], r["E"]) + ", ".join(

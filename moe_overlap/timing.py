@@ -45,22 +45,54 @@ def time_calls(fn, reps: int = 4, replays: int = 15, barrier=lambda: None, graph
     return statistics.median(times), ("graph" if graph else "eager"), times
 
 
-def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambda: None) -> dict:
+def sleep_cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond (measured once per process)."""
+    global _CYCLES_PER_MS
+    if _CYCLES_PER_MS is None:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # first launch loads the kernel
+        s.record()
+        torch.cuda._sleep(10_000_000)
+        e.record()
+        e.synchronize()
+        _CYCLES_PER_MS = 10_000_000 / max(s.elapsed_time(e), 1e-3)
+    return _CYCLES_PER_MS
+
+
+_CYCLES_PER_MS = None
+
+
+def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambda: None,
+                     lead_ms: float = 0.0) -> dict:
     """Times every fn once per round, rounds interleaved (clock and power drift hit all alike);
     `barrier()` before each timed call lines ranks up. Returns, per name,
-    dict(median_ms, p10_ms, p90_ms, mean_ms, std_ms, rounds, times) with `times` in round order
-    (for paired ratios)."""
+    dict(median_ms, p10_ms, p90_ms, mean_ms, std_ms, rounds, times, host_ms) with `times` in
+    round order (for paired ratios) and `host_ms` the median host time of one call (enqueue only).
+
+    lead_ms > 0: before the start event, a GPU sleep of that length keeps the stream busy while
+    the host enqueues the call, so the events time the GPU work alone, as in a model whose host
+    runs ahead of the GPU. Without it, a call right after a host-synchronizing barrier (NCCL's
+    `dist.barrier` waits for the device) is timed from its first host instruction: a launch path
+    that costs ~1 ms of Python (CuTe DSL argument conversion) then reads as ~1 ms of GPU time.
+    Every call's host time is reported either way (`host_ms`); it must stay below lead_ms."""
+    import time
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     torch.cuda.synchronize()
+    sleep = int(lead_ms * sleep_cycles_per_ms()) if lead_ms > 0 else 0
     ev = {k: [] for k in fns}
+    host = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
             barrier()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if sleep:
+                torch.cuda._sleep(sleep)
             s.record()
+            h0 = time.perf_counter()
             fn()
+            host[k].append((time.perf_counter() - h0) * 1e3)
             e.record()
             ev[k].append((s, e))
     torch.cuda.synchronize()
@@ -75,5 +107,6 @@ def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambd
         out[k] = dict(median_ms=statistics.median(ts), p10_ms=q(0.1), p90_ms=q(0.9),
                       mean_ms=statistics.fmean(ts),
                       std_ms=statistics.stdev(ts) if len(ts) > 1 else 0.0,
-                      rounds=rounds, times=raw)
+                      rounds=rounds, times=raw, host_ms=statistics.median(host[k]),
+                      lead_ms=lead_ms)
     return out

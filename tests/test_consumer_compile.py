@@ -53,14 +53,16 @@ def test_consumer_nvshmem_compiles():
     assert compile_consumer("nvshmem") is not None
 
 
-@pytest.mark.parametrize("topk,y_src", [(1, False), (2, False), (8, False), (2, True),
-                                         (8, True)])
-def test_scale_compiles(topk, y_src):
+@pytest.mark.parametrize("topk,y_src,unroll", [(1, False, 1), (2, False, 1), (8, False, 1),
+                                                (2, True, 1), (8, True, 1), (4, True, 2),
+                                                (4, False, 4)])
+def test_scale_compiles(topk, y_src, unroll):
     from moe_overlap.kernels.scale import build_scale, scale_example_args
-    ptx = _ptx(build_scale(topk, y_src=y_src), *scale_example_args())
+    ptx = _ptx(build_scale(topk, y_src=y_src, unroll=unroll), *scale_example_args())
     assert "ld.acquire.sys.global.s64" in ptx  # arrival counter wait
     assert "cvt.rn.bf16x2.f32" in ptx
-    assert ptx.count("ld.global.cg.v4.u32") >= topk
+    assert ptx.count("ld.global.cg.v4.u32") >= topk * unroll  # every pair's loads issued
+    assert ptx.count("st.global.v4") >= unroll
     assert ".local" not in ptx.split(".entry", 1)[1]
 
 
@@ -174,6 +176,11 @@ def test_bad_options_raise_before_compiling():
         build_consumer("nvlink", unroll=0)
     with pytest.raises(ValueError, match="topk"):
         build_scale(0)
+    with pytest.raises(ValueError, match="unroll"):
+        build_scale(4, unroll=3)
+    from moe_overlap.kernels.scale import Scale
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        Scale(4, threads=256, ctas_per_sm=9)  # 9 x 256 threads do not fit on one SM
     with pytest.raises(ValueError, match="copy"):
         build_consumer("nvlink", copy="dma")
     with pytest.raises(ValueError, match="tma"):

@@ -28,7 +28,8 @@ def gg_mod():
     (128, 256, True, {}), (64, 256, True, {}), (128, 128, True, {}), (128, 256, False, {}),
     (128, 256, True, dict(b_evict_last=True, epi_n=64, epi_stages=2)),
     (128, 256, True, dict(cluster_n=1, signal_k_tile=3)), (64, 128, True, dict(cluster_n=1)),
-    (128, 256, True, dict(store_warp=True)), (64, 128, False, dict(store_warp=True))])
+    (128, 256, True, dict(store_warp=True)), (64, 128, False, dict(store_warp=True)),
+    (128, 256, True, dict(flag_warp=True)), (64, 128, True, dict(flag_warp=True, cluster_n=1))])
 def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, signal, extra):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     g = gg_mod.GroupedGemm(tile_m=tile_m, tile_n=tile_n, signal=signal, **extra)
@@ -50,9 +51,14 @@ def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, sign
         assert "cp.async.bulk.wait_group \t0" in ptx or "cp.async.bulk.wait_group 0" in ptx
     else:
         assert "st.release.gpu" not in ptx
+    if extra.get("flag_warp"):  # the store warp hands bands to the relay warp via mbarriers
+        assert "mbarrier.arrive.shared::cta.b64" in ptx
 
 
 def test_bad_inputs_raise_before_launch(gg_mod):
+    for bad in (dict(flag_warp=True, store_warp=True), dict(flag_warp=True, signal=False)):
+        with pytest.raises(ValueError, match="flag_warp"):
+            gg_mod.GroupedGemm(**bad)
     g = gg_mod.GroupedGemm(tile_m=128, tile_n=256)
     i32 = dict(dtype=torch.int32)
     x = torch.zeros(256, 512, dtype=torch.bfloat16)

@@ -113,6 +113,9 @@ def test_grouped_gemm_matches_reference(kind, W, El, tile_m, tile_n, ccta):
     ("skew", 2, 4, 128, 256, 0, dict(store_warp=True)),
     ("zero_expert", 8, 2, 64, 128, 24, dict(store_warp=True, cluster_n=1)),
     ("one_expert", 2, 4, 64, 256, 7, dict(store_warp=True, epi_n=64, epi_stages=2)),
+    ("skew", 2, 4, 128, 256, 0, dict(flag_warp=True)),
+    ("zero_expert", 8, 2, 64, 128, 24, dict(flag_warp=True, cluster_n=1)),
+    ("one_expert", 1, 4, 128, 256, 8, dict(flag_warp=True, signal_k_tile=-1)),
 ])
 def test_grouped_gemm_cluster_and_options(kind, W, El, tile_m, tile_n, ccta, extra):
     _check_case(kind, W, El, tile_m, tile_n, ccta, **extra)

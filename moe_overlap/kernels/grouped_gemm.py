@@ -90,11 +90,13 @@ def _kernel_class():
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-    from .primitives import count_band_after_bulk_stores
+    from .primitives import (RELAY_BYTES, band_relay_loop, count_band_after_bulk_stores,
+                             relay_band_after_bulk_stores, relay_end, relay_init)
 
     class _GroupedGemmKernel:
         def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
-                     epi_stages=4, b_evict_last=False, cluster_n=1, store_warp=False):
+                     epi_stages=4, b_evict_last=False, cluster_n=1, store_warp=False,
+                     flag_warp=False):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
             self.req_stages = stages
@@ -117,6 +119,11 @@ def _kernel_class():
             # consumer warp ever waits on memory; else from the first consumer warp.
             self.store_warp = store_warp
             self.epi_store_warp_id = 1 if store_warp else 4
+            # flag_warp: the first consumer warp still issues the TMA stores and waits for them,
+            # but hands the band to warp 2 (idle in the producer warpgroup) for the gpu-scope
+            # atomic, whose MEMBAR.ALL.GPU would otherwise stall its warpgroup's WGMMAs.
+            self.flag_warp = flag_warp and signal and not store_warp
+            self.relay_warp_id = 2
             self.load_regs = 40
             self.mma_regs = 232 if self.num_mma_wg == 2 else 240
             self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
@@ -197,6 +204,7 @@ def _kernel_class():
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+                relay: cute.struct.MemRange[cutlass.Int64, RELAY_BYTES // 8 if self.flag_warp else 1]
                 sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(self.a_smem_layout_staged)],
                                       self.buffer_align_bytes]
                 sB: cute.struct.Align[cute.struct.MemRange[b_dtype, cute.cosize(self.b_smem_layout_staged)],
@@ -258,6 +266,11 @@ def _kernel_class():
                 cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
                 defer_sync=True,
             )
+            relay = cutlass.Int32(0)
+            if cutlass.const_expr(self.flag_warp):
+                relay = cutlass.Int32(storage.relay.data_ptr().toint())
+                if tidx == 0:
+                    relay_init(relay)
             pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
 
             sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
@@ -327,6 +340,11 @@ def _kernel_class():
                     t = t + gdim
                 mainloop_pipeline.producer_tail(prod_state)
 
+            # ------------------------------------------------------------ relay warp (option)
+            if cutlass.const_expr(self.flag_warp):
+                if warp_idx == self.relay_warp_id:
+                    band_relay_loop(relay, mCounter, mReady, n_tiles, mEpoch[0])
+
             # ------------------------------------------------------------ store warp (option)
             if cutlass.const_expr(self.store_warp):
                 if warp_idx == self.epi_store_warp_id:
@@ -394,6 +412,7 @@ def _kernel_class():
                 is_store_warp = warp_idx == self.epi_store_warp_id
                 # Band whose stores were issued by the store warp but not yet signalled (-1: none).
                 pend_band = cutlass.Int32(-1)
+                posts = cutlass.Int32(0)  # bands handed to the relay warp so far (flag_warp)
                 # k iteration of the next tile at which the previous tile's flag is posted:
                 # None = the middle of the k loop, -1 = its last iteration, else fixed (>= 1).
                 if cutlass.const_expr(self.signal_k_tile is None):
@@ -439,8 +458,12 @@ def _kernel_class():
                             # k tiles ago, so waiting for their completion here rarely stalls.
                             if k_tile == signal_k and pend_band >= 0:
                                 if is_store_warp:
-                                    count_band_after_bulk_stores(mCounter, mReady, pend_band,
-                                                                 n_tiles, epoch)
+                                    if cutlass.const_expr(self.flag_warp):
+                                        relay_band_after_bulk_stores(relay, posts, pend_band)
+                                        posts = posts + 1
+                                    else:
+                                        count_band_after_bulk_stores(mCounter, mReady, pend_band,
+                                                                     n_tiles, epoch)
                                 pend_band = cutlass.Int32(-1)
                     cute.nvgpu.warpgroup.wait_group(0)
                     mainloop_pipeline.consumer_release(release_state)
@@ -448,7 +471,12 @@ def _kernel_class():
                     if cutlass.const_expr(sig_in_mma):
                         if pend_band >= 0:  # k_tile_cnt too small for an in-loop signal
                             if is_store_warp:
-                                count_band_after_bulk_stores(mCounter, mReady, pend_band, n_tiles, epoch)
+                                if cutlass.const_expr(self.flag_warp):
+                                    relay_band_after_bulk_stores(relay, posts, pend_band)
+                                    posts = posts + 1
+                                else:
+                                    count_band_after_bulk_stores(mCounter, mReady, pend_band,
+                                                                 n_tiles, epoch)
                             pend_band = cutlass.Int32(-1)
 
                     # ---- epilogue: acc -> bf16 -> smem (stmatrix) -> gmem (TMA store)
@@ -488,7 +516,15 @@ def _kernel_class():
                 if cutlass.const_expr(sig_in_mma):
                     if pend_band >= 0:
                         if is_store_warp:
-                            count_band_after_bulk_stores(mCounter, mReady, pend_band, n_tiles, epoch)
+                            if cutlass.const_expr(self.flag_warp):
+                                relay_band_after_bulk_stores(relay, posts, pend_band)
+                                posts = posts + 1
+                            else:
+                                count_band_after_bulk_stores(mCounter, mReady, pend_band,
+                                                             n_tiles, epoch)
+                    if cutlass.const_expr(self.flag_warp):
+                        if is_store_warp:
+                            relay_end(relay, posts)
                 if cutlass.const_expr(not self.store_warp):
                     tma_store_pipeline.producer_tail()
 
@@ -522,7 +558,8 @@ class GroupedGemm:
     """Persistent grouped GEMM producer (see the module docstring for the tensors).
 
     GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=None,
-                epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None, store_warp=False)
+                epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None, store_warp=False,
+                flag_warp=False)
         tile_m in {64, 128}; tile_n in {64, 128, 256}; tile_k = 64 (bf16);
         stages: smem pipeline depth (None: as many as fit);
         signal: compile-time switch for the band flag epilogue (False: plain grouped GEMM);
@@ -537,6 +574,9 @@ class GroupedGemm:
         store_warp: issue the epilogue TMA stores and post the flags from a dedicated warp of the
         producer warpgroup (flag posted as soon as the tile's stores complete; no consumer warp
         waits on memory); signal_k_tile is then unused.
+        flag_warp: the consumer warp that issued a tile's stores waits for them as usual but
+        hands the band to an idle producer-warpgroup warp, which does the gpu-scope atomic and
+        the ready store (no gpu-scope fence in a WGMMA warpgroup); needs signal, not store_warp.
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
              ccta=0, band_counter=None, stream=None) -> y
@@ -550,7 +590,7 @@ class GroupedGemm:
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None,
-                 store_warp=False):
+                 store_warp=False, flag_warp=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -570,6 +610,9 @@ class GroupedGemm:
             raise ValueError(f"cluster_n must be None, 1 or 2, got {cluster_n}")
         self.cluster_n = cluster_n
         self.store_warp = bool(store_warp)
+        if flag_warp and (store_warp or not signal):
+            raise ValueError("flag_warp needs signal=True and store_warp=False")
+        self.flag_warp = bool(flag_warp)
         self._counters = {}
 
     def cluster_for(self, N):
@@ -635,12 +678,13 @@ class GroupedGemm:
     def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last,
-                self.cluster_for(N), self.store_warp, int(N), int(K))
+                self.cluster_for(N), self.store_warp, self.flag_warp, int(N), int(K))
 
     def _kernel(self, N):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
-                                   self.b_evict_last, self.cluster_for(N), self.store_warp)
+                                   self.b_evict_last, self.cluster_for(N), self.store_warp,
+                                   self.flag_warp)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from

@@ -263,6 +263,93 @@ def count_band_after_bulk_stores(counter: cute.Tensor, ready: cute.Tensor, b: In
         publish_band_count(counter, ready, b, need, epoch)
 
 
+# ---- band-flag relay (grouped GEMM, flag_warp=True) -------------------------------------------
+# The warp that issued a tile's TMA stores waits for them (steps 1-3 of
+# count_band_after_bulk_stores) and hands the band id to an idle warp through a two-slot
+# mailbox in shared memory; that warp does the gpu-scope atomic (step 4-5), so the GPU-scope
+# fence (MEMBAR.ALL.GPU) never stalls a WGMMA warpgroup. Mailbox layout (RELAY_BYTES, 8-aligned):
+# full mbarriers [0, 16), empty mbarriers [16, 32), band slots (int32) [32, 40).
+RELAY_BYTES = 40
+
+
+def relay_init(relay: Int32):
+    """One thread, before the CTA's barrier-init fence/sync: both slots empty."""
+    for i in range(4):
+        mbar_init(relay + Int32(8 * i), 1)
+
+
+def mbar_arrive(mbar):
+    """mbarrier.arrive: release at CTA scope (this thread's earlier writes, and what it has
+    observed, are visible to a thread whose wait on the completed phase succeeds)."""
+    cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];",
+                         read_only_args=[Int32(mbar)])
+
+
+def st_shared_s32(addr, v):
+    cute.arch.inline_ptx("st.shared.s32 [{$r0}], {$r1};", read_only_args=[Int32(addr), Int32(v)])
+
+
+def ld_shared_s32(addr):
+    return cute.arch.inline_ptx("ld.shared.s32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[Int32(addr)])
+
+
+@cute.jit
+def mbar_wait_parity_intra_cta(mbar: Int32, parity: Int32):
+    """Unbounded wait on an mbarrier phase whose other side is a warp of the same CTA that
+    cannot itself block (the relay warp only issues atomics and stores)."""
+    done = mbar_try_wait_parity(mbar, parity)
+    while done == Int32(0):
+        done = mbar_try_wait_parity(mbar, parity)
+
+
+@cute.jit
+def relay_band_after_bulk_stores(relay: Int32, n: Int32, b: Int32):
+    """Like ``count_band_after_bulk_stores`` (all 32 lanes of the issuing warp call it), but
+    steps 4-5 run on the relay warp (``band_relay_loop``): post number ``n`` (0, 1, ... per CTA)
+    of band ``b`` (-1 ends the relay loop). Ordering: the contribution's writes are complete and
+    ordered before lane 0's generic operations (steps 1-3); ``mbarrier.arrive`` releases them at
+    CTA scope, the relay lane's successful wait acquires them, and its ``atom.acq_rel.gpu`` is
+    cumulative, so they are published at gpu scope exactly as before. Waits for the slot only if
+    the relay warp is two posts behind."""
+    cute.arch.cp_async_bulk_wait_group(0, read=False)
+    cute.arch.fence_proxy("async.global")
+    cute.arch.sync_warp()
+    if cute.arch.lane_idx() == 0:
+        s = n % Int32(2)
+        mbar_wait_parity_intra_cta(relay + Int32(16) + s * Int32(8), ((n // Int32(2)) % Int32(2)) ^ Int32(1))
+        st_shared_s32(relay + Int32(32) + s * Int32(4), b)
+        mbar_arrive(relay + s * Int32(8))
+
+
+@cute.jit
+def relay_end(relay: Int32, n: Int32):
+    """Post number ``n`` = the end marker (lane 0 only; no bulk stores to wait for)."""
+    if cute.arch.lane_idx() == 0:
+        s = n % Int32(2)
+        mbar_wait_parity_intra_cta(relay + Int32(16) + s * Int32(8), ((n // Int32(2)) % Int32(2)) ^ Int32(1))
+        st_shared_s32(relay + Int32(32) + s * Int32(4), Int32(-1))
+        mbar_arrive(relay + s * Int32(8))
+
+
+@cute.jit
+def band_relay_loop(relay: Int32, counter: cute.Tensor, ready: cute.Tensor, need: Int32,
+                    epoch: Int32):
+    """The relay warp (lane 0 works): counts each posted band (``publish_band_count``) until the
+    end marker."""
+    if cute.arch.lane_idx() == 0:
+        n = Int32(0)
+        b = Int32(0)
+        while b >= Int32(0):
+            s = n % Int32(2)
+            mbar_wait_parity_intra_cta(relay + s * Int32(8), (n // Int32(2)) % Int32(2))
+            b = ld_shared_s32(relay + Int32(32) + s * Int32(4))
+            if b >= Int32(0):
+                publish_band_count(counter, ready, b, need, epoch)
+            mbar_arrive(relay + Int32(16) + s * Int32(8))
+            n = n + Int32(1)
+
+
 # ---- errors and bounded waits ----------------------------------------------------------------
 @cute.jit
 def record_error(err_addr: Int64, code: Int32, rank: Int32, index: Int32, band: Int32,

@@ -8,9 +8,11 @@ consumer adds one call marker per call besides the rows), so no host ints change
 CUDA graphs replay. On timeout the kernel records (rank, source, counter, expected) in the error
 buffer and exits. ``bar.red.or`` then orders every thread's receive-buffer loads after the acquire.
 
-Then each thread owns 8 columns (16 bytes) of one token at a time: TOPK 16-byte loads of
-recv[row(t, k)], bf16 -> fp32 by shifts, fma with w[t, k] (fp32), cvt.rn.bf16x2 and one 16-byte
-store. Grid-stride over (token, column-chunk) pairs.
+Then each thread owns 8 columns (16 bytes) of ``unroll`` (token, column-chunk) pairs at a time:
+TOPK 16-byte loads of recv[row(t, k)] each (all issued before any arithmetic: every load needs the
+row index first, so two dependent memory latencies per iteration, and the loads in flight per
+thread set the bandwidth), bf16 -> fp32 by shifts, fma with w[t, k] (fp32), cvt.rn.bf16x2 and one
+16-byte store. Grid-stride over the pairs; the grid fills ``ctas_per_sm`` CTAs per SM.
 
 ``y_src=True`` (OverlapCombine(local_copy=False)): a negative entry r of ``rows`` names row
 ``-r - 1`` of ``y`` (the producer's output on this GPU: assignments to this rank's own experts,
@@ -22,12 +24,17 @@ marker).
 import os
 
 DEFAULT_THREADS = 256
+DEFAULT_UNROLL = 1
+DEFAULT_CTAS_PER_SM = 2
 DEFAULT_TIMEOUT_NS = 10_000_000_000
 
 
-def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False):
+def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
+                unroll: int = DEFAULT_UNROLL):
     if topk < 1 or topk > 64:
         raise ValueError(f"topk={topk} must be in [1, 64]")
+    if unroll not in (1, 2, 4):
+        raise ValueError(f"unroll={unroll} must be 1, 2 or 4")
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -36,6 +43,7 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False):
 
     NT = threads
     K = topk
+    U = int(unroll)
     Y_SRC = bool(y_src)
 
     def as_f32(bits):
@@ -72,28 +80,47 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False):
             i = Int64(Int32(bidx) * Int32(NT) + tidx)
             stride = Int64(Int32(nblk) * Int32(NT))
             while i < total:
-                t = i // Int64(n_chunks)
-                c = i - t * Int64(n_chunks)
-                acc = [Float32(0.0)] * 8
-                for k in cutlass.range_constexpr(K):
-                    a = t * Int64(K) + Int64(k)
-                    r = P.ld_s32(rows + a * Int64(4))
-                    w = cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];",
-                                             write_only_types=[Float32],
-                                             read_only_args=[weights + a * Int64(4)])
-                    src = base + Int64(r) * row_bytes
-                    if cutlass.const_expr(Y_SRC):
-                        if r < Int32(0):  # local expert: row -r - 1 of y
-                            src = y + Int64(Int32(-1) - r) * row_bytes
-                    v4 = P.ld_v4_cg(src + c * Int64(16))
-                    for j in cutlass.range_constexpr(4):
-                        lo = as_f32(v4[j] << Int32(16))
-                        hi = as_f32(v4[j] & Int32(-65536))
-                        acc[2 * j] = acc[2 * j] + w * lo
-                        acc[2 * j + 1] = acc[2 * j + 1] + w * hi
-                o = [pack_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
-                P.st_v4(out + t * row_bytes + c * Int64(16), o)
-                i = i + stride
+                # U pairs i, i + stride, ...: a pair past the end is clamped to the last one
+                # (loads stay in bounds, one basic block) and not stored
+                ts, cs, ws, vs = [], [], [], []
+                for u in cutlass.range_constexpr(U):
+                    iu = i + Int64(u) * stride
+                    if cutlass.const_expr(u > 0):
+                        iu = cute.arch.inline_ptx("min.s64 {$w0}, {$r0}, {$r1};",
+                                                  write_only_types=[Int64],
+                                                  read_only_args=[iu, total - Int64(1)])
+                    t = iu // Int64(n_chunks)
+                    ts.append(t)
+                    cs.append(iu - t * Int64(n_chunks))
+                for u in cutlass.range_constexpr(U):
+                    for k in cutlass.range_constexpr(K):
+                        a = ts[u] * Int64(K) + Int64(k)
+                        r = P.ld_s32(rows + a * Int64(4))
+                        ws.append(cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];",
+                                                       write_only_types=[Float32],
+                                                       read_only_args=[weights + a * Int64(4)]))
+                        src = base + Int64(r) * row_bytes
+                        if cutlass.const_expr(Y_SRC):
+                            if r < Int32(0):  # local expert: row -r - 1 of y
+                                src = y + Int64(Int32(-1) - r) * row_bytes
+                        vs.append(P.ld_v4_cg(src + cs[u] * Int64(16)))
+                for u in cutlass.range_constexpr(U):
+                    acc = [Float32(0.0)] * 8
+                    for k in cutlass.range_constexpr(K):
+                        w = ws[u * K + k]
+                        v4 = vs[u * K + k]
+                        for j in cutlass.range_constexpr(4):
+                            lo = as_f32(v4[j] << Int32(16))
+                            hi = as_f32(v4[j] & Int32(-65536))
+                            acc[2 * j] = acc[2 * j] + w * lo
+                            acc[2 * j + 1] = acc[2 * j + 1] + w * hi
+                    o = [pack_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
+                    if cutlass.const_expr(u == 0):
+                        P.st_v4(out + ts[u] * row_bytes + cs[u] * Int64(16), o)
+                    else:
+                        if i + Int64(u) * stride < total:
+                            P.st_v4(out + ts[u] * row_bytes + cs[u] * Int64(16), o)
+                i = i + stride * Int64(U)
 
     @cute.jit
     def launch(recv: Int64, rows: Int64, weights: Int64, out: Int64, T: Int32, n_chunks: Int32,
@@ -116,9 +143,10 @@ def scale_example_args():
                              cuda.CUstream(0)]
 
 
-def compile_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False):
+def compile_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
+                  unroll: int = DEFAULT_UNROLL):
     import cutlass.cute as cute
-    launch = build_scale(topk, threads, y_src)
+    launch = build_scale(topk, threads, y_src, unroll)
     return cute.compile(launch, *scale_example_args())
 
 
@@ -126,15 +154,22 @@ class Scale:
     """Compiled fused wait + scale. ``launch`` never synchronizes."""
 
     def __init__(self, topk: int, threads: int = DEFAULT_THREADS,
-                 timeout_ns: int = DEFAULT_TIMEOUT_NS, y_src: bool = False):
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS, y_src: bool = False,
+                 unroll: int = DEFAULT_UNROLL, ctas_per_sm: int = DEFAULT_CTAS_PER_SM):
         self.topk, self.threads, self.timeout_ns = topk, threads, int(timeout_ns)
         self.y_src = bool(y_src)
+        if unroll not in (1, 2, 4):
+            raise ValueError(f"unroll={unroll} must be 1, 2 or 4")
+        if not 1 <= ctas_per_sm <= 2048 // threads:
+            raise ValueError(f"ctas_per_sm={ctas_per_sm} must be in [1, {2048 // threads}] "
+                             f"for {threads} threads")
+        self.unroll, self.ctas_per_sm = int(unroll), int(ctas_per_sm)
         self._fn = None
         self._launcher = None
 
     def compile(self):
         if self._fn is None:
-            self._fn = compile_scale(self.topk, self.threads, self.y_src)
+            self._fn = compile_scale(self.topk, self.threads, self.y_src, self.unroll)
         return self._fn
 
     def launch(self, *, recv, rows, weights, out, counters, expected, rank, err, epoch,
@@ -155,7 +190,8 @@ class Scale:
         if stream is None:
             stream = torch.cuda.current_stream(out.device)
         work = max(1, T * n_chunks)
-        grid = max(1, min(num_sms * 2, (work + self.threads - 1) // self.threads))
+        per_cta = self.threads * self.unroll
+        grid = max(1, min(num_sms * self.ctas_per_sm, (work + per_cta - 1) // per_cta))
         self._launcher((recv.data_ptr(), rows.data_ptr(), weights.data_ptr(), out.data_ptr(), T,
                         n_chunks, N * 2, counters.data_ptr(), expected.data_ptr(),
                         counters.numel(), rank, err.data_ptr(), self.timeout_ns, epoch.data_ptr(),
