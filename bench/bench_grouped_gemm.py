@@ -144,8 +144,12 @@ def main():
         configs = {
             "def": (dict(base), cctas),
             "def-noflag": (dict(base, signal=False), [0]),
-            # flag_warp: same kernel, flags posted by an idle producer-warpgroup warp
-            "fw": (dict(base, flag_warp=True), cctas),
+            # flag_warp: flags posted by an idle producer-warpgroup warp
+            "fw": (dict(base, flag_warp=True), [0]),
+            # pair_bands: two bands' tiles interleaved at equal n (weights read once)
+            "pb": (dict(base, pair_bands=True), cctas),
+            "pb-noflag": (dict(base, pair_bands=True, signal=False), [0]),
+            "pbfw": (dict(base, pair_bands=True, flag_warp=True), [0]),
         }
         if os.environ.get("BENCH_SW", "0") == "1":  # store_warp (v5: not a consistent win)
             configs["sw"] = (dict(base, store_warp=True), cctas)
@@ -162,14 +166,14 @@ def main():
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
     present = {x["config"] for r in results for x in r["runs"]}
-    for cfg in [c for c in ("def", "fw", "sw") if c in present]:
+    for cfg in [c for c in ("def", "fw", "pb", "pbfw", "sw") if c in present]:
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:
             d = {(x["config"], x["ccta"]): x for x in r["runs"]}
             tf = lambda c, n=cfg: d.get((n, c), {}).get("tflops", float("nan"))
             # flag cost against the kernel without flags (fw has no own no-flag build: same kernel)
-            nf_cfg = "def-noflag" if cfg == "fw" else cfg + "-noflag"
+            nf_cfg = {"fw": "def-noflag", "pbfw": "pb-noflag"}.get(cfg, cfg + "-noflag")
             c0, nf = d.get((cfg, 0), {}), d.get((nf_cfg, 0), {})
             flag = (c0["median_ms"] / nf["median_ms"] - 1) * 100 if c0 and nf else float("nan")
             print(f"[{cfg}] {r['T']:>6} {r['K']:>5} {r['E']:>3} {r['lib_ms']:>6.3f} "

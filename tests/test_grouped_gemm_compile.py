@@ -29,7 +29,8 @@ def gg_mod():
     (128, 256, True, dict(b_evict_last=True, epi_n=64, epi_stages=2)),
     (128, 256, True, dict(cluster_n=1, signal_k_tile=3)), (64, 128, True, dict(cluster_n=1)),
     (128, 256, True, dict(store_warp=True)), (64, 128, False, dict(store_warp=True)),
-    (128, 256, True, dict(flag_warp=True)), (64, 128, True, dict(flag_warp=True, cluster_n=1))])
+    (128, 256, True, dict(flag_warp=True)), (64, 128, True, dict(flag_warp=True, cluster_n=1)),
+    (128, 256, True, dict(pair_bands=True)), (64, 256, False, dict(pair_bands=True))])
 def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, signal, extra):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     g = gg_mod.GroupedGemm(tile_m=tile_m, tile_n=tile_n, signal=signal, **extra)
@@ -52,7 +53,7 @@ def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, sign
     else:
         assert "st.release.gpu" not in ptx
     if extra.get("flag_warp"):  # the store warp hands bands to the relay warp via mbarriers
-        assert "mbarrier.arrive.shared::cta.b64" in ptx
+        assert "mbarrier.arrive.shared::cta.b64" in ptx and "bar.arrive" in ptx
 
 
 def test_bad_inputs_raise_before_launch(gg_mod):

@@ -93,10 +93,30 @@ def _kernel_class():
     from .primitives import (RELAY_BYTES, band_relay_loop, count_band_after_bulk_stores,
                              relay_band_after_bulk_stores, relay_end, relay_init)
 
+    @cute.jit
+    def tile_coords(t: cutlass.Int32, n_tiles: cutlass.Int32, num_bands: cutlass.Int32,
+                    cl: cutlass.Constexpr, pair_bands: cutlass.Constexpr):
+        """Linear tile t -> (schedule position p, n tile). Default: band-major (p = t // n_tiles).
+        pair_bands: positions 2s and 2s+1 share tiles [2s n_tiles, (2s+2) n_tiles), alternating
+        between the two bands every cl tiles (one cluster) at the same n tiles, so that the CTAs
+        computing the same weight columns for two bands of an expert run side by side and read
+        them from DRAM once (an odd last band stays band-major). Tiles 2q, 2q+1 of a cluster keep
+        one band and adjacent n tiles."""
+        p = t // n_tiles
+        n = t - p * n_tiles
+        if cutlass.const_expr(pair_bands):
+            s2 = (t // (2 * n_tiles)) * 2
+            if s2 + 1 < num_bands:
+                u = t - s2 * n_tiles
+                q = u // cl
+                p = s2 + q % 2
+                n = (q // 2) * cl + (u - q * cl)
+        return p, n
+
     class _GroupedGemmKernel:
         def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
                      epi_stages=4, b_evict_last=False, cluster_n=1, store_warp=False,
-                     flag_warp=False):
+                     flag_warp=False, pair_bands=False):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
             self.req_stages = stages
@@ -124,6 +144,8 @@ def _kernel_class():
             # atomic, whose MEMBAR.ALL.GPU would otherwise stall its warpgroup's WGMMAs.
             self.flag_warp = flag_warp and signal and not store_warp
             self.relay_warp_id = 2
+            self.relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
+            self.pair_bands = pair_bands
             self.load_regs = 40
             self.mma_regs = 232 if self.num_mma_wg == 2 else 240
             self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
@@ -314,8 +336,8 @@ def _kernel_class():
                 prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 t = cutlass.Int32(bidx)
                 while t < total_tiles:
-                    p = t // n_tiles
-                    n_tile = t - p * n_tiles
+                    p, n_tile = tile_coords(t, n_tiles, mNumBands[0], self.cluster_n,
+                                            self.pair_bands)
                     b = mSchedule[p]
                     e = mBandExpert[b]
                     m_tile = mBandSrcRow[b] // self.tile_m
@@ -343,7 +365,8 @@ def _kernel_class():
             # ------------------------------------------------------------ relay warp (option)
             if cutlass.const_expr(self.flag_warp):
                 if warp_idx == self.relay_warp_id:
-                    band_relay_loop(relay, mCounter, mReady, n_tiles, mEpoch[0])
+                    band_relay_loop(relay, self.relay_bar0, mCounter, mReady, n_tiles,
+                                    mEpoch[0])
 
             # ------------------------------------------------------------ store warp (option)
             if cutlass.const_expr(self.store_warp):
@@ -352,8 +375,8 @@ def _kernel_class():
                     t = cutlass.Int32(bidx)
                     tiles_done_s = cutlass.Int32(0)
                     while t < total_tiles:
-                        p = t // n_tiles
-                        n_tile = t - p * n_tiles
+                        p, n_tile = tile_coords(t, n_tiles, mNumBands[0], self.cluster_n,
+                                                self.pair_bands)
                         b = mSchedule[p]
                         m_tile = mBandSrcRow[b] // self.tile_m
                         gC_epi = cute.zipped_divide(gC[(None, None, m_tile, n_tile)], self.epi_tile)
@@ -425,8 +448,8 @@ def _kernel_class():
 
                 t = cutlass.Int32(bidx)
                 while t < total_tiles:
-                    p = t // n_tiles
-                    n_tile = t - p * n_tiles
+                    p, n_tile = tile_coords(t, n_tiles, mNumBands[0], self.cluster_n,
+                                            self.pair_bands)
                     b = mSchedule[p]
                     m_tile = mBandSrcRow[b] // self.tile_m
                     gC_tile = gC[(None, None, m_tile, n_tile)]
@@ -459,7 +482,8 @@ def _kernel_class():
                             if k_tile == signal_k and pend_band >= 0:
                                 if is_store_warp:
                                     if cutlass.const_expr(self.flag_warp):
-                                        relay_band_after_bulk_stores(relay, posts, pend_band)
+                                        relay_band_after_bulk_stores(
+                                            relay, self.relay_bar0, posts, pend_band)
                                         posts = posts + 1
                                     else:
                                         count_band_after_bulk_stores(mCounter, mReady, pend_band,
@@ -472,7 +496,7 @@ def _kernel_class():
                         if pend_band >= 0:  # k_tile_cnt too small for an in-loop signal
                             if is_store_warp:
                                 if cutlass.const_expr(self.flag_warp):
-                                    relay_band_after_bulk_stores(relay, posts, pend_band)
+                                    relay_band_after_bulk_stores(relay, self.relay_bar0, posts, pend_band)
                                     posts = posts + 1
                                 else:
                                     count_band_after_bulk_stores(mCounter, mReady, pend_band,
@@ -517,14 +541,14 @@ def _kernel_class():
                     if pend_band >= 0:
                         if is_store_warp:
                             if cutlass.const_expr(self.flag_warp):
-                                relay_band_after_bulk_stores(relay, posts, pend_band)
+                                relay_band_after_bulk_stores(relay, self.relay_bar0, posts, pend_band)
                                 posts = posts + 1
                             else:
                                 count_band_after_bulk_stores(mCounter, mReady, pend_band,
                                                              n_tiles, epoch)
                     if cutlass.const_expr(self.flag_warp):
                         if is_store_warp:
-                            relay_end(relay, posts)
+                            relay_end(relay, self.relay_bar0, posts)
                 if cutlass.const_expr(not self.store_warp):
                     tma_store_pipeline.producer_tail()
 
@@ -559,7 +583,7 @@ class GroupedGemm:
 
     GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=None,
                 epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None, store_warp=False,
-                flag_warp=False)
+                flag_warp=False, pair_bands=False)
         tile_m in {64, 128}; tile_n in {64, 128, 256}; tile_k = 64 (bf16);
         stages: smem pipeline depth (None: as many as fit);
         signal: compile-time switch for the band flag epilogue (False: plain grouped GEMM);
@@ -577,6 +601,9 @@ class GroupedGemm:
         flag_warp: the consumer warp that issued a tile's stores waits for them as usual but
         hands the band to an idle producer-warpgroup warp, which does the gpu-scope atomic and
         the ready store (no gpu-scope fence in a WGMMA warpgroup); needs signal, not store_warp.
+        pair_bands: tile order that interleaves schedule positions 2s and 2s+1 at equal n tiles
+        (two bands of one expert read each weight tile from DRAM once; flags of a pair complete
+        together, about one band's time later than band-major order for the first of the two).
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
              ccta=0, band_counter=None, stream=None) -> y
@@ -590,7 +617,7 @@ class GroupedGemm:
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None,
-                 store_warp=False, flag_warp=False):
+                 store_warp=False, flag_warp=False, pair_bands=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -613,6 +640,7 @@ class GroupedGemm:
         if flag_warp and (store_warp or not signal):
             raise ValueError("flag_warp needs signal=True and store_warp=False")
         self.flag_warp = bool(flag_warp)
+        self.pair_bands = bool(pair_bands)
         self._counters = {}
 
     def cluster_for(self, N):
@@ -678,13 +706,14 @@ class GroupedGemm:
     def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last,
-                self.cluster_for(N), self.store_warp, self.flag_warp, int(N), int(K))
+                self.cluster_for(N), self.store_warp, self.flag_warp, self.pair_bands, int(N),
+                int(K))
 
     def _kernel(self, N):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
                                    self.b_evict_last, self.cluster_for(N), self.store_warp,
-                                   self.flag_warp)
+                                   self.flag_warp, self.pair_bands)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from

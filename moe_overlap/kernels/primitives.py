@@ -266,15 +266,18 @@ def count_band_after_bulk_stores(counter: cute.Tensor, ready: cute.Tensor, b: In
 # ---- band-flag relay (grouped GEMM, flag_warp=True) -------------------------------------------
 # The warp that issued a tile's TMA stores waits for them (steps 1-3 of
 # count_band_after_bulk_stores) and hands the band id to an idle warp through a two-slot
-# mailbox in shared memory; that warp does the gpu-scope atomic (step 4-5), so the GPU-scope
-# fence (MEMBAR.ALL.GPU) never stalls a WGMMA warpgroup. Mailbox layout (RELAY_BYTES, 8-aligned):
-# full mbarriers [0, 16), empty mbarriers [16, 32), band slots (int32) [32, 40).
-RELAY_BYTES = 40
+# mailbox in shared memory; that warp does the gpu-scope atomic (steps 4-5), so the GPU-scope
+# fence (MEMBAR.ALL.GPU) never stalls a WGMMA warpgroup. "Full" is a named barrier per slot
+# (bar.arrive by the posting warp, bar.sync by the relay warp, which sleeps in hardware instead of
+# spinning next to the WGMMA warps); "empty" is an mbarrier per slot that the poster checks
+# before reusing the slot, so it never arrives twice on one named barrier generation.
+# Mailbox layout (RELAY_BYTES, 8-aligned): empty mbarriers [0, 16), band slots (int32) [16, 24).
+RELAY_BYTES = 24
 
 
 def relay_init(relay: Int32):
     """One thread, before the CTA's barrier-init fence/sync: both slots empty."""
-    for i in range(4):
+    for i in range(2):
         mbar_init(relay + Int32(8 * i), 1)
 
 
@@ -304,50 +307,53 @@ def mbar_wait_parity_intra_cta(mbar: Int32, parity: Int32):
 
 
 @cute.jit
-def relay_band_after_bulk_stores(relay: Int32, n: Int32, b: Int32):
+def _relay_post(relay: Int32, bar0: Int32, n: Int32, b: Int32):
+    s = n % Int32(2)
+    if cute.arch.lane_idx() == 0:
+        mbar_wait_parity_intra_cta(relay + s * Int32(8), ((n // Int32(2)) % Int32(2)) ^ Int32(1))
+        st_shared_s32(relay + Int32(16) + s * Int32(4), b)
+    cute.arch.sync_warp()
+    cute.arch.barrier_arrive(barrier_id=bar0 + s, number_of_threads=64)
+
+
+@cute.jit
+def relay_band_after_bulk_stores(relay: Int32, bar0: Int32, n: Int32, b: Int32):
     """Like ``count_band_after_bulk_stores`` (all 32 lanes of the issuing warp call it), but
     steps 4-5 run on the relay warp (``band_relay_loop``): post number ``n`` (0, 1, ... per CTA)
-    of band ``b`` (-1 ends the relay loop). Ordering: the contribution's writes are complete and
-    ordered before lane 0's generic operations (steps 1-3); ``mbarrier.arrive`` releases them at
-    CTA scope, the relay lane's successful wait acquires them, and its ``atom.acq_rel.gpu`` is
-    cumulative, so they are published at gpu scope exactly as before. Waits for the slot only if
-    the relay warp is two posts behind."""
+    of band ``b``; named barriers ``bar0``, ``bar0 + 1`` are the slots' "full" signals. Ordering:
+    the contribution's writes are complete and ordered before the lanes' generic operations
+    (steps 1-3); ``bar.arrive`` releases them at CTA scope, the relay warp's ``bar.sync``
+    acquires them, and its ``atom.acq_rel.gpu`` is cumulative, so they are published at gpu
+    scope exactly as before. Waits for the slot only if the relay warp is two posts behind."""
     cute.arch.cp_async_bulk_wait_group(0, read=False)
     cute.arch.fence_proxy("async.global")
     cute.arch.sync_warp()
-    if cute.arch.lane_idx() == 0:
-        s = n % Int32(2)
-        mbar_wait_parity_intra_cta(relay + Int32(16) + s * Int32(8), ((n // Int32(2)) % Int32(2)) ^ Int32(1))
-        st_shared_s32(relay + Int32(32) + s * Int32(4), b)
-        mbar_arrive(relay + s * Int32(8))
+    _relay_post(relay, bar0, n, b)
 
 
 @cute.jit
-def relay_end(relay: Int32, n: Int32):
-    """Post number ``n`` = the end marker (lane 0 only; no bulk stores to wait for)."""
-    if cute.arch.lane_idx() == 0:
-        s = n % Int32(2)
-        mbar_wait_parity_intra_cta(relay + Int32(16) + s * Int32(8), ((n // Int32(2)) % Int32(2)) ^ Int32(1))
-        st_shared_s32(relay + Int32(32) + s * Int32(4), Int32(-1))
-        mbar_arrive(relay + s * Int32(8))
+def relay_end(relay: Int32, bar0: Int32, n: Int32):
+    """Post number ``n`` = the end marker (band -1; no bulk stores to wait for)."""
+    _relay_post(relay, bar0, n, Int32(-1))
 
 
 @cute.jit
-def band_relay_loop(relay: Int32, counter: cute.Tensor, ready: cute.Tensor, need: Int32,
-                    epoch: Int32):
-    """The relay warp (lane 0 works): counts each posted band (``publish_band_count``) until the
-    end marker."""
-    if cute.arch.lane_idx() == 0:
-        n = Int32(0)
-        b = Int32(0)
-        while b >= Int32(0):
-            s = n % Int32(2)
-            mbar_wait_parity_intra_cta(relay + s * Int32(8), (n // Int32(2)) % Int32(2))
-            b = ld_shared_s32(relay + Int32(32) + s * Int32(4))
+def band_relay_loop(relay: Int32, bar0: Int32, counter: cute.Tensor, ready: cute.Tensor,
+                    need: Int32, epoch: Int32):
+    """The relay warp (all 32 lanes): counts each posted band (``publish_band_count``, lane 0)
+    until the end marker."""
+    n = Int32(0)
+    b = Int32(0)
+    while b >= Int32(0):
+        s = n % Int32(2)
+        cute.arch.barrier(barrier_id=bar0 + s, number_of_threads=64)
+        b = ld_shared_s32(relay + Int32(16) + s * Int32(4))
+        cute.arch.sync_warp()  # every lane has read the slot before it is handed back
+        if cute.arch.lane_idx() == 0:
             if b >= Int32(0):
                 publish_band_count(counter, ready, b, need, epoch)
-            mbar_arrive(relay + Int32(16) + s * Int32(8))
-            n = n + Int32(1)
+            mbar_arrive(relay + s * Int32(8))
+        n = n + Int32(1)
 
 
 # ---- errors and bounded waits ----------------------------------------------------------------
