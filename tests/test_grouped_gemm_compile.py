@@ -30,8 +30,7 @@ def gg_mod():
     (128, 256, True, dict(cluster_n=1, signal_k_tile=3)), (64, 128, True, dict(cluster_n=1)),
     (128, 256, True, dict(store_warp=True)), (64, 128, False, dict(store_warp=True)),
     (128, 256, True, dict(flag_warp=True)), (64, 128, True, dict(flag_warp=True, cluster_n=1)),
-    (128, 256, True, dict(pair_bands=True)), (64, 256, False, dict(pair_bands=True)),
-    (128, 256, True, dict(epi_barriers=1, flag_warp=True, pair_bands=True))])
+    (128, 256, True, dict(pair_bands=True)), (64, 256, False, dict(pair_bands=True))])
 def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, signal, extra):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     g = gg_mod.GroupedGemm(tile_m=tile_m, tile_n=tile_n, signal=signal, **extra)
@@ -61,9 +60,11 @@ def test_bad_inputs_raise_before_launch(gg_mod):
     for bad in (dict(flag_warp=True, store_warp=True), dict(flag_warp=True, signal=False)):
         with pytest.raises(ValueError, match="flag_warp"):
             gg_mod.GroupedGemm(**bad)
-    for bad in (dict(epi_barriers=1, epi_stages=1), dict(epi_barriers=3)):
-        with pytest.raises(ValueError, match="epi_barriers"):
-            gg_mod.GroupedGemm(**bad)
+    with pytest.raises(ValueError, match="pair_bands"):
+        gg_mod.GroupedGemm(pair_bands="sometimes")
+    auto = gg_mod.GroupedGemm(tile_m=128)
+    assert auto.pair_for(rows=256 * 64, E=64) and not auto.pair_for(rows=512 * 16, E=16)
+    assert gg_mod.GroupedGemm(pair_bands=False).pair_for(rows=128, E=64) is False
     g = gg_mod.GroupedGemm(tile_m=128, tile_n=256)
     i32 = dict(dtype=torch.int32)
     x = torch.zeros(256, 512, dtype=torch.bfloat16)

@@ -80,6 +80,10 @@ def prepare_weights(w):
 # Kernel
 # --------------------------------------------------------------------------------------------
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
+# pair_bands="auto" interleaves band pairs when experts average at most this many bands: measured
+# (H200, bench/NOTES.md) 0.80x -> 0.95x the library at 2 bands per expert, within +-3 % (either
+# sign, run to run) at 4 or more.
+PAIR_BANDS_MAX_BANDS = 3
 
 
 def _kernel_class():
@@ -116,7 +120,7 @@ def _kernel_class():
     class _GroupedGemmKernel:
         def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
                      epi_stages=4, b_evict_last=False, cluster_n=1, store_warp=False,
-                     flag_warp=False, pair_bands=False, epi_barriers=2):
+                     flag_warp=False, pair_bands=False):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
             self.req_stages = stages
@@ -146,7 +150,6 @@ def _kernel_class():
             self.relay_warp_id = 2
             self.relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
             self.pair_bands = pair_bands
-            self.epi_barriers = epi_barriers
             self.load_regs = 40
             self.mma_regs = 232 if self.num_mma_wg == 2 else 240
             self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
@@ -522,21 +525,6 @@ def _kernel_class():
                         cute.arch.fence_proxy("async.shared", space="cta")
                         if cutlass.const_expr(self.store_warp):
                             self.epi_full.arrive()
-                        elif cutlass.const_expr(self.epi_barriers == 1):
-                            # One barrier per sub-tile: before it, the store thread lets at most
-                            # epi_stage - 2 stores still read smem, so the buffer the threads
-                            # write after it (last read by the store epi_stage - 1 sub-tiles
-                            # before the one issued below) is free.
-                            if is_store_warp:
-                                cute.arch.cp_async_bulk_wait_group(self.epi_stage - 2, read=True)
-                            self.epi_barrier.arrive_and_wait()
-                            if is_store_warp:
-                                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                                    tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                                    gC_epi)
-                                cute.copy(tma_atom_c, bSG_sD[(None, epi_buffer)],
-                                          bSG_gD[(None, epi_tile_layout.get_hier_coord(epi_idx))])
-                                tma_store_pipeline.producer_commit()
                         else:
                             self.epi_barrier.arrive_and_wait()
                             if is_store_warp:
@@ -599,7 +587,7 @@ class GroupedGemm:
 
     GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=None,
                 epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None, store_warp=False,
-                flag_warp=None, pair_bands=True, epi_barriers=2)
+                flag_warp=None, pair_bands="auto")
         tile_m in {64, 128}; tile_n in {64, 128, 256}; tile_k = 64 (bf16);
         stages: smem pipeline depth (None: as many as fit);
         signal: compile-time switch for the band flag epilogue (False: plain grouped GEMM);
@@ -619,11 +607,11 @@ class GroupedGemm:
         the ready store (no gpu-scope fence in a WGMMA warpgroup); needs signal, not store_warp;
         None (default): on whenever signal and not store_warp (flag cost 0.5-1.4 % against
         1-4 % without, bench/NOTES.md).
-        pair_bands (default on): tile order that interleaves schedule positions 2s and 2s+1 at equal n tiles
+        pair_bands: tile order that interleaves schedule positions 2s and 2s+1 at equal n tiles
         (two bands of one expert read each weight tile from DRAM once; flags of a pair complete
-        together, about one band's time later than band-major order for the first of the two).
-        epi_barriers: named barriers per epilogue sub-tile (2: the CUTLASS example's order; 1: the
-        store thread waits for older stores before the one barrier; needs epi_stages >= 2).
+        together, about one band's time later than band-major order for the first of the two);
+        "auto" (default): on when the local experts average at most PAIR_BANDS_MAX_BANDS bands
+        (rows / E_local <= that many tile_m), where band-major order reads weights twice.
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
              ccta=0, band_counter=None, stream=None) -> y
@@ -637,7 +625,7 @@ class GroupedGemm:
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None,
-                 store_warp=False, flag_warp=None, pair_bands=True, epi_barriers=2):
+                 store_warp=False, flag_warp=None, pair_bands="auto"):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -660,11 +648,9 @@ class GroupedGemm:
         if flag_warp and (store_warp or not signal):
             raise ValueError("flag_warp needs signal=True and store_warp=False")
         self.flag_warp = (bool(signal) and not store_warp) if flag_warp is None else bool(flag_warp)
-        self.pair_bands = bool(pair_bands)
-        if epi_barriers not in (1, 2) or (epi_barriers == 1 and (epi_stages < 2 or store_warp)):
-            raise ValueError(f"epi_barriers must be 2, or 1 with epi_stages >= 2 and no "
-                             f"store_warp; got {epi_barriers} (epi_stages={epi_stages})")
-        self.epi_barriers = int(epi_barriers)
+        if pair_bands not in (True, False, "auto"):
+            raise ValueError(f"pair_bands must be True, False or 'auto', got {pair_bands!r}")
+        self.pair_bands = pair_bands
         self._counters = {}
 
     def cluster_for(self, N):
@@ -727,24 +713,30 @@ class GroupedGemm:
         return rows, K, E, N
 
     # ---------------------------------------------------------------- compilation
-    def _key(self, N, K):
+    def pair_for(self, rows, E):
+        """pair_bands resolved for a call with ``rows`` plan rows over ``E`` local experts."""
+        if self.pair_bands != "auto":
+            return bool(self.pair_bands)
+        return rows <= PAIR_BANDS_MAX_BANDS * self.tile_m * max(E, 1)
+
+    def _key(self, N, K, pair=True):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last,
-                self.cluster_for(N), self.store_warp, self.flag_warp, self.pair_bands,
-                self.epi_barriers, int(N), int(K))
+                self.cluster_for(N), self.store_warp, self.flag_warp, bool(pair), int(N), int(K))
 
-    def _kernel(self, N):
+    def _kernel(self, N, pair=True):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
                                    self.b_evict_last, self.cluster_for(N), self.store_warp,
-                                   self.flag_warp, self.pair_bands, self.epi_barriers)
+                                   self.flag_warp, bool(pair))
 
-    def compile(self, N, K, keep_ptx=False):
+    def compile(self, N, K, keep_ptx=False, pair=None):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
         symbolic ("fake") tensors: rows, E_local and B_cap are runtime values.  Needs no GPU when
         CUTE_DSL_ARCH=sm_90a is set (used by the compile-only tests).  keep_ptx: keep the PTX
         (``fn.__ptx__``; files go to CUTE_DSL_DUMP_DIR)."""
-        key = ("fake", bool(keep_ptx)) + self._key(N, K)
+        pair = (self.pair_bands is not False) if pair is None else pair
+        key = ("fake", bool(keep_ptx)) + self._key(N, K, pair)
         fn = GroupedGemm._compiled.get(key)
         if fn is not None:
             return fn
@@ -759,7 +751,7 @@ class GroupedGemm:
         fy = make_fake_tensor(bf16, (rows, N), (N, 1), assumed_align=16)
         fv = lambda: make_fake_tensor(i32, (bcap,), (1,), assumed_align=4)
         f1 = lambda: make_fake_tensor(i32, (1,), (1,), assumed_align=4)
-        fn = cute.compile(self._kernel(N), fx, fw, fy, fv(), fv(), fv(), f1(), fv(), fv(), f1(),
+        fn = cute.compile(self._kernel(N, pair), fx, fw, fy, fv(), fv(), fv(), f1(), fv(), fv(), f1(),
                           cutlass.Int32(1), make_fake_stream(),
                           options="--keep-ptx" if keep_ptx else None)
         GroupedGemm._compiled[key] = fn
@@ -804,10 +796,11 @@ class GroupedGemm:
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
         args = self._cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                band_ready, band_counter, epoch)
-        key = ("dlpack",) + self._key(N, K)
+        pair = self.pair_for(rows, E)
+        key = ("dlpack",) + self._key(N, K, pair)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:
-            fn = cute.compile(self._kernel(N), *args, cutlass.Int32(grid), cu_stream)
+            fn = cute.compile(self._kernel(N, pair), *args, cutlass.Int32(grid), cu_stream)
             GroupedGemm._compiled[key] = fn
         fn(*args, cutlass.Int32(grid), cu_stream)
         return y
