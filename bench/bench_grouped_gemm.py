@@ -25,8 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_overlap.kernels.grouped_gemm import GroupedGemm  # noqa: E402
 from moe_overlap.timing import time_interleaved  # noqa: E402
 
-# GPU sleep before each timed call: the events then time the kernel, not its Python launch
-# path (which can approach the 0.4 ms of the K=1024 shape)
+# GPU sleep before each timed call (time_interleaved lead_ms): no host launch time in the events,
+# and the GPU near its boost clock; BENCH_LEAD_MS=0 times calls back to back, i.e. in the
+# power-limited steady state (the method of the v1-v6 results). Both regimes are reported.
 LEAD_MS = float(os.environ.get("BENCH_LEAD_MS", "2.0"))
 PEAK_TFLOPS = 790.0  # measured bf16 dense rate on this workplace's H200 (KINDS.md)
 DEV = "cuda"
@@ -161,7 +162,7 @@ def main():
     doc = dict(bench="grouped_gemm", device=torch.cuda.get_device_name(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
-               peak_tflops_assumed=PEAK_TFLOPS, tag=args.tag, shapes=results)
+               peak_tflops_assumed=PEAK_TFLOPS, tag=args.tag, lead_ms=LEAD_MS, shapes=results)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"grouped_gemm_{args.tag or 'bench'}.json")
     with open(path, "w") as f:

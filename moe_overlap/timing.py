@@ -74,7 +74,11 @@ def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambd
     runs ahead of the GPU. Without it, a call right after a host-synchronizing barrier (NCCL's
     `dist.barrier` waits for the device) is timed from its first host instruction: a launch path
     that costs ~1 ms of Python (CuTe DSL argument conversion) then reads as ~1 ms of GPU time.
-    Every call's host time is reported either way (`host_ms`); it must stay below lead_ms."""
+    The sleep also changes the power regime: calls no longer run back to back, so an H200
+    (700 W) stays near its boost clock instead of its power-limited steady state (bf16 GEMMs at
+    ~770 instead of ~640 TFLOP/s, bench/NOTES.md); report which regime a number comes from.
+    `host_ms` is each call's enqueue time; without a barrier the host runs far ahead and it
+    includes waiting for launch-queue space."""
     import time
     for _ in range(warmup):
         for fn in fns.values():

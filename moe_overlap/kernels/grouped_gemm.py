@@ -26,14 +26,21 @@ t, t+1 (same band) and shares the band's A tile by TMA multicast; G is rounded d
 
 Flags: each finished tile is counted on band_counter[b] (acq_rel atomic, gpu scope) once its TMA
 stores are complete (wait_group 0 + fence.proxy.async.global); the tile that completes the band
-resets the counter and stores band_ready[b] = epoch with release semantics.  By default the
-previous tile's flag is posted from the first consumer warp in the middle of the next tile's k
-loop (stores long finished, so no stall); store_warp=True posts it from a dedicated warp right
-after the stores complete.  See primitives.count_band_after_bulk_stores for the
-memory-ordering argument.
+resets the counter and stores band_ready[b] = epoch with release semantics.  The previous tile's
+stores are waited for by the first consumer warp in the middle of the next tile's k loop (long
+finished, so no stall); by default (flag_warp) that warp then hands the band to warp 2 of the
+producer warpgroup, which does the atomic: its GPU-scope fence (MEMBAR.ALL.GPU) would otherwise
+stall a WGMMA warpgroup.  store_warp=True instead issues the stores and posts the flags from a
+dedicated warp.  See primitives.count_band_after_bulk_stores / relay_band_after_bulk_stores for
+the memory-ordering argument.
 
-Measured (H200, bench/NOTES.md): 0.95-1.02x the best library grouped GEMM (cuBLAS bmm / per-expert
-matmul / torch._grouped_mm) at ccta=0 for T=16k-32k, N=8192, K=1k-4k, E=4-64.
+Tile order: band-major (t = p * n_tiles + n), or with pair_bands the two bands of a schedule pair
+interleaved at equal n tiles (default "auto": where experts have at most 3 bands, so that both
+bands of a weight slice run side by side and it is read from DRAM once).
+
+Measured (H200, bench/NOTES.md, ccta=0, T=16k-32k, N=8192, K=1k-4k, E=4-64): 0.97-1.02x the best
+library grouped GEMM (cuBLAS bmm / per-expert matmul / torch._grouped_mm) with calls back to back,
+0.93-0.98x at boost clock; flag epilogue 0.3-1.6 % (2.8 % at K=4096 back to back).
 
 cutlass is imported lazily: importing this module needs only torch.
 """
@@ -95,7 +102,7 @@ def _kernel_class():
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
     from .primitives import (RELAY_BYTES, band_relay_loop, count_band_after_bulk_stores,
-                             relay_band_after_bulk_stores, relay_end, relay_init)
+                             post_band_after_bulk_stores, relay_end, relay_init)
 
     @cute.jit
     def tile_coords(t: cutlass.Int32, n_tiles: cutlass.Int32, num_bands: cutlass.Int32,
@@ -485,13 +492,9 @@ def _kernel_class():
                             # k tiles ago, so waiting for their completion here rarely stalls.
                             if k_tile == signal_k and pend_band >= 0:
                                 if is_store_warp:
-                                    if cutlass.const_expr(self.flag_warp):
-                                        relay_band_after_bulk_stores(
-                                            relay, self.relay_bar0, posts, pend_band)
-                                        posts = posts + 1
-                                    else:
-                                        count_band_after_bulk_stores(mCounter, mReady, pend_band,
-                                                                     n_tiles, epoch)
+                                    posts = post_band_after_bulk_stores(
+                                        self.flag_warp, relay, self.relay_bar0, posts, mCounter,
+                                        mReady, pend_band, n_tiles, epoch)
                                 pend_band = cutlass.Int32(-1)
                     cute.nvgpu.warpgroup.wait_group(0)
                     mainloop_pipeline.consumer_release(release_state)
@@ -499,12 +502,9 @@ def _kernel_class():
                     if cutlass.const_expr(sig_in_mma):
                         if pend_band >= 0:  # k_tile_cnt too small for an in-loop signal
                             if is_store_warp:
-                                if cutlass.const_expr(self.flag_warp):
-                                    relay_band_after_bulk_stores(relay, self.relay_bar0, posts, pend_band)
-                                    posts = posts + 1
-                                else:
-                                    count_band_after_bulk_stores(mCounter, mReady, pend_band,
-                                                                 n_tiles, epoch)
+                                posts = post_band_after_bulk_stores(
+                                    self.flag_warp, relay, self.relay_bar0, posts, mCounter,
+                                    mReady, pend_band, n_tiles, epoch)
                             pend_band = cutlass.Int32(-1)
 
                     # ---- epilogue: acc -> bf16 -> smem (stmatrix) -> gmem (TMA store)
@@ -544,12 +544,9 @@ def _kernel_class():
                 if cutlass.const_expr(sig_in_mma):
                     if pend_band >= 0:
                         if is_store_warp:
-                            if cutlass.const_expr(self.flag_warp):
-                                relay_band_after_bulk_stores(relay, self.relay_bar0, posts, pend_band)
-                                posts = posts + 1
-                            else:
-                                count_band_after_bulk_stores(mCounter, mReady, pend_band,
-                                                             n_tiles, epoch)
+                            posts = post_band_after_bulk_stores(
+                                self.flag_warp, relay, self.relay_bar0, posts, mCounter, mReady,
+                                pend_band, n_tiles, epoch)
                     if cutlass.const_expr(self.flag_warp):
                         if is_store_warp:
                             relay_end(relay, self.relay_bar0, posts)

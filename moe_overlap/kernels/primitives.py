@@ -19,6 +19,7 @@ wins (atom.cas on [0]); the host reads it after a synchronize (see ``describe_er
 """
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
@@ -335,6 +336,20 @@ def relay_band_after_bulk_stores(relay: Int32, bar0: Int32, n: Int32, b: Int32):
 def relay_end(relay: Int32, bar0: Int32, n: Int32):
     """Post number ``n`` = the end marker (band -1; no bulk stores to wait for)."""
     _relay_post(relay, bar0, n, Int32(-1))
+
+
+@cute.jit
+def post_band_after_bulk_stores(relayed: cutlass.Constexpr, relay: Int32, bar0: Int32,
+                                posts: Int32, counter: cute.Tensor, ready: cute.Tensor, b: Int32,
+                                need: Int32, epoch: Int32):
+    """The issuing warp's flag post for band b: handed to the relay warp (``relayed``; returns
+    posts + 1) or counted right here (returns posts unchanged)."""
+    if cutlass.const_expr(relayed):
+        relay_band_after_bulk_stores(relay, bar0, posts, b)
+        posts = posts + Int32(1)
+    else:
+        count_band_after_bulk_stores(counter, ready, b, need, epoch)
+    return posts
 
 
 @cute.jit
