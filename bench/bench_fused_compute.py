@@ -12,7 +12,8 @@ interleaved CUDA-event timing, median:
   isolates the cost of the L2 read-modify-write); ``tma128``: tile_o 128 (5 stages);
 - ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
   ``tma256_half_grid``: on half the SMs (time nearly unchanged = a shared resource such as the
-  L2's reduction rate is the limit; time doubled = per-SM work is); ``tma256_m64``: tile_m = 64.
+  L2's reduction rate is the limit; time doubled = per-SM work is); ``tma256_m64``: tile_m = 64;
+  ``tma256_c2``: clusters of two CTAs on adjacent m-tiles sharing W1 / W2 by TMA multicast.
 The reduce-add traffic is T * N * 4 * O_g / tile_o bytes; the table gives its rate per variant.
 """
 import argparse
@@ -51,6 +52,7 @@ def main(argv=None):
         "red256": (dict(epilogue="red"), 0),
         "tma256_half_grid": (dict(), sms // 2),
         "tma256_m64": (dict(tile_m=64), 0),
+        "tma256_c2": (dict(cluster_m=2), 0),  # clusters of 2, W1 / W2 multicast
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}

@@ -76,6 +76,43 @@ def test_ptx_has_wgmma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o, epilogue)
     assert ".local" not in body
 
 
+@pytest.mark.parametrize("tile_m,tile_o", [(128, 256), (64, 128)])
+def test_cluster_multicast_compiles(ffn_mod, tile_m, tile_o):
+    """cluster_m=2: W1 tiles and W2 chunks come by TMA multicast, half issued per CTA."""
+    from moe_overlap.kernels import switch
+    fn = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, cluster_m=2).compile(
+        P=256, O=512, N=256, act1="gelu", keep_ptx=True)
+    body = fn.__ptx__.split(".entry", 1)[1]
+    # W1 and W2 loads multicast (3-d: the expert mode), X per CTA
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.\S*"
+                          r"multicast::cluster", body)) >= 2
+    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", body)
+    assert "mbarrier.arrive.shared::cluster" in body  # stage release to both CTAs
+    tool = switch.find_nvdisasm()
+    if tool is not None and fn.__cubin__:
+        sass = switch.sass_of(fn.__cubin__, tool)
+        assert "HGMMA" in sass and "UTMAREDG" in sass
+        assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 12  # gelu's erf constants at most
+
+
+def test_cluster_options_checked(ffn_mod, monkeypatch):
+    with pytest.raises(ValueError, match="cluster_m"):
+        ffn_mod.FusedFFNCompute(cluster_m=4)
+    monkeypatch.setattr(ffn_mod, "_num_sms", lambda device: 132)
+    c = ffn_mod.FusedFFNCompute(cluster_m=2)
+    assert c.grid(M=8192, O=7168, device="cpu", ccta=17) == 114  # whole clusters
+    assert c.grid(M=200, O=256, device="cpu", ccta=0) == 2  # 2 m-tiles x 1 j-tile
+    assert c.grid(M=100, O=512, device="cpu", ccta=0) == 4  # 1 m-tile (+ its phantom) x 2
+    with pytest.raises(ValueError, match="whole cluster"):
+        c.grid(M=8192, O=7168, device="cpu", ccta=131)
+    x = torch.zeros(128, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dense call only"):
+        c.grouped(x, torch.zeros(2, 256, 512, dtype=torch.bfloat16), None,
+                  torch.zeros(2, 512, 256, dtype=torch.bfloat16), torch.zeros(128, 256),
+                  torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                  torch.zeros(1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("act1,needle", [("silu", "ex2.approx"), ("gelu_tanh", "tanh.approx")])
 def test_act1_variants_compile(ffn_mod, act1, needle):
     ptx, _ = _compiled(ffn_mod, 128, act1)

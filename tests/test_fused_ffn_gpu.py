@@ -42,6 +42,11 @@ SINGLE_CASES = [  # defaults: tile_o 256, TMA reduce-add epilogue, ring as deep 
     (384, 256, 512, 256, "relu", 64, 128, False, 0, dict(tile_o=128, epilogue="red")),
     (300, 256, 512, 256, "gelu", 128, 128, True, 16, dict(stages=2, epi_n=32)),
     (520, 512, 768, 384, "silu", 128, 256, True, 0, dict(tile_o=128, epi_stages=1)),
+    # clusters of 2 with W1 / W2 multicast: odd m-tile counts (a phantom unit past M), odd ccta
+    (300, 256, 384, 384, "gelu", 128, 128, True, 16, dict(tile_o=128, cluster_m=2)),
+    (777, 512, 256, 128, "silu", 128, 256, False, 17, dict(cluster_m=2)),
+    (1000, 1024, 512, 512, "gelu", 64, 128, True, 0, dict(cluster_m=2, epilogue="red")),
+    (64, 128, 128, 256, "relu", 64, 64, True, 0, dict(tile_o=128, cluster_m=2)),
 ]
 
 

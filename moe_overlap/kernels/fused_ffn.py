@@ -158,8 +158,13 @@ def _kernel_class():
 
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages, epi_n, epi_stages,
-                     signal_k_tile, diag_plain_store=False, epilogue="tma"):
+                     signal_k_tile, diag_plain_store=False, epilogue="tma", cluster_m=1):
             self.acc_dtype = cutlass.Float32
+            # cluster_m = 2: the two CTAs of a cluster take units (2p, j) and (2p + 1, j) (same
+            # hidden columns, adjacent m-tiles): each loads half of every W1 tile and W2 chunk
+            # and multicasts it to both, so per SM a third fewer operand bytes come from L2 in
+            # GEMM1 and half in GEMM2. X stays per CTA.
+            self.cluster_m = cluster_m
             self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, tile_k
             # GEMM1 computes the unit's whole tile_m x tile_o H tile at once (accumulator
             # 64 x tile_o per warpgroup): X and W1 are read once per unit. GEMM2 reduces over
@@ -250,10 +255,16 @@ def _kernel_class():
             G2S = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp
             tma_atom_x, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 G2S(), mX, sX1, (self.tile_m, self.tile_k))
+            if cutlass.const_expr(self.cluster_m > 1):  # weights: half per CTA, multicast
+                mc = dict(num_multicast=self.cluster_m)
+                w_op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            else:
+                mc = {}
+                w_op = G2S()
             tma_atom_w1, tma_w1 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                G2S(), mW1, sW11, (self.tile_o, self.tile_k))
+                w_op, mW1, sW11, (self.tile_o, self.tile_k), **mc)
             tma_atom_w2, tma_w2 = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                G2S(), mW2, sW21, (self.tile_n, self.kc2))
+                w_op, mW2, sW21, (self.tile_n, self.kc2), **mc)
             # TMA reduce-add of fp32 sub-tiles into acc (cp.reduce.async.bulk.tensor ... .add)
             # (diag_plain_store: a plain TMA store instead, wrong results; isolates the cost of
             # the L2 read-modify-write in bench/bench_fused_compute.py)
@@ -282,7 +293,8 @@ def _kernel_class():
                         tma_o, self.tiled_mma1, self.tiled_mma2, self.sX_layout,
                         self.sW1_layout, self.sW2_layout, self.sH_layout, self.sO_layout, mAcc, mB1,
                         mReady, mCounter, mEpoch, mMtE, mt_per_band).launch(
-                grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1], cluster=[1, 1, 1],
+                grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
+                cluster=[self.cluster_m, 1, 1],
                 min_blocks_per_mp=1, stream=stream)
 
         # ---------------------------------------------------------------- device kernel
@@ -309,7 +321,16 @@ def _kernel_class():
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            cta_vmnk = cute.make_layout((1, 1, 1, 1))
+            cl = self.cluster_m
+            cta_layout_mnk = cute.make_layout((cl, 1, 1))
+            cta_vmnk = cute.make_layout((1, cl, 1, 1))
+            if cutlass.const_expr(cl > 1):
+                cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+                w_mcast_mask = cute.make_layout_image_mask(
+                    cta_layout_mnk, cta_layout_mnk.get_flat_coord(cta_rank), mode=0)
+            else:
+                cta_rank = 0
+                w_mcast_mask = 0
             # one ring for both GEMMs, consumed in the order it is filled: a unit's P / tile_k
             # GEMM1 stages (X + W1, tx1 bytes), then 2 W2 chunk stages per n tile (tx2 bytes,
             # armed by hand in the producer). One ring instead of two lets the next GEMM's
@@ -317,10 +338,11 @@ def _kernel_class():
             pipe = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                # every consumer warp releases a stage to each CTA that multicast into it
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.num_mma_wg * 4),
+                                                         self.num_mma_wg * 4 * cl),
                 tx_count=self.tx1, cta_layout_vmnk=cta_vmnk, defer_sync=True)
-            pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            pipeline_init_arrive(cluster_shape_mn=(cl, 1), is_relaxed=True)
 
             sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
             sW1 = storage.sB.get_tensor(sW1_layout.outer, swizzle=sW1_layout.inner)
@@ -342,9 +364,11 @@ def _kernel_class():
             tXsX, tXgX = cute.nvgpu.cpasync.tma_partition(
                 tma_atom_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
             tW1sW1, tW1gW1 = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_w1, 0, one, cute.group_modes(sW1, 0, 2), cute.group_modes(gW1, 0, 2))
+                tma_atom_w1, cta_rank, cute.make_layout(cl), cute.group_modes(sW1, 0, 2),
+                cute.group_modes(gW1, 0, 2))
             tW2sW2, tW2gW2 = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_w2, 0, one, cute.group_modes(sW2, 0, 2), cute.group_modes(gW2, 0, 2))
+                tma_atom_w2, cta_rank, cute.make_layout(cl), cute.group_modes(sW2, 0, 2),
+                cute.group_modes(gW2, 0, 2))
 
             warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
             mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
@@ -365,9 +389,16 @@ def _kernel_class():
             m_tiles = cute.size(gX, mode=[2])  # ceil(M / tile_m): TMA clips the ragged tail
             J = cute.size(gW1, mode=[2])  # O_g / tile_o
             n_tiles = cute.size(gAcc, mode=[3])  # N / tile_n
-            total_units = m_tiles * J
+            # work: q = m_pair * J + j over ceil(m_tiles / cl) m-pairs; cluster c takes q = c,
+            # c + C, ... (C clusters) and its CTA of rank r the unit (m_pair * cl + r, j). With
+            # an odd m_tiles the last pair's second m-tile lies past M: that CTA still loads and
+            # multicasts its weight halves and runs the GEMMs (X rows past M load as zeros, the
+            # TMA reductions past M are clipped) but counts nothing.
+            total_units = -(-m_tiles // cl) * J
+            n_clusters = gdim // cl
+            cluster_id = cutlass.Int32(bidx) // cl
 
-            pipeline_init_wait(cluster_shape_mn=(1, 1))
+            pipeline_init_wait(cluster_shape_mn=(cl, 1))
 
             if warp_group_idx == 0:
                 cute.arch.setmaxregister_decrease(self.load_regs)
@@ -375,18 +406,23 @@ def _kernel_class():
             if warp_idx == self.load_warp_id:
                 st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                   self.stages)
-                u = cutlass.Int32(bidx)
+                u = cluster_id
                 while u < total_units:
-                    m_tile = u // J
-                    j_tile = u - m_tile * J
-                    e = mMtE[m_tile]
+                    m_pair = u // J
+                    j_tile = u - m_pair * J
+                    m_tile = m_pair * cl + cta_rank
+                    m_e = m_tile
+                    if m_e >= m_tiles:
+                        m_e = m_tiles - 1
+                    e = mMtE[m_e]
                     for k_tile in range(k_tiles):  # GEMM1: X tile + W1 tile per stage
                         pipe.producer_acquire(st)
                         bar = pipe.producer_get_barrier(st)
                         cute.copy(tma_atom_x, tXgX[(None, m_tile, k_tile)],
                                   tXsX[(None, st.index)], tma_bar_ptr=bar)
                         cute.copy(tma_atom_w1, tW1gW1[(None, j_tile, k_tile, e)],
-                                  tW1sW1[(None, st.index)], tma_bar_ptr=bar)
+                                  tW1sW1[(None, st.index)], tma_bar_ptr=bar,
+                                  mcast_mask=w_mcast_mask)
                         pipe.producer_commit(st)
                         st.advance()
                     for nn in range(n_tiles):  # GEMM2: two W2 chunks per n tile
@@ -398,10 +434,11 @@ def _kernel_class():
                             pipe.sync_object_full.arrive_and_expect_tx(st.index, self.tx2)
                             bar = pipe.producer_get_barrier(st)
                             cute.copy(tma_atom_w2, tW2gW2[(None, n_tile, j_tile * 2 + c, e)],
-                                      tW2sW2[(None, st.index)], tma_bar_ptr=bar)
+                                      tW2sW2[(None, st.index)], tma_bar_ptr=bar,
+                                      mcast_mask=w_mcast_mask)
                             pipe.producer_commit(st)
                             st.advance()
-                    u = u + gdim
+                    u = u + n_clusters
                 pipe.producer_tail(st)
 
             # ------------------------------------------------------------ consumer warpgroups
@@ -461,11 +498,15 @@ def _kernel_class():
                     signal_k = min(max(self.signal_k_tile, 1), k_tiles - 1)
                 epis_done = cutlass.Int32(0)
 
-                u = cutlass.Int32(bidx)
+                u = cluster_id
                 while u < total_units:
-                    m_tile = u // J
-                    j_tile = u - m_tile * J
-                    e = mMtE[m_tile]
+                    m_pair = u // J
+                    j_tile = u - m_pair * J
+                    m_tile = m_pair * cl + cta_rank
+                    m_e = m_tile
+                    if m_e >= m_tiles:
+                        m_e = m_tiles - 1
+                    e = mMtE[m_e]
 
                     # ---- GEMM1: acc1 = b1[cols] (+) X[m] @ W1[:, cols] over the unit's tile_o
                     # hidden columns cols = j_tile * tile_o + [0, tile_o)
@@ -568,13 +609,14 @@ def _kernel_class():
                             epis_done = epis_done + epi_num
 
                     # this unit is counted once its reductions completed (deferred, see above)
-                    b = m_tile // mt_per_band
-                    mt_in_band = m_tiles - b * mt_per_band
-                    if mt_in_band > mt_per_band:
-                        mt_in_band = mt_per_band
-                    pend_band = b
-                    pend_need = mt_in_band * J
-                    u = u + gdim
+                    if m_tile < m_tiles:  # (not the phantom unit past M of an odd m_tiles)
+                        b = m_tile // mt_per_band
+                        mt_in_band = m_tiles - b * mt_per_band
+                        if mt_in_band > mt_per_band:
+                            mt_in_band = mt_per_band
+                        pend_band = b
+                        pend_need = mt_in_band * J
+                    u = u + n_clusters
 
                 if pend_band >= 0:
                     self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
@@ -634,7 +676,9 @@ class FusedFFNCompute:
         3 stages) and epi_stages (sub-tile buffers); signal_k_tile: GEMM1 k iteration of the next
         unit at which the previous unit is counted (None: the middle); epilogue: "tma" (fp32
         sub-tiles through shared memory, TMA reduce-add) or "red" (red.global.add.v2.f32
-        straight from registers; slower since v4, see bench/NOTES.md).
+        straight from registers; slower since v4, see bench/NOTES.md); cluster_m: 2 = clusters
+        of two CTAs on adjacent m-tiles sharing every W1 tile and W2 chunk by TMA multicast
+        (dense __call__ only; the grid is rounded down to even).
 
     __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc
         x [M, P] bf16, w1 [P, O_g] bf16, b1 [O_g] (any float dtype) or None, w2 [O_g, N] bf16,
@@ -653,7 +697,7 @@ class FusedFFNCompute:
     _compiled = {}
 
     def __init__(self, tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
-                 epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma",
+                 epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma", cluster_m=1,
                  _diag_plain_store=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
@@ -686,6 +730,9 @@ class FusedFFNCompute:
         self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
         self._diag_plain_store = bool(_diag_plain_store)  # benchmarks only: results are wrong
         self.epilogue = epilogue
+        if cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m!r}")
+        self.cluster_m = int(cluster_m)
         self._counters = {}
         self._b1_zero = {}
 
@@ -757,12 +804,13 @@ class FusedFFNCompute:
     def _key(self, P, O, N, act1):
         return (self.tile_m, self.tile_o, self.tile_n, self.stages, self.epi_n,
                 self.epi_stages, self.signal_k_tile, self._diag_plain_store, self.epilogue, act1,
-                int(P), int(O), int(N))
+                self.cluster_m, int(P), int(O), int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
                                    self.stages, self.epi_n, self.epi_stages,
-                                   self.signal_k_tile, self._diag_plain_store, self.epilogue)
+                                   self.signal_k_tile, self._diag_plain_store, self.epilogue,
+                                   self.cluster_m)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
         """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no
@@ -826,10 +874,13 @@ class FusedFFNCompute:
         return c
 
     def grid(self, M, O, device, ccta):
-        units = -(-M // self.tile_m) * (O // self.tile_o)
+        cl = self.cluster_m
+        units = -(-(-(-M // self.tile_m)) // cl) * cl * (O // self.tile_o)
         g = min(_num_sms(device) - ccta, units)
+        g -= g % cl  # whole clusters
         if g < 1:
-            raise ValueError(f"ccta={ccta} leaves no SM for the compute blocks")
+            raise ValueError(f"ccta={ccta} leaves no SM (no whole cluster of {cl}) for the "
+                             f"compute blocks")
         return g
 
     def __call__(self, x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu",
@@ -856,6 +907,8 @@ class FusedFFNCompute:
         band, belongs to one expert); w1 [E, P, O_g], b1 [E, O_g] or None, w2 [E, O_g, N];
         m_tile_expert int32 [>= ceil(M / tile_m)]: the expert of each m-tile, in [0, E) (device
         values: the caller guarantees the range; see ShardedExperts). Otherwise as __call__."""
+        if self.cluster_m > 1:  # the pair of m-tiles of a cluster must share one expert
+            raise ValueError("cluster_m=2 supports the dense call only, not grouped()")
         for name, t, d in (("w1", w1, 3), ("w2", w2, 3)):
             if not isinstance(t, torch.Tensor) or t.dim() != d:
                 raise ValueError(f"{name} must be a {d}-D tensor [E, ...]")
