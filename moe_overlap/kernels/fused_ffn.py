@@ -51,11 +51,15 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
   posted (deferred, as in grouped_gemm) in the middle of the next unit's GEMM1 k-loop, when the
   reductions are long finished. See ``_count_unit`` for the memory-ordering argument.
 
-Measured (2x H200, bench/NOTES.md): correct; v4 (this structure) ~430 TFLOP/s on the llama3-8b
-slice against cuBLAS's ~740 (v3, two 128-column GEMM1 chunks and separate pipelines: ~320).
+* ``cluster_m=2`` (option, dense call only): clusters of two CTAs on units (2p, j), (2p + 1, j)
+  load half of every W1 tile and W2 chunk each and multicast it to both.
+
+Measured (2x H200, bench/NOTES.md): correct; v4 (this structure) ~435 TFLOP/s on the llama3-8b
+slice against cuBLAS's ~750 (v3, two 128-column GEMM1 chunks and separate pipelines: ~320);
+cluster_m=2 ~453 (4 % faster; not yet measured inside the FusedFFN layer, so not its default).
 Not done yet: GEMM2 / epilogue ping-pong (the epilogue still serializes with GEMM2; a
-two-accumulator attempt made ptxas serialize the WGMMAs, see NOTES), clusters with TMA multicast
-of W1 / W2; tile_n = 128 only; one consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128).
+two-accumulator attempt made ptxas serialize the WGMMAs, see NOTES); tile_n = 128 only; one
+consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128).
 The pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never waits
 on another CTA or on the communication blocks (one-way dependency).
 
