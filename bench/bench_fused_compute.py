@@ -13,8 +13,7 @@ interleaved CUDA-event timing, median:
 - ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
   ``tma256_half_grid``: on half the SMs (time nearly unchanged = a shared resource such as the
   L2's reduction rate is the limit; time doubled = per-SM work is); ``tma256_m64``: tile_m = 64;
-  ``tma256_c2``: clusters of two CTAs on adjacent m-tiles sharing W1 / W2 by TMA multicast;
-  ``tma256_pp``: GEMM2 ping-pong between the warpgroups; ``tma256_c2pp``: both.
+  ``tma256_c2``: clusters of two CTAs on adjacent m-tiles sharing W1 / W2 by TMA multicast.
 The reduce-add traffic is T * N * 4 * O_g / tile_o bytes; the table gives its rate per variant.
 """
 import argparse
@@ -54,8 +53,6 @@ def main(argv=None):
         "tma256_half_grid": (dict(), sms // 2),
         "tma256_m64": (dict(tile_m=64), 0),
         "tma256_c2": (dict(cluster_m=2), 0),  # clusters of 2, W1 / W2 multicast
-        "tma256_pp": (dict(pingpong=True), 0),  # GEMM2 n tiles alternate between warpgroups
-        "tma256_c2pp": (dict(cluster_m=2, pingpong=True), 0),
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}

@@ -95,30 +95,6 @@ def test_cluster_multicast_compiles(ffn_mod, tile_m, tile_o):
         assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 12  # gelu's erf constants at most
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(cluster_m=2)])
-def test_pingpong_compiles_without_spilling_accumulators(ffn_mod, extra):
-    """pingpong: each warpgroup issues both 64-row halves of its GEMM2 tiles (twice the GEMM2
-    WGMMAs in the code) and reduces through its own buffer with warpgroup-local barriers."""
-    from moe_overlap.kernels import switch
-    fn = ffn_mod.FusedFFNCompute(pingpong=True, **extra).compile(
-        P=256, O=512, N=256, act1="gelu", keep_ptx=True)
-    body = fn.__ptx__.split(".entry", 1)[1]
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16", body)) >= 2 * 16
-    assert re.search(r"barrier\.sync(\.aligned)?\s+%r\d+, 128;|bar\.sync\s+%r\d+, 128;", body)
-    tool = switch.find_nvdisasm()
-    if tool is not None and fn.__cubin__:
-        sass = switch.sass_of(fn.__cubin__, tool)
-        # the two 64 x 128 accumulators must not stay live across GEMM1 (they did, and spilled
-        # ~900 bytes, while they were zeroed only by the owning warpgroup)
-        assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 14
-
-
-def test_pingpong_options_checked(ffn_mod):
-    for bad in (dict(tile_m=64), dict(epilogue="red"), dict(epi_stages=1)):
-        with pytest.raises(ValueError, match="pingpong"):
-            ffn_mod.FusedFFNCompute(pingpong=True, **bad)
-
-
 def test_cluster_options_checked(ffn_mod, monkeypatch):
     with pytest.raises(ValueError, match="cluster_m"):
         ffn_mod.FusedFFNCompute(cluster_m=4)

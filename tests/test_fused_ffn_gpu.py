@@ -47,12 +47,6 @@ SINGLE_CASES = [  # defaults: tile_o 256, TMA reduce-add epilogue, ring as deep 
     (777, 512, 256, 128, "silu", 128, 256, False, 17, dict(cluster_m=2)),
     (1000, 1024, 512, 512, "gelu", 64, 128, True, 0, dict(cluster_m=2, epilogue="red")),
     (64, 128, 128, 256, "relu", 64, 64, True, 0, dict(tile_o=128, cluster_m=2)),
-    # GEMM2 n tiles alternating between the warpgroups: even / single / odd n-tile counts,
-    # P / tile_k = 2 below the ring depth (the barrier before the next unit's H write)
-    (256, 512, 256, 256, "relu", 128, 128, True, 0, dict(pingpong=True)),
-    (777, 512, 256, 128, "silu", 128, 256, False, 16, dict(pingpong=True)),
-    (300, 128, 384, 384, "gelu", 128, 128, True, 17, dict(tile_o=128, pingpong=True,
-                                                          cluster_m=2)),
 ]
 
 

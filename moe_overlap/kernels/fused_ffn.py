@@ -57,9 +57,9 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
 Measured (2x H200, bench/NOTES.md): correct; v4 (this structure) ~435 TFLOP/s on the llama3-8b
 slice against cuBLAS's ~750 (v3, two 128-column GEMM1 chunks and separate pipelines: ~320);
 cluster_m=2 ~453 (4 % faster; not yet measured inside the FusedFFN layer, so not its default).
-Not done yet: GEMM2 / epilogue ping-pong (the epilogue still serializes with GEMM2; a
-two-accumulator attempt made ptxas serialize the WGMMAs, see NOTES); tile_n = 128 only; one
-consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128).
+Tried and measured without gain (bench/NOTES.md): GEMM2 n tiles ping-ponged between the
+warpgroups so that the epilogue overlaps WGMMAs (0.3 %). Limits: tile_n = 128 only; one consumer
+warpgroup per 64 rows of tile_m (tile_m 64 or 128).
 The pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never waits
 on another CTA or on the communication blocks (one-way dependency).
 
@@ -139,7 +139,7 @@ def _kernel_class():
     from cutlass.utils import LayoutEnum
 
     from .primitives import (count_band_after_bulk_stores, fence_acq_rel_gpu,
-                             publish_band_count)
+                             multicast_rank_and_mask, publish_band_count)
     from .switch import device_lib
 
     def red_add_v2_f32(addr, a, b):
@@ -162,15 +162,8 @@ def _kernel_class():
 
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages, epi_n, epi_stages,
-                     signal_k_tile, diag_plain_store=False, epilogue="tma", cluster_m=1,
-                     pingpong=False):
+                     signal_k_tile, diag_plain_store=False, epilogue="tma", cluster_m=1):
             self.acc_dtype = cutlass.Float32
-            # pingpong: GEMM2's n tiles alternate between the two consumer warpgroups, each
-            # computing a whole tile_m x tile_n tile (both 64-row halves of sH) and reducing it
-            # through its own epilogue buffer, so one warpgroup's epilogue runs while the other's
-            # WGMMAs do (GEMM1 stays cooperative). No accumulator is read while its WGMMAs are in
-            # flight, which is what made ptxas serialize the two-accumulator attempt (NOTES).
-            self.pingpong = pingpong
             # cluster_m = 2: the two CTAs of a cluster take units (2p, j) and (2p + 1, j) (same
             # hidden columns, adjacent m-tiles): each loads half of every W1 tile and W2 chunk
             # and multicasts it to both, so per SM a third fewer operand bytes come from L2 in
@@ -335,13 +328,8 @@ def _kernel_class():
             cl = self.cluster_m
             cta_layout_mnk = cute.make_layout((cl, 1, 1))
             cta_vmnk = cute.make_layout((1, cl, 1, 1))
-            if cutlass.const_expr(cl > 1):
-                cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-                w_mcast_mask = cute.make_layout_image_mask(
-                    cta_layout_mnk, cta_layout_mnk.get_flat_coord(cta_rank), mode=0)
-            else:
-                cta_rank = 0
-                w_mcast_mask = 0
+            # the CTAs of a cluster (along M) share the weight tiles
+            cta_rank, w_mcast_mask = multicast_rank_and_mask(cta_layout_mnk, mode=0)
             # one ring for both GEMMs, consumed in the order it is filled: a unit's P / tile_k
             # GEMM1 stages (X + W1, tx1 bytes), then 2 W2 chunk stages per n tile (tx2 bytes,
             # armed by hand in the producer). One ring instead of two lets the next GEMM's
@@ -419,13 +407,7 @@ def _kernel_class():
                                                   self.stages)
                 u = cluster_id
                 while u < total_units:
-                    m_pair = u // J
-                    j_tile = u - m_pair * J
-                    m_tile = m_pair * cl + cta_rank
-                    m_e = m_tile
-                    if m_e >= m_tiles:
-                        m_e = m_tiles - 1
-                    e = mMtE[m_e]
+                    m_tile, j_tile, e = self._unit(u, J, cta_rank, m_tiles, mMtE)
                     for k_tile in range(k_tiles):  # GEMM1: X tile + W1 tile per stage
                         pipe.producer_acquire(st)
                         bar = pipe.producer_get_barrier(st)
@@ -501,24 +483,6 @@ def _kernel_class():
 
                 epoch = mEpoch[0]
                 is_store_warp = warp_idx == self.epi_store_warp_id
-                wg = warp_group_idx - 1  # 0 / 1: consumer warpgroup
-                if cutlass.const_expr(self.pingpong):
-                    # each warpgroup issues (and counts) the reductions of its own n tiles
-                    is_store_warp = warp_idx == self.epi_store_warp_id + 4 * wg
-                    wtid = ctid - wg * self.threads_per_wg
-                    # both 64-row halves: the 2-warpgroup GEMM2 layouts of halves 0 and 1
-                    thr_top = tiled_mma2.get_slice(0)
-                    thr_bot = tiled_mma2.get_slice(self.threads_per_wg)
-                    tCrH_top = tiled_mma2.make_fragment_A(thr_top.partition_A(sH))
-                    tCrH_bot = tiled_mma2.make_fragment_A(thr_bot.partition_A(sH))
-                    acc_top = cute.make_rmem_tensor(tCcO.shape, self.acc_dtype)
-                    acc_bot = cute.make_rmem_tensor(tCcO.shape, self.acc_dtype)
-                    thr_o_top = o_copy.get_slice(wtid)
-                    thr_o_bot = o_copy.get_slice(self.threads_per_wg + wtid)
-                    tRS_sO_top = thr_o_top.partition_D(sO)
-                    tRS_sO_bot = thr_o_bot.partition_D(sO)
-                    tRS_rAcc_top = o_copy.retile(acc_top)
-                    tRS_rAcc_bot = o_copy.retile(acc_bot)
                 pend_band = cutlass.Int32(-1)  # band of the last unit, not yet counted
                 pend_need = cutlass.Int32(0)
                 if cutlass.const_expr(self.signal_k_tile is None):
@@ -529,13 +493,7 @@ def _kernel_class():
 
                 u = cluster_id
                 while u < total_units:
-                    m_pair = u // J
-                    j_tile = u - m_pair * J
-                    m_tile = m_pair * cl + cta_rank
-                    m_e = m_tile
-                    if m_e >= m_tiles:
-                        m_e = m_tiles - 1
-                    e = mMtE[m_e]
+                    m_tile, j_tile, e = self._unit(u, J, cta_rank, m_tiles, mMtE)
 
                     # ---- GEMM1: acc1 = b1[cols] (+) X[m] @ W1[:, cols] over the unit's tile_o
                     # hidden columns cols = j_tile * tile_o + [0, tile_o)
@@ -573,143 +531,69 @@ def _kernel_class():
                                          is_store_warp, ctid)
                         pend_band = cutlass.Int32(-1)
 
-                    # ---- act1 in registers, bf16, stmatrix into sH (each warpgroup writes its
-                    # own 64 rows; without pingpong it later reads only those, after its own
-                    # GEMM2 WGMMAs completed)
+                    # ---- act1 in registers, bf16, stmatrix into sH (each warpgroup writes and
+                    # later reads only its own 64 rows, after its own GEMM2 WGMMAs completed)
                     for v in cutlass.range_constexpr(size_rH):
                         tRS_rHf[v] = act_fn(tRS_rAcc1[v], self.act1)
                     tRS_rH.store(tRS_rHf.load().to(bf16))
-                    if cutlass.const_expr(self.pingpong):
-                        # both warpgroups read all of sH in GEMM2: the other one's last GEMM2
-                        # WGMMAs of the previous unit must be complete before we overwrite it
-                        self.epi_barrier.arrive_and_wait()
                     cute.copy(h_copy, tRS_rH, tRS_sH)
                     # generic-proxy smem writes -> visible to WGMMA (async proxy) reads
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self.epi_barrier.arrive_and_wait()
 
                     # ---- GEMM2 + reduce-add, one n tile at a time
-                    if cutlass.const_expr(self.pingpong):
-                        # n tiles alternate between the warpgroups (position nn belongs to
-                        # warpgroup nn % 2). Both walk every ring stage in fill order (the stage
-                        # barriers count both); the owner issues the WGMMAs and releases the
-                        # stage once they completed, the other releases it as soon as it has
-                        # landed. The owner then reduces the tile through its own sO buffer
-                        # (buffer wg): sub-tile to smem, warpgroup barrier, its store warp
-                        # issues the TMA reduce-add and waits until sO has been read, barrier.
+                    for nn in range(n_tiles):
+                        n_tile = nn + j_tile
+                        n_tile = n_tile - (n_tile // n_tiles) * n_tiles
+                        acc2.fill(0.0)
                         tiled_mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                        for nn in range(n_tiles):
-                            n_tile = nn + j_tile
-                            n_tile = n_tile - (n_tile // n_tiles) * n_tiles
-                            own = (nn - (nn // 2) * 2) == wg
-                            # zeroed by both warpgroups: an unconditional definition ends the
-                            # accumulators' live range here (a fill only under `own` made ptxas
-                            # keep them live across GEMM1 next to acc1 and spill)
-                            acc_top.fill(0.0)
-                            acc_bot.fill(0.0)
-                            cute.nvgpu.warpgroup.fence()
-                            for c in cutlass.range_constexpr(2):  # K = tile_o in two W2 chunks
-                                pipe.consumer_wait(read)
-                                stage = read.index
-                                if own:
-                                    for kb in cutlass.range_constexpr(num_kb2):
-                                        kh = c * num_kb2 + kb
-                                        cute.gemm(tiled_mma2, acc_top, tCrH_top[(None, None, kh)],
-                                                  tCrW2[(None, None, kb, stage)], acc_top)
-                                        cute.gemm(tiled_mma2, acc_bot, tCrH_bot[(None, None, kh)],
-                                                  tCrW2[(None, None, kb, stage)], acc_bot)
-                                    cute.nvgpu.warpgroup.commit_group()
-                                read.advance()
-                            if own:
-                                cute.nvgpu.warpgroup.wait_group(0)
-                            for c in cutlass.range_constexpr(2):
-                                pipe.consumer_release(rel)
-                                rel.advance()
-                            if own:
-                                gO_epi = cute.zipped_divide(gAcc[(None, None, m_tile, n_tile)],
-                                                            self.epi_tile)
-                                epi_num = cute.size(gO_epi, mode=[1])
-                                epi_shape = gO_epi.shape[1]
-                                epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                                for epi_idx in cutlass.range_constexpr(epi_num):
-                                    for v in cutlass.range_constexpr(size_rO):
-                                        tRS_rO[v] = tRS_rAcc_top[epi_idx * size_rO + v]
-                                    cute.copy(o_copy, tRS_rO, tRS_sO_top[(None, None, None, wg)])
-                                    for v in cutlass.range_constexpr(size_rO):
-                                        tRS_rO[v] = tRS_rAcc_bot[epi_idx * size_rO + v]
-                                    cute.copy(o_copy, tRS_rO, tRS_sO_bot[(None, None, None, wg)])
-                                    # st.shared (generic) -> TMA reduce (async proxy) reads sO
-                                    cute.arch.fence_proxy("async.shared", space="cta")
-                                    cute.arch.barrier(barrier_id=2 + wg,
-                                                      number_of_threads=self.threads_per_wg)
-                                    if is_store_warp:
-                                        bSG_sO, bSG_gO = cute.nvgpu.cpasync.tma_partition(
-                                            tma_atom_o, 0, one, cute.group_modes(sO, 0, 2), gO_epi)
-                                        cute.copy(tma_atom_o, bSG_sO[(None, wg)],
-                                                  bSG_gO[(None, epi_layout.get_hier_coord(
-                                                      epi_idx))])
-                                        cute.arch.cp_async_bulk_commit_group()
-                                        # the next sub-tile reuses this buffer: wait until read
-                                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                                    cute.arch.barrier(barrier_id=2 + wg,
-                                                      number_of_threads=self.threads_per_wg)
-                    else:
-                        for nn in range(n_tiles):
-                            n_tile = nn + j_tile
-                            n_tile = n_tile - (n_tile // n_tiles) * n_tiles
-                            acc2.fill(0.0)
-                            tiled_mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                            cute.nvgpu.warpgroup.fence()
-                            for c in cutlass.range_constexpr(2):  # K = tile_o in two W2 chunks
-                                pipe.consumer_wait(read)
-                                for kb in cutlass.range_constexpr(num_kb2):
-                                    cute.gemm(tiled_mma2, acc2,
-                                              tCrH[(None, None, c * num_kb2 + kb)],
-                                              tCrW2[(None, None, kb, read.index)], acc2)
-                                cute.nvgpu.warpgroup.commit_group()
-                                read.advance()
-                            cute.nvgpu.warpgroup.wait_group(0)
-                            for c in cutlass.range_constexpr(2):
-                                pipe.consumer_release(rel)
-                                rel.advance()
-                            if cutlass.const_expr(self.red_epi):
-                                # fire-and-forget fp32 adds from registers (pairs of adjacent
-                                # columns of the WGMMA accumulator); rows past M are skipped
-                                row0 = m_tile * self.tile_m
-                                col0 = n_tile * self.tile_n
-                                for h in cutlass.range_constexpr(cute.size(acc2) // 2):
-                                    rr = row0 + tCcO_thr[2 * h][0]
-                                    if rr < acc_rows:
-                                        off = (cutlass.Int64(rr) * acc_ld
-                                               + (col0 + tCcO_thr[2 * h][1]))
-                                        red_add_v2_f32(acc_base + off * 4, acc2[2 * h],
-                                                       acc2[2 * h + 1])
-                            else:
-                                gO_epi = cute.zipped_divide(gAcc[(None, None, m_tile, n_tile)],
-                                                            self.epi_tile)
-                                epi_num = cute.size(gO_epi, mode=[1])
-                                epi_shape = gO_epi.shape[1]
-                                epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                                for epi_idx in cutlass.range_constexpr(epi_num):
-                                    for v in cutlass.range_constexpr(size_rO):
-                                        tRS_rO[v] = tRS_rAcc2[epi_idx * size_rO + v]
-                                    buf = (epis_done + epi_idx) % self.epi_stage
-                                    cute.copy(o_copy, tRS_rO, tRS_sO[(None, None, None, buf)])
-                                    # st.shared (generic) -> TMA reduce (async proxy) reads sO
-                                    cute.arch.fence_proxy("async.shared", space="cta")
-                                    self.epi_barrier.arrive_and_wait()
-                                    if is_store_warp:
-                                        bSG_sO, bSG_gO = cute.nvgpu.cpasync.tma_partition(
-                                            tma_atom_o, 0, one, cute.group_modes(sO, 0, 2), gO_epi)
-                                        cute.copy(tma_atom_o, bSG_sO[(None, buf)],
-                                                  bSG_gO[(None, epi_layout.get_hier_coord(
-                                                      epi_idx))])
-                                        red_pipeline.producer_commit()
-                                        # buffer reuse: at most epi_stages - 1 groups still
-                                        # reading sO
-                                        red_pipeline.producer_acquire()
-                                    self.epi_barrier.arrive_and_wait()
-                                epis_done = epis_done + epi_num
+                        cute.nvgpu.warpgroup.fence()
+                        for c in cutlass.range_constexpr(2):  # K = tile_o in two W2 chunks
+                            pipe.consumer_wait(read)
+                            for kb in cutlass.range_constexpr(num_kb2):
+                                cute.gemm(tiled_mma2, acc2, tCrH[(None, None, c * num_kb2 + kb)],
+                                          tCrW2[(None, None, kb, read.index)], acc2)
+                            cute.nvgpu.warpgroup.commit_group()
+                            read.advance()
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        for c in cutlass.range_constexpr(2):
+                            pipe.consumer_release(rel)
+                            rel.advance()
+                        if cutlass.const_expr(self.red_epi):
+                            # fire-and-forget fp32 adds from registers (pairs of adjacent
+                            # columns of the WGMMA accumulator); rows past M are skipped
+                            row0 = m_tile * self.tile_m
+                            col0 = n_tile * self.tile_n
+                            for h in cutlass.range_constexpr(cute.size(acc2) // 2):
+                                rr = row0 + tCcO_thr[2 * h][0]
+                                if rr < acc_rows:
+                                    off = cutlass.Int64(rr) * acc_ld + (col0 + tCcO_thr[2 * h][1])
+                                    red_add_v2_f32(acc_base + off * 4, acc2[2 * h],
+                                                   acc2[2 * h + 1])
+                        else:
+                            gO_epi = cute.zipped_divide(gAcc[(None, None, m_tile, n_tile)],
+                                                        self.epi_tile)
+                            epi_num = cute.size(gO_epi, mode=[1])
+                            epi_shape = gO_epi.shape[1]
+                            epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                            for epi_idx in cutlass.range_constexpr(epi_num):
+                                for v in cutlass.range_constexpr(size_rO):
+                                    tRS_rO[v] = tRS_rAcc2[epi_idx * size_rO + v]
+                                buf = (epis_done + epi_idx) % self.epi_stage
+                                cute.copy(o_copy, tRS_rO, tRS_sO[(None, None, None, buf)])
+                                # st.shared (generic) -> TMA reduce (async proxy) reads sO
+                                cute.arch.fence_proxy("async.shared", space="cta")
+                                self.epi_barrier.arrive_and_wait()
+                                if is_store_warp:
+                                    bSG_sO, bSG_gO = cute.nvgpu.cpasync.tma_partition(
+                                        tma_atom_o, 0, one, cute.group_modes(sO, 0, 2), gO_epi)
+                                    cute.copy(tma_atom_o, bSG_sO[(None, buf)],
+                                              bSG_gO[(None, epi_layout.get_hier_coord(epi_idx))])
+                                    red_pipeline.producer_commit()
+                                    # buffer reuse: at most epi_stages - 1 groups still reading sO
+                                    red_pipeline.producer_acquire()
+                                self.epi_barrier.arrive_and_wait()
+                            epis_done = epis_done + epi_num
 
                     # this unit is counted once its reductions completed (deferred, see above)
                     if m_tile < m_tiles:  # (not the phantom unit past M of an odd m_tiles)
@@ -718,9 +602,7 @@ def _kernel_class():
                         if mt_in_band > mt_per_band:
                             mt_in_band = mt_per_band
                         pend_band = b
-                        # pingpong: both warpgroups' store warps count each unit
-                        pend_need = mt_in_band * J * (2 if cutlass.const_expr(self.pingpong)
-                                                      else 1)
+                        pend_need = mt_in_band * J
                     u = u + n_clusters
 
                 if pend_band >= 0:
@@ -728,8 +610,19 @@ def _kernel_class():
                                      is_store_warp, ctid)
                 if cutlass.const_expr(not self.red_epi):
                     red_pipeline.producer_tail()
-                    if cutlass.const_expr(self.pingpong):
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+        @cute.jit
+        def _unit(self, u: cutlass.Int32, J: cutlass.Int32, cta_rank, m_tiles: cutlass.Int32,
+                  mMtE: cute.Tensor):
+            """Work item u -> (m_tile, j_tile, expert): u = m_pair * J + j, m_tile = m_pair *
+            cluster_m + this CTA's rank; the expert of a phantom m-tile past M is the last one's."""
+            m_pair = u // J
+            j_tile = u - m_pair * J
+            m_tile = m_pair * self.cluster_m + cta_rank
+            m_e = m_tile
+            if m_e >= m_tiles:
+                m_e = m_tiles - 1
+            return m_tile, j_tile, mMtE[m_e]
 
         @cute.jit
         def _count_unit(self, b: cutlass.Int32, need: cutlass.Int32, epoch: cutlass.Int32,
@@ -785,9 +678,7 @@ class FusedFFNCompute:
         sub-tiles through shared memory, TMA reduce-add) or "red" (red.global.add.v2.f32
         straight from registers; slower since v4, see bench/NOTES.md); cluster_m: 2 = clusters
         of two CTAs on adjacent m-tiles sharing every W1 tile and W2 chunk by TMA multicast
-        (dense __call__ only; the grid is rounded down to even); pingpong: GEMM2's n tiles
-        alternate between the two consumer warpgroups so that one's reduce-add epilogue overlaps
-        the other's WGMMAs (tile_m=128, epilogue="tma", epi_stages=2).
+        (dense __call__ only; the grid is rounded down to even).
 
     __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc
         x [M, P] bf16, w1 [P, O_g] bf16, b1 [O_g] (any float dtype) or None, w2 [O_g, N] bf16,
@@ -807,7 +698,7 @@ class FusedFFNCompute:
 
     def __init__(self, tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
                  epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma", cluster_m=1,
-                 pingpong=False, _diag_plain_store=False):
+                 _diag_plain_store=False):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_o not in (128, 256):
@@ -842,10 +733,6 @@ class FusedFFNCompute:
         if cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m!r}")
         self.cluster_m = int(cluster_m)
-        if pingpong and (tile_m != 128 or epilogue != "tma" or epi_stages != 2):
-            raise ValueError("pingpong needs tile_m=128 (two consumer warpgroups), "
-                             "epilogue='tma' and epi_stages=2 (one buffer per warpgroup)")
-        self.pingpong = bool(pingpong)
         self._counters = {}
         self._b1_zero = {}
 
@@ -917,13 +804,13 @@ class FusedFFNCompute:
     def _key(self, P, O, N, act1):
         return (self.tile_m, self.tile_o, self.tile_n, self.stages, self.epi_n,
                 self.epi_stages, self.signal_k_tile, self._diag_plain_store, self.epilogue, act1,
-                self.cluster_m, self.pingpong, int(P), int(O), int(N))
+                self.cluster_m, int(P), int(O), int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
                                    self.stages, self.epi_n, self.epi_stages,
                                    self.signal_k_tile, self._diag_plain_store, self.epilogue,
-                                   self.cluster_m, self.pingpong)
+                                   self.cluster_m)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
         """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no

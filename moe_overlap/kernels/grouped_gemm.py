@@ -102,7 +102,8 @@ def _kernel_class():
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
     from .primitives import (RELAY_BYTES, band_relay_loop, count_band_after_bulk_stores,
-                             post_band_after_bulk_stores, relay_end, relay_init)
+                             multicast_rank_and_mask, post_band_after_bulk_stores, relay_end,
+                             relay_init)
 
     @cute.jit
     def tile_coords(t: cutlass.Int32, n_tiles: cutlass.Int32, num_bands: cutlass.Int32,
@@ -278,13 +279,8 @@ def _kernel_class():
 
             # cluster of cluster_n CTAs along N: (1, cluster_n, 1)
             cta_layout_mnk = cute.make_layout((1, self.cluster_n, 1))
-            if cutlass.const_expr(self.cluster_n > 1):
-                cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-                a_mcast_mask = cute.make_layout_image_mask(
-                    cta_layout_mnk, cta_layout_mnk.get_flat_coord(cta_rank), mode=1)
-            else:
-                cta_rank = 0
-                a_mcast_mask = 0
+            # the CTAs of a cluster (along N) share the band's A tile
+            cta_rank, a_mcast_mask = multicast_rank_and_mask(cta_layout_mnk, mode=1)
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)

@@ -264,6 +264,18 @@ def count_band_after_bulk_stores(counter: cute.Tensor, ready: cute.Tensor, b: In
         publish_band_count(counter, ready, b, need, epoch)
 
 
+# ---- clusters ----------------------------------------------------------------------------------
+def multicast_rank_and_mask(cta_layout_mnk, mode: int):
+    """(this CTA's rank in its cluster, TMA multicast mask of the CTAs that share its tile along
+    ``mode`` of ``cta_layout_mnk``); (0, 0) for a cluster of one. Called while tracing a kernel."""
+    if cute.size(cta_layout_mnk) == 1:
+        return 0, 0
+    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+    mask = cute.make_layout_image_mask(cta_layout_mnk, cta_layout_mnk.get_flat_coord(rank),
+                                       mode=mode)
+    return rank, mask
+
+
 # ---- band-flag relay (grouped GEMM, flag_warp=True) -------------------------------------------
 # The warp that issued a tile's TMA stores waits for them (steps 1-3 of
 # count_band_after_bulk_stores) and hands the band id to an idle warp through a two-slot
