@@ -13,7 +13,9 @@ interleaved CUDA-event timing, median:
 - ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
   ``tma256_half_grid``: on half the SMs (time nearly unchanged = a shared resource such as the
   L2's reduction rate is the limit; time doubled = per-SM work is); ``tma256_m64``: tile_m = 64;
-  ``tma256_c2``: clusters of two CTAs on adjacent m-tiles sharing W1 / W2 by TMA multicast.
+  ``tma256_c2``: clusters of two CTAs on adjacent m-tiles sharing W1 / W2 by TMA multicast;
+  ``tma256_gemm1_only`` / ``tma256_gemm2_only``: the kernel with GEMM2 (its W2 stages, MMAs and
+  reductions) or GEMM1's k loop left out (wrong results): how the time splits between phases.
 The reduce-add traffic is T * N * 4 * O_g / tile_o bytes; the table gives its rate per variant.
 """
 import argparse
@@ -53,6 +55,9 @@ def main(argv=None):
         "tma256_half_grid": (dict(), sms // 2),
         "tma256_m64": (dict(tile_m=64), 0),
         "tma256_c2": (dict(cluster_m=2), 0),  # clusters of 2, W1 / W2 multicast
+        # phase split (wrong results): the kernel without GEMM2 / without GEMM1's k loop
+        "tma256_gemm1_only": (dict(_diag_skip="gemm2"), 0),
+        "tma256_gemm2_only": (dict(_diag_skip="gemm1"), 0),
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
@@ -79,7 +84,7 @@ def main(argv=None):
             comp = FusedFFNCompute(**kw)
             tile_o[vname] = comp.tile_o
             ready = torch.zeros(-(-T // comp.band_rows), dtype=torch.int32, device=dev)
-            if not kw.get("_diag_plain_store"):  # correctness of each real variant, once
+            if not (kw.get("_diag_plain_store") or kw.get("_diag_skip")):  # real variants, once
                 acc.zero_()
                 comp(x, w1, b1, w2, acc, ready, epoch, ccta=ccta, act1=a.act1)
                 ref = fused_ffn_compute_reference(x[:512], w1, b1, w2, a.act1)

@@ -95,6 +95,22 @@ def test_cluster_multicast_compiles(ffn_mod, tile_m, tile_o):
         assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 12  # gelu's erf constants at most
 
 
+@pytest.mark.parametrize("skip", ["gemm1", "gemm2"])
+def test_phase_split_diagnostics_compile(ffn_mod, skip):
+    """_diag_skip leaves one GEMM out on both sides of the ring (benchmarks only)."""
+    fn = ffn_mod.FusedFFNCompute(_diag_skip=skip).compile(P=256, O=512, N=256, act1="relu",
+                                                           keep_ptx=True)
+    body = fn.__ptx__.split(".entry", 1)[1]
+    n256 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", body))
+    red = len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", body))
+    if skip == "gemm1":
+        assert n256 == 0 and red > 0
+    else:
+        assert n256 > 0 and red == 0
+    with pytest.raises(ValueError, match="_diag_skip"):
+        ffn_mod.FusedFFNCompute(_diag_skip="both")
+
+
 def test_cluster_options_checked(ffn_mod, monkeypatch):
     with pytest.raises(ValueError, match="cluster_m"):
         ffn_mod.FusedFFNCompute(cluster_m=4)

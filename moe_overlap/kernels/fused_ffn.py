@@ -162,7 +162,8 @@ def _kernel_class():
 
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages, epi_n, epi_stages,
-                     signal_k_tile, diag_plain_store=False, epilogue="tma", cluster_m=1):
+                     signal_k_tile, diag_plain_store=False, epilogue="tma", cluster_m=1,
+                     diag_skip=None):
             self.acc_dtype = cutlass.Float32
             # cluster_m = 2: the two CTAs of a cluster take units (2p, j) and (2p + 1, j) (same
             # hidden columns, adjacent m-tiles): each loads half of every W1 tile and W2 chunk
@@ -181,6 +182,7 @@ def _kernel_class():
             self.epi_n, self.epi_stage = epi_n, epi_stages
             self.signal_k_tile = signal_k_tile
             self.diag_plain_store = diag_plain_store
+            self.diag_skip = diag_skip
             # "red": each thread adds its accumulator pairs straight from registers into acc
             # with red.global.add.v2.f32 (fire-and-forget: the next product's WGMMAs start at
             # once, no shared-memory round trip, no barriers). "tma" (default): fp32 sub-tiles
@@ -394,6 +396,10 @@ def _kernel_class():
             # multicasts its weight halves and runs the GEMMs (X rows past M load as zeros, the
             # TMA reductions past M are clipped) but counts nothing.
             total_units = -(-m_tiles // cl) * J
+            # diag_skip (benchmarks only, wrong results): leave out one GEMM's stages and work
+            # on both sides of the ring, to split the kernel's time between the two phases
+            k_tiles1 = 0 if cutlass.const_expr(self.diag_skip == "gemm1") else k_tiles
+            n_tiles2 = 0 if cutlass.const_expr(self.diag_skip == "gemm2") else n_tiles
             n_clusters = gdim // cl
             cluster_id = cutlass.Int32(bidx) // cl
 
@@ -408,7 +414,7 @@ def _kernel_class():
                 u = cluster_id
                 while u < total_units:
                     m_tile, j_tile, e = self._unit(u, J, cta_rank, m_tiles, mMtE)
-                    for k_tile in range(k_tiles):  # GEMM1: X tile + W1 tile per stage
+                    for k_tile in range(k_tiles1):  # GEMM1: X tile + W1 tile per stage
                         pipe.producer_acquire(st)
                         bar = pipe.producer_get_barrier(st)
                         cute.copy(tma_atom_x, tXgX[(None, m_tile, k_tile)],
@@ -418,7 +424,7 @@ def _kernel_class():
                                   mcast_mask=w_mcast_mask)
                         pipe.producer_commit(st)
                         st.advance()
-                    for nn in range(n_tiles):  # GEMM2: two W2 chunks per n tile
+                    for nn in range(n_tiles2):  # GEMM2: two W2 chunks per n tile
                         n_tile = nn + j_tile
                         n_tile = n_tile - (n_tile // n_tiles) * n_tiles  # rotated start
                         for c in cutlass.range_constexpr(2):
@@ -499,33 +505,34 @@ def _kernel_class():
                     # hidden columns cols = j_tile * tile_o + [0, tile_o)
                     for i in cutlass.range_constexpr(cute.size(acc1)):
                         acc1[i] = mB1[(e, j_tile * self.tile_o + tCcH_thr[i][1])]
-                    tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    pipe.consumer_wait(read)
-                    for kb in cutlass.range_constexpr(num_kb1):
-                        cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read.index)],
-                                  tCrW1[(None, None, kb, read.index)], acc1)
-                    cute.nvgpu.warpgroup.commit_group()
-                    read.advance()
-                    for k_tile in range(1, k_tiles):
+                    if cutlass.const_expr(self.diag_skip != "gemm1"):
+                        tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        cute.nvgpu.warpgroup.fence()
                         pipe.consumer_wait(read)
                         for kb in cutlass.range_constexpr(num_kb1):
                             cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read.index)],
                                       tCrW1[(None, None, kb, read.index)], acc1)
                         cute.nvgpu.warpgroup.commit_group()
-                        cute.nvgpu.warpgroup.wait_group(1)
+                        read.advance()
+                        for k_tile in range(1, k_tiles):
+                            pipe.consumer_wait(read)
+                            for kb in cutlass.range_constexpr(num_kb1):
+                                cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read.index)],
+                                          tCrW1[(None, None, kb, read.index)], acc1)
+                            cute.nvgpu.warpgroup.commit_group()
+                            cute.nvgpu.warpgroup.wait_group(1)
+                            pipe.consumer_release(rel)
+                            rel.advance()
+                            read.advance()
+                            # deferred count of the previous unit: its reductions were issued a
+                            # whole GEMM1 ago, so the wait_group 0 inside rarely stalls
+                            if k_tile == signal_k and pend_band >= 0:
+                                self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
+                                                 is_store_warp, ctid)
+                                pend_band = cutlass.Int32(-1)
+                        cute.nvgpu.warpgroup.wait_group(0)
                         pipe.consumer_release(rel)
                         rel.advance()
-                        read.advance()
-                        # deferred count of the previous unit: its reductions were issued a
-                        # whole GEMM1 ago, so the wait_group 0 inside rarely stalls
-                        if k_tile == signal_k and pend_band >= 0:
-                            self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
-                                             is_store_warp, ctid)
-                            pend_band = cutlass.Int32(-1)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    pipe.consumer_release(rel)
-                    rel.advance()
                     if pend_band >= 0:  # P / tile_k too small for an in-loop count
                         self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
                                          is_store_warp, ctid)
@@ -542,7 +549,7 @@ def _kernel_class():
                     self.epi_barrier.arrive_and_wait()
 
                     # ---- GEMM2 + reduce-add, one n tile at a time
-                    for nn in range(n_tiles):
+                    for nn in range(n_tiles2):
                         n_tile = nn + j_tile
                         n_tile = n_tile - (n_tile // n_tiles) * n_tiles
                         acc2.fill(0.0)
@@ -698,7 +705,7 @@ class FusedFFNCompute:
 
     def __init__(self, tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
                  epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma", cluster_m=1,
-                 _diag_plain_store=False):
+                 _diag_plain_store=False, _diag_skip=None):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_o not in (128, 256):
@@ -729,6 +736,9 @@ class FusedFFNCompute:
         self.epi_stages = epi_stages
         self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
         self._diag_plain_store = bool(_diag_plain_store)  # benchmarks only: results are wrong
+        if _diag_skip not in (None, "gemm1", "gemm2"):
+            raise ValueError(f"_diag_skip must be None, 'gemm1' or 'gemm2', got {_diag_skip!r}")
+        self._diag_skip = _diag_skip  # benchmarks only: results are wrong
         self.epilogue = epilogue
         if cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m!r}")
@@ -803,14 +813,15 @@ class FusedFFNCompute:
     # ---------------------------------------------------------------- compilation
     def _key(self, P, O, N, act1):
         return (self.tile_m, self.tile_o, self.tile_n, self.stages, self.epi_n,
-                self.epi_stages, self.signal_k_tile, self._diag_plain_store, self.epilogue, act1,
+                self.epi_stages, self.signal_k_tile, self._diag_plain_store, self._diag_skip,
+                self.epilogue, act1,
                 self.cluster_m, int(P), int(O), int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
                                    self.stages, self.epi_n, self.epi_stages,
                                    self.signal_k_tile, self._diag_plain_store, self.epilogue,
-                                   self.cluster_m)
+                                   self.cluster_m, self._diag_skip)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
         """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no
