@@ -37,7 +37,10 @@ gemm)
     run gemm_tests 400 python -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_gpu.py
     args=(--rounds 30)
     [ "$quick" = quick ] && args=(--quick)
-    run gemm_bench 500 python bench/bench_grouped_gemm.py "${args[@]}" --out "$OUT"
+    run gemm_bench 300 python bench/bench_grouped_gemm.py "${args[@]}" --tag boost --out "$OUT"
+    # the same calls back to back (power-limited steady state; bench/NOTES.md, session 5)
+    BENCH_LEAD_MS=0 run gemm_bench_b2b 300 python bench/bench_grouped_gemm.py "${args[@]}" \
+        --tag back_to_back --out "$OUT"
     ;;
 combine)
     export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-6G}  # the sweep's largest shapes

@@ -56,6 +56,47 @@ def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, sign
         assert "mbarrier.arrive.shared::cta.b64" in ptx and "bar.arrive" in ptx
 
 
+@pytest.mark.parametrize("num_bands,n_tiles,cluster,group", [
+    (7, 4, 1, 1), (7, 4, 2, 2), (5, 6, 1, 2), (9, 8, 2, 4), (17, 32, 2, 8), (3, 2, 1, 8),
+    (8, 32, 2, 8)])
+def test_tile_order_is_a_permutation_with_cluster_pairs(num_bands, n_tiles, cluster, group):
+    """The kernel's tile order (mirrored in tile_order_reference): every (band, n tile) exactly
+    once; a cluster's two tiles share the band at adjacent n tiles; inside a full group the
+    clusters cycle over the group's bands at equal n tiles; group 1 is band-major."""
+    from moe_overlap.kernels.grouped_gemm import tile_order_reference
+    order = tile_order_reference(num_bands, n_tiles, cluster, group)
+    assert sorted(order) == [(p, n) for p in range(num_bands) for n in range(n_tiles)]
+    for q in range(0, len(order), cluster):
+        (p0, n0), (p1, n1) = order[q], order[q + cluster - 1]
+        assert p0 == p1 and n1 == n0 + cluster - 1 and n0 % cluster == 0
+    if group == 1:
+        assert order == [(p, n) for p in range(num_bands) for n in range(n_tiles)]
+    full = (num_bands // group) * group if group > 1 else 0
+    for t in range(full * n_tiles):
+        s0 = t // (group * n_tiles) * group
+        q = (t - s0 * n_tiles) // cluster
+        assert order[t] == (s0 + q % group, (q // group) * cluster + t % cluster)
+    if group == 2:  # the pair rule the GPU tests ran first
+        for t, (p, n) in enumerate(order):
+            s2 = t // (2 * n_tiles) * 2
+            if s2 + 1 < num_bands:
+                q = (t - s2 * n_tiles) // cluster
+                assert (p, n) == (s2 + q % 2, (q // 2) * cluster + (t - s2 * n_tiles) % cluster)
+            else:
+                assert (p, n) == (t // n_tiles, t % n_tiles)
+
+
+def test_band_group_compiles(gg_mod):
+    g = gg_mod.GroupedGemm(band_group=8)
+    assert g.group_for(rows=1 << 20, E=1) == 8
+    ptx = g.compile(N=512, K=256, keep_ptx=True).__ptx__
+    assert "wgmma.mma_async" in ptx
+    with pytest.raises(ValueError, match="band_group"):
+        gg_mod.GroupedGemm(band_group=0)
+    auto = gg_mod.GroupedGemm()
+    assert auto.group_for(rows=256 * 64, E=64) == 2 and auto.group_for(rows=512 * 16, E=16) == 1
+
+
 def test_bad_inputs_raise_before_launch(gg_mod):
     for bad in (dict(flag_warp=True, store_warp=True), dict(flag_warp=True, signal=False)):
         with pytest.raises(ValueError, match="flag_warp"):

@@ -120,6 +120,8 @@ def test_grouped_gemm_matches_reference(kind, W, El, tile_m, tile_n, ccta):
     ("balanced", 2, 3, 64, 128, 8, dict(pair_bands=True, cluster_n=1)),
     ("zero_expert", 8, 2, 128, 256, 24, dict(pair_bands=True, flag_warp=True)),
     ("skew", 2, 4, 128, 256, 8, dict(pair_bands=False, flag_warp=False)),
+    ("skew", 2, 4, 128, 256, 0, dict(band_group=8)),
+    ("balanced", 8, 2, 64, 128, 24, dict(band_group=3, cluster_n=1)),
 ])
 def test_grouped_gemm_cluster_and_options(kind, W, El, tile_m, tile_n, ccta, extra):
     _check_case(kind, W, El, tile_m, tile_n, ccta, **extra)

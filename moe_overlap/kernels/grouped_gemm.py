@@ -51,7 +51,7 @@ import math
 
 import torch
 
-__all__ = ["GroupedGemm", "grouped_gemm_reference", "prepare_weights"]
+__all__ = ["GroupedGemm", "grouped_gemm_reference", "prepare_weights", "tile_order_reference"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,6 +75,23 @@ def grouped_gemm_reference(x, w, y, band_expert, band_src_row, schedule, num_ban
         if band_ready is not None:
             band_ready[b] = epoch.reshape(-1)[0]
     return y
+
+
+def tile_order_reference(num_bands, n_tiles, cluster=1, group=1):
+    """The kernel's tile order (``tile_coords``) in plain Python: [(schedule position, n tile)]
+    for linear tiles t = 0 .. num_bands * n_tiles - 1. For tests of the arithmetic."""
+    out = []
+    for t in range(num_bands * n_tiles):
+        p, n = t // n_tiles, t % n_tiles
+        if group >= 2:
+            s0 = (t // (group * n_tiles)) * group
+            g = min(group, num_bands - s0)
+            u = t - s0 * n_tiles
+            q = u // cluster
+            p = s0 + q % g
+            n = (q // g) * cluster + (u - q * cluster)
+        out.append((p, n))
+    return out
 
 
 def prepare_weights(w):
@@ -107,28 +124,39 @@ def _kernel_class():
 
     @cute.jit
     def tile_coords(t: cutlass.Int32, n_tiles: cutlass.Int32, num_bands: cutlass.Int32,
-                    cl: cutlass.Constexpr, pair_bands: cutlass.Constexpr):
-        """Linear tile t -> (schedule position p, n tile). Default: band-major (p = t // n_tiles).
-        pair_bands: positions 2s and 2s+1 share tiles [2s n_tiles, (2s+2) n_tiles), alternating
-        between the two bands every cl tiles (one cluster) at the same n tiles, so that the CTAs
-        computing the same weight columns for two bands of an expert run side by side and read
-        them from DRAM once (an odd last band stays band-major). Tiles 2q, 2q+1 of a cluster keep
-        one band and adjacent n tiles."""
+                    cl: cutlass.Constexpr, group: cutlass.Constexpr):
+        """Linear tile t -> (schedule position p, n tile); ``tile_order_reference`` is the same
+        arithmetic in plain Python. group 1: band-major (p = t // n_tiles). group 2 (pair_bands):
+        positions 2s and 2s+1 share tiles [2s n_tiles, (2s+2) n_tiles), alternating between the
+        two bands every cl tiles (one cluster) at the same n tiles, so that the CTAs computing
+        the same weight columns for two bands of an expert run side by side and read them from
+        DRAM once (an odd last band stays band-major). group G > 2: the same over G positions
+        (a short last group over the bands left). Tiles 2q, 2q+1 of a cluster keep one band and
+        adjacent n tiles."""
         p = t // n_tiles
         n = t - p * n_tiles
-        if cutlass.const_expr(pair_bands):
+        if cutlass.const_expr(group == 2):
             s2 = (t // (2 * n_tiles)) * 2
             if s2 + 1 < num_bands:
                 u = t - s2 * n_tiles
                 q = u // cl
                 p = s2 + q % 2
                 n = (q // 2) * cl + (u - q * cl)
+        if cutlass.const_expr(group > 2):
+            s0 = (t // (group * n_tiles)) * group
+            g = num_bands - s0
+            if g > group:
+                g = group
+            u = t - s0 * n_tiles
+            q = u // cl
+            p = s0 + q % g
+            n = (q // g) * cl + (u - q * cl)
         return p, n
 
     class _GroupedGemmKernel:
         def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
                      epi_stages=4, b_evict_last=False, cluster_n=1, store_warp=False,
-                     flag_warp=False, pair_bands=False):
+                     flag_warp=False, band_group=1):
             self.acc_dtype = cutlass.Float32
             self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
             self.req_stages = stages
@@ -157,7 +185,7 @@ def _kernel_class():
             self.flag_warp = flag_warp and signal and not store_warp
             self.relay_warp_id = 2
             self.relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
-            self.pair_bands = pair_bands
+            self.band_group = band_group  # 1 band-major, 2 pair_bands, G > 2 (tile_coords)
             self.load_regs = 40
             self.mma_regs = 232 if self.num_mma_wg == 2 else 240
             self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
@@ -344,7 +372,7 @@ def _kernel_class():
                 t = cutlass.Int32(bidx)
                 while t < total_tiles:
                     p, n_tile = tile_coords(t, n_tiles, mNumBands[0], self.cluster_n,
-                                            self.pair_bands)
+                                            self.band_group)
                     b = mSchedule[p]
                     e = mBandExpert[b]
                     m_tile = mBandSrcRow[b] // self.tile_m
@@ -383,7 +411,7 @@ def _kernel_class():
                     tiles_done_s = cutlass.Int32(0)
                     while t < total_tiles:
                         p, n_tile = tile_coords(t, n_tiles, mNumBands[0], self.cluster_n,
-                                                self.pair_bands)
+                                                self.band_group)
                         b = mSchedule[p]
                         m_tile = mBandSrcRow[b] // self.tile_m
                         gC_epi = cute.zipped_divide(gC[(None, None, m_tile, n_tile)], self.epi_tile)
@@ -456,7 +484,7 @@ def _kernel_class():
                 t = cutlass.Int32(bidx)
                 while t < total_tiles:
                     p, n_tile = tile_coords(t, n_tiles, mNumBands[0], self.cluster_n,
-                                            self.pair_bands)
+                                            self.band_group)
                     b = mSchedule[p]
                     m_tile = mBandSrcRow[b] // self.tile_m
                     gC_tile = gC[(None, None, m_tile, n_tile)]
@@ -580,7 +608,7 @@ class GroupedGemm:
 
     GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=None,
                 epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None, store_warp=False,
-                flag_warp=None, pair_bands="auto")
+                flag_warp=None, pair_bands="auto", band_group=None)
         tile_m in {64, 128}; tile_n in {64, 128, 256}; tile_k = 64 (bf16);
         stages: smem pipeline depth (None: as many as fit);
         signal: compile-time switch for the band flag epilogue (False: plain grouped GEMM);
@@ -605,6 +633,9 @@ class GroupedGemm:
         together, about one band's time later than band-major order for the first of the two);
         "auto" (default): on when the local experts average at most PAIR_BANDS_MAX_BANDS bands
         (rows / E_local <= that many tile_m), where band-major order reads weights twice.
+        band_group: G >= 3 interleaves groups of G schedule positions the same way (overrides
+        pair_bands; e.g. all bands of an expert walking its weight columns together, so that a
+        weight slice larger than L2 per wave is read once). Compile-checked; see bench/NOTES.md.
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
              ccta=0, band_counter=None, stream=None) -> y
@@ -618,7 +649,7 @@ class GroupedGemm:
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None,
-                 store_warp=False, flag_warp=None, pair_bands="auto"):
+                 store_warp=False, flag_warp=None, pair_bands="auto", band_group=None):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -644,6 +675,10 @@ class GroupedGemm:
         if pair_bands not in (True, False, "auto"):
             raise ValueError(f"pair_bands must be True, False or 'auto', got {pair_bands!r}")
         self.pair_bands = pair_bands
+        if band_group is not None and (isinstance(band_group, bool)
+                                       or not isinstance(band_group, int) or band_group < 1):
+            raise ValueError(f"band_group must be None or an int >= 1, got {band_group!r}")
+        self.band_group = band_group
         self._counters = {}
 
     def cluster_for(self, N):
@@ -712,24 +747,32 @@ class GroupedGemm:
             return bool(self.pair_bands)
         return rows <= PAIR_BANDS_MAX_BANDS * self.tile_m * max(E, 1)
 
-    def _key(self, N, K, pair=True):
+    def group_for(self, rows, E):
+        """Bands interleaved per group (tile_coords) for such a call: band_group, else 2 / 1
+        from pair_bands."""
+        if self.band_group is not None:
+            return self.band_group
+        return 2 if self.pair_for(rows, E) else 1
+
+    def _key(self, N, K, group=2):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last,
-                self.cluster_for(N), self.store_warp, self.flag_warp, bool(pair), int(N), int(K))
+                self.cluster_for(N), self.store_warp, self.flag_warp, int(group), int(N), int(K))
 
-    def _kernel(self, N, pair=True):
+    def _kernel(self, N, group=2):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
                                    self.b_evict_last, self.cluster_for(N), self.store_warp,
-                                   self.flag_warp, bool(pair))
+                                   self.flag_warp, int(group))
 
-    def compile(self, N, K, keep_ptx=False, pair=None):
+    def compile(self, N, K, keep_ptx=False, group=None):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
         symbolic ("fake") tensors: rows, E_local and B_cap are runtime values.  Needs no GPU when
         CUTE_DSL_ARCH=sm_90a is set (used by the compile-only tests).  keep_ptx: keep the PTX
         (``fn.__ptx__``; files go to CUTE_DSL_DUMP_DIR)."""
-        pair = (self.pair_bands is not False) if pair is None else pair
-        key = ("fake", bool(keep_ptx)) + self._key(N, K, pair)
+        if group is None:  # the variant a small-expert call would use
+            group = self.band_group or (2 if self.pair_bands is not False else 1)
+        key = ("fake", bool(keep_ptx)) + self._key(N, K, group)
         fn = GroupedGemm._compiled.get(key)
         if fn is not None:
             return fn
@@ -744,7 +787,7 @@ class GroupedGemm:
         fy = make_fake_tensor(bf16, (rows, N), (N, 1), assumed_align=16)
         fv = lambda: make_fake_tensor(i32, (bcap,), (1,), assumed_align=4)
         f1 = lambda: make_fake_tensor(i32, (1,), (1,), assumed_align=4)
-        fn = cute.compile(self._kernel(N, pair), fx, fw, fy, fv(), fv(), fv(), f1(), fv(), fv(), f1(),
+        fn = cute.compile(self._kernel(N, group), fx, fw, fy, fv(), fv(), fv(), f1(), fv(), fv(), f1(),
                           cutlass.Int32(1), make_fake_stream(),
                           options="--keep-ptx" if keep_ptx else None)
         GroupedGemm._compiled[key] = fn
@@ -789,11 +832,11 @@ class GroupedGemm:
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
         args = self._cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                band_ready, band_counter, epoch)
-        pair = self.pair_for(rows, E)
-        key = ("dlpack",) + self._key(N, K, pair)
+        group = self.group_for(rows, E)
+        key = ("dlpack",) + self._key(N, K, group)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:
-            fn = cute.compile(self._kernel(N, pair), *args, cutlass.Int32(grid), cu_stream)
+            fn = cute.compile(self._kernel(N, group), *args, cutlass.Int32(grid), cu_stream)
             GroupedGemm._compiled[key] = fn
         fn(*args, cutlass.Int32(grid), cu_stream)
         return y
