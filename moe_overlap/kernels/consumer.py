@@ -202,12 +202,7 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                         band_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
                         recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64, ctr_sym: Int64,
                         err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        nblk, _, _ = cute.arch.grid_dim()
-        tidx = Int32(tidx)
-        bidx = Int32(bidx)
-        nblk = Int32(nblk)
+        tidx, bidx, nblk = P.thread_block_grid()
         epoch = P.ld_s32(epoch_ptr)
         nseg = P.ld_s32(num_segments)
         failed = Int32(0)

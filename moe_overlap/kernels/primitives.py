@@ -32,6 +32,16 @@ ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_COPY_TIMEOUT: "consumer timed out waiting for a bulk (TMA) load of y"}
 
 
+# ---- launch geometry ---------------------------------------------------------------------------
+def thread_block_grid():
+    """(thread index, block index, number of blocks) along x, as Int32: the 1-D geometry of the
+    flat communication kernels."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    nblk, _, _ = cute.arch.grid_dim()
+    return Int32(tidx), Int32(bidx), Int32(nblk)
+
+
 # ---- loads / stores with ordering -------------------------------------------------------------
 def ld_s32(addr):
     """Plain (weak) 32-bit global load."""

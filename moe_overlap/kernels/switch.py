@@ -150,8 +150,8 @@ def device_lib():
 
     # flags, fences, CTA vote, error record and bounded waits: the shared ones
     from .primitives import (block_any, fence_acq_rel_sys, ld_s32, ld_s64,  # noqa: F401
-                             record_error, st_s32, wait_ge_gpu_s32 as wait_ge_gpu,
-                             wait_ge_sys_s32 as wait_ge_sys)
+                             record_error, st_s32, thread_block_grid,
+                             wait_ge_gpu_s32 as wait_ge_gpu, wait_ge_sys_s32 as wait_ge_sys)
 
     # -- switch: NVLink multicast addresses --
     def mm_ld_reduce_v4_f32(mc_addr):
@@ -335,12 +335,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
                               arrive_remote: Int64, done: Int64, done_remote: Int64,
                               expected: Int64, epoch_ptr: Int64, err: Int64, timeout_ns: Int64,
                               rank: Int32, wait_ready: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        nblk, _, _ = cute.arch.grid_dim()
-        tidx = Int32(tidx)
-        bidx = Int32(bidx)
-        nblk = Int32(nblk)
+        tidx, bidx, nblk = L.thread_block_grid()
         t_start = cute.arch.globaltimer()
         epoch = L.ld_s32(epoch_ptr)
         nbands = (M + band_rows - Int32(1)) // band_rows
