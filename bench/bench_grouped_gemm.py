@@ -5,7 +5,7 @@
 Shapes: total rows T in {16384, 32768}, N=8192, K=2048, E_local in {4, 16, 64} (balanced rows),
 plus K=1024 and K=4096 (T=16384, E=16).  For each: our kernel at ccta = 0, 8, 16, 24 (flags on),
 the pre-2026-11-30 defaults ("old": band-major order, flags from a consumer warp), pair_bands
-forced on ("pb") and groups of 8 bands ("g8"), each next to its build without flags (ccta=0),
+forced on ("pb") and groups of 4 / 8 bands ("g4", "g8"; BENCH_CONFIGS=def,g8 picks), each next to its build without flags (ccta=0),
 and the library: torch._grouped_mm, bmm or per-expert torch.matmul, whichever is fastest.  CUDA
 events around each call (after a GPU sleep that hides the host's launch path; BENCH_LEAD_MS=0:
 calls back to back), warm-up, median of many runs and the p10-p90 spread.  Every input set is
@@ -154,10 +154,15 @@ def main():
             # pair_bands forced on (the default "auto" pairs at <= 3 bands per expert)
             "pb": (dict(base, pair_bands=True), [0]),
             "pb-noflag": (dict(base, pair_bands=True, signal=False), [0]),
-            # groups of 8 bands walking the weight columns together (band_group)
+            # groups of 4 / 8 bands walking the weight columns together (band_group)
+            "g4": (dict(base, band_group=4), [0]),
+            "g4-noflag": (dict(base, band_group=4, signal=False), [0]),
             "g8": (dict(base, band_group=8), [0]),
             "g8-noflag": (dict(base, band_group=8, signal=False), [0]),
         }
+        if os.environ.get("BENCH_CONFIGS"):  # e.g. "def,g8": those and their no-flag builds
+            keep = set(os.environ["BENCH_CONFIGS"].split(","))
+            configs = {k: v for k, v in configs.items() if k.removesuffix("-noflag") in keep}
         if os.environ.get("BENCH_SW", "0") == "1":  # store_warp (v5: not a consistent win)
             configs["sw"] = (dict(base, store_warp=True), cctas)
             configs["sw-noflag"] = (dict(base, store_warp=True, signal=False), [0])
@@ -173,7 +178,7 @@ def main():
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
     present = {x["config"] for r in results for x in r["runs"]}
-    for cfg in [c for c in ("def", "old", "pb", "g8", "sw") if c in present]:
+    for cfg in [c for c in ("def", "old", "pb", "g4", "g8", "sw") if c in present]:
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:
