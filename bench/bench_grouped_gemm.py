@@ -4,8 +4,9 @@
 
 Shapes: total rows T in {16384, 32768}, N=8192, K=2048, E_local in {4, 16, 64} (balanced rows),
 plus K=1024 and K=4096 (T=16384, E=16).  For each: our kernel at ccta = 0, 8, 16, 24 (flags on),
-the pre-2026-11-30 defaults ("old": band-major order, flags from a consumer warp), pair_bands
-forced on ("pb") and groups of 4 / 8 bands ("g4", "g8"; BENCH_CONFIGS=def,g8 picks), each next to its build without flags (ccta=0),
+the pre-2026-11-30 defaults ("old": band-major order, flags from a consumer warp), other tile
+orders (band_group 1 / 2 / 4: "bm", "pb", "g4"; the default is 8), each next to its build
+without flags (ccta=0; BENCH_CONFIGS=def,g4 picks configs),
 and the library: torch._grouped_mm, bmm or per-expert torch.matmul, whichever is fastest.  CUDA
 events around each call (after a GPU sleep that hides the host's launch path; BENCH_LEAD_MS=0:
 calls back to back), warm-up, median of many runs and the p10-p90 spread.  Every input set is
@@ -145,20 +146,19 @@ def main():
     for i, (T, K, E) in enumerate(shapes):
         # "def": the defaults (cluster_n=2 for even N/tile_n, flag posted mid k loop)
         configs = {
-            # "def": the defaults (cluster_n=2 for even N/tile_n, pair_bands, flag_warp)
+            # "def": the defaults (cluster_n=2 for even N/tile_n, band_group 8, flag_warp)
             "def": (dict(base), cctas),
             "def-noflag": (dict(base, signal=False), [0]),
             # before 2026-11-30: band-major tile order, flags posted by the consumer warp
-            "old": (dict(base, pair_bands=False, flag_warp=False), [0]),
-            "old-noflag": (dict(base, pair_bands=False, signal=False), [0]),
-            # pair_bands forced on (the default "auto" pairs at <= 3 bands per expert)
-            "pb": (dict(base, pair_bands=True), [0]),
-            "pb-noflag": (dict(base, pair_bands=True, signal=False), [0]),
-            # groups of 4 / 8 bands walking the weight columns together (band_group)
+            "old": (dict(base, band_group=1, flag_warp=False), [0]),
+            "old-noflag": (dict(base, band_group=1, signal=False), [0]),
+            # other tile orders: band-major, band pairs, groups of 4 (default: groups of 8)
+            "bm": (dict(base, band_group=1), [0]),
+            "bm-noflag": (dict(base, band_group=1, signal=False), [0]),
+            "pb": (dict(base, band_group=2), [0]),
+            "pb-noflag": (dict(base, band_group=2, signal=False), [0]),
             "g4": (dict(base, band_group=4), [0]),
             "g4-noflag": (dict(base, band_group=4, signal=False), [0]),
-            "g8": (dict(base, band_group=8), [0]),
-            "g8-noflag": (dict(base, band_group=8, signal=False), [0]),
         }
         if os.environ.get("BENCH_CONFIGS"):  # e.g. "def,g8": those and their no-flag builds
             keep = set(os.environ["BENCH_CONFIGS"].split(","))
@@ -178,7 +178,7 @@ def main():
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
     present = {x["config"] for r in results for x in r["runs"]}
-    for cfg in [c for c in ("def", "old", "pb", "g4", "g8", "sw") if c in present]:
+    for cfg in [c for c in ("def", "old", "bm", "pb", "g4", "sw") if c in present]:
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:

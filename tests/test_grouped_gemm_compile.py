@@ -30,7 +30,7 @@ def gg_mod():
     (128, 256, True, dict(cluster_n=1, signal_k_tile=3)), (64, 128, True, dict(cluster_n=1)),
     (128, 256, True, dict(store_warp=True)), (64, 128, False, dict(store_warp=True)),
     (128, 256, True, dict(flag_warp=True)), (64, 128, True, dict(flag_warp=True, cluster_n=1)),
-    (128, 256, True, dict(pair_bands=True)), (64, 256, False, dict(pair_bands=True))])
+    (128, 256, True, dict(band_group=2)), (64, 256, False, dict(band_group=1))])
 def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, signal, extra):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     g = gg_mod.GroupedGemm(tile_m=tile_m, tile_n=tile_n, signal=signal, **extra)
@@ -87,25 +87,19 @@ def test_tile_order_is_a_permutation_with_cluster_pairs(num_bands, n_tiles, clus
 
 
 def test_band_group_compiles(gg_mod):
-    g = gg_mod.GroupedGemm(band_group=8)
-    assert g.group_for(rows=1 << 20, E=1) == 8
+    assert gg_mod.GroupedGemm().band_group == gg_mod.DEFAULT_BAND_GROUP == 8
+    g = gg_mod.GroupedGemm(band_group=3)
     ptx = g.compile(N=512, K=256, keep_ptx=True).__ptx__
     assert "wgmma.mma_async" in ptx
-    with pytest.raises(ValueError, match="band_group"):
-        gg_mod.GroupedGemm(band_group=0)
-    auto = gg_mod.GroupedGemm()
-    assert auto.group_for(rows=256 * 64, E=64) == 2 and auto.group_for(rows=512 * 16, E=16) == 1
+    for bad in (0, True, 2.0, "auto"):
+        with pytest.raises(ValueError, match="band_group"):
+            gg_mod.GroupedGemm(band_group=bad)
 
 
 def test_bad_inputs_raise_before_launch(gg_mod):
     for bad in (dict(flag_warp=True, store_warp=True), dict(flag_warp=True, signal=False)):
         with pytest.raises(ValueError, match="flag_warp"):
             gg_mod.GroupedGemm(**bad)
-    with pytest.raises(ValueError, match="pair_bands"):
-        gg_mod.GroupedGemm(pair_bands="sometimes")
-    auto = gg_mod.GroupedGemm(tile_m=128)
-    assert auto.pair_for(rows=256 * 64, E=64) and not auto.pair_for(rows=512 * 16, E=16)
-    assert gg_mod.GroupedGemm(pair_bands=False).pair_for(rows=128, E=64) is False
     g = gg_mod.GroupedGemm(tile_m=128, tile_n=256)
     i32 = dict(dtype=torch.int32)
     x = torch.zeros(256, 512, dtype=torch.bfloat16)

@@ -116,11 +116,11 @@ def test_grouped_gemm_matches_reference(kind, W, El, tile_m, tile_n, ccta):
     ("skew", 2, 4, 128, 256, 0, dict(flag_warp=True)),
     ("zero_expert", 8, 2, 64, 128, 24, dict(flag_warp=True, cluster_n=1)),
     ("one_expert", 1, 4, 128, 256, 8, dict(flag_warp=True, signal_k_tile=-1)),
-    ("skew", 2, 4, 128, 256, 0, dict(pair_bands=True)),
-    ("balanced", 2, 3, 64, 128, 8, dict(pair_bands=True, cluster_n=1)),
-    ("zero_expert", 8, 2, 128, 256, 24, dict(pair_bands=True, flag_warp=True)),
-    ("skew", 2, 4, 128, 256, 8, dict(pair_bands=False, flag_warp=False)),
-    ("skew", 2, 4, 128, 256, 0, dict(band_group=8)),
+    ("skew", 2, 4, 128, 256, 0, dict(band_group=2)),
+    ("balanced", 2, 3, 64, 128, 8, dict(band_group=2, cluster_n=1)),
+    ("zero_expert", 8, 2, 128, 256, 24, dict(band_group=2, flag_warp=True)),
+    ("skew", 2, 4, 128, 256, 8, dict(band_group=1, flag_warp=False)),
+    ("skew", 2, 4, 128, 256, 0, dict(band_group=1)),
     ("balanced", 8, 2, 64, 128, 24, dict(band_group=3, cluster_n=1)),
 ])
 def test_grouped_gemm_cluster_and_options(kind, W, El, tile_m, tile_n, ccta, extra):

@@ -34,13 +34,14 @@ stall a WGMMA warpgroup.  store_warp=True instead issues the stores and posts th
 dedicated warp.  See primitives.count_band_after_bulk_stores / relay_band_after_bulk_stores for
 the memory-ordering argument.
 
-Tile order: band-major (t = p * n_tiles + n), or with pair_bands the two bands of a schedule pair
-interleaved at equal n tiles (default "auto": where experts have at most 3 bands, so that both
-bands of a weight slice run side by side and it is read from DRAM once).
+Tile order: groups of band_group (default 8) schedule positions walk the n tiles together, one
+cluster of tiles per band in turn, so the CTAs computing the same weight columns for up to 8 bands
+run side by side and each weight slice is read from DRAM about once per group (band-major order
+streams a whole expert's weights per wave, more than L2 holds at K=4096).
 
-Measured (H200, bench/NOTES.md, ccta=0, T=16k-32k, N=8192, K=1k-4k, E=4-64): 0.97-1.02x the best
-library grouped GEMM (cuBLAS bmm / per-expert matmul / torch._grouped_mm) with calls back to back,
-0.93-0.98x at boost clock; flag epilogue 0.3-1.6 % (2.8 % at K=4096 back to back).
+Measured (H200, bench/NOTES.md v10, ccta=0, T=16k-32k, N=8192, K=1k-4k, E=4-64): 0.95-0.99x the
+best library grouped GEMM (cuBLAS bmm / per-expert matmul / torch._grouped_mm) at boost clock,
+0.96-1.01x with calls back to back (power-limited); flag epilogue under 1 %.
 
 cutlass is imported lazily: importing this module needs only torch.
 """
@@ -104,10 +105,10 @@ def prepare_weights(w):
 # Kernel
 # --------------------------------------------------------------------------------------------
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
-# pair_bands="auto" interleaves band pairs when experts average at most this many bands: measured
-# (H200, bench/NOTES.md) 0.80x -> 0.95x the library at 2 bands per expert, within +-3 % (either
-# sign, run to run) at 4 or more.
-PAIR_BANDS_MAX_BANDS = 3
+# Default band_group: 8 bands walk each weight slice together. Measured (H200, bench/NOTES.md v10)
+# against band-major / pairs / groups of 4: the only order at >= 0.95x the library on all eight
+# benchmark shapes at boost clock (K=4096 E=16 0.92 -> 0.98, E=4 0.94 -> 0.96).
+DEFAULT_BAND_GROUP = 8
 
 
 def _kernel_class():
@@ -126,7 +127,7 @@ def _kernel_class():
     def tile_coords(t: cutlass.Int32, n_tiles: cutlass.Int32, num_bands: cutlass.Int32,
                     cl: cutlass.Constexpr, group: cutlass.Constexpr):
         """Linear tile t -> (schedule position p, n tile); ``tile_order_reference`` is the same
-        arithmetic in plain Python. group 1: band-major (p = t // n_tiles). group 2 (pair_bands):
+        arithmetic in plain Python. group 1: band-major (p = t // n_tiles). group 2:
         positions 2s and 2s+1 share tiles [2s n_tiles, (2s+2) n_tiles), alternating between the
         two bands every cl tiles (one cluster) at the same n tiles, so that the CTAs computing
         the same weight columns for two bands of an expert run side by side and read them from
@@ -185,7 +186,7 @@ def _kernel_class():
             self.flag_warp = flag_warp and signal and not store_warp
             self.relay_warp_id = 2
             self.relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
-            self.band_group = band_group  # 1 band-major, 2 pair_bands, G > 2 (tile_coords)
+            self.band_group = band_group  # 1 band-major, G >= 2 bands interleaved (tile_coords)
             self.load_regs = 40
             self.mma_regs = 232 if self.num_mma_wg == 2 else 240
             self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
@@ -608,7 +609,7 @@ class GroupedGemm:
 
     GroupedGemm(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True, signal_k_tile=None,
                 epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None, store_warp=False,
-                flag_warp=None, pair_bands="auto", band_group=None)
+                flag_warp=None, band_group=8)
         tile_m in {64, 128}; tile_n in {64, 128, 256}; tile_k = 64 (bf16);
         stages: smem pipeline depth (None: as many as fit);
         signal: compile-time switch for the band flag epilogue (False: plain grouped GEMM);
@@ -628,14 +629,11 @@ class GroupedGemm:
         the ready store (no gpu-scope fence in a WGMMA warpgroup); needs signal, not store_warp;
         None (default): on whenever signal and not store_warp (flag cost 0.5-1.4 % against
         1-4 % without, bench/NOTES.md).
-        pair_bands: tile order that interleaves schedule positions 2s and 2s+1 at equal n tiles
-        (two bands of one expert read each weight tile from DRAM once; flags of a pair complete
-        together, about one band's time later than band-major order for the first of the two);
-        "auto" (default): on when the local experts average at most PAIR_BANDS_MAX_BANDS bands
-        (rows / E_local <= that many tile_m), where band-major order reads weights twice.
-        band_group: G >= 3 interleaves groups of G schedule positions the same way (overrides
-        pair_bands; e.g. all bands of an expert walking its weight columns together, so that a
-        weight slice larger than L2 per wave is read once). Compile-checked; see bench/NOTES.md.
+        band_group: tile order. G >= 2 interleaves groups of G schedule positions at equal n
+        tiles (one cluster of tiles per band in turn), so that the bands of an expert walk its
+        weight columns together and each weight slice is read from DRAM about once; the flags of
+        a group complete together, up to G bands' time later than band-major order for the
+        group's first band. 1: band-major. Default DEFAULT_BAND_GROUP (8, measured best).
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
              ccta=0, band_counter=None, stream=None) -> y
@@ -649,7 +647,7 @@ class GroupedGemm:
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, b_evict_last=False, cluster_n=None,
-                 store_warp=False, flag_warp=None, pair_bands="auto", band_group=None):
+                 store_warp=False, flag_warp=None, band_group=DEFAULT_BAND_GROUP):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_n not in (64, 128, 256):
@@ -672,12 +670,8 @@ class GroupedGemm:
         if flag_warp and (store_warp or not signal):
             raise ValueError("flag_warp needs signal=True and store_warp=False")
         self.flag_warp = (bool(signal) and not store_warp) if flag_warp is None else bool(flag_warp)
-        if pair_bands not in (True, False, "auto"):
-            raise ValueError(f"pair_bands must be True, False or 'auto', got {pair_bands!r}")
-        self.pair_bands = pair_bands
-        if band_group is not None and (isinstance(band_group, bool)
-                                       or not isinstance(band_group, int) or band_group < 1):
-            raise ValueError(f"band_group must be None or an int >= 1, got {band_group!r}")
+        if isinstance(band_group, bool) or not isinstance(band_group, int) or band_group < 1:
+            raise ValueError(f"band_group must be an int >= 1, got {band_group!r}")
         self.band_group = band_group
         self._counters = {}
 
@@ -741,37 +735,23 @@ class GroupedGemm:
         return rows, K, E, N
 
     # ---------------------------------------------------------------- compilation
-    def pair_for(self, rows, E):
-        """pair_bands resolved for a call with ``rows`` plan rows over ``E`` local experts."""
-        if self.pair_bands != "auto":
-            return bool(self.pair_bands)
-        return rows <= PAIR_BANDS_MAX_BANDS * self.tile_m * max(E, 1)
-
-    def group_for(self, rows, E):
-        """Bands interleaved per group (tile_coords) for such a call: band_group, else 2 / 1
-        from pair_bands."""
-        if self.band_group is not None:
-            return self.band_group
-        return 2 if self.pair_for(rows, E) else 1
-
-    def _key(self, N, K, group=2):
+    def _key(self, N, K, group):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last,
                 self.cluster_for(N), self.store_warp, self.flag_warp, int(group), int(N), int(K))
 
-    def _kernel(self, N, group=2):
+    def _kernel(self, N, group):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
                                    self.b_evict_last, self.cluster_for(N), self.store_warp,
                                    self.flag_warp, int(group))
 
-    def compile(self, N, K, keep_ptx=False, group=None):
+    def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
         symbolic ("fake") tensors: rows, E_local and B_cap are runtime values.  Needs no GPU when
         CUTE_DSL_ARCH=sm_90a is set (used by the compile-only tests).  keep_ptx: keep the PTX
         (``fn.__ptx__``; files go to CUTE_DSL_DUMP_DIR)."""
-        if group is None:  # the variant a small-expert call would use
-            group = self.band_group or (2 if self.pair_bands is not False else 1)
+        group = self.band_group
         key = ("fake", bool(keep_ptx)) + self._key(N, K, group)
         fn = GroupedGemm._compiled.get(key)
         if fn is not None:
@@ -832,7 +812,7 @@ class GroupedGemm:
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
         args = self._cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                band_ready, band_counter, epoch)
-        group = self.group_for(rows, E)
+        group = self.band_group
         key = ("dlpack",) + self._key(N, K, group)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:
