@@ -58,6 +58,14 @@ def main(argv=None):
         # phase split (wrong results): the kernel without GEMM2 / without GEMM1's k loop
         "tma256_gemm1_only": (dict(_diag_skip="gemm2"), 0),
         "tma256_gemm2_only": (dict(_diag_skip="gemm1"), 0),
+        # ... without GEMM2's reductions (products computed, not stored): the epilogue's share
+        "tma256_noepi": (dict(_diag_skip="epilogue"), 0),
+        "tma256_gemm2_noepi": (dict(_diag_skip="gemm1+epilogue"), 0),
+        # unit order: groups of m_group m-tiles walk the hidden tiles together
+        "tma256_mg8": (dict(m_group=8), 0),
+        "tma256_mg16": (dict(m_group=16), 0),
+        "tma256_mg32": (dict(m_group=32), 0),
+        "tma256_c2_mg8": (dict(cluster_m=2, m_group=8), 0),
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}

@@ -95,20 +95,49 @@ def test_cluster_multicast_compiles(ffn_mod, tile_m, tile_o):
         assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 12  # gelu's erf constants at most
 
 
-@pytest.mark.parametrize("skip", ["gemm1", "gemm2"])
+@pytest.mark.parametrize("skip", ["gemm1", "gemm2", "epilogue", "gemm1+epilogue"])
 def test_phase_split_diagnostics_compile(ffn_mod, skip):
-    """_diag_skip leaves one GEMM out on both sides of the ring (benchmarks only)."""
+    """_diag_skip leaves one GEMM (or GEMM2's reductions) out on both sides of the ring
+    (benchmarks only); the GEMM2 products stay in the code when their reductions do not."""
     fn = ffn_mod.FusedFFNCompute(_diag_skip=skip).compile(P=256, O=512, N=256, act1="relu",
                                                            keep_ptx=True)
     body = fn.__ptx__.split(".entry", 1)[1]
     n256 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", body))
+    n128 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16", body))
     red = len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", body))
-    if skip == "gemm1":
-        assert n256 == 0 and red > 0
-    else:
-        assert n256 > 0 and red == 0
+    assert (n256 == 0) == skip.startswith("gemm1")
+    assert (n128 == 0) == (skip == "gemm2")
+    assert (red == 0) == (skip != "gemm1")
     with pytest.raises(ValueError, match="_diag_skip"):
         ffn_mod.FusedFFNCompute(_diag_skip="both")
+
+
+@pytest.mark.parametrize("m_tiles,J,cl,group", [(64, 28, 1, 1), (64, 28, 1, 16), (13, 5, 1, 4),
+                                                 (13, 5, 2, 4), (7, 3, 2, 8), (5, 8, 1, 2)])
+def test_unit_order_is_a_permutation(m_tiles, J, cl, group):
+    """The kernel's unit order (mirrored in unit_order_reference): every (m-pair, j) exactly
+    once; inside a full group of m-pairs the units cycle over the group's m-pairs at equal j
+    (so a group walks each W1 / W2 slice together); group 1 is j-fastest."""
+    from moe_overlap.kernels.fused_ffn import unit_order_reference
+    order = unit_order_reference(m_tiles, J, cl, group)
+    n_mp = -(-m_tiles // cl)
+    assert sorted(order) == [(m, j) for m in range(n_mp) for j in range(J)]
+    if group == 1:
+        assert order == [(m, j) for m in range(n_mp) for j in range(J)]
+        return
+    for s0 in range(0, n_mp, group):
+        g = min(group, n_mp - s0)
+        chunk = order[s0 * J:(s0 + g) * J]
+        assert chunk == [(s0 + i, j) for j in range(J) for i in range(g)]
+
+
+def test_m_group_compiles_and_is_checked(ffn_mod):
+    fn = ffn_mod.FusedFFNCompute(m_group=8).compile(P=256, O=512, N=256, act1="relu",
+                                                    keep_ptx=True)
+    assert "wgmma.mma_async" in fn.__ptx__
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="m_group"):
+            ffn_mod.FusedFFNCompute(m_group=bad)
 
 
 def test_cluster_options_checked(ffn_mod, monkeypatch):

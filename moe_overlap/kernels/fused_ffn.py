@@ -70,7 +70,7 @@ import torch
 
 from .grouped_gemm import _num_sms  # SM count per device, cached (imports no cutlass)
 
-__all__ = ["FusedFFNCompute", "fused_ffn_compute_reference", "ACTIVATIONS"]
+__all__ = ["FusedFFNCompute", "fused_ffn_compute_reference", "unit_order_reference", "ACTIVATIONS"]
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -94,6 +94,23 @@ def fused_ffn_compute_reference(x, w1, b1, w2, act1: str, acc=None):
         return y
     acc += y
     return acc
+
+
+def unit_order_reference(m_tiles, J, cluster_m=1, m_group=1):
+    """The kernel's work order (``_unit``) in plain Python: [(m_pair, j_tile)] for units
+    u = 0 .. ceil(m_tiles / cluster_m) * J - 1 (a cluster's CTA of rank r takes m-tile
+    m_pair * cluster_m + r). For tests of the arithmetic."""
+    n_mp = -(-m_tiles // cluster_m)
+    out = []
+    for u in range(n_mp * J):
+        m_pair, j = u // J, u % J
+        if m_group > 1:
+            s0 = (u // (m_group * J)) * m_group
+            g = min(m_group, n_mp - s0)
+            v = u - s0 * J
+            m_pair, j = s0 + v % g, v // g
+        out.append((m_pair, j))
+    return out
 
 
 def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_epi):
@@ -163,7 +180,7 @@ def _kernel_class():
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages, epi_n, epi_stages,
                      signal_k_tile, diag_plain_store=False, epilogue="tma", cluster_m=1,
-                     diag_skip=None):
+                     diag_skip=None, m_group=1):
             self.acc_dtype = cutlass.Float32
             # cluster_m = 2: the two CTAs of a cluster take units (2p, j) and (2p + 1, j) (same
             # hidden columns, adjacent m-tiles): each loads half of every W1 tile and W2 chunk
@@ -182,7 +199,15 @@ def _kernel_class():
             self.epi_n, self.epi_stage = epi_n, epi_stages
             self.signal_k_tile = signal_k_tile
             self.diag_plain_store = diag_plain_store
-            self.diag_skip = diag_skip
+            # diag_skip (benchmarks only, wrong results): "gemm1" / "gemm2" leave that GEMM's
+            # stages and work out on both sides of the ring, "epilogue" GEMM2's reductions;
+            # "gemm1+epilogue" both
+            self.skip_gemm1 = diag_skip in ("gemm1", "gemm1+epilogue")
+            self.skip_gemm2 = diag_skip == "gemm2"
+            self.skip_epi = diag_skip in ("epilogue", "gemm1+epilogue")
+            # m_group > 1: groups of m_group m-pairs walk the hidden tiles together (_unit), so
+            # fewer W1 / W2 slices are in use at once (1: j fastest, every slice in each wave)
+            self.m_group = m_group
             # "red": each thread adds its accumulator pairs straight from registers into acc
             # with red.global.add.v2.f32 (fire-and-forget: the next product's WGMMAs start at
             # once, no shared-memory round trip, no barriers). "tma" (default): fp32 sub-tiles
@@ -398,8 +423,8 @@ def _kernel_class():
             total_units = -(-m_tiles // cl) * J
             # diag_skip (benchmarks only, wrong results): leave out one GEMM's stages and work
             # on both sides of the ring, to split the kernel's time between the two phases
-            k_tiles1 = 0 if cutlass.const_expr(self.diag_skip == "gemm1") else k_tiles
-            n_tiles2 = 0 if cutlass.const_expr(self.diag_skip == "gemm2") else n_tiles
+            k_tiles1 = 0 if cutlass.const_expr(self.skip_gemm1) else k_tiles
+            n_tiles2 = 0 if cutlass.const_expr(self.skip_gemm2) else n_tiles
             n_clusters = gdim // cl
             cluster_id = cutlass.Int32(bidx) // cl
 
@@ -505,7 +530,7 @@ def _kernel_class():
                     # hidden columns cols = j_tile * tile_o + [0, tile_o)
                     for i in cutlass.range_constexpr(cute.size(acc1)):
                         acc1[i] = mB1[(e, j_tile * self.tile_o + tCcH_thr[i][1])]
-                    if cutlass.const_expr(self.diag_skip != "gemm1"):
+                    if cutlass.const_expr(not self.skip_gemm1):
                         tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                         cute.nvgpu.warpgroup.fence()
                         pipe.consumer_wait(read)
@@ -562,11 +587,20 @@ def _kernel_class():
                                           tCrW2[(None, None, kb, read.index)], acc2)
                             cute.nvgpu.warpgroup.commit_group()
                             read.advance()
+                        # free chunk 0's stage as soon as its WGMMAs are done (the producer
+                        # streams the next W2 chunk meanwhile), chunk 1's after the rest
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        pipe.consumer_release(rel)
+                        rel.advance()
                         cute.nvgpu.warpgroup.wait_group(0)
-                        for c in cutlass.range_constexpr(2):
-                            pipe.consumer_release(rel)
-                            rel.advance()
-                        if cutlass.const_expr(self.red_epi):
+                        pipe.consumer_release(rel)
+                        rel.advance()
+                        if cutlass.const_expr(self.skip_epi):
+                            # keep the products live (a test that never holds) without the
+                            # reductions
+                            if acc2[0] == cutlass.Float32(-1.2345e38):
+                                red_add_v2_f32(acc_base, acc2[0], acc2[1])
+                        elif cutlass.const_expr(self.red_epi):
                             # fire-and-forget fp32 adds from registers (pairs of adjacent
                             # columns of the WGMMA accumulator); rows past M are skipped
                             row0 = m_tile * self.tile_m
@@ -621,10 +655,22 @@ def _kernel_class():
         @cute.jit
         def _unit(self, u: cutlass.Int32, J: cutlass.Int32, cta_rank, m_tiles: cutlass.Int32,
                   mMtE: cute.Tensor):
-            """Work item u -> (m_tile, j_tile, expert): u = m_pair * J + j, m_tile = m_pair *
-            cluster_m + this CTA's rank; the expert of a phantom m-tile past M is the last one's."""
+            """Work item u -> (m_tile, j_tile, expert): u = m_pair * J + j (m_group > 1: grouped,
+            see ``unit_order_reference``), m_tile = m_pair * cluster_m + this CTA's rank; the
+            expert of a phantom m-tile past M is the last one's."""
             m_pair = u // J
             j_tile = u - m_pair * J
+            if cutlass.const_expr(self.m_group > 1):
+                # groups of m_group m-pairs (a short last group over the m-pairs left) take
+                # their units j-major: (s0 + v % g, v // g) for v = u - s0 * J
+                n_mp = (m_tiles + self.cluster_m - 1) // self.cluster_m
+                s0 = (u // (self.m_group * J)) * self.m_group
+                g = n_mp - s0
+                if g > self.m_group:
+                    g = self.m_group
+                v = u - s0 * J
+                m_pair = s0 + v % g
+                j_tile = v // g
             m_tile = m_pair * self.cluster_m + cta_rank
             m_e = m_tile
             if m_e >= m_tiles:
@@ -685,7 +731,10 @@ class FusedFFNCompute:
         sub-tiles through shared memory, TMA reduce-add) or "red" (red.global.add.v2.f32
         straight from registers; slower since v4, see bench/NOTES.md); cluster_m: 2 = clusters
         of two CTAs on adjacent m-tiles sharing every W1 tile and W2 chunk by TMA multicast
-        (dense __call__ only; the grid is rounded down to even).
+        (dense __call__ only; the grid is rounded down to even); m_group: 1 = units j-fastest
+        (each wave uses every W1 / W2 slice), G > 1 = groups of G m-tile pairs walk the hidden
+        tiles together (fewer weight slices live at once, an m-tile's flag later);
+        ``unit_order_reference`` mirrors the order.
 
     __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc
         x [M, P] bf16, w1 [P, O_g] bf16, b1 [O_g] (any float dtype) or None, w2 [O_g, N] bf16,
@@ -705,7 +754,7 @@ class FusedFFNCompute:
 
     def __init__(self, tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
                  epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma", cluster_m=1,
-                 _diag_plain_store=False, _diag_skip=None):
+                 m_group=1, _diag_plain_store=False, _diag_skip=None):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_o not in (128, 256):
@@ -736,13 +785,17 @@ class FusedFFNCompute:
         self.epi_stages = epi_stages
         self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
         self._diag_plain_store = bool(_diag_plain_store)  # benchmarks only: results are wrong
-        if _diag_skip not in (None, "gemm1", "gemm2"):
-            raise ValueError(f"_diag_skip must be None, 'gemm1' or 'gemm2', got {_diag_skip!r}")
+        if _diag_skip not in (None, "gemm1", "gemm2", "epilogue", "gemm1+epilogue"):
+            raise ValueError("_diag_skip must be None, 'gemm1', 'gemm2', 'epilogue' or "
+                             f"'gemm1+epilogue', got {_diag_skip!r}")
         self._diag_skip = _diag_skip  # benchmarks only: results are wrong
         self.epilogue = epilogue
         if cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m!r}")
         self.cluster_m = int(cluster_m)
+        if isinstance(m_group, bool) or not isinstance(m_group, int) or m_group < 1:
+            raise ValueError(f"m_group must be an int >= 1, got {m_group!r}")
+        self.m_group = m_group
         self._counters = {}
         self._b1_zero = {}
 
@@ -815,13 +868,13 @@ class FusedFFNCompute:
         return (self.tile_m, self.tile_o, self.tile_n, self.stages, self.epi_n,
                 self.epi_stages, self.signal_k_tile, self._diag_plain_store, self._diag_skip,
                 self.epilogue, act1,
-                self.cluster_m, int(P), int(O), int(N))
+                self.cluster_m, self.m_group, int(P), int(O), int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
                                    self.stages, self.epi_n, self.epi_stages,
                                    self.signal_k_tile, self._diag_plain_store, self.epilogue,
-                                   self.cluster_m, self._diag_skip)
+                                   self.cluster_m, self._diag_skip, self.m_group)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
         """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no
