@@ -61,6 +61,12 @@ def main(argv=None):
         # ... without GEMM2's reductions (products computed, not stored): the epilogue's share
         "tma256_noepi": (dict(_diag_skip="epilogue"), 0),
         "tma256_gemm2_noepi": (dict(_diag_skip="gemm1+epilogue"), 0),
+        # the epilogue's shape: sub-tile width (epi_n fp32 columns) x buffers (epi_stages)
+        "tma256_e16s1": (dict(epi_n=16, epi_stages=1), 0),
+        "tma256_e32s1": (dict(epi_n=32, epi_stages=1), 0),
+        "tma256_s2e16": (dict(stages=2, epi_n=16), 0),
+        "tma256_s2e32x4": (dict(stages=2, epi_n=32, epi_stages=4), 0),
+        "tma256_s2e16x8": (dict(stages=2, epi_n=16, epi_stages=8), 0),
         # unit order: groups of m_group m-tiles walk the hidden tiles together
         "tma256_mg8": (dict(m_group=8), 0),
         "tma256_mg16": (dict(m_group=16), 0),
