@@ -67,6 +67,12 @@ def main(argv=None):
         "tma256_s2e16": (dict(stages=2, epi_n=16), 0),
         "tma256_s2e32x4": (dict(stages=2, epi_n=32, epi_stages=4), 0),
         "tma256_s2e16x8": (dict(stages=2, epi_n=16, epi_stages=8), 0),
+        # H in registers (GEMM2 as WGMMA RS): 4 ring stages + 128-byte epilogue rows by default
+        "tma256_hregs": (dict(h_regs=True), 0),
+        "tma256_hregs_s3e32x4": (dict(h_regs=True, stages=3, epi_n=32, epi_stages=4), 0),
+        "tma256_hregs_e16": (dict(h_regs=True, epi_n=16), 0),
+        "tma256_hregs_c2": (dict(h_regs=True, cluster_m=2), 0),
+        "tma256_hregs_noepi": (dict(h_regs=True, _diag_skip="epilogue"), 0),
         # unit order: groups of m_group m-tiles walk the hidden tiles together
         "tma256_mg8": (dict(m_group=8), 0),
         "tma256_mg16": (dict(m_group=16), 0),

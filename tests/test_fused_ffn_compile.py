@@ -131,6 +131,33 @@ def test_unit_order_is_a_permutation(m_tiles, J, cl, group):
         assert chunk == [(s0 + i, j) for j in range(J) for i in range(g)]
 
 
+@pytest.mark.parametrize("tile_m,tile_o,act1", [(128, 256, "gelu"), (64, 128, "silu")])
+def test_h_in_registers_compiles_to_rs_wgmma(ffn_mod, tile_m, tile_o, act1):
+    """h_regs: GEMM2 reads H from registers (WGMMA RS, no sH), which frees shared memory for a
+    deeper ring and 128-byte epilogue rows; no WGMMA serialization, no new spills."""
+    from moe_overlap.kernels import switch
+    c = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=True)
+    base = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o)
+    assert c.epi_n == 32 and c.stages >= base.stages
+    if tile_o == 256:  # 3 x 48 KiB stages + H + 16-column buffers -> 4 stages, 32 columns
+        assert (base.stages, base.epi_n, c.stages) == (3, 16, 4)
+    fn = c.compile(P=256, O=512, N=256, act1=act1, keep_ptx=True)
+    body = fn.__ptx__.split(".entry", 1)[1]
+    # GEMM2: A as four .b32 registers, B as a descriptor; GEMM1 still A and B from smem
+    rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16\s*\{[^}]*\},"
+                    r"\s*\{[^}]*\}", body)
+    assert rs and all(r.count("%r") >= 4 for r in rs)
+    # no H store to shared memory (the default writes H with stmatrix; fp32 epilogue does not)
+    base_body = base.compile(P=256, O=512, N=256, act1=act1, keep_ptx=True).__ptx__
+    assert "stmatrix" in base_body and "stmatrix" not in body
+    tool = switch.find_nvdisasm()
+    if tool is not None and fn.__cubin__:
+        sass = switch.sass_of(fn.__cubin__, tool)
+        assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+        spills = len(re.findall(r"\b(STL|LDL)\b", sass))
+        assert spills <= 12, spills
+
+
 def test_m_group_compiles_and_is_checked(ffn_mod):
     fn = ffn_mod.FusedFFNCompute(m_group=8).compile(P=256, O=512, N=256, act1="relu",
                                                     keep_ptx=True)

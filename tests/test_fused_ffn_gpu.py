@@ -47,6 +47,13 @@ SINGLE_CASES = [  # defaults: tile_o 256, TMA reduce-add epilogue, ring as deep 
     (777, 512, 256, 128, "silu", 128, 256, False, 17, dict(cluster_m=2)),
     (1000, 1024, 512, 512, "gelu", 64, 128, True, 0, dict(cluster_m=2, epilogue="red")),
     (64, 128, 128, 256, "relu", 64, 64, True, 0, dict(tile_o=128, cluster_m=2)),
+    # H in registers as GEMM2's A operand (WGMMA RS): 4 ring stages, 128-byte epilogue rows
+    (256, 512, 256, 256, "relu", 128, 128, True, 0, dict(h_regs=True)),
+    (300, 256, 384, 384, "gelu", 128, 128, True, 16, dict(tile_o=128, h_regs=True)),
+    (1000, 1024, 512, 512, "silu", 64, 128, True, 16, dict(h_regs=True)),
+    (777, 512, 256, 128, "gelu_tanh", 128, 256, False, 17, dict(h_regs=True, cluster_m=2)),
+    (520, 512, 768, 384, "gelu", 128, 128, True, 16, dict(h_regs=True, epilogue="red")),
+    (300, 256, 512, 256, "gelu", 128, 128, True, 16, dict(h_regs=True, epi_n=16, epi_stages=1)),
 ]
 
 
@@ -83,12 +90,12 @@ def _single_worker(q):
                                 finite=bool(torch.isfinite(acc).all().item())))
         # grouped launch (ShardedExperts): 3 experts, groups padded to tile_m, one empty
         gres = []
-        for tile_o in (128, 256):
+        for tile_o, h_regs in ((128, False), (256, False), (256, True)):
             g = torch.Generator(device=dev).manual_seed(300 + tile_o)
             E, P, O, N, tm = 3, 256, 512, 256, 128
             tiles = [0, 0, 2, 2, 2]  # expert of each m-tile (expert 1 has no rows)
             M = len(tiles) * tm
-            comp = FusedFFNCompute(tile_m=tm, tile_o=tile_o)
+            comp = FusedFFNCompute(tile_m=tm, tile_o=tile_o, h_regs=h_regs)
             x = torch.randn(M, P, generator=g, device=dev).to(torch.bfloat16)
             w1 = (torch.randn(E, P, O, generator=g, device=dev) / P ** 0.5).to(torch.bfloat16)
             b1 = (torch.randn(E, O, generator=g, device=dev) * 0.1).to(torch.bfloat16)

@@ -113,7 +113,7 @@ def unit_order_reference(m_tiles, J, cluster_m=1, m_group=1):
     return out
 
 
-def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_epi):
+def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_epi, h_regs=False):
     """Shared-memory plan of the kernel: returns (ring stages, epi_n).
 
     Per CTA: the ring (stage = X tile tile_m x tile_k + one W1 tile tile_o x tile_k, or one W2
@@ -121,12 +121,13 @@ def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_ep
     unit's H tile (tile_m x tile_o bf16) and the fp32 epilogue buffers (tile_m x epi_n x
     epi_stages, none for the red epilogue), plus 1 KiB for the mbarriers and alignment.
     stages None: as many as fit; epi_n None: 32 unless that leaves fewer than 3 stages, then 16
-    (tile_o 256: 3 x 48 KiB stages + 64 KiB H + 16 KiB epilogue = 225 KiB of 227)."""
+    (tile_o 256: 3 x 48 KiB stages + 64 KiB H + 16 KiB epilogue = 225 KiB of 227; with h_regs,
+    H in registers: 4 stages + 32 KiB of 128-byte-row epilogue buffers)."""
     x_bytes, b_bytes = tile_m * tile_k * 2, tile_o * tile_k * 2
     if tile_n * (tile_o // 2) * 2 != b_bytes:
         raise ValueError(f"tile_n={tile_n} must be 2 * tile_k = {2 * tile_k} (a W2 chunk fills "
                          f"a W1 stage buffer)")
-    h_bytes = tile_m * tile_o * 2
+    h_bytes = 0 if h_regs else tile_m * tile_o * 2
 
     def fit(n):
         epi = 0 if red_epi else tile_m * n * 4 * epi_stages
@@ -180,7 +181,7 @@ def _kernel_class():
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages, epi_n, epi_stages,
                      signal_k_tile, diag_plain_store=False, epilogue="tma", cluster_m=1,
-                     diag_skip=None, m_group=1):
+                     diag_skip=None, m_group=1, h_regs=False):
             self.acc_dtype = cutlass.Float32
             # cluster_m = 2: the two CTAs of a cluster take units (2p, j) and (2p + 1, j) (same
             # hidden columns, adjacent m-tiles): each loads half of every W1 tile and W2 chunk
@@ -208,6 +209,11 @@ def _kernel_class():
             # m_group > 1: groups of m_group m-pairs walk the hidden tiles together (_unit), so
             # fewer W1 / W2 slices are in use at once (1: j fastest, every slice in each wave)
             self.m_group = m_group
+            # h_regs: H stays in registers as GEMM2's A operand (WGMMA RS): the GEMM1
+            # accumulator's fragment (m64 n8 blocks) is, element for element, the A fragment of
+            # m64 k16 for 16-bit types, so no shared memory, fence or barrier sits between the
+            # GEMMs, and the 64 KiB of sH go to the ring and the epilogue buffers
+            self.h_regs = h_regs
             # "red": each thread adds its accumulator pairs straight from registers into acc
             # with red.global.add.v2.f32 (fire-and-forget: the next product's WGMMAs start at
             # once, no shared-memory round trip, no barriers). "tma" (default): fp32 sub-tiles
@@ -228,7 +234,7 @@ def _kernel_class():
                                                      num_threads=self.num_mma_threads)
             self.buffer_align_bytes = 1024
             self.stages, self.epi_n = _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n,
-                                                 epi_stages, self.red_epi)
+                                                 epi_stages, self.red_epi, h_regs)
             if self.red_epi:  # the (unused) TMA output buffer shrinks to one 16-column sub-tile
                 self.epi_n, self.epi_stage = 16, 1
 
@@ -240,10 +246,11 @@ def _kernel_class():
             self.tiled_mma1 = sm90_utils.make_trivial_tiled_mma(
                 bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
                 self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_o))
-            # GEMM2: A = sH (K-major, K = tile_o), B = W2 chunks (N contiguous)
+            # GEMM2: A = sH (K-major, K = tile_o) or H in registers, B = W2 chunks (N contiguous)
+            a2 = dict(a_source=sm90_utils.OperandSource.RMEM) if self.h_regs else {}
             self.tiled_mma2 = sm90_utils.make_trivial_tiled_mma(
                 bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n))
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n), **a2)
             self.epi_tile = (self.tile_m, self.epi_n)
 
             def smem_layout(layout, dtype, shape_2d, stages):
@@ -313,8 +320,9 @@ def _kernel_class():
                 # W1 tiles and W2 chunks share these buffers (same size, see _ring_plan)
                 sB: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sW1_layout)],
                                       self.buffer_align_bytes]
-                sH: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sH_layout)],
-                                      self.buffer_align_bytes]
+                sH: cute.struct.Align[cute.struct.MemRange[
+                    bf16, 8 if self.h_regs else cute.cosize(self.sH_layout)],
+                    self.buffer_align_bytes]
                 # the red epilogue needs no output staging: 4 bytes stand in for sO
                 sO: cute.struct.Align[cute.struct.MemRange[
                     f32, 1 if self.red_epi else cute.cosize(self.sO_layout)], 16]
@@ -373,7 +381,9 @@ def _kernel_class():
             sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
             sW1 = storage.sB.get_tensor(sW1_layout.outer, swizzle=sW1_layout.inner)
             sW2 = storage.sB.get_tensor(sW2_layout.outer, swizzle=sW2_layout.inner)
-            sH = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)  # M, tile_o
+            sH = None
+            if cutlass.const_expr(not self.h_regs):
+                sH = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)  # M, tile_o
             sO = None
             if cutlass.const_expr(not self.red_epi):
                 sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -403,7 +413,11 @@ def _kernel_class():
             thr_mma2 = tiled_mma2.get_slice(wg_slice)
             tCrX = tiled_mma1.make_fragment_A(thr_mma1.partition_A(sX))
             tCrW1 = tiled_mma1.make_fragment_B(thr_mma1.partition_B(sW1))
-            tCrH = tiled_mma2.make_fragment_A(thr_mma2.partition_A(sH))  # (.., kb over tile_o)
+            if cutlass.const_expr(self.h_regs):  # bf16 registers ((2, 2, 2), 1, tile_o / 16)
+                tCrH = cute.make_rmem_tensor(thr_mma2.partition_A(
+                    cute.make_identity_tensor((self.tile_m, self.tile_o))).shape, bf16)
+            else:
+                tCrH = tiled_mma2.make_fragment_A(thr_mma2.partition_A(sH))  # (.., kb: tile_o)
             tCrW2 = tiled_mma2.make_fragment_B(thr_mma2.partition_B(sW2))  # (.., kb, stage)
             # coordinates of the GEMM1 accumulator elements (for the bias column)
             tCcH = thr_mma1.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_o)))
@@ -482,15 +496,21 @@ def _kernel_class():
                 num_kb1 = cute.size(tCrX, mode=[2])
                 num_kb2 = cute.size(tCrW2, mode=[2])  # k blocks per W2 chunk (tile_o / 32)
 
-                # H: fp32 accumulator -> bf16 -> sH with stmatrix
-                h_copy = acc_to_smem_copy(tiled_mma1, bf16)
-                thr_h = h_copy.get_slice(ctid)
-                tRS_sH = thr_h.partition_D(sH)
-                tRS_rAcc1 = h_copy.retile(acc1)
-                rH_shape = cute.shape(thr_h.partition_S(sH))
-                tRS_rHf = cute.make_rmem_tensor(rH_shape, self.acc_dtype)
-                tRS_rH = cute.make_rmem_tensor(rH_shape, bf16)
-                size_rH = cute.size(tRS_rHf)
+                # H: fp32 accumulator -> bf16 -> sH with stmatrix (or straight into tCrH)
+                if cutlass.const_expr(not self.h_regs):
+                    h_copy = acc_to_smem_copy(tiled_mma1, bf16)
+                    thr_h = h_copy.get_slice(ctid)
+                    tRS_sH = thr_h.partition_D(sH)
+                    tRS_rAcc1 = h_copy.retile(acc1)
+                    rH_shape = cute.shape(thr_h.partition_S(sH))
+                    tRS_rHf = cute.make_rmem_tensor(rH_shape, self.acc_dtype)
+                    tRS_rH = cute.make_rmem_tensor(rH_shape, bf16)
+                    size_rH = cute.size(tRS_rHf)
+                else:
+                    # acc1 ((2, 2, tile_o / 8), 1, 1) and tCrH ((2, 2, 2), 1, tile_o / 16) are
+                    # both compact: element i of one is element i of the other (column pair,
+                    # row half, n8 block = 2 kb + k half)
+                    tCrH_as_acc1 = cute.make_tensor(tCrH.iterator, acc1.layout)
 
                 if cutlass.const_expr(not self.red_epi):
                     # output: fp32 sub-tiles -> sO (st.shared) -> TMA reduce-add
@@ -563,15 +583,23 @@ def _kernel_class():
                                          is_store_warp, ctid)
                         pend_band = cutlass.Int32(-1)
 
-                    # ---- act1 in registers, bf16, stmatrix into sH (each warpgroup writes and
-                    # later reads only its own 64 rows, after its own GEMM2 WGMMAs completed)
-                    for v in cutlass.range_constexpr(size_rH):
-                        tRS_rHf[v] = act_fn(tRS_rAcc1[v], self.act1)
-                    tRS_rH.store(tRS_rHf.load().to(bf16))
-                    cute.copy(h_copy, tRS_rH, tRS_sH)
-                    # generic-proxy smem writes -> visible to WGMMA (async proxy) reads
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.epi_barrier.arrive_and_wait()
+                    if cutlass.const_expr(self.h_regs):
+                        # ---- act1 in registers, bf16 into GEMM2's A fragment (the previous
+                        # unit's GEMM2 WGMMAs, which read tCrH, completed at its wait_group 0)
+                        for v in cutlass.range_constexpr(cute.size(acc1)):
+                            acc1[v] = act_fn(acc1[v], self.act1)
+                        tCrH_as_acc1.store(acc1.load().to(bf16))
+                    else:
+                        # ---- act1 in registers, bf16, stmatrix into sH (each warpgroup writes
+                        # and later reads only its own 64 rows, after its own GEMM2 WGMMAs
+                        # completed)
+                        for v in cutlass.range_constexpr(size_rH):
+                            tRS_rHf[v] = act_fn(tRS_rAcc1[v], self.act1)
+                        tRS_rH.store(tRS_rHf.load().to(bf16))
+                        cute.copy(h_copy, tRS_rH, tRS_sH)
+                        # generic-proxy smem writes -> visible to WGMMA (async proxy) reads
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self.epi_barrier.arrive_and_wait()
 
                     # ---- GEMM2 + reduce-add, one n tile at a time
                     for nn in range(n_tiles2):
@@ -754,7 +782,7 @@ class FusedFFNCompute:
 
     def __init__(self, tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
                  epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma", cluster_m=1,
-                 m_group=1, _diag_plain_store=False, _diag_skip=None):
+                 m_group=1, h_regs=False, _diag_plain_store=False, _diag_skip=None):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_o not in (128, 256):
@@ -780,8 +808,9 @@ class FusedFFNCompute:
         self.tile_m, self.tile_o, self.tile_n, self.tile_k = tile_m, tile_o, tile_n, 64
         self.band_rows = band_rows
         # shared-memory plan (raises if it does not fit): ring depth and epilogue sub-tile
+        self.h_regs = bool(h_regs)
         self.stages, self.epi_n = _ring_plan(tile_m, tile_o, tile_n, self.tile_k, stages, epi_n,
-                                             epi_stages, epilogue == "red")
+                                             epi_stages, epilogue == "red", self.h_regs)
         self.epi_stages = epi_stages
         self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
         self._diag_plain_store = bool(_diag_plain_store)  # benchmarks only: results are wrong
@@ -868,13 +897,13 @@ class FusedFFNCompute:
         return (self.tile_m, self.tile_o, self.tile_n, self.stages, self.epi_n,
                 self.epi_stages, self.signal_k_tile, self._diag_plain_store, self._diag_skip,
                 self.epilogue, act1,
-                self.cluster_m, self.m_group, int(P), int(O), int(N))
+                self.cluster_m, self.m_group, self.h_regs, int(P), int(O), int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
                                    self.stages, self.epi_n, self.epi_stages,
                                    self.signal_k_tile, self._diag_plain_store, self.epilogue,
-                                   self.cluster_m, self._diag_skip, self.m_group)
+                                   self.cluster_m, self._diag_skip, self.m_group, self.h_regs)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
         """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no
