@@ -324,8 +324,10 @@ def _kernel_class():
                     bf16, 8 if self.h_regs else cute.cosize(self.sH_layout)],
                     self.buffer_align_bytes]
                 # the red epilogue needs no output staging: 4 bytes stand in for sO
+                # (1024-byte aligned for the swizzled TMA reads: with h_regs, sH is a stub)
                 sO: cute.struct.Align[cute.struct.MemRange[
-                    f32, 1 if self.red_epi else cute.cosize(self.sO_layout)], 16]
+                    f32, 1 if self.red_epi else cute.cosize(self.sO_layout)],
+                    self.buffer_align_bytes]
 
             self.shared_storage = SharedStorage
             self.kernel(tma_atom_x, tma_x, tma_atom_w1, tma_w1, tma_atom_w2, tma_w2, tma_atom_o,
