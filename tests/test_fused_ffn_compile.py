@@ -2,8 +2,8 @@
 checks and its torch reference.
 
 CUTE_DSL_ARCH=sm_90a makes cute.compile target sm_90a without a GPU. The PTX must show the pieces
-the design relies on: WGMMA (both GEMMs, B transposed = MN-major weights), stmatrix of H into
-shared memory + the async-proxy fence, the TMA reduce-add into the fp32 accumulator
+the design relies on: WGMMA (both GEMMs, B transposed = MN-major weights; GEMM2's A from
+registers with h_regs, else stmatrix of H into shared memory + the async-proxy fence), the TMA reduce-add into the fp32 accumulator
 (``cp.reduce.async.bulk.tensor...add``), and the flag protocol (``cp.async.bulk.wait_group 0``,
 ``fence.proxy.async.global``, ``atom...acq_rel`` counter, ``st.release.gpu`` flag). The SASS
 (nvdisasm, skipped where missing) must have the TMA reduce (UTMAREDG) and no local-memory spills.
@@ -32,36 +32,47 @@ def ffn_mod():
     return fused_ffn
 
 
-def _compiled(mod, tile_m, act1, tile_o=128, epilogue="red"):
-    key = (tile_m, act1, tile_o, epilogue)
+def _compiled(mod, tile_m, act1, tile_o=128, epilogue="red", h_regs=False):
+    key = (tile_m, act1, tile_o, epilogue, h_regs)
     if key not in _CACHE:
-        fn = mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, epilogue=epilogue).compile(
-            P=256, O=512, N=256, act1=act1, keep_ptx=True)
+        fn = mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, epilogue=epilogue,
+                                 h_regs=h_regs).compile(P=256, O=512, N=256, act1=act1,
+                                                        keep_ptx=True)
         _CACHE[key] = (fn.__ptx__, fn.__cubin__)
     return _CACHE[key]
 
 
-@pytest.mark.parametrize("tile_m,act1,tile_o,epilogue", [
-    (128, "gelu", 128, "tma"), (64, "relu", 128, "tma"), (128, "gelu", 256, "tma"),
-    (128, "gelu", 256, "red"), (64, "silu", 128, "red")])
-def test_ptx_has_wgmma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o, epilogue):
-    ptx, _ = _compiled(ffn_mod, tile_m, act1, tile_o, epilogue)
+@pytest.mark.parametrize("tile_m,act1,tile_o,epilogue,h_regs", [
+    (128, "gelu", 128, "tma", False), (64, "relu", 128, "tma", False),
+    (128, "gelu", 256, "tma", False), (128, "gelu", 256, "red", False),
+    (64, "silu", 128, "red", False), (128, "gelu", 256, "tma", True),
+    (64, "silu", 128, "red", True)])
+def test_ptx_has_wgmma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o, epilogue, h_regs):
+    ptx, _ = _compiled(ffn_mod, tile_m, act1, tile_o, epilogue, h_regs)
     body = ptx.split(".entry", 1)[1]
     def wgmma(n):  # bf16 WGMMAs, A from shared memory, B transposed (MN-major weights)
         return re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16 "
                           r"\{[^}]*\}, %rd\d+, %rd\d+, p, 1,\s*1, 0, 1;", body)
+    def wgmma_rs(n):  # A from four registers (h_regs), B transposed
+        return re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16 "
+                          r"\{[^}]*\}, \{[^}]*\}, %rd\d+, p, 1,\s*1, 1;", body)
     # GEMM1: one 64 x tile_o WGMMA per k16 step (4 per 64-wide k tile); GEMM2: 64 x 128, tile_o / 16
     # k16 steps per n tile (two W2 chunks)
-    if tile_o == 128:
-        assert len(wgmma(128)) >= 4 + 8
+    if h_regs:
+        assert len(wgmma(tile_o)) >= 4 and len(wgmma_rs(128)) >= tile_o // 16
+        assert "stmatrix" not in body  # H never goes to shared memory
     else:
-        assert len(wgmma(tile_o)) >= 4 and len(wgmma(128)) >= tile_o // 16
-    assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in body  # H -> sH
-    assert "fence.proxy.async.shared::cta" in body
+        if tile_o == 128:
+            assert len(wgmma(128)) >= 4 + 8
+        else:
+            assert len(wgmma(tile_o)) >= 4 and len(wgmma(128)) >= tile_o // 16
+        assert not wgmma_rs(128)
+        assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in body  # H -> sH
+        assert "fence.proxy.async.shared::cta" in body
     red = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile", body)
     vec = re.findall(r"red\.global\.add\.v2\.f32", body)
     if epilogue == "tma":
-        epi_n = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o).epi_n
+        epi_n = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=h_regs).epi_n
         assert len(red) == 128 // epi_n  # one TMA reduce-add per fp32 sub-tile of an n tile
         assert not vec
         assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", body)
@@ -137,7 +148,7 @@ def test_h_in_registers_compiles_to_rs_wgmma(ffn_mod, tile_m, tile_o, act1):
     deeper ring and 128-byte epilogue rows; no WGMMA serialization, no new spills."""
     from moe_overlap.kernels import switch
     c = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=True)
-    base = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o)
+    base = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=False)
     assert c.epi_n == 32 and c.stages >= base.stages
     if tile_o == 256:  # 3 x 48 KiB stages + H + 16-column buffers -> 4 stages, 32 columns
         assert (base.stages, base.epi_n, c.stages) == (3, 16, 4)
@@ -191,12 +202,13 @@ def test_act1_variants_compile(ffn_mod, act1, needle):
     assert needle in ptx.split(".entry", 1)[1]
 
 
-@pytest.mark.parametrize("tile_o,epilogue,act1", [(128, "tma", "gelu"), (256, "tma", "silu"),
-                                                  (256, "red", "relu"), (256, "tma", "gelu")])
-def test_sass_reduce_no_spills(ffn_mod, tile_o, epilogue, act1):
+@pytest.mark.parametrize("tile_o,epilogue,act1,h_regs", [
+    (128, "tma", "gelu", False), (256, "tma", "silu", False), (256, "red", "relu", False),
+    (256, "tma", "gelu", False), (256, "tma", "gelu", True), (256, "tma", "silu", True)])
+def test_sass_reduce_no_spills(ffn_mod, tile_o, epilogue, act1, h_regs):
     from moe_overlap.kernels import switch
     tool = switch.find_nvdisasm()
-    _, cubin = _compiled(ffn_mod, 128, act1, tile_o, epilogue)
+    _, cubin = _compiled(ffn_mod, 128, act1, tile_o, epilogue, h_regs)
     if tool is None or not cubin:
         pytest.skip("no nvdisasm / cubin")
     sass = switch.sass_of(cubin, tool)
@@ -268,7 +280,8 @@ def test_bad_inputs_raise_before_launch(ffn_mod):
         chk(x[:0], w1, b1, w2, acc[:0], ready, epoch)
     for kw, msg in [(dict(tile_m=96), "tile_m"), (dict(tile_o=64), "tile_o"),
                     (dict(tile_n=256), "tile_n"), (dict(band_rows=192), "band_rows"),
-                    (dict(epi_n=8), "epi_n"), (dict(stages=1), "stages"), (dict(stages=4), "fit"),
+                    (dict(epi_n=8), "epi_n"), (dict(stages=1), "stages"), (dict(stages=5), "fit"),
+                    (dict(stages=4, h_regs=False), "fit"),
                     (dict(epilogue="smem"), "epilogue"),
                     (dict(_diag_plain_store=True, epilogue="red"), "tma")]:
         with pytest.raises(ValueError, match=msg):
@@ -295,8 +308,16 @@ def test_shared_memory_plan(ffn_mod):
         plan(128, 256, 128, 64, 4, None, 2, False)
     with pytest.raises(ValueError, match="tile_n"):
         plan(128, 256, 256, 64, None, None, 2, False)
+    # h_regs: no H tile (a 1 KiB stub): 4 stages and 32-column buffers at tile_o 256
+    assert plan(128, 256, 128, 64, None, None, 2, False, True) == (4, 32)
+    for tile_m, tile_o in [(128, 256), (128, 128), (64, 256), (64, 128)]:
+        st, epi_n = plan(tile_m, tile_o, 128, 64, None, None, 2, False, True)
+        used = 1024 + st * (tile_m + tile_o) * 64 * 2 + 1024 + tile_m * epi_n * 4 * 2
+        assert used <= ffn_mod._SMEM_CAPACITY_SM90
     c = ffn_mod.FusedFFNCompute()
-    assert (c.tile_o, c.stages, c.epi_n) == (256, 3, 16)
+    assert (c.tile_o, c.stages, c.epi_n, c.h_regs) == (256, 4, 32, True)
+    assert (ffn_mod.FusedFFNCompute(h_regs=False).stages, ffn_mod.FusedFFNCompute(
+        h_regs=False).epi_n) == (3, 16)
 
 
 def test_reference_semantics():

@@ -32,15 +32,17 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
   P / tile_k GEMM1 stages (X tile + W1 tile), then two W2 chunk stages per n-tile (a W2 chunk,
   tile_n x tile_o / 2, lives in the W1 tile's buffer: same size). One ring gives each GEMM every
   stage and streams the next GEMM's operands while the current one finishes (``_ring_plan``:
-  tile_o 256 -> 3 x 48 KiB stages + 64 KiB H + 16 KiB epilogue buffers).
+  tile_o 256 -> 4 x 48 KiB stages + 32 KiB epilogue buffers; 3 stages + 64 KiB H + 16 KiB
+  with h_regs=False).
 * GEMM1: the unit's whole tile_m x tile_o H tile at once (64 x tile_o WGMMA accumulator per
   warpgroup, X read once per unit); the accumulator starts at b1 (fp32), so the bias costs
-  nothing; act1 in registers; converted to bf16 and written to shared memory (``sH``, the
-  K-major swizzled layout WGMMA reads as its A operand) with stmatrix +
-  ``fence.proxy.async.shared::cta``. H never goes to HBM.
+  nothing; act1 in registers; converted to bf16 in place into GEMM2's A fragment (h_regs,
+  default: the m64 accumulator fragment is the m64k16 A fragment element for element, as in
+  FlashAttention-3's P.V), or (h_regs=False) written to shared memory (``sH``, K-major swizzled)
+  with stmatrix + ``fence.proxy.async.shared::cta``. H never goes to HBM.
 * GEMM2: for each n-tile (rotated start n = j mod N/tile_n, so the J CTAs of a band do not
-  reduce into the same columns at once): acc_tile = sH @ W2[j, n] with K = tile_o (A from smem,
-  B = the two W2 chunks from the ring), then the fp32 tile is added into acc:
+  reduce into the same columns at once): acc_tile = H @ W2[j, n] with K = tile_o (A from
+  registers or sH, B = the two W2 chunks from the ring), then the fp32 tile is added into acc:
   ``epilogue="tma"`` (default) in ``tile_m x epi_n`` sub-tiles through ``epi_stages``
   shared-memory buffers with TMA reduce-add (``cp.reduce.async.bulk.tensor...add``);
   ``epilogue="red"`` straight from registers with ``red.global.add.v2.f32``.
@@ -54,11 +56,12 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
 * ``cluster_m=2`` (option, dense call only): clusters of two CTAs on units (2p, j), (2p + 1, j)
   load half of every W1 tile and W2 chunk each and multicast it to both.
 
-Measured (2x H200, bench/NOTES.md): correct; v4 (this structure) ~435 TFLOP/s on the llama3-8b
-slice against cuBLAS's ~750 (v3, two 128-column GEMM1 chunks and separate pipelines: ~320);
-cluster_m=2 ~453 (4 % faster; not yet measured inside the FusedFFN layer, so not its default).
-Tried and measured without gain (bench/NOTES.md): GEMM2 n tiles ping-ponged between the
-warpgroups so that the epilogue overlaps WGMMAs (0.3 %). Limits: tile_n = 128 only; one consumer
+Measured (H200, bench/NOTES.md): correct; without GEMM2's fp32 reductions both GEMMs run at
+cuBLAS speed, so the reduce epilogue is the limit (its throughput depends on the sub-tile row
+width and buffering, hence h_regs). v4 (H in shared memory) ~435 TFLOP/s on the llama3-8b slice
+against cuBLAS's ~750; h_regs 9-11 % faster than v4 in the same run; cluster_m=2 a further 4-7 %
+(not yet measured inside the FusedFFN layer, so not its default). Tried and measured without
+gain: GEMM2 n tiles ping-ponged between the warpgroups (0.3 %). Limits: tile_n = 128 only; one consumer
 warpgroup per 64 rows of tile_m (tile_m 64 or 128).
 The pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never waits
 on another CTA or on the communication blocks (one-way dependency).
@@ -127,7 +130,8 @@ def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_ep
     if tile_n * (tile_o // 2) * 2 != b_bytes:
         raise ValueError(f"tile_n={tile_n} must be 2 * tile_k = {2 * tile_k} (a W2 chunk fills "
                          f"a W1 stage buffer)")
-    h_bytes = 0 if h_regs else tile_m * tile_o * 2
+    # h_regs: no H tile, but its 1 KiB-aligned stub in the shared storage struct
+    h_bytes = 1024 if h_regs else tile_m * tile_o * 2
 
     def fit(n):
         epi = 0 if red_epi else tile_m * n * 4 * epi_stages
@@ -749,7 +753,8 @@ class FusedFFNCompute:
     """Compute blocks of the fused TP FFN (see the module docstring).
 
     FusedFFNCompute(tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
-                    epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma")
+                    epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma",
+                    cluster_m=1, m_group=1, h_regs=True)
         tile_m in {64, 128} (one consumer warpgroup per 64 rows); tile_o in {128, 256} (hidden
         columns per unit: GEMM1's N, GEMM2's K; 256 halves the fp32 reduce-add traffic and is
         faster, 128 serves O_g that 256 does not divide); tile_n = 128; band_rows: rows per
@@ -764,7 +769,10 @@ class FusedFFNCompute:
         (dense __call__ only; the grid is rounded down to even); m_group: 1 = units j-fastest
         (each wave uses every W1 / W2 slice), G > 1 = groups of G m-tile pairs walk the hidden
         tiles together (fewer weight slices live at once, an m-tile's flag later);
-        ``unit_order_reference`` mirrors the order.
+        ``unit_order_reference`` mirrors the order. h_regs (default): H stays in registers as
+        GEMM2's A operand (WGMMA RS) instead of a 64 KiB shared-memory tile, which leaves room
+        for a 4-stage ring and 128-byte epilogue rows (9-11 % faster, bench/NOTES.md); False:
+        H through shared memory (the v4 kernel).
 
     __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc
         x [M, P] bf16, w1 [P, O_g] bf16, b1 [O_g] (any float dtype) or None, w2 [O_g, N] bf16,
@@ -784,7 +792,7 @@ class FusedFFNCompute:
 
     def __init__(self, tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
                  epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma", cluster_m=1,
-                 m_group=1, h_regs=False, _diag_plain_store=False, _diag_skip=None):
+                 m_group=1, h_regs=True, _diag_plain_store=False, _diag_skip=None):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_o not in (128, 256):
