@@ -6,16 +6,19 @@
 Per shape (the rank-0 slice of bench_ffn.py's shapes at G = 2: x [T, P], w1 [P, O/2], w2 [O/2, P]),
 interleaved CUDA-event timing, median:
 - ``torch``: addmm(b1) + act1 + mm (cuBLAS, bf16 out): the GEMM rate the kernel competes with;
-- ``tma256``: FusedFFNCompute's defaults (tile_o 256, TMA reduce-add epilogue, one operand ring
-  as deep as fits: 3 stages, 16-column epilogue sub-tiles); ``tma256_s2e32``: 2 stages with
-  32-column sub-tiles; ``tma256_plain``: plain TMA stores instead of reduce-adds (wrong results:
-  isolates the cost of the L2 read-modify-write); ``tma128``: tile_o 128 (5 stages);
-- ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
+- ``tma256``: FusedFFNCompute's defaults (tile_o 256, H in registers as GEMM2's A operand, one
+  operand ring of 4 stages, TMA reduce-add epilogue in 32-column sub-tiles x 2 buffers);
+  ``tma256_c2``: clusters of two CTAs on adjacent m-tiles sharing W1 / W2 by TMA multicast;
+  ``tma256_s3e32x4`` / ``tma256_e16``: other ring / epilogue shapes; ``tma128``: tile_o 128;
+  ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
   ``tma256_half_grid``: on half the SMs (time nearly unchanged = a shared resource such as the
   L2's reduction rate is the limit; time doubled = per-SM work is); ``tma256_m64``: tile_m = 64;
-  ``tma256_c2``: clusters of two CTAs on adjacent m-tiles sharing W1 / W2 by TMA multicast;
-  ``tma256_gemm1_only`` / ``tma256_gemm2_only``: the kernel with GEMM2 (its W2 stages, MMAs and
-  reductions) or GEMM1's k loop left out (wrong results): how the time splits between phases.
+- diagnostics (wrong results): ``tma256_plain`` plain TMA stores instead of reduce-adds (the
+  cost of the L2 read-modify-write); ``tma256_gemm1_only`` / ``tma256_gemm2_only``: GEMM2 (its
+  W2 stages, MMAs and reductions) or GEMM1's k loop left out; ``tma256_noepi`` /
+  ``tma256_gemm2_noepi``: GEMM2's reductions left out (how the time splits between phases);
+- ``v4*``: the kernel with H in shared memory (h_regs=False) and the epilogue shapes of
+  bench/NOTES.md, session 6 (s = ring stages, e = sub-tile columns, x = buffers).
 The reduce-add traffic is T * N * 4 * O_g / tile_o bytes; the table gives its rate per variant.
 """
 import argparse
@@ -46,38 +49,36 @@ def main(argv=None):
     from moe_overlap.timing import time_interleaved
     dev = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    v4 = dict(h_regs=False)  # H through shared memory (the v4 kernel, session-6 tables)
     variants = {  # name: (FusedFFNCompute options, ccta)
-        "tma256": (dict(), 0),  # v4 default: one ring, GEMM1 128 x 256, 3 stages, epi_n 16
-        "tma256_s2e32": (dict(stages=2, epi_n=32), 0),  # 2 stages, wider epilogue sub-tiles
-        "tma256_plain": (dict(_diag_plain_store=True), 0),
-        "tma128": (dict(tile_o=128), 0),  # 5 stages of 32 KiB
+        # default: H in registers (GEMM2 as WGMMA RS), 4 ring stages, 32-column epilogue x 2
+        "tma256": (dict(), 0),
+        "tma256_c2": (dict(cluster_m=2), 0),  # clusters of 2, W1 / W2 multicast
+        "tma256_s3e32x4": (dict(stages=3, epi_n=32, epi_stages=4), 0),
+        "tma256_e16": (dict(epi_n=16), 0),
+        "tma128": (dict(tile_o=128), 0),
         "red256": (dict(epilogue="red"), 0),
         "tma256_half_grid": (dict(), sms // 2),
         "tma256_m64": (dict(tile_m=64), 0),
-        "tma256_c2": (dict(cluster_m=2), 0),  # clusters of 2, W1 / W2 multicast
-        # phase split (wrong results): the kernel without GEMM2 / without GEMM1's k loop
+        # diagnostics (wrong results): plain TMA stores instead of reduce-adds; the kernel
+        # without GEMM2 / without GEMM1's k loop / without GEMM2's reductions
+        "tma256_plain": (dict(_diag_plain_store=True), 0),
         "tma256_gemm1_only": (dict(_diag_skip="gemm2"), 0),
         "tma256_gemm2_only": (dict(_diag_skip="gemm1"), 0),
-        # ... without GEMM2's reductions (products computed, not stored): the epilogue's share
         "tma256_noepi": (dict(_diag_skip="epilogue"), 0),
         "tma256_gemm2_noepi": (dict(_diag_skip="gemm1+epilogue"), 0),
-        # the epilogue's shape: sub-tile width (epi_n fp32 columns) x buffers (epi_stages)
-        "tma256_e16s1": (dict(epi_n=16, epi_stages=1), 0),
-        "tma256_e32s1": (dict(epi_n=32, epi_stages=1), 0),
-        "tma256_s2e16": (dict(stages=2, epi_n=16), 0),
-        "tma256_s2e32x4": (dict(stages=2, epi_n=32, epi_stages=4), 0),
-        "tma256_s2e16x8": (dict(stages=2, epi_n=16, epi_stages=8), 0),
-        # H in registers (GEMM2 as WGMMA RS): 4 ring stages + 128-byte epilogue rows by default
-        "tma256_hregs": (dict(h_regs=True), 0),
-        "tma256_hregs_s3e32x4": (dict(h_regs=True, stages=3, epi_n=32, epi_stages=4), 0),
-        "tma256_hregs_e16": (dict(h_regs=True, epi_n=16), 0),
-        "tma256_hregs_c2": (dict(h_regs=True, cluster_m=2), 0),
-        "tma256_hregs_noepi": (dict(h_regs=True, _diag_skip="epilogue"), 0),
-        # unit order: groups of m_group m-tiles walk the hidden tiles together
-        "tma256_mg8": (dict(m_group=8), 0),
-        "tma256_mg16": (dict(m_group=16), 0),
-        "tma256_mg32": (dict(m_group=32), 0),
-        "tma256_c2_mg8": (dict(cluster_m=2, m_group=8), 0),
+        # v4 (H in shared memory: 3 stages x 16 columns x 2 buffers) and its epilogue shapes:
+        # ring stages s, sub-tile width e (fp32 columns), buffers x
+        "v4": (dict(v4), 0),
+        "v4_c2": (dict(v4, cluster_m=2), 0),
+        "v4_noepi": (dict(v4, _diag_skip="epilogue"), 0),
+        "v4_plain": (dict(v4, _diag_plain_store=True), 0),
+        "v4_e16s1": (dict(v4, epi_n=16, epi_stages=1), 0),
+        "v4_e32s1": (dict(v4, epi_n=32, epi_stages=1), 0),
+        "v4_s2e16": (dict(v4, stages=2, epi_n=16), 0),
+        "v4_s2e32": (dict(v4, stages=2, epi_n=32), 0),
+        "v4_s2e32x4": (dict(v4, stages=2, epi_n=32, epi_stages=4), 0),
+        "v4_s2e16x8": (dict(v4, stages=2, epi_n=16, epi_stages=8), 0),
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}

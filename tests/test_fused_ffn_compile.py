@@ -123,25 +123,6 @@ def test_phase_split_diagnostics_compile(ffn_mod, skip):
         ffn_mod.FusedFFNCompute(_diag_skip="both")
 
 
-@pytest.mark.parametrize("m_tiles,J,cl,group", [(64, 28, 1, 1), (64, 28, 1, 16), (13, 5, 1, 4),
-                                                 (13, 5, 2, 4), (7, 3, 2, 8), (5, 8, 1, 2)])
-def test_unit_order_is_a_permutation(m_tiles, J, cl, group):
-    """The kernel's unit order (mirrored in unit_order_reference): every (m-pair, j) exactly
-    once; inside a full group of m-pairs the units cycle over the group's m-pairs at equal j
-    (so a group walks each W1 / W2 slice together); group 1 is j-fastest."""
-    from moe_overlap.kernels.fused_ffn import unit_order_reference
-    order = unit_order_reference(m_tiles, J, cl, group)
-    n_mp = -(-m_tiles // cl)
-    assert sorted(order) == [(m, j) for m in range(n_mp) for j in range(J)]
-    if group == 1:
-        assert order == [(m, j) for m in range(n_mp) for j in range(J)]
-        return
-    for s0 in range(0, n_mp, group):
-        g = min(group, n_mp - s0)
-        chunk = order[s0 * J:(s0 + g) * J]
-        assert chunk == [(s0 + i, j) for j in range(J) for i in range(g)]
-
-
 @pytest.mark.parametrize("tile_m,tile_o,act1", [(128, 256, "gelu"), (64, 128, "silu")])
 def test_h_in_registers_compiles_to_rs_wgmma(ffn_mod, tile_m, tile_o, act1):
     """h_regs: GEMM2 reads H from registers (WGMMA RS, no sH), which frees shared memory for a
@@ -167,15 +148,6 @@ def test_h_in_registers_compiles_to_rs_wgmma(ffn_mod, tile_m, tile_o, act1):
         assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
         spills = len(re.findall(r"\b(STL|LDL)\b", sass))
         assert spills <= 12, spills
-
-
-def test_m_group_compiles_and_is_checked(ffn_mod):
-    fn = ffn_mod.FusedFFNCompute(m_group=8).compile(P=256, O=512, N=256, act1="relu",
-                                                    keep_ptx=True)
-    assert "wgmma.mma_async" in fn.__ptx__
-    for bad in (0, True, 1.5):
-        with pytest.raises(ValueError, match="m_group"):
-            ffn_mod.FusedFFNCompute(m_group=bad)
 
 
 def test_cluster_options_checked(ffn_mod, monkeypatch):

@@ -73,7 +73,7 @@ import torch
 
 from .grouped_gemm import _num_sms  # SM count per device, cached (imports no cutlass)
 
-__all__ = ["FusedFFNCompute", "fused_ffn_compute_reference", "unit_order_reference", "ACTIVATIONS"]
+__all__ = ["FusedFFNCompute", "fused_ffn_compute_reference", "ACTIVATIONS"]
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -97,23 +97,6 @@ def fused_ffn_compute_reference(x, w1, b1, w2, act1: str, acc=None):
         return y
     acc += y
     return acc
-
-
-def unit_order_reference(m_tiles, J, cluster_m=1, m_group=1):
-    """The kernel's work order (``_unit``) in plain Python: [(m_pair, j_tile)] for units
-    u = 0 .. ceil(m_tiles / cluster_m) * J - 1 (a cluster's CTA of rank r takes m-tile
-    m_pair * cluster_m + r). For tests of the arithmetic."""
-    n_mp = -(-m_tiles // cluster_m)
-    out = []
-    for u in range(n_mp * J):
-        m_pair, j = u // J, u % J
-        if m_group > 1:
-            s0 = (u // (m_group * J)) * m_group
-            g = min(m_group, n_mp - s0)
-            v = u - s0 * J
-            m_pair, j = s0 + v % g, v // g
-        out.append((m_pair, j))
-    return out
 
 
 def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_epi, h_regs=False):
@@ -185,7 +168,7 @@ def _kernel_class():
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages, epi_n, epi_stages,
                      signal_k_tile, diag_plain_store=False, epilogue="tma", cluster_m=1,
-                     diag_skip=None, m_group=1, h_regs=False):
+                     diag_skip=None, h_regs=False):
             self.acc_dtype = cutlass.Float32
             # cluster_m = 2: the two CTAs of a cluster take units (2p, j) and (2p + 1, j) (same
             # hidden columns, adjacent m-tiles): each loads half of every W1 tile and W2 chunk
@@ -210,9 +193,6 @@ def _kernel_class():
             self.skip_gemm1 = diag_skip in ("gemm1", "gemm1+epilogue")
             self.skip_gemm2 = diag_skip == "gemm2"
             self.skip_epi = diag_skip in ("epilogue", "gemm1+epilogue")
-            # m_group > 1: groups of m_group m-pairs walk the hidden tiles together (_unit), so
-            # fewer W1 / W2 slices are in use at once (1: j fastest, every slice in each wave)
-            self.m_group = m_group
             # h_regs: H stays in registers as GEMM2's A operand (WGMMA RS): the GEMM1
             # accumulator's fragment (m64 n8 blocks) is, element for element, the A fragment of
             # m64 k16 for 16-bit types, so no shared memory, fence or barrier sits between the
@@ -689,22 +669,10 @@ def _kernel_class():
         @cute.jit
         def _unit(self, u: cutlass.Int32, J: cutlass.Int32, cta_rank, m_tiles: cutlass.Int32,
                   mMtE: cute.Tensor):
-            """Work item u -> (m_tile, j_tile, expert): u = m_pair * J + j (m_group > 1: grouped,
-            see ``unit_order_reference``), m_tile = m_pair * cluster_m + this CTA's rank; the
-            expert of a phantom m-tile past M is the last one's."""
+            """Work item u -> (m_tile, j_tile, expert): u = m_pair * J + j, m_tile = m_pair *
+            cluster_m + this CTA's rank; the expert of a phantom m-tile past M is the last one's."""
             m_pair = u // J
             j_tile = u - m_pair * J
-            if cutlass.const_expr(self.m_group > 1):
-                # groups of m_group m-pairs (a short last group over the m-pairs left) take
-                # their units j-major: (s0 + v % g, v // g) for v = u - s0 * J
-                n_mp = (m_tiles + self.cluster_m - 1) // self.cluster_m
-                s0 = (u // (self.m_group * J)) * self.m_group
-                g = n_mp - s0
-                if g > self.m_group:
-                    g = self.m_group
-                v = u - s0 * J
-                m_pair = s0 + v % g
-                j_tile = v // g
             m_tile = m_pair * self.cluster_m + cta_rank
             m_e = m_tile
             if m_e >= m_tiles:
@@ -754,7 +722,7 @@ class FusedFFNCompute:
 
     FusedFFNCompute(tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
                     epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma",
-                    cluster_m=1, m_group=1, h_regs=True)
+                    cluster_m=1, h_regs=True)
         tile_m in {64, 128} (one consumer warpgroup per 64 rows); tile_o in {128, 256} (hidden
         columns per unit: GEMM1's N, GEMM2's K; 256 halves the fp32 reduce-add traffic and is
         faster, 128 serves O_g that 256 does not divide); tile_n = 128; band_rows: rows per
@@ -766,10 +734,7 @@ class FusedFFNCompute:
         sub-tiles through shared memory, TMA reduce-add) or "red" (red.global.add.v2.f32
         straight from registers; slower since v4, see bench/NOTES.md); cluster_m: 2 = clusters
         of two CTAs on adjacent m-tiles sharing every W1 tile and W2 chunk by TMA multicast
-        (dense __call__ only; the grid is rounded down to even); m_group: 1 = units j-fastest
-        (each wave uses every W1 / W2 slice), G > 1 = groups of G m-tile pairs walk the hidden
-        tiles together (fewer weight slices live at once, an m-tile's flag later);
-        ``unit_order_reference`` mirrors the order. h_regs (default): H stays in registers as
+        (dense __call__ only; the grid is rounded down to even); h_regs (default): H stays in registers as
         GEMM2's A operand (WGMMA RS) instead of a 64 KiB shared-memory tile, which leaves room
         for a 4-stage ring and 128-byte epilogue rows (9-11 % faster, bench/NOTES.md); False:
         H through shared memory (the v4 kernel).
@@ -792,7 +757,7 @@ class FusedFFNCompute:
 
     def __init__(self, tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
                  epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma", cluster_m=1,
-                 m_group=1, h_regs=True, _diag_plain_store=False, _diag_skip=None):
+                 h_regs=True, _diag_plain_store=False, _diag_skip=None):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_o not in (128, 256):
@@ -832,9 +797,6 @@ class FusedFFNCompute:
         if cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m!r}")
         self.cluster_m = int(cluster_m)
-        if isinstance(m_group, bool) or not isinstance(m_group, int) or m_group < 1:
-            raise ValueError(f"m_group must be an int >= 1, got {m_group!r}")
-        self.m_group = m_group
         self._counters = {}
         self._b1_zero = {}
 
@@ -907,13 +869,13 @@ class FusedFFNCompute:
         return (self.tile_m, self.tile_o, self.tile_n, self.stages, self.epi_n,
                 self.epi_stages, self.signal_k_tile, self._diag_plain_store, self._diag_skip,
                 self.epilogue, act1,
-                self.cluster_m, self.m_group, self.h_regs, int(P), int(O), int(N))
+                self.cluster_m, self.h_regs, int(P), int(O), int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
                                    self.stages, self.epi_n, self.epi_stages,
                                    self.signal_k_tile, self._diag_plain_store, self.epilogue,
-                                   self.cluster_m, self._diag_skip, self.m_group, self.h_regs)
+                                   self.cluster_m, self._diag_skip, self.h_regs)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
         """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no
