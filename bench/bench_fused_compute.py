@@ -9,7 +9,8 @@ interleaved CUDA-event timing, median:
 - ``tma256``: FusedFFNCompute's defaults (tile_o 256, H in registers as GEMM2's A operand, one
   operand ring of 4 stages, TMA reduce-add epilogue in 32-column sub-tiles x 2 buffers);
   ``tma256_c2``: clusters of two CTAs on adjacent m-tiles sharing W1 / W2 by TMA multicast;
-  ``tma256_s3e32x4`` / ``tma256_e16``: other ring / epilogue shapes; ``tma128``: tile_o 128;
+  ``tma256_s3e32x4`` / ``tma256_e16``: other ring / epilogue shapes; ``tma256_pair*``: two
+  hidden tiles per unit (h_pair: half the reduce-add bytes); ``tma128``: tile_o 128;
   ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
   ``tma256_half_grid``: on half the SMs (time nearly unchanged = a shared resource such as the
   L2's reduction rate is the limit; time doubled = per-SM work is); ``tma256_m64``: tile_m = 64;
@@ -56,6 +57,11 @@ def main(argv=None):
         "tma256_c2": (dict(cluster_m=2), 0),  # clusters of 2, W1 / W2 multicast
         "tma256_s3e32x4": (dict(stages=3, epi_n=32, epi_stages=4), 0),
         "tma256_e16": (dict(epi_n=16), 0),
+        # two hidden tiles per unit (half the reduce-add bytes; 3 stages, 16 columns x 2)
+        "tma256_pair": (dict(h_pair=True), 0),
+        "tma256_pair_c2": (dict(h_pair=True, cluster_m=2), 0),
+        "tma256_pair_s2e32x4": (dict(h_pair=True, stages=2, epi_n=32, epi_stages=4), 0),
+        "tma256_pair_noepi": (dict(h_pair=True, _diag_skip="epilogue"), 0),
         "tma128": (dict(tile_o=128), 0),
         "red256": (dict(epilogue="red"), 0),
         "tma256_half_grid": (dict(), sms // 2),

@@ -150,6 +150,47 @@ def test_h_in_registers_compiles_to_rs_wgmma(ffn_mod, tile_m, tile_o, act1):
         assert spills <= 12, spills
 
 
+@pytest.mark.parametrize("tile_m,tile_o,act1,extra", [(128, 256, "gelu", {}),
+                                                     (64, 128, "relu", dict(cluster_m=2))])
+def test_h_pair_compiles_with_both_gemm2_operand_sources(ffn_mod, tile_m, tile_o, act1, extra):
+    """h_pair: per n tile, GEMM2 takes one H tile from registers (RS) and one from sH (SS), then
+    one fp32 reduce-add per sub-tile (half the reduce traffic of two units); the ring keeps at
+    most two W2 chunks per consumer, so four chunks pass through 3 stages."""
+    from moe_overlap.kernels import switch
+    c = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_pair=True, **extra)
+    fn = c.compile(P=256, O=1024, N=256, act1=act1, keep_ptx=True)
+    body = fn.__ptx__.split(".entry", 1)[1]
+    rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16\s*"
+                    r"\{[^}]*\},\s*\{[^}]*\}", body)
+    ss = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16\s*"
+                    r"\{[^}]*\},\s*%rd", body)
+    assert len(rs) >= tile_o // 16 and len(ss) >= tile_o // 16
+    assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in body  # the second H tile -> sH
+    red = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile", body)
+    assert len(red) == 128 // c.epi_n  # one reduce-add per sub-tile of an n tile, as before
+    tool = switch.find_nvdisasm()
+    if tool is not None and fn.__cubin__:
+        sass = switch.sass_of(fn.__cubin__, tool)
+        assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+        lines = sass.splitlines()
+        spills = [i for i, l in enumerate(lines) if re.search(r"\b(STL|LDL)\b", l)]
+        gemm2 = [i for i, l in enumerate(lines) if "HGMMA.64x128x16" in l]
+        # exact gelu's constants spill around the activations (16 at 64 x 256 per warpgroup),
+        # never inside the GEMM2 n-tile loop
+        assert len(spills) <= (24 if act1 == "gelu" else 0), len(spills)
+        assert not [i for i in spills if gemm2[0] <= i <= gemm2[-1]]
+    assert c.stages == ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o,
+                                               h_regs=False).stages  # one H tile in smem
+    with pytest.raises(ValueError, match="h_pair needs h_regs"):
+        ffn_mod.FusedFFNCompute(h_pair=True, h_regs=False)
+    x = torch.zeros(128, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="2 \\* tile_o"):  # an odd number of hidden tiles
+        c.check(x, torch.zeros(256, 3 * tile_o, dtype=torch.bfloat16), None,
+                torch.zeros(3 * tile_o, 256, dtype=torch.bfloat16), torch.zeros(128, 256),
+                torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                need_cuda=False)
+
+
 def test_cluster_options_checked(ffn_mod, monkeypatch):
     with pytest.raises(ValueError, match="cluster_m"):
         ffn_mod.FusedFFNCompute(cluster_m=4)

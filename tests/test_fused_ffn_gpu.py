@@ -55,6 +55,12 @@ SINGLE_CASES = [  # defaults: tile_o 256, TMA reduce-add epilogue, ring as deep 
     (777, 512, 256, 128, "gelu_tanh", 128, 256, False, 17, dict(h_regs=False, cluster_m=2)),
     (520, 512, 768, 384, "gelu", 128, 128, True, 16, dict(h_regs=False, epilogue="red")),
     (300, 256, 512, 256, "gelu", 128, 128, True, 16, dict(h_regs=False, epi_n=16, epi_stages=1)),
+    # two hidden tiles per unit (one H in registers, one in sH), O_g a multiple of 2 tile_o
+    (256, 512, 512, 256, "relu", 128, 128, True, 0, dict(h_pair=True)),
+    (300, 256, 768, 384, "gelu", 128, 128, True, 16, dict(tile_o=128, h_pair=True)),  # 3 pairs
+    (1000, 1024, 1024, 512, "silu", 64, 128, True, 16, dict(h_pair=True)),
+    (777, 512, 512, 128, "gelu_tanh", 128, 256, False, 17, dict(h_pair=True, cluster_m=2)),
+    (520, 512, 1024, 384, "gelu", 128, 128, True, 16, dict(h_pair=True, epilogue="red")),
 ]
 
 
@@ -91,12 +97,13 @@ def _single_worker(q):
                                 finite=bool(torch.isfinite(acc).all().item())))
         # grouped launch (ShardedExperts): 3 experts, groups padded to tile_m, one empty
         gres = []
-        for tile_o, h_regs in ((128, False), (256, False), (256, True)):
+        for tile_o, h_regs, h_pair in ((128, False, False), (256, False, False),
+                                       (256, True, False), (256, True, True)):
             g = torch.Generator(device=dev).manual_seed(300 + tile_o)
             E, P, O, N, tm = 3, 256, 512, 256, 128
             tiles = [0, 0, 2, 2, 2]  # expert of each m-tile (expert 1 has no rows)
             M = len(tiles) * tm
-            comp = FusedFFNCompute(tile_m=tm, tile_o=tile_o, h_regs=h_regs)
+            comp = FusedFFNCompute(tile_m=tm, tile_o=tile_o, h_regs=h_regs, h_pair=h_pair)
             x = torch.randn(M, P, generator=g, device=dev).to(torch.bfloat16)
             w1 = (torch.randn(E, P, O, generator=g, device=dev) / P ** 0.5).to(torch.bfloat16)
             b1 = (torch.randn(E, O, generator=g, device=dev) * 0.1).to(torch.bfloat16)
@@ -157,7 +164,7 @@ def single_results():
 
 def test_single_grouped_matches_reference(single_results):
     _, (_, gres) = single_results
-    assert len(gres) == 3
+    assert len(gres) == 4
     for r in gres:
         assert r["err"] < 1e-2, r
         assert r["flags"] == [1] * 5, r

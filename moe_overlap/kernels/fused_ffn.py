@@ -99,7 +99,8 @@ def fused_ffn_compute_reference(x, w1, b1, w2, act1: str, acc=None):
     return acc
 
 
-def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_epi, h_regs=False):
+def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_epi, h_regs=False,
+               h_pair=False):
     """Shared-memory plan of the kernel: returns (ring stages, epi_n).
 
     Per CTA: the ring (stage = X tile tile_m x tile_k + one W1 tile tile_o x tile_k, or one W2
@@ -113,8 +114,9 @@ def _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n, epi_stages, red_ep
     if tile_n * (tile_o // 2) * 2 != b_bytes:
         raise ValueError(f"tile_n={tile_n} must be 2 * tile_k = {2 * tile_k} (a W2 chunk fills "
                          f"a W1 stage buffer)")
-    # h_regs: no H tile, but its 1 KiB-aligned stub in the shared storage struct
-    h_bytes = 1024 if h_regs else tile_m * tile_o * 2
+    # h_regs: no H tile, but its 1 KiB-aligned stub in the shared storage struct; h_pair: one of
+    # the unit's two H tiles in shared memory
+    h_bytes = 1024 if h_regs and not h_pair else tile_m * tile_o * 2
 
     def fit(n):
         epi = 0 if red_epi else tile_m * n * 4 * epi_stages
@@ -168,7 +170,7 @@ def _kernel_class():
     class _FusedFFNKernel:
         def __init__(self, tile_m, tile_o, tile_n, tile_k, act1, stages, epi_n, epi_stages,
                      signal_k_tile, diag_plain_store=False, epilogue="tma", cluster_m=1,
-                     diag_skip=None, h_regs=False):
+                     diag_skip=None, h_regs=False, h_pair=False):
             self.acc_dtype = cutlass.Float32
             # cluster_m = 2: the two CTAs of a cluster take units (2p, j) and (2p + 1, j) (same
             # hidden columns, adjacent m-tiles): each loads half of every W1 tile and W2 chunk
@@ -198,6 +200,12 @@ def _kernel_class():
             # m64 k16 for 16-bit types, so no shared memory, fence or barrier sits between the
             # GEMMs, and the 64 KiB of sH go to the ring and the epilogue buffers
             self.h_regs = h_regs
+            # h_pair (with h_regs): a unit covers two hidden tiles j0, j0 + 1 of one m-tile: H of
+            # j0 + 1 goes to sH, H of j0 stays in registers, and GEMM2 reduces over both (K =
+            # 2 tile_o) before each fp32 reduce-add: half the reduce-add bytes per FLOP
+            self.h_pair = h_pair
+            self.jpu = 2 if h_pair else 1  # hidden tiles per unit
+            self.h_smem = (not h_regs) or h_pair  # an H tile in shared memory
             # "red": each thread adds its accumulator pairs straight from registers into acc
             # with red.global.add.v2.f32 (fire-and-forget: the next product's WGMMAs start at
             # once, no shared-memory round trip, no barriers). "tma" (default): fp32 sub-tiles
@@ -218,7 +226,7 @@ def _kernel_class():
                                                      num_threads=self.num_mma_threads)
             self.buffer_align_bytes = 1024
             self.stages, self.epi_n = _ring_plan(tile_m, tile_o, tile_n, tile_k, stages, epi_n,
-                                                 epi_stages, self.red_epi, h_regs)
+                                                 epi_stages, self.red_epi, h_regs, h_pair)
             if self.red_epi:  # the (unused) TMA output buffer shrinks to one 16-column sub-tile
                 self.epi_n, self.epi_stage = 16, 1
 
@@ -235,6 +243,12 @@ def _kernel_class():
             self.tiled_mma2 = sm90_utils.make_trivial_tiled_mma(
                 bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
                 self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n), **a2)
+            # h_pair: the second H tile's GEMM2 reads it from sH (A from shared memory)
+            self.tiled_mma2s = self.tiled_mma2
+            if self.h_pair:
+                self.tiled_mma2s = sm90_utils.make_trivial_tiled_mma(
+                    bf16, bf16, kmaj.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                    self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n))
             self.epi_tile = (self.tile_m, self.epi_n)
 
             def smem_layout(layout, dtype, shape_2d, stages):
@@ -305,7 +319,7 @@ def _kernel_class():
                 sB: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sW1_layout)],
                                       self.buffer_align_bytes]
                 sH: cute.struct.Align[cute.struct.MemRange[
-                    bf16, 8 if self.h_regs else cute.cosize(self.sH_layout)],
+                    bf16, cute.cosize(self.sH_layout) if self.h_smem else 8],
                     self.buffer_align_bytes]
                 # the red epilogue needs no output staging: 4 bytes stand in for sO
                 # (1024-byte aligned for the swizzled TMA reads: with h_regs, sH is a stub)
@@ -315,7 +329,7 @@ def _kernel_class():
 
             self.shared_storage = SharedStorage
             self.kernel(tma_atom_x, tma_x, tma_atom_w1, tma_w1, tma_atom_w2, tma_w2, tma_atom_o,
-                        tma_o, self.tiled_mma1, self.tiled_mma2, self.sX_layout,
+                        tma_o, self.tiled_mma1, self.tiled_mma2, self.tiled_mma2s, self.sX_layout,
                         self.sW1_layout, self.sW2_layout, self.sH_layout, self.sO_layout, mAcc, mB1,
                         mReady, mCounter, mEpoch, mMtE, mt_per_band).launch(
                 grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
@@ -327,7 +341,8 @@ def _kernel_class():
         def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor, tma_atom_w1: cute.CopyAtom,
                    mW1: cute.Tensor, tma_atom_w2: cute.CopyAtom, mW2: cute.Tensor,
                    tma_atom_o: cute.CopyAtom, mAcc: cute.Tensor, tiled_mma1: cute.TiledMma,
-                   tiled_mma2: cute.TiledMma, sX_layout: cute.ComposedLayout,
+                   tiled_mma2: cute.TiledMma, tiled_mma2s: cute.TiledMma,
+                   sX_layout: cute.ComposedLayout,
                    sW1_layout: cute.ComposedLayout, sW2_layout: cute.ComposedLayout,
                    sH_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                    mAccRaw: cute.Tensor,
@@ -368,7 +383,7 @@ def _kernel_class():
             sW1 = storage.sB.get_tensor(sW1_layout.outer, swizzle=sW1_layout.inner)
             sW2 = storage.sB.get_tensor(sW2_layout.outer, swizzle=sW2_layout.inner)
             sH = None
-            if cutlass.const_expr(not self.h_regs):
+            if cutlass.const_expr(self.h_smem):
                 sH = storage.sH.get_tensor(sH_layout.outer, swizzle=sH_layout.inner)  # M, tile_o
             sO = None
             if cutlass.const_expr(not self.red_epi):
@@ -397,6 +412,7 @@ def _kernel_class():
             wg_slice = mma_wg_layout(warp_group_idx - 1)
             thr_mma1 = tiled_mma1.get_slice(wg_slice)
             thr_mma2 = tiled_mma2.get_slice(wg_slice)
+            thr_mma2s = tiled_mma2s.get_slice(wg_slice)
             tCrX = tiled_mma1.make_fragment_A(thr_mma1.partition_A(sX))
             tCrW1 = tiled_mma1.make_fragment_B(thr_mma1.partition_B(sW1))
             if cutlass.const_expr(self.h_regs):  # bf16 registers ((2, 2, 2), 1, tile_o / 16)
@@ -405,6 +421,10 @@ def _kernel_class():
             else:
                 tCrH = tiled_mma2.make_fragment_A(thr_mma2.partition_A(sH))  # (.., kb: tile_o)
             tCrW2 = tiled_mma2.make_fragment_B(thr_mma2.partition_B(sW2))  # (.., kb, stage)
+            tCrH1, tCrW2s = tCrH, tCrW2
+            if cutlass.const_expr(self.h_pair):  # the second H tile: A from sH
+                tCrH1 = tiled_mma2s.make_fragment_A(thr_mma2s.partition_A(sH))
+                tCrW2s = tiled_mma2s.make_fragment_B(thr_mma2s.partition_B(sW2))
             # coordinates of the GEMM1 accumulator elements (for the bias column)
             tCcH = thr_mma1.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_o)))
             acc1 = cute.make_rmem_tensor(tCcH.shape, self.acc_dtype)
@@ -420,7 +440,9 @@ def _kernel_class():
             # an odd m_tiles the last pair's second m-tile lies past M: that CTA still loads and
             # multicasts its weight halves and runs the GEMMs (X rows past M load as zeros, the
             # TMA reductions past M are clipped) but counts nothing.
-            total_units = -(-m_tiles // cl) * J
+            # h_pair: units (m_pair, jp) over J / 2 pairs of hidden tiles (2 jp, 2 jp + 1)
+            JU = J // self.jpu
+            total_units = -(-m_tiles // cl) * JU
             # diag_skip (benchmarks only, wrong results): leave out one GEMM's stages and work
             # on both sides of the ring, to split the kernel's time between the two phases
             k_tiles1 = 0 if cutlass.const_expr(self.skip_gemm1) else k_tiles
@@ -438,26 +460,31 @@ def _kernel_class():
                                                   self.stages)
                 u = cluster_id
                 while u < total_units:
-                    m_tile, j_tile, e = self._unit(u, J, cta_rank, m_tiles, mMtE)
-                    for k_tile in range(k_tiles1):  # GEMM1: X tile + W1 tile per stage
-                        pipe.producer_acquire(st)
-                        bar = pipe.producer_get_barrier(st)
-                        cute.copy(tma_atom_x, tXgX[(None, m_tile, k_tile)],
-                                  tXsX[(None, st.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_atom_w1, tW1gW1[(None, j_tile, k_tile, e)],
-                                  tW1sW1[(None, st.index)], tma_bar_ptr=bar,
-                                  mcast_mask=w_mcast_mask)
-                        pipe.producer_commit(st)
-                        st.advance()
-                    for nn in range(n_tiles2):  # GEMM2: two W2 chunks per n tile
-                        n_tile = nn + j_tile
+                    m_tile, jp, e = self._unit(u, JU, cta_rank, m_tiles, mMtE)
+                    j0 = jp * self.jpu
+                    # GEMM1 of each hidden tile (h_pair: j0 + 1 first, for sH; then j0)
+                    for h in cutlass.range_constexpr(self.jpu):
+                        jj = j0 + (self.jpu - 1 - h)
+                        for k_tile in range(k_tiles1):  # GEMM1: X tile + W1 tile per stage
+                            pipe.producer_acquire(st)
+                            bar = pipe.producer_get_barrier(st)
+                            cute.copy(tma_atom_x, tXgX[(None, m_tile, k_tile)],
+                                      tXsX[(None, st.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_atom_w1, tW1gW1[(None, jj, k_tile, e)],
+                                      tW1sW1[(None, st.index)], tma_bar_ptr=bar,
+                                      mcast_mask=w_mcast_mask)
+                            pipe.producer_commit(st)
+                            st.advance()
+                    for nn in range(n_tiles2):  # GEMM2: two W2 chunks per n tile and H tile
+                        n_tile = nn + jp
                         n_tile = n_tile - (n_tile // n_tiles) * n_tiles  # rotated start
-                        for c in cutlass.range_constexpr(2):
+                        for c in cutlass.range_constexpr(2 * self.jpu):
                             # producer_acquire with this stage's byte count (tx2, not tx1)
                             pipe.sync_object_empty.wait(st.index, st.phase)
                             pipe.sync_object_full.arrive_and_expect_tx(st.index, self.tx2)
                             bar = pipe.producer_get_barrier(st)
-                            cute.copy(tma_atom_w2, tW2gW2[(None, n_tile, j_tile * 2 + c, e)],
+                            # chunks of W2[j0] (registers' H), then of W2[j0 + 1] (sH's)
+                            cute.copy(tma_atom_w2, tW2gW2[(None, n_tile, j0 * 2 + c, e)],
                                       tW2sW2[(None, st.index)], tma_bar_ptr=bar,
                                       mcast_mask=w_mcast_mask)
                             pipe.producer_commit(st)
@@ -483,7 +510,7 @@ def _kernel_class():
                 num_kb2 = cute.size(tCrW2, mode=[2])  # k blocks per W2 chunk (tile_o / 32)
 
                 # H: fp32 accumulator -> bf16 -> sH with stmatrix (or straight into tCrH)
-                if cutlass.const_expr(not self.h_regs):
+                if cutlass.const_expr(self.h_smem):
                     h_copy = acc_to_smem_copy(tiled_mma1, bf16)
                     thr_h = h_copy.get_slice(ctid)
                     tRS_sH = thr_h.partition_D(sH)
@@ -492,7 +519,7 @@ def _kernel_class():
                     tRS_rHf = cute.make_rmem_tensor(rH_shape, self.acc_dtype)
                     tRS_rH = cute.make_rmem_tensor(rH_shape, bf16)
                     size_rH = cute.size(tRS_rHf)
-                else:
+                if cutlass.const_expr(self.h_regs):
                     # acc1 ((2, 2, tile_o / 8), 1, 1) and tCrH ((2, 2, 2), 1, tile_o / 16) are
                     # both compact: element i of one is element i of the other (column pair,
                     # row half, n8 block = 2 kb + k half)
@@ -530,82 +557,100 @@ def _kernel_class():
 
                 u = cluster_id
                 while u < total_units:
-                    m_tile, j_tile, e = self._unit(u, J, cta_rank, m_tiles, mMtE)
-
-                    # ---- GEMM1: acc1 = b1[cols] (+) X[m] @ W1[:, cols] over the unit's tile_o
-                    # hidden columns cols = j_tile * tile_o + [0, tile_o)
-                    for i in cutlass.range_constexpr(cute.size(acc1)):
-                        acc1[i] = mB1[(e, j_tile * self.tile_o + tCcH_thr[i][1])]
-                    if cutlass.const_expr(not self.skip_gemm1):
-                        tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                        cute.nvgpu.warpgroup.fence()
-                        pipe.consumer_wait(read)
-                        for kb in cutlass.range_constexpr(num_kb1):
-                            cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read.index)],
-                                      tCrW1[(None, None, kb, read.index)], acc1)
-                        cute.nvgpu.warpgroup.commit_group()
-                        read.advance()
-                        for k_tile in range(1, k_tiles):
+                    m_tile, jp, e = self._unit(u, JU, cta_rank, m_tiles, mMtE)
+                    j0 = jp * self.jpu
+                    for h in cutlass.range_constexpr(self.jpu):
+                        # hidden tile of this GEMM1: j0 (h_pair: j0 + 1 first, into sH)
+                        jj = j0 + (self.jpu - 1 - h)
+                        # ---- GEMM1: acc1 = b1[cols] (+) X[m] @ W1[:, cols] over the tile_o
+                        # hidden columns cols = jj * tile_o + [0, tile_o)
+                        for i in cutlass.range_constexpr(cute.size(acc1)):
+                            acc1[i] = mB1[(e, jj * self.tile_o + tCcH_thr[i][1])]
+                        if cutlass.const_expr(not self.skip_gemm1):
+                            tiled_mma1.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                            cute.nvgpu.warpgroup.fence()
                             pipe.consumer_wait(read)
                             for kb in cutlass.range_constexpr(num_kb1):
                                 cute.gemm(tiled_mma1, acc1, tCrX[(None, None, kb, read.index)],
                                           tCrW1[(None, None, kb, read.index)], acc1)
                             cute.nvgpu.warpgroup.commit_group()
-                            cute.nvgpu.warpgroup.wait_group(1)
+                            read.advance()
+                            for k_tile in range(1, k_tiles):
+                                pipe.consumer_wait(read)
+                                for kb in cutlass.range_constexpr(num_kb1):
+                                    cute.gemm(tiled_mma1, acc1,
+                                              tCrX[(None, None, kb, read.index)],
+                                              tCrW1[(None, None, kb, read.index)], acc1)
+                                cute.nvgpu.warpgroup.commit_group()
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                pipe.consumer_release(rel)
+                                rel.advance()
+                                read.advance()
+                                # deferred count of the previous unit: its reductions were
+                                # issued a whole GEMM1 ago, so the wait_group 0 inside rarely
+                                # stalls
+                                if k_tile == signal_k and pend_band >= 0:
+                                    self._count_unit(pend_band, pend_need, epoch, mReady,
+                                                     mCounter, is_store_warp, ctid)
+                                    pend_band = cutlass.Int32(-1)
+                            cute.nvgpu.warpgroup.wait_group(0)
                             pipe.consumer_release(rel)
                             rel.advance()
-                            read.advance()
-                            # deferred count of the previous unit: its reductions were issued a
-                            # whole GEMM1 ago, so the wait_group 0 inside rarely stalls
-                            if k_tile == signal_k and pend_band >= 0:
-                                self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
-                                                 is_store_warp, ctid)
-                                pend_band = cutlass.Int32(-1)
-                        cute.nvgpu.warpgroup.wait_group(0)
-                        pipe.consumer_release(rel)
-                        rel.advance()
-                    if pend_band >= 0:  # P / tile_k too small for an in-loop count
-                        self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
-                                         is_store_warp, ctid)
-                        pend_band = cutlass.Int32(-1)
+                        if pend_band >= 0:  # P / tile_k too small for an in-loop count
+                            self._count_unit(pend_band, pend_need, epoch, mReady, mCounter,
+                                             is_store_warp, ctid)
+                            pend_band = cutlass.Int32(-1)
 
-                    if cutlass.const_expr(self.h_regs):
-                        # ---- act1 in registers, bf16 into GEMM2's A fragment (the previous
-                        # unit's GEMM2 WGMMAs, which read tCrH, completed at its wait_group 0)
-                        for v in cutlass.range_constexpr(cute.size(acc1)):
-                            acc1[v] = act_fn(acc1[v], self.act1)
-                        tCrH_as_acc1.store(acc1.load().to(bf16))
-                    else:
-                        # ---- act1 in registers, bf16, stmatrix into sH (each warpgroup writes
-                        # and later reads only its own 64 rows, after its own GEMM2 WGMMAs
-                        # completed)
-                        for v in cutlass.range_constexpr(size_rH):
-                            tRS_rHf[v] = act_fn(tRS_rAcc1[v], self.act1)
-                        tRS_rH.store(tRS_rHf.load().to(bf16))
-                        cute.copy(h_copy, tRS_rH, tRS_sH)
-                        # generic-proxy smem writes -> visible to WGMMA (async proxy) reads
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        self.epi_barrier.arrive_and_wait()
+                        if cutlass.const_expr(self.h_regs and h == self.jpu - 1):
+                            # ---- act1 in registers, bf16 into GEMM2's A fragment (the previous
+                            # unit's GEMM2 WGMMAs, which read tCrH, completed at its
+                            # wait_group 0)
+                            for v in cutlass.range_constexpr(cute.size(acc1)):
+                                acc1[v] = act_fn(acc1[v], self.act1)
+                            tCrH_as_acc1.store(acc1.load().to(bf16))
+                        else:
+                            # ---- act1 in registers, bf16, stmatrix into sH (each warpgroup
+                            # writes and later reads only its own 64 rows, after its own GEMM2
+                            # WGMMAs completed)
+                            for v in cutlass.range_constexpr(size_rH):
+                                tRS_rHf[v] = act_fn(tRS_rAcc1[v], self.act1)
+                            tRS_rH.store(tRS_rHf.load().to(bf16))
+                            cute.copy(h_copy, tRS_rH, tRS_sH)
+                            # generic-proxy smem writes -> visible to WGMMA (async proxy) reads
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            self.epi_barrier.arrive_and_wait()
 
                     # ---- GEMM2 + reduce-add, one n tile at a time
                     for nn in range(n_tiles2):
-                        n_tile = nn + j_tile
+                        n_tile = nn + jp
                         n_tile = n_tile - (n_tile // n_tiles) * n_tiles
                         acc2.fill(0.0)
                         tiled_mma2.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                        if cutlass.const_expr(self.h_pair):
+                            tiled_mma2s.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                         cute.nvgpu.warpgroup.fence()
-                        for c in cutlass.range_constexpr(2):  # K = tile_o in two W2 chunks
+                        # K = tile_o in two W2 chunks per H tile (h_pair: registers' H of j0,
+                        # then sH's of j0 + 1)
+                        for c in cutlass.range_constexpr(2 * self.jpu):
                             pipe.consumer_wait(read)
                             for kb in cutlass.range_constexpr(num_kb2):
-                                cute.gemm(tiled_mma2, acc2, tCrH[(None, None, c * num_kb2 + kb)],
-                                          tCrW2[(None, None, kb, read.index)], acc2)
+                                if cutlass.const_expr(c < 2):
+                                    cute.gemm(tiled_mma2, acc2,
+                                              tCrH[(None, None, c * num_kb2 + kb)],
+                                              tCrW2[(None, None, kb, read.index)], acc2)
+                                else:
+                                    cute.gemm(tiled_mma2s, acc2,
+                                              tCrH1[(None, None, (c - 2) * num_kb2 + kb)],
+                                              tCrW2s[(None, None, kb, read.index)], acc2)
                             cute.nvgpu.warpgroup.commit_group()
                             read.advance()
-                        # free chunk 0's stage as soon as its WGMMAs are done (the producer
-                        # streams the next W2 chunk meanwhile), chunk 1's after the rest
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        pipe.consumer_release(rel)
-                        rel.advance()
+                            if cutlass.const_expr(c > 0):
+                                # free the previous chunk's stage as soon as its WGMMAs are done
+                                # (the producer streams the next chunk meanwhile; holding at most
+                                # two stages, so 4 chunks per n tile pass through a 3-stage ring)
+                                cute.nvgpu.warpgroup.wait_group(1)
+                                pipe.consumer_release(rel)
+                                rel.advance()
                         cute.nvgpu.warpgroup.wait_group(0)
                         pipe.consumer_release(rel)
                         rel.advance()
@@ -657,7 +702,7 @@ def _kernel_class():
                         if mt_in_band > mt_per_band:
                             mt_in_band = mt_per_band
                         pend_band = b
-                        pend_need = mt_in_band * J
+                        pend_need = mt_in_band * JU
                     u = u + n_clusters
 
                 if pend_band >= 0:
@@ -669,7 +714,8 @@ def _kernel_class():
         @cute.jit
         def _unit(self, u: cutlass.Int32, J: cutlass.Int32, cta_rank, m_tiles: cutlass.Int32,
                   mMtE: cute.Tensor):
-            """Work item u -> (m_tile, j_tile, expert): u = m_pair * J + j, m_tile = m_pair *
+            """Work item u -> (m_tile, j_tile, expert): u = m_pair * J + j (J = units per m-pair:
+            O_g / tile_o, or the number of hidden-tile pairs with h_pair), m_tile = m_pair *
             cluster_m + this CTA's rank; the expert of a phantom m-tile past M is the last one's."""
             m_pair = u // J
             j_tile = u - m_pair * J
@@ -722,7 +768,7 @@ class FusedFFNCompute:
 
     FusedFFNCompute(tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
                     epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma",
-                    cluster_m=1, h_regs=True)
+                    cluster_m=1, h_regs=True, h_pair=False)
         tile_m in {64, 128} (one consumer warpgroup per 64 rows); tile_o in {128, 256} (hidden
         columns per unit: GEMM1's N, GEMM2's K; 256 halves the fp32 reduce-add traffic and is
         faster, 128 serves O_g that 256 does not divide); tile_n = 128; band_rows: rows per
@@ -737,7 +783,10 @@ class FusedFFNCompute:
         (dense __call__ only; the grid is rounded down to even); h_regs (default): H stays in registers as
         GEMM2's A operand (WGMMA RS) instead of a 64 KiB shared-memory tile, which leaves room
         for a 4-stage ring and 128-byte epilogue rows (9-11 % faster, bench/NOTES.md); False:
-        H through shared memory (the v4 kernel).
+        H through shared memory (the v4 kernel). h_pair (needs h_regs, O_g / tile_o even): a unit
+        covers two hidden tiles of one m-tile, one H in registers and one in shared memory, and
+        GEMM2 reduces over both before each fp32 reduce-add (half the reduce-add bytes; 3 ring
+        stages); compile-checked, see bench/NOTES.md.
 
     __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc
         x [M, P] bf16, w1 [P, O_g] bf16, b1 [O_g] (any float dtype) or None, w2 [O_g, N] bf16,
@@ -757,7 +806,7 @@ class FusedFFNCompute:
 
     def __init__(self, tile_m=128, tile_o=256, tile_n=128, band_rows=None, stages=None,
                  epi_n=None, epi_stages=2, signal_k_tile=None, epilogue="tma", cluster_m=1,
-                 h_regs=True, _diag_plain_store=False, _diag_skip=None):
+                 h_regs=True, h_pair=False, _diag_plain_store=False, _diag_skip=None):
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {tile_m}")
         if tile_o not in (128, 256):
@@ -784,8 +833,12 @@ class FusedFFNCompute:
         self.band_rows = band_rows
         # shared-memory plan (raises if it does not fit): ring depth and epilogue sub-tile
         self.h_regs = bool(h_regs)
+        if h_pair and not h_regs:
+            raise ValueError("h_pair needs h_regs=True (one H tile stays in registers)")
+        self.h_pair = bool(h_pair)
         self.stages, self.epi_n = _ring_plan(tile_m, tile_o, tile_n, self.tile_k, stages, epi_n,
-                                             epi_stages, epilogue == "red", self.h_regs)
+                                             epi_stages, epilogue == "red", self.h_regs,
+                                             self.h_pair)
         self.epi_stages = epi_stages
         self.signal_k_tile = None if signal_k_tile is None else int(signal_k_tile)
         self._diag_plain_store = bool(_diag_plain_store)  # benchmarks only: results are wrong
@@ -852,6 +905,9 @@ class FusedFFNCompute:
             raise ValueError(f"P={P} must be a multiple of tile_k={self.tile_k}")
         if O % self.tile_o:
             raise ValueError(f"O_g={O} must be a multiple of tile_o={self.tile_o}")
+        if self.h_pair and O % (2 * self.tile_o):
+            raise ValueError(f"h_pair: O_g={O} must be a multiple of 2 * tile_o = "
+                             f"{2 * self.tile_o}")
         if N % self.tile_n:
             raise ValueError(f"N={N} must be a multiple of tile_n={self.tile_n}")
         nb = -(-M // self.band_rows)
@@ -869,13 +925,13 @@ class FusedFFNCompute:
         return (self.tile_m, self.tile_o, self.tile_n, self.stages, self.epi_n,
                 self.epi_stages, self.signal_k_tile, self._diag_plain_store, self._diag_skip,
                 self.epilogue, act1,
-                self.cluster_m, self.h_regs, int(P), int(O), int(N))
+                self.cluster_m, self.h_regs, self.h_pair, int(P), int(O), int(N))
 
     def _kernel(self, act1):
         return _get_kernel_class()(self.tile_m, self.tile_o, self.tile_n, self.tile_k, act1,
                                    self.stages, self.epi_n, self.epi_stages,
                                    self.signal_k_tile, self._diag_plain_store, self.epilogue,
-                                   self.cluster_m, self._diag_skip, self.h_regs)
+                                   self.cluster_m, self._diag_skip, self.h_regs, self.h_pair)
 
     def compile(self, P, O, N, act1="gelu", keep_ptx=False):
         """Compiles from symbolic tensors (M and the flag capacity are runtime values); needs no
@@ -940,7 +996,7 @@ class FusedFFNCompute:
 
     def grid(self, M, O, device, ccta):
         cl = self.cluster_m
-        units = -(-(-(-M // self.tile_m)) // cl) * cl * (O // self.tile_o)
+        units = -(-(-(-M // self.tile_m)) // cl) * cl * (O // self.tile_o // (1 + self.h_pair))
         g = min(_num_sms(device) - ccta, units)
         g -= g % cl  # whole clusters
         if g < 1:
