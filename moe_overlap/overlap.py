@@ -57,6 +57,21 @@ class OverlapError(RuntimeError):
     pass
 
 
+def check_gemm_options(options, tile_m):
+    """Validated copy of OverlapCombine's ``gemm_options`` (ValueError / TypeError otherwise)."""
+    import inspect
+    from .kernels.grouped_gemm import GroupedGemm
+    options = dict(options or {})
+    allowed = set(inspect.signature(GroupedGemm.__init__).parameters) - {
+        "self", "tile_m", "tile_n", "signal"}
+    bad = sorted(set(options) - allowed)
+    if bad:
+        raise ValueError(f"gemm_options: unknown or reserved keys {bad}; allowed: "
+                         f"{sorted(allowed)}")
+    GroupedGemm(tile_m=tile_m, **options)  # the GEMM's own value checks
+    return options
+
+
 class OverlapCombine:
     _instances = 0
 
@@ -65,7 +80,11 @@ class OverlapCombine:
                  tile_m: int = 128, ccta="auto", mgb="auto", transport: str = "nvlink",
                  producer: str | None = None, timeout_s: float = 10.0, consumer_threads: int = 512,
                  consumer_unroll: int = 4, local_copy: bool = True, copy: str = "ldst",
-                 consumer_stages: int | None = None, consumer_chunk: int | None = None):
+                 consumer_stages: int | None = None, consumer_chunk: int | None = None,
+                 gemm_options: dict | None = None):
+        # options of the producer GroupedGemm (e.g. cluster_n, band_group), checked here, on
+        # any machine, before CUDA is touched; tile_m / tile_n / signal are the combine's
+        self.gemm_options = check_gemm_options(gemm_options, tile_m)
         if not torch.cuda.is_available():
             raise OverlapError("OverlapCombine needs CUDA")
         if transport not in TRANSPORTS:
@@ -189,7 +208,8 @@ class OverlapCombine:
         else:
             if self._gemm is None:
                 from .kernels.grouped_gemm import GroupedGemm
-                self._gemm = GroupedGemm(tile_m=self.tile_m, tile_n=self._tile_n)
+                self._gemm = GroupedGemm(tile_m=self.tile_m, tile_n=self._tile_n,
+                                         **self.gemm_options)
             self._gemm(h, w_down, y_ext[:h.shape[0]], plan.band_expert, plan.band_src_row,
                        plan.schedule, plan.num_bands, band_ready, self.epoch, ccta=ccta)
 

@@ -74,7 +74,8 @@ def worker(rank, W, args):
         ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N, topk=k,
                             max_tokens_per_rank=T, tile_m=args.tile_m, ccta=args.ccta[0],
                             mgb=1, transport=args.transport,
-                            local_copy=bool(args.local_copy), copy=args.copy)
+                            local_copy=bool(args.local_copy), copy=args.copy,
+                            gemm_options=args.gemm_options)
         for mode in args.modes:
             seed = 1000 * si + args.modes.index(mode)
             ids, gates = route(T, E, k, mode, seed=seed, rank=rank, device=dev)
@@ -231,12 +232,19 @@ def main(argv=None):
     ap.add_argument("--validate-only", action="store_true",
                     help="the validation grid without timing (what `moe-overlap validate "
                          "--backend overlap` runs)")
+    ap.add_argument("--gemm-cluster-n", type=int, default=None, choices=(1, 2),
+                    help="producer GEMM cluster size for the sweep points (default: the GEMM's; "
+                         "MoECombine's autotune rows keep the defaults)")
+    ap.add_argument("--band-group", type=int, default=None,
+                    help="producer GEMM tile order (band_group) for the sweep points")
     ap.add_argument("--out", default="sweep.json")
     args = ap.parse_args(argv)
     args.shapes = parse_shapes(args.shapes)
     args.modes = args.modes.split(",")
     args.ccta = [int(c) for c in args.ccta.split(",")]
     args.mgb = [int(m) for m in args.mgb.split(",")]
+    args.gemm_options = {k: v for k, v in (("cluster_n", args.gemm_cluster_n),
+                                           ("band_group", args.band_group)) if v is not None}
     nvlink = args.transport == "nvlink"  # the defaults of MoECombine (see combine.py)
     if args.local_copy < 0:
         args.local_copy = 0 if nvlink else 1
@@ -268,7 +276,7 @@ def main(argv=None):
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 git_commit=commit, tile_m=args.tile_m,
                 transport=args.transport, local_copy=args.local_copy, copy=args.copy,
-                reps=args.reps, replays=args.replays,
+                reps=args.reps, replays=args.replays, gemm_options=args.gemm_options,
                 seconds=time.time() - t0)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, summary=summary, points=points, autotune=tuned), f, indent=1)

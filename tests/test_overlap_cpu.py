@@ -25,6 +25,20 @@ def test_consumer_rejects_bad_transport_before_compiling():
         Consumer("pigeon")
 
 
+def test_gemm_options_are_checked_before_cuda():
+    """OverlapCombine(gemm_options=...) reaches the producer GroupedGemm; unknown or reserved
+    keys and bad values fail on any machine, before CUDA (or NVSHMEM) is touched."""
+    from moe_overlap.overlap import OverlapCombine, check_gemm_options
+    assert check_gemm_options({"cluster_n": 1, "band_group": 2}, 128) == {"cluster_n": 1,
+                                                                         "band_group": 2}
+    assert check_gemm_options(None, 64) == {}
+    for bad, msg in [({"tile_n": 128}, "reserved"), ({"signal": False}, "reserved"),
+                     ({"clusters": 2}, "unknown"), ({"band_group": 0}, "band_group"),
+                     ({"cluster_n": 3}, "cluster_n")]:
+        with pytest.raises(ValueError, match=msg):
+            OverlapCombine(gemm_options=bad)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_overlap_needs_cuda():
     from moe_overlap.overlap import OverlapCombine, OverlapError
