@@ -61,8 +61,8 @@ cuBLAS speed, so the reduce epilogue is the limit (its throughput depends on the
 width and buffering, hence h_regs). v4 (H in shared memory) ~435 TFLOP/s on the llama3-8b slice
 against cuBLAS's ~750; h_regs 9-11 % faster than v4 in the same run; cluster_m=2 a further 4-7 %
 (not yet measured inside the FusedFFN layer, so not its default). Tried and measured without
-gain: GEMM2 n tiles ping-ponged between the warpgroups (0.3 %). Limits: tile_n = 128 only; one consumer
-warpgroup per 64 rows of tile_m (tile_m 64 or 128).
+gain: GEMM2 n tiles ping-ponged between the warpgroups (0.3 %). Limits: tile_n = 128 only; one
+consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128).
 The pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never waits
 on another CTA or on the communication blocks (one-way dependency).
 
@@ -780,9 +780,10 @@ class FusedFFNCompute:
         sub-tiles through shared memory, TMA reduce-add) or "red" (red.global.add.v2.f32
         straight from registers; slower since v4, see bench/NOTES.md); cluster_m: 2 = clusters
         of two CTAs on adjacent m-tiles sharing every W1 tile and W2 chunk by TMA multicast
-        (dense __call__ only; the grid is rounded down to even); h_regs (default): H stays in registers as
-        GEMM2's A operand (WGMMA RS) instead of a 64 KiB shared-memory tile, which leaves room
-        for a 4-stage ring and 128-byte epilogue rows (9-11 % faster, bench/NOTES.md); False:
+        (dense __call__ only; the grid is rounded down to even); h_regs (default): H stays in
+        registers as GEMM2's A operand (WGMMA RS) instead of a 64 KiB shared-memory tile, which
+        leaves room for a 4-stage ring and 128-byte epilogue rows (9-11 % faster,
+        bench/NOTES.md); False:
         H through shared memory (the v4 kernel). h_pair (needs h_regs, O_g / tile_o even): a unit
         covers two hidden tiles of one m-tile, one H in registers and one in shared memory, and
         GEMM2 reduces over both before each fp32 reduce-add (half the reduce-add bytes; 3 ring
