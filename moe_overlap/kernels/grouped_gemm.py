@@ -127,23 +127,15 @@ def _kernel_class():
     def tile_coords(t: cutlass.Int32, n_tiles: cutlass.Int32, num_bands: cutlass.Int32,
                     cl: cutlass.Constexpr, group: cutlass.Constexpr):
         """Linear tile t -> (schedule position p, n tile); ``tile_order_reference`` is the same
-        arithmetic in plain Python. group 1: band-major (p = t // n_tiles). group 2:
-        positions 2s and 2s+1 share tiles [2s n_tiles, (2s+2) n_tiles), alternating between the
-        two bands every cl tiles (one cluster) at the same n tiles, so that the CTAs computing
-        the same weight columns for two bands of an expert run side by side and read them from
-        DRAM once (an odd last band stays band-major). group G > 2: the same over G positions
-        (a short last group over the bands left). Tiles 2q, 2q+1 of a cluster keep one band and
-        adjacent n tiles."""
+        arithmetic in plain Python. group 1: band-major (p = t // n_tiles). group G >= 2:
+        positions s0 .. s0 + G - 1 share tiles [s0 n_tiles, (s0 + G) n_tiles), cycling over the
+        G bands every cl tiles (one cluster) at the same n tiles, so that the CTAs computing the
+        same weight columns for the bands of an expert run side by side and read them from DRAM
+        once; a short last group cycles over the bands left (one band: band-major). Tiles 2q,
+        2q+1 of a cluster keep one band and adjacent n tiles."""
         p = t // n_tiles
         n = t - p * n_tiles
-        if cutlass.const_expr(group == 2):
-            s2 = (t // (2 * n_tiles)) * 2
-            if s2 + 1 < num_bands:
-                u = t - s2 * n_tiles
-                q = u // cl
-                p = s2 + q % 2
-                n = (q // 2) * cl + (u - q * cl)
-        if cutlass.const_expr(group > 2):
+        if cutlass.const_expr(group >= 2):
             s0 = (t // (group * n_tiles)) * group
             g = num_bands - s0
             if g > group:
@@ -735,24 +727,24 @@ class GroupedGemm:
         return rows, K, E, N
 
     # ---------------------------------------------------------------- compilation
-    def _key(self, N, K, group):
+    def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.b_evict_last,
-                self.cluster_for(N), self.store_warp, self.flag_warp, int(group), int(N), int(K))
+                self.cluster_for(N), self.store_warp, self.flag_warp, self.band_group, int(N),
+                int(K))
 
-    def _kernel(self, N, group):
+    def _kernel(self, N):
         return _get_kernel_class()(self.tile_m, self.tile_n, self.tile_k, self.stages,
                                    self.signal, self.signal_k_tile, self.epi_n, self.epi_stages,
                                    self.b_evict_last, self.cluster_for(N), self.store_warp,
-                                   self.flag_warp, int(group))
+                                   self.flag_warp, self.band_group)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
         symbolic ("fake") tensors: rows, E_local and B_cap are runtime values.  Needs no GPU when
         CUTE_DSL_ARCH=sm_90a is set (used by the compile-only tests).  keep_ptx: keep the PTX
         (``fn.__ptx__``; files go to CUTE_DSL_DUMP_DIR)."""
-        group = self.band_group
-        key = ("fake", bool(keep_ptx)) + self._key(N, K, group)
+        key = ("fake", bool(keep_ptx)) + self._key(N, K)
         fn = GroupedGemm._compiled.get(key)
         if fn is not None:
             return fn
@@ -767,7 +759,7 @@ class GroupedGemm:
         fy = make_fake_tensor(bf16, (rows, N), (N, 1), assumed_align=16)
         fv = lambda: make_fake_tensor(i32, (bcap,), (1,), assumed_align=4)
         f1 = lambda: make_fake_tensor(i32, (1,), (1,), assumed_align=4)
-        fn = cute.compile(self._kernel(N, group), fx, fw, fy, fv(), fv(), fv(), f1(), fv(), fv(), f1(),
+        fn = cute.compile(self._kernel(N), fx, fw, fy, fv(), fv(), fv(), f1(), fv(), fv(), f1(),
                           cutlass.Int32(1), make_fake_stream(),
                           options="--keep-ptx" if keep_ptx else None)
         GroupedGemm._compiled[key] = fn
@@ -812,11 +804,10 @@ class GroupedGemm:
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
         args = self._cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                band_ready, band_counter, epoch)
-        group = self.band_group
-        key = ("dlpack",) + self._key(N, K, group)
+        key = ("dlpack",) + self._key(N, K)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:
-            fn = cute.compile(self._kernel(N, group), *args, cutlass.Int32(grid), cu_stream)
+            fn = cute.compile(self._kernel(N), *args, cutlass.Int32(grid), cu_stream)
             GroupedGemm._compiled[key] = fn
         fn(*args, cutlass.Int32(grid), cu_stream)
         return y
