@@ -69,6 +69,12 @@ def parse_args(argv=None):
     ap.add_argument("--fused-ccta", type=int, default=None,
                     help="SMs of the fused layer's communication blocks (default: FusedFFN's)")
     ap.add_argument("--fused-tile-m", type=int, default=128, choices=(64, 128))
+    ap.add_argument("--compute-options", default="",
+                    help="FusedFFN compute_options of the fused layer, e.g. h_pair=1,cluster_m=2")
+    ap.add_argument("--fused-variants", default="",
+                    help="more fused layers timed in the same rounds, 'name:k=v,k=v;name2:...' "
+                         "(compute_options each; registered as fused_<name>, "
+                         "fused_compute_<name>)")
     ap.add_argument("--lead-ms", type=float, default=4.0,
                     help="GPU sleep before each timed call so that the events time GPU work, "
                          "not the host's launch path (0: time from the host's first "
@@ -90,7 +96,31 @@ def parse_args(argv=None):
     if a.tokens < 1 or a.rounds < 1 or a.warmup < 0 or a.band_rows < 1:
         ap.error("--tokens, --rounds, --band-rows must be >= 1 and --warmup >= 0")
     a.shape_names = names
+    try:
+        a.compute_opts = parse_options(a.compute_options)
+        a.variants = {}
+        for item in filter(None, a.fused_variants.split(";")):
+            name, _, opts = item.partition(":")
+            if not name.isidentifier() or name in a.variants:
+                raise ValueError(f"bad or repeated variant name {name!r}")
+            a.variants[name] = parse_options(opts)
+    except ValueError as e:
+        ap.error(str(e))
     return a
+
+
+def parse_options(text):
+    """'k=v,k=v' -> dict; values are ints (0 / 1 for the boolean options) or strings."""
+    out = {}
+    for kv in filter(None, text.split(",")):
+        k, eq, v = kv.partition("=")
+        if not eq or not k:
+            raise ValueError(f"option {kv!r} is not key=value")
+        out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    for k in ("h_regs", "h_pair"):
+        if k in out:
+            out[k] = bool(out[k])
+    return out
 
 
 def plan(a, world):
@@ -163,6 +193,8 @@ def bench_shape(a, name, rank, world, dev):
         print(f"WARNING: host launch time near or above --lead-ms {a.lead_ms}: {slow}")
     if fused_info:
         fused_info["mod"].check_fused()
+        for v in fused_info["variants"].values():
+            v["mod"].check_fused()
     for ar in ars:
         ar.check()  # raises on a device timeout
     # the slowest rank's median is the layer's time
@@ -188,7 +220,12 @@ def bench_shape(a, name, rank, world, dev):
                    fused_tflops=flops / (m["fused"] * 1e-3) / 1e12,
                    fused_compute_tflops=flops / (m["fused_compute"] * 1e-3) / 1e12,
                    memory=fused_info["memory"],
-                   mean_std_ms={k: (res[k]["mean_ms"], res[k]["std_ms"]) for k in keys})
+                   mean_std_ms={k: (res[k]["mean_ms"], res[k]["std_ms"]) for k in keys},
+                   compute_options=a.compute_opts,
+                   variants={n: dict(options=v["options"], err_vs_baseline=v["err"],
+                                     ms=m[f"fused_{n}"], compute_ms=m[f"fused_compute_{n}"],
+                                     x_fused=m["fused"] / m[f"fused_{n}"])
+                             for n, v in fused_info["variants"].items()})
     if "band_ar" in m:
         row["busbw_band_ar_GBs"] = bus * T * N * 4 / (m["band_ar"] * 1e-3) / 1e9
         row["band_ar_vs_nccl_fp32"] = m["nccl_fp32"] / m["band_ar"]
@@ -216,27 +253,39 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
     N = w2.shape[1]
     Ol = w1.shape[1]
     kw = {} if a.fused_ccta is None else dict(ccta=a.fused_ccta)
-    mod = FusedFFN(P, Ol * world, N, act1=a.act1, act2=a.act2, device=dev, backend="fused",
-                   max_tokens=T, tile_m=a.fused_tile_m, **kw)
-    with torch.no_grad():
-        mod.w1.copy_(w1)
-        mod.b1.copy_(b1)
-        mod.w2.copy_(w2)
-        mod.b2.copy_(b2)
-    # correctness in the same run: the fused layer against the plain-torch layer's output
-    with torch.inference_mode():
-        yf = mod(x)
-        baseline()
-        torch.cuda.synchronize(dev)
-        mod.check_fused()
-        err = rel_err(yf, y_base.double())
-    ar = mod._fused_allreduce(T)
+
+    def layer(opts):
+        m = FusedFFN(P, Ol * world, N, act1=a.act1, act2=a.act2, device=dev, backend="fused",
+                     max_tokens=T, tile_m=a.fused_tile_m, compute_options=opts or None, **kw)
+        with torch.no_grad():
+            m.w1.copy_(w1)
+            m.b1.copy_(b1)
+            m.w2.copy_(w2)
+            m.b2.copy_(b2)
+        # correctness in the same run: the fused layer against the plain-torch layer's output
+        with torch.inference_mode():
+            yf = m(x)
+            baseline()
+            torch.cuda.synchronize(dev)
+            m.check_fused()
+            e = rel_err(yf, y_base.double())
+        ar_m = m._fused_allreduce(T)
+
+        def alone():
+            m._compute(x, w1, b1, w2, ar_m.acc[:T], ar_m.band_ready, ar_m.epoch, ccta=0,
+                       act1=a.act1)
+        return m, e, ar_m, alone
+
+    mod, err, ar, compute_alone = layer(a.compute_opts)
     comp = mod._compute
     acc = ar.acc[:T]
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
-
-    def compute_alone():
-        comp(x, w1, b1, w2, acc, ar.band_ready, ar.epoch, ccta=0, act1=a.act1)
+    variants = {}
+    for vname, opts in a.variants.items():  # the same layer with other kernel options
+        m, e, _, alone = layer(opts)
+        fns[f"fused_{vname}"] = lambda m=m: m(x)
+        fns[f"fused_compute_{vname}"] = alone
+        variants[vname] = dict(options=opts, err=e, mod=m)
 
     # the same kernel into a plain (caching-allocator) accumulator: splits the symmetric-memory
     # buffer's share of the gap to bench_fused_compute's standalone time from the other
@@ -286,7 +335,7 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
                   fused_bytes=peaks["fused"] + acc_bytes, fused_acc_bytes=acc_bytes,
                   h_bytes=T * Ol * 2, out_bytes=T * N * 2)
     memory["fused_over_baseline"] = memory["fused_bytes"] / memory["baseline_bytes"]
-    return dict(mod=mod, err=err, memory=memory)
+    return dict(mod=mod, err=err, memory=memory, variants=variants)
 
 
 def table(rows, kernel):
@@ -323,6 +372,16 @@ def table(rows, kernel):
                          f"{ms('abl_nccl'):7.3f} {ms('abl_no_fusion'):7.3f} "
                          f"{r['fused_err_vs_baseline']:8.1e} "
                          f"{r['memory']['fused_over_baseline']:6.2f}")
+    var = [(r["shape"], n, v) for r in fused for n, v in r.get("variants", {}).items()]
+    if var:
+        lines.append("")
+        lines.append(f"{'shape':22s} {'variant':14s} {'ms':>8s} {'x fused':>7s} "
+                     f"{'comp ms':>8s} {'x base':>6s} {'err':>8s}")
+        for shape, n, v in var:
+            base = next(r["baseline_ms"] for r in fused if r["shape"] == shape)
+            lines.append(f"{shape:22s} {n:14s} {v['ms']:8.3f} {v['x_fused']:7.3f} "
+                         f"{v['compute_ms']:8.3f} {base / v['ms']:6.2f} "
+                         f"{v['err_vs_baseline']:8.1e}")
     return "\n".join(lines)
 
 

@@ -188,6 +188,34 @@ def padded_expert_layout(rows, tile_m: int, device):
     return dst, tile_expert, row_expert, R_pad
 
 
+COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "epilogue", "cluster_m", "h_regs", "h_pair")
+
+
+def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
+                          grouped: bool) -> dict:
+    """Validated copy of the fused layers' ``compute_options`` (keyword options of
+    ``kernels.fused_ffn.FusedFFNCompute``; tile sizes and band rows are the layer's). Raises
+    ValueError / TypeError on any machine, before CUDA is touched."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"compute_options must be a dict, got {type(options).__name__}")
+    bad = sorted(set(options) - set(COMPUTE_OPTIONS))
+    if bad:
+        raise ValueError(f"compute_options: unknown or reserved keys {bad}; allowed: "
+                         f"{list(COMPUTE_OPTIONS)}")
+    options = dict(options)
+    if grouped and options.get("cluster_m", 1) != 1:
+        raise ValueError("compute_options: cluster_m=2 applies to FusedFFN only (the grouped "
+                         "expert call keeps one expert per m-tile, not per cluster)")
+    if options.get("h_pair") and local_hidden % (2 * tile_o):
+        raise ValueError(f"compute_options: h_pair needs hidden_features / world_size "
+                         f"({local_hidden}) to be a multiple of 2 * {tile_o}")
+    from .kernels.fused_ffn import FusedFFNCompute
+    FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, **options)  # the kernel's own value checks
+    return options
+
+
 class _FusedBackend:
     """The fused backend's plumbing shared by FusedFFN and ShardedExperts: the compute-kernel
     object, the BandAllReduce (symmetric fp32 accumulator, made on the first forward and grown
@@ -196,14 +224,16 @@ class _FusedBackend:
     ``comm`` and the hooks ``_fused_device``, ``_fused_act2``, ``_fused_b2`` and
     ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream)``."""
 
-    def _init_backend(self, backend, device, ccta, max_tokens, tile_m):
+    def _init_backend(self, backend, device, ccta, max_tokens, tile_m, compute_options):
         """The fused options are refused for the reference backend; the fused one is set up."""
         if backend == "fused":
-            self._init_fused(device, ccta, max_tokens, tile_m)
-        elif ccta is not None or max_tokens is not None or tile_m != 128:
-            raise ValueError("ccta / max_tokens / tile_m apply to backend='fused' only")
+            self._init_fused(device, ccta, max_tokens, tile_m, compute_options)
+        elif (ccta is not None or max_tokens is not None or tile_m != 128
+              or compute_options is not None):
+            raise ValueError("ccta / max_tokens / tile_m / compute_options apply to "
+                             "backend='fused' only")
 
-    def _init_fused(self, device, ccta, max_tokens, tile_m):
+    def _init_fused(self, device, ccta, max_tokens, tile_m, compute_options):
         """Checks (before any allocation or launch) and the compute-kernel object."""
         _fused_requirements(self.comm, device, type(self).__name__)
         from .kernels.fused_ffn import FusedFFNCompute
@@ -228,7 +258,10 @@ class _FusedBackend:
         # 256 hidden columns per unit where they divide O/G: half the fp32 reduce-add traffic
         # of 128 (bench/NOTES.md, fused FFN v2)
         self.tile_o = 256 if O % 256 == 0 else 128
-        self._compute = FusedFFNCompute(tile_m=tile_m, tile_o=self.tile_o, band_rows=tile_m)
+        self.compute_options = check_compute_options(
+            compute_options, O, tile_m, self.tile_o, grouped=self._grouped_compute)
+        self._compute = FusedFFNCompute(tile_m=tile_m, tile_o=self.tile_o, band_rows=tile_m,
+                                        **self.compute_options)
         self._allreduce = None
         self._comm_stream = None
         self._warm = False
@@ -321,16 +354,20 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     collectively, when a call brings more), ``tile_m`` (64 or 128: compute m-tile = all-reduce
     band); needs P % 64 == 0, (O/G) % 128 == 0, N % 128 == 0, bf16, Hopper GPUs, CuTe DSL. The
     fused forward is inference only (its output carries no autograd graph) and collective (every
-    rank of the group calls it with the same token count).
+    rank of the group calls it with the same token count). ``compute_options``: keyword options
+    of the compute kernel (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``,
+    ``epilogue``, ``cluster_m``, ``h_regs``, ``h_pair``; see kernels/fused_ffn.py), checked at
+    construction.
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
     ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
     """
+    _grouped_compute = False  # the dense compute call (FusedFFNCompute.__call__)
 
     def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
                  *, act1: str = "gelu", act2: str | None = None, bias: bool = True, group=None,
                  dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "reference",
                  comm: str | None = None, ccta: int | None = None, max_tokens: int | None = None,
-                 tile_m: int = 128):
+                 tile_m: int = 128, compute_options: dict | None = None):
         super().__init__()
         self.act1 = check_activation(act1, allow_none=False, what="act1")
         self.act2 = check_activation(act2, allow_none=True, what="act2")
@@ -345,7 +382,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.zeros(O // G, N, **kw))
         self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw)) if bias else None
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw)) if bias else None
-        self._init_backend(backend, device, ccta, max_tokens, tile_m)
+        self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -455,14 +492,17 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
     (matching rows), the b_in slice and the full b_out. ``forward(x, rows_per_expert)``: x
     ``[R, P]`` with expert e's rows contiguous, expert-major (``rows_per_expert`` a list of E ints
     or an int tensor, sum <= R; rows past the sum are zero in the output) -> ``[R, N]``,
-    identical on every rank.
+    identical on every rank. The fused options are FusedFFN's (``compute_options`` without
+    ``cluster_m``: the grouped call keeps one expert per m-tile).
     """
+    _grouped_compute = True  # FusedFFNCompute.grouped
 
     def __init__(self, num_experts: int, in_features: int, hidden_features: int,
                  out_features: int | None = None, *, activation: str = "silu", bias: bool = False,
                  group=None, dtype: torch.dtype = torch.bfloat16, device=None,
                  backend: str = "reference", comm: str | None = None, ccta: int | None = None,
-                 max_tokens: int | None = None, tile_m: int = 128):
+                 max_tokens: int | None = None, tile_m: int = 128,
+                 compute_options: dict | None = None):
         super().__init__()
         E = _pos_int("num_experts", num_experts)
         self.activation = check_activation(activation, allow_none=False, what="activation")
@@ -477,7 +517,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.w_out = torch.nn.Parameter(torch.zeros(E, O // G, N, **kw))
         self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw)) if bias else None
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw)) if bias else None
-        self._init_backend(backend, device, ccta, max_tokens, tile_m)
+        self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property

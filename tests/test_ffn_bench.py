@@ -43,3 +43,14 @@ def test_dry_run_prints_plan(bench, capsys):
     assert bench.main(["--dry-run", "--world", "4", "--shapes", "llama3-8b"]) == 0
     row = json.loads(capsys.readouterr().out.strip())
     assert row["O_local"] == 14336 // 4
+
+
+def test_fused_variant_options(bench):
+    a = bench.parse_args(["--compute-options", "h_pair=1,epi_n=32",
+                          "--fused-variants", "pair:h_pair=1;c2:cluster_m=2,h_pair=0;plain:"])
+    assert a.compute_opts == {"h_pair": True, "epi_n": 32}
+    assert a.variants == {"pair": {"h_pair": True}, "c2": {"cluster_m": 2, "h_pair": False},
+                          "plain": {}}
+    for bad in ("pa ir:h_pair=1", "x:h_pair", "x:;x:"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--fused-variants", bad])

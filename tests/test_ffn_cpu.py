@@ -4,7 +4,7 @@ case (spawning dominates the time)."""
 import pytest
 import torch
 
-from moe_overlap.ffn import FusedFFN, ShardedExperts
+from moe_overlap.ffn import FusedFFN, ShardedExperts, check_compute_options
 from moe_overlap.ffn_reference import (ACTIVATIONS, check_cases, ffn_truth, rel_err,
                                        tolerance)
 from moe_overlap.launch import spawn
@@ -182,6 +182,8 @@ def test_fused_backend_refuses_clearly(monkeypatch):
         ShardedExperts(2, 8, 16, backend="fused")
     with pytest.raises(ValueError, match="backend='fused' only"):
         ShardedExperts(2, 8, 16, ccta=8)
+    with pytest.raises(ValueError, match="compute_options apply to backend='fused' only"):
+        _ffn(compute_options={})
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     monkeypatch.setenv("MOE_OVERLAP_ALLOW_MULTICAST", "1")
     with pytest.raises(RuntimeError, match="switch.*refuses.*TORCH_SYMM_MEM_DISABLE_MULTICAST"):
@@ -210,3 +212,25 @@ def test_padded_expert_layout_matches_a_plain_loop(tile_m):
         assert tile_e.tolist() == want_tiles and tile_e.dtype == torch.int32
         assert row_e.tolist() == want_rows
         assert len(set(want_dst)) == sum(rows)  # every input row has its own padded row
+
+
+@pytest.mark.parametrize("opts, grouped, local_hidden, exc, msg", [
+    ([("h_pair", True)], False, 1024, TypeError, "must be a dict"),
+    (dict(tile_m=64), False, 1024, ValueError, r"unknown or reserved keys \['tile_m'\]"),
+    (dict(cluster_m=2), True, 1024, ValueError, "cluster_m=2 applies to FusedFFN only"),
+    (dict(h_pair=True), False, 768, ValueError, r"multiple of 2 \* 256"),
+    (dict(h_pair=True, h_regs=False), False, 1024, ValueError, "h_pair needs h_regs"),
+    (dict(stages=1), False, 1024, ValueError, "stages must be"),
+    (dict(cluster_m=3), False, 1024, ValueError, "cluster_m must be 1 or 2"),
+])
+def test_compute_options_errors(opts, grouped, local_hidden, exc, msg):
+    # the fused layers' kernel options fail on any machine, at construction
+    with pytest.raises(exc, match=msg):
+        check_compute_options(opts, local_hidden, 128, 256, grouped)
+
+
+def test_compute_options_pass_through():
+    opts = dict(h_pair=True, cluster_m=2, epi_stages=2)
+    got = check_compute_options(opts, 1024, 128, 256, grouped=False)
+    assert got == opts and got is not opts  # a copy: later edits of the caller's dict are inert
+    assert check_compute_options(None, 1024, 128, 256, grouped=True) == {}
