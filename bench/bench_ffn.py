@@ -191,10 +191,13 @@ def bench_shape(a, name, rank, world, dev):
     slow = {k: round(v["host_ms"], 3) for k, v in res.items() if v["host_ms"] > 0.8 * a.lead_ms}
     if slow and a.lead_ms > 0:
         print(f"WARNING: host launch time near or above --lead-ms {a.lead_ms}: {slow}")
+    timeline = {}
     if fused_info:
-        fused_info["mod"].check_fused()
-        for v in fused_info["variants"].values():
-            v["mod"].check_fused()
+        mods = dict(fused=fused_info["mod"])
+        mods.update({f"fused_{n}": v["mod"] for n, v in fused_info["variants"].items()})
+        timeline = layer_timeline(mods, x, max(a.rounds, 5), dist.barrier)
+        for m in mods.values():
+            m.check_fused()
     for ar in ars:
         ar.check()  # raises on a device timeout
     # the slowest rank's median is the layer's time
@@ -221,7 +224,7 @@ def bench_shape(a, name, rank, world, dev):
                    fused_compute_tflops=flops / (m["fused_compute"] * 1e-3) / 1e12,
                    memory=fused_info["memory"],
                    mean_std_ms={k: (res[k]["mean_ms"], res[k]["std_ms"]) for k in keys},
-                   compute_options=a.compute_opts,
+                   compute_options=a.compute_opts, timeline=timeline,
                    variants={n: dict(options=v["options"], err_vs_baseline=v["err"],
                                      ms=m[f"fused_{n}"], compute_ms=m[f"fused_compute_{n}"],
                                      x_fused=m["fused"] / m[f"fused_{n}"])
@@ -237,7 +240,8 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
 
     - ``fused``: the layer (compute blocks || band all-reduce on ccta SMs);
     - ``fused_compute``: its compute kernel alone on all SMs (accumulating; flags unread);
-    - ``fused_compute_plain_acc``: the same into a plain torch accumulator (diagnostic);
+    - ``fused_compute_layer_sms`` / ``fused_ar_layer_sms``: the compute kernel / the band
+      all-reduce alone on the SMs each gets inside the layer (SMs - ccta / ccta);
     - ``abl_no_spec`` (no block specialization): compute kernel on all SMs, then the band
       all-reduce in stream order (the same two kernels, not concurrent);
     - ``abl_nccl``: compute kernel on all SMs, then NCCL all_reduce of the fp32 accumulator,
@@ -255,8 +259,10 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
     kw = {} if a.fused_ccta is None else dict(ccta=a.fused_ccta)
 
     def layer(opts):
+        opts = dict(opts)
+        lkw = dict(kw, ccta=opts.pop("ccta")) if "ccta" in opts else kw  # a layer option
         m = FusedFFN(P, Ol * world, N, act1=a.act1, act2=a.act2, device=dev, backend="fused",
-                     max_tokens=T, tile_m=a.fused_tile_m, compute_options=opts or None, **kw)
+                     max_tokens=T, tile_m=a.fused_tile_m, compute_options=opts or None, **lkw)
         with torch.no_grad():
             m.w1.copy_(w1)
             m.b1.copy_(b1)
@@ -287,15 +293,6 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
         fns[f"fused_compute_{vname}"] = alone
         variants[vname] = dict(options=opts, err=e, mod=m)
 
-    # the same kernel into a plain (caching-allocator) accumulator: splits the symmetric-memory
-    # buffer's share of the gap to bench_fused_compute's standalone time from the other
-    # differences (both GPUs busy, NCCL in the same rounds)
-    acc_plain = torch.zeros_like(acc)
-    ready_plain = torch.zeros_like(ar.band_ready)
-
-    def compute_plain_acc():
-        comp(x, w1, b1, w2, acc_plain, ready_plain, ar.epoch, ccta=0, act1=a.act1)
-
     def no_spec():
         compute_alone()
         ar(T, b2=b2, out=out)  # standalone: no flag waits; zeroes acc
@@ -313,8 +310,15 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
         acc.copy_(torch.mm(h, w2))
         ar(T, b2=b2, out=out)
 
+    def compute_layer_sms():  # the compute kernel alone on the SMs the layer leaves it
+        comp(x, w1, b1, w2, acc, ar.band_ready, ar.epoch, ccta=mod.ccta, act1=a.act1)
+
+    def ar_layer_sms():  # the layer's all-reduce alone (ccta SMs, no flag waits; zeroes acc)
+        ar(T, b2=b2, out=out)
+
     fns.update(fused=lambda: mod(x), fused_compute=compute_alone,
-               fused_compute_plain_acc=compute_plain_acc, abl_no_spec=no_spec,
+               fused_compute_layer_sms=compute_layer_sms, fused_ar_layer_sms=ar_layer_sms,
+               abl_no_spec=no_spec,
                abl_nccl=nccl, abl_no_fusion=no_fusion)
     # activation memory: bytes the layer allocates beyond its inputs and weights. Baseline: the
     # peak of the torch caching allocator during one call (H, the partial/output). Fused: the
@@ -336,6 +340,27 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
                   h_bytes=T * Ol * 2, out_bytes=T * N * 2)
     memory["fused_over_baseline"] = memory["fused_bytes"] / memory["baseline_bytes"]
     return dict(mod=mod, err=err, memory=memory, variants=variants)
+
+
+def layer_timeline(mods, x, calls, barrier):
+    """Median over ``calls`` layer calls of when the compute kernel and the all-reduce end,
+    in ms after the call's start (CUDA events in _fused_call), per module name."""
+    import statistics
+
+    import torch
+    out = {}
+    for name, m in mods.items():
+        m._diag_timeline = ev = []
+        with torch.inference_mode():
+            for _ in range(calls):
+                barrier()
+                m(x)
+        torch.cuda.synchronize()
+        m._diag_timeline = None
+        comp = statistics.median(s.elapsed_time(c) for s, c, _ in ev)
+        done = statistics.median(s.elapsed_time(e) for s, _, e in ev)
+        out[name] = dict(compute_end_ms=comp, allreduce_end_ms=done, tail_ms=done - comp)
+    return out
 
 
 def table(rows, kernel):
@@ -372,6 +397,17 @@ def table(rows, kernel):
                          f"{ms('abl_nccl'):7.3f} {ms('abl_no_fusion'):7.3f} "
                          f"{r['fused_err_vs_baseline']:8.1e} "
                          f"{r['memory']['fused_over_baseline']:6.2f}")
+    tl = [(r, n, v) for r in fused for n, v in r.get("timeline", {}).items()]
+    if tl:
+        lines.append("")
+        lines.append(f"{'shape':22s} {'layer':16s} {'comp end':>8s} {'AR end':>8s} "
+                     f"{'tail':>6s} {'comp alone@layer SMs':>20s} {'AR alone':>8s}")
+        for r, n, v in tl:
+            t = r["times"]
+            lines.append(f"{r['shape']:22s} {n:16s} {v['compute_end_ms']:8.3f} "
+                         f"{v['allreduce_end_ms']:8.3f} {v['tail_ms']:6.3f} "
+                         f"{t['fused_compute_layer_sms']['max_rank_median_ms']:20.3f} "
+                         f"{t['fused_ar_layer_sms']['max_rank_median_ms']:8.3f}")
     var = [(r["shape"], n, v) for r in fused for n, v in r.get("variants", {}).items()]
     if var:
         lines.append("")

@@ -194,10 +194,11 @@ COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "epilogue", "cluster_m", "h_
 def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
                           grouped: bool) -> dict:
     """Validated copy of the fused layers' ``compute_options`` (keyword options of
-    ``kernels.fused_ffn.FusedFFNCompute``; tile sizes and band rows are the layer's). Raises
-    ValueError / TypeError on any machine, before CUDA is touched."""
-    if options is None:
-        return {}
+    ``kernels.fused_ffn.FusedFFNCompute``; tile sizes and band rows are the layer's) with the
+    layer's default filled in: ``h_pair`` wherever the hidden tiles pair up (local_hidden a
+    multiple of 2 * tile_o, H in registers). Raises ValueError / TypeError on any machine,
+    before CUDA is touched."""
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise TypeError(f"compute_options must be a dict, got {type(options).__name__}")
     bad = sorted(set(options) - set(COMPUTE_OPTIONS))
@@ -211,6 +212,10 @@ def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
     if options.get("h_pair") and local_hidden % (2 * tile_o):
         raise ValueError(f"compute_options: h_pair needs hidden_features / world_size "
                          f"({local_hidden}) to be a multiple of 2 * {tile_o}")
+    if "h_pair" not in options:
+        # default: two hidden tiles per unit wherever they pair up (half the fp32 reduce-adds;
+        # 1.23-1.73x faster layer on 6 of the 7 benchmark shapes, bench/NOTES.md session 7)
+        options["h_pair"] = options.get("h_regs", True) and local_hidden % (2 * tile_o) == 0
     from .kernels.fused_ffn import FusedFFNCompute
     FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, **options)  # the kernel's own value checks
     return options
@@ -265,6 +270,7 @@ class _FusedBackend:
         self._allreduce = None
         self._comm_stream = None
         self._warm = False
+        self._diag_timeline = None  # a list: _fused_call appends (start, compute end, AR end)
 
     def _fused_allreduce(self, M: int):
         """The BandAllReduce for M rows (collective on first use / growth: every rank calls
@@ -328,10 +334,17 @@ class _FusedBackend:
         # stream) and the all-reduce (comm stream, which waits on this point) read the same value
         ar.epoch.add_(1)
         comm.wait_stream(cur)  # x, weights, the zeroed accumulator, the epoch
+        ev = self._diag_timeline
+        if ev is not None:  # benchmarks: when each kernel ends, relative to the call's start
+            ev.append([torch.cuda.Event(enable_timing=True) for _ in range(3)])
+            ev[-1][0].record(cur)
         b2 = self._fused_b2()
         ar(M, b2=b2, out=out, producer=True, bump_epoch=False, stream=comm)
         out.record_stream(comm)
         self._run_compute(x2, ar.acc[:M], ar.band_ready, ar.epoch, mte, cur)
+        if ev is not None:
+            ev[-1][1].record(cur)
+            ev[-1][2].record(comm)
         cur.wait_stream(comm)  # join: out is final, acc zeroed for the next call
         return out
 
@@ -357,7 +370,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     rank of the group calls it with the same token count). ``compute_options``: keyword options
     of the compute kernel (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``,
     ``epilogue``, ``cluster_m``, ``h_regs``, ``h_pair``; see kernels/fused_ffn.py), checked at
-    construction.
+    construction; ``h_pair`` defaults to True where O/G is a multiple of 2 * tile_o.
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
     ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
     """

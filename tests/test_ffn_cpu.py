@@ -229,8 +229,14 @@ def test_compute_options_errors(opts, grouped, local_hidden, exc, msg):
         check_compute_options(opts, local_hidden, 128, 256, grouped)
 
 
-def test_compute_options_pass_through():
+def test_compute_options_pass_through_and_h_pair_default():
     opts = dict(h_pair=True, cluster_m=2, epi_stages=2)
     got = check_compute_options(opts, 1024, 128, 256, grouped=False)
     assert got == opts and got is not opts  # a copy: later edits of the caller's dict are inert
-    assert check_compute_options(None, 1024, 128, 256, grouped=True) == {}
+    # h_pair by default exactly where the hidden tiles pair up and H stays in registers
+    assert check_compute_options(None, 1024, 128, 256, grouped=True) == dict(h_pair=True)
+    assert check_compute_options({}, 768, 128, 256, grouped=False) == dict(h_pair=False)
+    assert check_compute_options({}, 384, 64, 128, grouped=False) == dict(h_pair=False)
+    assert check_compute_options({}, 512, 64, 128, grouped=False) == dict(h_pair=True)
+    assert check_compute_options(dict(h_regs=False), 1024, 128, 256, False)["h_pair"] is False
+    assert check_compute_options(dict(h_pair=False), 1024, 128, 256, False)["h_pair"] is False

@@ -208,7 +208,7 @@ def _compare(y, yr, truth, group):
 
 FFN_CASES = [  # (T, P, O, N, act1, act2, bias)
     (256, 512, 512, 512, "gelu", None, True),
-    (300, 256, 1024, 384, "silu", "relu", True),  # ragged band
+    (300, 256, 1024, 384, "silu", "relu", True),  # ragged band; O/G = 512: h_pair
     (1000, 512, 512, 256, "relu", "gelu_tanh", False),
     (200, 256, 768, 256, "gelu", None, True),  # O/G = 384: tile_o 128 (the others use 256)
 ]
@@ -264,6 +264,7 @@ def test_fused_ffn_matches_reference_on_two_gpus():
 EXPERT_CASES = [  # (E, rows_per_expert, P, O, N, activation, bias, extra rows)
     (3, [100, 0, 250], 256, 512, 256, "silu", True, 5),
     (2, [128, 77], 512, 768, 384, "gelu", False, 0),  # O/G = 384: tile_o 128
+    (2, [130, 60], 256, 1024, 256, "gelu", True, 3),  # O/G = 512: h_pair (the default)
 ]
 
 
