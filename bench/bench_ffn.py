@@ -73,8 +73,8 @@ def parse_args(argv=None):
                     help="FusedFFN compute_options of the fused layer, e.g. h_pair=1,cluster_m=2")
     ap.add_argument("--fused-variants", default="",
                     help="more fused layers timed in the same rounds, 'name:k=v,k=v;name2:...' "
-                         "(compute_options each; registered as fused_<name>, "
-                         "fused_compute_<name>)")
+                         "(compute_options, ccta, allreduce_band_rows; registered as "
+                         "fused_<name>, fused_compute_<name>)")
     ap.add_argument("--lead-ms", type=float, default=4.0,
                     help="GPU sleep before each timed call so that the events time GPU work, "
                          "not the host's launch path (0: time from the host's first "
@@ -260,7 +260,7 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
 
     def layer(opts):
         opts = dict(opts)
-        lkw = dict(kw, ccta=opts.pop("ccta")) if "ccta" in opts else kw  # a layer option
+        lkw = dict(kw, **{k: opts.pop(k) for k in ("ccta", "allreduce_band_rows") if k in opts})
         m = FusedFFN(P, Ol * world, N, act1=a.act1, act2=a.act2, device=dev, backend="fused",
                      max_tokens=T, tile_m=a.fused_tile_m, compute_options=opts or None, **lkw)
         with torch.no_grad():

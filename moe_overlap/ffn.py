@@ -45,6 +45,9 @@ COMMS = ("unicast", "switch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 FUSED_DEFAULT_CCTA = 16  # SMs of the communication blocks (band all-reduce) in the fused backend
+# rows per band of the fused backend's all-reduce (a compute m-tile is all-reduced by
+# tile_m / this many CTAs at once, which shortens the tail after the compute kernel ends)
+FUSED_DEFAULT_AR_BAND_ROWS = 32
 
 
 def _group_world(group) -> tuple[int, int]:
@@ -229,16 +232,19 @@ class _FusedBackend:
     ``comm`` and the hooks ``_fused_device``, ``_fused_act2``, ``_fused_b2`` and
     ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream)``."""
 
-    def _init_backend(self, backend, device, ccta, max_tokens, tile_m, compute_options):
+    def _init_backend(self, backend, device, ccta, max_tokens, tile_m, compute_options,
+                      allreduce_band_rows):
         """The fused options are refused for the reference backend; the fused one is set up."""
         if backend == "fused":
-            self._init_fused(device, ccta, max_tokens, tile_m, compute_options)
+            self._init_fused(device, ccta, max_tokens, tile_m, compute_options,
+                             allreduce_band_rows)
         elif (ccta is not None or max_tokens is not None or tile_m != 128
-              or compute_options is not None):
-            raise ValueError("ccta / max_tokens / tile_m / compute_options apply to "
-                             "backend='fused' only")
+              or compute_options is not None or allreduce_band_rows is not None):
+            raise ValueError("ccta / max_tokens / tile_m / compute_options / "
+                             "allreduce_band_rows apply to backend='fused' only")
 
-    def _init_fused(self, device, ccta, max_tokens, tile_m, compute_options):
+    def _init_fused(self, device, ccta, max_tokens, tile_m, compute_options,
+                    allreduce_band_rows):
         """Checks (before any allocation or launch) and the compute-kernel object."""
         _fused_requirements(self.comm, device, type(self).__name__)
         from .kernels.fused_ffn import FusedFFNCompute
@@ -259,7 +265,14 @@ class _FusedBackend:
                              f"communication blocks; the rest compute)")
         if max_tokens is not None:
             _pos_int("max_tokens", max_tokens)
+        ar_rows = min(FUSED_DEFAULT_AR_BAND_ROWS, tile_m) if allreduce_band_rows is None \
+            else allreduce_band_rows
+        if isinstance(ar_rows, bool) or not isinstance(ar_rows, int) or ar_rows < 1 \
+                or tile_m % ar_rows:
+            raise ValueError(f"allreduce_band_rows={ar_rows!r} must be a positive divisor of "
+                             f"tile_m={tile_m}")
         self.ccta, self.max_tokens, self.tile_m = ccta, max_tokens, tile_m
+        self.allreduce_band_rows = ar_rows
         # 256 hidden columns per unit where they divide O/G: half the fp32 reduce-add traffic
         # of 128 (bench/NOTES.md, fused FFN v2)
         self.tile_o = 256 if O % 256 == 0 else 128
@@ -280,10 +293,10 @@ class _FusedBackend:
         if ar is None or ar.max_rows < M:
             rows = max(M, self.max_tokens or 0, ar.max_rows * 2 if ar is not None else 0)
             rows = -(-rows // self.tile_m) * self.tile_m
-            # band_rows == tile_m: one ready flag per compute m-tile
+            # ready_rows == tile_m: one ready flag per compute m-tile
             self._allreduce = ar = BandAllReduce(
                 rows, self.out_features, self.group, backend=self.comm, act2=self._fused_act2,
-                band_rows=self.tile_m, ccta=self.ccta)
+                band_rows=self.allreduce_band_rows, ready_rows=self.tile_m, ccta=self.ccta)
             self._warm = False
         if self._comm_stream is None:  # high priority: its CTAs go first when SMs free up
             try:
@@ -371,6 +384,8 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     of the compute kernel (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``,
     ``epilogue``, ``cluster_m``, ``h_regs``, ``h_pair``; see kernels/fused_ffn.py), checked at
     construction; ``h_pair`` defaults to True where O/G is a multiple of 2 * tile_o.
+    ``allreduce_band_rows`` (a divisor of tile_m, default 32): rows per band of the all-reduce,
+    so a finished m-tile is shared by tile_m / allreduce_band_rows communication CTAs.
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
     ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
     """
@@ -380,7 +395,8 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
                  *, act1: str = "gelu", act2: str | None = None, bias: bool = True, group=None,
                  dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "reference",
                  comm: str | None = None, ccta: int | None = None, max_tokens: int | None = None,
-                 tile_m: int = 128, compute_options: dict | None = None):
+                 tile_m: int = 128, compute_options: dict | None = None,
+                 allreduce_band_rows: int | None = None):
         super().__init__()
         self.act1 = check_activation(act1, allow_none=False, what="act1")
         self.act2 = check_activation(act2, allow_none=True, what="act2")
@@ -395,7 +411,8 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.zeros(O // G, N, **kw))
         self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw)) if bias else None
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw)) if bias else None
-        self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options)
+        self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options,
+                           allreduce_band_rows)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -515,7 +532,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
                  group=None, dtype: torch.dtype = torch.bfloat16, device=None,
                  backend: str = "reference", comm: str | None = None, ccta: int | None = None,
                  max_tokens: int | None = None, tile_m: int = 128,
-                 compute_options: dict | None = None):
+                 compute_options: dict | None = None, allreduce_band_rows: int | None = None):
         super().__init__()
         E = _pos_int("num_experts", num_experts)
         self.activation = check_activation(activation, allow_none=False, what="activation")
@@ -530,7 +547,8 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.w_out = torch.nn.Parameter(torch.zeros(E, O // G, N, **kw))
         self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw)) if bias else None
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw)) if bias else None
-        self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options)
+        self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options,
+                           allreduce_band_rows)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property

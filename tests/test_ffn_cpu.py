@@ -182,8 +182,9 @@ def test_fused_backend_refuses_clearly(monkeypatch):
         ShardedExperts(2, 8, 16, backend="fused")
     with pytest.raises(ValueError, match="backend='fused' only"):
         ShardedExperts(2, 8, 16, ccta=8)
-    with pytest.raises(ValueError, match="compute_options apply to backend='fused' only"):
-        _ffn(compute_options={})
+    for kw in (dict(compute_options={}), dict(allreduce_band_rows=32)):
+        with pytest.raises(ValueError, match="allreduce_band_rows apply to backend='fused' only"):
+            _ffn(**kw)
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     monkeypatch.setenv("MOE_OVERLAP_ALLOW_MULTICAST", "1")
     with pytest.raises(RuntimeError, match="switch.*refuses.*TORCH_SYMM_MEM_DISABLE_MULTICAST"):

@@ -9,6 +9,8 @@ output compared with ``act2(all_reduce(partial) + b2)`` computed in fp32 from NC
   - shapes with a ragged last band, N not a multiple of the band chunking, several CTAs per band
     set, every act2, b2 present / absent, three consecutive calls (epochs 1..3, counters never
     reset), a call with fewer rows than the previous one, then more again;
+  - producer mode with one ready flag per 4 bands (ready_rows), flags raised out of order by
+    another stream while the kernel waits;
   - a timeout: producer=True but no producer writes band_ready -> check() raises naming band 0.
 The switch backend is not run (multicast is forbidden); its refusal is tested on CPU.
 """
@@ -68,6 +70,31 @@ def _worker(rank, world):
             err = ((out.float() - ref).abs() / (ref.abs() + 1e-2)).max().item()
             zeroed = bool((ar.acc[:M] == 0).all().item())
             res.append(dict(case=i, call=call, err=err, zeroed=zeroed))
+    # producer mode with coarser ready flags (ready_rows = 4 bands): a side stream runs the
+    # all-reduce; this stream writes the partial, then raises the ready flags, the last ones
+    # first; the epoch the flags must reach is the call count (a fresh object starts at 0)
+    M, N = 300, 512
+    ar = BandAllReduce(1024, N, backend="unicast", act2="silu", band_rows=32, ready_rows=128,
+                       ccta=4, timeout_ns=5_000_000_000)
+    side = torch.cuda.Stream(device=dev)
+    cur = torch.cuda.current_stream(dev)
+    nready = -(-M // 128)
+    g = torch.Generator(device=dev).manual_seed(77 + rank)
+    b2 = (torch.randn(N, generator=g, device=dev) * 0.1).to(torch.bfloat16)
+    torch.distributed.broadcast(b2, 0)
+    for call in range(3):
+        partial = torch.randn(M, N, generator=g, device=dev)
+        side.wait_stream(cur)
+        out = ar(M, b2=b2, producer=True, stream=side)
+        ar.acc[:M].copy_(partial)
+        ar.band_ready[nready - 1:nready].fill_(call + 1)
+        ar.band_ready[:nready - 1].fill_(call + 1)
+        cur.wait_stream(side)
+        ar.check()
+        ref = _ref(partial, b2, "silu")
+        err = ((out.float() - ref).abs() / (ref.abs() + 1e-2)).max().item()
+        res.append(dict(case="producer", call=call, err=err,
+                        zeroed=bool((ar.acc[:M] == 0).all().item())))
     # timeout: nobody marks the bands ready
     ar = next(iter(ars.values()))
     ar.timeout_ns = 200_000_000
@@ -95,4 +122,4 @@ def test_unicast_allreduce_matches_nccl(results):
 def test_timeout_is_reported(results):
     for rank_res in results:
         msg = rank_res[-1]["timeout"]
-        assert "timed out waiting for band_ready" in msg and "band 0" in msg, msg
+        assert "timed out waiting for band_ready" in msg and "band 0 (ready flag 0)" in msg, msg

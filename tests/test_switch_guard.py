@@ -67,6 +67,9 @@ def test_band_allreduce_switch_refuses_before_any_work(monkeypatch):
         BandAllReduce(128, 63)
     with pytest.raises(ValueError, match="backend"):
         BandAllReduce(128, 64, backend="nvls")
+    with pytest.raises(ValueError, match="ready_rows=48 must be a positive multiple of "
+                                         "band_rows=32"):
+        BandAllReduce(128, 64, band_rows=32, ready_rows=48)
 
 
 def test_nothing_calls_cu_multicast_create():

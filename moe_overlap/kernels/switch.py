@@ -26,10 +26,14 @@ a switch launch takes multicast addresses made elsewhere.
 
 Band all-reduce kernel (``build_band_allreduce``), communication CTAs only, G = world size
 (compile-time), fp32 accumulator ``acc [M, N]`` (row-major, contiguous, N % 4 == 0) in symmetric
-memory, bands of ``band_rows`` rows; CTA c owns bands c, c + grid, ... and walks them in 3 phases:
+memory, bands of ``band_rows`` rows; CTA c owns bands c, c + grid, ... and takes them one at a
+time, as the producer finishes them: steps 1 and 2 of band b, then step 3 of its previous band
+(the kernel's comment has the no-deadlock argument). ``ready_rows`` (a multiple of band_rows)
+rows share one ready flag: the producer's bands may be coarser than the all-reduce's, so a
+finished producer band is all-reduced by ready_rows / band_rows CTAs at once.
 
 1. ready (only with a concurrent producer, ``wait_ready``): thread 0 waits (``ld.acquire.gpu``,
-   bounded) until ``band_ready[b] - epoch >= 0``
+   bounded) until ``band_ready[b * band_rows / ready_rows] - epoch >= 0``
    (written with release semantics, gpu scope, by this GPU's compute blocks after their TMA
    reduce-adds into the band completed, ``cp.async.bulk.wait_group`` + ``fence.proxy.async``);
    ``bar.red.or`` shares the outcome and orders the CTA after the acquire; then
@@ -329,12 +333,92 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
                 L.st_v4_zero(acc + gv * Int64(16))
             i = i + Int64(NT)
 
+    @cute.jit
+    def ready_and_arrive(b: Int32, band_ready: Int64, epoch: Int32, arrive_remote: Int64,
+                         arr_p, err: Int64, rank: Int32, t_start: Int64, timeout_ns: Int64,
+                         wait_ready: Int32, band_rows: Int32, ready_rows: Int32, tidx: Int32):
+        """Step 1: (with a producer) wait until the ready flag covering band b holds this call's
+        epoch, then arrive[b] += 1 on every rank. Returns the CTA's failure vote."""
+        to = Int32(0)
+        if tidx == Int32(0):
+            if wait_ready != Int32(0):
+                r = (b * band_rows) // ready_rows
+                t, v, el = L.wait_ge_gpu(band_ready + Int64(r) * Int64(4), epoch, t_start,
+                                         timeout_ns)
+                if t != Int32(0):
+                    to = Int32(1)
+                    L.record_error(err, Int32(ERR_READY_TIMEOUT), rank, b, r, Int64(v),
+                                   Int64(epoch), el)
+        failed = L.block_any(to)
+        if failed == Int32(0):
+            flag_add_all(arrive_remote, arr_p, Int64(b) * Int64(4), tidx)
+        return failed
+
+    @cute.jit
+    def reduce_band(b: Int32, arrive: Int64, expected: Int64, acc_remote: Int64, acc_p,
+                    done_remote: Int64, done_p, err: Int64, rank: Int32, t_start: Int64,
+                    timeout_ns: Int64, M: Int32, band_rows: Int32, ncols4: Int64, tidx: Int32):
+        """Step 2: once every rank's partial of band b arrived, reduce-scatter + all-gather
+        chunk ``rank`` of it, then done[b] += 1 on every rank."""
+        to = Int32(0)
+        if tidx == Int32(0):
+            # band b belongs to this CTA alone in this call: advance its expectation here
+            # (step 3 re-reads it, same thread; the next call sees it after the kernel ends)
+            exp_b = L.ld_s32(expected + Int64(b) * Int64(4)) + Int32(G)
+            L.st_s32(expected + Int64(b) * Int64(4), exp_b)
+            t, v, el = L.wait_ge_sys(arrive + Int64(b) * Int64(4), exp_b, t_start, timeout_ns)
+            if t != Int32(0):
+                to = Int32(1)
+                L.record_error(err, Int32(ERR_ARRIVE_TIMEOUT), rank, b, b, Int64(v),
+                               Int64(exp_b), el)
+        failed = L.block_any(to)
+        if failed == Int32(0):
+            row0 = b * band_rows
+            rows = M - row0
+            if rows > band_rows:
+                rows = band_rows
+            v0 = Int64(row0) * ncols4
+            nvec = Int64(rows) * ncols4
+            per = (nvec + Int64(G - 1)) // Int64(G)
+            lo = Int64(rank) * per
+            hi = lo + per
+            if hi > nvec:
+                hi = nvec
+            reduce_chunk(acc_remote, acc_p, v0, lo, hi, tidx)
+            cute.arch.barrier()
+            flag_add_all(done_remote, done_p, Int64(b) * Int64(4), tidx)
+        return failed
+
+    @cute.jit
+    def finish_band(b: Int32, done: Int64, expected: Int64, acc: Int64, out: Int64, b2: Int64,
+                    err: Int64, rank: Int32, t_start: Int64, timeout_ns: Int64, M: Int32,
+                    band_rows: Int32, ncols4: Int64, tidx: Int32):
+        """Step 3: once every chunk of band b is reduced, + b2, act2, bf16 out (, zero acc)."""
+        to = Int32(0)
+        if tidx == Int32(0):
+            exp_b = L.ld_s32(expected + Int64(b) * Int64(4))
+            t, v, el = L.wait_ge_sys(done + Int64(b) * Int64(4), exp_b, t_start, timeout_ns)
+            if t != Int32(0):
+                to = Int32(1)
+                L.record_error(err, Int32(ERR_DONE_TIMEOUT), rank, b, b, Int64(v),
+                               Int64(exp_b), el)
+        failed = L.block_any(to)
+        if failed == Int32(0):
+            if cutlass.const_expr(SWITCH):
+                L.fence_proxy_alias()
+            row0 = b * band_rows
+            rows = M - row0
+            if rows > band_rows:
+                rows = band_rows
+            epilogue(acc, out, b2, Int64(row0) * ncols4, Int64(rows) * ncols4, ncols4, tidx)
+        return failed
+
     @cute.kernel
     def band_allreduce_kernel(acc: Int64, acc_remote: Int64, out: Int64, b2: Int64, M: Int32,
-                              N: Int32, band_rows: Int32, band_ready: Int64, arrive: Int64,
-                              arrive_remote: Int64, done: Int64, done_remote: Int64,
-                              expected: Int64, epoch_ptr: Int64, err: Int64, timeout_ns: Int64,
-                              rank: Int32, wait_ready: Int32):
+                              N: Int32, band_rows: Int32, ready_rows: Int32, band_ready: Int64,
+                              arrive: Int64, arrive_remote: Int64, done: Int64,
+                              done_remote: Int64, expected: Int64, epoch_ptr: Int64, err: Int64,
+                              timeout_ns: Int64, rank: Int32, wait_ready: Int32):
         tidx, bidx, nblk = L.thread_block_grid()
         t_start = cute.arch.globaltimer()
         epoch = L.ld_s32(epoch_ptr)
@@ -350,98 +434,49 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
                 arr_p.append(L.ld_s64(arrive_remote + Int64(p * 8)))
                 done_p.append(L.ld_s64(done_remote + Int64(p * 8)))
         failed = Int32(0)
-
-        # ---- phase 1: local partial complete -> arrive[b] += 1 on every rank
+        # Bands are pipelined one at a time (a CTA's bands become ready one after another while
+        # the producer runs): 1 and 2 for band b, then 3 for the CTA's previous band (its done
+        # flags had a whole band's reduce to arrive). No wait depends on a later step of any CTA
+        # of any rank: by induction every CTA c of every rank finishes iteration k, since 1
+        # waits on the local producer only, 2 on every rank's step 1 of the same band and 3 on
+        # every rank's step 2 of the previous one (bands -> CTAs is the same on every rank).
         b = bidx
+        b_prev = Int32(-1)
         while b < nbands and failed == Int32(0):
-            to = Int32(0)
-            if tidx == Int32(0):
-                if wait_ready != Int32(0):
-                    t, v, el = L.wait_ge_gpu(band_ready + Int64(b) * Int64(4), epoch, t_start,
-                                             timeout_ns)
-                    if t != Int32(0):
-                        to = Int32(1)
-                        L.record_error(err, Int32(ERR_READY_TIMEOUT), rank, b, b, Int64(v),
-                                       Int64(epoch), el)
-            failed = L.block_any(to)
+            failed = ready_and_arrive(b, band_ready, epoch, arrive_remote, arr_p, err, rank,
+                                      t_start, timeout_ns, wait_ready, band_rows, ready_rows,
+                                      tidx)
             if failed == Int32(0):
-                flag_add_all(arrive_remote, arr_p, Int64(b) * Int64(4), tidx)
+                failed = reduce_band(b, arrive, expected, acc_remote, acc_p, done_remote,
+                                     done_p, err, rank, t_start, timeout_ns, M, band_rows,
+                                     ncols4, tidx)
+            if failed == Int32(0) and b_prev >= Int32(0):
+                failed = finish_band(b_prev, done, expected, acc, out, b2, err, rank, t_start,
+                                     timeout_ns, M, band_rows, ncols4, tidx)
+            b_prev = b
             b = b + nblk
-
-        # ---- phase 2: all partials arrived -> reduce-scatter + all-gather chunk `rank`
-        b = bidx
-        while b < nbands and failed == Int32(0):
-            to = Int32(0)
-            if tidx == Int32(0):
-                # band b belongs to this CTA alone in this call: advance its expectation here
-                # (phase 3 re-reads it, same thread; the next call sees it after the kernel ends)
-                exp_b = L.ld_s32(expected + Int64(b) * Int64(4)) + Int32(G)
-                L.st_s32(expected + Int64(b) * Int64(4), exp_b)
-                t, v, el = L.wait_ge_sys(arrive + Int64(b) * Int64(4), exp_b, t_start,
-                                         timeout_ns)
-                if t != Int32(0):
-                    to = Int32(1)
-                    L.record_error(err, Int32(ERR_ARRIVE_TIMEOUT), rank, b, b, Int64(v),
-                                   Int64(exp_b), el)
-            failed = L.block_any(to)
-            if failed == Int32(0):
-                row0 = b * band_rows
-                rows = M - row0
-                if rows > band_rows:
-                    rows = band_rows
-                v0 = Int64(row0) * ncols4
-                nvec = Int64(rows) * ncols4
-                per = (nvec + Int64(G - 1)) // Int64(G)
-                lo = Int64(rank) * per
-                hi = lo + per
-                if hi > nvec:
-                    hi = nvec
-                reduce_chunk(acc_remote, acc_p, v0, lo, hi, tidx)
-                cute.arch.barrier()
-                flag_add_all(done_remote, done_p, Int64(b) * Int64(4), tidx)
-            b = b + nblk
-
-        # ---- phase 3: every chunk reduced -> + b2, act2, bf16 out (, zero acc)
-        b = bidx
-        while b < nbands and failed == Int32(0):
-            to = Int32(0)
-            if tidx == Int32(0):
-                exp_b = L.ld_s32(expected + Int64(b) * Int64(4))
-                t, v, el = L.wait_ge_sys(done + Int64(b) * Int64(4), exp_b, t_start,
-                                         timeout_ns)
-                if t != Int32(0):
-                    to = Int32(1)
-                    L.record_error(err, Int32(ERR_DONE_TIMEOUT), rank, b, b, Int64(v),
-                                   Int64(exp_b), el)
-            failed = L.block_any(to)
-            if failed == Int32(0):
-                if cutlass.const_expr(SWITCH):
-                    L.fence_proxy_alias()
-                row0 = b * band_rows
-                rows = M - row0
-                if rows > band_rows:
-                    rows = band_rows
-                epilogue(acc, out, b2, Int64(row0) * ncols4, Int64(rows) * ncols4, ncols4, tidx)
-            b = b + nblk
+        if failed == Int32(0) and b_prev >= Int32(0):
+            failed = finish_band(b_prev, done, expected, acc, out, b2, err, rank, t_start,
+                                 timeout_ns, M, band_rows, ncols4, tidx)
 
     @cute.jit
     def launch(acc: Int64, acc_remote: Int64, out: Int64, b2: Int64, M: Int32, N: Int32,
-               band_rows: Int32, band_ready: Int64, arrive: Int64, arrive_remote: Int64,
-               done: Int64, done_remote: Int64, expected: Int64, epoch_ptr: Int64, err: Int64,
-               timeout_ns: Int64, rank: Int32, wait_ready: Int32, grid: Int32,
-               stream: cuda.CUstream):
-        band_allreduce_kernel(acc, acc_remote, out, b2, M, N, band_rows, band_ready, arrive,
-                              arrive_remote, done, done_remote, expected, epoch_ptr, err,
-                              timeout_ns, rank, wait_ready).launch(grid=[grid, 1, 1], block=[NT, 1, 1],
-                                                       stream=stream)
+               band_rows: Int32, ready_rows: Int32, band_ready: Int64, arrive: Int64,
+               arrive_remote: Int64, done: Int64, done_remote: Int64, expected: Int64,
+               epoch_ptr: Int64, err: Int64, timeout_ns: Int64, rank: Int32, wait_ready: Int32,
+               grid: Int32, stream: cuda.CUstream):
+        band_allreduce_kernel(acc, acc_remote, out, b2, M, N, band_rows, ready_rows, band_ready,
+                              arrive, arrive_remote, done, done_remote, expected, epoch_ptr, err,
+                              timeout_ns, rank, wait_ready).launch(
+            grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch
 
 
-ARG_NAMES = ("acc", "acc_remote", "out", "b2", "M", "N", "band_rows", "band_ready", "arrive",
-             "arrive_remote", "done", "done_remote", "expected", "epoch", "err", "timeout_ns",
-             "rank", "wait_ready", "grid")
-_INT32_ARGS = {"M", "N", "band_rows", "rank", "wait_ready", "grid"}
+ARG_NAMES = ("acc", "acc_remote", "out", "b2", "M", "N", "band_rows", "ready_rows", "band_ready",
+             "arrive", "arrive_remote", "done", "done_remote", "expected", "epoch", "err",
+             "timeout_ns", "rank", "wait_ready", "grid")
+_INT32_ARGS = {"M", "N", "band_rows", "ready_rows", "rank", "wait_ready", "grid"}
 
 
 def example_args():
@@ -574,9 +609,10 @@ def describe_error(err_host) -> str | None:
     code = int(err_host[0])
     if code == 0:
         return None
-    rank, band, _, obs, exp, el = (int(v) for v in err_host[1:7])
+    rank, band, flag, obs, exp, el = (int(v) for v in err_host[1:7])
     what = ERR_NAMES.get(code, f"device error code {code}")
-    return (f"{what}: rank {rank}, band {band}: flag={obs}, expected>={exp} after {el / 1e6:.1f} "
+    where = f"band {band}" + (f" (ready flag {flag})" if code == ERR_READY_TIMEOUT else "")
+    return (f"{what}: rank {rank}, {where}: flag={obs}, expected>={exp} after {el / 1e6:.1f} "
             f"ms (a rank not launched, stalled, timed out earlier, or epochs out of step)")
 
 
@@ -596,14 +632,16 @@ class BandAllReduce:
 
     Standalone (``producer=False``) a call is one kernel launch; with a producer kernel
     (``producer=True``) the call advances ``epoch`` and the producer writes
-    ``band_ready[b] = epoch`` (release, gpu scope) as each band's partial is complete.
+    ``band_ready[r] = epoch`` (release, gpu scope) as each of its bands of ``ready_rows`` rows
+    (default: band_rows) is complete.
     ``backend="switch"`` calls ``require_multicast()`` first (refused on our machines).
     """
 
     def __init__(self, max_rows: int, N: int, group=None, *, backend: str = "unicast",
                  act2: str = "none", band_rows: int = DEFAULT_BAND_ROWS, ccta: int | None = None,
                  threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
-                 zero_acc: bool = True, timeout_ns: int = DEFAULT_TIMEOUT_NS):
+                 zero_acc: bool = True, timeout_ns: int = DEFAULT_TIMEOUT_NS,
+                 ready_rows: int | None = None):
         import torch
         import torch.distributed as dist
         if backend not in BACKENDS:
@@ -617,6 +655,11 @@ class BandAllReduce:
                 raise ValueError(f"{name}={v!r} must be a positive int")
         if N % 4:
             raise ValueError(f"N={N} must be a multiple of 4 (16-byte fp32 vectors)")
+        ready_rows = band_rows if ready_rows is None else ready_rows
+        if isinstance(ready_rows, bool) or not isinstance(ready_rows, int) or ready_rows < 1 \
+                or ready_rows % band_rows:
+            raise ValueError(f"ready_rows={ready_rows!r} must be a positive multiple of "
+                             f"band_rows={band_rows}")
         if backend == "switch":
             require_multicast()
         if not torch.cuda.is_available():
@@ -632,6 +675,7 @@ class BandAllReduce:
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.max_rows, self.N, self.band_rows = max_rows, N, band_rows
+        self.ready_rows = ready_rows
         self.backend, self.act2, self.timeout_ns = backend, act2, int(timeout_ns)
         self.threads, self.unroll, self.zero_acc = threads, unroll, zero_acc
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -669,7 +713,8 @@ class BandAllReduce:
                 [ptrs, [p + flag_off for p in ptrs], [p + flag_off + flag_bytes for p in ptrs]],
                 dtype=torch.int64, device=dev)
             self._remote = tuple(int(self._tables[i].data_ptr()) for i in range(3))
-        self.band_ready = torch.zeros(self.max_bands, dtype=torch.int32, device=dev)
+        # one ready flag per ready_rows rows (the producer's bands)
+        self.band_ready = torch.zeros(-(-max_rows // ready_rows), dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
         self._zero_b2 = torch.zeros(N, dtype=torch.bfloat16, device=dev)
         self.expected = torch.zeros(self.max_bands, dtype=torch.int32, device=dev)
@@ -725,7 +770,7 @@ class BandAllReduce:
                 self.epoch.add_(1)
         fn(self.acc.data_ptr(), self._remote[0], out.data_ptr(),
            (self._zero_b2 if b2 is None else b2).data_ptr(), M, self.N, self.band_rows,
-           self.band_ready.data_ptr(), self.arrive.data_ptr(), self._remote[1],
+           self.ready_rows, self.band_ready.data_ptr(), self.arrive.data_ptr(), self._remote[1],
            self.done.data_ptr(), self._remote[2], self.expected.data_ptr(),
            self.epoch.data_ptr(), self.err.data_ptr(),
            self.timeout_ns, self.rank, int(bool(producer)), min(self.ccta, nb),
