@@ -69,6 +69,10 @@ def parse_args(argv=None):
     ap.add_argument("--fused-ccta", type=int, default=None,
                     help="SMs of the fused layer's communication blocks (default: FusedFFN's)")
     ap.add_argument("--fused-tile-m", type=int, default=128, choices=(64, 128))
+    ap.add_argument("--ar-variants", default="",
+                    help="standalone band all-reduce variants THREADSxUNROLL (e.g. 512x2,512x8) "
+                         "on --ar-variant-ccta SMs, timed as band_ar_c<ccta>_t<threads>u<unroll>")
+    ap.add_argument("--ar-variant-ccta", type=int, default=16)
     ap.add_argument("--compute-options", default="",
                     help="FusedFFN compute_options of the fused layer, e.g. h_pair=1,cluster_m=2")
     ap.add_argument("--fused-variants", default="",
@@ -97,6 +101,10 @@ def parse_args(argv=None):
         ap.error("--tokens, --rounds, --band-rows must be >= 1 and --warmup >= 0")
     a.shape_names = names
     try:
+        a.ar_variants = [tuple(int(v) for v in t.split("x")) for t in
+                         filter(None, a.ar_variants.split(","))]
+        if any(len(t) != 2 for t in a.ar_variants):
+            raise ValueError(f"--ar-variants {a.ar_variants!r}: THREADSxUNROLL items")
         a.compute_opts = parse_options(a.compute_options)
         a.variants = {}
         for item in filter(None, a.fused_variants.split(";")):
@@ -182,6 +190,14 @@ def bench_shape(a, name, rank, world, dev):
             fns["band_ar" if zero else "band_ar_nozero"] = (
                 lambda ar=ar, out=out: ar(T, b2=b2, out=out))
             ars.append(ar)
+        for nt, un in a.ar_variants:  # per-SM throughput of the all-reduce on few SMs
+            ar = BandAllReduce(T, N, backend="unicast", act2=a.act2, band_rows=a.band_rows,
+                               ccta=a.ar_variant_ccta, threads=nt, unroll=un)
+            ar.compile()
+            out = torch.empty(T, N, **bf)
+            fns[f"band_ar_c{a.ar_variant_ccta}_t{nt}u{un}"] = (
+                lambda ar=ar, out=out: ar(T, b2=b2, out=out))
+            ars.append(ar)
     fused_info = {}
     if not a.skip_kernel and not a.no_fused:
         fused_info = add_fused(a, fns, x, w1, b1, w2, b2, y, baseline, rank, world, dev)
@@ -229,6 +245,7 @@ def bench_shape(a, name, rank, world, dev):
                                      ms=m[f"fused_{n}"], compute_ms=m[f"fused_compute_{n}"],
                                      x_fused=m["fused"] / m[f"fused_{n}"])
                              for n, v in fused_info["variants"].items()})
+    row["band_ar_variants_ms"] = {k: v for k, v in m.items() if k.startswith("band_ar_c")}
     if "band_ar" in m:
         row["busbw_band_ar_GBs"] = bus * T * N * 4 / (m["band_ar"] * 1e-3) / 1e9
         row["band_ar_vs_nccl_fp32"] = m["nccl_fp32"] / m["band_ar"]
@@ -397,6 +414,14 @@ def table(rows, kernel):
                          f"{ms('abl_nccl'):7.3f} {ms('abl_no_fusion'):7.3f} "
                          f"{r['fused_err_vs_baseline']:8.1e} "
                          f"{r['memory']['fused_over_baseline']:6.2f}")
+    arv = [(r["shape"], k, v) for r in rows for k, v in r.get("band_ar_variants_ms", {}).items()]
+    if arv:
+        lines.append("")
+        lines.append(f"{'shape':22s} {'all-reduce variant':24s} {'ms':>8s} {'GB/s bus':>8s}")
+        for shape, k, v in arv:
+            r = next(r for r in rows if r["shape"] == shape)
+            bus = 2 * (r["world"] - 1) / r["world"] * r["T"] * r["N"] * 4 / (v * 1e-3) / 1e9
+            lines.append(f"{shape:22s} {k:24s} {v:8.3f} {bus:8.0f}")
     tl = [(r, n, v) for r in fused for n, v in r.get("timeline", {}).items()]
     if tl:
         lines.append("")

@@ -44,7 +44,18 @@ BACKENDS = ("reference", "fused")
 COMMS = ("unicast", "switch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-FUSED_DEFAULT_CCTA = 16  # SMs of the communication blocks (band all-reduce) in the fused backend
+
+
+def fused_default_ccta(local_hidden: int) -> int:
+    """SMs of the communication blocks (band all-reduce) in the fused backend when ccta is None.
+    The all-reduce's bytes per row are N fp32 whatever the hidden size, the compute's FLOPs per
+    row grow with O/G: small hidden slices leave the all-reduce exposed, so they get more SMs.
+    Measured on 2x H200 (bench/NOTES.md, session 7; 16 / 24 / 32 timed in the same run): 32 is
+    best at O/G = 1024 (1.43x over 16), 24 at 4096 (1.14x), 16 from 7168 up (24: 5-7 % slower)."""
+    if local_hidden <= 2048:
+        return 32
+    return 24 if local_hidden <= 4096 else 16
+
 # rows per band of the fused backend's all-reduce (a compute m-tile is all-reduced by
 # tile_m / this many CTAs at once, which shortens the tail after the compute kernel ends)
 FUSED_DEFAULT_AR_BAND_ROWS = 32
@@ -259,7 +270,7 @@ class _FusedBackend:
         if N % 128:
             raise ValueError(f"backend='fused' needs out_features % 128 == 0, got {N}")
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        ccta = FUSED_DEFAULT_CCTA if ccta is None else ccta
+        ccta = fused_default_ccta(O) if ccta is None else ccta
         if isinstance(ccta, bool) or not isinstance(ccta, int) or not 1 <= ccta < sms:
             raise ValueError(f"ccta={ccta!r} must be an int in [1, {sms - 1}] (SMs of the "
                              f"communication blocks; the rest compute)")
@@ -375,10 +386,10 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     "none" for no activation); ``bias``: keep b1 and b2; ``group``: the TP process group (None: the
     default group if initialized, else a single process); ``dtype`` / ``device`` of the
     parameters; ``backend`` "reference" | "fused"; ``comm`` "unicast" | "switch" (fused only).
-    Fused only: ``ccta`` (SMs of the communication blocks, default 16; the compute blocks take
-    the others), ``max_tokens`` (rows the symmetric accumulator is first sized for; it grows,
-    collectively, when a call brings more), ``tile_m`` (64 or 128: compute m-tile = all-reduce
-    band); needs P % 64 == 0, (O/G) % 128 == 0, N % 128 == 0, bf16, Hopper GPUs, CuTe DSL. The
+    Fused only: ``ccta`` (SMs of the communication blocks, default ``fused_default_ccta(O/G)``:
+    16 to 32; the compute blocks take the others), ``max_tokens`` (rows the symmetric
+    accumulator is first sized for; it grows, collectively, when a call brings more), ``tile_m``
+    (64 or 128: compute m-tile = one ready flag); needs P % 64 == 0, (O/G) % 128 == 0, N % 128 == 0, bf16, Hopper GPUs, CuTe DSL. The
     fused forward is inference only (its output carries no autograd graph) and collective (every
     rank of the group calls it with the same token count). ``compute_options``: keyword options
     of the compute kernel (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``,
