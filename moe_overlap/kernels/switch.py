@@ -75,8 +75,8 @@ import os
 
 BACKENDS = ("unicast", "switch")
 ACT2 = ("none", "relu", "gelu", "gelu_tanh", "silu")
-DEFAULT_THREADS = 512
-DEFAULT_UNROLL = 2
+DEFAULT_THREADS = 1024  # x unroll 4: 1.44-1.64x the bytes in flight of 512 x 2 on 16 SMs
+DEFAULT_UNROLL = 4
 DEFAULT_BAND_ROWS = 128
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s
 ERR_WORDS = 8
