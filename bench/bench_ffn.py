@@ -211,7 +211,7 @@ def bench_shape(a, name, rank, world, dev):
     if fused_info:
         mods = dict(fused=fused_info["mod"])
         mods.update({f"fused_{n}": v["mod"] for n, v in fused_info["variants"].items()})
-        timeline = layer_timeline(mods, x, max(a.rounds, 5), dist.barrier)
+        timeline = layer_timeline(mods, x, max(a.rounds, 5), dist.barrier, a.lead_ms)
         for m in mods.values():
             m.check_fused()
     for ar in ars:
@@ -359,18 +359,24 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
     return dict(mod=mod, err=err, memory=memory, variants=variants)
 
 
-def layer_timeline(mods, x, calls, barrier):
+def layer_timeline(mods, x, calls, barrier, lead_ms):
     """Median over ``calls`` layer calls of when the compute kernel and the all-reduce end,
-    in ms after the call's start (CUDA events in _fused_call), per module name."""
+    in ms after the call's start (CUDA events in _fused_call), per module name. As in
+    time_interleaved, a GPU sleep of lead_ms before each call keeps the host's launch time out
+    of the numbers (without it they include ~0.5 ms of CuTe DSL launch overhead)."""
     import statistics
 
     import torch
+    from moe_overlap.timing import sleep_cycles_per_ms
+    sleep = int(lead_ms * sleep_cycles_per_ms()) if lead_ms > 0 else 0
     out = {}
     for name, m in mods.items():
         m._diag_timeline = ev = []
         with torch.inference_mode():
             for _ in range(calls):
                 barrier()
+                if sleep:
+                    torch.cuda._sleep(sleep)
                 m(x)
         torch.cuda.synchronize()
         m._diag_timeline = None
