@@ -58,11 +58,11 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
 
 Measured (H200, bench/NOTES.md): correct; without GEMM2's fp32 reductions both GEMMs run at
 cuBLAS speed, so the reduce epilogue is the limit (its throughput depends on the sub-tile row
-width and buffering, hence h_regs). v4 (H in shared memory) ~435 TFLOP/s on the llama3-8b slice
-against cuBLAS's ~750; h_regs 9-11 % faster than v4 in the same run; cluster_m=2 a further 4-7 %
-(not yet measured inside the FusedFFN layer, so not its default). Tried and measured without
-gain: GEMM2 n tiles ping-ponged between the warpgroups (0.3 %). Limits: tile_n = 128 only; one
-consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128).
+width and buffering, hence h_regs). llama3-8b slice: v4 (H in shared memory) ~435 TFLOP/s,
+h_regs ~470, h_pair 568 (-17 % time, half the reduce bytes) against cuBLAS's ~757; cluster_m=2
+adds 1-6 % alone but loses 5-26 % inside FusedFFN, next to the communication blocks. Tried and
+measured without gain: GEMM2 n tiles ping-ponged between the warpgroups (0.3 %).
+Limits: tile_n = 128 only; one consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128).
 The pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never waits
 on another CTA or on the communication blocks (one-way dependency).
 
@@ -787,7 +787,8 @@ class FusedFFNCompute:
         H through shared memory (the v4 kernel). h_pair (needs h_regs, O_g / tile_o even): a unit
         covers two hidden tiles of one m-tile, one H in registers and one in shared memory, and
         GEMM2 reduces over both before each fp32 reduce-add (half the reduce-add bytes; 3 ring
-        stages); compile-checked, see bench/NOTES.md.
+        stages): 15-17 % faster (bench/NOTES.md, session 7); off here, on in FusedFFN /
+        ShardedExperts wherever O_g / tile_o is even.
 
     __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc
         x [M, P] bf16, w1 [P, O_g] bf16, b1 [O_g] (any float dtype) or None, w2 [O_g, N] bf16,
