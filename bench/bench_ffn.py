@@ -70,8 +70,9 @@ def parse_args(argv=None):
                     help="SMs of the fused layer's communication blocks (default: FusedFFN's)")
     ap.add_argument("--fused-tile-m", type=int, default=128, choices=(64, 128))
     ap.add_argument("--ar-variants", default="",
-                    help="standalone band all-reduce variants THREADSxUNROLL (e.g. 512x2,512x8) "
-                         "on --ar-variant-ccta SMs, timed as band_ar_c<ccta>_t<threads>u<unroll>")
+                    help="standalone band all-reduce variants THREADSxUNROLL[n] (e.g. 512x2,1024x4n; "
+                         "n: without arrive_ahead) on --ar-variant-ccta SMs, timed as "
+                         "band_ar_c<ccta>_t<threads>u<unroll>[n]")
     ap.add_argument("--ar-variant-ccta", type=int, default=16)
     ap.add_argument("--compute-options", default="",
                     help="FusedFFN compute_options of the fused layer, e.g. h_pair=1,cluster_m=2")
@@ -101,10 +102,13 @@ def parse_args(argv=None):
         ap.error("--tokens, --rounds, --band-rows must be >= 1 and --warmup >= 0")
     a.shape_names = names
     try:
-        a.ar_variants = [tuple(int(v) for v in t.split("x")) for t in
-                         filter(None, a.ar_variants.split(","))]
-        if any(len(t) != 2 for t in a.ar_variants):
-            raise ValueError(f"--ar-variants {a.ar_variants!r}: THREADSxUNROLL items")
+        items = [t.strip() for t in a.ar_variants.split(",") if t.strip()]
+        a.ar_variants = []
+        for t in items:
+            nt, x, un = t.rstrip("n").partition("x")
+            if not (x and nt.isdigit() and un.isdigit()):
+                raise ValueError(f"--ar-variants item {t!r}: THREADSxUNROLL[n]")
+            a.ar_variants.append((int(nt), int(un), not t.endswith("n")))
         a.compute_opts = parse_options(a.compute_options)
         a.variants = {}
         for item in filter(None, a.fused_variants.split(";")):
@@ -190,12 +194,13 @@ def bench_shape(a, name, rank, world, dev):
             fns["band_ar" if zero else "band_ar_nozero"] = (
                 lambda ar=ar, out=out: ar(T, b2=b2, out=out))
             ars.append(ar)
-        for nt, un in a.ar_variants:  # per-SM throughput of the all-reduce on few SMs
+        for nt, un, ahead in a.ar_variants:  # per-SM throughput of the all-reduce on few SMs
             ar = BandAllReduce(T, N, backend="unicast", act2=a.act2, band_rows=a.band_rows,
-                               ccta=a.ar_variant_ccta, threads=nt, unroll=un)
+                               ccta=a.ar_variant_ccta, threads=nt, unroll=un,
+                               arrive_ahead=ahead)
             ar.compile()
             out = torch.empty(T, N, **bf)
-            fns[f"band_ar_c{a.ar_variant_ccta}_t{nt}u{un}"] = (
+            fns[f"band_ar_c{a.ar_variant_ccta}_t{nt}u{un}{'' if ahead else 'n'}"] = (
                 lambda ar=ar, out=out: ar(T, b2=b2, out=out))
             ars.append(ar)
     fused_info = {}

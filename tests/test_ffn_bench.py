@@ -54,3 +54,11 @@ def test_fused_variant_options(bench):
     for bad in ("pa ir:h_pair=1", "x:h_pair", "x:;x:"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--fused-variants", bad])
+
+
+def test_allreduce_variant_options(bench):
+    a = bench.parse_args(["--ar-variants", "512x2, 1024x4n"])
+    assert a.ar_variants == [(512, 2, True), (1024, 4, False)]
+    for bad in ("512", "512x", "x4", "512x4m"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--ar-variants", bad])

@@ -50,7 +50,8 @@ def test_switch_backend_ptx(world):
     body = _body(ptx)
     assert "multimem.ld_reduce.relaxed.sys.global.add.v4.f32" in body
     assert "multimem.st.relaxed.sys.global.v4.f32" in body
-    assert body.count("multimem.red.release.sys.global.add.u32") == 2  # arrive, done
+    # arrive (step 1, and the next band's tried ahead), done
+    assert body.count("multimem.red.release.sys.global.add.u32") == 3
     assert "ld.relaxed.sys.global.v4.f32" not in body  # no unicast peer loads
     assert "fence.proxy.alias" in body
     assert "ld.acquire.sys.global.s32" in body and "ld.acquire.gpu.global.s32" in body
@@ -77,10 +78,18 @@ def test_unicast_backend_ptx(world):
     # load-reduce from every peer: U * G loads in the unrolled loop + G in the tail
     assert body.count("ld.relaxed.sys.global.v4.f32") == world * (unroll + 1)
     assert body.count("st.relaxed.sys.global.v4.f32") == world * (unroll + 1)
-    assert body.count("red.release.sys.global.add.u32") == 2 * world  # arrive, done on each peer
+    # on each peer: arrive (step 1, and the next band's tried ahead), done
+    assert body.count("red.release.sys.global.add.u32") == 3 * world
     assert "fence.acq_rel.sys" in body and "%globaltimer" in body
     assert "cvt.rn.bf16x2.f32" in body
     assert ".local" not in body
+
+
+def test_without_arrive_ahead_one_arrive_site_less():
+    c = switch.compile_band_allreduce(2, "unicast", arrive_ahead=False, keep=True)
+    body = _body(c.__ptx__)
+    assert body.count("red.release.sys.global.add.u32") == 2 * 2
+    assert body.count("ld.relaxed.sys.global.v4.f32") == 2 * (switch.DEFAULT_UNROLL + 1)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -28,7 +28,9 @@ Band all-reduce kernel (``build_band_allreduce``), communication CTAs only, G = 
 (compile-time), fp32 accumulator ``acc [M, N]`` (row-major, contiguous, N % 4 == 0) in symmetric
 memory, bands of ``band_rows`` rows; CTA c owns bands c, c + grid, ... and takes them one at a
 time, as the producer finishes them: steps 1 and 2 of band b, then step 3 of its previous band
-(the kernel's comment has the no-deadlock argument). ``ready_rows`` (a multiple of band_rows)
+(the kernel's comment has the no-deadlock argument); with ``arrive_ahead`` (default) step 1 of
+the next band is posted before step 2 of this one when that band is already ready, so the
+cross-GPU handshake of one band overlaps the reduce of the other. ``ready_rows`` (a multiple of band_rows)
 rows share one ready flag: the producer's bands may be coarser than the all-reduce's, so a
 finished producer band is all-reduced by ready_rows / band_rows CTAs at once.
 
@@ -153,8 +155,8 @@ def device_lib():
     V4 = "{{$w0}, {$w1}, {$w2}, {$w3}}"
 
     # flags, fences, CTA vote, error record and bounded waits: the shared ones
-    from .primitives import (block_any, fence_acq_rel_sys, ld_s32, ld_s64,  # noqa: F401
-                             record_error, st_s32, thread_block_grid,
+    from .primitives import (block_any, fence_acq_rel_sys, ld_acquire_gpu_s32,  # noqa: F401
+                             ld_s32, ld_s64, record_error, st_s32, thread_block_grid,
                              wait_ge_gpu_s32 as wait_ge_gpu, wait_ge_sys_s32 as wait_ge_sys)
 
     # -- switch: NVLink multicast addresses --
@@ -256,8 +258,9 @@ def _check_options(world, backend, act2, threads, unroll):
 
 def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none",
                          threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
-                         zero_acc: bool = True):
-    """The @cute.jit launcher of one (world, backend, act2, threads, unroll, zero_acc) variant.
+                         zero_acc: bool = True, arrive_ahead: bool = True):
+    """The @cute.jit launcher of one (world, backend, act2, threads, unroll, zero_acc,
+    arrive_ahead) variant.
     Arguments: see ``ARG_NAMES`` (ints), then a ``CUstream``."""
     _check_options(world, backend, act2, threads, unroll)
     import cutlass
@@ -270,6 +273,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
     SWITCH = backend == "switch"
     ACT = act2
     ZERO = bool(zero_acc)
+    AHEAD = bool(arrive_ahead)
 
     @cute.jit
     def reduce_chunk(acc_r: Int64, peers, v0: Int64, lo: Int64, hi: Int64, tidx: Int32):
@@ -353,6 +357,23 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         if failed == Int32(0):
             flag_add_all(arrive_remote, arr_p, Int64(b) * Int64(4), tidx)
         return failed
+
+    @cute.jit
+    def try_arrive(b: Int32, band_ready: Int64, epoch: Int32, arrive_remote: Int64, arr_p,
+                   wait_ready: Int32, band_rows: Int32, ready_rows: Int32, tidx: Int32):
+        """Step 1 of band b without waiting: arrive-all now if its ready flag is already set (one
+        acquire load), so the peers' wait on it in step 2 finds it done. Returns 1 if posted."""
+        ok = Int32(0)
+        if tidx == Int32(0):
+            ok = Int32(1)
+            if wait_ready != Int32(0):
+                r = (b * band_rows) // ready_rows
+                if L.ld_acquire_gpu_s32(band_ready + Int64(r) * Int64(4)) - epoch < Int32(0):
+                    ok = Int32(0)
+        posted = L.block_any(ok)  # thread 0's answer, to the whole CTA
+        if posted != Int32(0):
+            flag_add_all(arrive_remote, arr_p, Int64(b) * Int64(4), tidx)
+        return posted
 
     @cute.jit
     def reduce_band(b: Int32, arrive: Int64, expected: Int64, acc_remote: Int64, acc_p,
@@ -440,12 +461,23 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         # of any rank: by induction every CTA c of every rank finishes iteration k, since 1
         # waits on the local producer only, 2 on every rank's step 1 of the same band and 3 on
         # every rank's step 2 of the previous one (bands -> CTAs is the same on every rank).
+        # arrive_ahead: step 1 of the next band is also tried (without waiting) before step 2 of
+        # this one, so its cross-GPU handshake is under way while this band is reduced; it only
+        # ever posts earlier what step 1 would post, so the argument above holds.
         b = bidx
         b_prev = Int32(-1)
+        arrived = Int32(0)  # step 1 of band b already done by the previous iteration
         while b < nbands and failed == Int32(0):
-            failed = ready_and_arrive(b, band_ready, epoch, arrive_remote, arr_p, err, rank,
-                                      t_start, timeout_ns, wait_ready, band_rows, ready_rows,
-                                      tidx)
+            if arrived == Int32(0):
+                failed = ready_and_arrive(b, band_ready, epoch, arrive_remote, arr_p, err, rank,
+                                          t_start, timeout_ns, wait_ready, band_rows,
+                                          ready_rows, tidx)
+            b_next = b + nblk
+            arrived = Int32(0)
+            if cutlass.const_expr(AHEAD):
+                if failed == Int32(0) and b_next < nbands:
+                    arrived = try_arrive(b_next, band_ready, epoch, arrive_remote, arr_p,
+                                         wait_ready, band_rows, ready_rows, tidx)
             if failed == Int32(0):
                 failed = reduce_band(b, arrive, expected, acc_remote, acc_p, done_remote,
                                      done_p, err, rank, t_start, timeout_ns, M, band_rows,
@@ -454,7 +486,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
                 failed = finish_band(b_prev, done, expected, acc, out, b2, err, rank, t_start,
                                      timeout_ns, M, band_rows, ncols4, tidx)
             b_prev = b
-            b = b + nblk
+            b = b_next
         if failed == Int32(0) and b_prev >= Int32(0):
             failed = finish_band(b_prev, done, expected, acc, out, b2, err, rank, t_start,
                                  timeout_ns, M, band_rows, ncols4, tidx)
@@ -488,11 +520,12 @@ def example_args():
 
 def compile_band_allreduce(world: int, backend: str = "unicast", act2: str = "none",
                            threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
-                           zero_acc: bool = True, keep: bool = False):
+                           zero_acc: bool = True, keep: bool = False,
+                           arrive_ahead: bool = True):
     """cute.compile one variant (``CUTE_DSL_ARCH=sm_90a`` compiles without a GPU). With
     ``keep=True`` the result carries ``__ptx__`` and ``__cubin__`` for inspection."""
     import cutlass.cute as cute
-    launch = build_band_allreduce(world, backend, act2, threads, unroll, zero_acc)
+    launch = build_band_allreduce(world, backend, act2, threads, unroll, zero_acc, arrive_ahead)
     if keep:
         return compile_keep(launch, *example_args())
     return cute.compile(launch, *example_args())
@@ -600,8 +633,9 @@ def sass_of(cubin: bytes, nvdisasm: str | None = None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_variant(world, backend, act2, threads, unroll, zero_acc):
-    return compile_band_allreduce(world, backend, act2, threads, unroll, zero_acc)
+def _compiled_variant(world, backend, act2, threads, unroll, zero_acc, arrive_ahead):
+    return compile_band_allreduce(world, backend, act2, threads, unroll, zero_acc,
+                                  arrive_ahead=arrive_ahead)
 
 
 def describe_error(err_host) -> str | None:
@@ -641,6 +675,7 @@ class BandAllReduce:
                  act2: str = "none", band_rows: int = DEFAULT_BAND_ROWS, ccta: int | None = None,
                  threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
                  zero_acc: bool = True, timeout_ns: int = DEFAULT_TIMEOUT_NS,
+                 arrive_ahead: bool = True,
                  ready_rows: int | None = None):
         import torch
         import torch.distributed as dist
@@ -678,6 +713,7 @@ class BandAllReduce:
         self.ready_rows = ready_rows
         self.backend, self.act2, self.timeout_ns = backend, act2, int(timeout_ns)
         self.threads, self.unroll, self.zero_acc = threads, unroll, zero_acc
+        self.arrive_ahead = bool(arrive_ahead)
         dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.max_bands = -(-max_rows // band_rows)
@@ -730,7 +766,7 @@ class BandAllReduce:
     def compile(self):
         if self._fn is None:
             self._fn = _compiled_variant(self.world, self.backend, self.act2, self.threads,
-                                         self.unroll, bool(self.zero_acc))
+                                         self.unroll, bool(self.zero_acc), self.arrive_ahead)
         return self._fn
 
     def __call__(self, M: int, b2=None, out=None, *, producer: bool = False, stream=None,
