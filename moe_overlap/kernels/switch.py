@@ -338,6 +338,31 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
             i = i + Int64(NT)
 
     @cute.jit
+    def timed_out(addr: Int64, target: Int32, sys_scope: cutlass.Constexpr,
+                  code: cutlass.Constexpr, err: Int64, rank: Int32, b: Int32, flag: Int32,
+                  t_start: Int64, timeout_ns: Int64):
+        """Thread 0: bounded acquire wait (gpu or sys scope) until ``flag - target >= 0``; on a
+        timeout records (code, rank, band, flag index, observed, target, elapsed), returns 1."""
+        if cutlass.const_expr(sys_scope):
+            t, v, el = L.wait_ge_sys(addr, target, t_start, timeout_ns)
+        else:
+            t, v, el = L.wait_ge_gpu(addr, target, t_start, timeout_ns)
+        to = Int32(0)
+        if t != Int32(0):
+            to = Int32(1)
+            L.record_error(err, Int32(code), rank, b, flag, Int64(v), Int64(target), el)
+        return to
+
+    @cute.jit
+    def band_span(b: Int32, M: Int32, band_rows: Int32, ncols4: Int64):
+        """(first 16-byte vector, vector count) of band b (the last band may be ragged)."""
+        row0 = b * band_rows
+        rows = M - row0
+        if rows > band_rows:
+            rows = band_rows
+        return Int64(row0) * ncols4, Int64(rows) * ncols4
+
+    @cute.jit
     def ready_and_arrive(b: Int32, band_ready: Int64, epoch: Int32, arrive_remote: Int64,
                          arr_p, err: Int64, rank: Int32, t_start: Int64, timeout_ns: Int64,
                          wait_ready: Int32, band_rows: Int32, ready_rows: Int32, tidx: Int32):
@@ -347,12 +372,8 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         if tidx == Int32(0):
             if wait_ready != Int32(0):
                 r = (b * band_rows) // ready_rows
-                t, v, el = L.wait_ge_gpu(band_ready + Int64(r) * Int64(4), epoch, t_start,
-                                         timeout_ns)
-                if t != Int32(0):
-                    to = Int32(1)
-                    L.record_error(err, Int32(ERR_READY_TIMEOUT), rank, b, r, Int64(v),
-                                   Int64(epoch), el)
+                to = timed_out(band_ready + Int64(r) * Int64(4), epoch, False, ERR_READY_TIMEOUT,
+                               err, rank, b, r, t_start, timeout_ns)
         failed = L.block_any(to)
         if failed == Int32(0):
             flag_add_all(arrive_remote, arr_p, Int64(b) * Int64(4), tidx)
@@ -387,19 +408,11 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
             # (step 3 re-reads it, same thread; the next call sees it after the kernel ends)
             exp_b = L.ld_s32(expected + Int64(b) * Int64(4)) + Int32(G)
             L.st_s32(expected + Int64(b) * Int64(4), exp_b)
-            t, v, el = L.wait_ge_sys(arrive + Int64(b) * Int64(4), exp_b, t_start, timeout_ns)
-            if t != Int32(0):
-                to = Int32(1)
-                L.record_error(err, Int32(ERR_ARRIVE_TIMEOUT), rank, b, b, Int64(v),
-                               Int64(exp_b), el)
+            to = timed_out(arrive + Int64(b) * Int64(4), exp_b, True, ERR_ARRIVE_TIMEOUT, err,
+                           rank, b, b, t_start, timeout_ns)
         failed = L.block_any(to)
         if failed == Int32(0):
-            row0 = b * band_rows
-            rows = M - row0
-            if rows > band_rows:
-                rows = band_rows
-            v0 = Int64(row0) * ncols4
-            nvec = Int64(rows) * ncols4
+            v0, nvec = band_span(b, M, band_rows, ncols4)
             per = (nvec + Int64(G - 1)) // Int64(G)
             lo = Int64(rank) * per
             hi = lo + per
@@ -418,20 +431,14 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         to = Int32(0)
         if tidx == Int32(0):
             exp_b = L.ld_s32(expected + Int64(b) * Int64(4))
-            t, v, el = L.wait_ge_sys(done + Int64(b) * Int64(4), exp_b, t_start, timeout_ns)
-            if t != Int32(0):
-                to = Int32(1)
-                L.record_error(err, Int32(ERR_DONE_TIMEOUT), rank, b, b, Int64(v),
-                               Int64(exp_b), el)
+            to = timed_out(done + Int64(b) * Int64(4), exp_b, True, ERR_DONE_TIMEOUT, err, rank,
+                           b, b, t_start, timeout_ns)
         failed = L.block_any(to)
         if failed == Int32(0):
             if cutlass.const_expr(SWITCH):
                 L.fence_proxy_alias()
-            row0 = b * band_rows
-            rows = M - row0
-            if rows > band_rows:
-                rows = band_rows
-            epilogue(acc, out, b2, Int64(row0) * ncols4, Int64(rows) * ncols4, ncols4, tidx)
+            v0, nvec = band_span(b, M, band_rows, ncols4)
+            epilogue(acc, out, b2, v0, nvec, ncols4, tidx)
         return failed
 
     @cute.kernel
