@@ -70,8 +70,8 @@ def parse_args(argv=None):
                     help="SMs of the fused layer's communication blocks (default: FusedFFN's)")
     ap.add_argument("--fused-tile-m", type=int, default=128, choices=(64, 128))
     ap.add_argument("--ar-variants", default="",
-                    help="standalone band all-reduce variants THREADSxUNROLL[n] (e.g. 512x2,1024x4n; "
-                         "n: without arrive_ahead) on --ar-variant-ccta SMs, timed as "
+                    help="standalone band all-reduce variants THREADSxUNROLL[n] (e.g. "
+                         "512x2,1024x4n; n: without arrive_ahead) on --ar-variant-ccta SMs, as "
                          "band_ar_c<ccta>_t<threads>u<unroll>[n]")
     ap.add_argument("--ar-variant-ccta", type=int, default=16)
     ap.add_argument("--compute-options", default="",

@@ -44,6 +44,9 @@ BACKENDS = ("reference", "fused")
 COMMS = ("unicast", "switch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# rows per band of the fused backend's all-reduce (a compute m-tile is all-reduced by
+# tile_m / this many CTAs at once, which shortens the tail after the compute kernel ends)
+FUSED_DEFAULT_AR_BAND_ROWS = 32
 
 
 def fused_default_ccta(local_hidden: int) -> int:
@@ -55,10 +58,6 @@ def fused_default_ccta(local_hidden: int) -> int:
     if local_hidden <= 2048:
         return 32
     return 24 if local_hidden <= 4096 else 16
-
-# rows per band of the fused backend's all-reduce (a compute m-tile is all-reduced by
-# tile_m / this many CTAs at once, which shortens the tail after the compute kernel ends)
-FUSED_DEFAULT_AR_BAND_ROWS = 32
 
 
 def _group_world(group) -> tuple[int, int]:
@@ -389,12 +388,13 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     Fused only: ``ccta`` (SMs of the communication blocks, default ``fused_default_ccta(O/G)``:
     16 to 32; the compute blocks take the others), ``max_tokens`` (rows the symmetric
     accumulator is first sized for; it grows, collectively, when a call brings more), ``tile_m``
-    (64 or 128: compute m-tile = one ready flag); needs P % 64 == 0, (O/G) % 128 == 0, N % 128 == 0, bf16, Hopper GPUs, CuTe DSL. The
-    fused forward is inference only (its output carries no autograd graph) and collective (every
-    rank of the group calls it with the same token count). ``compute_options``: keyword options
-    of the compute kernel (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``,
-    ``epilogue``, ``cluster_m``, ``h_regs``, ``h_pair``; see kernels/fused_ffn.py), checked at
-    construction; ``h_pair`` defaults to True where O/G is a multiple of 2 * tile_o.
+    (64 or 128: compute m-tile = one ready flag); needs P % 64 == 0, (O/G) % 128 == 0,
+    N % 128 == 0, bf16, Hopper GPUs, CuTe DSL. The fused forward is inference only (its output
+    carries no autograd graph) and collective (every rank of the group calls it with the same
+    token count). ``compute_options``: keyword options of the compute kernel
+    (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``, ``epilogue``,
+    ``cluster_m``, ``h_regs``, ``h_pair``; see kernels/fused_ffn.py), checked at construction;
+    ``h_pair`` defaults to True where O/G is a multiple of 2 * tile_o.
     ``allreduce_band_rows`` (a divisor of tile_m, default 32): rows per band of the all-reduce,
     so a finished m-tile is shared by tile_m / allreduce_band_rows communication CTAs.
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):

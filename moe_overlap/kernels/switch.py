@@ -30,9 +30,9 @@ memory, bands of ``band_rows`` rows; CTA c owns bands c, c + grid, ... and takes
 time, as the producer finishes them: steps 1 and 2 of band b, then step 3 of its previous band
 (the kernel's comment has the no-deadlock argument); with ``arrive_ahead`` (default) step 1 of
 the next band is posted before step 2 of this one when that band is already ready, so the
-cross-GPU handshake of one band overlaps the reduce of the other. ``ready_rows`` (a multiple of band_rows)
-rows share one ready flag: the producer's bands may be coarser than the all-reduce's, so a
-finished producer band is all-reduced by ready_rows / band_rows CTAs at once.
+cross-GPU handshake of one band overlaps the reduce of the other. ``ready_rows`` (a multiple of
+band_rows) rows share one ready flag: the producer's bands may be coarser than the all-reduce's,
+so a finished producer band is all-reduced by ready_rows / band_rows CTAs at once.
 
 1. ready (only with a concurrent producer, ``wait_ready``): thread 0 waits (``ld.acquire.gpu``,
    bounded) until ``band_ready[b * band_rows / ready_rows] - epoch >= 0``
