@@ -44,11 +44,6 @@ BACKENDS = ("reference", "fused")
 COMMS = ("unicast", "switch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# rows per band of the fused backend's all-reduce (a compute m-tile is all-reduced by
-# tile_m / this many CTAs at once, which shortens the tail after the compute kernel ends)
-FUSED_DEFAULT_AR_BAND_ROWS = 32
-
-
 def fused_default_ccta(local_hidden: int) -> int:
     """SMs of the communication blocks (band all-reduce) in the fused backend when ccta is None.
     The all-reduce's bytes per row are N fp32 whatever the hidden size, the compute's FLOPs per
@@ -58,6 +53,16 @@ def fused_default_ccta(local_hidden: int) -> int:
     if local_hidden <= 2048:
         return 32
     return 24 if local_hidden <= 4096 else 16
+
+
+def fused_default_allreduce_band_rows(local_hidden: int, tile_m: int) -> int:
+    """Rows per band of the fused backend's all-reduce when allreduce_band_rows is None. A
+    compute m-tile is all-reduced by tile_m / band rows CTAs at once: fine bands shorten the
+    tail after the compute kernel ends, coarse ones cost fewer cross-GPU handshakes, which
+    matters where the all-reduce is longer than the compute (small hidden slices). Measured on
+    2x H200 (bench/NOTES.md, session 7, same runs): 32 beats 128 by 5-7 % and 64 by 1 % at
+    O/G >= 4096; at O/G = 1024, 64 beats 32 by 6 %."""
+    return min(64 if local_hidden <= 2048 else 32, tile_m)
 
 
 def _group_world(group) -> tuple[int, int]:
@@ -275,7 +280,7 @@ class _FusedBackend:
                              f"communication blocks; the rest compute)")
         if max_tokens is not None:
             _pos_int("max_tokens", max_tokens)
-        ar_rows = min(FUSED_DEFAULT_AR_BAND_ROWS, tile_m) if allreduce_band_rows is None \
+        ar_rows = fused_default_allreduce_band_rows(O, tile_m) if allreduce_band_rows is None \
             else allreduce_band_rows
         if isinstance(ar_rows, bool) or not isinstance(ar_rows, int) or ar_rows < 1 \
                 or tile_m % ar_rows:
@@ -395,8 +400,9 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``, ``epilogue``,
     ``cluster_m``, ``h_regs``, ``h_pair``; see kernels/fused_ffn.py), checked at construction;
     ``h_pair`` defaults to True where O/G is a multiple of 2 * tile_o.
-    ``allreduce_band_rows`` (a divisor of tile_m, default 32): rows per band of the all-reduce,
-    so a finished m-tile is shared by tile_m / allreduce_band_rows communication CTAs.
+    ``allreduce_band_rows`` (a divisor of tile_m; default ``fused_default_allreduce_band_rows``:
+    32, or 64 at O/G <= 2048): rows per band of the all-reduce, so a finished m-tile is shared by
+    tile_m / allreduce_band_rows communication CTAs.
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
     ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
     """

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_overlap.ffn import (FusedFFN, ShardedExperts, check_compute_options,
-                             fused_default_ccta)
+                             fused_default_allreduce_band_rows, fused_default_ccta)
 from moe_overlap.ffn_reference import (ACTIVATIONS, check_cases, ffn_truth, rel_err,
                                        tolerance)
 from moe_overlap.launch import spawn
@@ -250,3 +250,13 @@ def test_default_ccta_grows_as_the_hidden_slice_shrinks():
     assert got == {1024: 32, 4096: 24, 7168: 16, 8192: 16, 9216: 16, 14336: 16}
     ccta = [fused_default_ccta(og) for og in range(128, 20000, 128)]
     assert ccta == sorted(ccta, reverse=True)  # never more SMs for a larger slice
+
+
+def test_default_allreduce_bands_divide_the_m_tile():
+    for tile_m in (64, 128):
+        for og in range(128, 20000, 128):
+            rows = fused_default_allreduce_band_rows(og, tile_m)
+            assert tile_m % rows == 0 and rows >= 32
+    # coarser bands only where the all-reduce outlasts the compute (measured, bench/NOTES.md)
+    assert fused_default_allreduce_band_rows(1024, 128) == 64
+    assert fused_default_allreduce_band_rows(4096, 128) == 32
