@@ -270,7 +270,9 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
       + b2 (+ act2) -> bf16, accumulator zeroed (unicast vs NCCL all-reduce);
     - ``abl_no_fusion``: torch addmm + act1 + mm (separate kernels, H in HBM) into the fp32
       accumulator, then our band all-reduce.
-    Returns {"mod", "err" (fused vs the baseline's output), "memory"}."""
+    - ``fused_<name>`` / ``fused_compute_<name>``: the layer / its compute kernel with the
+      options of each ``--fused-variants`` entry.
+    Returns {"mod", "err" (fused vs the baseline's output), "memory", "variants"}."""
     import torch
     import torch.distributed as dist
     from moe_overlap.ffn import FusedFFN
@@ -299,13 +301,12 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
             e = rel_err(yf, y_base.double())
         ar_m = m._fused_allreduce(T)
 
-        def alone():
-            m._compute(x, w1, b1, w2, ar_m.acc[:T], ar_m.band_ready, ar_m.epoch, ccta=0,
+        def alone(ccta=0):  # its compute kernel alone, on SMs - ccta SMs
+            m._compute(x, w1, b1, w2, ar_m.acc[:T], ar_m.band_ready, ar_m.epoch, ccta=ccta,
                        act1=a.act1)
         return m, e, ar_m, alone
 
     mod, err, ar, compute_alone = layer(a.compute_opts)
-    comp = mod._compute
     acc = ar.acc[:T]
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     variants = {}
@@ -332,16 +333,12 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
         acc.copy_(torch.mm(h, w2))
         ar(T, b2=b2, out=out)
 
-    def compute_layer_sms():  # the compute kernel alone on the SMs the layer leaves it
-        comp(x, w1, b1, w2, acc, ar.band_ready, ar.epoch, ccta=mod.ccta, act1=a.act1)
-
-    def ar_layer_sms():  # the layer's all-reduce alone (ccta SMs, no flag waits; zeroes acc)
-        ar(T, b2=b2, out=out)
-
     fns.update(fused=lambda: mod(x), fused_compute=compute_alone,
-               fused_compute_layer_sms=compute_layer_sms, fused_ar_layer_sms=ar_layer_sms,
-               abl_no_spec=no_spec,
-               abl_nccl=nccl, abl_no_fusion=no_fusion)
+               # each kernel alone on the SMs it gets in the layer (the all-reduce: no flag
+               # waits, zeroes acc)
+               fused_compute_layer_sms=lambda: compute_alone(mod.ccta),
+               fused_ar_layer_sms=lambda: ar(T, b2=b2, out=out),
+               abl_no_spec=no_spec, abl_nccl=nccl, abl_no_fusion=no_fusion)
     # activation memory: bytes the layer allocates beyond its inputs and weights. Baseline: the
     # peak of the torch caching allocator during one call (H, the partial/output). Fused: the
     # allocator's peak (the output) plus the symmetric fp32 accumulator (allocated once, outside

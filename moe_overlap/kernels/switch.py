@@ -682,8 +682,7 @@ class BandAllReduce:
                  act2: str = "none", band_rows: int = DEFAULT_BAND_ROWS, ccta: int | None = None,
                  threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
                  zero_acc: bool = True, timeout_ns: int = DEFAULT_TIMEOUT_NS,
-                 arrive_ahead: bool = True,
-                 ready_rows: int | None = None):
+                 arrive_ahead: bool = True, ready_rows: int | None = None):
         import torch
         import torch.distributed as dist
         if backend not in BACKENDS:
