@@ -219,10 +219,8 @@ def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise TypeError(f"compute_options must be a dict, got {type(options).__name__}")
-    bad = sorted(set(options) - set(COMPUTE_OPTIONS))
-    if bad:
-        raise ValueError(f"compute_options: unknown or reserved keys {bad}; allowed: "
-                         f"{list(COMPUTE_OPTIONS)}")
+    from .kernels import reject_unknown_options
+    reject_unknown_options("compute_options", options, COMPUTE_OPTIONS)
     options = dict(options)
     if grouped and options.get("cluster_m", 1) != 1:
         raise ValueError("compute_options: cluster_m=2 applies to FusedFFN only (the grouped "

@@ -60,14 +60,12 @@ class OverlapError(RuntimeError):
 def check_gemm_options(options, tile_m):
     """Validated copy of OverlapCombine's ``gemm_options`` (ValueError / TypeError otherwise)."""
     import inspect
+    from .kernels import reject_unknown_options
     from .kernels.grouped_gemm import GroupedGemm
     options = dict(options or {})
     allowed = set(inspect.signature(GroupedGemm.__init__).parameters) - {
         "self", "tile_m", "tile_n", "signal"}
-    bad = sorted(set(options) - allowed)
-    if bad:
-        raise ValueError(f"gemm_options: unknown or reserved keys {bad}; allowed: "
-                         f"{sorted(allowed)}")
+    reject_unknown_options("gemm_options", options, allowed)
     GroupedGemm(tile_m=tile_m, **options)  # the GEMM's own value checks
     return options
 
