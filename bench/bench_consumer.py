@@ -56,6 +56,10 @@ def bench(args):
     rt = NvshmemRuntime.get()
     sizes = [32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20]
     cctas = [2, 4, 8, 16, 32]
+    if args.sizes:
+        sizes = [int(float(v) * (1 << 20)) // ROW_BYTES * ROW_BYTES for v in args.sizes.split(",")]
+    if args.cctas:
+        cctas = [int(v) for v in args.cctas.split(",")]
     # (transport, threads, unroll, options); copy="tma": bulk copies through a smem ring of
     # stages x chunk_bytes (threads / unroll unused there)
     variants = [("nvlink", 512, 4, {}), ("nvlink", 512, 8, {}), ("nvlink", 1024, 4, {}),
@@ -66,6 +70,11 @@ def bench(args):
                 ("nvlink", 32, 1, dict(copy="tma", stages=8, chunk_bytes=16384, lookahead=2))]
     if os.environ.get("BENCH_TMA_ONLY") == "1":
         variants = [variants[0]] + [v for v in variants if v[3].get("copy") == "tma"]
+    if args.tma:  # only these ring shapes, e.g. "12x16K_l4,12x16K_l8": stages x chunk, lookahead
+        variants = [("nvlink", 32, 1, dict(copy="tma", stages=int(v.split("x")[0]),
+                                           chunk_bytes=int(v.split("x")[1].split("K")[0]) << 10,
+                                           lookahead=int(v.split("_l")[1])))
+                    for v in args.tma.split(",")]
     if args.quick:
         sizes, cctas = [8 << 20], [8, 16]
         variants = [variants[0], next(v for v in variants if v[3].get("copy") == "tma")]
@@ -151,6 +160,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--sizes", default="", help="transfer sizes in MiB (default 32 KiB .. 8 MiB)")
+    ap.add_argument("--cctas", default="", help="SM counts (default 2,4,8,16,32)")
+    ap.add_argument("--n", type=int, default=N, help="row width in bf16 elements")
+    ap.add_argument("--tma", default="", help="only TMA rings STAGESxCHUNK_lLOOKAHEAD, e.g. "
+                                              "12x16K_l4,12x16K_l8 (copy engine always timed)")
     args = ap.parse_args()
     if "RANK" not in os.environ:  # spawn 2 ranks ourselves
         import torch.multiprocessing as mp
@@ -166,6 +180,8 @@ def main():
 
 
 def _entry(rank, args):
+    global N, ROW_BYTES
+    N, ROW_BYTES = args.n, args.n * 2  # (spawned ranks import the module afresh)
     os.environ["RANK"] = str(rank)
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))

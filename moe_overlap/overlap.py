@@ -150,6 +150,11 @@ class OverlapCombine:
         self._gemm = None
         self._warm = False  # consumer + scale loaded (warmup())
         self._prod_warm = False  # producer compiled and run once alone
+        # diagnostics (bench/bench_combine_split.py; eager calls only, never under capture):
+        # a list -> forward appends a dict of CUDA events (start, begun, shipped, produced,
+        # scaled); _diag_skip_scale leaves the scale out (times producer || consumer alone)
+        self._diag_timeline = None
+        self._diag_skip_scale = False
 
     # ---- producer ----------------------------------------------------------------------------
     def _pick_producer(self, producer: str) -> str:
@@ -338,8 +343,14 @@ class OverlapCombine:
         y, band_ready = self._buffers_for(h, plan)
         s0 = torch.cuda.current_stream(self.device)
         T = topk_ids.shape[0]
-        El, W = self.experts_per_rank, self.world_size
+        marks = None
+        if self._diag_timeline is not None:
+            marks = {n: torch.cuda.Event(enable_timing=True)
+                     for n in ("start", "begun", "shipped", "produced", "scaled")}
+            marks["start"].record(s0)
         rows, weights = self.begin_call(topk_ids, topk_weights, plan)
+        if marks:
+            marks["begun"].record(s0)
         out = torch.empty(T, self.out_features, dtype=torch.bfloat16, device=self.device)
         cs = self.cs
         if not overlap:  # all bands final before the consumer starts
@@ -351,17 +362,26 @@ class OverlapCombine:
                                  recv_sym=self.recv.data_ptr(),
                                  ctr_sym=self.counters.data_ptr(), err=self.err, ccta=self.ccta,
                                  slot_bytes=self.slot_bytes, stream=cs)
+            if marks:
+                marks["shipped"].record(cs)
         if overlap:
             self._produce(h, w_down, plan, y, band_ready)
+        if marks:
+            marks["produced"].record(s0)
         if not self.local_copy:
             # the scale reads local rows straight from y: order it after the producer (kernel
             # boundary = y final and visible; see the module doc for why not a flag spin)
             cs.wait_stream(s0)
         with torch.cuda.stream(cs):
-            self.scale.launch(recv=self.recv, rows=rows, weights=weights, out=out,
-                              counters=self.counters, expected=self.expected, rank=self.rank,
-                              err=self.err, epoch=self.epoch, slot_bytes=self.slot_bytes,
-                              num_sms=self.num_sms, stream=cs, y=y)
+            if not self._diag_skip_scale:
+                self.scale.launch(recv=self.recv, rows=rows, weights=weights, out=out,
+                                  counters=self.counters, expected=self.expected,
+                                  rank=self.rank, err=self.err, epoch=self.epoch,
+                                  slot_bytes=self.slot_bytes, num_sms=self.num_sms, stream=cs,
+                                  y=y)
+            if marks:
+                marks["scaled"].record(cs)
+                self._diag_timeline.append(marks)
         s0.wait_stream(cs)
         if not torch.cuda.is_current_stream_capturing():
             for t in (rows, weights, out, y):
