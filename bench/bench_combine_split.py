@@ -6,12 +6,14 @@
 Per shape (tokens per rank x experts x topk x N x K) and ccta, on every GPU of the host (W ranks):
 - CUDA-graph replays (as scripts/sweep.py: 4 calls per graph, median of replays, max over ranks):
   gemm_all (GEMM alone, every SM), gemm_prod (GEMM alone on the SMs the consumer leaves it),
-  begin (begin_call: epoch, expected counts, source rows), ship (the consumer kernel alone, bands
+  prepare (the routing's rows and counts, once per routing: outside the call unless --inline),
+  begin (the call's bookkeeping: epoch, expected counts), ship (the consumer kernel alone, bands
   marked ready), comm (begin + flags + ship: the sweep's T_comm), scale (the owner's scale alone,
   arrivals complete), overlap (the whole call: the sweep's T_overlap), overlap_noscale (the call
   without its scale: producer || consumer);
 - a timeline of eager calls with a GPU sleep before each (boost clock, host launch time hidden):
-  when begin_call, the consumer, the producer and the scale end, ms after the call's start;
+  when begin_call, the consumer, the producer and the scale end, ms after the call's start
+  (--piece-rows: the consumer's work units to compare, see OverlapCombine);
 - derived: the sweep's bound max(gemm_all, comm), the design's floor begin + max(gemm_prod, ship)
   + scale (perfect overlap of what overlaps, nothing else), and each over the bound.
 JSON to --out; a short table last.
@@ -65,6 +67,7 @@ def worker(rank, W, args):
         ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N, topk=k,
                             max_tokens_per_rank=T, ccta=args.ccta[0], mgb=args.mgb,
                             local_copy=False, copy="tma")
+        default_piece = ov.piece_rows
         ids, gates = route(T, E, k, args.mode, seed=si, rank=rank, device=dev)
         counts = exchange_counts(ids, E)
         g = torch.Generator(device=dev).manual_seed(si * 31 + rank)
@@ -74,6 +77,7 @@ def worker(rank, W, args):
         h = torch.randn(rows_total, K, device=dev, generator=g).to(torch.bfloat16)
         st = plan.stats()
         ref = ov.forward(h, w_down, plan, ids, gates, check=True, overlap=False).clone()
+        routes = None if args.inline else ov.prepare(plan, ids)
         y, band_ready = ov._buffers_for(h, plan)
         scratch = torch.zeros(plan.band_capacity, dtype=torch.int32, device=dev)
         cap = plan.band_capacity
@@ -92,20 +96,23 @@ def worker(rank, W, args):
             band_ready.copy_(torch.where(valid_b, ov.epoch.expand(cap), band_ready))
 
         t_gemm_all = timed(lambda: ov._produce(h, w_down, plan, y, scratch, ccta=0))
-        for ccta in args.ccta:
+        for ccta, piece in [(c, p) for c in args.ccta for p in args.piece_rows]:
             ov.ccta = ccta
-            out = ov.forward(h, w_down, plan, ids, gates, check=True)
+            ov.piece_rows = default_piece if piece < 0 else piece
+            out = ov.forward(h, w_down, plan, ids, gates, check=True, routes=routes)
             bitwise = bool(torch.equal(out, ref))
             r = dict(shape=dict(tokens=T, experts=E, topk=k, N=N, K=K), mode=args.mode,
-                     ccta=ccta, mgb=args.mgb, bitwise_equal=bitwise, stats=st,
+                     ccta=ccta, piece_rows=ov.piece_rows, mgb=args.mgb,
+                     bitwise_equal=bitwise, stats=st,
                      gemm_all=t_gemm_all)
-            r["overlap"] = timed(lambda: ov.forward(h, w_down, plan, ids, gates))
+            r["overlap"] = timed(lambda: ov.forward(h, w_down, plan, ids, gates, routes=routes))
             ov._diag_skip_scale = True
-            r["overlap_noscale"] = timed(lambda: ov.forward(h, w_down, plan, ids, gates))
+            r["overlap_noscale"] = timed(lambda: ov.forward(h, w_down, plan, ids, gates,
+                                                            routes=routes))
             ov._diag_skip_scale = False
             ov.check_errors()
             # a complete non-overlapped call, then its scale again and again (arrivals are in)
-            rows, weights = ov.begin_call(ids, gates, plan)
+            rows, weights = ov.begin_call(ids, gates, plan, routes)
             ov._produce(h, w_down, plan, y, band_ready, ccta=0)
             ov.ship(y, plan, band_ready)
             resync()
@@ -115,12 +122,13 @@ def worker(rank, W, args):
                 expected=ov.expected, rank=rank, err=ov.err, epoch=ov.epoch,
                 slot_bytes=ov.slot_bytes, num_sms=ov.num_sms, y=y))
             r["gemm_prod"] = timed(lambda: ov._produce(h, w_down, plan, y, scratch, ccta=ccta))
-            r["begin"] = timed(lambda: ov.begin_call(ids, gates, plan))
+            r["prepare"] = timed(lambda: ov.prepare(plan, ids))
+            r["begin"] = timed(lambda: ov.begin_call(ids, gates, plan, routes))
             mark_ready()  # the epoch stays put while the consumer alone ships again and again
             r["ship"] = timed(lambda: ov.ship(y, plan, band_ready))
 
             def comm():
-                ov.begin_call(ids, gates)
+                ov.begin_call(ids, gates, plan, routes)
                 mark_ready()
                 ov.ship(y, plan, band_ready)
 
@@ -132,7 +140,7 @@ def worker(rank, W, args):
             for _ in range(args.timeline_calls):
                 barrier()
                 torch.cuda._sleep(sleep)
-                ov.forward(h, w_down, plan, ids, gates)
+                ov.forward(h, w_down, plan, ids, gates, routes=routes)
             torch.cuda.synchronize()
             ov._diag_timeline = None
             ov.check_errors()
@@ -147,8 +155,9 @@ def worker(rank, W, args):
             r["remote_GBs_ship"] = st["remote_rows"] * N * 2 / (r["ship"] * 1e-3) / 1e9
             points.append(r)
             if rank == 0:
-                print(f"[{T}x{E}x{k}x{N}x{K} ccta={ccta}] " + " ".join(
-                    f"{n} {r[n]:.3f}" for n in ("gemm_all", "gemm_prod", "begin", "ship", "comm",
+                print(f"[{T}x{E}x{k}x{N}x{K} ccta={ccta} piece={ov.piece_rows}] " + " ".join(
+                    f"{n} {r[n]:.3f}" for n in ("gemm_all", "gemm_prod", "prepare", "begin",
+                                                "ship", "comm",
                                                 "scale", "overlap", "overlap_noscale")) +
                       f" timeline {tl} bitwise {bitwise}", flush=True)
         ov = None  # (its symmetric buffers stay allocated: NVSHMEM heap)
@@ -166,10 +175,16 @@ def main(argv=None):
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--timeline-calls", type=int, default=15)
     ap.add_argument("--lead-ms", type=float, default=2.0)
+    ap.add_argument("--inline", action="store_true",
+                    help="compute the routing's rows inside every call (the pre-prepare path)")
+    ap.add_argument("--piece-rows", default="-1",
+                    help="consumer piece rows to compare (-1: OverlapCombine's default, 0: "
+                         "whole segments)")
     ap.add_argument("--out", default="combine_split.json")
     args = ap.parse_args(argv)
     args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
     args.ccta = [int(c) for c in args.ccta.split(",")]
+    args.piece_rows = [int(c) for c in args.piece_rows.split(",")]
 
     import torch
 
@@ -183,22 +198,24 @@ def main(argv=None):
     meta = dict(device=torch.cuda.get_device_name(0), world_size=W, torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 git_commit=os.environ.get("GIT_COMMIT", ""), mode=args.mode, mgb=args.mgb,
-                reps=args.reps, replays=args.replays, lead_ms=args.lead_ms,
+                reps=args.reps, replays=args.replays, lead_ms=args.lead_ms, inline=args.inline,
+
                 seconds=time.time() - t0)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, points=points), f, indent=1)
     print(f"\ncombine split ({meta['device']} x{W}, {args.mode}, mgb {args.mgb}); ms, graph "
           "replays back to back, max over ranks; timeline: eager after a sleep, ms from start")
-    cols = ("gemm_all", "gemm_prod", "begin", "ship", "comm", "scale", "overlap",
+    cols = ("gemm_all", "gemm_prod", "prepare", "begin", "ship", "comm", "scale", "overlap",
             "overlap_noscale", "floor")
-    hdr = f"{'shape':<22}{'ccta':>5}" + "".join(f"{c[:11]:>12}" for c in cols) + \
+    hdr = f"{'shape':<22}{'ccta':>5}{'piece':>6}" + "".join(f"{c[:11]:>12}" for c in cols) + \
         f"{'ov/bound':>9}{'floor/bnd':>10}{'GB/s':>6}  timeline begun/shipped/produced/scaled"
     print(hdr)
     for r in points:
         s = r["shape"]
         name = f"{s['tokens']}x{s['experts']}x{s['topk']}x{s['N']}x{s['K']}"
         tl = "/".join(f"{r['timeline'][m]:.3f}" for m in MARKS)
-        print(f"{name:<22}{r['ccta']:>5}" + "".join(f"{r[c]:>12.3f}" for c in cols) +
+        print(f"{name:<22}{r['ccta']:>5}{r['piece_rows']:>6}" +
+              "".join(f"{r[c]:>12.3f}" for c in cols) +
               f"{r['overlap_over_bound']:>9.2f}{r['floor_over_bound']:>10.2f}"
               f"{r['remote_GBs_ship']:>6.0f}  {tl}{'' if r['bitwise_equal'] else '  NOT BITWISE'}")
     return 0 if all(r["bitwise_equal"] for r in points) else 1

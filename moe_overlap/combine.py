@@ -172,13 +172,32 @@ class MoECombine(torch.nn.Module):
             if h.shape[0] < need:
                 raise ValueError(f"h has {h.shape[0]} rows but the plan lays out {need}")
 
+    def prepare(self, plan: CombinePlan, topk_ids: torch.Tensor):
+        """Per routing (once per step, right after `plan`, e.g. while the dispatch or the first
+        expert GEMM runs): what `forward` needs from the routing, computed on the device without
+        a host sync (overlap backend: each assignment's row for the owner's scale and the
+        expected arrival counts; the reference backend needs nothing and gets None). Pass it to
+        `forward(..., routes=...)` to keep this work out of the combine's critical path."""
+        if not isinstance(plan, CombinePlan):
+            raise TypeError(f"plan must be a CombinePlan, got {type(plan).__name__}")
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 \
+                or topk_ids.shape[1] != self.topk:
+            raise ValueError(f"topk_ids must be a [tokens, topk={self.topk}] tensor")
+        if self.backend_for(topk_ids.device) == "reference":
+            return None
+        return self._overlap_impl(topk_ids.device).prepare(plan, topk_ids)
+
     def forward(self, h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
-                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                routes=None) -> torch.Tensor:
+        """routes: `prepare(plan, topk_ids)` of this step (optional; computed in the call if
+        None)."""
         self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
         backend = self.backend_for(h.device)
         if backend == "reference":
             return reference_combine(h, w_down, plan, topk_ids, topk_weights, self.group)
-        return self._overlap_impl(h.device).forward(h, w_down, plan, topk_ids, topk_weights)
+        return self._overlap_impl(h.device).forward(h, w_down, plan, topk_ids, topk_weights,
+                                                    routes=routes)
 
     def _overlap_impl(self, device):
         ok, why = overlap_available(device)
@@ -227,7 +246,9 @@ class MoECombine(torch.nn.Module):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
                                     max_rows=self.max_rows, validate=False)
                 impl.ccta = c
-                ms = time_calls(lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights),
+                routes = impl.prepare(plan, topk_ids)
+                ms = time_calls(lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights,
+                                                     routes=routes),
                                 reps=reps, replays=5, barrier=barrier)[0]
                 impl.check_errors()
                 return agree(ms, dist.ReduceOp.MAX)

@@ -19,7 +19,7 @@ Everything per call lives on the device (epoch, expected counts, flags), so the 
 in a CUDA graph and replays with new data in the same input tensors.
 
 Options (v1 defaults ``local_copy=True, copy="ldst"``; v2 = ``local_copy=False, copy="tma"``):
-- ``local_copy=False``: the consumer ships remote segments only. ``begin_call(..., plan)`` builds,
+- ``local_copy=False``: the consumer ships remote segments only. ``prepare(plan, ...)`` builds,
   on the device, each (t, k) assignment's source row: the receive-slot row r (remote experts) or,
   for this rank's own experts, y row = expert_row_start[e] + group_row_start[e, rank] +
   (r - first receive row of expert g), encoded as -(y row) - 1; expected[rank] only advances by
@@ -70,6 +70,14 @@ def check_gemm_options(options, tile_m):
     return options
 
 
+class CombineRoutes:
+    """A routing's per-call inputs of the overlapped combine (``OverlapCombine.prepare``)."""
+
+    def __init__(self, rows, expected_inc, plan, num_tokens):
+        self.rows, self.expected_inc = rows, expected_inc
+        self.plan, self.num_tokens = plan, num_tokens
+
+
 class OverlapCombine:
     _instances = 0
 
@@ -79,10 +87,16 @@ class OverlapCombine:
                  producer: str | None = None, timeout_s: float = 10.0, consumer_threads: int = 512,
                  consumer_unroll: int = 4, local_copy: bool = True, copy: str = "ldst",
                  consumer_stages: int | None = None, consumer_chunk: int | None = None,
+                 consumer_piece_rows: int | None = None,
                  gemm_options: dict | None = None):
         # options of the producer GroupedGemm (e.g. cluster_n, band_group), checked here, on
         # any machine, before CUDA is touched; tile_m / tile_n / signal are the combine's
         self.gemm_options = check_gemm_options(gemm_options, tile_m)
+        if consumer_piece_rows is not None and (
+                not isinstance(consumer_piece_rows, int) or isinstance(consumer_piece_rows, bool)
+                or consumer_piece_rows < 0):
+            raise ValueError(f"consumer_piece_rows={consumer_piece_rows!r} must be an int >= 0 "
+                             "(0: one piece per segment) or None (about 1 MiB of rows)")
         if not torch.cuda.is_available():
             raise OverlapError("OverlapCombine needs CUDA")
         if transport not in TRANSPORTS:
@@ -90,11 +104,14 @@ class OverlapCombine:
         if out_features % 8:
             raise ValueError(f"out_features={out_features} must be a multiple of 8 (16-byte rows)")
         from .kernels.consumer import check_options, DEFAULT_STAGES, DEFAULT_CHUNK, \
-            DEFAULT_LOOKAHEAD
+            DEFAULT_LOOKAHEAD, DEFAULT_PIECE_BYTES
         stages = DEFAULT_STAGES if consumer_stages is None else int(consumer_stages)
         chunk = DEFAULT_CHUNK if consumer_chunk is None else int(consumer_chunk)
         lookahead = min(DEFAULT_LOOKAHEAD, max(1, stages // 2))
         check_options(transport, copy, stages, chunk, lookahead)
+        if consumer_piece_rows is None:  # ~1 MiB per piece (see consumer.py)
+            consumer_piece_rows = max(1, DEFAULT_PIECE_BYTES // (2 * out_features))
+        self.piece_rows = consumer_piece_rows
         self.local_copy, self.copy = bool(local_copy), copy
         if producer is None:
             producer = os.environ.get("MOE_OVERLAP_PRODUCER", "auto")
@@ -275,27 +292,37 @@ class OverlapCombine:
         torch.cuda.synchronize(dev)
         self._warm = True
 
-    def begin_call(self, topk_ids, topk_weights, plan=None):
-        """Per-call device bookkeeping on the current stream (no host ints): epoch += 1,
-        expected_cum[s] += my assignments to rank s's experts + 1 (s's call marker); with
-        local_copy=False the own rank's rows are not counted (they are read from y).
-        Returns (rows int32 [T, topk], weights fp32 [T, topk]): receive rows, or with
-        local_copy=False and a plan, source rows (see source_rows). Without a plan (consumer-only
-        use) the rows are plain receive rows."""
+    def prepare(self, plan, topk_ids) -> CombineRoutes:
+        """What a call needs from the routing, computed once per routing and off the call's
+        critical path (device only, no host sync): each (t, k) assignment's row for the scale and
+        the per-source increment of the expected arrival counts. The sequential baseline prepares
+        its permutations the same way (a MoE layer knows its routing from the dispatch); computed
+        inside every call this took 0.16-0.18 ms ahead of the GEMM (bench_combine_split, 2x H200).
+
+        rows: int32 [T, topk]: receive rows, or with local_copy=False and a plan, source rows (see
+        source_rows). Without a plan (consumer-only use) plain receive rows.
+        expected_inc: int64 [W]: my assignments to rank s's experts + 1 (s's call marker); with
+        local_copy=False the own rank's rows are not counted (they are read from y)."""
         El, W = self.experts_per_rank, self.world_size
-        self.epoch.add_(1)
         owner = (topk_ids.reshape(-1).long() // El).clamp(0, W - 1)
-        if self.local_copy:
-            self.expected.index_add_(0, owner, torch.ones_like(owner))
-        else:
-            self.expected.index_add_(0, owner, (owner != self.rank).long())
-        self.expected.add_(1)
+        counted = torch.ones_like(owner) if self.local_copy else (owner != self.rank).long()
+        inc = torch.ones(W, dtype=torch.int64, device=topk_ids.device).index_add_(
+            0, owner, counted)
         rows = _recv_rows(topk_ids, self.num_experts)
         if not self.local_copy and plan is not None:
             rows = self.source_rows(topk_ids, rows, plan)
-        rows = rows.to(torch.int32).contiguous()
-        weights = topk_weights.to(torch.float32).contiguous()
-        return rows, weights
+        return CombineRoutes(rows=rows.to(torch.int32).contiguous(), expected_inc=inc, plan=plan,
+                             num_tokens=topk_ids.shape[0])
+
+    def begin_call(self, topk_ids, topk_weights, plan=None, routes=None):
+        """Per-call device bookkeeping on the current stream (no host ints): epoch += 1,
+        expected_cum += routes.expected_inc (routes: from ``prepare``, computed here if None).
+        Returns (rows int32 [T, topk], weights fp32 [T, topk]) for the scale."""
+        if routes is None:
+            routes = self.prepare(plan, topk_ids)
+        self.epoch.add_(1)
+        self.expected.add_(routes.expected_inc)
+        return routes.rows, topk_weights.to(torch.float32).contiguous()
 
     def source_rows(self, topk_ids, recv_rows, plan):
         """Device-only (no sync): the scale's source of each (t, k): the receive row r for remote
@@ -322,14 +349,23 @@ class OverlapCombine:
                              ctr_sym=self.counters.data_ptr(), err=self.err,
                              ccta=self.ccta if ccta is None else ccta,
                              slot_bytes=self.slot_bytes if slot_bytes is None else slot_bytes,
-                             stream=stream)
+                             piece_rows=self.piece_rows, stream=stream)
 
     # ---- the call ------------------------------------------------------------------------------
     def forward(self, h, w_down, plan, topk_ids, topk_weights, check: bool = False,
-                overlap: bool = True):
+                overlap: bool = True, routes: CombineRoutes | None = None):
         """overlap=False: our own non-overlapped path (the same GEMM on every SM, then the
-        consumer, then the scale), the bitwise reference of the overlapped call."""
+        consumer, then the scale), the bitwise reference of the overlapped call.
+        routes: ``prepare(plan, topk_ids)`` of this routing (computed in the call if None)."""
         self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
+        if routes is not None:
+            if routes.plan is not plan:
+                raise ValueError("routes were prepared for another plan: call prepare(plan, "
+                                 "topk_ids) for this one")
+            if routes.num_tokens != topk_ids.shape[0] or tuple(routes.rows.shape) != \
+                    tuple(topk_ids.shape):
+                raise ValueError(f"routes are for {routes.num_tokens} tokens x "
+                                 f"{routes.rows.shape[1]}, topk_ids is {tuple(topk_ids.shape)}")
         if not self._warm:
             self.warmup()
         if not self._prod_warm:
@@ -348,7 +384,7 @@ class OverlapCombine:
             marks = {n: torch.cuda.Event(enable_timing=True)
                      for n in ("start", "begun", "shipped", "produced", "scaled")}
             marks["start"].record(s0)
-        rows, weights = self.begin_call(topk_ids, topk_weights, plan)
+        rows, weights = self.begin_call(topk_ids, topk_weights, plan, routes)
         if marks:
             marks["begun"].record(s0)
         out = torch.empty(T, self.out_features, dtype=torch.bfloat16, device=self.device)
@@ -357,11 +393,7 @@ class OverlapCombine:
             self._produce(h, w_down, plan, y, band_ready, ccta=0)
         cs.wait_stream(s0)
         with torch.cuda.stream(cs):
-            self.consumer.launch(y=y, plan=plan, band_ready=band_ready, epoch=self.epoch,
-                                 recv_peers=self.buffers.recv_peers, ctr_peers=self.buffers.ctr_peers,
-                                 recv_sym=self.recv.data_ptr(),
-                                 ctr_sym=self.counters.data_ptr(), err=self.err, ccta=self.ccta,
-                                 slot_bytes=self.slot_bytes, stream=cs)
+            self.ship(y, plan, band_ready, stream=cs)
             if marks:
                 marks["shipped"].record(cs)
         if overlap:

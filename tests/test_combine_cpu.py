@@ -86,6 +86,20 @@ def test_forward_accepts_good_input():
     assert out.shape == (5, 6) and torch.isfinite(out).all()
 
 
+def test_prepare_on_the_reference_backend():
+    """prepare() is per routing; the reference backend needs nothing from it (None), forward takes
+    routes=None or its result alike, and a bad routing fails clearly."""
+    h, w, plan, ids, gates = _inputs()
+    layer = _layer()
+    routes = layer.prepare(plan, ids)
+    assert routes is None
+    assert torch.equal(layer(h, w, plan, ids, gates, routes=routes), layer(h, w, plan, ids, gates))
+    with pytest.raises(ValueError, match="topk"):
+        layer.prepare(plan, ids[:, :1])
+    with pytest.raises(TypeError, match="CombinePlan"):
+        layer.prepare("plan", ids)
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(num_experts=3, world=None), None),
     (dict(tile_m=100), "tile_m"),

@@ -22,10 +22,8 @@ def _ptx(launch, *args):
 
 
 def _consumer_args():
-    import cuda.bindings.driver as cuda
-    from cutlass import Int32, Int64
-    return [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 22 + [Int32(1), Int32(1),
-                                                               cuda.CUstream(0)]
+    from moe_overlap.kernels.consumer import consumer_example_args
+    return consumer_example_args()
 
 
 @pytest.mark.parametrize("unroll", [1, 4, 8])

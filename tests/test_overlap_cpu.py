@@ -46,6 +46,13 @@ def test_overlap_needs_cuda():
         OverlapCombine()
 
 
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "64"])
+def test_consumer_piece_rows_checked_before_cuda(bad):
+    from moe_overlap.overlap import OverlapCombine
+    with pytest.raises(ValueError, match="consumer_piece_rows"):
+        OverlapCombine(consumer_piece_rows=bad)
+
+
 @pytest.mark.parametrize("W,E,topk,tile_m,mode", [(2, 8, 2, 128, "moderate_skew"),
                                                   (4, 16, 4, 64, "stress_skew"),
                                                   (3, 6, 2, 64, "balanced")])

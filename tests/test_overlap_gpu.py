@@ -17,7 +17,11 @@ Consumer v2 options run the same checks under their own tags:
     and the own counter to hold only call markers; the timeout check runs for it too;
   - ``nvshmem_v2``: local_copy=False with the nvshmem transport (copy stays put_signal);
   - ``nvlink_tma``: copy="tma" with local_copy=True (local bands copied by bulk copies too), on a
-    small ring (3 stages x 4 KiB) so the mbarrier phases wrap many times per segment.
+    small ring (3 stages x 4 KiB) so the mbarrier phases wrap many times per segment;
+  - ``nvlink_v2_pieces`` / ``nvshmem_pieces``: segments cut into pieces of 5 / 7 rows spread over
+    the CTAs (consumer_piece_rows).
+The second forward call of each passes routes prepared beforehand (OverlapCombine.prepare), and
+routes of another plan must be refused.
 """
 import json
 import os
@@ -133,8 +137,16 @@ def _forward_checks(ov, res, tag, seed):
         ov.rt.barrier()
         ov.recv.fill_(float("nan"))
         ov.rt.barrier()
-        out = ov.forward(h, wd, plan, ids, w)
+        # call 0 computes the routing's rows inside the call, call 1 prepares them beforehand
+        routes = ov.prepare(plan, ids) if call else None
+        out = ov.forward(h, wd, plan, ids, w, routes=routes)
         ov.check_errors()
+        if call:
+            try:
+                ov.forward(h, wd, _plan(ov, ids), ids, w, routes=routes)
+                res[f"{tag}_routes_other_plan_raises"] = False
+            except ValueError as e:
+                res[f"{tag}_routes_other_plan_raises"] = "another plan" in str(e)
         ref = reference_combine(h.float(), wd.float(), plan, ids, w)
         res[f"{tag}_forward{call}_rel_err"] = _rel(out, ref)
         res[f"{tag}_forward{call}_finite"] = bool(torch.isfinite(out.float()).all())
@@ -212,7 +224,11 @@ def _worker(rank, world, port, outdir):
                    # small ring (3 x 4 KiB, lookahead 1): many phase wraps per segment
                    ("nvlink_tma", "nvlink", None, dict(local_copy=True, copy="tma",
                                                        consumer_stages=3, consumer_chunk=4096)),
-                   ("torchprod_v2", "nvlink", "torch", v2))
+                   ("torchprod_v2", "nvlink", "torch", v2),
+                   # segments cut into pieces of a few rows (not dividing the segments), spread
+                   # over the CTAs: the consumer's work split on both transports
+                   ("nvlink_v2_pieces", "nvlink", None, dict(v2, consumer_piece_rows=5)),
+                   ("nvshmem_pieces", "nvshmem", None, dict(v1, consumer_piece_rows=7)))
         only = os.environ.get("MOE_TEST_CONFIGS")  # e.g. "nvlink_v2,nvshmem_v2" (debugging)
         if only:
             configs = tuple(c for c in configs if c[0] in only.split(","))
@@ -267,7 +283,7 @@ def _run(outdir):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=420)
+        p.join(timeout=540)
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -286,7 +302,7 @@ def results():
     return res
 
 
-V2 = ["nvlink_v2", "nvshmem_v2", "nvlink_tma"]
+V2 = ["nvlink_v2", "nvshmem_v2", "nvlink_tma", "nvlink_v2_pieces", "nvshmem_pieces"]
 
 
 def _selected(tag):
@@ -314,6 +330,7 @@ def test_forward_matches_fp32_reference_two_calls(results, tr):
         for call in range(2):
             assert r[f"{tr}_forward{call}_finite"], r
             assert r[f"{tr}_forward{call}_rel_err"] < 1e-2, r
+        assert r[f"{tr}_routes_other_plan_raises"], r
 
 
 @pytest.mark.parametrize("tr", ["nvlink", "nvshmem"] + V2)

@@ -2,14 +2,18 @@
 
 Launched on ``ccta`` CTAs (one per SM) on a higher-priority stream than the producer GEMM.
 
-Per call (epoch = ``epoch[0]``), CTA i walks the plan's remote segments i, i + ccta, ...:
+Per call (epoch = ``epoch[0]``), the plan's remote segments are cut into pieces of ``piece_rows``
+rows (a runtime argument; 0: one piece per segment, the v2 behaviour), numbered across segments in
+schedule order; CTA i ships pieces i, i + ccta, ... (with whole segments per CTA, CTAs sat idle
+at the end of a call and the last segment shipped on one CTA). Per piece:
   1. thread 0 waits (ld.acquire.gpu, bounded by %globaltimer) until ``band_ready[b] == epoch`` for
-     every band b = schedule[segment_start[s] + j], j < segment_bands[s]; on timeout it records
+     every band b = schedule[segment_start[s] + j], j < segment_bands[s] (once per segment the CTA
+     has pieces of); on timeout it records
      (rank, segment, band, value, epoch) in the error buffer and the CTA exits;
      ``bar.red.or`` broadcasts the outcome to the CTA (and orders the other threads' loads after
      the acquire: producer release -> acquire -> bar.sync -> loads, causality order is transitive);
-  2. the CTA copies ``segment_rows[s] * N`` bf16 (contiguous) from y row ``segment_src_row[s]`` to
-     rank ``segment_dest[s]``'s receive buffer at row ``segment_dest_row[s]``:
+  2. the CTA copies the piece's rows (full width N, contiguous) from y row ``segment_src_row[s]``
+     + r0 to rank ``segment_dest[s]``'s receive buffer at row ``segment_dest_row[s]`` + r0:
        - transport ``nvlink``: 16-byte ld.global.cg / st.global.v4 to the peer's mapped address,
          UNROLL independent loads in flight per thread before the stores;
        - transport ``nvshmem``: ``put_signal_nbi_block`` (NVSHMEM orders the signal after the data);
@@ -56,6 +60,7 @@ TMA_THREADS = 32  # copy="tma": one warp, thread 0 issues every bulk copy
 DEFAULT_STAGES = 12
 DEFAULT_CHUNK = 16384  # bytes per stage: 12 x 16 KiB = 192 KiB of shared memory per CTA
 DEFAULT_LOOKAHEAD = 4
+DEFAULT_PIECE_BYTES = 1 << 20  # OverlapCombine's default piece: rows of about 1 MiB
 
 
 def _cute():
@@ -201,7 +206,8 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                         num_remote_bands: Int64, band_src_row: Int64, band_valid: Int64,
                         band_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
                         recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64, ctr_sym: Int64,
-                        err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32):
+                        err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32,
+                        piece_rows: Int32):
         tidx, bidx, nblk = P.thread_block_grid()
         epoch = P.ld_s32(epoch_ptr)
         nseg = P.ld_s32(num_segments)
@@ -239,63 +245,82 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                     P.ld_s64(ctr_peers + Int64(tidx) * Int64(8)) + Int64(rank) * Int64(8),
                     Int64(1))
 
-        # ---- remote segments -----------------------------------------------------------------
-        s = bidx
+        # ---- remote segments, in pieces of piece_rows rows (0: a segment is one piece) -------
+        # Piece q, numbered across the segments in schedule order, goes to CTA q % nblk: every
+        # CTA works on the earliest ready segments, the pieces balance the CTAs' bytes, and the
+        # last segment ships on many CTAs at once instead of one. Each CTA walks every segment's
+        # row count (L2 hits) to number the pieces; it waits only for segments it has pieces of.
+        s = Int32(0)
+        pc = Int32(0)  # pieces of the segments before s
         while s < nseg and failed == Int32(0):
             off = Int64(s) * Int64(4)
-            to = Int32(0)
-            if tidx == Int32(0):
-                to = wait_bands(schedule, band_ready, P.ld_s32(seg_start + off),
-                                P.ld_s32(seg_bands + off), epoch, t_start, timeout_ns, err,
-                                rank, s)
-            failed = P.block_any(to)
-            if failed == Int32(0):
+            seg_n = P.ld_s32(seg_rows + off)
+            pr = seg_n
+            if piece_rows > Int32(0):
+                pr = piece_rows
+            if pr < Int32(1):
+                pr = Int32(1)
+            npieces = (seg_n + pr - Int32(1)) // pr
+            q = pc + (bidx - pc % nblk + nblk) % nblk  # this CTA's first piece >= pc
+            if q < pc + npieces:
+                to = Int32(0)
+                if tidx == Int32(0):
+                    to = wait_bands(schedule, band_ready, P.ld_s32(seg_start + off),
+                                    P.ld_s32(seg_bands + off), epoch, t_start, timeout_ns, err,
+                                    rank, s)
+                failed = P.block_any(to)
                 dest = P.ld_s32(seg_dest + off)
-                rows = P.ld_s32(seg_rows + off)
-                src = y + Int64(P.ld_s32(seg_src_row + off)) * row_bytes
-                dst_off = Int64(P.ld_s32(seg_dest_row + off)) * row_bytes + slot_off
-                nbytes = Int64(rows) * row_bytes
-                if cutlass.const_expr(use_nvshmem):
-                    n_el = Int32(nbytes // Int64(2))
-                    lay = cute.make_layout(n_el)
-                    dst_t = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, recv_sym + dst_off,
-                                                           cute.AddressSpace.gmem,
-                                                           assumed_align=2), lay)
-                    src_t = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, src,
-                                                           cute.AddressSpace.gmem,
-                                                           assumed_align=2), lay)
-                    sig_t = cute.make_tensor(cute.make_ptr(cutlass.Uint64,
-                                                           ctr_sym + Int64(rank) * Int64(8),
-                                                           cute.AddressSpace.gmem,
-                                                           assumed_align=8),
-                                             cute.make_layout(1))
-                    nvdev.put_signal_nbi_block(dst_t, src_t, sig_t, Int64(rows),
-                                               SignalOp.SIGNAL_ADD, dest)
-                elif cutlass.const_expr(use_tma):
-                    dst = P.ld_s64(recv_peers + Int64(dest) * Int64(8)) + dst_off
-                    to2 = Int32(0)
-                    if tidx == Int32(0):
-                        # async-proxy reads of y after the generic acquire of the band flags
-                        P.fence_proxy_async_global()
-                        gchunk, to2 = tma_copy(src, dst, nbytes, gchunk, smem0, mbar0, t_start,
-                                               timeout_ns, err, rank, s)
-                        if to2 == Int32(0):
+                src_row0 = P.ld_s32(seg_src_row + off)
+                dst_row0 = P.ld_s32(seg_dest_row + off)
+                while q < pc + npieces and failed == Int32(0):
+                    r0 = (q - pc) * pr
+                    rows = seg_n - r0
+                    if rows > pr:
+                        rows = pr
+                    src = y + Int64(src_row0 + r0) * row_bytes
+                    dst_off = Int64(dst_row0 + r0) * row_bytes + slot_off
+                    nbytes = Int64(rows) * row_bytes
+                    if cutlass.const_expr(use_nvshmem):
+                        lay = cute.make_layout(Int32(nbytes // Int64(2)))
+                        dst_t = cute.make_tensor(
+                            cute.make_ptr(cutlass.BFloat16, recv_sym + dst_off,
+                                          cute.AddressSpace.gmem, assumed_align=2), lay)
+                        src_t = cute.make_tensor(
+                            cute.make_ptr(cutlass.BFloat16, src, cute.AddressSpace.gmem,
+                                          assumed_align=2), lay)
+                        sig_t = cute.make_tensor(
+                            cute.make_ptr(cutlass.Uint64, ctr_sym + Int64(rank) * Int64(8),
+                                          cute.AddressSpace.gmem, assumed_align=8),
+                            cute.make_layout(1))
+                        nvdev.put_signal_nbi_block(dst_t, src_t, sig_t, Int64(rows),
+                                                   SignalOp.SIGNAL_ADD, dest)
+                    elif cutlass.const_expr(use_tma):
+                        dst = P.ld_s64(recv_peers + Int64(dest) * Int64(8)) + dst_off
+                        to2 = Int32(0)
+                        if tidx == Int32(0):
+                            # async-proxy reads of y after the generic acquire of the band flags
                             P.fence_proxy_async_global()
+                            gchunk, to2 = tma_copy(src, dst, nbytes, gchunk, smem0, mbar0,
+                                                   t_start, timeout_ns, err, rank, s)
+                            if to2 == Int32(0):
+                                P.fence_proxy_async_global()
+                                P.fence_acq_rel_sys()
+                                P.red_release_sys_add_s64(
+                                    P.ld_s64(ctr_peers + Int64(dest) * Int64(8))
+                                    + Int64(rank) * Int64(8), Int64(rows))
+                        failed = P.block_any(to2)
+                    else:
+                        dst = P.ld_s64(recv_peers + Int64(dest) * Int64(8)) + dst_off
+                        copy_rows(src, dst, nbytes, tidx)
+                        P.block_sync()
+                        if tidx == Int32(0):
                             P.fence_acq_rel_sys()
                             P.red_release_sys_add_s64(
                                 P.ld_s64(ctr_peers + Int64(dest) * Int64(8))
                                 + Int64(rank) * Int64(8), Int64(rows))
-                    failed = P.block_any(to2)
-                else:
-                    dst = P.ld_s64(recv_peers + Int64(dest) * Int64(8)) + dst_off
-                    copy_rows(src, dst, nbytes, tidx)
-                    P.block_sync()
-                    if tidx == Int32(0):
-                        P.fence_acq_rel_sys()
-                        P.red_release_sys_add_s64(
-                            P.ld_s64(ctr_peers + Int64(dest) * Int64(8)) + Int64(rank) * Int64(8),
-                            Int64(rows))
-            s = s + nblk
+                    q = q + nblk
+            pc = pc + npieces
+            s = s + Int32(1)
 
         # ---- local bands: y -> own receive buffer (v1; left out with local_copy=False) -------
         if cutlass.const_expr(LOCAL_COPY):
@@ -345,13 +370,14 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                num_remote_bands: Int64, band_src_row: Int64, band_valid: Int64,
                band_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
                recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64, ctr_sym: Int64,
-               err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32, ccta: Int32,
-               stream: cuda.CUstream):
+               err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32,
+               piece_rows: Int32, ccta: Int32, stream: cuda.CUstream):
         consumer_kernel(y, row_bytes, rank, num_segments, seg_start, seg_bands, seg_dest,
                         seg_src_row, seg_dest_row, seg_rows, schedule, num_bands,
                         num_remote_bands, band_src_row, band_valid, band_dest_row, band_ready,
                         epoch_ptr, recv_peers, ctr_peers, recv_sym, ctr_sym, err,
-                        timeout_ns, slot_bytes, world).launch(grid=[ccta, 1, 1], block=[NT, 1, 1], stream=stream)
+                        timeout_ns, slot_bytes, world, piece_rows).launch(
+            grid=[ccta, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch
 
@@ -360,7 +386,16 @@ _ARG_NAMES = ("y", "row_bytes", "rank", "num_segments", "segment_start", "segmen
               "segment_dest", "segment_src_row", "segment_dest_row", "segment_rows", "schedule",
               "num_bands", "num_remote_bands", "band_src_row", "band_valid", "band_dest_row",
               "band_ready", "epoch", "recv_peers", "ctr_peers", "recv_sym", "ctr_sym", "err",
-              "timeout_ns", "slot_bytes", "world", "ccta")
+              "timeout_ns", "slot_bytes", "world", "piece_rows", "ccta")
+
+
+def consumer_example_args():
+    """Example arguments of the consumer launcher (types only, ``_ARG_NAMES`` then the stream),
+    for cute.compile."""
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    return [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 22 + [Int32(1), Int32(0), Int32(1),
+                                                               cuda.CUstream(0)]
 
 
 def compile_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
@@ -369,10 +404,8 @@ def compile_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
     callable ``f(*ints, stream)`` taking the args of ``_ARG_NAMES`` as ints, then a CUstream.
     options: local_copy, copy, stages, chunk_bytes, lookahead (see build_consumer)."""
     cutlass, cute = _cute()
-    import cuda.bindings.driver as cuda
-    from cutlass import Int32, Int64
     launch = build_consumer(transport, threads, unroll, **options)
-    ex = [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 22 + [Int32(1), Int32(1), cuda.CUstream(0)]
+    ex = consumer_example_args()
     if transport == "nvshmem" and not _have_gpu():
         _point_nvshmem_bitcode_at_sm90()
     return cute.compile(launch, *ex)
@@ -416,12 +449,9 @@ class Consumer:
         if self._fn is None:
             if self.transport == "nvshmem" and _have_gpu():
                 from nvshmem.core.interop.cute import cute_compile_helper
-                import cuda.bindings.driver as cuda
-                from cutlass import Int32, Int64
                 launch = build_consumer(self.transport, self.threads, self.unroll,
                                         **self.options)
-                ex = [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 22 + [Int32(1), Int32(1),
-                                                                        cuda.CUstream(0)]
+                ex = consumer_example_args()
                 self._fn, self._nvshmem_obj = cute_compile_helper(launch, *ex)
             else:
                 self._fn = compile_consumer(self.transport, self.threads, self.unroll,
@@ -429,7 +459,7 @@ class Consumer:
         return self._fn
 
     def launch(self, *, y, plan, band_ready, epoch, recv_peers, ctr_peers, recv_sym, ctr_sym,
-               err, ccta: int, slot_bytes: int, stream=None):
+               err, ccta: int, slot_bytes: int, piece_rows: int = 0, stream=None):
         """y: [rows, N] bf16 contiguous; recv_peers / ctr_peers: int64 [W] device tables of the
         receive buffer / counter base address on every rank (own rank: local); recv_sym / ctr_sym:
         local symmetric addresses (nvshmem transport); err: int64 [8]."""
@@ -452,5 +482,6 @@ class Consumer:
                 plan.band_src_row.data_ptr(), plan.band_valid.data_ptr(),
                 plan.band_dest_row.data_ptr(), band_ready.data_ptr(), epoch.data_ptr(),
                 recv_peers.data_ptr(), ctr_peers.data_ptr(), int(recv_sym), int(ctr_sym),
-                err.data_ptr(), self.timeout_ns, int(slot_bytes), plan.world_size, int(ccta))
+                err.data_ptr(), self.timeout_ns, int(slot_bytes), plan.world_size,
+                int(piece_rows), int(ccta))
         self._launcher(ints, stream.cuda_stream)
