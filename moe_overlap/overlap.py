@@ -36,9 +36,10 @@ Options (v1 defaults ``local_copy=True, copy="ldst"``; v2 = ``local_copy=False, 
   memory ring (see moe_overlap/kernels/consumer.py); ``consumer_stages`` / ``consumer_chunk``
   size the ring.
 
-Producer: ``moe_overlap.kernels.grouped_gemm.GroupedGemm`` once it exists; until then (or with
-``producer="torch"``) a torch stand-in: all-expert matmul + gather by band expert, then one torch
-op that sets the flags of all valid bands (no host sync; test-only speed).
+Producer: ``moe_overlap.kernels.grouped_gemm.GroupedGemm`` (clusters of 1 beside the consumer,
+see ``_gemm_for``); without CuTe DSL (or with ``producer="torch"``) a torch stand-in: all-expert
+matmul + gather by band expert, then one torch op that sets the flags of all valid bands (no host
+sync; test-only speed).
 """
 from __future__ import annotations
 
@@ -164,7 +165,7 @@ class OverlapCombine:
                                  chunk_bytes=chunk, lookahead=lookahead)
         self.scale = Scale(topk, timeout_ns=self.timeout_ns, y_src=not self.local_copy)
         self.producer_kind = self._pick_producer(producer)
-        self._gemm = None
+        self._gemms = {}  # "solo" (every SM) / "beside" (next to the consumer): see _gemm_for
         self._warm = False  # consumer + scale loaded (warmup())
         self._prod_warm = False  # producer compiled and run once alone
         # diagnostics (bench/bench_combine_split.py; eager calls only, never under capture):
@@ -219,6 +220,22 @@ class OverlapCombine:
         y.index_copy_(0, dst.reshape(-1), vals.reshape(-1, y.shape[1]).to(y.dtype))
         band_ready.copy_(torch.where(valid, epoch.expand(cap), band_ready))
 
+    def _gemm_for(self, ccta: int):
+        """The producer GEMM for a launch beside ``ccta`` consumer SMs. Its default clusters of 2
+        CTAs are the fastest on every SM, but beside the consumer's CTAs part of the persistent
+        grid can find no pair of free SMs and run as a second wave: at ccta = 16 (and 4 on a
+        K=14336 shape) the overlapped call took 1.7-2x longer in CUDA-graph replays, and clusters
+        of 1 removed it (sweep_c1 / sweep_c2, bench/NOTES.md). So launches beside a consumer use
+        clusters of 1 unless gemm_options set cluster_n; both give the same bits."""
+        key = "solo" if ccta == 0 or "cluster_n" in self.gemm_options else "beside"
+        gemm = self._gemms.get(key)
+        if gemm is None:
+            from .kernels.grouped_gemm import GroupedGemm
+            opts = dict(self.gemm_options, **({"cluster_n": 1} if key == "beside" else {}))
+            gemm = self._gemms[key] = GroupedGemm(tile_m=self.tile_m, tile_n=self._tile_n,
+                                                  **opts)
+        return gemm
+
     def _produce(self, h, w_down, plan, y_ext, band_ready, ccta=None):
         """y_ext: [rows + 1, N]; the producer writes y = y_ext[:rows]. ccta: SMs left out of the
         producer's grid (default: the consumer's reservation)."""
@@ -226,11 +243,7 @@ class OverlapCombine:
         if self.producer_kind == "torch":
             self._torch_producer(h, w_down, plan, y_ext, band_ready, self.epoch)
         else:
-            if self._gemm is None:
-                from .kernels.grouped_gemm import GroupedGemm
-                self._gemm = GroupedGemm(tile_m=self.tile_m, tile_n=self._tile_n,
-                                         **self.gemm_options)
-            self._gemm(h, w_down, y_ext[:h.shape[0]], plan.band_expert, plan.band_src_row,
+            self._gemm_for(ccta)(h, w_down, y_ext[:h.shape[0]], plan.band_expert, plan.band_src_row,
                        plan.schedule, plan.num_bands, band_ready, self.epoch, ccta=ccta)
 
     # ---- checks ------------------------------------------------------------------------------

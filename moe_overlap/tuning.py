@@ -27,13 +27,12 @@ class CostModel:
     """Rates of one GPU (defaults: H200 measured in this project; see bench/NOTES.md)."""
     num_sms: int = 132
     gemm_tflops: float = 680.0  # our grouped GEMM on all SMs inside the combine (sweep v2)
-    # remote bytes per second the default consumer (v2: no local copy, TMA) achieves inside the
-    # combine (GB/s per direction, both directions busy) at these SM counts: 8/16/24 measured
-    # (bench/results/combine_sweep_2xh200_v3.json, balanced routing), 2/4 extrapolated from the
-    # standalone per-SM rate (~38 GB/s, consumer_run4_tma.json) scaled like the 8-SM point;
-    # linear in between, flat after
-    copy_gbps: dict = field(default_factory=lambda: {2: 60.0, 4: 120.0, 8: 234.0, 16: 244.0,
-                                                     24: 253.0})
+    # remote bytes per second the default consumer (no local copy, TMA, 1 MiB pieces) ships
+    # alone in the combine (GB/s per direction, both directions busy) at these SM counts: 8/16/24
+    # measured (bench/results/combine_split_2xh200_pieces.json, balanced routing, N=8192), 2/4
+    # extrapolated from the 8-SM point per SM; linear in between, flat after
+    copy_gbps: dict = field(default_factory=lambda: {2: 65.0, 4: 130.0, 8: 261.0, 16: 311.0,
+                                                     24: 315.0})
     link_gbps: float = 380.0  # GPU<->GPU copy ceiling
     signal_us: float = 6.0  # per-launch fixed cost of the consumer (run 3: ~5.9 us)
 
