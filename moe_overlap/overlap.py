@@ -224,7 +224,7 @@ class OverlapCombine:
         """The producer GEMM for a launch beside ``ccta`` consumer SMs. Its default clusters of 2
         CTAs are the fastest on every SM, but beside the consumer's CTAs part of the persistent
         grid can find no pair of free SMs and run as a second wave: at ccta = 16 (and 4 on a
-        K=14336 shape) the overlapped call took 1.7-2x longer in CUDA-graph replays, and clusters
+        K=14336 shape) the overlapped call took 1.6-1.7x longer in CUDA-graph replays, and clusters
         of 1 removed it (sweep_c1 / sweep_c2, bench/NOTES.md). So launches beside a consumer use
         clusters of 1 unless gemm_options set cluster_n; both give the same bits."""
         key = "solo" if ccta == 0 or "cluster_n" in self.gemm_options else "beside"
