@@ -190,8 +190,11 @@ def _entry(rank, args):
     if rank == 0:
         out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
         os.makedirs(out, exist_ok=True)
+        import datetime
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, N=N,
-                    correct=ok, seconds=time.time() - t0)
+                    correct=ok, seconds=time.time() - t0,
+                    git_commit=os.environ.get("GIT_COMMIT", ""),
+                    date=datetime.date.today().isoformat())
         with open(os.path.join(out, "consumer_bench.json"), "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)
         print(f"consumer bench: {meta}")
