@@ -243,8 +243,9 @@ class OverlapCombine:
         if self.producer_kind == "torch":
             self._torch_producer(h, w_down, plan, y_ext, band_ready, self.epoch)
         else:
-            self._gemm_for(ccta)(h, w_down, y_ext[:h.shape[0]], plan.band_expert, plan.band_src_row,
-                       plan.schedule, plan.num_bands, band_ready, self.epoch, ccta=ccta)
+            self._gemm_for(ccta)(h, w_down, y_ext[:h.shape[0]], plan.band_expert,
+                                 plan.band_src_row, plan.schedule, plan.num_bands, band_ready,
+                                 self.epoch, ccta=ccta)
 
     # ---- checks ------------------------------------------------------------------------------
     def check_inputs(self, h, w_down, plan, topk_ids, topk_weights):
