@@ -114,6 +114,10 @@ def test_consumer_tma_compiles_with_bulk_copies(local_copy):
     assert "ld.acquire.gpu.global.s32" in body and "red.release.sys.global.add.u64" in body
     assert "%globaltimer" in body
     assert "ld.global.cg.v4.u32" not in body  # no thread-copy fallback left in
+    # band flag acquire (generic proxy), then a proxy fence, then the first bulk load of y
+    i_acq = body.index("ld.acquire.gpu.global.s32")
+    i_load = body.index("cp.async.bulk.shared::cluster.global", i_acq)
+    assert "fence.proxy.async.global" in body[i_acq:i_load]
     # order inside the shipping path: wait_group 0, then the sys fence, then the remote signal
     i_wait = body.index("cp.async.bulk.wait_group 0")
     assert body.index("fence.acq_rel.sys", i_wait) < body.index("red.release.sys.global",
