@@ -21,6 +21,7 @@ JSON to --out; a short table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import json
 import os
@@ -45,17 +46,13 @@ def worker(rank, W, args):
     from moe_overlap.overlap import OverlapCombine
     from moe_overlap.planner import plan_combine
     from moe_overlap.routing import route
+    from moe_overlap.timing import max_over_ranks as max_over_ranks_on
     from moe_overlap.timing import sleep_cycles_per_ms, time_calls
 
     dev = torch.device("cuda", rank)
 
-    def barrier():
-        dist.barrier()
-
-    def max_over_ranks(x):
-        t = torch.tensor([x], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+    barrier = dist.barrier
+    max_over_ranks = functools.partial(max_over_ranks_on, device=dev)
 
     def timed(fn):
         return max_over_ranks(time_calls(fn, args.reps, args.replays, barrier)[0])

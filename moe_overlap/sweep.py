@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -53,18 +53,13 @@ def worker(rank, W, args):
     from moe_overlap.overlap import OverlapCombine
     from moe_overlap.planner import plan_combine
     from moe_overlap.routing import route
-    from moe_overlap.timing import time_calls
+    from moe_overlap.timing import max_over_ranks as max_over_ranks_on, time_calls
     from moe_overlap.tuning import analytic_choice
 
     dev = torch.device("cuda", rank)
 
-    def barrier():
-        dist.barrier()
-
-    def max_over_ranks(x):
-        t = torch.tensor([x], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+    barrier = dist.barrier
+    max_over_ranks = functools.partial(max_over_ranks_on, device=dev)
 
     from moe_overlap.combine import MoECombine
 

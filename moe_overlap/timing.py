@@ -45,6 +45,15 @@ def time_calls(fn, reps: int = 4, replays: int = 15, barrier=lambda: None, graph
     return statistics.median(times), ("graph" if graph else "eager"), times
 
 
+def max_over_ranks(x: float, device, group=None) -> float:
+    """The largest x over the ranks of ``group`` (a collective: every rank calls it; the slowest
+    rank's time is the call's time)."""
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
 def sleep_cycles_per_ms() -> float:
     """GPU clock cycles of ``torch.cuda._sleep`` per millisecond (measured once per process)."""
     global _CYCLES_PER_MS
