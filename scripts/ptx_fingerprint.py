@@ -1,0 +1,117 @@
+"""PTX of every product kernel in its default variants, for "this move changed no code" checks.
+
+    CUTE_DSL_ARCH=sm_90a python scripts/ptx_fingerprint.py --out DIR        # write DIR/<name>.ptx
+    python scripts/ptx_fingerprint.py --compare DIR_A DIR_B                 # exit 1 on a difference
+
+Compiles for sm_90a without a GPU. The PTX is normalized before writing: `.file` lines and
+`.loc` debug lines carry source paths and line numbers, which move with the code without changing
+it; everything else is compared byte for byte.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import os
+import re
+import sys
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
+def _mod(*names):
+    """The first importable of the module names (the same kernel before and after a move)."""
+    for n in names:
+        try:
+            return importlib.import_module(n)
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"none of {names}")
+
+
+def _keep(launch, *args):
+    import cutlass.cute as cute
+    return cute.compile[cute.KeepPTX()](launch, *args).__ptx__
+
+
+def _nvshmem_consumer(cons):
+    try:
+        import torch
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    if not gpu:
+        cons._point_nvshmem_bitcode_at_sm90()
+    return _keep(cons.build_consumer("nvshmem"), *cons.consumer_example_args())
+
+
+def variants():
+    """name -> zero-argument function returning the PTX text."""
+    gg = lambda: _mod("moe_overlap.combine.grouped_gemm", "moe_overlap.kernels.grouped_gemm")
+    ffn = lambda: _mod("moe_overlap.ffn.compute_reduce", "moe_overlap.kernels.fused_ffn")
+    ar = lambda: _mod("moe_overlap.ffn.band_allreduce", "moe_overlap.kernels.switch")
+    cons = lambda: _mod("moe_overlap.combine.consumer", "moe_overlap.kernels.consumer")
+    sc = lambda: _mod("moe_overlap.combine.scale", "moe_overlap.kernels.scale")
+    return {
+        "grouped_gemm_default": lambda: gg().GroupedGemm().compile(N=1024, K=512, keep_ptx=True).__ptx__,
+        "grouped_gemm_tm64_c1": lambda: gg().GroupedGemm(tile_m=64, cluster_n=1).compile(
+            N=1024, K=512, keep_ptx=True).__ptx__,
+        "fused_ffn_default": lambda: ffn().FusedFFNCompute().compile(
+            P=256, O=1024, N=256, act1="gelu", keep_ptx=True).__ptx__,
+        "fused_ffn_smem_h": lambda: ffn().FusedFFNCompute(h_regs=False, h_pair=False).compile(
+            P=256, O=512, N=256, act1="silu", keep_ptx=True).__ptx__,
+        "band_allreduce_unicast_g2": lambda: ar().compile_band_allreduce(
+            2, "unicast", "none", keep=True).__ptx__,
+        "band_allreduce_switch_g4_gelu": lambda: ar().compile_band_allreduce(
+            4, "switch", "gelu", keep=True).__ptx__,
+        "consumer_nvlink_tma": lambda: _keep(cons().build_consumer("nvlink", copy="tma",
+                                                                   local_copy=False),
+                                             *cons().consumer_example_args()),
+        "consumer_nvlink_ldst": lambda: _keep(cons().build_consumer("nvlink", copy="ldst"),
+                                              *cons().consumer_example_args()),
+        "consumer_nvshmem_ldst": lambda: _nvshmem_consumer(cons()),
+        "scale_top8_y": lambda: _keep(sc().build_scale(8, y_src=True), *sc().scale_example_args()),
+    }
+
+
+def normalize(ptx: str) -> str:
+    return "\n".join(line for line in ptx.splitlines()
+                     if not re.match(r"\s*\.(file|loc)\b", line))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="folder to write <name>.ptx into")
+    ap.add_argument("--only", default="", help="comma-separated subset of the variant names")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two folders")
+    a = ap.parse_args(argv)
+    if a.compare:
+        A, B = a.compare
+        names = sorted(set(os.listdir(A)) | set(os.listdir(B)))
+        bad = 0
+        for n in names:
+            pa, pb = os.path.join(A, n), os.path.join(B, n)
+            if not (os.path.exists(pa) and os.path.exists(pb)):
+                print(f"{n}: only in {'A' if os.path.exists(pa) else 'B'}")
+                bad += 1
+                continue
+            same = open(pa).read() == open(pb).read()
+            bad += not same
+            print(f"{n}: {'identical' if same else 'DIFFERS'}")
+        return 1 if bad else 0
+    if not a.out:
+        ap.error("--out or --compare is required")
+    os.makedirs(a.out, exist_ok=True)
+    only = {s for s in a.only.split(",") if s}
+    for name, fn in variants().items():
+        if only and name not in only:
+            continue
+        text = normalize(fn())
+        with open(os.path.join(a.out, name + ".ptx"), "w") as f:
+            f.write(text)
+        print(f"{name}: {len(text)} chars sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
