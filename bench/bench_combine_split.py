@@ -42,9 +42,9 @@ def worker(rank, W, args):
     import torch
     import torch.distributed as dist
 
-    from moe_overlap.dispatch import exchange_counts
-    from moe_overlap.overlap import OverlapCombine
-    from moe_overlap.planner import plan_combine
+    from moe_overlap.combine.dispatch import exchange_counts
+    from moe_overlap.combine.overlap import OverlapCombine
+    from moe_overlap.combine.plan import plan_combine
     from moe_overlap.routing import route
     from moe_overlap.timing import max_over_ranks as max_over_ranks_on
     from moe_overlap.timing import sleep_cycles_per_ms, time_calls

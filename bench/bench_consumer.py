@@ -52,7 +52,7 @@ def bench(args):
     rank, W = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     from moe_overlap.runtime.nvshmem import NvshmemRuntime
-    from moe_overlap.kernels.consumer import Consumer
+    from moe_overlap.combine.consumer import Consumer
     rt = NvshmemRuntime.get()
     sizes = [32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20]
     cctas = [2, 4, 8, 16, 32]

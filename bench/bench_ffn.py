@@ -10,13 +10,13 @@ Llama 3 8B (4096, 14336), Llama 3 70B (8192, 28672), DeepSeek V3 dense (7168, 18
 (4096, 14336).
 
 Per shape, CUDA events, rounds interleaved, median (p10-p90), every rank starting together:
-- ``baseline``: the plain-torch TP layer (``moe_overlap.ffn_reference.ffn_tp_reference``: addmm
+- ``baseline``: the plain-torch TP layer (``moe_overlap.ffn.reference.ffn_tp_reference``: addmm
   with b1, act1 in place, mm (+b2 on rank 0), NCCL all_reduce in bf16, act2 in place);
 - ``compute``: the same without the all_reduce (the floor a perfect overlap reaches when compute
   dominates); ``allreduce_bf16``: NCCL all_reduce of the [T, N] bf16 partial alone;
   ``overlap_headroom`` = baseline - max(compute, allreduce_bf16);
 - ``nccl_fp32``: NCCL all_reduce of a [T, N] fp32 buffer (the fused kernel's accumulator size);
-- ``band_ar``: ``moe_overlap.kernels.switch.BandAllReduce`` (unicast backend, fp32 accumulator
+- ``band_ar``: ``moe_overlap.ffn.band_allreduce.BandAllReduce`` (unicast backend, fp32 accumulator
   -> + b2, act2 -> bf16 out, accumulator zeroed), including its three tiny bookkeeping launches;
   ``band_ar_nozero``: the same without zeroing the accumulator.
 Bus bandwidth (NCCL convention) = 2 (G-1)/G * bytes / time. JSON (device, date, git commit,
@@ -160,7 +160,7 @@ def _git_commit():
 def bench_shape(a, name, rank, world, dev):
     import torch
     import torch.distributed as dist
-    from moe_overlap.ffn_reference import ffn_tp_reference
+    from moe_overlap.ffn.reference import ffn_tp_reference
     P, O = SHAPES[name]
     T, N, Ol = a.tokens, P, O // world
     g = torch.Generator(device=dev).manual_seed(rank)
@@ -185,7 +185,7 @@ def bench_shape(a, name, rank, world, dev):
                nccl_fp32=lambda: dist.all_reduce(acc32))
     ars = []
     if not a.skip_kernel:
-        from moe_overlap.kernels.switch import BandAllReduce
+        from moe_overlap.ffn.band_allreduce import BandAllReduce
         for zero in (True, False):
             ar = BandAllReduce(T, N, backend="unicast", act2=a.act2, band_rows=a.band_rows,
                                ccta=a.ccta, threads=a.threads, unroll=a.unroll, zero_acc=zero)
@@ -276,7 +276,8 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
     import torch
     import torch.distributed as dist
     from moe_overlap.ffn import FusedFFN
-    from moe_overlap.ffn_reference import activation_, rel_err
+    from moe_overlap.ffn.activations import activation_
+    from moe_overlap.ffn.reference import rel_err
     T, P = x.shape
     N = w2.shape[1]
     Ol = w1.shape[1]

@@ -45,8 +45,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import torch
-    from moe_overlap.ffn_reference import activation_
-    from moe_overlap.kernels.fused_ffn import FusedFFNCompute, fused_ffn_compute_reference
+    from moe_overlap.ffn.activations import activation_
+    from moe_overlap.ffn.compute_reduce import FusedFFNCompute, fused_ffn_compute_reference
     from moe_overlap.timing import time_interleaved
     dev = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

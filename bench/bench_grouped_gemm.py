@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moe_overlap.kernels.grouped_gemm import GroupedGemm  # noqa: E402
+from moe_overlap.combine.grouped_gemm import GroupedGemm  # noqa: E402
 from moe_overlap.timing import time_interleaved  # noqa: E402
 
 # GPU sleep before each timed call (time_interleaved lead_ms): no host launch time in the events,

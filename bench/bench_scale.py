@@ -40,7 +40,7 @@ def main(argv=None):
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
-    from moe_overlap.kernels.scale import Scale, scale_torch
+    from moe_overlap.combine.scale import Scale, scale_torch
     from moe_overlap.timing import time_calls
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

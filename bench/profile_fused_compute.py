@@ -23,7 +23,7 @@ def main(argv=None):
     ap.add_argument("--cluster-m", type=int, default=1, choices=(1, 2))
     a = ap.parse_args(argv)
     import torch
-    from moe_overlap.kernels.fused_ffn import FusedFFNCompute
+    from moe_overlap.ffn.compute_reduce import FusedFFNCompute
     dev = torch.device("cuda", 0)
     P, O = SHAPES[a.shape]
     T, N, Ol = a.tokens, P, O // 2

@@ -20,7 +20,7 @@ def _progress(it, total, desc):
 # ------------------------------------------------------------------------------- demo
 def cmd_demo(args) -> int:
     from .routing import ROUTER_MODES
-    from .validation import LayerCase, check_layers, passed
+    from .combine.validation import LayerCase, check_layers, passed
 
     cases = [LayerCase(mode=m, tokens=args.tokens, num_experts=args.experts, topk=args.topk,
                        model_dim=64, hidden=128, out_features=96, tile_m=args.tile_m, mgb=args.mgb,
@@ -59,7 +59,7 @@ def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, 
     scaling "weak": `tokens` per rank at every W; "strong": `tokens` in all, tokens // W per rank."""
     import torch
 
-    from .planner import count_assignments, plan_combine
+    from .combine.plan import count_assignments, plan_combine
     from .routing import route
 
     rows = []
@@ -153,10 +153,10 @@ def _plot_plan_stats(rows, modes, tile_ms, path, meta):
 # ------------------------------------------------------------------------------- validate
 def cmd_validate(args) -> int:
     if args.backend == "overlap":  # the GPU grid: router modes x ccta x mgb x benchmark shapes
-        from .sweep import main as sweep_main
+        from .combine.sweep import main as sweep_main
         return sweep_main(["--validate-only", "--out", args.out or "validate_overlap.json"])
     from .routing import ROUTER_MODES
-    from .validation import LayerCase, check_layers, passed
+    from .combine.validation import LayerCase, check_layers, passed
 
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
     grid = [(m, tm, mgb) for m in ROUTER_MODES for tm in (64, 128) for mgb in (1, 2, 4)]
@@ -221,8 +221,8 @@ def main(argv=None) -> int:
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: one GPU per rank, NCCL")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["sweep"]:  # GPUs: its own options (moe_overlap/sweep.py)
-        from .sweep import main as sweep_main
+    if argv[:1] == ["sweep"]:  # GPUs: its own options (moe_overlap/combine/sweep.py)
+        from .combine.sweep import main as sweep_main
         return sweep_main(argv[1:])
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["demo"] + argv  # the main job: the CPU demo

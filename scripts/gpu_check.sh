@@ -58,7 +58,7 @@ combine)
     ;;
 ffn)
     run ffn_tests 500 python -m pytest -q -p no:cacheprovider tests/test_fused_ffn_gpu.py \
-        tests/test_ffn_gpu.py tests/test_switch_gpu.py
+        tests/test_ffn_gpu.py tests/test_band_allreduce_gpu.py
     if [ "$ngpu" -ge 2 ]; then
         args=(--rounds 100)
         [ "$quick" = quick ] && args=(--quick)

@@ -3,9 +3,10 @@
     CUTE_DSL_ARCH=sm_90a python scripts/ptx_fingerprint.py --out DIR        # write DIR/<name>.ptx
     python scripts/ptx_fingerprint.py --compare DIR_A DIR_B                 # exit 1 on a difference
 
-Compiles for sm_90a without a GPU. The PTX is normalized before writing: `.file` lines and
-`.loc` debug lines carry source paths and line numbers, which move with the code without changing
-it; everything else is compared byte for byte.
+Compiles for sm_90a without a GPU. The PTX is normalized before writing: `.file` / `.loc`
+debug lines and the kernel entry names carry source paths (CuTe DSL mangles the module path into
+the kernel's name), which move with the code without changing it; everything else is compared
+byte for byte.
 """
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ def variants():
 
 
 def normalize(ptx: str) -> str:
+    """Drops `.file` / `.loc` lines and renames each kernel entry symbol to ENTRY<i>: both carry
+    the module path (CuTe DSL mangles it into the kernel name), which a move changes."""
+    names = re.findall(r"\.entry\s+([A-Za-z0-9_$]+)\s*\(", ptx)
+    for i, name in enumerate(sorted(set(names), key=len, reverse=True)):
+        ptx = ptx.replace(name, f"ENTRY{i}")
     return "\n".join(line for line in ptx.splitlines()
                      if not re.match(r"\s*\.(file|loc)\b", line))
 

@@ -6,5 +6,5 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 if __name__ == "__main__":
-    from moe_overlap.sweep import main
+    from moe_overlap.combine.sweep import main
     sys.exit(main())

@@ -2,11 +2,11 @@
 compact-layout row map gives the baseline the same data."""
 import torch
 
-from moe_overlap.baseline import SequentialBaseline, plan_to_compact_rows
-from moe_overlap.dispatch import dispatch_to_plan, exchange_counts
+from moe_overlap.combine.baseline import SequentialBaseline, plan_to_compact_rows
+from moe_overlap.combine.dispatch import dispatch_to_plan, exchange_counts
 from moe_overlap.launch import spawn
-from moe_overlap.planner import plan_combine
-from moe_overlap.reference import sequential_combine, sequential_dispatch
+from moe_overlap.combine.plan import plan_combine
+from moe_overlap.combine.reference import sequential_combine, sequential_dispatch
 from moe_overlap.routing import route
 
 

@@ -4,7 +4,7 @@ import torch
 
 from moe_overlap import MoECombine, plan_combine
 from moe_overlap.routing import ROUTER_MODES
-from moe_overlap.validation import LayerCase, check_layers, passed, run_layer
+from moe_overlap.combine.validation import LayerCase, check_layers, passed, run_layer
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -25,7 +25,7 @@ def test_single_process_without_process_group():
 
 def test_wrong_result_is_detected(monkeypatch):
     """The check can fail: a combine that drops one assignment's contribution is caught."""
-    import moe_overlap.combine as combine
+    import moe_overlap.combine.layer as combine
 
     real = combine.reference_combine
 

@@ -22,13 +22,13 @@ def _ptx(launch, *args):
 
 
 def _consumer_args():
-    from moe_overlap.kernels.consumer import consumer_example_args
+    from moe_overlap.combine.consumer import consumer_example_args
     return consumer_example_args()
 
 
 @pytest.mark.parametrize("unroll", [1, 4, 8])
 def test_consumer_nvlink_compiles_with_ordering(unroll):
-    from moe_overlap.kernels.consumer import build_consumer
+    from moe_overlap.combine.consumer import build_consumer
     ptx = _ptx(build_consumer("nvlink", threads=512, unroll=unroll), *_consumer_args())
     assert "ld.acquire.gpu.global.s32" in ptx  # band flag wait
     assert "red.release.sys.global.add.u64" in ptx  # arrival signal on the peer's counter
@@ -47,7 +47,7 @@ def test_consumer_nvshmem_compiles():
         nvshmem.core.find_device_bitcode_library(arch="90")
     except Exception as e:  # pragma: no cover
         pytest.skip(f"no NVSHMEM sm_90 device bitcode: {e}")
-    from moe_overlap.kernels.consumer import compile_consumer
+    from moe_overlap.combine.consumer import compile_consumer
     assert compile_consumer("nvshmem") is not None
 
 
@@ -55,7 +55,7 @@ def test_consumer_nvshmem_compiles():
                                                 (2, True, 1), (8, True, 1), (4, True, 2),
                                                 (4, False, 4)])
 def test_scale_compiles(topk, y_src, unroll):
-    from moe_overlap.kernels.scale import build_scale, scale_example_args
+    from moe_overlap.combine.scale import build_scale, scale_example_args
     ptx = _ptx(build_scale(topk, y_src=y_src, unroll=unroll), *scale_example_args())
     assert "ld.acquire.sys.global.s64" in ptx  # arrival counter wait
     assert "cvt.rn.bf16x2.f32" in ptx
@@ -99,7 +99,7 @@ def _sass(cubin):
 
 @pytest.mark.parametrize("local_copy", [True, False])
 def test_consumer_tma_compiles_with_bulk_copies(local_copy):
-    from moe_overlap.kernels.consumer import build_consumer
+    from moe_overlap.combine.consumer import build_consumer
     ptx, cubin = _compile_keep(build_consumer("nvlink", copy="tma", local_copy=local_copy),
                                *_consumer_args())
     body = ptx.split(".entry", 1)[1]
@@ -131,7 +131,7 @@ def test_consumer_tma_compiles_with_bulk_copies(local_copy):
 
 def test_consumer_tma_small_ring_compiles():
     """The ring the GPU test uses to wrap mbarrier phases often: 3 x 4 KiB, lookahead 1."""
-    from moe_overlap.kernels.consumer import build_consumer
+    from moe_overlap.combine.consumer import build_consumer
     ptx = _ptx(build_consumer("nvlink", copy="tma", stages=3, chunk_bytes=4096, lookahead=1),
                *_consumer_args())
     assert "cp.async.bulk.wait_group.read 2;" in ptx  # stages - lookahead groups may read
@@ -140,7 +140,7 @@ def test_consumer_tma_small_ring_compiles():
 
 @pytest.mark.parametrize("copy", ["ldst"])
 def test_consumer_no_local_copy_compiles(copy):
-    from moe_overlap.kernels.consumer import build_consumer
+    from moe_overlap.combine.consumer import build_consumer
     ptx = _ptx(build_consumer("nvlink", local_copy=False, copy=copy), *_consumer_args())
     body = ptx.split(".entry", 1)[1]
     assert "red.release.gpu.global.add.u64" not in body  # no local-band signal
@@ -155,21 +155,21 @@ def test_consumer_nvshmem_no_local_copy_compiles():
         nvshmem.core.find_device_bitcode_library(arch="90")
     except Exception as e:  # pragma: no cover
         pytest.skip(f"no NVSHMEM sm_90 device bitcode: {e}")
-    from moe_overlap.kernels.consumer import compile_consumer
+    from moe_overlap.combine.consumer import compile_consumer
     assert compile_consumer("nvshmem", local_copy=False) is not None
 
 
 def test_consumer_v1_ptx_unchanged_by_default():
     """The default build is v1: thread copies, local bands copied, no bulk copies."""
-    from moe_overlap.kernels.consumer import build_consumer
+    from moe_overlap.combine.consumer import build_consumer
     body = _ptx(build_consumer("nvlink"), *_consumer_args()).split(".entry", 1)[1]
     assert "cp.async.bulk" not in body and "mbarrier" not in body
     assert "red.release.gpu.global.add.u64" in body
 
 
 def test_bad_options_raise_before_compiling():
-    from moe_overlap.kernels.consumer import build_consumer
-    from moe_overlap.kernels.scale import build_scale
+    from moe_overlap.combine.consumer import build_consumer
+    from moe_overlap.combine.scale import build_scale
     with pytest.raises(ValueError, match="transport"):
         build_consumer("carrier-pigeon")
     with pytest.raises(ValueError, match="threads"):
@@ -180,7 +180,7 @@ def test_bad_options_raise_before_compiling():
         build_scale(0)
     with pytest.raises(ValueError, match="unroll"):
         build_scale(4, unroll=3)
-    from moe_overlap.kernels.scale import Scale
+    from moe_overlap.combine.scale import Scale
     with pytest.raises(ValueError, match="ctas_per_sm"):
         Scale(4, threads=256, ctas_per_sm=9)  # 9 x 256 threads do not fit on one SM
     with pytest.raises(ValueError, match="copy"):

@@ -6,8 +6,9 @@ import torch
 
 from moe_overlap.ffn import (FusedFFN, ShardedExperts, check_compute_options,
                              fused_default_allreduce_band_rows, fused_default_ccta)
-from moe_overlap.ffn_reference import (ACTIVATIONS, check_cases, ffn_truth, rel_err,
-                                       tolerance)
+from moe_overlap.ffn.activations import ACTIVATIONS
+from moe_overlap.ffn.reference import ffn_truth, rel_err, tolerance
+from moe_overlap.ffn.validation import check_cases
 from moe_overlap.launch import spawn
 
 

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
-from moe_overlap.ffn_reference import check_cases  # noqa: E402
+from moe_overlap.ffn.validation import check_cases  # noqa: E402
 from moe_overlap.launch import spawn  # noqa: E402
 
 CASES = [dict(P=1024, O=4096, N=1024, T=257, act1=a, act2=b, dtype="bfloat16", device="cuda",

@@ -28,7 +28,7 @@ def ffn_mod():
         import cutlass.cute  # noqa: F401
     except Exception as e:  # pragma: no cover
         pytest.skip(f"cutlass.cute not importable: {e}")
-    from moe_overlap.kernels import fused_ffn
+    from moe_overlap.ffn import compute_reduce as fused_ffn
     return fused_ffn
 
 
@@ -90,7 +90,7 @@ def test_ptx_has_wgmma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o, epilogue,
 @pytest.mark.parametrize("tile_m,tile_o", [(128, 256), (64, 128)])
 def test_cluster_multicast_compiles(ffn_mod, tile_m, tile_o):
     """cluster_m=2: W1 tiles and W2 chunks come by TMA multicast, half issued per CTA."""
-    from moe_overlap.kernels import switch
+    from moe_overlap.kernels.compile import find_nvdisasm, sass_of
     fn = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, cluster_m=2).compile(
         P=256, O=512, N=256, act1="gelu", keep_ptx=True)
     body = fn.__ptx__.split(".entry", 1)[1]
@@ -99,9 +99,9 @@ def test_cluster_multicast_compiles(ffn_mod, tile_m, tile_o):
                           r"multicast::cluster", body)) >= 2
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", body)
     assert "mbarrier.arrive.shared::cluster" in body  # stage release to both CTAs
-    tool = switch.find_nvdisasm()
+    tool = find_nvdisasm()
     if tool is not None and fn.__cubin__:
-        sass = switch.sass_of(fn.__cubin__, tool)
+        sass = sass_of(fn.__cubin__, tool)
         assert "HGMMA" in sass and "UTMAREDG" in sass
         assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 12  # gelu's erf constants at most
 
@@ -127,7 +127,7 @@ def test_phase_split_diagnostics_compile(ffn_mod, skip):
 def test_h_in_registers_compiles_to_rs_wgmma(ffn_mod, tile_m, tile_o, act1):
     """h_regs: GEMM2 reads H from registers (WGMMA RS, no sH), which frees shared memory for a
     deeper ring and 128-byte epilogue rows; no WGMMA serialization, no new spills."""
-    from moe_overlap.kernels import switch
+    from moe_overlap.kernels.compile import find_nvdisasm, sass_of
     c = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=True)
     base = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=False)
     assert c.epi_n == 32 and c.stages >= base.stages
@@ -142,9 +142,9 @@ def test_h_in_registers_compiles_to_rs_wgmma(ffn_mod, tile_m, tile_o, act1):
     # no H store to shared memory (the default writes H with stmatrix; fp32 epilogue does not)
     base_body = base.compile(P=256, O=512, N=256, act1=act1, keep_ptx=True).__ptx__
     assert "stmatrix" in base_body and "stmatrix" not in body
-    tool = switch.find_nvdisasm()
+    tool = find_nvdisasm()
     if tool is not None and fn.__cubin__:
-        sass = switch.sass_of(fn.__cubin__, tool)
+        sass = sass_of(fn.__cubin__, tool)
         assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
         spills = len(re.findall(r"\b(STL|LDL)\b", sass))
         assert spills <= 12, spills
@@ -156,7 +156,7 @@ def test_h_pair_compiles_with_both_gemm2_operand_sources(ffn_mod, tile_m, tile_o
     """h_pair: per n tile, GEMM2 takes one H tile from registers (RS) and one from sH (SS), then
     one fp32 reduce-add per sub-tile (half the reduce traffic of two units); the ring keeps at
     most two W2 chunks per consumer, so four chunks pass through 3 stages."""
-    from moe_overlap.kernels import switch
+    from moe_overlap.kernels.compile import find_nvdisasm, sass_of
     c = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_pair=True, **extra)
     fn = c.compile(P=256, O=1024, N=256, act1=act1, keep_ptx=True)
     body = fn.__ptx__.split(".entry", 1)[1]
@@ -168,9 +168,9 @@ def test_h_pair_compiles_with_both_gemm2_operand_sources(ffn_mod, tile_m, tile_o
     assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in body  # the second H tile -> sH
     red = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile", body)
     assert len(red) == 128 // c.epi_n  # one reduce-add per sub-tile of an n tile, as before
-    tool = switch.find_nvdisasm()
+    tool = find_nvdisasm()
     if tool is not None and fn.__cubin__:
-        sass = switch.sass_of(fn.__cubin__, tool)
+        sass = sass_of(fn.__cubin__, tool)
         assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
         lines = sass.splitlines()
         spills = [i for i, l in enumerate(lines) if re.search(r"\b(STL|LDL)\b", l)]
@@ -194,7 +194,7 @@ def test_h_pair_compiles_with_both_gemm2_operand_sources(ffn_mod, tile_m, tile_o
 def test_cluster_options_checked(ffn_mod, monkeypatch):
     with pytest.raises(ValueError, match="cluster_m"):
         ffn_mod.FusedFFNCompute(cluster_m=4)
-    monkeypatch.setattr(ffn_mod, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(ffn_mod, "num_sms", lambda device: 132)
     c = ffn_mod.FusedFFNCompute(cluster_m=2)
     assert c.grid(M=8192, O=7168, device="cpu", ccta=17) == 114  # whole clusters
     assert c.grid(M=200, O=256, device="cpu", ccta=0) == 2  # 2 m-tiles x 1 j-tile
@@ -219,12 +219,12 @@ def test_act1_variants_compile(ffn_mod, act1, needle):
     (128, "tma", "gelu", False), (256, "tma", "silu", False), (256, "red", "relu", False),
     (256, "tma", "gelu", False), (256, "tma", "gelu", True), (256, "tma", "silu", True)])
 def test_sass_reduce_no_spills(ffn_mod, tile_o, epilogue, act1, h_regs):
-    from moe_overlap.kernels import switch
-    tool = switch.find_nvdisasm()
+    from moe_overlap.kernels.compile import find_nvdisasm, sass_of
+    tool = find_nvdisasm()
     _, cubin = _compiled(ffn_mod, 128, act1, tile_o, epilogue, h_regs)
     if tool is None or not cubin:
         pytest.skip("no nvdisasm / cubin")
-    sass = switch.sass_of(cubin, tool)
+    sass = sass_of(cubin, tool)
     assert ("UTMAREDG" if epilogue == "tma" else "REDG.E.ADD.F32x2") in sass
     assert "HGMMA" in sass
     spills = len(re.findall(r"\b(STL|LDL)\b", sass))
@@ -334,8 +334,8 @@ def test_shared_memory_plan(ffn_mod):
 
 
 def test_reference_semantics():
-    from moe_overlap.ffn_reference import activation
-    from moe_overlap.kernels.fused_ffn import fused_ffn_compute_reference
+    from moe_overlap.ffn.activations import activation
+    from moe_overlap.ffn.compute_reduce import fused_ffn_compute_reference
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 8, generator=g).to(torch.bfloat16)
     w1 = torch.randn(8, 6, generator=g).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""GPU checks of the fused FFN compute kernel (moe_overlap/kernels/fused_ffn.py). Skipped without
+"""GPU checks of the fused FFN compute kernel (moe_overlap/ffn/compute_reduce.py). Skipped without
 CUDA (Hopper) or CuTe DSL.
 
 Single GPU (``-k single``; runs alone: ``python -m pytest -q tests/test_fused_ffn_gpu.py -k single``):
@@ -66,7 +66,7 @@ SINGLE_CASES = [  # defaults: tile_o 256, TMA reduce-add epilogue, ring as deep 
 
 def _single_worker(q):
     try:
-        from moe_overlap.kernels.fused_ffn import (FusedFFNCompute,
+        from moe_overlap.ffn.compute_reduce import (FusedFFNCompute,
                                                    fused_ffn_compute_reference)
         torch.cuda.set_device(0)
         dev = torch.device("cuda", 0)
@@ -198,7 +198,7 @@ def _compare(y, yr, truth, group):
     difference to rank 0's y (every rank must hold the same all-reduced output)."""
     import torch.distributed as dist
 
-    from moe_overlap.ffn_reference import rel_err
+    from moe_overlap.ffn.reference import rel_err
     y0 = y.clone()
     dist.broadcast(y0, 0, group=group)
     return dict(err_truth=rel_err(y, truth), err_ref=rel_err(y, yr.double()),
@@ -219,7 +219,7 @@ def _ffn_worker(rank, world):
     import torch.distributed as dist
 
     from moe_overlap.ffn import FusedFFN
-    from moe_overlap.ffn_reference import ffn_truth, rel_err
+    from moe_overlap.ffn.reference import ffn_truth, rel_err
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD
     res = []
@@ -246,7 +246,7 @@ def _ffn_worker(rank, world):
 
 def _assert_layer_matches(r):
     """One call's _compare result of a fused layer on 2 GPUs."""
-    assert r["err_truth"] < 1.5e-2, r  # bf16 tolerance of the layer (ffn_reference)
+    assert r["err_truth"] < 1.5e-2, r  # bf16 tolerance of the layer (ffn/reference.py)
     assert r["err_ref"] < 1e-2, r
     assert r["rank_diff"] == 0.0, r  # every rank holds the same all-reduced output
 
@@ -273,7 +273,7 @@ def _experts_worker(rank, world):
     import torch.distributed as dist
 
     from moe_overlap.ffn import ShardedExperts
-    from moe_overlap.ffn_reference import experts_truth
+    from moe_overlap.ffn.reference import experts_truth
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD
     res = []

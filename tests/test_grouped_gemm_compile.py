@@ -20,7 +20,7 @@ def gg_mod():
         import cutlass.cute  # noqa: F401
     except Exception as e:  # pragma: no cover
         pytest.skip(f"cutlass.cute not importable: {e}")
-    from moe_overlap.kernels import grouped_gemm
+    from moe_overlap.combine import grouped_gemm
     return grouped_gemm
 
 
@@ -63,7 +63,7 @@ def test_tile_order_is_a_permutation_with_cluster_pairs(num_bands, n_tiles, clus
     """The kernel's tile order (mirrored in tile_order_reference): every (band, n tile) exactly
     once; a cluster's two tiles share the band at adjacent n tiles; inside a full group the
     clusters cycle over the group's bands at equal n tiles; group 1 is band-major."""
-    from moe_overlap.kernels.grouped_gemm import tile_order_reference
+    from moe_overlap.combine.grouped_gemm import tile_order_reference
     order = tile_order_reference(num_bands, n_tiles, cluster, group)
     assert sorted(order) == [(p, n) for p in range(num_bands) for n in range(n_tiles)]
     for q in range(0, len(order), cluster):
@@ -134,7 +134,7 @@ def test_bad_inputs_raise_before_launch(gg_mod):
 
 
 def test_reference_semantics():
-    from moe_overlap.kernels.grouped_gemm import grouped_gemm_reference
+    from moe_overlap.combine.grouped_gemm import grouped_gemm_reference
     tile_m = 4
     x = torch.randn(16, 8)
     w = torch.randn(2, 8, 6)

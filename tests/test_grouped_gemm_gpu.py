@@ -1,6 +1,6 @@
 """GPU correctness of the producer grouped GEMM (skipped without CUDA / CuTe DSL).
 
-Bands come from moe_overlap.planner.plan_combine (falls back to a local band builder if the
+Bands come from moe_overlap.combine.plan.plan_combine (falls back to a local band builder if the
 planner is absent).  Each case: fresh random inputs, y poisoned with NaN, every row of every valid
 band checked against an fp32 reference per expert, rows of no band untouched, every valid band's
 flag == epoch after the call; two consecutive calls (epoch 1 then 2, no reset in between).
@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from moe_overlap.kernels.grouped_gemm import GroupedGemm  # noqa: E402
+from moe_overlap.combine.grouped_gemm import GroupedGemm  # noqa: E402
 
 try:
-    from moe_overlap.planner import plan_combine
+    from moe_overlap.combine.plan import plan_combine
 except ImportError:  # pragma: no cover
     plan_combine = None
 

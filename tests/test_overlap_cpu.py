@@ -5,10 +5,10 @@ import torch
 
 
 def test_modules_import_without_gpu_stack():
-    import moe_overlap.overlap as ov
+    import moe_overlap.combine.overlap as ov
     import moe_overlap.runtime.nvshmem as rt
-    import moe_overlap.kernels.consumer as cons
-    import moe_overlap.kernels.scale as sc
+    import moe_overlap.combine.consumer as cons
+    import moe_overlap.combine.scale as sc
     assert ov.TRANSPORTS == cons.TRANSPORTS == ("nvlink", "nvshmem")
     assert hasattr(rt, "NvshmemRuntime") and hasattr(sc, "Scale")
 
@@ -20,7 +20,7 @@ def test_runtime_needs_a_process_group():
 
 
 def test_consumer_rejects_bad_transport_before_compiling():
-    from moe_overlap.kernels.consumer import Consumer
+    from moe_overlap.combine.consumer import Consumer
     with pytest.raises(ValueError, match="transport"):
         Consumer("pigeon")
 
@@ -28,7 +28,7 @@ def test_consumer_rejects_bad_transport_before_compiling():
 def test_gemm_options_are_checked_before_cuda():
     """OverlapCombine(gemm_options=...) reaches the producer GroupedGemm; unknown or reserved
     keys and bad values fail on any machine, before CUDA (or NVSHMEM) is touched."""
-    from moe_overlap.overlap import OverlapCombine, check_gemm_options
+    from moe_overlap.combine.overlap import OverlapCombine, check_gemm_options
     assert check_gemm_options({"cluster_n": 1, "band_group": 2}, 128) == {"cluster_n": 1,
                                                                          "band_group": 2}
     assert check_gemm_options(None, 64) == {}
@@ -41,14 +41,14 @@ def test_gemm_options_are_checked_before_cuda():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_overlap_needs_cuda():
-    from moe_overlap.overlap import OverlapCombine, OverlapError
+    from moe_overlap.combine.overlap import OverlapCombine, OverlapError
     with pytest.raises(OverlapError, match="CUDA"):
         OverlapCombine()
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, True, "64"])
 def test_consumer_piece_rows_checked_before_cuda(bad):
-    from moe_overlap.overlap import OverlapCombine
+    from moe_overlap.combine.overlap import OverlapCombine
     with pytest.raises(ValueError, match="consumer_piece_rows"):
         OverlapCombine(consumer_piece_rows=bad)
 
@@ -61,8 +61,8 @@ def test_source_rows_match_the_band_table(W, E, topk, tile_m, mode):
     row the plan's local band puts it in (band_src_row + r - band_dest_row); remote assignments
     keep their receive row."""
     from types import SimpleNamespace
-    from moe_overlap.overlap import OverlapCombine
-    from moe_overlap.planner import plan_combine, recv_rows
+    from moe_overlap.combine.overlap import OverlapCombine
+    from moe_overlap.combine.plan import plan_combine, recv_rows
     from moe_overlap.routing import route
     El = E // W
     Ts = [50 + 17 * r for r in range(W)]
@@ -88,7 +88,7 @@ def test_source_rows_match_the_band_table(W, E, topk, tile_m, mode):
 
 
 def test_scale_torch_reads_y_for_negative_rows():
-    from moe_overlap.kernels.scale import scale_torch
+    from moe_overlap.combine.scale import scale_torch
     recv = torch.arange(12.0).view(6, 2).to(torch.bfloat16)
     y = -torch.arange(8.0).view(4, 2).to(torch.bfloat16)
     rows = torch.tensor([[0, -1], [-4, 5]], dtype=torch.int32)
@@ -99,7 +99,7 @@ def test_scale_torch_reads_y_for_negative_rows():
 
 
 def test_overlap_options_checked_before_cuda():
-    from moe_overlap.kernels.consumer import Consumer
+    from moe_overlap.combine.consumer import Consumer
     with pytest.raises(ValueError, match="tma"):
         Consumer("nvshmem", copy="tma")
     with pytest.raises(ValueError, match="copy"):

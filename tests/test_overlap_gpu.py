@@ -55,8 +55,8 @@ def _routing(T, seed, rank, dev):
 
 
 def _plan(ov, topk_ids):
-    from moe_overlap.dispatch import exchange_counts
-    from moe_overlap.planner import plan_combine
+    from moe_overlap.combine.dispatch import exchange_counts
+    from moe_overlap.combine.plan import plan_combine
     counts = exchange_counts(topk_ids, E)
     return plan_combine(counts, ov.rank, tile_m=TILE_M, mgb=2,
                         max_rows=ov.world_size * T_MAX * TOPK)
@@ -124,7 +124,7 @@ def _consumer_alone(ov, res, tag, seed):
 
 
 def _forward_checks(ov, res, tag, seed):
-    from moe_overlap.reference import reference_combine
+    from moe_overlap.combine.reference import reference_combine
     dev = ov.device
     for call in range(2):
         T = 150 + 50 * call + 29 * ov.rank
@@ -154,7 +154,7 @@ def _forward_checks(ov, res, tag, seed):
 
 
 def _graph_checks(ov, res, tag, seed):
-    from moe_overlap.reference import reference_combine
+    from moe_overlap.combine.reference import reference_combine
     dev = ov.device
     T = 160 + 20 * ov.rank
     ids, w = _routing(T, seed, ov.rank, dev)
@@ -187,7 +187,7 @@ def _graph_checks(ov, res, tag, seed):
 
 
 def _timeout_check(ov, res, tag="timeout"):
-    from moe_overlap.overlap import OverlapError
+    from moe_overlap.combine.overlap import OverlapError
     dev = ov.device
     T = 100
     ids, w = _routing(T, 999, ov.rank, dev)
@@ -214,7 +214,7 @@ def _worker(rank, world, port, outdir):
                             world_size=world)
     res = {}
     try:
-        from moe_overlap.overlap import OverlapCombine
+        from moe_overlap.combine.overlap import OverlapCombine
         v1 = dict(local_copy=True, copy="ldst")
         v2 = dict(local_copy=False, copy="tma")
         configs = (("nvlink", "nvlink", None, v1), ("torchprod", "nvlink", "torch", v1),

@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_overlap.planner import plan_combine, recv_rows
+from moe_overlap.combine.plan import plan_combine, recv_rows
 
 
 def python_plan(counts, rank, tile_m, mgb):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from moe_overlap.planner import plan_combine
+from moe_overlap.combine.plan import plan_combine
 from moe_overlap.routing import ROUTER_MODES
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -33,7 +33,7 @@ def test_plan_on_cuda_without_host_sync_matches_cpu(W, El, tile_m, mgb):
 @pytest.mark.gpu
 @two_gpus
 def test_reference_backend_on_two_gpus_nccl():
-    from moe_overlap.validation import LayerCase, check_layers, passed
+    from moe_overlap.combine.validation import LayerCase, check_layers, passed
     cases = [LayerCase(mode=m, dtype="bfloat16", tokens=300, num_experts=8, topk=2, hidden=256,
                        out_features=512, model_dim=128, tile_m=128, seed=i)
              for i, m in enumerate(ROUTER_MODES)]

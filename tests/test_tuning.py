@@ -1,7 +1,7 @@
 """ccta/mgb choice: the analytic model's properties and the autotune cache."""
 import pytest
 
-from moe_overlap.tuning import (CostModel, TuneCache, analytic_choice, coordinate_search,
+from moe_overlap.combine.tuning import (CostModel, TuneCache, analytic_choice, coordinate_search,
                                 predict, shape_key)
 
 

@@ -6,10 +6,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .combine import MoECombine
+from .layer import MoECombine
 from .dispatch import dispatch_to_plan, exchange_counts
 from .reference import grouped_matmul, sequential_combine, sequential_dispatch
-from .routing import route
+from ..routing import route
 
 ACTIVATIONS = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}
 
@@ -111,7 +111,7 @@ def _spawned(rank, world_size, cases, device):
 def check_layers(world_size: int, cases: list[LayerCase], device: str = "cpu") -> list[list[dict]]:
     """Run the cases on world_size processes (one process group for all of them: gloo on CPU,
     NCCL with one GPU per rank on CUDA); returns, per case, one result per rank."""
-    from .launch import spawn
+    from ..launch import spawn
     per_rank = spawn(_spawned, world_size, list(cases), device,
                      backend="nccl" if device == "cuda" else "gloo")
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]

@@ -3,7 +3,7 @@
 This is the compute half of ``FusedFFN(backend="fused")`` and ``ShardedExperts(backend="fused")``
 (the same kernel over several experts: weights ``[E, ...]``, one expert per m-tile named by a
 device table, see ``FusedFFNCompute.grouped``); the communication half is
-``moe_overlap.kernels.switch.BandAllReduce`` (``producer=True``), running concurrently on its own
+``moe_overlap.ffn.band_allreduce.BandAllReduce`` (``producer=True``), running concurrently on its own
 ``ccta`` SMs and waiting on the flags written here.
 
 Per GPU g (tensors all CUDA, row-major, no host synchronization in the call path)::
@@ -71,7 +71,7 @@ cutlass is imported lazily: importing this module needs only torch.
 
 import torch
 
-from .grouped_gemm import _num_sms  # SM count per device, cached (imports no cutlass)
+from ..runtime.device import num_sms
 
 __all__ = ["FusedFFNCompute", "fused_ffn_compute_reference", "ACTIVATIONS"]
 
@@ -85,7 +85,7 @@ _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
 def fused_ffn_compute_reference(x, w1, b1, w2, act1: str, acc=None):
     """fp32 ``act1(x @ w1 + b1) @ w2`` with H rounded to bf16 like the kernel (inputs any float
     dtype, any device); added into ``acc`` when given (returned), else returned as a new tensor."""
-    from ..ffn_reference import activation
+    from .activations import activation
     if act1 not in ACTIVATIONS:
         raise ValueError(f"act1={act1!r}: choose from {ACTIVATIONS}")
     h = x.float() @ w1.float()
@@ -145,9 +145,9 @@ def _kernel_class():
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
     from cutlass.utils import LayoutEnum
 
-    from .primitives import (count_band_after_bulk_stores, fence_acq_rel_gpu,
+    from ..kernels.primitives import (count_band_after_bulk_stores, fence_acq_rel_gpu,
                              multicast_rank_and_mask, publish_band_count)
-    from .switch import device_lib
+    from .band_allreduce import device_lib
 
     def red_add_v2_f32(addr, a, b):
         """acc[addr .. addr + 8) += (a, b): a relaxed gpu-scope vector reduction (sm_90)."""
@@ -963,7 +963,7 @@ class FusedFFNCompute:
         args = (fx, fw1, fb1, fw2, facc, fr, fc, fe, fm, cutlass.Int32(1), cutlass.Int32(1),
                 make_fake_stream())
         if keep_ptx:  # PTX and cubin in memory (fn.__ptx__, fn.__cubin__); dumps to a tmp dir
-            from .switch import compile_keep
+            from ..kernels.compile import compile_keep
             fn = compile_keep(self._kernel(act1), *args)
         else:
             fn = cute.compile(self._kernel(act1), *args)
@@ -999,7 +999,7 @@ class FusedFFNCompute:
     def grid(self, M, O, device, ccta):
         cl = self.cluster_m
         units = -(-(-(-M // self.tile_m)) // cl) * cl * (O // self.tile_o // (1 + self.h_pair))
-        g = min(_num_sms(device) - ccta, units)
+        g = min(num_sms(device) - ccta, units)
         g -= g % cl  # whole clusters
         if g < 1:
             raise ValueError(f"ccta={ccta} leaves no SM (no whole cluster of {cl}) for the "

@@ -4,8 +4,8 @@ No CuTe DSL or GPU needed; the GPU test runs the real kernel against NCCL."""
 import pytest
 import torch
 
-from moe_overlap.ffn_reference import activation
-from moe_overlap.kernels.switch import emulate_band_allreduce
+from moe_overlap.ffn.activations import activation
+from moe_overlap.ffn.band_allreduce import emulate_band_allreduce
 
 
 @pytest.mark.parametrize("G,M,N,band_rows,grid,act2,bias", [

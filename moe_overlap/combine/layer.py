@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from .planner import SUPPORTED_TILE_M, CombinePlan, plan_combine
+from .plan import SUPPORTED_TILE_M, CombinePlan, plan_combine
 from .reference import reference_combine, world
 
 BACKENDS = ("auto", "reference", "overlap")
@@ -221,7 +221,7 @@ class MoECombine(torch.nn.Module):
         now on. Collective: call on every rank. A bucket every rank finds cached is not timed."""
         import torch.distributed as dist
 
-        from .timing import time_calls
+        from ..timing import time_calls
         from .tuning import TuneCache, coordinate_search
         self.check_inputs(h, w_down, self.plan(expert_counts), topk_ids, topk_weights)
         impl = self._overlap_impl(h.device)

@@ -39,7 +39,7 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64, Float32
-    from . import primitives as P
+    from ..kernels import primitives as P
 
     NT = threads
     K = topk
@@ -183,7 +183,7 @@ class Scale:
         import cuda.bindings.driver as cuda
         fn = self.compile()
         if self._launcher is None:
-            from .primitives import LaunchCache
+            from ..kernels.primitives import LaunchCache
             self._launcher = LaunchCache(fn)
         T, N = out.shape
         n_chunks = N // 8

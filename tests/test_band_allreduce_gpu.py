@@ -36,7 +36,7 @@ CASES = [  # (M, N, act2, bias, band_rows, ccta)
 
 def _ref(partial, b2, act2):
     import torch.distributed as dist
-    from moe_overlap.ffn_reference import activation
+    from moe_overlap.ffn.activations import activation
     s = partial.clone()
     dist.all_reduce(s)
     if b2 is not None:
@@ -47,7 +47,7 @@ def _ref(partial, b2, act2):
 def _worker(rank, world):
     import os
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    from moe_overlap.kernels.switch import BandAllReduce
+    from moe_overlap.ffn.band_allreduce import BandAllReduce
     dev = torch.device("cuda", rank)
     res = []
     ars = {}

@@ -18,7 +18,8 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from moe_overlap.kernels import switch  # noqa: E402
+from moe_overlap.ffn import band_allreduce  # noqa: E402
+from moe_overlap.kernels.compile import compile_keep, find_nvdisasm, sass_of  # noqa: E402
 
 _CACHE = {}
 
@@ -26,18 +27,18 @@ _CACHE = {}
 def _compiled(world, backend, act2="none", unroll=2):
     key = (world, backend, act2, unroll)
     if key not in _CACHE:
-        c = switch.compile_band_allreduce(world, backend, act2, unroll=unroll, keep=True)
+        c = band_allreduce.compile_band_allreduce(world, backend, act2, unroll=unroll, keep=True)
         _CACHE[key] = (c.__ptx__, c.__cubin__)
     return _CACHE[key]
 
 
 def _sass(cubin):
-    tool = switch.find_nvdisasm()
+    tool = find_nvdisasm()
     if tool is None:
         pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm) to check the SASS")
     if not cubin:
         pytest.skip("CuTe DSL returned no cubin")
-    return switch.sass_of(cubin, tool)
+    return sass_of(cubin, tool)
 
 
 def _body(ptx):
@@ -86,10 +87,10 @@ def test_unicast_backend_ptx(world):
 
 
 def test_without_arrive_ahead_one_arrive_site_less():
-    c = switch.compile_band_allreduce(2, "unicast", arrive_ahead=False, keep=True)
+    c = band_allreduce.compile_band_allreduce(2, "unicast", arrive_ahead=False, keep=True)
     body = _body(c.__ptx__)
     assert body.count("red.release.sys.global.add.u32") == 2 * 2
-    assert body.count("ld.relaxed.sys.global.v4.f32") == 2 * (switch.DEFAULT_UNROLL + 1)
+    assert body.count("ld.relaxed.sys.global.v4.f32") == 2 * (band_allreduce.DEFAULT_UNROLL + 1)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -115,7 +116,7 @@ def test_bf16_load_reduce_helper_assembles_to_ldgmc():
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import Int32, Int64
-    L = switch.device_lib()
+    L = band_allreduce.device_lib()
 
     @cute.kernel
     def k(src: Int64, dst: Int64):
@@ -129,19 +130,19 @@ def test_bf16_load_reduce_helper_assembles_to_ldgmc():
     def launch(src: Int64, dst: Int64, stream: cuda.CUstream):
         k(src, dst).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
-    c = switch.compile_keep(launch, Int64(0), Int64(0), cuda.CUstream(0))
+    c = compile_keep(launch, Int64(0), Int64(0), cuda.CUstream(0))
     assert "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2" in c.__ptx__
     assert "LDGMC.E.F32ADD.BF16x8.RN.STRONG.SYS" in _sass(c.__cubin__)
 
 
 def test_bad_options_raise_before_compiling():
     with pytest.raises(ValueError, match="backend"):
-        switch.build_band_allreduce(2, "carrier-pigeon")
+        band_allreduce.build_band_allreduce(2, "carrier-pigeon")
     with pytest.raises(ValueError, match="world"):
-        switch.build_band_allreduce(0)
+        band_allreduce.build_band_allreduce(0)
     with pytest.raises(ValueError, match="act2"):
-        switch.build_band_allreduce(2, act2="tanh")
+        band_allreduce.build_band_allreduce(2, act2="tanh")
     with pytest.raises(ValueError, match="threads"):
-        switch.build_band_allreduce(2, threads=100)
+        band_allreduce.build_band_allreduce(2, threads=100)
     with pytest.raises(ValueError, match="unroll"):
-        switch.build_band_allreduce(2, unroll=0)
+        band_allreduce.build_band_allreduce(2, unroll=0)

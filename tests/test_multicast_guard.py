@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from moe_overlap.kernels.switch import (ALLOW_ENV, MULTICAST_DISABLERS,
-                                        multicast_unavailable_reason, require_multicast)
+from moe_overlap.runtime.multicast import (ALLOW_ENV, MULTICAST_DISABLERS,
+                                          multicast_unavailable_reason, require_multicast)
 
 ALL_VARS = [name for name, _ in MULTICAST_DISABLERS] + [ALLOW_ENV]
 
@@ -59,7 +59,7 @@ def test_our_machines_refuse_as_configured(monkeypatch):
 
 
 def test_band_allreduce_switch_refuses_before_any_work(monkeypatch):
-    from moe_overlap.kernels.switch import BandAllReduce
+    from moe_overlap.ffn.band_allreduce import BandAllReduce
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     with pytest.raises(RuntimeError, match="refuses"):
         BandAllReduce(128, 64, backend="switch")

@@ -33,10 +33,10 @@ Options (v1 defaults ``local_copy=True, copy="ldst"``; v2 = ``local_copy=False, 
   counter release/acquire. y is rewritten only by the next call's producer, which s0 orders after
   this call's scale (s0 waits cs at the end of the call).
 - ``copy="tma"`` (nvlink only): the consumer moves segments with bulk copies through a shared
-  memory ring (see moe_overlap/kernels/consumer.py); ``consumer_stages`` / ``consumer_chunk``
+  memory ring (see moe_overlap/combine/consumer.py); ``consumer_stages`` / ``consumer_chunk``
   size the ring.
 
-Producer: ``moe_overlap.kernels.grouped_gemm.GroupedGemm`` (clusters of 1 beside the consumer,
+Producer: ``moe_overlap.combine.grouped_gemm.GroupedGemm`` (clusters of 1 beside the consumer,
 see ``_gemm_for``); without CuTe DSL (or with ``producer="torch"``) a torch stand-in: all-expert
 matmul + gather by band expert, then one torch op that sets the flags of all valid bands (no host
 sync; test-only speed).
@@ -49,7 +49,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .planner import recv_rows as _recv_rows
+from .plan import recv_rows as _recv_rows
 
 TRANSPORTS = ("nvlink", "nvshmem")
 
@@ -61,8 +61,8 @@ class OverlapError(RuntimeError):
 def check_gemm_options(options, tile_m):
     """Validated copy of OverlapCombine's ``gemm_options`` (ValueError / TypeError otherwise)."""
     import inspect
-    from .kernels import reject_unknown_options
-    from .kernels.grouped_gemm import GroupedGemm
+    from ..kernels import reject_unknown_options
+    from .grouped_gemm import GroupedGemm
     options = dict(options or {})
     allowed = set(inspect.signature(GroupedGemm.__init__).parameters) - {
         "self", "tile_m", "tile_n", "signal"}
@@ -104,7 +104,7 @@ class OverlapCombine:
             raise ValueError(f"transport={transport!r}; choose from {TRANSPORTS}")
         if out_features % 8:
             raise ValueError(f"out_features={out_features} must be a multiple of 8 (16-byte rows)")
-        from .kernels.consumer import check_options, DEFAULT_STAGES, DEFAULT_CHUNK, \
+        from .consumer import check_options, DEFAULT_STAGES, DEFAULT_CHUNK, \
             DEFAULT_LOOKAHEAD, DEFAULT_PIECE_BYTES
         stages = DEFAULT_STAGES if consumer_stages is None else int(consumer_stages)
         chunk = DEFAULT_CHUNK if consumer_chunk is None else int(consumer_chunk)
@@ -142,9 +142,9 @@ class OverlapCombine:
                           "loaded module can deadlock; OverlapCombine warms every kernel up, "
                           "but set CUDA_MODULE_LOADING=EAGER before CUDA starts", RuntimeWarning)
 
-        from .runtime.nvshmem import NvshmemRuntime
-        from .kernels.consumer import Consumer
-        from .kernels.scale import Scale
+        from ..runtime.nvshmem import NvshmemRuntime
+        from .consumer import Consumer
+        from .scale import Scale
         self.rt = NvshmemRuntime.get(group)
         self.max_recv_rows = max_tokens_per_rank * topk
         OverlapCombine._instances += 1  # same construction order on every rank
@@ -184,7 +184,7 @@ class OverlapCombine:
                 raise ValueError("GroupedGemm needs tile_m in (64, 128), N % 64 == 0, K % 64 == 0")
             return "torch"
         try:
-            from .kernels.grouped_gemm import GroupedGemm  # noqa: F401
+            from .grouped_gemm import GroupedGemm  # noqa: F401
             return "grouped_gemm"
         except Exception:
             if producer == "grouped_gemm":
@@ -230,7 +230,7 @@ class OverlapCombine:
         key = "solo" if ccta == 0 or "cluster_n" in self.gemm_options else "beside"
         gemm = self._gemms.get(key)
         if gemm is None:
-            from .kernels.grouped_gemm import GroupedGemm
+            from .grouped_gemm import GroupedGemm
             opts = dict(self.gemm_options, **({"cluster_n": 1} if key == "beside" else {}))
             gemm = self._gemms[key] = GroupedGemm(tile_m=self.tile_m, tile_n=self._tile_n,
                                                   **opts)
@@ -273,7 +273,7 @@ class OverlapCombine:
 
     def check_errors(self):
         """Synchronizes; raises OverlapError with the device error record if a wait timed out."""
-        from .kernels.primitives import describe_error
+        from ..kernels.primitives import describe_error
         torch.cuda.synchronize(self.device)
         msg = describe_error(self.err.tolist())
         if msg:

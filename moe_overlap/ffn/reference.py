@@ -1,6 +1,6 @@
 """References for the tensor-parallel FFN (issue 5): the float64 truth of the unsplit layer, the
 plain-torch TP baseline (the ``reference`` backend of ``FusedFFN`` / ``ShardedExperts`` and the fair
-baseline of ``bench/bench_ffn.py``), and a multi-rank check used by the tests.
+baseline of ``bench/bench_ffn.py``).
 
 Layer (math layout, row-major): ``X [T, P]``, ``W1 [P, O]``, ``b1 [O]``, ``W2 [O, N]``, ``b2 [N]``::
 
@@ -12,49 +12,9 @@ row slice of W2, and the full b2.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")  # act1; act2 also takes "none"
-ACT2 = ("none",) + ACTIVATIONS
-
-
-def check_activation(name, *, allow_none: bool, what: str) -> str:
-    """Normalize an activation name (None -> "none" when allowed); raises ValueError otherwise."""
-    if name is None and allow_none:
-        return "none"
-    choices = ACT2 if allow_none else ACTIVATIONS
-    if not isinstance(name, str) or name not in choices:
-        raise ValueError(f"{what}={name!r}: choose from {choices}")
-    return name
-
-
-def activation(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Out-of-place activation (any dtype, float64 included)."""
-    if name == "none":
-        return x
-    if name == "relu":
-        return F.relu(x)
-    if name == "gelu":
-        return F.gelu(x)
-    if name == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if name == "silu":
-        return F.silu(x)
-    raise ValueError(f"unknown activation {name!r}")
-
-
-def activation_(x: torch.Tensor, name: str) -> torch.Tensor:
-    """In place where torch has an in-place kernel (relu, silu); returns the result."""
-    if name == "none":
-        return x
-    if name == "relu":
-        return F.relu_(x)
-    if name == "silu":
-        return F.silu(x, inplace=True)
-    return activation(x, name)  # gelu has no in-place form
+from .activations import activation, activation_
 
 
 # ---------------------------------------------------------------- float64 truth
@@ -162,62 +122,3 @@ def experts_tp_reference(x, rows_per_expert, w_in, w_out, b_in, b_out, act: str,
     if world > 1:
         dist.all_reduce(y, group=group)
     return y
-
-
-# ---------------------------------------------------------------- multi-rank check (tests, CLI)
-def _case_inputs(case: dict):
-    g = torch.Generator().manual_seed(case.get("seed", 0))
-    P, O, N, T = case["P"], case["O"], case["N"], case["T"]
-    dt = getattr(torch, case.get("dtype", "bfloat16"))
-    s1, s2 = 1 / math.sqrt(P), 1 / math.sqrt(O)
-    if case.get("experts"):
-        E = case["E"]
-        rows = case["rows"]
-        x = torch.randn(T, P, generator=g).to(dt)
-        w_in = (torch.randn(E, P, O, generator=g) * s1).to(dt)
-        w_out = (torch.randn(E, O, N, generator=g) * s2).to(dt)
-        b_in = (torch.randn(E, O, generator=g) * 0.1).to(dt) if case.get("bias") else None
-        b_out = (torch.randn(E, N, generator=g) * 0.1).to(dt) if case.get("bias") else None
-        return x, rows, w_in, w_out, b_in, b_out
-    x = torch.randn(T, P, generator=g).to(dt)
-    w1 = (torch.randn(P, O, generator=g) * s1).to(dt)
-    b1 = (torch.randn(O, generator=g) * 0.1).to(dt) if case.get("bias", True) else None
-    w2 = (torch.randn(O, N, generator=g) * s2).to(dt)
-    b2 = (torch.randn(N, generator=g) * 0.1).to(dt) if case.get("bias", True) else None
-    return x, w1, b1, w2, b2
-
-
-def check_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    """Run each case on this rank (process group already set up by ``launch.spawn`` or absent for
-    world 1) with the reference backend (on ``cuda:rank`` when the case says ``device="cuda"``); returns per-case errors against the float64 truth and the
-    max difference between this rank's output and rank 0's (all ranks must agree)."""
-    import torch.distributed as dist
-
-    from .ffn import FusedFFN, ShardedExperts
-
-    group = dist.group.WORLD if dist.is_initialized() else None
-    results = []
-    for case in cases:
-        dev = torch.device(f"cuda:{rank}") if case.get("device") == "cuda" else torch.device("cpu")
-        if case.get("experts"):
-            x, rows, w_in, w_out, b_in, b_out = (
-                t.to(dev) if isinstance(t, torch.Tensor) else t for t in _case_inputs(case))
-            mod = ShardedExperts.from_full_weights(w_in, w_out, b_in, b_out, group=group,
-                                                   activation=case["act1"])
-            y = mod(x, rows)
-            truth = experts_truth(x, rows, w_in, w_out, b_in, b_out, case["act1"])
-        else:
-            x, w1, b1, w2, b2 = (t.to(dev) if t is not None else None
-                                 for t in _case_inputs(case))
-            mod = FusedFFN.from_full_weights(w1, b1, w2, b2, group=group, act1=case["act1"],
-                                             act2=case.get("act2"))
-            y = mod(x)
-            truth = ffn_truth(x, w1, b1, w2, b2, case["act1"], case.get("act2") or "none")
-        y0 = y.clone()
-        if world > 1:
-            dist.broadcast(y0, 0, group=group)
-        results.append(dict(rel_err=rel_err(y, truth), shape=tuple(y.shape),
-                            dtype=str(y.dtype), rank_diff=(y.float() - y0.float()).abs().max()
-                            .item() if y.numel() else 0.0,
-                            tol=tolerance(y.dtype, case["O"])))
-    return results

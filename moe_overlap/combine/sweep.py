@@ -14,7 +14,7 @@ For each shape (tokens per rank x experts x topk x N x K), router mode, ccta and
   and the overlapped call prepare their routing-derived rows once, outside the timing), and derives
   the perfect-overlap bound max(T_gemm, T_comm), T_overlap / bound, the hidden fraction of the
   communication, and the speedup over the baseline;
-- records the analytic (ccta, mgb) choice of moe_overlap.tuning for comparison with the best.
+- records the analytic (ccta, mgb) choice of moe_overlap.combine.tuning for comparison with the best.
 Prints a table of the best configuration per shape and mode last; writes everything as JSON.
 Run `python scripts/report_sweep.py results.json` for the markdown table and heatmaps.
 """
@@ -48,13 +48,13 @@ def worker(rank, W, args):
     import torch
     import torch.distributed as dist
 
-    from moe_overlap.baseline import SequentialBaseline, plan_to_compact_rows
-    from moe_overlap.dispatch import exchange_counts
-    from moe_overlap.overlap import OverlapCombine
-    from moe_overlap.planner import plan_combine
+    from moe_overlap.combine.baseline import SequentialBaseline, plan_to_compact_rows
+    from moe_overlap.combine.dispatch import exchange_counts
+    from moe_overlap.combine.overlap import OverlapCombine
+    from moe_overlap.combine.plan import plan_combine
     from moe_overlap.routing import route
     from moe_overlap.timing import max_over_ranks as max_over_ranks_on, time_calls
-    from moe_overlap.tuning import analytic_choice
+    from moe_overlap.combine.tuning import analytic_choice
 
     dev = torch.device("cuda", rank)
 
@@ -248,7 +248,7 @@ def main(argv=None):
     args.mgb = [int(m) for m in args.mgb.split(",")]
     args.gemm_options = {k: v for k, v in (("cluster_n", args.gemm_cluster_n),
                                            ("band_group", args.band_group)) if v is not None}
-    nvlink = args.transport == "nvlink"  # the defaults of MoECombine (see combine.py)
+    nvlink = args.transport == "nvlink"  # the defaults of MoECombine (see layer.py)
     if args.local_copy < 0:
         args.local_copy = 0 if nvlink else 1
     if args.copy == "auto":

@@ -29,7 +29,7 @@ scale therefore reads every assignment from the receive buffer and waits on ever
 
 Call marker and receive slots: at kernel start CTA 0 adds 1 to counter[rank] on every rank (its
 own too), and every destination row is offset by (epoch & 1) * slot_bytes (double-buffered receive
-buffer). See moe_overlap/overlap.py for why this makes back-to-back calls race-free.
+buffer). See moe_overlap/combine/overlap.py for why this makes back-to-back calls race-free.
 
 Options (compile-time; v1 = ``local_copy=True, copy="ldst"`` stays the default until measured):
 - ``local_copy=False``: the local-band loop is left out; the owner's scale reads local
@@ -101,7 +101,7 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
     cutlass, cute = _cute()
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
-    from . import primitives as P
+    from ..kernels import primitives as P
 
     use_tma = copy == "tma"
     NT = TMA_THREADS if use_tma else threads
@@ -469,7 +469,7 @@ class Consumer:
                              "CTA (one thread per rank posts the call marker)")
         fn = self.compile()
         if self._launcher is None:
-            from .primitives import LaunchCache
+            from ..kernels.primitives import LaunchCache
             self._launcher = LaunchCache(fn)
         if stream is None:
             stream = torch.cuda.current_stream(y.device)

@@ -75,8 +75,11 @@ rank's address (unicast, own rank included). CuTe DSL is imported lazily.
 import functools
 import os
 
+from ..kernels.compile import compile_keep
+from ..runtime.multicast import require_multicast
+from .activations import ACT2
+
 BACKENDS = ("unicast", "switch")
-ACT2 = ("none", "relu", "gelu", "gelu_tanh", "silu")
 DEFAULT_THREADS = 1024  # x unroll 4: 1.44-1.64x the bytes in flight of 512 x 2 on 16 SMs
 DEFAULT_UNROLL = 4
 DEFAULT_BAND_ROWS = 128
@@ -88,57 +91,6 @@ ERR_DONE_TIMEOUT = 13  # some rank never finished its chunk of the band
 ERR_NAMES = {ERR_READY_TIMEOUT: "band all-reduce timed out waiting for band_ready (local compute)",
              ERR_ARRIVE_TIMEOUT: "band all-reduce timed out waiting for every rank's partial",
              ERR_DONE_TIMEOUT: "band all-reduce timed out waiting for every rank's reduced chunk"}
-
-# Environment switches that mean "no NVLink multicast here" (all set on our machines).
-MULTICAST_DISABLERS = (("NVSHMEM_DISABLE_NVLS", "1"), ("NCCL_NVLS_ENABLE", "0"),
-                       ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"))
-ALLOW_ENV = "MOE_OVERLAP_ALLOW_MULTICAST"
-
-
-# ---------------------------------------------------------------- multicast guard (host)
-def _truthy(v: str) -> bool:
-    return v.strip().lower() in ("1", "true", "yes", "on")
-
-
-def multicast_unavailable_reason(allow: bool | None = None, device=None) -> str | None:
-    """Why the ``switch`` backend may not run here (None when it may). Never creates a multicast
-    object: it only reads the environment and a device attribute."""
-    allowed = _truthy(os.environ.get(ALLOW_ENV, "")) if allow is None else bool(allow)
-    if not allowed:
-        return (f"NVLink multicast is not explicitly allowed (set {ALLOW_ENV}=1 or pass "
-                f"allow=True where multicast is permitted; it is forbidden on the shared machines)")
-    for name, off in MULTICAST_DISABLERS:
-        v = os.environ.get(name)
-        if v is not None and (v.strip() == off or (off == "1" and _truthy(v))):
-            return f"NVLink multicast is disabled in this environment ({name}={v})"
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            return "no CUDA device is available"
-        idx = torch.cuda.current_device() if device is None else torch.device(device).index or 0
-    except Exception as e:  # pragma: no cover
-        return f"CUDA is not usable: {e}"
-    try:
-        import cuda.bindings.driver as drv
-        err, dev = drv.cuDeviceGet(idx)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            return f"cuDeviceGet({idx}) failed: {err}"
-        err, ok = drv.cuDeviceGetAttribute(
-            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, dev)
-        if err != drv.CUresult.CUDA_SUCCESS or not ok:
-            return f"device {idx} does not support NVLink multicast"
-    except Exception as e:  # pragma: no cover
-        return f"cannot query multicast support: {e}"
-    return None
-
-
-def require_multicast(allow: bool | None = None, device=None) -> None:
-    """Raises RuntimeError unless NVLink multicast is explicitly allowed AND available."""
-    why = multicast_unavailable_reason(allow, device)
-    if why is not None:
-        raise RuntimeError(f"the 'switch' (NVLink multicast) backend refuses to run: {why}. "
-                           f"Use the 'unicast' backend.")
-
 
 # ---------------------------------------------------------------- device functions
 @functools.lru_cache(maxsize=None)
@@ -155,7 +107,7 @@ def device_lib():
     V4 = "{{$w0}, {$w1}, {$w2}, {$w3}}"
 
     # flags, fences, CTA vote, error record and bounded waits: the shared ones
-    from .primitives import (block_any, fence_acq_rel_sys, ld_acquire_gpu_s32,  # noqa: F401
+    from ..kernels.primitives import (block_any, fence_acq_rel_sys, ld_acquire_gpu_s32,  # noqa: F401
                              ld_s32, ld_s64, record_error, st_s32, thread_block_grid,
                              wait_ge_gpu_s32 as wait_ge_gpu, wait_ge_sys_s32 as wait_ge_sys)
 
@@ -538,24 +490,6 @@ def compile_band_allreduce(world: int, backend: str = "unicast", act2: str = "no
     return cute.compile(launch, *example_args())
 
 
-def compile_keep(launch, *args):
-    """``cute.compile`` keeping PTX and cubin (``.__ptx__``, ``.__cubin__``) in memory; the files
-    CuTe DSL dumps on the way go to a temporary folder, not the working directory."""
-    import tempfile
-
-    import cutlass.cute as cute
-    opts = [cute.KeepPTX(), cute.KeepCUBIN()]
-    with tempfile.TemporaryDirectory(prefix="switch_dump_") as d:
-        try:
-            from cutlass.base_dsl.compiler import DumpDir
-            opts.append(DumpDir(d))
-        except Exception:  # noqa: BLE001 - older/newer DSL without the option: dump to cwd
-            pass
-        c = cute.compile[tuple(opts)](launch, *args)
-        _ = (c.__ptx__, c.__cubin__)  # read while the folder exists
-    return c
-
-
 def emulate_band_allreduce(accs, M: int, band_rows: int, b2=None, act2: str = "none",
                             grid: int = 1, zero_acc: bool = True):
     """CPU model of the kernel's schedule and index math, rank by rank and phase by phase, in
@@ -565,7 +499,7 @@ def emulate_band_allreduce(accs, M: int, band_rows: int, b2=None, act2: str = "n
     accumulators). Returns (outs: bf16 ``[M, N]`` per rank, coverage: int ``[M * N / 4]`` counting
     how many (rank, vector) reduce steps touched each vector: must be all ones)."""
     import torch
-    from ..ffn_reference import activation
+    from .activations import activation
     G = len(accs)
     N = accs[0].shape[1]
     if N % 4:
@@ -604,39 +538,6 @@ def emulate_band_allreduce(accs, M: int, band_rows: int, b2=None, act2: str = "n
                     flat[rank][gv] = 0
         outs.append(out.view(M, N))
     return outs, coverage
-
-
-def find_nvdisasm() -> str | None:
-    """Path of an nvdisasm binary (PATH, the nvidia-cuda-nvdisasm wheel, /usr/local/cuda*), or
-    None."""
-    import glob
-    import shutil
-    p = shutil.which("nvdisasm")
-    if p:
-        return p
-    try:
-        from importlib import metadata
-        for f in metadata.distribution("nvidia-cuda-nvdisasm").files or ():
-            if f.name == "nvdisasm":
-                return str(f.locate())
-    except Exception:  # noqa: BLE001 - wheel not installed
-        pass
-    found = sorted(glob.glob("/usr/local/cuda*/bin/nvdisasm"))
-    return found[-1] if found else None
-
-
-def sass_of(cubin: bytes, nvdisasm: str | None = None) -> str:
-    """SASS text of a cubin (raises RuntimeError when no nvdisasm is found)."""
-    import subprocess
-    import tempfile
-    tool = nvdisasm or find_nvdisasm()
-    if tool is None:
-        raise RuntimeError("no nvdisasm found (pip install nvidia-cuda-nvdisasm)")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin if isinstance(cubin, bytes) else cubin.encode())
-        f.flush()
-        return subprocess.run([tool, "-c", f.name], check=True, capture_output=True,
-                              text=True).stdout
 
 
 @functools.lru_cache(maxsize=None)

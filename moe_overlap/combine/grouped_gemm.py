@@ -52,6 +52,8 @@ import math
 
 import torch
 
+from ..runtime.device import num_sms
+
 __all__ = ["GroupedGemm", "grouped_gemm_reference", "prepare_weights", "tile_order_reference"]
 
 
@@ -119,7 +121,7 @@ def _kernel_class():
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-    from .primitives import (RELAY_BYTES, band_relay_loop, count_band_after_bulk_stores,
+    from ..kernels.primitives import (RELAY_BYTES, band_relay_loop, count_band_after_bulk_stores,
                              multicast_rank_and_mask, post_band_after_bulk_stores, relay_end,
                              relay_init)
 
@@ -577,7 +579,6 @@ def _kernel_class():
 # Host wrapper
 # --------------------------------------------------------------------------------------------
 _KERNEL_CLASS = None
-_NUM_SMS = {}
 
 
 def _get_kernel_class():
@@ -585,15 +586,6 @@ def _get_kernel_class():
     if _KERNEL_CLASS is None:
         _KERNEL_CLASS = _kernel_class()
     return _KERNEL_CLASS
-
-
-def _num_sms(device):
-    idx = torch.device(device).index
-    if idx is None:
-        idx = torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 class GroupedGemm:
@@ -787,7 +779,7 @@ class GroupedGemm:
                  ccta=0, band_counter=None, stream=None):
         rows, K, E, N = self._check(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                     band_ready, epoch, band_counter, ccta)
-        grid = _num_sms(x.device) - ccta
+        grid = num_sms(x.device) - ccta
         grid -= grid % self.cluster_for(N)
         if grid < 1:
             raise ValueError(f"ccta={ccta} leaves no SM for the producer")

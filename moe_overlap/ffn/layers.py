@@ -10,14 +10,14 @@ columns, the matching rows of ``W_out[e]``); ``forward(x, rows_per_expert)`` tak
 experts stacked expert-major and returns the all-reduced ``[rows, N]`` output on every rank.
 
 Backends:
-- ``reference``: plain torch (``moe_overlap.ffn_reference``): addmm with the bias fused, in-place
+- ``reference``: plain torch (``moe_overlap.ffn.reference``): addmm with the bias fused, in-place
   activation, mm (+b2 fused on rank 0), one in-place ``all_reduce`` (gloo on CPU, NCCL on CUDA),
   act2 in place. This is also the fair baseline of ``bench/bench_ffn.py``.
 - ``fused`` (CUDA Hopper GPUs, CuTe DSL, bf16, inference): two persistent CuTe DSL kernels
   running at the same time on one GPU: the compute blocks
-  (``moe_overlap.kernels.fused_ffn.FusedFFNCompute``: act1(X W1_g + b1_g) tiles on chip, times W2_g,
+  (``moe_overlap.ffn.compute_reduce.FusedFFNCompute``: act1(X W1_g + b1_g) tiles on chip, times W2_g,
   TMA reduce-add into the fp32 symmetric accumulator, per-band ready flags) on the current stream
-  and SMs - ``ccta`` SMs, and the communication blocks (``moe_overlap.kernels.switch.BandAllReduce``,
+  and SMs - ``ccta`` SMs, and the communication blocks (``moe_overlap.ffn.band_allreduce.BandAllReduce``,
   ``producer=True``: band all-reduce across the group, + b2, act2, bf16 out, accumulator zeroed for
   the next call) on a high-priority stream and ``ccta`` SMs. Where CUDA / CuTe DSL are missing the
   constructor raises ``NotImplementedError`` (a ``RuntimeError``) saying why.
@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ffn_reference import (ACT2, ACTIVATIONS, check_activation,  # noqa: F401 (re-exported)
-                            experts_tp_reference, ffn_tp_reference)
+from .activations import ACT2, ACTIVATIONS, check_activation  # noqa: F401 (re-exported)
+from .reference import experts_tp_reference, ffn_tp_reference
 
 BACKENDS = ("reference", "fused")
 COMMS = ("unicast", "switch")
@@ -117,7 +117,7 @@ def _fused_requirements(comm: str, device: torch.device, what: str = "FusedFFN")
     """Raises NotImplementedError (a RuntimeError) naming the first missing requirement of the
     fused backend on this machine: multicast for comm='switch', CUDA, a CUDA device, CuTe DSL."""
     if comm == "switch":
-        from .kernels.switch import require_multicast
+        from ..runtime.multicast import require_multicast
         require_multicast()  # raises a clear RuntimeError on our machines
     why = None
     if not torch.cuda.is_available():
@@ -136,7 +136,7 @@ def _fused_requirements(comm: str, device: torch.device, what: str = "FusedFFN")
     if why is not None:
         raise NotImplementedError(
             f"{what}(backend='fused', comm={comm!r}) cannot run here: the fused compute kernel "
-            f"(moe_overlap/kernels/fused_ffn.py) and the band all-reduce need CUDA Hopper GPUs "
+            f"(moe_overlap/ffn/compute_reduce.py) and the band all-reduce need CUDA Hopper GPUs "
             f"and CuTe DSL; {why}. Use backend='reference'.")
 
 
@@ -219,7 +219,7 @@ def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise TypeError(f"compute_options must be a dict, got {type(options).__name__}")
-    from .kernels import reject_unknown_options
+    from ..kernels import reject_unknown_options
     reject_unknown_options("compute_options", options, COMPUTE_OPTIONS)
     options = dict(options)
     if grouped and options.get("cluster_m", 1) != 1:
@@ -232,7 +232,7 @@ def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
         # default: two hidden tiles per unit wherever they pair up (half the fp32 reduce-adds;
         # 1.23-1.73x faster layer on 6 of the 7 benchmark shapes, bench/NOTES.md session 7)
         options["h_pair"] = options.get("h_regs", True) and local_hidden % (2 * tile_o) == 0
-    from .kernels.fused_ffn import FusedFFNCompute
+    from .compute_reduce import FusedFFNCompute
     FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, **options)  # the kernel's own value checks
     return options
 
@@ -260,7 +260,7 @@ class _FusedBackend:
                     allreduce_band_rows):
         """Checks (before any allocation or launch) and the compute-kernel object."""
         _fused_requirements(self.comm, device, type(self).__name__)
-        from .kernels.fused_ffn import FusedFFNCompute
+        from .compute_reduce import FusedFFNCompute
         if tile_m not in (64, 128):
             raise ValueError(f"tile_m={tile_m!r} must be 64 or 128")
         P, O, N = self.in_features, self.local_hidden, self.out_features
@@ -301,7 +301,7 @@ class _FusedBackend:
     def _fused_allreduce(self, M: int):
         """The BandAllReduce for M rows (collective on first use / growth: every rank calls
         forward with the same M)."""
-        from .kernels.switch import BandAllReduce
+        from .band_allreduce import BandAllReduce
         ar = self._allreduce
         if ar is None or ar.max_rows < M:
             rows = max(M, self.max_tokens or 0, ar.max_rows * 2 if ar is not None else 0)
@@ -396,7 +396,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     carries no autograd graph) and collective (every rank of the group calls it with the same
     token count). ``compute_options``: keyword options of the compute kernel
     (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``, ``epilogue``,
-    ``cluster_m``, ``h_regs``, ``h_pair``; see kernels/fused_ffn.py), checked at construction;
+    ``cluster_m``, ``h_regs``, ``h_pair``; see ffn/compute_reduce.py), checked at construction;
     ``h_pair`` defaults to True where O/G is a multiple of 2 * tile_o.
     ``allreduce_band_rows`` (a divisor of tile_m; default ``fused_default_allreduce_band_rows``:
     32, or 64 at O/G <= 2048): rows per band of the all-reduce, so a finished m-tile is shared by

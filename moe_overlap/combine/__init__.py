@@ -1,0 +1,12 @@
+"""The MoE combine: plan, dispatch into the plan layout, the layer, and its overlapped backend.
+
+    routing -> exchange_counts -> plan_combine -> dispatch_to_plan -> expert up-projection
+    -> MoECombine.forward: producer grouped GEMM || consumer (bands to their owners) -> scale
+"""
+from .dispatch import dispatch_to_plan, exchange_counts
+from .layer import MoECombine, overlap_available
+from .plan import CombinePlan, plan_combine, recv_rows
+from .reference import grouped_matmul
+
+__all__ = ["CombinePlan", "MoECombine", "dispatch_to_plan", "exchange_counts", "grouped_matmul",
+           "overlap_available", "plan_combine", "recv_rows"]

@@ -1,0 +1,179 @@
+"""Reference paths: the truth the tests and benchmarks compare against.
+
+- `sequential_dispatch` / `sequential_combine`: the seed's sequential baseline, written without the
+  plan: all_to_all_single, grouped matmul, all_to_all_single back, top-k weighted sum. Its expert
+  inputs use the *compact* layout: local expert major, then source rank ascending, then the order the
+  source sent them (token, then k), no padding.
+- `reference_combine`: executes a `CombinePlan` (bands, segments, destination rows) with torch ops
+  and one process-group exchange; this is MoECombine's `reference` backend on CPU and GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .plan import CombinePlan, recv_rows
+
+
+def world(group=None) -> tuple[int, int]:
+    """(rank, world size) of `group`; (0, 1) without an initialized process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group=None):
+    """all_to_all_single that also works without a process group (world size 1)."""
+    if world(group)[1] == 1:
+        out.copy_(inp)
+        return out
+    dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group)
+    return out
+
+
+def all_gather_counts(local_counts: torch.Tensor, group=None) -> torch.Tensor:
+    """[W, E] matrix of every rank's per-expert assignment counts."""
+    _, W = world(group)
+    if W == 1:
+        return local_counts.unsqueeze(0).clone()
+    parts = [torch.empty_like(local_counts) for _ in range(W)]
+    dist.all_gather(parts, local_counts.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+def expert_matmul(h_e: torch.Tensor, w_e: torch.Tensor) -> torch.Tensor:
+    """h_e @ w_e with fp32 accumulation, rounded to h's dtype (as the GPU kernels do)."""
+    if h_e.is_cuda and h_e.dtype in (torch.bfloat16, torch.float16):
+        return h_e @ w_e  # cuBLAS accumulates in fp32
+    return (h_e.float() @ w_e.float()).to(h_e.dtype)
+
+
+def grouped_matmul(h: torch.Tensor, w: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+    """Stacked per-expert products: rows of expert e times w[e], experts contiguous in h."""
+    out = torch.empty(h.shape[0], w.shape[2], dtype=h.dtype, device=h.device)
+    start = 0
+    for e, n in enumerate(rows_per_expert):
+        if n:
+            out[start:start + n] = expert_matmul(h[start:start + n], w[e])
+        start += n
+    if start < h.shape[0]:
+        out[start:] = 0
+    return out
+
+
+def weighted_sum(recv: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = sum_k w[t, k] * recv[rows[t, k]], in fp32."""
+    T, k = rows.shape
+    gathered = recv.index_select(0, rows.reshape(-1)).float().view(T, k, -1)
+    return (gathered * topk_weights.float().unsqueeze(-1)).sum(1).to(out_dtype)
+
+
+# ---------------------------------------------------------------- sequential baseline
+def sequential_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, group=None):
+    """Send each (token, k) row of x to its expert's owner.
+
+    Returns (x_compact [R, K], expert_counts [W, E]); x_compact is in the compact layout."""
+    rank, W = world(group)
+    El = num_experts // W
+    T, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by global expert, then token, then k
+    send = x.index_select(0, order // k)
+    local_counts = torch.bincount(flat, minlength=num_experts)
+    counts = all_gather_counts(local_counts, group)
+    counts_h = counts.tolist()
+    in_splits = [sum(counts_h[rank][r * El:(r + 1) * El]) for r in range(W)]
+    out_splits = [sum(counts_h[s][rank * El:(rank + 1) * El]) for s in range(W)]
+    recv = torch.empty(sum(out_splits), x.shape[1], dtype=x.dtype, device=x.device)
+    all_to_all(recv, send, out_splits, in_splits, group)
+    # source-major -> expert-major (compact layout)
+    perm = source_to_expert_major(counts_h, rank, El)
+    return recv.index_select(0, torch.tensor(perm, device=x.device, dtype=torch.long)), counts
+
+
+def source_to_expert_major(counts_h, rank, El) -> list[int]:
+    """perm such that compact[i] = source_major[perm[i]]."""
+    W = len(counts_h)
+    src_off = {}
+    off = 0
+    for s in range(W):
+        for e in range(El):
+            src_off[s, e] = off
+            off += counts_h[s][rank * El + e]
+    perm = []
+    for e in range(El):
+        for s in range(W):
+            o = src_off[s, e]
+            perm.extend(range(o, o + counts_h[s][rank * El + e]))
+    return perm
+
+
+def sequential_combine(h_compact: torch.Tensor, w_down: torch.Tensor, expert_counts: torch.Tensor,
+                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, group=None) -> torch.Tensor:
+    """Baseline combine: grouped matmul, all_to_all_single back to the token owners, weighted sum."""
+    rank, W = world(group)
+    E = expert_counts.shape[1]
+    El = E // W
+    counts_h = expert_counts.tolist()
+    rows_e = [sum(counts_h[s][rank * El + e] for s in range(W)) for e in range(El)]
+    y = grouped_matmul(h_compact, w_down, rows_e)
+    perm = source_to_expert_major(counts_h, rank, El)
+    inv = torch.empty(len(perm), dtype=torch.long, device=y.device)
+    inv[torch.tensor(perm, dtype=torch.long, device=y.device)] = torch.arange(
+        len(perm), device=y.device)
+    send = y.index_select(0, inv)  # back to source-major
+    in_splits = [sum(counts_h[s][rank * El:(rank + 1) * El]) for s in range(W)]
+    out_splits = [sum(counts_h[rank][r * El:(r + 1) * El]) for r in range(W)]
+    recv = torch.empty(sum(out_splits), y.shape[1], dtype=y.dtype, device=y.device)
+    all_to_all(recv, send, out_splits, in_splits, group)
+    # recv is ordered by global expert, then token, then k: invert that stable sort
+    T, k = topk_ids.shape
+    order = torch.argsort(topk_ids.reshape(-1), stable=True)
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(order.numel(), device=order.device)
+    return weighted_sum(recv, rows.view(T, k), topk_weights, h_compact.dtype)
+
+
+# ---------------------------------------------------------------- plan executor
+def reference_combine(h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
+                      topk_ids: torch.Tensor, topk_weights: torch.Tensor, group=None) -> torch.Tensor:
+    """Execute the plan with torch ops: per-expert GEMM, segments and local bands into per-rank send
+    buffers at their destination rows, one all_to_all, weighted sum at the token owners."""
+    rank, W = plan.rank, plan.world_size
+    El = plan.experts_per_rank
+    dev = h.device
+    y = grouped_matmul(h[: int(plan.total_rows.item())], w_down, plan.expert_rows.tolist())
+    t = plan.band_table()
+    nb, nr, ns = plan.counts()
+    # rows this rank sends to each destination and where they start in its receive buffer
+    send_rows = [0] * W
+    base = [None] * W
+    for d, row, v in zip(t["band_dest"], t["band_dest_row"], t["band_valid"]):
+        send_rows[d] += v
+        base[d] = row if base[d] is None else min(base[d], row)
+    send_off = [sum(send_rows[:d]) for d in range(W)]
+    send = torch.full((sum(send_rows), y.shape[1]), float("nan"), dtype=y.dtype, device=dev)
+    written = torch.zeros(send.shape[0], dtype=torch.int32, device=dev)
+
+    def ship(dest, src_row, dest_row, rows):
+        at = send_off[dest] + dest_row - base[dest]
+        send[at:at + rows] = y[src_row:src_row + rows]
+        written[at:at + rows] += 1
+
+    seg = {k: getattr(plan, "segment_" + k)[:ns].tolist() for k in
+           ("dest", "src_row", "dest_row", "rows")}
+    for q in range(ns):  # remote transfers, as the consumer ships them
+        ship(seg["dest"][q], seg["src_row"][q], seg["dest_row"][q], seg["rows"][q])
+    for b in range(nb):  # local bands stay on this rank
+        if t["band_dest"][b] == rank and t["band_valid"][b]:
+            ship(rank, t["band_src_row"][b], t["band_dest_row"][b], t["band_valid"][b])
+    if not bool((written == 1).all()):
+        raise RuntimeError(f"rank {rank}: the plan's destination rows do not cover the send "
+                           "buffers exactly once")
+    # receive: from owner r, my assignments to r's experts (a contiguous block of my buffer)
+    owner = topk_ids.reshape(-1) // El
+    recv_splits = torch.bincount(owner, minlength=W).tolist()
+    recv = torch.empty(sum(recv_splits), y.shape[1], dtype=y.dtype, device=dev)
+    all_to_all(recv, send, recv_splits, send_rows, group)
+    return weighted_sum(recv, recv_rows(topk_ids, plan.num_experts), topk_weights, h.dtype)

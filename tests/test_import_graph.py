@@ -1,0 +1,113 @@
+"""The package's imports form layers with no cycle: runtime < kernels < {combine, ffn} < cli,
+combine and ffn never import each other, and no file imports one that imports it back (lazy imports
+inside functions count). Read from the source with ast, so it needs neither CUDA nor CuTe DSL."""
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "moe_overlap"
+
+# part of the package -> the parts it may import (besides itself)
+ALLOWED = {
+    "runtime": set(),
+    "util": set(),  # routing, launch, timing
+    "kernels": {"runtime"},
+    "combine": {"runtime", "kernels", "util"},
+    "ffn": {"runtime", "kernels", "util"},
+    "cli": {"combine", "ffn", "util", "runtime", "kernels"},
+    "top": {"combine", "ffn", "util", "runtime", "kernels", "cli"},  # __init__, aliases, __main__
+}
+UTIL = {"routing", "launch", "timing"}
+
+
+def _module(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _part(mod: str) -> str:
+    parts = mod.split(".")
+    if len(parts) == 1:
+        return "top"
+    head = parts[1]
+    if head in ("runtime", "kernels", "combine", "ffn", "cli"):
+        return head
+    return "util" if head in UTIL else "top"
+
+
+def _imports(path: pathlib.Path, mod: str, is_pkg: bool) -> set[str]:
+    out = set()
+    pkg = mod if is_pkg else mod.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("moe_overlap")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("moe_overlap"):
+                target = node.module
+            else:
+                continue
+            out.add(target)
+            for a in node.names:  # "from . import primitives" names a module
+                out.add(f"{target}.{a.name}")
+    return out
+
+
+def graph():
+    files = {_module(p): p for p in PKG.rglob("*.py")}
+    g = {}
+    for mod, path in files.items():
+        deps = _imports(path, mod, path.name == "__init__.py")
+        g[mod] = {d for d in deps if d in files and d != mod}
+    return g
+
+
+def _cycles(g):
+    seen, stack, on, found = set(), [], set(), []
+
+    def visit(n):
+        seen.add(n)
+        stack.append(n)
+        on.add(n)
+        for m in sorted(g[n]):
+            if m in on:
+                found.append(stack[stack.index(m):] + [m])
+            elif m not in seen:
+                visit(m)
+        stack.pop()
+        on.discard(n)
+
+    for n in sorted(g):
+        if n not in seen:
+            visit(n)
+    return found
+
+
+def test_graph_is_read():
+    g = graph()
+    assert "moe_overlap.combine.overlap" in g["moe_overlap.combine.layer"]
+    assert "moe_overlap.kernels.primitives" in g["moe_overlap.combine.consumer"]
+
+
+def test_no_import_cycle():
+    assert _cycles(graph()) == []
+
+
+def test_cycle_detection_can_fail():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert _cycles(g) == [["a", "b", "c", "a"]]
+
+
+def test_imports_point_down():
+    bad = []
+    for mod, deps in graph().items():
+        for d in deps:
+            src, dst = _part(mod), _part(d)
+            if src != dst and dst not in ALLOWED[src]:
+                bad.append(f"{mod} ({src}) imports {d} ({dst})")
+    assert bad == []
