@@ -43,8 +43,8 @@ def make_plan(rank, W, rows, ccta, dev):
         num_segments=i32([nseg]), segment_start=i32(list(range(nseg))),
         segment_bands=i32([1] * nseg), segment_dest=i32([dest] * nseg),
         segment_src_row=i32(starts), segment_dest_row=i32(starts), segment_rows=i32(sizes),
-        schedule=i32(list(range(nseg))), num_bands=i32([nseg]), num_remote_bands=i32([nseg]),
-        band_src_row=i32(starts), band_valid=i32(sizes), band_dest_row=i32(starts),
+        schedule=i32(list(range(nseg))), num_local_cells=i32([0]), local_cell_band=i32([-1]),
+        local_cell_src_row=i32([-1]), local_cell_rows=i32([-1]), local_cell_dest_row=i32([-1]),
         band_capacity=nseg)
 
 

@@ -7,12 +7,15 @@
 # areas: gemm     grouped GEMM tests + bench (issue 3)
 #        combine  consumer / overlap tests (nvshmem configs need part 0) + the validation grid
 #                 and the ccta x mgb sweep (issue 4; "quick": one shape, no sweep)
+#        plan     planner GPU tests, the producer on packed plans (tests + bench_packed_gemm
+#                 against torch._grouped_mm on the unpadded rows) and the planner's device time
+#                 (bench_plan); one GPU
 #        ffn      fused FFN / band all-reduce tests + bench_ffn + the compute-kernel breakdown
 #                 (issue 5; "quick": 3 shapes, 10 rounds)
 # Logs and JSON go to $OUT (the device tool brings them back); a short summary is printed last.
 # NVLink multicast stays off whatever the caller's environment says.
 set -uo pipefail
-area=${1:?usage: gpu_check.sh gemm|combine|ffn [quick]}
+area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn [quick]}
 quick=${2:-}
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER
@@ -41,6 +44,14 @@ gemm)
     # the same calls back to back (power-limited steady state; bench/NOTES.md, session 5)
     BENCH_LEAD_MS=0 run gemm_bench_b2b 300 python bench/bench_grouped_gemm.py "${args[@]}" \
         --tag back_to_back --out "$OUT"
+    ;;
+plan)
+    run planner_tests 200 python -m pytest -q -p no:cacheprovider tests/test_planner_gpu.py
+    run gemm_tests 400 python -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_gpu.py
+    args=()
+    [ "$quick" = quick ] && args=(--models deepseek-v3 --worlds 2 --modes balanced --rounds 5)
+    run packed_gemm_bench 450 python bench/bench_packed_gemm.py "${args[@]}" --out "$OUT"
+    run plan_bench 200 python bench/bench_plan.py --out "$OUT"
     ;;
 combine)
     export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-6G}  # the sweep's largest shapes

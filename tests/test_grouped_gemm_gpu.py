@@ -52,12 +52,12 @@ def _local_plan(local_counts, tile_m):
                 total_rows=start, cap=cap)
 
 
-def _make_plan(counts, rank, tile_m):
+def _make_plan(counts, rank, tile_m, layout="aligned"):
     """counts: [W, E] int (host). Returns band tensors + host facts for rank's local experts."""
     W, E = counts.shape
     El = E // W
     if plan_combine is not None:
-        p = plan_combine(counts.to(DEV), rank, tile_m=tile_m)
+        p = plan_combine(counts.to(DEV), rank, tile_m=tile_m, layout=layout)
         return dict(band_expert=p.band_expert, band_src_row=p.band_src_row, schedule=p.schedule,
                     num_bands=p.num_bands, total_rows=int(p.total_rows.item()),
                     cap=p.band_capacity, El=El)
@@ -104,6 +104,12 @@ def test_grouped_gemm_matches_reference(kind, W, El, tile_m, tile_n, ccta):
     _check_case(kind, W, El, tile_m, tile_n, ccta)
 
 
+@pytest.mark.parametrize("kind,W,El,tile_m,tile_n,ccta", [c for c in CASES if c[1] > 1])
+def test_grouped_gemm_on_packed_layout(kind, W, El, tile_m, tile_n, ccta):
+    """The producer on packed plans (bands holding rows of several sources): same checks."""
+    _check_case(kind, W, El, tile_m, tile_n, ccta, layout="packed")
+
+
 @pytest.mark.parametrize("kind,W,El,tile_m,tile_n,ccta,extra", [
     ("skew", 2, 4, 128, 256, 0, dict(cluster_n=1, signal_k_tile=3)),
     ("zero_expert", 8, 2, 64, 256, 7, dict(cluster_n=2, b_evict_last=True)),
@@ -127,11 +133,11 @@ def test_grouped_gemm_cluster_and_options(kind, W, El, tile_m, tile_n, ccta, ext
     _check_case(kind, W, El, tile_m, tile_n, ccta, **extra)
 
 
-def _check_case(kind, W, El, tile_m, tile_n, ccta, **extra):
+def _check_case(kind, W, El, tile_m, tile_n, ccta, layout="aligned", **extra):
     gen = torch.Generator().manual_seed(zlib.crc32(repr((kind, W, El, tile_m, tile_n, ccta)).encode()))
     counts = _counts(kind, W, El, gen)
     rank = W - 1
-    plan = _make_plan(counts, rank, tile_m)
+    plan = _make_plan(counts, rank, tile_m, layout)
     nb = int(plan["num_bands"].item())
     total = plan["total_rows"]
     rows = total + 2 * tile_m  # rows past the last band must stay untouched

@@ -56,10 +56,11 @@ def test_consumer_piece_rows_checked_before_cuda(bad):
 @pytest.mark.parametrize("W,E,topk,tile_m,mode", [(2, 8, 2, 128, "moderate_skew"),
                                                   (4, 16, 4, 64, "stress_skew"),
                                                   (3, 6, 2, 64, "balanced")])
-def test_source_rows_match_the_band_table(W, E, topk, tile_m, mode):
+@pytest.mark.parametrize("layout", ["aligned", "packed"])
+def test_source_rows_match_the_local_cells(W, E, topk, tile_m, mode, layout):
     """local_copy=False: every local (t, k) assignment's y row (encoded -(y row) - 1) equals the
-    row the plan's local band puts it in (band_src_row + r - band_dest_row); remote assignments
-    keep their receive row."""
+    row the plan's local cell puts it in (src_row + r - dest_row); remote assignments keep their
+    receive row."""
     from types import SimpleNamespace
     from moe_overlap.combine.overlap import OverlapCombine
     from moe_overlap.combine.plan import plan_combine, recv_rows
@@ -69,15 +70,14 @@ def test_source_rows_match_the_band_table(W, E, topk, tile_m, mode):
     ids = [route(Ts[r], E, topk, mode=mode, seed=5, rank=r)[0] for r in range(W)]
     counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids])
     for rank in range(W):
-        plan = plan_combine(counts, rank, tile_m=tile_m, mgb=2)
+        plan = plan_combine(counts, rank, tile_m=tile_m, mgb=2, layout=layout)
         me = SimpleNamespace(num_experts=E, experts_per_rank=El, rank=rank)
         r = recv_rows(ids[rank], E)
         src = OverlapCombine.source_rows(me, ids[rank], r, plan)
         assert src.shape == ids[rank].shape
-        bt = plan.band_table()
-        local_bands = [(d0, v, s0) for dd, s0, d0, v in zip(bt["band_dest"], bt["band_src_row"],
-                                                             bt["band_dest_row"],
-                                                             bt["band_valid"]) if dd == rank]
+        nl = int(plan.num_local_cells)
+        local_bands = list(zip(*(getattr(plan, "local_cell_" + k)[:nl].tolist()
+                                 for k in ("dest_row", "rows", "src_row"))))
         for e_id, rr, s in zip(ids[rank].reshape(-1).tolist(), r.reshape(-1).tolist(),
                                src.reshape(-1).tolist()):
             if e_id // El != rank:

@@ -20,6 +20,8 @@ Consumer v2 options run the same checks under their own tags:
     small ring (3 stages x 4 KiB) so the mbarrier phases wrap many times per segment;
   - ``nvlink_v2_pieces`` / ``nvshmem_pieces``: segments cut into pieces of 5 / 7 rows spread over
     the CTAs (consumer_piece_rows).
+Every config plans with layout="auto" (packed for these routings: bands shared by several
+sources) except ``nvshmem_aligned`` / ``nvlink_v2_aligned`` (the aligned layout).
 The second forward call of each passes routes prepared beforehand (OverlapCombine.prepare), and
 routes of another plan must be refused.
 """
@@ -88,13 +90,12 @@ def _consumer_alone(ov, res, tag, seed):
     ov.rt.barrier()
     # expected receive slot, from every sender's y and plan
     nb, nr, ns = plan.counts()
-    bt = plan.band_table()
+    nl = int(plan.num_local_cells.item())
     mine = dict(y=y.cpu(), segs=[(plan.segment_dest[i].item(), plan.segment_src_row[i].item(),
                                   plan.segment_dest_row[i].item(), plan.segment_rows[i].item())
                                  for i in range(ns)],
-                local=[(s, d, v) for dd, s, d, v in zip(bt["band_dest"], bt["band_src_row"],
-                                                        bt["band_dest_row"], bt["band_valid"])
-                       if dd == ov.rank and v])
+                local=list(zip(*(getattr(plan, "local_cell_" + k)[:nl].tolist()
+                                 for k in ("src_row", "dest_row", "rows")))))
     allp = [None] * ov.world_size
     dist.all_gather_object(allp, mine)
     slot = ov.recv_slot().cpu()
@@ -228,12 +229,17 @@ def _worker(rank, world, port, outdir):
                    # segments cut into pieces of a few rows (not dividing the segments), spread
                    # over the CTAs: the consumer's work split on both transports
                    ("nvlink_v2_pieces", "nvlink", None, dict(v2, consumer_piece_rows=5)),
-                   ("nvshmem_pieces", "nvshmem", None, dict(v1, consumer_piece_rows=7)))
+                   ("nvshmem_pieces", "nvshmem", None, dict(v1, consumer_piece_rows=7)),
+                   # the other plan layout (every other config plans with layout="auto", which
+                   # packs these routings): local copy and v2 consumer on aligned groups
+                   ("nvshmem_aligned", "nvshmem", None, v1),
+                   ("nvlink_v2_aligned", "nvlink", None, v2))
         only = os.environ.get("MOE_TEST_CONFIGS")  # e.g. "nvlink_v2,nvshmem_v2" (debugging)
         if only:
             configs = tuple(c for c in configs if c[0] in only.split(","))
         timeout_ov = {}
         for i, (tag, tr, prod, opts) in enumerate(configs):
+            _LAYOUT["now"] = "aligned" if tag.endswith("_aligned") else "auto"
             try:
                 ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N,
                                     topk=TOPK, max_tokens_per_rank=T_MAX, tile_m=TILE_M, ccta=8,
@@ -302,7 +308,8 @@ def results():
     return res
 
 
-V2 = ["nvlink_v2", "nvshmem_v2", "nvlink_tma", "nvlink_v2_pieces", "nvshmem_pieces"]
+V2 = ["nvlink_v2", "nvshmem_v2", "nvlink_tma", "nvlink_v2_pieces", "nvshmem_pieces",
+      "nvshmem_aligned", "nvlink_v2_aligned"]
 
 
 def _selected(tag):

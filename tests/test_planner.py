@@ -8,12 +8,18 @@ from hypothesis import strategies as st
 from moe_overlap.combine.plan import plan_combine, recv_rows
 
 
-def python_plan(counts, rank, tile_m, mgb):
-    """The plan written with loops, straight from the specification."""
+def python_plan(counts, rank, tile_m, mgb, layout="aligned"):
+    """The plan written with loops, straight from the specification (docs/CONTRACTS.md)."""
     W = len(counts)
     E = len(counts[0])
     El = E // W
     order = [s for s in range(W) if s != rank] + [rank]
+    pad = lambda c: -(-c // tile_m) * tile_m  # noqa: E731
+    if layout == "auto":
+        sizes = [[counts[s][rank * El + e] for s in order] for e in range(El)]
+        packed_rows = sum(pad(sum(g)) for g in sizes)
+        aligned_rows = sum(pad(c) for g in sizes for c in g)
+        layout = "packed" if packed_rows < aligned_rows else "aligned"
     group_row_start = [[0] * W for _ in range(El)]
     expert_rows = []
     for e in range(El):
@@ -21,55 +27,70 @@ def python_plan(counts, rank, tile_m, mgb):
         for s in order:
             group_row_start[e][s] = row
             c = counts[s][rank * El + e]
-            row += -(-c // tile_m) * tile_m
-        expert_rows.append(row)
+            row += pad(c) if layout == "aligned" else c
+        expert_rows.append(pad(row))
     expert_row_start = [sum(expert_rows[:e]) for e in range(El)]
     bands = []  # dicts in stacked row order
     for e in range(El):
+        for k in range(expert_rows[e] // tile_m):
+            bands.append(dict(expert=e, row=k * tile_m,
+                              src_row=expert_row_start[e] + k * tile_m, cells=[]))
+    band_id = {(b["expert"], b["row"] // tile_m): i for i, b in enumerate(bands)}
+    for e in range(El):  # cells: a group's rows cut at band boundaries, in row order
         g = rank * El + e
         for s in order:
             c = counts[s][g]
             recv_off = sum(counts[s][:g])  # rows of experts < g in s's receive buffer
-            for k in range(-(-c // tile_m)):
-                bands.append(dict(expert=e, row=group_row_start[e][s] + k * tile_m,
-                                  dest=s, valid=min(tile_m, c - k * tile_m),
-                                  dest_row=recv_off + k * tile_m))
+            lo = group_row_start[e][s]
+            while lo < group_row_start[e][s] + c:
+                hi = min(group_row_start[e][s] + c, (lo // tile_m + 1) * tile_m)
+                bands[band_id[e, lo // tile_m]]["cells"].append(dict(
+                    group=(e, s), dest=s, src_row=expert_row_start[e] + lo, rows=hi - lo,
+                    dest_row=recv_off + lo - group_row_start[e][s]))
+                lo = hi
     for b in bands:
-        b["src_row"] = expert_row_start[b["expert"]] + b["row"]
-    remote_bands = [sum(1 for b in bands if b["expert"] == e and b["dest"] != rank)
-                    for e in range(El)]
+        b["valid"] = sum(c["rows"] for c in b["cells"])
+        b["dest"], b["dest_row"] = b["cells"][0]["dest"], b["cells"][0]["dest_row"]
+        b["remote"] = any(c["dest"] != rank for c in b["cells"])
+    remote_bands = [sum(1 for b in bands if b["expert"] == e and b["remote"]) for e in range(El)]
     exp_order = sorted(range(El), key=lambda e: (-remote_bands[e], e))
     schedule = []
     for want_remote in (True, False):
         for e in exp_order:
             schedule += [i for i, b in enumerate(bands)
-                         if b["expert"] == e and (b["dest"] != rank) == want_remote]
-    remote = [i for i in schedule if bands[i]["dest"] != rank]
-    # segments: runs of one (expert, dest); first and last remote band alone; others <= mgb bands
-    segments = []  # (start position, count)
-    p = 0
+                         if b["expert"] == e and b["remote"] == want_remote]
+    R_bands = sum(b["remote"] for b in bands)
+    # (position, cell) in schedule order, then row order inside a band
+    cells = [(p, c) for p, i in enumerate(schedule) for c in bands[i]["cells"]]
+    remote = [(p, c) for p, c in cells if c["dest"] != rank]
+    # segments: runs of one group; first and last remote cell alone; others <= mgb cells
+    segments = []
+    q = 0
     R = len(remote)
-    while p < R:
-        if p == 0 or p == R - 1:
-            segments.append((p, 1))
-            p += 1
-            continue
-        b0 = bands[remote[p]]
+    while q < R:
         n = 1
-        while (n < mgb and p + n < R - 1 and bands[remote[p + n]]["expert"] == b0["expert"]
-               and bands[remote[p + n]]["dest"] == b0["dest"]):
-            n += 1
-        segments.append((p, n))
-        p += n
-    return dict(group_row_start=group_row_start, expert_rows=expert_rows,
+        if 0 < q < R - 1:
+            while (n < mgb and q + n < R - 1
+                   and remote[q + n][1]["group"] == remote[q][1]["group"]):
+                n += 1
+        run = remote[q:q + n]
+        segments.append(dict(start=run[0][0], bands=run[-1][0] - run[0][0] + 1,
+                             dest=run[0][1]["dest"], src_row=run[0][1]["src_row"],
+                             dest_row=run[0][1]["dest_row"],
+                             rows=sum(c["rows"] for _, c in run)))
+        q += n
+    local = [dict(band=schedule[p], src_row=c["src_row"], dest_row=c["dest_row"],
+                  rows=c["rows"]) for p, c in cells if c["dest"] == rank]
+    return dict(layout=layout, group_row_start=group_row_start, expert_rows=expert_rows,
                 expert_row_start=expert_row_start, bands=bands, schedule=schedule,
-                num_remote=R, segments=segments)
+                num_remote=R_bands, segments=segments, local_cells=local)
 
 
-def check_against_python(counts_t, rank, tile_m, mgb, plan):
+def check_against_python(counts_t, rank, tile_m, mgb, plan, layout="aligned"):
     counts = counts_t.tolist()
-    ref = python_plan(counts, rank, tile_m, mgb)
+    ref = python_plan(counts, rank, tile_m, mgb, layout)
     nb, nr, ns = plan.counts()
+    assert int(plan.packed) == (ref["layout"] == "packed")
     assert nb == len(ref["bands"])
     assert nr == ref["num_remote"]
     assert plan.group_row_start.tolist() == ref["group_row_start"]
@@ -79,13 +100,32 @@ def check_against_python(counts_t, rank, tile_m, mgb, plan):
     for i, b in enumerate(ref["bands"]):
         got = {k: t["band_" + k][i] for k in ("expert", "row", "src_row", "dest", "valid",
                                                 "dest_row")}
-        assert got == b, (i, got, b)
+        assert got == {k: b[k] for k in got}, (i, got, b)
     assert plan.schedule[:nb].tolist() == ref["schedule"]
     assert (plan.schedule[nb:] == -1).all()
     assert ns == len(ref["segments"])
-    assert plan.segment_start[:ns].tolist() == [s for s, _ in ref["segments"]]
-    assert plan.segment_bands[:ns].tolist() == [n for _, n in ref["segments"]]
+    for k in ("start", "bands", "dest", "src_row", "dest_row", "rows"):
+        assert getattr(plan, "segment_" + k)[:ns].tolist() == [g[k] for g in ref["segments"]], k
+    nl = int(plan.num_local_cells)
+    assert nl == len(ref["local_cells"])
+    for k in ("band", "src_row", "dest_row", "rows"):
+        assert getattr(plan, "local_cell_" + k)[:nl].tolist() == \
+            [c[k] for c in ref["local_cells"]], k
     assert (plan.segment_start[ns:] == -1).all() and (plan.band_expert[nb:] == -1).all()
+    assert (plan.local_cell_band[nl:] == -1).all()
+
+
+def row_owners(counts_t, plan):
+    """Source rank of every row of the stacked input (-1: padding)."""
+    W = counts_t.shape[0]
+    El, rank = plan.experts_per_rank, plan.rank
+    owner = np.full(int(plan.total_rows), -1, dtype=np.int64)
+    gs, rs = plan.group_row_start.numpy(), plan.expert_row_start.numpy()
+    for e in range(El):
+        for s in range(W):
+            c = int(counts_t[s, rank * El + e])
+            owner[rs[e] + gs[e, s]: rs[e] + gs[e, s] + c] = s
+    return owner
 
 
 def check_invariants(counts_t, plan):
@@ -94,52 +134,78 @@ def check_invariants(counts_t, plan):
     nb, nr, ns = plan.counts()
     t = {k: np.array(v, dtype=np.int64) for k, v in plan.band_table().items()}
     gs = plan.group_row_start.numpy()
-    # groups start at multiples of tile_m, remote ranks ascending first, local last
-    assert (gs % tile_m == 0).all()
+    order = [s for s in range(W) if s != rank] + [rank]
+    # groups: remote ranks ascending first, local last; aligned: at multiples of tile_m, packed:
+    # back to back; only each expert is padded to a multiple of tile_m
     assert (plan.expert_rows.numpy() % tile_m == 0).all()
     for e in range(El):
-        order = [s for s in range(W) if s != rank] + [rank]
         starts = [gs[e, s] for s in order]
-        assert starts == sorted(starts)
+        assert starts == sorted(starts) and starts[0] == 0
+        sizes = [int(counts_t[s, rank * El + e]) for s in order]
+        if int(plan.packed):
+            assert all(starts[j + 1] == starts[j] + sizes[j] for j in range(W - 1))
+        else:
+            assert all(x % tile_m == 0 for x in starts)
+        assert plan.expert_rows[e] >= starts[-1] + sizes[-1]
+        assert plan.expert_rows[e] - (starts[-1] + sizes[-1]) < tile_m or sizes == [0] * W
     assert 0 <= t["band_valid"].min(initial=0) and t["band_valid"].max(initial=0) <= tile_m
     assert int(t["band_valid"].sum()) == int(counts_t[:, rank * El:(rank + 1) * El].sum())
-    # schedule is a permutation, remote first, experts in row order
+    owner = row_owners(counts_t, plan)
+    assert (t["band_src_row"] == np.arange(nb) * tile_m).all()  # bands are stacked row tiles
+    # schedule is a permutation, bands holding any remote row first, experts in row order
     sched = plan.schedule[:nb].numpy()
     assert sorted(sched.tolist()) == list(range(nb))
-    is_remote = t["band_dest"][sched] != rank
-    assert is_remote[:nr].all() and not is_remote[nr:].any()
+    band_owners = owner[: nb * tile_m].reshape(nb, tile_m) if nb else np.zeros((0, tile_m))
+    has_remote = ((band_owners >= 0) & (band_owners != rank)).any(1)
+    assert has_remote[sched][:nr].all() and not has_remote[sched][nr:].any()
     for e in range(El):
         rows = t["band_row"][sched][t["band_expert"][sched] == e]
         remote_rows = rows[: (t["band_expert"][sched][:nr] == e).sum()]
         assert (np.diff(remote_rows) > 0).all()
-    # segments tile the remote schedule; each has one destination, contiguous in y and dest
+    # segments: every remote row of y shipped exactly once, local and padding rows never; one
+    # destination each, contiguous in y and at the destination; bands named are those it covers
     seg = {k: getattr(plan, "segment_" + k)[:ns].numpy() for k in
            ("start", "bands", "dest", "src_row", "dest_row", "rows")}
-    assert int(seg["bands"].sum()) == nr
+    shipped = np.zeros(owner.size, dtype=np.int64)
     if ns:
-        assert seg["start"][0] == 0 and seg["bands"][0] == 1 and seg["bands"][-1] == 1
-        assert (seg["bands"] <= max(plan.mgb, 1)).all()
-        assert (np.diff(seg["start"]) == seg["bands"][:-1]).all()
+        assert seg["start"][0] == 0 and seg["rows"].min() > 0
+        assert (np.diff(seg["start"]) >= 0).all()
     for q in range(ns):
+        r0, n = seg["src_row"][q], seg["rows"][q]
+        shipped[r0:r0 + n] += 1
+        assert (owner[r0:r0 + n] == seg["dest"][q]).all() and seg["dest"][q] != rank
         bs = sched[seg["start"][q]:seg["start"][q] + seg["bands"][q]]
-        assert (t["band_dest"][bs] == seg["dest"][q]).all()
-        assert (np.diff(t["band_src_row"][bs]) == tile_m).all()
-        dest_end = t["band_dest_row"][bs] + t["band_valid"][bs]
-        assert (t["band_dest_row"][bs][1:] == dest_end[:-1]).all()  # contiguous at the destination
-        assert seg["src_row"][q] == t["band_src_row"][bs[0]]
-        assert seg["dest_row"][q] == t["band_dest_row"][bs[0]]
-        assert seg["rows"][q] == t["band_valid"][bs].sum()
+        assert bs.tolist() == list(range(r0 // tile_m, (r0 + n - 1) // tile_m + 1))
+        assert seg["bands"][q] <= max(plan.mgb, 1)
+    assert (shipped == ((owner >= 0) & (owner != rank))).all()
+    # local cells: every local row once, one band each, in schedule order
+    nl = int(plan.num_local_cells)
+    lc = {k: getattr(plan, "local_cell_" + k)[:nl].numpy() for k in
+          ("band", "src_row", "dest_row", "rows")}
+    copied = np.zeros(owner.size, dtype=np.int64)
+    for q in range(nl):
+        r0, n = lc["src_row"][q], lc["rows"][q]
+        copied[r0:r0 + n] += 1
+        assert r0 // tile_m == (r0 + n - 1) // tile_m == lc["band"][q]
+    assert (copied == (owner == rank)).all()
+    pos = np.empty(nb, dtype=np.int64)
+    pos[sched] = np.arange(nb)
+    assert (np.diff(pos[lc["band"]]) > 0).all()
 
 
-def all_plans_cover_receive_buffers(counts_t, tile_m, mgb):
+def all_plans_cover_receive_buffers(counts_t, tile_m, mgb, layout="aligned"):
+    """Segments and local cells of all ranks' plans write every receive row exactly once."""
     W = counts_t.shape[0]
     recv = counts_t.sum(1).tolist()
     hits = [np.zeros(n, dtype=np.int64) for n in recv]
     for r in range(W):
-        p = plan_combine(counts_t, r, tile_m=tile_m, mgb=mgb)
-        t = p.band_table()
-        for d, row, v in zip(t["band_dest"], t["band_dest_row"], t["band_valid"]):
+        p = plan_combine(counts_t, r, tile_m=tile_m, mgb=mgb, layout=layout)
+        ns, nl = p.counts()[2], int(p.num_local_cells)
+        for d, row, v in zip(p.segment_dest[:ns].tolist(), p.segment_dest_row[:ns].tolist(),
+                             p.segment_rows[:ns].tolist()):
             hits[d][row:row + v] += 1
+        for row, v in zip(p.local_cell_dest_row[:nl].tolist(), p.local_cell_rows[:nl].tolist()):
+            hits[r][row:row + v] += 1
     for d in range(W):
         assert (hits[d] == 1).all(), f"receive buffer of rank {d} not covered exactly once"
 
@@ -164,9 +230,10 @@ def counts_strategy(draw):
 @given(counts_strategy())
 def test_plan_matches_python_planner(args):
     counts, rank, tile_m, mgb = args
-    plan = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb)
-    check_against_python(counts, rank, tile_m, mgb, plan)
-    check_invariants(counts, plan)
+    for layout in ("aligned", "packed", "auto"):
+        plan = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, layout=layout)
+        check_against_python(counts, rank, tile_m, mgb, plan, layout)
+        check_invariants(counts, plan)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -175,7 +242,8 @@ def test_destination_rows_disjoint_and_cover(args):
     counts, _, tile_m, mgb = args
     if counts.shape[0] > 16:
         counts = counts[:16, : 16 * (counts.shape[1] // counts.shape[0])]
-    all_plans_cover_receive_buffers(counts, tile_m, mgb)
+    for layout in ("aligned", "packed"):
+        all_plans_cover_receive_buffers(counts, tile_m, mgb, layout)
 
 
 def test_capacity_sized_plan_matches_exact_plan():

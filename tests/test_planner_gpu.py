@@ -12,18 +12,19 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("W,El,tile_m,mgb", [(2, 4, 128, 2), (8, 16, 64, 4), (1, 3, 256, 1)])
-def test_plan_on_cuda_without_host_sync_matches_cpu(W, El, tile_m, mgb):
+@pytest.mark.parametrize("layout", ["aligned", "packed", "auto"])
+def test_plan_on_cuda_without_host_sync_matches_cpu(W, El, tile_m, mgb, layout):
     g = torch.Generator().manual_seed(W * 100 + El)
     counts = torch.randint(0, 700, (W, W * El), generator=g)
     counts[0, :El] = 0
     max_rows = int(counts.sum()) + 5
-    cpu = plan_combine(counts, W - 1, tile_m=tile_m, mgb=mgb, max_rows=max_rows)
+    cpu = plan_combine(counts, W - 1, tile_m=tile_m, mgb=mgb, max_rows=max_rows, layout=layout)
     dev_counts = counts.cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         gpu = plan_combine(dev_counts, W - 1, tile_m=tile_m, mgb=mgb, max_rows=max_rows,
-                           validate=False)
+                           validate=False, layout=layout)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for name, t in cpu.tensors().items():

@@ -22,10 +22,15 @@ at the end of a call and the last segment shipped on one CTA). Per piece:
      The owner's scale observes it with ld.acquire.sys; the release is cumulative over the CTA's
      stores ordered before it by the barrier.
 
-Local bands (dest == rank, schedule positions [num_remote_bands, num_bands)) never cross the link:
-after its remote segments, CTA i copies local bands i, i + ccta, ... from y into the rank's OWN
-receive buffer (same 16-byte copy, HBM -> HBM) and adds the rows to its own counter[rank]. The
-scale therefore reads every assignment from the receive buffer and waits on every counter alike.
+Local rows never cross the link: after its remote segments, CTA i copies the plan's local cells
+i, i + ccta, ... (this rank's rows of one band each, in schedule order; in the packed layout the
+first one of an expert may share its band with remote rows) from y into the rank's OWN receive
+buffer (same 16-byte copy, HBM -> HBM), each once its band is ready, and adds the rows to its own
+counter[rank]. The scale therefore reads every assignment from the receive buffer and waits on
+every counter alike.
+
+A band of the packed layout may hold rows of several sources: each of its remote cells belongs to
+a segment of its own destination, so several segments (and the local copy) may wait on one band.
 
 Call marker and receive slots: at kernel start CTA 0 adds 1 to counter[rank] on every rank (its
 own too), and every destination row is offset by (epoch & 1) * slot_bytes (double-buffered receive
@@ -184,7 +189,8 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
     @cute.jit
     def wait_bands(sched: Int64, band_ready: Int64, pos0: Int32, nbands: Int32, epoch: Int32,
                    t0: Int64, timeout_ns: Int64, err: Int64, rank: Int32, seg: Int32):
-        """Thread-0 wait for bands schedule[pos0 .. pos0+nbands); returns timed_out (Int32)."""
+        """Thread-0 wait for bands sched[pos0 .. pos0+nbands) (sched: a table of band ids: the
+        schedule, or the local cells' bands); returns timed_out (Int32)."""
         timed_out = Int32(0)
         j = Int32(0)
         while j < nbands and timed_out == Int32(0):
@@ -202,9 +208,9 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
     def consumer_kernel(y: Int64, row_bytes: Int64, rank: Int32,
                         num_segments: Int64, seg_start: Int64, seg_bands: Int64,
                         seg_dest: Int64, seg_src_row: Int64, seg_dest_row: Int64,
-                        seg_rows: Int64, schedule: Int64, num_bands: Int64,
-                        num_remote_bands: Int64, band_src_row: Int64, band_valid: Int64,
-                        band_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
+                        seg_rows: Int64, schedule: Int64, num_local: Int64,
+                        local_band: Int64, local_src_row: Int64, local_rows: Int64,
+                        local_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
                         recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64, ctr_sym: Int64,
                         err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32,
                         piece_rows: Int32):
@@ -322,24 +328,24 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
             pc = pc + npieces
             s = s + Int32(1)
 
-        # ---- local bands: y -> own receive buffer (v1; left out with local_copy=False) -------
+        # ---- local cells: y -> own receive buffer (v1; left out with local_copy=False) -------
+        # cell p = this rank's rows of band local_band[p], in schedule order
         if cutlass.const_expr(LOCAL_COPY):
-            nb = P.ld_s32(num_bands)
-            p = P.ld_s32(num_remote_bands) + bidx
+            nl = P.ld_s32(num_local)
+            p = bidx
             own_recv = P.ld_s64(recv_peers + Int64(rank) * Int64(8))
             own_ctr = P.ld_s64(ctr_peers + Int64(rank) * Int64(8)) + Int64(rank) * Int64(8)
-            while p < nb and failed == Int32(0):
+            while p < nl and failed == Int32(0):
                 to = Int32(0)
                 if tidx == Int32(0):
-                    to = wait_bands(schedule, band_ready, p, Int32(1), epoch, t_start,
+                    to = wait_bands(local_band, band_ready, p, Int32(1), epoch, t_start,
                                     timeout_ns, err, rank, Int32(-1))
                 failed = P.block_any(to)
                 if failed == Int32(0):
-                    b = P.ld_s32(schedule + Int64(p) * Int64(4))
-                    boff = Int64(b) * Int64(4)
-                    rows = P.ld_s32(band_valid + boff)
-                    src = y + Int64(P.ld_s32(band_src_row + boff)) * row_bytes
-                    dst = own_recv + slot_off + Int64(P.ld_s32(band_dest_row + boff)) * row_bytes
+                    coff = Int64(p) * Int64(4)
+                    rows = P.ld_s32(local_rows + coff)
+                    src = y + Int64(P.ld_s32(local_src_row + coff)) * row_bytes
+                    dst = own_recv + slot_off + Int64(P.ld_s32(local_dest_row + coff)) * row_bytes
                     if cutlass.const_expr(use_tma):
                         to3 = Int32(0)
                         if tidx == Int32(0):
@@ -366,15 +372,15 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
     def launch(y: Int64, row_bytes: Int64, rank: Int32,
                num_segments: Int64, seg_start: Int64, seg_bands: Int64,
                seg_dest: Int64, seg_src_row: Int64, seg_dest_row: Int64,
-               seg_rows: Int64, schedule: Int64, num_bands: Int64,
-               num_remote_bands: Int64, band_src_row: Int64, band_valid: Int64,
-               band_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
+               seg_rows: Int64, schedule: Int64, num_local: Int64,
+               local_band: Int64, local_src_row: Int64, local_rows: Int64,
+               local_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
                recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64, ctr_sym: Int64,
                err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32,
                piece_rows: Int32, ccta: Int32, stream: cuda.CUstream):
         consumer_kernel(y, row_bytes, rank, num_segments, seg_start, seg_bands, seg_dest,
-                        seg_src_row, seg_dest_row, seg_rows, schedule, num_bands,
-                        num_remote_bands, band_src_row, band_valid, band_dest_row, band_ready,
+                        seg_src_row, seg_dest_row, seg_rows, schedule, num_local,
+                        local_band, local_src_row, local_rows, local_dest_row, band_ready,
                         epoch_ptr, recv_peers, ctr_peers, recv_sym, ctr_sym, err,
                         timeout_ns, slot_bytes, world, piece_rows).launch(
             grid=[ccta, 1, 1], block=[NT, 1, 1], stream=stream)
@@ -384,7 +390,8 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
 
 _ARG_NAMES = ("y", "row_bytes", "rank", "num_segments", "segment_start", "segment_bands",
               "segment_dest", "segment_src_row", "segment_dest_row", "segment_rows", "schedule",
-              "num_bands", "num_remote_bands", "band_src_row", "band_valid", "band_dest_row",
+              "num_local_cells", "local_cell_band", "local_cell_src_row", "local_cell_rows",
+              "local_cell_dest_row",
               "band_ready", "epoch", "recv_peers", "ctr_peers", "recv_sym", "ctr_sym", "err",
               "timeout_ns", "slot_bytes", "world", "piece_rows", "ccta")
 
@@ -478,9 +485,9 @@ class Consumer:
                 plan.segment_bands.data_ptr(), plan.segment_dest.data_ptr(),
                 plan.segment_src_row.data_ptr(), plan.segment_dest_row.data_ptr(),
                 plan.segment_rows.data_ptr(), plan.schedule.data_ptr(),
-                plan.num_bands.data_ptr(), plan.num_remote_bands.data_ptr(),
-                plan.band_src_row.data_ptr(), plan.band_valid.data_ptr(),
-                plan.band_dest_row.data_ptr(), band_ready.data_ptr(), epoch.data_ptr(),
+                plan.num_local_cells.data_ptr(), plan.local_cell_band.data_ptr(),
+                plan.local_cell_src_row.data_ptr(), plan.local_cell_rows.data_ptr(),
+                plan.local_cell_dest_row.data_ptr(), band_ready.data_ptr(), epoch.data_ptr(),
                 recv_peers.data_ptr(), ctr_peers.data_ptr(), int(recv_sym), int(ctr_sym),
                 err.data_ptr(), self.timeout_ns, int(slot_bytes), plan.world_size,
                 int(piece_rows), int(ccta))

@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from .plan import SUPPORTED_TILE_M, CombinePlan, plan_combine
+from .plan import LAYOUTS, SUPPORTED_TILE_M, CombinePlan, plan_combine
 from .reference import reference_combine, world
 
 BACKENDS = ("auto", "reference", "overlap")
@@ -41,13 +41,14 @@ class MoECombine(torch.nn.Module):
 
     num_experts: global experts E (E // world_size per rank); hidden_size K: rows of w_down;
     out_features N: columns of w_down; topk: experts per token; max_tokens_per_rank: the most tokens
-    any rank routes in one call (sizes plans and communication buffers).
+    any rank routes in one call (sizes plans and communication buffers); layout: the plan's row
+    layout, "auto" (packed where it saves rows), "aligned" or "packed" (see `plan_combine`).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, out_features: int, topk: int,
                  max_tokens_per_rank: int, group=None, tile_m: int = 128, backend: str = "auto",
                  ccta="auto", mgb="auto", transport: str = "nvlink", validate: bool = True,
-                 local_copy: bool | None = None, copy: str | None = None):
+                 local_copy: bool | None = None, copy: str | None = None, layout: str = "auto"):
         super().__init__()
         rank, W = world(group)
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
@@ -66,6 +67,8 @@ class MoECombine(torch.nn.Module):
         for name, v in (("ccta", ccta), ("mgb", mgb)):
             if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be 'auto' or a positive int, got {v!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}; choose from {LAYOUTS}")
         if transport not in ("nvlink", "nvshmem"):
             raise ValueError(f"transport={transport!r}; choose 'nvlink' or 'nvshmem'")
         if copy not in (None, "ldst", "tma") or (copy == "tma" and transport != "nvlink"):
@@ -75,7 +78,7 @@ class MoECombine(torch.nn.Module):
         self.num_experts, self.experts_per_rank = num_experts, num_experts // W
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
         self.max_tokens_per_rank, self.tile_m, self.validate = max_tokens_per_rank, tile_m, validate
-        self.transport, self.requested_backend = transport, backend
+        self.transport, self.requested_backend, self.layout = transport, backend, layout
         # consumer variants (overlap backend): local_copy=False lets the scale read local rows
         # straight from the GEMM output; copy="tma" ships with bulk copies through shared memory.
         # Defaults: the variant measured fastest and validated for the transport (sweep v3 for
@@ -112,7 +115,7 @@ class MoECombine(torch.nn.Module):
             raise ValueError(f"expert_counts has shape {tuple(expert_counts.shape)}, expected "
                              f"[world_size={self.world_size}, num_experts={self.num_experts}]")
         return plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=self.mgb,
-                            max_rows=self.max_rows,
+                            max_rows=self.max_rows, layout=self.layout,
                             validate=self.validate if validate is None else validate)
 
     def backend_for(self, device: torch.device) -> str:
@@ -244,7 +247,7 @@ class MoECombine(torch.nn.Module):
         else:
             def measure(c, m):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
-                                    max_rows=self.max_rows, validate=False)
+                                    max_rows=self.max_rows, validate=False, layout=self.layout)
                 impl.ccta = c
                 routes = impl.prepare(plan, topk_ids)
                 ms = time_calls(lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights,

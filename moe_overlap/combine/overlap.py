@@ -289,8 +289,8 @@ class OverlapCombine:
         from types import SimpleNamespace
         empty = SimpleNamespace(rank=self.rank, world_size=0, **{n: z for n in (
             "num_segments", "segment_start", "segment_bands", "segment_dest", "segment_src_row",
-            "segment_dest_row", "segment_rows", "schedule", "num_bands", "num_remote_bands",
-            "band_src_row", "band_valid", "band_dest_row")})
+            "segment_dest_row", "segment_rows", "schedule", "num_local_cells", "local_cell_band",
+            "local_cell_src_row", "local_cell_rows", "local_cell_dest_row")})
         yb = torch.zeros(1, self.out_features, dtype=torch.bfloat16, device=dev)
         flags = torch.zeros(1, dtype=torch.int32, device=dev)
         self.consumer.launch(y=yb, plan=empty, band_ready=flags, epoch=z,

@@ -6,9 +6,13 @@ computed with vectorized tensor ops on the device of `expert_counts`; with `vali
 explicit `max_rows` it performs no host synchronization, so it can run inside a CUDA graph.
 
 Layout of local expert e's input X_e (rows):
-    [group of source r0][group of r1]...[group of the local rank]   remote ranks ascending, local last
-each group padded with zero rows to a multiple of `tile_m`. Row bands are `tile_m` rows; every band
-belongs to exactly one (expert, source) group, so it has one destination. See docs/CONTRACTS.md.
+    [rows from source r0][rows from r1]...[rows from the local rank]   remote ranks ascending, local last
+each source's rows in token order. ``aligned``: every (expert, source) group is padded with zero
+rows to a multiple of `tile_m`, so a band (`tile_m` rows) has one destination. ``packed``: the
+groups follow each other without padding and only each expert's total is padded, so a band may
+hold the rows of several sources (fine-grained MoE has about one tile per group: aligned pads
+~50 % of the rows there). A *cell* is the rows of one group inside one band; transfers are built
+from cells, so both layouts share one meaning of every field. See docs/CONTRACTS.md.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 
 SUPPORTED_TILE_M = (64, 128, 256)
+LAYOUTS = ("auto", "aligned", "packed")
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -26,7 +31,8 @@ class CombinePlan:
     """The plan of one MoE combine for one rank. Tensors are int32 on the counts' device.
 
     Tensors whose length is a capacity (`band_capacity`, `segment_capacity`) hold valid entries in
-    a prefix given by the device scalars `num_bands` / `num_segments`; the rest is -1.
+    a prefix given by the device scalars `num_bands` / `num_segments` / `num_local_cells`; the
+    rest is -1.
     """
 
     # host facts
@@ -38,7 +44,9 @@ class CombinePlan:
     mgb: int
     band_capacity: int
     segment_capacity: int
+    layout: str  # as requested: "aligned", "packed" or "auto" (then `packed` says which)
     # layout
+    packed: torch.Tensor  # [1] 1 where the rows are packed, 0 where aligned
     group_row_start: torch.Tensor  # [El, W]
     expert_rows: torch.Tensor  # [El]
     expert_row_start: torch.Tensor  # [El]
@@ -47,6 +55,7 @@ class CombinePlan:
     num_bands: torch.Tensor  # [1]
     num_remote_bands: torch.Tensor  # [1]
     num_segments: torch.Tensor  # [1]
+    num_local_cells: torch.Tensor  # [1]
     total_rows: torch.Tensor  # [1] padded rows of all local experts
     valid_rows: torch.Tensor  # [1] rows carrying data
     # bands, indexed by band id (stacked row order)
@@ -65,6 +74,12 @@ class CombinePlan:
     segment_src_row: torch.Tensor
     segment_dest_row: torch.Tensor
     segment_rows: torch.Tensor
+    # this rank's own rows: one cell per band holding any, in schedule order (capacity
+    # band_capacity); the consumer's local copy walks them
+    local_cell_band: torch.Tensor
+    local_cell_src_row: torch.Tensor
+    local_cell_dest_row: torch.Tensor
+    local_cell_rows: torch.Tensor
 
     @property
     def row_capacity(self) -> int:
@@ -104,8 +119,7 @@ class CombinePlan:
         nb, nr, ns = self.counts()
         total = int(self.total_rows.item())
         valid = int(self.valid_rows.item())
-        remote_valid = int(self.band_valid[:nb][self.band_dest[:nb] != self.rank].sum().item()) \
-            if nb else 0
+        remote_valid = valid - int(self.local_cell_rows.clamp(min=0).sum().item())
         return {
             "rows_valid": valid,
             "rows_padded": total,
@@ -149,7 +163,8 @@ def band_capacity_for(max_rows: int, experts_per_rank: int, world_size: int, til
 
 
 def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb: int = 1,
-                 max_rows: int | None = None, validate: bool = True) -> CombinePlan:
+                 max_rows: int | None = None, validate: bool = True,
+                 layout: str = "auto") -> CombinePlan:
     """Plan one rank's MoE combine.
 
     expert_counts [W, E]: expert_counts[s, e] = (token, k) assignments source s sends to expert e.
@@ -158,8 +173,13 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     validate: check the counts' values (non-negative, within max_rows) on the host first. That reads
         the counts (a host sync on CUDA); pass False for a sync-free plan (CUDA graphs), where the
         caller vouches for the counts.
+    layout: "aligned" (every (expert, source) group padded to tile_m), "packed" (only each
+        expert's total padded) or "auto" (packed where it lays out fewer rows than aligned,
+        decided on the device: `plan.packed` says which, without a host sync).
     """
     W, E = _check_counts(expert_counts, rank, tile_m, mgb)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; choose from {LAYOUTS}")
     El = E // W
     dev = expert_counts.device
     counts = expert_counts.to(torch.int64)
@@ -177,83 +197,122 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     if max_rows < 0:
         raise ValueError(f"max_rows must be >= 0, got {max_rows}")
     B = band_capacity_for(max_rows, El, W, tile_m)
-    S = B
+    C = B + El * W  # cells (band, source) of either layout: at most one per band and group
+    i64 = dict(dtype=torch.int64, device=dev)
 
     # ---- layout: groups in order (remote ranks ascending, local last) --------------------
     jw = torch.arange(W, device=dev)
     order = torch.where(jw == W - 1, rank, torch.where(jw < rank, jw, jw + 1))  # group j -> source
     local_o = local[:, order]  # [El, W] counts in group order
-    bands_o = (local_o + tile_m - 1) // tile_m  # bands per group
-    padded_o = bands_o * tile_m
-    start_o = torch.cumsum(padded_o, 1) - padded_o  # group start in X_e, group order
+    aligned_o = (local_o + tile_m - 1) // tile_m * tile_m  # padded group heights
+    start_aligned = torch.cumsum(aligned_o, 1) - aligned_o
+    rows_aligned = aligned_o.sum(1)
+    start_packed = torch.cumsum(local_o, 1) - local_o
+    rows_packed = (local_o.sum(1) + tile_m - 1) // tile_m * tile_m
+    if layout == "aligned":
+        packed = torch.zeros(1, dtype=torch.bool, device=dev)
+    elif layout == "packed":
+        packed = torch.ones(1, dtype=torch.bool, device=dev)
+    else:
+        packed = (rows_packed.sum() < rows_aligned.sum()).reshape(1)
+    start_o = torch.where(packed, start_packed, start_aligned)  # group start in X_e
+    expert_rows = torch.where(packed, rows_packed, rows_aligned)
     group_row_start = torch.empty_like(start_o)
     group_row_start[:, order] = start_o
-    expert_rows = padded_o.sum(1)
     expert_row_start = torch.cumsum(expert_rows, 0) - expert_rows
     # receive buffer of rank d: rows ordered by global expert; recv_off[d, g] = first row of g
     recv_off = torch.cumsum(counts, 1) - counts  # [W, E]
     recv_rows_per_rank = counts.sum(1)
 
-    # ---- bands: enumerate a static-size index space -------------------------------------
-    flat_bands = bands_o.reshape(-1)  # expert-major, group order
-    cum = torch.cumsum(flat_bands, 0)
-    nb = cum[-1:].clone()  # [1]
+    # ---- bands: tile_m rows of one expert, ids in stacked row order -----------------------
+    expert_bands = expert_rows // tile_m
+    band_base = torch.cumsum(expert_bands, 0) - expert_bands
+    nb = expert_bands.sum().reshape(1)
     b = torch.arange(B, device=dev)
-    grp = torch.searchsorted(cum, b, right=True)
-    valid_b = grp < flat_bands.numel()
-    grp = grp.clamp(max=flat_bands.numel() - 1)
-    e = grp // W
-    j = grp % W
-    s = order[j]
-    k = b - (cum[grp] - flat_bands[grp])  # band index within its group
-    band_row = start_o[e, j] + k * tile_m
-    c = local_o[e, j]
-    band_valid = (c - k * tile_m).clamp(0, tile_m)
-    band_dest_row = recv_off[s, rank * El + e] + k * tile_m
+    valid_b = b < nb
+    e = torch.searchsorted(torch.cumsum(expert_bands, 0), b, right=True).clamp(max=El - 1)
+    band_row = (b - band_base[e]) * tile_m
     band_src_row = expert_row_start[e] + band_row
-    is_remote = s != rank
+
+    # ---- cells: the rows of one group inside one band, in stacked row order ---------------
+    # aligned: one cell per band; packed: a band holds the cells of every group it overlaps
+    c_flat = local_o.reshape(-1)
+    st_flat = start_o.reshape(-1)
+    k0 = st_flat // tile_m  # first band of the group inside its expert
+    n_cells = torch.where(c_flat > 0, (st_flat + c_flat - 1) // tile_m - k0 + 1, 0)
+    cum_cells = torch.cumsum(n_cells, 0)
+    num_cells = cum_cells[-1:]
+    i = torch.arange(C, device=dev)
+    valid_c = i < num_cells
+    grp = torch.searchsorted(cum_cells, i, right=True).clamp(max=c_flat.numel() - 1)
+    ce, cj = grp // W, grp % W
+    cs = order[cj]  # the cell's source = its destination
+    kb = k0[grp] + i - (cum_cells[grp] - n_cells[grp])  # band inside the expert
+    g_lo, g_hi = st_flat[grp], st_flat[grp] + c_flat[grp]
+    lo = torch.maximum(g_lo, kb * tile_m)
+    cell_rows = torch.minimum(g_hi, (kb + 1) * tile_m) - lo
+    cell_band = torch.where(valid_c, band_base[ce] + kb, B)  # B: after every band
+    cell_src_row = expert_row_start[ce] + lo
+    cell_dest_row = recv_off[cs, rank * El + ce] + lo - g_lo
+    cell_remote = valid_c & (cs != rank)
+    # per band: all its rows, and the destination of its first cell
+    band_valid = torch.zeros(B + 1, **i64).index_add_(0, cell_band,
+                                                      torch.where(valid_c, cell_rows, 0))[:B]
+    band_remote = torch.zeros(B + 1, **i64).index_add_(0, cell_band, cell_remote.long())[:B] > 0
+    first_cell = torch.searchsorted(cell_band, b).clamp(max=C - 1)
+    band_dest = cs[first_cell]
+    band_dest_row = cell_dest_row[first_cell]
 
     # ---- schedule: remote bands first, experts with more remote bands first --------------
-    remote_bands_e = bands_o[:, :W - 1].sum(1)  # local group is the last column
+    remote_bands_e = torch.zeros(El, **i64).index_add_(0, e, (band_remote & valid_b).long())
     exp_key = -remote_bands_e * El + torch.arange(El, device=dev)
     exp_pos = torch.empty_like(exp_key)
     exp_pos[torch.argsort(exp_key)] = torch.arange(El, device=dev)
     # bands of one expert are in row order already (b increases with the row)
-    key = ((~is_remote).long() * El + exp_pos[e]) * B + b
+    key = ((~band_remote).long() * El + exp_pos[e]) * B + b
     key = torch.where(valid_b, key, 2 * El * B + b)
-    schedule = torch.argsort(key, stable=True)
-    num_remote = (is_remote & valid_b).sum().reshape(1)
+    schedule = torch.argsort(key)
+    position = torch.empty_like(schedule)
+    position[schedule] = b  # schedule position of each band
+    num_remote = (band_remote & valid_b).sum().reshape(1)
+    cell_pos = position[cell_band.clamp(max=B - 1)]
 
-    # ---- segments: runs of one (expert, dest) cut into <= mgb bands ----------------------
-    p = torch.arange(B, device=dev)
-    sb = schedule
-    run_id = e[sb] * W + s[sb]
-    new_run = torch.ones(B, dtype=torch.bool, device=dev)
+    # ---- segments: runs of one group's remote cells in schedule order, cut into <= mgb ----
+    # cells; the first and the last remote cell ship alone (start early, end early)
+    order_key = torch.where(cell_remote, cell_pos * C + i, B * C + i)
+    rc = torch.argsort(order_key)  # remote cells in schedule order, then the rest
+    R = cell_remote.sum()
+    run_id = grp[rc]
+    new_run = torch.ones(C, dtype=torch.bool, device=dev)
     new_run[1:] = run_id[1:] != run_id[:-1]
-    run_start = torch.cummax(torch.where(new_run, p, torch.zeros_like(p)), 0).values
-    kk = p - run_start - (run_start == 0).long()  # the first band is cut off the first run
-    in_remote = p < num_remote
-    is_seg_start = in_remote & ((p == 0) | (p == num_remote - 1) | (kk % mgb == 0))
-    seg_key = torch.where(is_seg_start, p, B + p)
-    seg_pos = torch.sort(seg_key).values  # starts first (ascending), then the rest
+    run_start = torch.cummax(torch.where(new_run, i, torch.zeros_like(i)), 0).values
+    kk = i - run_start - (run_start == 0).long()  # the first cell is cut off the first run
+    is_seg_start = (i < R) & ((i == 0) | (i == R - 1) | (kk % mgb == 0))
+    seg_q = torch.sort(torch.where(is_seg_start, i, C + i)).values  # starts first, ascending
     num_segments = is_seg_start.sum().reshape(1)
-    q = torch.arange(S, device=dev)
-    seg_valid = q < num_segments
-    seg_start = torch.where(seg_valid, seg_pos, torch.zeros_like(seg_pos))
-    nxt = torch.cat([seg_start[1:], seg_start[:1]])
-    seg_end = torch.where(q + 1 < num_segments, nxt, num_remote.expand(S))
-    seg_bands = seg_end - seg_start
-    first_band = sb[seg_start]
-    last_band = sb[(seg_end - 1).clamp(min=0)]
-    seg_rows = (band_dest_row[last_band] + band_valid[last_band]) - band_dest_row[first_band]
+    S = C
+    seg_valid = i < num_segments
+    seg_q = torch.where(seg_valid, seg_q, torch.zeros_like(seg_q))
+    nxt = torch.cat([seg_q[1:], seg_q[:1]])
+    seg_end = torch.where(i + 1 < num_segments, nxt, R.expand(S))
+    first = rc[seg_q]
+    last = rc[(seg_end - 1).clamp(min=0)]
+    seg_rows = cell_dest_row[last] + cell_rows[last] - cell_dest_row[first]
+
+    # ---- local cells (this rank's own rows), in schedule order: the consumer's local copy --
+    is_local = valid_c & (cs == rank)
+    lc = torch.argsort(torch.where(is_local, cell_pos * C + i, B * C + i))[:B]
+    num_local = is_local.sum().reshape(1)
+    local_valid = b < num_local
 
     def finish(t, mask):
         return torch.where(mask, t, torch.full_like(t, -1)).to(torch.int32)
 
-    sched_valid = p < nb
+    sched_valid = b < nb
     return CombinePlan(
         world_size=W, rank=rank, num_experts=E, experts_per_rank=El, tile_m=tile_m, mgb=mgb,
-        band_capacity=B, segment_capacity=S,
+        band_capacity=B, segment_capacity=S, layout=layout,
+        packed=packed.to(torch.int32),
         group_row_start=group_row_start.to(torch.int32),
         expert_rows=expert_rows.to(torch.int32),
         expert_row_start=expert_row_start.to(torch.int32),
@@ -261,21 +320,26 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         num_bands=nb.to(torch.int32),
         num_remote_bands=num_remote.to(torch.int32),
         num_segments=num_segments.to(torch.int32),
+        num_local_cells=num_local.to(torch.int32),
         total_rows=expert_rows.sum().reshape(1).to(torch.int32),
         valid_rows=local.sum().reshape(1).to(torch.int32),
         band_expert=finish(e, valid_b),
         band_row=finish(band_row, valid_b),
         band_src_row=finish(band_src_row, valid_b),
-        band_dest=finish(s, valid_b),
+        band_dest=finish(band_dest, valid_b),
         band_valid=finish(band_valid, valid_b),
         band_dest_row=finish(band_dest_row, valid_b),
         schedule=finish(schedule, sched_valid),
-        segment_start=finish(seg_start, seg_valid),
-        segment_bands=finish(seg_bands, seg_valid),
-        segment_dest=finish(s[first_band], seg_valid),
-        segment_src_row=finish(band_src_row[first_band], seg_valid),
-        segment_dest_row=finish(band_dest_row[first_band], seg_valid),
+        segment_start=finish(cell_pos[first], seg_valid),
+        segment_bands=finish(cell_pos[last] - cell_pos[first] + 1, seg_valid),
+        segment_dest=finish(cs[first], seg_valid),
+        segment_src_row=finish(cell_src_row[first], seg_valid),
+        segment_dest_row=finish(cell_dest_row[first], seg_valid),
         segment_rows=finish(seg_rows, seg_valid),
+        local_cell_band=finish(cell_band[lc], local_valid),
+        local_cell_src_row=finish(cell_src_row[lc], local_valid),
+        local_cell_dest_row=finish(cell_dest_row[lc], local_valid),
+        local_cell_rows=finish(cell_rows[lc], local_valid),
     )
 
 

@@ -4,7 +4,7 @@
   plan: all_to_all_single, grouped matmul, all_to_all_single back, top-k weighted sum. Its expert
   inputs use the *compact* layout: local expert major, then source rank ascending, then the order the
   source sent them (token, then k), no padding.
-- `reference_combine`: executes a `CombinePlan` (bands, segments, destination rows) with torch ops
+- `reference_combine`: executes a `CombinePlan` (segments, local cells, destination rows) with torch ops
   and one process-group exchange; this is MoECombine's `reference` backend on CPU and GPU.
 """
 from __future__ import annotations
@@ -138,41 +138,37 @@ def sequential_combine(h_compact: torch.Tensor, w_down: torch.Tensor, expert_cou
 # ---------------------------------------------------------------- plan executor
 def reference_combine(h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, group=None) -> torch.Tensor:
-    """Execute the plan with torch ops: per-expert GEMM, segments and local bands into per-rank send
-    buffers at their destination rows, one all_to_all, weighted sum at the token owners."""
+    """Execute the plan with torch ops: per-expert GEMM, the remote segments and the local cells
+    into per-rank send buffers at their destination rows (as the consumer ships them), one
+    all_to_all, weighted sum at the token owners."""
     rank, W = plan.rank, plan.world_size
-    El = plan.experts_per_rank
     dev = h.device
     y = grouped_matmul(h[: int(plan.total_rows.item())], w_down, plan.expert_rows.tolist())
-    t = plan.band_table()
-    nb, nr, ns = plan.counts()
+    ns, nl = plan.counts()[2], int(plan.num_local_cells.item())
+    seg = {k: getattr(plan, "segment_" + k)[:ns].tolist() for k in
+           ("dest", "src_row", "dest_row", "rows")}
+    loc = {k: getattr(plan, "local_cell_" + k)[:nl].tolist() for k in
+           ("src_row", "dest_row", "rows")}
+    pieces = list(zip(seg["dest"], seg["src_row"], seg["dest_row"], seg["rows"])) + \
+        [(rank, s, d, n) for s, d, n in zip(loc["src_row"], loc["dest_row"], loc["rows"])]
     # rows this rank sends to each destination and where they start in its receive buffer
     send_rows = [0] * W
     base = [None] * W
-    for d, row, v in zip(t["band_dest"], t["band_dest_row"], t["band_valid"]):
-        send_rows[d] += v
+    for d, _, row, n in pieces:
+        send_rows[d] += n
         base[d] = row if base[d] is None else min(base[d], row)
     send_off = [sum(send_rows[:d]) for d in range(W)]
     send = torch.full((sum(send_rows), y.shape[1]), float("nan"), dtype=y.dtype, device=dev)
     written = torch.zeros(send.shape[0], dtype=torch.int32, device=dev)
-
-    def ship(dest, src_row, dest_row, rows):
-        at = send_off[dest] + dest_row - base[dest]
-        send[at:at + rows] = y[src_row:src_row + rows]
-        written[at:at + rows] += 1
-
-    seg = {k: getattr(plan, "segment_" + k)[:ns].tolist() for k in
-           ("dest", "src_row", "dest_row", "rows")}
-    for q in range(ns):  # remote transfers, as the consumer ships them
-        ship(seg["dest"][q], seg["src_row"][q], seg["dest_row"][q], seg["rows"][q])
-    for b in range(nb):  # local bands stay on this rank
-        if t["band_dest"][b] == rank and t["band_valid"][b]:
-            ship(rank, t["band_src_row"][b], t["band_dest_row"][b], t["band_valid"][b])
+    for d, src_row, dest_row, n in pieces:
+        at = send_off[d] + dest_row - base[d]
+        send[at:at + n] = y[src_row:src_row + n]
+        written[at:at + n] += 1
     if not bool((written == 1).all()):
         raise RuntimeError(f"rank {rank}: the plan's destination rows do not cover the send "
                            "buffers exactly once")
     # receive: from owner r, my assignments to r's experts (a contiguous block of my buffer)
-    owner = topk_ids.reshape(-1) // El
+    owner = topk_ids.reshape(-1) // plan.experts_per_rank
     recv_splits = torch.bincount(owner, minlength=W).tolist()
     recv = torch.empty(sum(recv_splits), y.shape[1], dtype=y.dtype, device=dev)
     all_to_all(recv, send, recv_splits, send_rows, group)

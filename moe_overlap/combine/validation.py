@@ -30,6 +30,7 @@ class LayerCase:
     dtype: str = "float32"
     backend: str = "reference"
     ccta: object = "auto"
+    layout: str = "auto"
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -48,7 +49,8 @@ def run_layer(rank: int, world_size: int, case: LayerCase, group=None, device="c
 
     counts = exchange_counts(ids, E, group)
     comb = MoECombine(E, case.hidden, case.out_features, case.topk, case.tokens, group=group,
-                      tile_m=case.tile_m, backend=case.backend, ccta=case.ccta, mgb=case.mgb)
+                      tile_m=case.tile_m, backend=case.backend, ccta=case.ccta, mgb=case.mgb,
+                      layout=case.layout)
     plan = comb.plan(counts.to(device))
     x_plan = dispatch_to_plan(x, ids, plan, counts, group)
     h_plan = act(grouped_matmul(x_plan, w_up, plan.expert_rows.tolist()))

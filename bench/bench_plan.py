@@ -1,0 +1,84 @@
+"""Device time of the planner (`plan_combine`) and of the per-routing preparation
+(`OverlapCombine.prepare`), replayed from CUDA graphs, on one GPU.
+
+    PYTHONPATH=$PWD python bench/bench_plan.py [--out DIR]
+
+Per (W, E, tokens per rank, top-k) and layout: the plan of rank 0 with `validate=False` and
+`max_rows` the worst case (W * T * k) or tight (the rows the routing gives the rank), so the
+cost of unused capacity shows; `prepare` (receive rows, source rows, expected counts) of rank 0's
+routing. Both captured in a CUDA graph of 5 calls; the median replay / 5. JSON to --out.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_overlap.combine.plan import count_assignments, plan_combine  # noqa: E402
+from moe_overlap.routing import route  # noqa: E402
+from moe_overlap.timing import time_calls  # noqa: E402
+
+CASES = [(2, 64, 8192, 8), (8, 256, 8192, 8), (32, 256, 8192, 8), (64, 512, 16384, 8)]
+
+
+def prepare_fn(plan, ids, E, W):
+    """OverlapCombine.prepare's device work (local_copy=False: source rows too), without the
+    communication buffers an OverlapCombine would allocate."""
+    from moe_overlap.combine.overlap import OverlapCombine
+    me = SimpleNamespace(experts_per_rank=E // W, world_size=W, rank=0, num_experts=E,
+                         local_copy=False)
+    me.source_rows = lambda *a: OverlapCombine.source_rows(me, *a)
+    return lambda: OverlapCombine.prepare(me, plan, ids)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the JSON")
+    ap.add_argument("--tag", default="h200", help="suffix of the JSON name")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for W, E, T, k in CASES:
+        ids0 = route(T, E, k, "balanced", seed=3, rank=0)[0]
+        others = [count_assignments(route(T, E, k, "balanced", seed=3, rank=r)[0], E)
+                  for r in range(1, min(W, 8))]
+        # ranks beyond 8 reuse the first routings' counts (the planner's cost does not depend
+        # on the values)
+        cnt = [count_assignments(ids0, E)] + [others[(r - 1) % len(others)] if others else
+                                              count_assignments(ids0, E) for r in range(1, W)]
+        counts = torch.stack(cnt).to(dev)
+        El = E // W
+        tight = int(counts[:, :El].sum())
+        ids = ids0.to(dev)
+        for layout in ("aligned", "packed", "auto"):
+            for cap_name, max_rows in (("worst", W * T * k), ("tight", tight)):
+                fn = (lambda mr=max_rows, lay=layout:
+                      plan_combine(counts, 0, tile_m=128, mgb=2, max_rows=mr, validate=False,
+                                   layout=lay))
+                ms = time_calls(fn, reps=5, replays=15)[0]
+                plan = fn()
+                prep_ms = time_calls(prepare_fn(plan, ids, E, W), reps=5, replays=15)[0]
+                r = dict(world_size=W, experts=E, tokens_per_rank=T, topk=k, layout=layout,
+                         capacity=cap_name, max_rows=max_rows, band_capacity=plan.band_capacity,
+                         plan_us=ms * 1e3, prepare_us=prep_ms * 1e3)
+                rows.append(r)
+                print(f"W={W:<3} E={E:<4} T={T:<6} {layout:<8} {cap_name:<6} plan "
+                      f"{r['plan_us']:8.1f} us  prepare {r['prepare_us']:7.1f} us", flush=True)
+    doc = dict(bench="plan", device=torch.cuda.get_device_name(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
+               method="CUDA graph of 5 calls, median of 15 replays / 5", rows=rows)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"plan_{args.tag}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
