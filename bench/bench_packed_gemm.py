@@ -163,9 +163,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     ap.add_argument("--rounds", type=int, default=20, help="timed rounds per point")
     ap.add_argument("--tag", default="h200", help="suffix of the JSON name")
+    ap.add_argument("--tile-m", type=int, default=128, choices=(64, 128),
+                    help="the plan's and the producer's tile height")
     args = ap.parse_args()
     from moe_overlap.combine.grouped_gemm import GroupedGemm
-    gemm = GroupedGemm(tile_m=128, tile_n=256)
+    gemm = GroupedGemm(tile_m=args.tile_m, tile_n=256)
     points = []
     for model in args.models.split(","):
         if model not in MODEL_SHAPES:
@@ -177,7 +179,7 @@ def main():
     doc = dict(bench="packed_gemm", device=torch.cuda.get_device_name(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
-               gemm=dict(tile_m=128, tile_n=256, ccta=0, signal=True), lead_ms=LEAD_MS,
+               gemm=dict(tile_m=args.tile_m, tile_n=256, ccta=0, signal=True), lead_ms=LEAD_MS,
                rounds=args.rounds, points=points)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"packed_gemm_{args.tag}.json")
