@@ -1,0 +1,52 @@
+"""The scale-out projection: properties of the model, its planner inputs, and its error on the
+measured 2-GPU sweep points."""
+import json
+import os
+
+import pytest
+
+from moe_overlap.combine.projection import (Fabric, check_against_sweep, plan_rows,
+                                            predict_call, project)
+from moe_overlap.combine.tuning import CostModel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_packed_never_projects_slower_and_pads_less():
+    rows = project(models=("qwen3-30b-a3b",), worlds=(2, 8), tokens=1024)
+    by = {(r["world_size"], r["layout"]): r for r in rows}
+    for W in (2, 8):
+        a, p = by[W, "aligned"], by[W, "packed"]
+        assert p["rows"] <= a["rows"] and p["valid_rows"] == a["valid_rows"]
+        assert p["speedup_same_scale"] >= a["speedup_same_scale"]
+        assert p["t_seq_same_scale"] == pytest.approx(a["t_seq_same_scale"])
+
+
+def test_rows_split_by_link():
+    f = Fabric(gpus_per_node=4)
+    r = plan_rows("qwen3-30b-a3b", 8, "packed", "balanced", 512, fabric=f)
+    # rank 0 computes rows for 3 node peers over NVLink and 4 ranks over IB, none for itself
+    assert r["nvlink_rows"] > 0 and r["ib_rows"] > 0
+    assert r["nvlink_rows"] + r["ib_rows"] < r["valid_rows"]
+    assert r["ib_rows"] == pytest.approx(r["nvlink_rows"] * 4 / 3, rel=0.2)
+
+
+def test_ib_bytes_dominate_when_slower():
+    cost, fabric = CostModel(), Fabric()
+    kw = dict(rows=4096, valid_rows=4096, tokens=512, topk=8, K=2048, N=7168, tile_m=128,
+              ccta=16, mgb=2, cost=cost, fabric=fabric)
+    nv = predict_call(nvlink_rows=2000, ib_rows=0, **kw)
+    ib = predict_call(nvlink_rows=0, ib_rows=2000, **kw)
+    assert ib["t_comm"] > 3 * nv["t_comm"] and ib["t_a2a"] > 3 * nv["t_a2a"]
+    more = predict_call(nvlink_rows=4000, ib_rows=0, **kw)
+    assert more["t_comm"] > nv["t_comm"] and more["t_overlap"] >= nv["t_overlap"]
+
+
+def test_error_on_the_measured_sweep_is_bounded():
+    with open(os.path.join(ROOT, "bench/results/combine_sweep_2xh200_v7.json")) as f:
+        points = json.load(f)["points"]
+    check = check_against_sweep(points)
+    assert check["t_overlap"]["n"] == len(points) > 0
+    # the calibration the README quotes: mean error within 15 %, no point off by 2x
+    assert abs(check["t_overlap"]["mean"]) < 0.15
+    assert check["t_overlap"]["max_abs"] < 1.0
