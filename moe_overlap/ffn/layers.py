@@ -42,7 +42,7 @@ from .reference import experts_tp_reference, ffn_tp_reference
 
 BACKENDS = ("reference", "fused")
 COMMS = ("unicast", "switch")
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: reference only
 
 def fused_default_ccta(local_hidden: int) -> int:
     """SMs of the communication blocks (band all-reduce) in the fused backend when ccta is None.
@@ -87,6 +87,7 @@ def _pos_int(name, v) -> int:
 def _check_dtype(dtype, backend):
     if dtype not in DTYPES:
         raise TypeError(f"dtype={dtype} is not supported: choose from {DTYPES}")
+    # float64 is there for gradient checks against a float64 truth; the fused kernels are bf16
     if backend == "fused" and dtype != torch.bfloat16:
         raise TypeError(f"backend='fused' computes in bfloat16, got dtype={dtype}")
 
@@ -177,11 +178,6 @@ def _check_tensor(name, t, shape, dtype, device, allow_none=False):
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
     return t
-
-
-def _tracks_grad(x, w) -> bool:
-    """In-place activations only where autograd is not recording (inference / no_grad)."""
-    return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
 
 
 def padded_expert_layout(rows, tile_m: int, device):
@@ -519,8 +515,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         if self.backend == "fused":  # inference only: the output has no autograd graph
             return self._fused_call(x2.detach()).reshape(*lead, self.out_features)
         y = ffn_tp_reference(x2, self.w1, self.b1, self.w2, self.b2, self.act1, self.act2,
-                             self.group, self.world_size, self.rank,
-                             inplace=not _tracks_grad(x2, self.w1))
+                             self.group, self.world_size, self.rank)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -684,8 +679,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         if self.backend == "fused":  # inference only: the output has no autograd graph
             return self._forward_fused(x.detach(), rows)
         return experts_tp_reference(x, rows, self.w_in, self.w_out, self.b_in, self.b_out,
-                                    self.activation, self.group, self.world_size, self.rank,
-                                    inplace=not _tracks_grad(x, self.w_in))
+                                    self.activation, self.group, self.world_size, self.rank)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, in={self.in_features}, hidden="
