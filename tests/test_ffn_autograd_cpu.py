@@ -5,14 +5,18 @@
   replicated b2 / b_out), with no warning (torch warns when autograd meets the bare c10d
   all-reduce), one all-reduce in forward and one in backward (of dX, only when X requires grad);
 - under torch.no_grad() / inference_mode the forward takes the plain path: no autograd wrapper,
-  one in-place all-reduce, no graph.
+  one in-place all-reduce, no graph;
+- fused backend: a forward that autograd would record is refused before any kernel or
+  communication, with a message naming backend='reference'.
 """
 import pytest
 import torch
 
+import moe_overlap.ffn.layers as layers
 import moe_overlap.ffn.reference as reference
 from moe_overlap.ffn import FusedFFN, ShardedExperts
 from moe_overlap.ffn.activations import ACTIVATIONS
+from moe_overlap.ffn.layers import check_fused_inference
 from moe_overlap.ffn.reference import experts_truth, ffn_truth, rel_err
 from moe_overlap.ffn.validation import _case_inputs, _count_all_reduce, check_grad_cases
 from moe_overlap.launch import spawn
@@ -127,6 +131,74 @@ def test_gradient_check_can_fail():
     assert _grad_err(g / 2, g) > 0.4  # a rank's half of dX
     assert _grad_err(None, torch.zeros(2)) == 0.0
     assert _grad_err(g, g) == 0.0
+
+
+# ---------------------------------------------------------------- fused backend: refused
+def _names(**kw):
+    return kw
+
+
+def test_check_fused_inference_refuses_recorded_forward():
+    w = torch.zeros(2, requires_grad=True)
+    x = torch.zeros(2)
+    with pytest.raises(RuntimeError, match=r"inference-only.*w1 requires grad.*"
+                                           r"backend='reference'"):
+        check_fused_inference("FusedFFN", _names(X=x, w1=w, b1=None))
+    with pytest.raises(RuntimeError, match=r"X, w1 require grad"):
+        check_fused_inference("FusedFFN", _names(X=x.requires_grad_(), w1=w, b1=None))
+    with torch.no_grad():
+        check_fused_inference("FusedFFN", _names(X=x, w1=w))
+    with torch.inference_mode():
+        check_fused_inference("FusedFFN", _names(X=x, w1=w))
+    check_fused_inference("FusedFFN", _names(X=torch.zeros(2), w1=torch.zeros(2), b1=None))
+
+
+class _KernelReached(Exception):
+    pass
+
+
+def _fused_on_cpu(monkeypatch, cls, *args, **kw):
+    """A fused layer built on this CPU machine: the hardware check is skipped and the overlapped
+    call (kernels + communication) raises _KernelReached, so a test sees whether the forward
+    got that far."""
+    monkeypatch.setattr(layers, "_fused_requirements", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",  # the SM count bounds ccta
+                        lambda *a, **k: type("Props", (), dict(multi_processor_count=132)))
+
+    def reached(self, *a, **k):
+        raise _KernelReached
+    monkeypatch.setattr(layers._FusedBackend, "_fused_call", reached)
+    return cls(*args, backend="fused", dtype=torch.bfloat16, **kw)
+
+
+@pytest.mark.parametrize("which", ["ffn", "experts"])
+def test_fused_forward_refuses_autograd_before_the_kernel(monkeypatch, which):
+    if which == "ffn":
+        m = _fused_on_cpu(monkeypatch, FusedFFN, 64, 256, 128, act1="gelu")
+        x = torch.zeros(4, 64, dtype=torch.bfloat16)
+        call = lambda x: m(x)  # noqa: E731
+        what = "FusedFFN"
+    else:
+        m = _fused_on_cpu(monkeypatch, ShardedExperts, 2, 64, 256, 128, bias=True)
+        x = torch.zeros(4, 64, dtype=torch.bfloat16)
+        call = lambda x: m(x, [3, 1])  # noqa: E731
+        what = "ShardedExperts"
+    # parameters require grad by default: refused with grad mode on, kernel not reached
+    with pytest.raises(RuntimeError, match=rf"{what}\(backend='fused'\) is inference-only.*"
+                                           r"backend='reference'"):
+        call(x)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        call(x.clone().requires_grad_())
+    # inference: the check lets it through to the kernel
+    with torch.no_grad(), pytest.raises(_KernelReached):
+        call(x.clone().requires_grad_())
+    with torch.inference_mode(), pytest.raises(_KernelReached):
+        call(x)
+    m.requires_grad_(False)
+    with pytest.raises(_KernelReached):
+        call(x)  # grad mode on but nothing to differentiate
+    with pytest.raises(RuntimeError, match=r"\bx\b|\bX\b"):
+        call(x.clone().requires_grad_())
 
 
 def test_reference_accepts_float64_fused_does_not():
