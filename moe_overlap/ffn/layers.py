@@ -9,10 +9,20 @@ W2, and the full b2; ``forward(X)`` returns the full ``[T, N]`` output on every 
 columns, the matching rows of ``W_out[e]``); ``forward(x, rows_per_expert)`` takes the rows of all
 experts stacked expert-major and returns the all-reduced ``[rows, N]`` output on every rank.
 
+Autograd contract: the reference backend differentiates correctly across ranks (every rank gets
+the full gradient of X and of the replicated b2 / b_out and the exact gradient of its own weight
+slices), assuming the upstream gradient dY is the same on every rank, as Megatron does (the loss
+is computed from the replicated Y identically everywhere); see ``moe_overlap.ffn.parallel``. The
+fused backend is inference-only: a forward that autograd would record (grad mode on and the input
+or a parameter requiring grad) raises RuntimeError before any kernel or communication; call it
+under ``torch.no_grad()`` / ``torch.inference_mode()``.
+
 Backends:
 - ``reference``: plain torch (``moe_overlap.ffn.reference``): addmm with the bias fused, in-place
   activation, mm (+b2 fused on rank 0), one in-place ``all_reduce`` (gloo on CPU, NCCL on CUDA),
-  act2 in place. This is also the fair baseline of ``bench/bench_ffn.py``.
+  act2 in place. This is also the fair baseline of ``bench/bench_ffn.py``. While autograd
+  records: out-of-place activations, the all-reduce through ``reduce_from_group``, X through
+  ``copy_to_group`` (all-reduce of dX in backward), b2 added after the reduce on every rank.
 - ``fused`` (CUDA Hopper GPUs, CuTe DSL, bf16, inference): two persistent CuTe DSL kernels
   running at the same time on one GPU: the compute blocks
   (``moe_overlap.ffn.compute_reduce.FusedFFNCompute``: act1(X W1_g + b1_g) tiles on chip, times W2_g,
@@ -42,7 +52,7 @@ from .reference import experts_tp_reference, ffn_tp_reference
 
 BACKENDS = ("reference", "fused")
 COMMS = ("unicast", "switch")
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: reference only
 
 def fused_default_ccta(local_hidden: int) -> int:
     """SMs of the communication blocks (band all-reduce) in the fused backend when ccta is None.
@@ -87,6 +97,7 @@ def _pos_int(name, v) -> int:
 def _check_dtype(dtype, backend):
     if dtype not in DTYPES:
         raise TypeError(f"dtype={dtype} is not supported: choose from {DTYPES}")
+    # float64 is there for gradient checks against a float64 truth; the fused kernels are bf16
     if backend == "fused" and dtype != torch.bfloat16:
         raise TypeError(f"backend='fused' computes in bfloat16, got dtype={dtype}")
 
@@ -179,9 +190,21 @@ def _check_tensor(name, t, shape, dtype, device, allow_none=False):
     return t
 
 
-def _tracks_grad(x, w) -> bool:
-    """In-place activations only where autograd is not recording (inference / no_grad)."""
-    return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+def check_fused_inference(what: str, tensors: dict) -> None:
+    """The fused backend's autograd contract, checked before any kernel or communication: its
+    kernels have no backward, so a forward that autograd would record (grad mode on and any of
+    ``tensors``, name -> tensor or None, requiring grad) raises RuntimeError naming the tensors
+    and ``backend='reference'`` instead of returning an output cut from the graph."""
+    if not torch.is_grad_enabled():
+        return
+    names = [k for k, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if names:
+        raise RuntimeError(
+            f"{what}(backend='fused') is inference-only (its kernels have no backward), but "
+            f"{', '.join(names)} require{'s' if len(names) == 1 else ''} grad with grad mode on. "
+            f"Use backend='reference' to train (correct gradients across ranks), or call the "
+            f"fused layer under torch.no_grad() / torch.inference_mode() (or with "
+            f"requires_grad_(False) on its parameters and inputs).")
 
 
 def padded_expert_layout(rows, tile_m: int, device):
@@ -392,9 +415,8 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     16 to 32; the compute blocks take the others), ``max_tokens`` (rows the symmetric
     accumulator is first sized for; it grows, collectively, when a call brings more), ``tile_m``
     (64 or 128: compute m-tile = one ready flag); needs P % 64 == 0, (O/G) % 128 == 0,
-    N % 128 == 0, bf16, Hopper GPUs, CuTe DSL. The fused forward is inference only (its output
-    carries no autograd graph) and collective (every rank of the group calls it with the same
-    token count). ``compute_options``: keyword options of the compute kernel
+    N % 128 == 0, bf16, Hopper GPUs, CuTe DSL. The fused forward is collective (every rank of the
+    group calls it with the same token count). ``compute_options``: keyword options of the compute kernel
     (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``, ``epilogue``,
     ``cluster_m``, ``h_regs``, ``h_pair``; see ffn/compute_reduce.py), checked at construction;
     ``h_pair`` defaults to True where O/G is a multiple of 2 * tile_o.
@@ -403,6 +425,18 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     tile_m / allreduce_band_rows communication CTAs.
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
     ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
+
+    Autograd: ``backend="reference"`` (any dtype, float64 included) backpropagates across ranks:
+    ``X.grad`` and ``b2.grad`` are the full gradients on every rank, ``w1`` / ``b1`` / ``w2``
+    get the gradient of this rank's slices; the backward all-reduces dX once (only when X
+    requires grad). It assumes the upstream gradient dY is the same on every rank (the loss is
+    computed from the replicated Y the same way on every rank); with a different dY per rank the
+    gradients are wrong. Every rank must run the backward (it is collective). Under
+    ``torch.no_grad()`` / ``inference_mode`` the forward is the plain in-place path.
+    ``backend="fused"`` is inference-only: with grad mode on and X or a parameter requiring
+    grad, ``forward`` raises RuntimeError (naming ``backend='reference'``) before any kernel or
+    communication; use ``torch.no_grad()`` / ``torch.inference_mode()`` or
+    ``requires_grad_(False)``.
     """
     _grouped_compute = False  # the dense compute call (FusedFFNCompute.__call__)
 
@@ -516,11 +550,12 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         """X ``[..., P]`` (the same on every rank of the group) -> Y ``[..., N]`` on every rank."""
         lead = x.shape[:-1] if isinstance(x, torch.Tensor) else None
         x2 = self.check_input(x)
-        if self.backend == "fused":  # inference only: the output has no autograd graph
+        if self.backend == "fused":
+            check_fused_inference("FusedFFN", dict(X=x2, w1=self.w1, b1=self.b1, w2=self.w2,
+                                                   b2=self.b2))
             return self._fused_call(x2.detach()).reshape(*lead, self.out_features)
         y = ffn_tp_reference(x2, self.w1, self.b1, self.w2, self.b2, self.act1, self.act2,
-                             self.group, self.world_size, self.rank,
-                             inplace=not _tracks_grad(x2, self.w1))
+                             self.group, self.world_size, self.rank)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -539,6 +574,11 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
     or an int tensor, sum <= R; rows past the sum are zero in the output) -> ``[R, N]``,
     identical on every rank. The fused options are FusedFFN's (``compute_options`` without
     ``cluster_m``: the grouped call keeps one expert per m-tile).
+
+    Autograd: as ``FusedFFN``. ``backend="reference"`` gives every rank the full ``x.grad`` and
+    ``b_out.grad`` and the gradient of its ``w_in`` / ``b_in`` / ``w_out`` slices (zero for an
+    expert without rows; rows past the experts' rows get zero gradient), assuming the same dY on
+    every rank; ``backend="fused"`` refuses a forward that autograd would record.
     """
     _grouped_compute = True  # FusedFFNCompute.grouped
 
@@ -681,11 +721,12 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
 
     def forward(self, x: torch.Tensor, rows_per_expert) -> torch.Tensor:
         rows = self.check_input(x, rows_per_expert)
-        if self.backend == "fused":  # inference only: the output has no autograd graph
+        if self.backend == "fused":
+            check_fused_inference("ShardedExperts", dict(x=x, w_in=self.w_in, b_in=self.b_in,
+                                                         w_out=self.w_out, b_out=self.b_out))
             return self._forward_fused(x.detach(), rows)
         return experts_tp_reference(x, rows, self.w_in, self.w_out, self.b_in, self.b_out,
-                                    self.activation, self.group, self.world_size, self.rank,
-                                    inplace=not _tracks_grad(x, self.w_in))
+                                    self.activation, self.group, self.world_size, self.rank)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, in={self.in_features}, hidden="

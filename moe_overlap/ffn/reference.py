@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .activations import activation, activation_
+from .parallel import copy_to_group, reduce_from_group, tracks_grad
 
 
 # ---------------------------------------------------------------- float64 truth
@@ -71,17 +72,40 @@ def ffn_tp_reference(x, w1, b1, w2, b2, act1: str, act2: str, group=None, world:
                      inplace: bool = True) -> torch.Tensor:
     """This rank's share of the layer, then the all-reduce: the best plain-torch TP FFN.
 
-    - GEMM1 with the bias fused (``addmm``), activation in place;
+    Inference (autograd not recording: ``torch.no_grad()``, ``inference_mode``, or nothing
+    requires grad):
+
+    - GEMM1 with the bias fused (``addmm``), activation in place (``inplace=True``);
     - GEMM2 writes the partial; rank 0 fuses b2 into it (``addmm``), the others use ``mm``, so b2
       is added exactly once and needs no extra pass after the all-reduce;
     - one in-place ``all_reduce`` (NCCL on CUDA, gloo on CPU) of the partial in the layer's dtype,
       as Megatron-style TP does;
     - act2 in place.
-    ``inplace=False`` uses out-of-place activations (autograd-safe; the all-reduce itself is not
-    differentiated: inference only). ``w1 [P, O/G]``, ``b1 [O/G]`` (or None), ``w2 [O/G, N]``,
-    ``b2 [N]`` (or None)."""
+
+    Training (grad mode on and any of x / weights requiring grad): the same GEMMs with
+    out-of-place activations, X through ``copy_to_group`` (all-reduce of dX in backward) and the
+    partial through ``reduce_from_group`` (all-reduce in forward, identity in backward), b2 added
+    after the reduce on every rank, so every rank gets the full gradient of x and b2 and the exact
+    gradient of its slices. Assumes the upstream gradient dY is the same on every rank (see
+    ``moe_overlap.ffn.parallel``). ``out=`` is refused there (out= ops are not differentiable).
+
+    ``w1 [P, O/G]``, ``b1 [O/G]`` (or None), ``w2 [O/G, N]``, ``b2 [N]`` (or None)."""
     import torch.distributed as dist
 
+    if tracks_grad(x, w1, b1, w2, b2):
+        if out is not None:
+            raise ValueError("ffn_tp_reference: out= cannot be used while autograd records "
+                             "(grad mode on and an input requires grad)")
+        if world > 1:
+            x = copy_to_group(x, group)
+        h = torch.addmm(b1, x, w1) if b1 is not None else torch.mm(x, w1)
+        h = activation(h, act1)
+        y = torch.mm(h, w2)
+        if world > 1:
+            y = reduce_from_group(y, group)
+        if b2 is not None:
+            y = y + b2
+        return activation(y, act2)
     h = torch.addmm(b1, x, w1) if b1 is not None else torch.mm(x, w1)
     act = activation_ if inplace else activation
     h = act(h, act1)
@@ -97,10 +121,18 @@ def ffn_tp_reference(x, w1, b1, w2, b2, act1: str, act2: str, group=None, world:
 def experts_tp_reference(x, rows_per_expert, w_in, w_out, b_in, b_out, act: str, group=None,
                          world: int = 1, rank: int = 0, inplace: bool = True) -> torch.Tensor:
     """Sharded experts, plain torch: per-expert GEMM pair on this rank's slices into one output
-    buffer, one all-reduce. ``w_in [E, P, O/G]``, ``w_out [E, O/G, N]``; ``b_out`` added on
-    rank 0 only (fused into addmm)."""
+    buffer, one all-reduce. ``w_in [E, P, O/G]``, ``w_out [E, O/G, N]``.
+
+    Inference (autograd not recording): in-place activations (``inplace=True``), GEMM2 written
+    straight into the output rows, ``b_out`` fused into rank 0's addmm, one in-place all-reduce.
+    Training: as ``ffn_tp_reference`` (``copy_to_group`` on x, ``reduce_from_group`` on the
+    stacked partials, ``b_out[e]`` added to expert e's rows after the reduce on every rank; the
+    same assumption on dY). Rows past ``sum(rows_per_expert)`` are zero and get zero gradient."""
     import torch.distributed as dist
 
+    if tracks_grad(x, w_in, w_out, b_in, b_out):
+        return _experts_tp_autograd(x, rows_per_expert, w_in, w_out, b_in, b_out, act, group,
+                                    world)
     y = torch.empty(x.shape[0], w_out.shape[2], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(rows_per_expert):
@@ -108,17 +140,42 @@ def experts_tp_reference(x, rows_per_expert, w_in, w_out, b_in, b_out, act: str,
             xe = x[start:start + n]
             h = torch.addmm(b_in[e], xe, w_in[e]) if b_in is not None else torch.mm(xe, w_in[e])
             h = activation_(h, act) if inplace else activation(h, act)
-            bias = b_out is not None and rank == 0
-            if inplace:  # write straight into the output rows (out= is not autograd-safe)
-                ye = y[start:start + n]
-                torch.addmm(b_out[e], h, w_out[e], out=ye) if bias else torch.mm(h, w_out[e],
-                                                                                  out=ye)
+            ye = y[start:start + n]
+            if b_out is not None and rank == 0:
+                torch.addmm(b_out[e], h, w_out[e], out=ye)
             else:
-                y[start:start + n] = (torch.addmm(b_out[e], h, w_out[e]) if bias
-                                      else torch.mm(h, w_out[e]))
+                torch.mm(h, w_out[e], out=ye)
         start += n
     if start < x.shape[0]:
         y[start:].zero_()
     if world > 1:
         dist.all_reduce(y, group=group)
+    return y
+
+
+def _experts_tp_autograd(x, rows_per_expert, w_in, w_out, b_in, b_out, act, group, world):
+    """experts_tp_reference while autograd records (out-of-place throughout)."""
+    R, N = x.shape[0], w_out.shape[2]
+    if world > 1:
+        x = copy_to_group(x, group)
+    parts, biases, start = [], [], 0
+    for e, n in enumerate(rows_per_expert):
+        if n:
+            xe = x[start:start + n]
+            h = torch.addmm(b_in[e], xe, w_in[e]) if b_in is not None else torch.mm(xe, w_in[e])
+            parts.append(torch.mm(activation(h, act), w_out[e]))
+            if b_out is not None:
+                biases.append(b_out[e].expand(n, N))
+        start += n
+    tail = R - start
+    if tail:
+        parts.append(x.new_zeros(tail, N))
+        biases.append(x.new_zeros(tail, N))
+    if not parts:
+        return x.new_zeros(R, N)
+    y = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if world > 1:
+        y = reduce_from_group(y, group)
+    if b_out is not None:
+        y = y + torch.cat(biases)
     return y
