@@ -183,22 +183,24 @@ def test_fused_forward_refuses_autograd_before_the_kernel(monkeypatch, which):
         x = torch.zeros(4, 64, dtype=torch.bfloat16)
         call = lambda x: m(x, [3, 1])  # noqa: E731
         what = "ShardedExperts"
-    # parameters require grad by default: refused with grad mode on, kernel not reached
+    # the fused layer's parameters are inference-only: nothing to differentiate by default
+    assert not any(p.requires_grad for p in m.parameters())
+    with pytest.raises(_KernelReached):
+        call(x)  # grad mode on, nothing requires grad: reaches the kernel
+    # an input or a parameter that requires grad with grad mode on: refused before the kernel
     with pytest.raises(RuntimeError, match=rf"{what}\(backend='fused'\) is inference-only.*"
                                            r"backend='reference'"):
-        call(x)
-    with pytest.raises(RuntimeError, match="inference-only"):
+        call(x.clone().requires_grad_())
+    with pytest.raises(RuntimeError, match=r"\bx\b|\bX\b"):
         call(x.clone().requires_grad_())
     # inference: the check lets it through to the kernel
     with torch.no_grad(), pytest.raises(_KernelReached):
         call(x.clone().requires_grad_())
+    m.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        call(x)
     with torch.inference_mode(), pytest.raises(_KernelReached):
         call(x)
-    m.requires_grad_(False)
-    with pytest.raises(_KernelReached):
-        call(x)  # grad mode on but nothing to differentiate
-    with pytest.raises(RuntimeError, match=r"\bx\b|\bX\b"):
-        call(x.clone().requires_grad_())
 
 
 def test_reference_accepts_float64_fused_does_not():

@@ -433,8 +433,9 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     computed from the replicated Y the same way on every rank); with a different dY per rank the
     gradients are wrong. Every rank must run the backward (it is collective). Under
     ``torch.no_grad()`` / ``inference_mode`` the forward is the plain in-place path.
-    ``backend="fused"`` is inference-only: with grad mode on and X or a parameter requiring
-    grad, ``forward`` raises RuntimeError (naming ``backend='reference'``) before any kernel or
+    ``backend="fused"`` is inference-only: its parameters are created with
+    ``requires_grad=False``; with grad mode on and X or a parameter requiring grad, ``forward``
+    raises RuntimeError (naming ``backend='reference'``) before any kernel or
     communication; use ``torch.no_grad()`` / ``torch.inference_mode()`` or
     ``requires_grad_(False)``.
     """
@@ -456,10 +457,11 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
         self.local_hidden = O // G
         kw = dict(dtype=dtype, device=device)
-        self.w1 = torch.nn.Parameter(torch.zeros(P, O // G, **kw))
-        self.w2 = torch.nn.Parameter(torch.zeros(O // G, N, **kw))
-        self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw)) if bias else None
-        self.b2 = torch.nn.Parameter(torch.zeros(N, **kw)) if bias else None
+        grad = dict(requires_grad=backend == "reference")  # fused: inference-only parameters
+        self.w1 = torch.nn.Parameter(torch.zeros(P, O // G, **kw), **grad)
+        self.w2 = torch.nn.Parameter(torch.zeros(O // G, N, **kw), **grad)
+        self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw), **grad) if bias else None
+        self.b2 = torch.nn.Parameter(torch.zeros(N, **kw), **grad) if bias else None
         self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options,
                            allreduce_band_rows)
 
@@ -598,10 +600,11 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.out_features, self.local_hidden = N, O // G
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
         kw = dict(dtype=dtype, device=device)
-        self.w_in = torch.nn.Parameter(torch.zeros(E, P, O // G, **kw))
-        self.w_out = torch.nn.Parameter(torch.zeros(E, O // G, N, **kw))
-        self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw)) if bias else None
-        self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw)) if bias else None
+        grad = dict(requires_grad=backend == "reference")  # fused: inference-only parameters
+        self.w_in = torch.nn.Parameter(torch.zeros(E, P, O // G, **kw), **grad)
+        self.w_out = torch.nn.Parameter(torch.zeros(E, O // G, N, **kw), **grad)
+        self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw), **grad) if bias else None
+        self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw), **grad) if bias else None
         self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options,
                            allreduce_band_rows)
 
