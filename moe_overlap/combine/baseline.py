@@ -157,11 +157,12 @@ class SequentialBaseline:
     # ---- stage 3: top-k weighted sum -----------------------------------------------------
     def scale(self, recv: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.scale_kind == "auto":
-            variants = ["fp32", "bmm"]
-            if recv.is_cuda:
-                variants.append("compiled")
-            self.scale_kind = self._pick("scale", variants, recv, topk_weights)
+            self.scale_kind = self._pick("scale", self._scale_variants(recv.is_cuda), recv,
+                                         topk_weights)
         return self._scale(self.scale_kind, recv, topk_weights)
+
+    def _scale_variants(self, cuda: bool):
+        return ["fp32", "bmm"] + (["compiled"] if cuda else [])
 
     def _scale(self, kind, recv, w):
         if kind == "bmm":
