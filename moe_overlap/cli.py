@@ -1,4 +1,4 @@
-"""moe-overlap command line: demo | plan-stats | validate | sweep."""
+"""moe-overlap command line: demo | plan-stats | validate | sweep | report."""
 from __future__ import annotations
 
 import argparse
@@ -220,7 +220,12 @@ def main(argv=None) -> int:
     v.add_argument("--out", default="", help="write every case's results as JSON")
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: one GPU per rank, NCCL")
+    sub.add_parser("report", help="README status table and docs/RESULTS.md from bench/results/ "
+                   "(see `moe-overlap report --help`)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:  # its own options (moe_overlap/report.py)
+        from .report import main as report_main
+        return report_main(argv[1:])
     if argv[:1] == ["sweep"]:  # GPUs: its own options (moe_overlap/combine/sweep.py)
         from .combine.sweep import main as sweep_main
         return sweep_main(argv[1:])
