@@ -311,7 +311,7 @@ class OverlapCombine:
         critical path (device only, no host sync): each (t, k) assignment's row for the scale and
         the per-source increment of the expected arrival counts. The sequential baseline prepares
         its permutations the same way (a MoE layer knows its routing from the dispatch); computed
-        inside every call this took 0.16-0.18 ms ahead of the GEMM (bench_combine_split, 2x H200).
+        inside the call it would delay the GEMM (bench/bench_combine_split.py times it).
 
         rows: int32 [T, topk]: receive rows, or with local_copy=False and a plan, source rows (see
         source_rows). Without a plan (consumer-only use) plain receive rows.
