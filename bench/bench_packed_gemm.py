@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_overlap.combine.plan import count_assignments, plan_combine  # noqa: E402
-from moe_overlap.combine.shapes import MODEL_SHAPES  # noqa: E402
+from moe_overlap.combine.shapes import MODELS  # noqa: E402
 from moe_overlap.routing import route  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense rate of this workplace's H200
@@ -67,7 +67,7 @@ def graphed(fn):
 
 def run_point(model, W, mode, tokens, gemm, rounds, seed):
     from moe_overlap.timing import time_interleaved
-    E, topk, K, N = MODEL_SHAPES[model]
+    E, topk, K, N = MODELS[model]
     El = E // W
     dev = torch.device("cuda")
     counts = routing_counts(W, E, topk, tokens, mode, seed)
@@ -157,7 +157,7 @@ def main():
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the JSON")
     ap.add_argument("--models", default="deepseek-v3,qwen3-235b-a22b,qwen3-30b-a3b",
-                    help=f"comma-separated, from {sorted(MODEL_SHAPES)}")
+                    help=f"comma-separated, from {sorted(MODELS)}")
     ap.add_argument("--worlds", default="2,8,16", help="world sizes W of the plans")
     ap.add_argument("--modes", default="balanced,moderate_skew", help="router modes")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
@@ -170,8 +170,8 @@ def main():
     gemm = GroupedGemm(tile_m=args.tile_m, tile_n=256)
     points = []
     for model in args.models.split(","):
-        if model not in MODEL_SHAPES:
-            ap.error(f"--models: unknown model {model!r}; choose from {sorted(MODEL_SHAPES)}")
+        if model not in MODELS:
+            ap.error(f"--models: unknown model {model!r}; choose from {sorted(MODELS)}")
         for W in (int(v) for v in args.worlds.split(",")):
             for i, mode in enumerate(args.modes.split(",")):
                 points.append(run_point(model, W, mode, args.tokens, gemm, args.rounds,

@@ -1,4 +1,4 @@
-"""moe-overlap command line: demo | plan-stats | validate | sweep."""
+"""moe-overlap command line: demo | plan-stats | validate | sweep | report."""
 from __future__ import annotations
 
 import argparse
@@ -154,7 +154,9 @@ def _plot_plan_stats(rows, modes, tile_ms, path, meta):
 def cmd_validate(args) -> int:
     if args.backend == "overlap":  # the GPU grid: router modes x ccta x mgb x benchmark shapes
         from .combine.sweep import main as sweep_main
-        return sweep_main(["--validate-only", "--out", args.out or "validate_overlap.json"])
+        return sweep_main(["--validate-only", "--out", args.out or "validate_overlap.json",
+                           "--shapes", args.shapes, "--race-calls", str(args.race_calls),
+                           "--soak", str(args.soak)])
     from .routing import ROUTER_MODES
     from .combine.validation import LayerCase, check_layers, passed
 
@@ -220,7 +222,20 @@ def main(argv=None) -> int:
     v.add_argument("--out", default="", help="write every case's results as JSON")
     v.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: one GPU per rank, NCCL")
+    v.add_argument("--shapes", default="synthetic",
+                   help="--backend overlap: the shapes (moe_overlap.combine.shapes: TxExkxNxK, "
+                        "model names, synthetic, models, all)")
+    v.add_argument("--race-calls", type=int, default=3,
+                   help="--backend overlap: extra calls per point with fresh data and poisoned "
+                        "buffers")
+    v.add_argument("--soak", type=int, default=0,
+                   help="--backend overlap: CUDA-graph replays of the soak (0: none)")
+    sub.add_parser("report", help="README status table and docs/RESULTS.md from bench/results/ "
+                   "(see `moe-overlap report --help`)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:  # its own options (moe_overlap/report.py)
+        from .report import main as report_main
+        return report_main(argv[1:])
     if argv[:1] == ["sweep"]:  # GPUs: its own options (moe_overlap/combine/sweep.py)
         from .combine.sweep import main as sweep_main
         return sweep_main(argv[1:])

@@ -5,8 +5,9 @@
 #   source .devdeps/p2/setup.sh && GIT_COMMIT=<sha> bash scripts/gpu_check.sh <area> [quick]
 #
 # areas: gemm     grouped GEMM tests + bench (issue 3)
-#        combine  consumer / overlap tests (nvshmem configs need part 0) + the validation grid
-#                 and the ccta x mgb sweep (issue 4; "quick": one shape, no sweep)
+#        combine  consumer / overlap tests (nvshmem configs need part 0), the race validation
+#                 test, the validation grid and the ccta x mgb sweep (issue 4; "quick": one
+#                 shape, no sweep; "models": the sweep on the model shapes + a 1000-replay soak)
 #        plan     planner GPU tests, the producer on packed plans (tests + bench_packed_gemm
 #                 against torch._grouped_mm on the unpadded rows) and the planner's device time
 #                 (bench_plan); one GPU
@@ -54,11 +55,16 @@ plan)
     run plan_bench 200 python bench/bench_plan.py --out "$OUT"
     ;;
 combine)
-    export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-6G}  # the sweep's largest shapes
+    heap=6G  # the synthetic shapes; the model shapes' receive buffers need far more
+    [ "$quick" = models ] && heap=48G
+    export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-$heap}
     run overlap_tests 400 python -m pytest -q -p no:cacheprovider tests/test_overlap_gpu.py \
-        tests/test_planner_gpu.py
+        tests/test_planner_gpu.py tests/test_validation_gpu.py
     if [ "$ngpu" -ge 2 ]; then
-        if [ "$quick" = quick ]; then
+        if [ "$quick" = models ]; then
+            run sweep_models 590 python scripts/sweep.py --shapes models --ccta 8,16 --mgb 2 \
+                --autotune 0 --soak 1000 --out "$OUT/sweep_models.json"
+        elif [ "$quick" = quick ]; then
             run validate 400 python scripts/sweep.py --validate-only --shapes 4096x16x4x8192x1024 \
                 --out "$OUT/validate.json"
         else

@@ -1,7 +1,7 @@
 """Bar chart of bench/bench_ffn.py results: per shape, the plain-torch baseline, the fused layer
 and the ablations (mean with a standard-deviation whisker over the timed rounds, slowest rank).
 
-    python scripts/plot_ffn.py bench/results/ffn_fused_final_2xh200.json [-o out.png]
+    python scripts/plot_ffn.py bench/results/ffn_fused_v7_final_2xh200.json [-o out.png]
 """
 import argparse
 import json

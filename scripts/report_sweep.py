@@ -1,6 +1,6 @@
 """Markdown table and PNG heatmaps of a combine sweep (the JSON written by scripts/sweep.py).
 
-    python scripts/report_sweep.py bench/results/combine_sweep_2xh200_v2.json [--out DIR]
+    python scripts/report_sweep.py bench/results/combine_sweep_2xh200_v7.json [--out DIR]
 
 Writes DIR/<name>.md (best configuration per shape and router mode, then every point) and
 DIR/<name>_heatmaps.png (T_overlap / bound and speedup over the sequential baseline on the

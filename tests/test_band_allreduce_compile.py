@@ -6,7 +6,7 @@ SASS (nvdisasm) shows them assembled: on sm_90a ``multimem.ld_reduce`` is the mu
 ``LDGMC.E.F32ADD.BF16x8.RN.STRONG.SYS``), while ``multimem.st`` / ``multimem.red`` assemble to the
 ordinary ``STG.E.128.STRONG.SYS`` / ``MEMBAR.ALL.SYS`` + ``REDG.E.ADD.STRONG.SYS`` (the multicast
 is in the address), so those are checked in the PTX. The unicast kernel must contain no multimem
-instruction and no LDGMC. Skipped without CuTe DSL; the SASS checks skip without nvdisasm."""
+instruction and no LDGMC. Skipped without CuTe DSL; with it, a missing PTX, cubin or nvdisasm (a dev dependency) fails."""
 import os
 import re
 
@@ -19,7 +19,8 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from moe_overlap.ffn import band_allreduce  # noqa: E402
-from moe_overlap.kernels.compile import compile_keep, find_nvdisasm, sass_of  # noqa: E402
+from moe_overlap.kernels.compile import (compile_keep, kept_cubin, kept_ptx,  # noqa: E402
+                                         require_nvdisasm, sass_of)
 
 _CACHE = {}
 
@@ -28,17 +29,14 @@ def _compiled(world, backend, act2="none", unroll=2):
     key = (world, backend, act2, unroll)
     if key not in _CACHE:
         c = band_allreduce.compile_band_allreduce(world, backend, act2, unroll=unroll, keep=True)
-        _CACHE[key] = (c.__ptx__, c.__cubin__)
+        _CACHE[key] = (kept_ptx(c), kept_cubin(c))
     return _CACHE[key]
 
 
 def _sass(cubin):
-    tool = find_nvdisasm()
-    if tool is None:
-        pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm) to check the SASS")
     if not cubin:
-        pytest.skip("CuTe DSL returned no cubin")
-    return sass_of(cubin, tool)
+        raise RuntimeError("CuTe DSL returned no cubin")
+    return sass_of(cubin, require_nvdisasm())
 
 
 def _body(ptx):
@@ -88,7 +86,7 @@ def test_unicast_backend_ptx(world):
 
 def test_without_arrive_ahead_one_arrive_site_less():
     c = band_allreduce.compile_band_allreduce(2, "unicast", arrive_ahead=False, keep=True)
-    body = _body(c.__ptx__)
+    body = _body(kept_ptx(c))
     assert body.count("red.release.sys.global.add.u32") == 2 * 2
     assert body.count("ld.relaxed.sys.global.v4.f32") == 2 * (band_allreduce.DEFAULT_UNROLL + 1)
 
@@ -131,8 +129,8 @@ def test_bf16_load_reduce_helper_assembles_to_ldgmc():
         k(src, dst).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
     c = compile_keep(launch, Int64(0), Int64(0), cuda.CUstream(0))
-    assert "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2" in c.__ptx__
-    assert "LDGMC.E.F32ADD.BF16x8.RN.STRONG.SYS" in _sass(c.__cubin__)
+    assert "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2" in kept_ptx(c)
+    assert "LDGMC.E.F32ADD.BF16x8.RN.STRONG.SYS" in _sass(kept_cubin(c))
 
 
 def test_bad_options_raise_before_compiling():

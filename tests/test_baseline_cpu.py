@@ -1,5 +1,5 @@
-"""The prepared benchmark baseline agrees with the plain sequential baseline; the plan-layout ->
-compact-layout row map gives the baseline the same data."""
+"""The prepared benchmark baseline agrees with the plain sequential baseline in every GEMM and
+scale variant; the plan-layout -> compact-layout row map gives the baseline the same data."""
 import torch
 
 from moe_overlap.combine.baseline import SequentialBaseline, plan_to_compact_rows
@@ -9,9 +9,13 @@ from moe_overlap.combine.plan import plan_combine
 from moe_overlap.combine.reference import sequential_combine, sequential_dispatch
 from moe_overlap.routing import route
 
+# every variant the baseline can pick (on CUDA); the test fails if a new one is not listed here
+GEMMS = ("loop", "blocks", "grouped_mm")
+SCALES_CPU = ("fp32", "bmm")
+
 
 def _check(rank, W, mode):
-    E, k, T, K, N = 8, 2, 50, 16, 24
+    E, k, T, K, N = 8, 2, 50, 16, 24  # K, N rows of 64 / 96 bytes: what _grouped_mm needs
     ids, gates = route(T, E, k, mode, seed=3, rank=rank)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, K, generator=g)
@@ -23,18 +27,39 @@ def _check(rank, W, mode):
     same_data = torch.equal(x_plan[plan_to_compact_rows(plan, counts)], x_c)
     ref = sequential_combine(x_c, w, counts, ids, gates)
     errs = {}
-    for gemm in ("loop", "blocks"):
-        for scale in ("fp32", "bmm"):
+    probe = SequentialBaseline(counts, ids)
+    listed = (set(probe._gemm_variants()) <= set(GEMMS),
+              probe._scale_variants(False) == list(SCALES_CPU),
+              probe._scale_variants(True) == list(SCALES_CPU) + ["compiled"])
+    for gemm in GEMMS:
+        for scale in SCALES_CPU:
             base = SequentialBaseline(counts, ids, gemm=gemm, scale=scale)
             errs[gemm, scale] = float((base(x_c, w, gates) - ref).abs().max())
     auto = SequentialBaseline(counts, ids)
     auto(x_c, w, gates)
-    return same_data, max(errs.values()), auto.gemm
+    return same_data, errs, auto.gemm, listed
 
 
-def test_prepared_baseline_matches_sequential_combine():
+def test_prepared_baseline_matches_sequential_combine_in_every_variant():
     for mode in ("balanced", "stress_skew"):
-        for same, err, gemm in spawn(_check, 2, mode):
+        for same, errs, gemm, listed in spawn(_check, 2, mode):
             assert same
-            assert err < 1e-5
-            assert gemm in ("loop", "grouped_mm")
+            assert all(listed)
+            assert set(errs) == {(g, s) for g in GEMMS for s in SCALES_CPU}
+            for variant, err in errs.items():
+                assert err < 1e-5, (mode, variant, err)
+            assert gemm == "loop"  # CPU: auto takes the first variant, without timing
+
+
+def test_compiled_scale_matches_fp32_scale():
+    """The `compiled` scale (CUDA auto-selection only) on CPU: torch.compile of the same fp32
+    gather + weighted sum, one process (world size 1)."""
+    E, k, T, N = 4, 2, 40, 24
+    ids, gates = route(T, E, k, "moderate_skew", seed=5, rank=0)
+    counts = exchange_counts(ids, E)
+    base = SequentialBaseline(counts, ids, scale="compiled")
+    recv = torch.randn(T * k, N, generator=torch.Generator().manual_seed(1))
+    got = base.scale(recv, gates)
+    want = base._scale("fp32", recv, gates)
+    assert base.scale_kind == "compiled" and base._compiled is not None
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)

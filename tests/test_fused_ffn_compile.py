@@ -14,6 +14,8 @@ import re
 import pytest
 import torch
 
+from moe_overlap.kernels.compile import kept_cubin, kept_ptx
+
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 pytestmark = pytest.mark.compile
@@ -24,10 +26,7 @@ _CACHE = {}
 @pytest.fixture(scope="module")
 def ffn_mod():
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-    try:
-        import cutlass.cute  # noqa: F401
-    except Exception as e:  # pragma: no cover
-        pytest.skip(f"cutlass.cute not importable: {e}")
+    import cutlass.cute  # noqa: F401  (installed but broken: an error, not a skip)
     from moe_overlap.ffn import compute_reduce as fused_ffn
     return fused_ffn
 
@@ -38,7 +37,7 @@ def _compiled(mod, tile_m, act1, tile_o=128, epilogue="red", h_regs=False):
         fn = mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, epilogue=epilogue,
                                  h_regs=h_regs).compile(P=256, O=512, N=256, act1=act1,
                                                         keep_ptx=True)
-        _CACHE[key] = (fn.__ptx__, fn.__cubin__)
+        _CACHE[key] = (kept_ptx(fn), kept_cubin(fn))
     return _CACHE[key]
 
 
@@ -90,20 +89,18 @@ def test_ptx_has_wgmma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o, epilogue,
 @pytest.mark.parametrize("tile_m,tile_o", [(128, 256), (64, 128)])
 def test_cluster_multicast_compiles(ffn_mod, tile_m, tile_o):
     """cluster_m=2: W1 tiles and W2 chunks come by TMA multicast, half issued per CTA."""
-    from moe_overlap.kernels.compile import find_nvdisasm, sass_of
+    from moe_overlap.kernels.compile import require_nvdisasm, sass_of
     fn = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, cluster_m=2).compile(
         P=256, O=512, N=256, act1="gelu", keep_ptx=True)
-    body = fn.__ptx__.split(".entry", 1)[1]
+    body = kept_ptx(fn).split(".entry", 1)[1]
     # W1 and W2 loads multicast (3-d: the expert mode), X per CTA
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.\S*"
                           r"multicast::cluster", body)) >= 2
     assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", body)
     assert "mbarrier.arrive.shared::cluster" in body  # stage release to both CTAs
-    tool = find_nvdisasm()
-    if tool is not None and fn.__cubin__:
-        sass = sass_of(fn.__cubin__, tool)
-        assert "HGMMA" in sass and "UTMAREDG" in sass
-        assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 12  # gelu's erf constants at most
+    sass = sass_of(kept_cubin(fn), require_nvdisasm())
+    assert "HGMMA" in sass and "UTMAREDG" in sass
+    assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 12  # gelu's erf constants at most
 
 
 @pytest.mark.parametrize("skip", ["gemm1", "gemm2", "epilogue", "gemm1+epilogue"])
@@ -112,7 +109,7 @@ def test_phase_split_diagnostics_compile(ffn_mod, skip):
     (benchmarks only); the GEMM2 products stay in the code when their reductions do not."""
     fn = ffn_mod.FusedFFNCompute(_diag_skip=skip).compile(P=256, O=512, N=256, act1="relu",
                                                            keep_ptx=True)
-    body = fn.__ptx__.split(".entry", 1)[1]
+    body = kept_ptx(fn).split(".entry", 1)[1]
     n256 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", body))
     n128 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16", body))
     red = len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", body))
@@ -127,27 +124,25 @@ def test_phase_split_diagnostics_compile(ffn_mod, skip):
 def test_h_in_registers_compiles_to_rs_wgmma(ffn_mod, tile_m, tile_o, act1):
     """h_regs: GEMM2 reads H from registers (WGMMA RS, no sH), which frees shared memory for a
     deeper ring and 128-byte epilogue rows; no WGMMA serialization, no new spills."""
-    from moe_overlap.kernels.compile import find_nvdisasm, sass_of
+    from moe_overlap.kernels.compile import require_nvdisasm, sass_of
     c = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=True)
     base = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=False)
     assert c.epi_n == 32 and c.stages >= base.stages
     if tile_o == 256:  # 3 x 48 KiB stages + H + 16-column buffers -> 4 stages, 32 columns
         assert (base.stages, base.epi_n, c.stages) == (3, 16, 4)
     fn = c.compile(P=256, O=512, N=256, act1=act1, keep_ptx=True)
-    body = fn.__ptx__.split(".entry", 1)[1]
+    body = kept_ptx(fn).split(".entry", 1)[1]
     # GEMM2: A as four .b32 registers, B as a descriptor; GEMM1 still A and B from smem
     rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16\s*\{[^}]*\},"
                     r"\s*\{[^}]*\}", body)
     assert rs and all(r.count("%r") >= 4 for r in rs)
     # no H store to shared memory (the default writes H with stmatrix; fp32 epilogue does not)
-    base_body = base.compile(P=256, O=512, N=256, act1=act1, keep_ptx=True).__ptx__
+    base_body = kept_ptx(base.compile(P=256, O=512, N=256, act1=act1, keep_ptx=True))
     assert "stmatrix" in base_body and "stmatrix" not in body
-    tool = find_nvdisasm()
-    if tool is not None and fn.__cubin__:
-        sass = sass_of(fn.__cubin__, tool)
-        assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
-        spills = len(re.findall(r"\b(STL|LDL)\b", sass))
-        assert spills <= 12, spills
+    sass = sass_of(kept_cubin(fn), require_nvdisasm())
+    assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+    spills = len(re.findall(r"\b(STL|LDL)\b", sass))
+    assert spills <= 12, spills
 
 
 @pytest.mark.parametrize("tile_m,tile_o,act1,extra", [(128, 256, "gelu", {}),
@@ -156,10 +151,10 @@ def test_h_pair_compiles_with_both_gemm2_operand_sources(ffn_mod, tile_m, tile_o
     """h_pair: per n tile, GEMM2 takes one H tile from registers (RS) and one from sH (SS), then
     one fp32 reduce-add per sub-tile (half the reduce traffic of two units); the ring keeps at
     most two W2 chunks per consumer, so four chunks pass through 3 stages."""
-    from moe_overlap.kernels.compile import find_nvdisasm, sass_of
+    from moe_overlap.kernels.compile import require_nvdisasm, sass_of
     c = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_pair=True, **extra)
     fn = c.compile(P=256, O=1024, N=256, act1=act1, keep_ptx=True)
-    body = fn.__ptx__.split(".entry", 1)[1]
+    body = kept_ptx(fn).split(".entry", 1)[1]
     rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16\s*"
                     r"\{[^}]*\},\s*\{[^}]*\}", body)
     ss = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16\s*"
@@ -168,17 +163,15 @@ def test_h_pair_compiles_with_both_gemm2_operand_sources(ffn_mod, tile_m, tile_o
     assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in body  # the second H tile -> sH
     red = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile", body)
     assert len(red) == 128 // c.epi_n  # one reduce-add per sub-tile of an n tile, as before
-    tool = find_nvdisasm()
-    if tool is not None and fn.__cubin__:
-        sass = sass_of(fn.__cubin__, tool)
-        assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
-        lines = sass.splitlines()
-        spills = [i for i, l in enumerate(lines) if re.search(r"\b(STL|LDL)\b", l)]
-        gemm2 = [i for i, l in enumerate(lines) if "HGMMA.64x128x16" in l]
-        # exact gelu's constants spill around the activations (16 at 64 x 256 per warpgroup),
-        # never inside the GEMM2 n-tile loop
-        assert len(spills) <= (24 if act1 == "gelu" else 0), len(spills)
-        assert not [i for i in spills if gemm2[0] <= i <= gemm2[-1]]
+    sass = sass_of(kept_cubin(fn), require_nvdisasm())
+    assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+    lines = sass.splitlines()
+    spills = [i for i, l in enumerate(lines) if re.search(r"\b(STL|LDL)\b", l)]
+    gemm2 = [i for i, l in enumerate(lines) if "HGMMA.64x128x16" in l]
+    # exact gelu's constants spill around the activations (16 at 64 x 256 per warpgroup),
+    # never inside the GEMM2 n-tile loop
+    assert len(spills) <= (24 if act1 == "gelu" else 0), len(spills)
+    assert not [i for i in spills if gemm2[0] <= i <= gemm2[-1]]
     assert c.stages == ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o,
                                                h_regs=False).stages  # one H tile in smem
     with pytest.raises(ValueError, match="h_pair needs h_regs"):
@@ -219,12 +212,9 @@ def test_act1_variants_compile(ffn_mod, act1, needle):
     (128, "tma", "gelu", False), (256, "tma", "silu", False), (256, "red", "relu", False),
     (256, "tma", "gelu", False), (256, "tma", "gelu", True), (256, "tma", "silu", True)])
 def test_sass_reduce_no_spills(ffn_mod, tile_o, epilogue, act1, h_regs):
-    from moe_overlap.kernels.compile import find_nvdisasm, sass_of
-    tool = find_nvdisasm()
+    from moe_overlap.kernels.compile import require_nvdisasm, sass_of
     _, cubin = _compiled(ffn_mod, 128, act1, tile_o, epilogue, h_regs)
-    if tool is None or not cubin:
-        pytest.skip("no nvdisasm / cubin")
-    sass = sass_of(cubin, tool)
+    sass = sass_of(cubin, require_nvdisasm())
     assert ("UTMAREDG" if epilogue == "tma" else "REDG.E.ADD.F32x2") in sass
     assert "HGMMA" in sass
     spills = len(re.findall(r"\b(STL|LDL)\b", sass))

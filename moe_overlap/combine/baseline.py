@@ -57,6 +57,7 @@ class SequentialBaseline:
         E = expert_counts.shape[1]
         El = E // self.W
         counts_h = expert_counts.tolist()
+        self.counts_h = counts_h
         self.rows_e = [sum(counts_h[s][self.rank * El + e] for s in range(self.W))
                        for e in range(El)]
         dev = topk_ids.device
@@ -157,11 +158,12 @@ class SequentialBaseline:
     # ---- stage 3: top-k weighted sum -----------------------------------------------------
     def scale(self, recv: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.scale_kind == "auto":
-            variants = ["fp32", "bmm"]
-            if recv.is_cuda:
-                variants.append("compiled")
-            self.scale_kind = self._pick("scale", variants, recv, topk_weights)
+            self.scale_kind = self._pick("scale", self._scale_variants(recv.is_cuda), recv,
+                                         topk_weights)
         return self._scale(self.scale_kind, recv, topk_weights)
+
+    def _scale_variants(self, cuda: bool):
+        return ["fp32", "bmm"] + (["compiled"] if cuda else [])
 
     def _scale(self, kind, recv, w):
         if kind == "bmm":
@@ -175,6 +177,75 @@ class SequentialBaseline:
     def __call__(self, h_compact: torch.Tensor, w_down: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         return self.scale(self.exchange(self.expert_gemm(h_compact, w_down)), topk_weights)
+
+
+class SameScaleBaseline(SequentialBaseline):
+    """The headline baseline: differs from the overlapped combine only by the overlap.
+
+    The fastest library GEMM variant on the unpadded rows (`SequentialBaseline`'s `loop`,
+    `blocks` or `grouped_mm`, timed once), one NCCL all_to_all_single, then the overlapped path's
+    own scale kernel (`moe_overlap.combine.scale.Scale`) on the received rows. Every stage is
+    capturable, so it is timed like the overlapped call: CUDA-graph replays
+    (`moe_overlap.timing.time_calls`). The arrival counters the kernel waits on are a zero
+    tensor (the exchange has completed in stream order), so its wait costs one load. CUDA only.
+    """
+
+    def __init__(self, expert_counts: torch.Tensor, topk_ids: torch.Tensor, group=None,
+                 gemm: str = "auto", scale_kernel=None):
+        super().__init__(expert_counts, topk_ids, group, gemm=gemm, scale="ours")
+        if not topk_ids.is_cuda:
+            raise ValueError("SameScaleBaseline runs our CuTe DSL scale kernel: CUDA only")
+        from .scale import Scale
+        dev = topk_ids.device
+        self._scale_kernel = scale_kernel or Scale(topk_ids.shape[1])
+        self._rows32 = self.rows.to(torch.int32).contiguous()
+        self._counters = torch.zeros(max(1, self.W), dtype=torch.int64, device=dev)
+        self._expected = torch.zeros_like(self._counters)  # counters >= expected: no wait
+        self._err = torch.zeros(8, dtype=torch.int64, device=dev)
+        self._epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def scale(self, recv: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        T = self._rows32.shape[0]
+        out = torch.empty(T, recv.shape[1], dtype=torch.bfloat16, device=recv.device)
+        self._scale_kernel.launch(recv=recv, rows=self._rows32,
+                                  weights=topk_weights.to(torch.float32).contiguous(), out=out,
+                                  counters=self._counters, expected=self._expected,
+                                  rank=self.rank, err=self._err, epoch=self._epoch,
+                                  slot_bytes=0, num_sms=self._num_sms)
+        return out
+
+    def check_errors(self):
+        """Synchronizes; raises RuntimeError if the scale kernel recorded an error."""
+        from ..kernels.primitives import describe_error
+        torch.cuda.synchronize(self._err.device)
+        msg = describe_error(self._err.tolist())
+        if msg:
+            raise RuntimeError(msg)
+
+
+def exchange_plan(counts_h, rank: int, experts_per_rank: int):
+    """[(peer, send row start, rows, row offset in the peer's receive layout)] of what this rank
+    sends to every other rank in the all-to-all: the same bytes NCCL moves between GPUs.
+    counts_h[s][e]: assignments rank s sends to expert e (host lists)."""
+    W, El = len(counts_h), experts_per_rank
+    mine = slice(rank * El, (rank + 1) * El)
+    out, start = [], 0
+    for d in range(W):  # the send buffer is destination-major: rows back to token owner d
+        n = sum(counts_h[d][mine])
+        # d receives source-major: the rows of ranks before me come first
+        off = sum(sum(counts_h[d][s * El:(s + 1) * El]) for s in range(rank))
+        if d != rank and n:
+            out.append((d, start, n, off))
+        start += n
+    return out
+
+
+def copy_engine_exchange(send: torch.Tensor, peers: dict, pieces) -> None:
+    """Peer-to-peer ``copy_`` of every piece of ``exchange_plan`` into the peers' buffers
+    (``peers[d]``: rank d's receive buffer mapped here): the transfer floor of the exchange."""
+    for d, start, n, off in pieces:
+        peers[d][off:off + n].copy_(send[start:start + n])
 
 
 def plan_to_compact_rows(plan, expert_counts: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,9 @@
 Launched on ``ccta`` CTAs (one per SM) on a higher-priority stream than the producer GEMM.
 
 Per call (epoch = ``epoch[0]``), the plan's remote segments are cut into pieces of ``piece_rows``
-rows (a runtime argument; 0: one piece per segment, the v2 behaviour), numbered across segments in
-schedule order; CTA i ships pieces i, i + ccta, ... (with whole segments per CTA, CTAs sat idle
-at the end of a call and the last segment shipped on one CTA). Per piece:
+rows (a runtime argument; 0: one piece per segment), numbered across segments in schedule order;
+CTA i ships pieces i, i + ccta, ... (with whole segments per CTA, CTAs would sit idle at the end
+of a call while the last segment ships on one CTA). Per piece:
   1. thread 0 waits (ld.acquire.gpu, bounded by %globaltimer) until ``band_ready[b] == epoch`` for
      every band b = schedule[segment_start[s] + j], j < segment_bands[s] (once per segment the CTA
      has pieces of); on timeout it records
@@ -36,7 +36,7 @@ Call marker and receive slots: at kernel start CTA 0 adds 1 to counter[rank] on 
 own too), and every destination row is offset by (epoch & 1) * slot_bytes (double-buffered receive
 buffer). See moe_overlap/combine/overlap.py for why this makes back-to-back calls race-free.
 
-Options (compile-time; v1 = ``local_copy=True, copy="ldst"`` stays the default until measured):
+Options (compile-time; default v1 = ``local_copy=True, copy="ldst"``; MoECombine picks its own):
 - ``local_copy=False``: the local-band loop is left out; the owner's scale reads local
   assignments straight from y (see scale.py and OverlapCombine), so the rank's own counter only
   receives the call marker.

@@ -173,6 +173,16 @@ class OverlapCombine:
         # scaled); _diag_skip_scale leaves the scale out (times producer || consumer alone)
         self._diag_timeline = None
         self._diag_skip_scale = False
+        # test only (moe_overlap.combine.race_check): a deliberately broken ordering, read once
+        # here. "flags_before_stores": the torch stand-in producer raises every band flag before
+        # the band's rows are computed and stored, so the consumer may ship stale rows; the
+        # validation must catch it. Refused with the real producer (its kernel has no such mode).
+        self._test_broken_order = os.environ.get("MOE_OVERLAP_TEST_BROKEN_ORDER", "")
+        if self._test_broken_order not in ("", "flags_before_stores"):
+            raise ValueError(f"MOE_OVERLAP_TEST_BROKEN_ORDER={self._test_broken_order!r}; "
+                             "only 'flags_before_stores' exists")
+        if self._test_broken_order and self.producer_kind != "torch":
+            raise ValueError("MOE_OVERLAP_TEST_BROKEN_ORDER needs producer='torch'")
 
     # ---- producer ----------------------------------------------------------------------------
     def _pick_producer(self, producer: str) -> str:
@@ -213,6 +223,8 @@ class OverlapCombine:
         src = plan.band_src_row.long().clamp(min=0)[:, None] + ar  # [cap, tm]
         src_in = src.clamp(max=R - 1)
         expert = plan.band_expert.long().clamp(min=0)
+        if self._test_broken_order == "flags_before_stores":  # test only: see __init__
+            band_ready.copy_(torch.where(valid, epoch.expand(cap), band_ready))
         y_all = torch.matmul(h.unsqueeze(0), w_down)  # [El, R, N] (test sizes only)
         vals = y_all[expert[:, None].expand(-1, tm), src_in]  # [cap, tm, N]
         dst = torch.where(valid[:, None] & (src < R), src, torch.full_like(src, y.shape[0] - 1))
@@ -311,7 +323,7 @@ class OverlapCombine:
         critical path (device only, no host sync): each (t, k) assignment's row for the scale and
         the per-source increment of the expected arrival counts. The sequential baseline prepares
         its permutations the same way (a MoE layer knows its routing from the dispatch); computed
-        inside every call this took 0.16-0.18 ms ahead of the GEMM (bench_combine_split, 2x H200).
+        inside the call it would delay the GEMM (bench/bench_combine_split.py times it).
 
         rows: int32 [T, topk]: receive rows, or with local_copy=False and a plan, source rows (see
         source_rows). Without a plan (consumer-only use) plain receive rows.
@@ -367,11 +379,17 @@ class OverlapCombine:
 
     # ---- the call ------------------------------------------------------------------------------
     def forward(self, h, w_down, plan, topk_ids, topk_weights, check: bool = False,
-                overlap: bool = True, routes: CombineRoutes | None = None):
+                overlap: bool = True, routes: CombineRoutes | None = None, out=None):
         """overlap=False: our own non-overlapped path (the same GEMM on every SM, then the
         consumer, then the scale), the bitwise reference of the overlapped call.
-        routes: ``prepare(plan, topk_ids)`` of this routing (computed in the call if None)."""
+        routes: ``prepare(plan, topk_ids)`` of this routing (computed in the call if None).
+        out: optional bf16 [T, N] tensor the result is written to (default: a new one)."""
         self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
+        T = topk_ids.shape[0]
+        if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (
+                T, self.out_features) or not out.is_contiguous() or out.device != self.device):
+            raise ValueError(f"out must be a contiguous bf16 [{T}, {self.out_features}] tensor "
+                             f"on {self.device}")
         if routes is not None:
             if routes.plan is not plan:
                 raise ValueError("routes were prepared for another plan: call prepare(plan, "
@@ -392,7 +410,6 @@ class OverlapCombine:
             self._prod_warm = True
         y, band_ready = self._buffers_for(h, plan)
         s0 = torch.cuda.current_stream(self.device)
-        T = topk_ids.shape[0]
         marks = None
         if self._diag_timeline is not None:
             marks = {n: torch.cuda.Event(enable_timing=True)
@@ -401,7 +418,8 @@ class OverlapCombine:
         rows, weights = self.begin_call(topk_ids, topk_weights, plan, routes)
         if marks:
             marks["begun"].record(s0)
-        out = torch.empty(T, self.out_features, dtype=torch.bfloat16, device=self.device)
+        if out is None:
+            out = torch.empty(T, self.out_features, dtype=torch.bfloat16, device=self.device)
         cs = self.cs
         if not overlap:  # all bands final before the consumer starts
             self._produce(h, w_down, plan, y, band_ready, ccta=0)

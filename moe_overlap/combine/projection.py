@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .plan import count_assignments, plan_combine
-from .shapes import MODEL_SHAPES
+from .shapes import MODELS
 from .tuning import CCTA_CHOICES, CostModel
 from ..routing import route
 
@@ -78,7 +78,7 @@ def plan_rows(model: str, W: int, layout: str, mode: str, tokens: int, tile_m: i
               seed: int = 0, fabric: Fabric | None = None) -> dict:
     """The planner's rows for rank 0 of W: laid out, valid, and the remote ones by link."""
     fabric = fabric or Fabric()
-    E, topk, _, _ = MODEL_SHAPES[model]
+    E, topk, _, _ = MODELS[model]
     counts = torch.stack([count_assignments(route(tokens, E, topk, mode, seed=seed, rank=r)[0],
                                             E) for r in range(W)])
     plan = plan_combine(counts, 0, tile_m=tile_m, layout=layout)
@@ -99,7 +99,7 @@ def project(models=("deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-
     cost, fabric = cost or CostModel(), fabric or Fabric()
     out = []
     for model in models:
-        E, topk, K, N = MODEL_SHAPES[model]
+        E, topk, K, N = MODELS[model]
         for W in worlds:
             if E % W:
                 continue

@@ -25,7 +25,7 @@ import os
 
 DEFAULT_THREADS = 256
 DEFAULT_UNROLL = 1
-DEFAULT_CTAS_PER_SM = 8  # bench_scale (2026-11-30, H200): 0.083 ms vs 0.096 at 2
+DEFAULT_CTAS_PER_SM = 8  # the fastest in bench/bench_scale.py (docs/RESULTS.md)
 DEFAULT_TIMEOUT_NS = 10_000_000_000
 
 

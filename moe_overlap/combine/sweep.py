@@ -1,19 +1,26 @@
 """Sweep and validate the overlapped MoE combine on the GPUs of one host.
 
-    moe-overlap sweep --out results.json [--shapes 4096x16x4x8192x1024,...] [--ccta 4,8,16,24]
-                      [--mgb 1,2,4] [--modes balanced,moderate_skew,stress_skew]
+    moe-overlap sweep --out results.json [--shapes synthetic,models | 4096x16x4x8192x1024,
+                      deepseek-v3@4096,...] [--ccta 4,8,16,24] [--mgb 1,2,4]
+                      [--modes balanced,moderate_skew,stress_skew] [--race-calls 3] [--soak 1000]
     moe-overlap validate --backend overlap      (the same grid, validation only, no timing)
     (also: python scripts/sweep.py ...)
 
 For each shape (tokens per rank x experts x topk x N x K), router mode, ccta and mgb it
 - validates: the overlapped call is bitwise equal to our own non-overlapped path (the same GEMM on
   every SM, then the consumer), and within 8e-3 relative error of the independent sequential
-  baseline (torch grouped matmul + NCCL all_to_all_single + weighted sum);
+  baseline (torch grouped matmul + NCCL all_to_all_single + weighted sum); then `--race-calls`
+  more calls as moe_overlap.combine.race_check does (fresh h and routings, NaN-poisoned buffers);
 - times (CUDA-graph replays, median over replays, max over ranks): T_gemm (our GEMM alone on every
   SM), T_comm (the consumer alone, bands marked ready), T_overlap, T_seq (the baseline; both it
   and the overlapped call prepare their routing-derived rows once, outside the timing), and derives
   the perfect-overlap bound max(T_gemm, T_comm), T_overlap / bound, the hidden fraction of the
   communication, and the speedup over the baseline;
+- per shape and mode also times, as CUDA-graph replays like the overlapped call: the same-scale
+  baseline (SameScaleBaseline: best library GEMM on the unpadded rows + NCCL all_to_all_single +
+  our scale kernel), NCCL all-to-all alone, our scale alone, and a copy-engine exchange of the
+  same bytes (the transfer floor); per point the fields of moe_overlap.combine.metrics
+  (t_gemm ... t_scale, speedup_same_scale, speedup_torch, overlap_over_bound, padding);
 - records the analytic (ccta, mgb) choice of moe_overlap.combine.tuning for comparison with the best.
 Prints a table of the best configuration per shape and mode last; writes everything as JSON.
 Run `python scripts/report_sweep.py results.json` for the markdown table and heatmaps.
@@ -33,22 +40,36 @@ for _k, _v in (("NVSHMEM_DISABLE_NVLS", "1"), ("NCCL_NVLS_ENABLE", "0"),
                ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("CUDA_MODULE_LOADING", "EAGER")):
     os.environ[_k] = _v  # never NVLink multicast on shared machines; eager module loading
 # symmetric heap for the receive buffers of every shape (2 slots x tokens x topk x N bf16 each)
-os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "6G")
+# (deepseek-v3 at 16384 tokens: 2 x 16384 x 8 x 7168 x 2 B = 3.8 GB per layer)
+os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "48G")
 
 
 def parse_shapes(text):
-    out = []
-    for item in text.split(","):
-        T, E, k, N, K = (int(v) for v in item.lower().split("x"))
-        out.append(dict(tokens=T, experts=E, topk=k, N=N, K=K))
-    return out
+    from .shapes import parse_shapes as parse
+    return parse(text)
+
+
+def _time_graph_or_eager(time_calls, fn, reps, replays, barrier):
+    """CUDA-graph replays (as the overlapped call); eager where capture fails (recorded)."""
+    import torch
+    try:
+        t, mode, _ = time_calls(fn, reps, replays, barrier, graph=True)
+    except Exception as e:  # noqa: BLE001 - e.g. a collective this build cannot capture
+        torch.cuda.synchronize()
+        t, mode, _ = time_calls(fn, reps, replays, barrier, graph=False)
+        mode = f"eager ({type(e).__name__})"
+    return t, mode
 
 
 def worker(rank, W, args):
     import torch
     import torch.distributed as dist
 
-    from moe_overlap.combine.baseline import SequentialBaseline, plan_to_compact_rows
+    from moe_overlap.combine.baseline import (SameScaleBaseline, SequentialBaseline,
+                                              copy_engine_exchange, exchange_plan,
+                                              plan_to_compact_rows)
+    from moe_overlap.combine.metrics import point_fields
+    from moe_overlap.combine.race_check import soak, validate_calls
     from moe_overlap.combine.dispatch import exchange_counts
     from moe_overlap.combine.overlap import OverlapCombine
     from moe_overlap.combine.plan import plan_combine
@@ -63,7 +84,7 @@ def worker(rank, W, args):
 
     from moe_overlap.combine import MoECombine
 
-    points, tuned = [], []
+    points, tuned, soaks = [], [], []
     for si, shape in enumerate(args.shapes):
         T, E, k, N, K = shape["tokens"], shape["experts"], shape["topk"], shape["N"], shape["K"]
         El = E // W
@@ -98,6 +119,38 @@ def worker(rank, W, args):
             # calls) stays well ahead of a millisecond of GPU work, so no launch gaps are timed
             t_seq, seq_mode, _ = timing(lambda: base(h_c, w_down, gates), graph=False)
             t_seq = max_over_ranks(t_seq)
+            extra = dict(t_seq_same_scale=float("nan"), t_a2a_nccl=float("nan"),
+                         t_a2a_copy_engine=float("nan"), t_scale=float("nan"))
+            extra_info = {}
+            if timed:
+                same = SameScaleBaseline(counts, ids, gemm="auto")
+                out_same = same(h_c, w_down, gates)
+                same.check_errors()
+                extra_info["same_scale_rel_err"] = max_over_ranks(float(
+                    (out_same.float() - ref).norm() / ref.norm().clamp_min(1e-30)))
+                t, extra_info["same_scale_timing"] = _time_graph_or_eager(
+                    time_calls, lambda: same(h_c, w_down, gates), args.reps, args.replays,
+                    barrier)
+                extra["t_seq_same_scale"] = max_over_ranks(t)
+                extra_info["same_scale_gemm"] = same.gemm
+                send = same.expert_gemm(h_c, w_down)
+                t, extra_info["a2a_nccl_timing"] = _time_graph_or_eager(
+                    time_calls, lambda: same.exchange(send), args.reps, args.replays, barrier)
+                extra["t_a2a_nccl"] = max_over_ranks(t)
+                recv = same.exchange(send).clone()
+                t, _ = _time_graph_or_eager(time_calls, lambda: same.scale(recv, gates),
+                                            args.reps, args.replays, barrier)
+                extra["t_scale"] = max_over_ranks(t)
+                same.check_errors()
+                pieces = exchange_plan(same.counts_h, rank, El)
+                peers = {d: ov.rt.peer_tensor(ov.recv, d) for d, _, _, _ in pieces}
+                t, extra_info["a2a_copy_engine_timing"] = _time_graph_or_eager(
+                    time_calls, lambda: copy_engine_exchange(send, peers, pieces), args.reps,
+                    args.replays, barrier)
+                extra["t_a2a_copy_engine"] = max_over_ranks(t)
+                torch.cuda.synchronize()
+                barrier()
+                del same, send, recv, out_same
             st = p0.stats()
             valid = int(counts[:, rank * El:(rank + 1) * El].sum())
             remote = st["remote_rows"]
@@ -139,7 +192,14 @@ def worker(rank, W, args):
                     barrier()
                     # all ranks agree on pass/fail and on times
                     t_ov, t_comm = max_over_ranks(t_ov), max_over_ranks(t_comm)
-                    ok = max_over_ranks(0.0 if (bitwise and err <= 8e-3) else 1.0) == 0.0
+                    race = None
+                    if args.race_calls:
+                        race = validate_calls(ov, T, mode, calls=args.race_calls,
+                                              routing_every=2, seed=seed * 100 + ccta * 10 + mgb,
+                                              mgb=mgb)
+                        race = {k: v for k, v in race.items() if k != "records"}
+                    ok = max_over_ranks(0.0 if (bitwise and err <= 8e-3 and (
+                        race is None or race["failures"] == 0)) else 1.0) == 0.0
                     err_max = max_over_ranks(err)
                     bound = max(t_gemm, t_comm)
                     hidden = (t_gemm + t_comm - t_ov) / t_comm if t_comm > 0 else 1.0
@@ -153,12 +213,27 @@ def worker(rank, W, args):
                         rel_err_vs_seq=err_max, passed=ok, timing=ov_mode,
                         seq_timing=seq_mode, seq_gemm=base.gemm, seq_scale=base.scale_kind,
                         seq_variants_ms=base.variant_ms,
-                        analytic=list(choice)))
+                        analytic=list(choice), race_check=race, **extra_info))
+                    # the issue-18 fields (t_* in ms, speedups, bound ratio, padding)
+                    points[-1].update(point_fields(t_gemm=t_gemm, t_comm=t_comm, t_overlap=t_ov,
+                                                   t_seq_torch=t_seq, plan_rows=rows,
+                                                   valid_rows=int(valid), **extra))
                     if rank == 0:
                         print(f"[{shape} {mode} ccta={ccta} mgb={mgb}] ov {t_ov:.3f} ms gemm "
                               f"{t_gemm:.3f} comm {t_comm:.3f} seq {t_seq:.3f} "
                               f"x{t_seq / t_ov:.2f} err {err_max:.1e} bitwise {bitwise}",
                               flush=True)
+            if args.soak and not soaks:
+                # the first shape and mode: CUDA-graph replays with new data, poisoned, checked
+                ov.ccta = choice[0] if choice[0] < ov.num_sms else args.ccta[0]
+                res = soak(ov, T, mode, calls=args.soak, routing_every=10, seed=seed,
+                           mgb=args.mgb[0])
+                soaks.append(dict(res, shape=shape, ccta=ov.ccta, mgb=args.mgb[0]))
+                if rank == 0:
+                    print(f"[{shape} {mode}] soak: {res['calls']} checked replays, "
+                          f"{res['failures']} failures, max rel err {res['max_rel_err']:.1e}, "
+                          f"allocated {res['memory_allocated_before']} -> "
+                          f"{res['memory_allocated_after']} B", flush=True)
             if args.autotune and timed:
                 # the library's own choice: ccta/mgb "auto" -> analytic first guess, refined by
                 # MoECombine.autotune (cached per shape bucket: the first mode tunes, the others
@@ -183,7 +258,7 @@ def worker(rank, W, args):
                 if rank == 0:
                     print(f"[{shape} {mode}] autotune {first} -> {choice}: {t_auto:.3f} ms",
                           flush=True)
-    return points, tuned
+    return points, tuned, soaks
 
 
 def summarize(points, tuned=()):
@@ -216,7 +291,9 @@ def summarize(points, tuned=()):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="moe-overlap sweep", description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="4096x16x4x8192x1024,4096x16x4x8192x2048")
+    ap.add_argument("--shapes", default="synthetic",
+                    help="TxExkxNxK items, model names (moe_overlap.combine.shapes.MODELS, "
+                         "optionally @tokens), synthetic, models or all")
     ap.add_argument("--modes", default="balanced,moderate_skew,stress_skew")
     ap.add_argument("--ccta", default="4,8,16,24")
     ap.add_argument("--mgb", default="1,2,4")
@@ -240,6 +317,10 @@ def main(argv=None):
                          "MoECombine's autotune rows keep the defaults)")
     ap.add_argument("--band-group", type=int, default=None,
                     help="producer GEMM tile order (band_group) for the sweep points")
+    ap.add_argument("--race-calls", type=int, default=3,
+                    help="per point: extra calls with fresh data and poisoned buffers (0: none)")
+    ap.add_argument("--soak", type=int, default=0,
+                    help="CUDA-graph replays of the soak on the first shape and mode (0: none)")
     ap.add_argument("--out", default="sweep.json")
     args = ap.parse_args(argv)
     args.shapes = parse_shapes(args.shapes)
@@ -261,12 +342,14 @@ def main(argv=None):
     if W < 2:
         print("sweep needs at least 2 GPUs", file=sys.stderr)
         return 2
+    from .shapes import check_world
+    check_world(args.shapes, W)
     t0 = time.time()
     if args.autotune:  # a fresh tune cache for this run
         os.environ["MOE_OVERLAP_TUNE_CACHE"] = os.path.abspath(args.out) + ".tune.json"
         if os.path.exists(os.environ["MOE_OVERLAP_TUNE_CACHE"]):
             os.remove(os.environ["MOE_OVERLAP_TUNE_CACHE"])
-    points, tuned = spawn(worker, W, args, backend="nccl")[0]
+    points, tuned, soaks = spawn(worker, W, args, backend="nccl")[0]
     summary = summarize(points, tuned)
     commit = os.environ.get("GIT_COMMIT", "")
     if not commit:
@@ -280,11 +363,12 @@ def main(argv=None):
                 git_commit=commit, tile_m=args.tile_m,
                 transport=args.transport, local_copy=args.local_copy, copy=args.copy,
                 reps=args.reps, replays=args.replays, gemm_options=args.gemm_options,
-                seconds=time.time() - t0)
+                race_calls=args.race_calls, soak=args.soak, seconds=time.time() - t0)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, summary=summary, points=points, autotune=tuned), f, indent=1)
+        json.dump(dict(meta=meta, summary=summary, points=points, autotune=tuned, soak=soaks),
+                  f, indent=1)
     failed = [p for p in points if not p["passed"]] + [
-        t for t in tuned if t["rel_err_vs_seq"] > 8e-3]
+        t for t in tuned if t["rel_err_vs_seq"] > 8e-3] + [x for x in soaks if x["failures"]]
     if args.validate_only:
         for p in failed:
             print(f"MISMATCH {p}")

@@ -26,7 +26,8 @@ MGB_CHOICES = (1, 2, 4)
 class CostModel:
     """Rates of one GPU (defaults: H200 measured in this project; see bench/NOTES.md)."""
     num_sms: int = 132
-    gemm_tflops: float = 680.0  # our grouped GEMM on all SMs inside the combine (sweep v2)
+    gemm_tflops: float = 680.0  # our grouped GEMM on all SMs inside the combine
+    # (bench/results/archive/combine_sweep_2xh200_v2.json)
     # remote bytes per second the default consumer (no local copy, TMA, 1 MiB pieces) ships
     # alone in the combine (GB/s per direction, both directions busy) at these SM counts: 8/16/24
     # measured (bench/results/combine_split_2xh200_pieces.json, balanced routing, N=8192), 2/4
@@ -34,7 +35,8 @@ class CostModel:
     copy_gbps: dict = field(default_factory=lambda: {2: 65.0, 4: 130.0, 8: 261.0, 16: 311.0,
                                                      24: 315.0})
     link_gbps: float = 380.0  # GPU<->GPU copy ceiling
-    signal_us: float = 6.0  # per-launch fixed cost of the consumer (run 3: ~5.9 us)
+    signal_us: float = 6.0  # per-launch fixed cost of the consumer
+    # (bench/results/archive/consumer_run3_fastlaunch.json)
 
     def copy_bw(self, ccta: int) -> float:
         pts = sorted(self.copy_gbps.items())

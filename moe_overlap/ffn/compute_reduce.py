@@ -56,12 +56,9 @@ producer warp, WGMMA consumer warpgroups, TMA-store epilogue through a ``Pipelin
 * ``cluster_m=2`` (option, dense call only): clusters of two CTAs on units (2p, j), (2p + 1, j)
   load half of every W1 tile and W2 chunk each and multicast it to both.
 
-Measured (H200, bench/NOTES.md): correct; without GEMM2's fp32 reductions both GEMMs run at
-cuBLAS speed, so the reduce epilogue is the limit (its throughput depends on the sub-tile row
-width and buffering, hence h_regs). llama3-8b slice: v4 (H in shared memory) ~435 TFLOP/s,
-h_regs ~470, h_pair 568 (-17 % time, half the reduce bytes) against cuBLAS's ~757; cluster_m=2
-adds 1-6 % alone but loses 5-26 % inside FusedFFN, next to the communication blocks. Tried and
-measured without gain: GEMM2 n tiles ping-ponged between the warpgroups (0.3 %).
+Without GEMM2's fp32 reductions both GEMMs run at cuBLAS speed, so the reduce epilogue is the
+limit (its throughput depends on the sub-tile row width and buffering, hence h_regs). Timings of
+the variants, and of those tried and dropped: bench/NOTES.md.
 Limits: tile_n = 128 only; one consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128).
 The pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never waits
 on another CTA or on the communication blocks (one-way dependency).
@@ -498,8 +495,8 @@ def _kernel_class():
                 ctid = tidx - self.threads_per_wg
                 # coordinates of this thread's own GEMM1 accumulator values, for the bias column:
                 # the slice must be the thread's (tCcH above is sliced by warpgroup, i.e. holds
-                # the coordinates of the warpgroup's first thread; run 5 on the H200 failed with
-                # the bias added at the wrong columns, ~12% error, when it was used here)
+                # the coordinates of the warpgroup's first thread, which adds the bias at the
+                # wrong columns)
                 tCcH_thr = tiled_mma1.get_slice(ctid).partition_C(
                     cute.make_identity_tensor((self.tile_m, self.tile_o)))
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -778,16 +775,15 @@ class FusedFFNCompute:
         3 stages) and epi_stages (sub-tile buffers); signal_k_tile: GEMM1 k iteration of the next
         unit at which the previous unit is counted (None: the middle); epilogue: "tma" (fp32
         sub-tiles through shared memory, TMA reduce-add) or "red" (red.global.add.v2.f32
-        straight from registers; slower since v4, see bench/NOTES.md); cluster_m: 2 = clusters
+        straight from registers; slower, see bench/NOTES.md); cluster_m: 2 = clusters
         of two CTAs on adjacent m-tiles sharing every W1 tile and W2 chunk by TMA multicast
         (dense __call__ only; the grid is rounded down to even); h_regs (default): H stays in
         registers as GEMM2's A operand (WGMMA RS) instead of a 64 KiB shared-memory tile, which
-        leaves room for a 4-stage ring and 128-byte epilogue rows (9-11 % faster,
-        bench/NOTES.md); False:
-        H through shared memory (the v4 kernel). h_pair (needs h_regs, O_g / tile_o even): a unit
+        leaves room for a 4-stage ring and 128-byte epilogue rows (faster, bench/NOTES.md);
+        False: H through shared memory. h_pair (needs h_regs, O_g / tile_o even): a unit
         covers two hidden tiles of one m-tile, one H in registers and one in shared memory, and
         GEMM2 reduces over both before each fp32 reduce-add (half the reduce-add bytes; 3 ring
-        stages): 15-17 % faster (bench/NOTES.md, session 7); off here, on in FusedFFN /
+        stages): faster (bench/NOTES.md); off here, on in FusedFFN /
         ShardedExperts wherever O_g / tile_o is even.
 
     __call__(x, w1, b1, w2, acc, band_ready, epoch, ccta=0, act1="gelu", stream=None) -> acc

@@ -58,8 +58,7 @@ def fused_default_ccta(local_hidden: int) -> int:
     """SMs of the communication blocks (band all-reduce) in the fused backend when ccta is None.
     The all-reduce's bytes per row are N fp32 whatever the hidden size, the compute's FLOPs per
     row grow with O/G: small hidden slices leave the all-reduce exposed, so they get more SMs.
-    Measured on 2x H200 (bench/NOTES.md, session 7; 16 / 24 / 32 timed in the same run): 32 is
-    best at O/G = 1024 (1.43x over 16), 24 at 4096 (1.14x), 16 from 7168 up (24: 5-7 % slower)."""
+    The thresholds are where 16 / 24 / 32 SMs change places on 2x H200 (bench/NOTES.md)."""
     if local_hidden <= 2048:
         return 32
     return 24 if local_hidden <= 4096 else 16
@@ -69,9 +68,8 @@ def fused_default_allreduce_band_rows(local_hidden: int, tile_m: int) -> int:
     """Rows per band of the fused backend's all-reduce when allreduce_band_rows is None. A
     compute m-tile is all-reduced by tile_m / band rows CTAs at once: fine bands shorten the
     tail after the compute kernel ends, coarse ones cost fewer cross-GPU handshakes, which
-    matters where the all-reduce is longer than the compute (small hidden slices). Measured on
-    2x H200 (bench/NOTES.md, session 7, same runs): 32 beats 128 by 5-7 % and 64 by 1 % at
-    O/G >= 4096; at O/G = 1024, 64 beats 32 by 6 %."""
+    matters where the all-reduce is longer than the compute (small hidden slices). Timings on
+    2x H200: bench/NOTES.md."""
     return min(64 if local_hidden <= 2048 else 32, tile_m)
 
 
@@ -253,7 +251,7 @@ def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
                          f"({local_hidden}) to be a multiple of 2 * {tile_o}")
     if "h_pair" not in options:
         # default: two hidden tiles per unit wherever they pair up (half the fp32 reduce-adds;
-        # 1.23-1.73x faster layer on 6 of the 7 benchmark shapes, bench/NOTES.md session 7)
+        # timings in bench/NOTES.md)
         options["h_pair"] = options.get("h_regs", True) and local_hidden % (2 * tile_o) == 0
     from .compute_reduce import FusedFFNCompute
     FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, **options)  # the kernel's own value checks
@@ -310,7 +308,7 @@ class _FusedBackend:
         self.ccta, self.max_tokens, self.tile_m = ccta, max_tokens, tile_m
         self.allreduce_band_rows = ar_rows
         # 256 hidden columns per unit where they divide O/G: half the fp32 reduce-add traffic
-        # of 128 (bench/NOTES.md, fused FFN v2)
+        # of 128 (bench/NOTES.md)
         self.tile_o = 256 if O % 256 == 0 else 128
         self.compute_options = check_compute_options(
             compute_options, O, tile_m, self.tile_o, grouped=self._grouped_compute)

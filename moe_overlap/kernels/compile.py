@@ -51,3 +51,29 @@ def sass_of(cubin: bytes, nvdisasm: str | None = None) -> str:
         f.flush()
         return subprocess.run([tool, "-c", f.name], check=True, capture_output=True,
                               text=True).stdout
+
+
+def kept_ptx(compiled) -> str:
+    """The PTX text a ``cute.compile`` kept (``KeepPTX``); raises RuntimeError when there is none,
+    so a check of the PTX fails instead of passing or skipping when the DSL keeps nothing."""
+    ptx = getattr(compiled, "__ptx__", None)
+    if not ptx:
+        raise RuntimeError("CuTe DSL kept no PTX (KeepPTX / keep_ptx=True asked for it)")
+    return ptx
+
+
+def kept_cubin(compiled) -> bytes:
+    """The cubin a ``cute.compile`` kept (``KeepCUBIN``); raises RuntimeError when there is none."""
+    cubin = getattr(compiled, "__cubin__", None)
+    if not cubin:
+        raise RuntimeError("CuTe DSL kept no cubin (KeepCUBIN / keep_ptx=True asked for it)")
+    return cubin
+
+
+def require_nvdisasm() -> str:
+    """find_nvdisasm(), raising RuntimeError when there is none (it is a dev dependency:
+    nvidia-cuda-nvdisasm)."""
+    tool = find_nvdisasm()
+    if tool is None:
+        raise RuntimeError("no nvdisasm found (pip install nvidia-cuda-nvdisasm, in the dev extra)")
+    return tool

@@ -508,11 +508,10 @@ def describe_error(err_host: list[int]) -> str | None:
 class LaunchCache:
     """Host-side launch helper for a CuTe-compiled function taking only ints + a stream.
 
-    ``fn(*args)`` spends ~60 us of its ~95 us per call in ``generate_execution_args`` (measured
-    on the consumer's 28 arguments). With ``MOE_OVERLAP_FAST_LAUNCH=1`` the packed arguments of
-    the last call are reused when the ints are unchanged (persistent buffers: the usual case) and
-    ``run_compiled_program`` is called directly. Off by default until measured on the GPU; CUDA
-    graphs avoid the host cost entirely."""
+    ``fn(*args)`` spends most of its host time packing arguments (``generate_execution_args``).
+    With ``MOE_OVERLAP_FAST_LAUNCH=1`` the packed arguments of the last call are reused when the
+    ints are unchanged (persistent buffers: the usual case) and ``run_compiled_program`` is called
+    directly. Off by default; CUDA graphs avoid the host cost entirely."""
 
     def __init__(self, fn):
         import os

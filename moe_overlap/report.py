@@ -1,0 +1,345 @@
+"""The README status table and docs/RESULTS.md, built from the result files in bench/results/.
+
+    moe-overlap report [--root DIR] [--check]      (also: python scripts/report.py)
+
+Which file is "newest" is decided by one rule, written here: `HEADLINE` names the current result
+file(s) of every area, and only those are read. A new measurement becomes the headline by editing
+that table and rerunning the report; `CURRENT_OTHER` lists the other files kept next to them
+(inputs of the cost model, experiments without a successor). Everything older lives in
+bench/results/archive/. `check()` fails when a named file is missing, when bench/results/ holds a
+result file that neither table names (a new result nobody classified), or when README.md /
+docs/RESULTS.md differ from what the files give (numbers edited by hand, or not regenerated).
+
+The report reads JSON only (no torch), so it runs anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+# area -> (title, current headline files, in bench/results/)
+HEADLINE = {
+    "producer": ("Producer grouped GEMM (CuTe DSL, band flags)",
+                 ("grouped_gemm_v11_boost.json", "grouped_gemm_v11_back_to_back.json",
+                  "grouped_gemm_v10_boost.json", "grouped_gemm_v10_back_to_back.json")),
+    "consumer": ("Consumer (band shipping, nvlink TMA)", ("consumer_run5_large_2xh200.json",)),
+    "combine": ("Combine sweep (overlapped MoE combine)",
+                ("combine_sweep_2xh200_v7.json", "combine_sweep_2xh200_v7_k14336.json",
+                 "validate_overlap_2xh200_b2403b3.json")),
+    "ffn": ("Fused tensor-parallel FFN", ("ffn_fused_v7_final_2xh200.json",)),
+    "scale": ("Scale (owner's top-k weighted sum)", ("scale_bench_h200.json",)),
+}
+
+# result files kept in bench/results/ that are not headline numbers (each with why)
+CURRENT_OTHER = {
+    "combine_split_2xh200_pieces.json": "consumer rates of moe_overlap.combine.tuning.CostModel",
+    "combine_split_2xh200_v7.json": "time split of one combine (gemm, overlap, scale, prepare)",
+    "combine_split_2xh200_k14336_cluster2.json": "time split at K=14336, GEMM cluster 2",
+    "band_ar_threads_unroll_2xh200.json": "band all-reduce threads x unroll",
+    "fused_compute_c2_h200.json": "fused compute kernel, cluster_m=2",
+    "fused_compute_epilogue_shapes_h200.json": "fused compute kernel, epilogue shapes",
+    "fused_compute_hpair_h200.json": "fused compute kernel, h_pair",
+    "fused_compute_hregs_h200.json": "fused compute kernel, h_regs",
+    "fused_compute_phase_split_h200.json": "fused compute kernel, phases left out",
+    "fused_compute_pingpong_h200.json": "fused compute kernel, ping-pong",
+    "fused_compute_v5_variants_2xh200.json": "fused compute kernel variants",
+    "validate_cpu_w4_w8.json": "CPU validation grid at W=4, 8",
+}
+
+BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"
+RESULTS_MD = os.path.join("docs", "RESULTS.md")
+RESULT_EXT = (".json", ".log")
+
+
+def _load(root, name):
+    with open(os.path.join(root, "bench", "results", name)) as f:
+        return json.load(f)
+
+
+def _meta(doc):
+    """(device, date, commit) of a result file, '?' where it does not say."""
+    m = doc.get("meta", doc)
+    return (m.get("device", "?"), str(m.get("date", "?"))[:10],
+            str(m.get("git_commit") or m.get("commit") or "?")[:10])
+
+
+def _rng(vals, fmt="{:.2f}", unit=""):
+    vals = sorted(vals)
+    if not vals:
+        return "n/a"
+    lo, hi = fmt.format(vals[0]), fmt.format(vals[-1])
+    sep = " to " if vals[0] < 0 else "-"
+    return (lo if lo == hi else f"{lo}{sep}{hi}") + unit
+
+
+def _table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out
+
+
+# ------------------------------------------------------------------------------ areas
+def producer(root):
+    lines, status = [], []
+    for name in HEADLINE["producer"][1]:
+        d = _load(root, name)
+        rows, vs, flag = [], [], []
+        for s in d["shapes"]:
+            runs = {(r["config"], r["ccta"]): r for r in s["runs"]}
+            c0, nf = runs.get(("def", 0)), runs.get(("def-noflag", 0))
+            if c0 is None:
+                continue
+            f = (c0["median_ms"] / nf["median_ms"] - 1) * 100 if nf else None
+            vs.append(c0["vs_lib_paired"])
+            if f is not None:
+                flag.append(f)
+            rows.append((f"T{s['T']} N{s['N']} K{s['K']} E{s['E']}", f"{s['lib_ms']:.3f}",
+                         s["lib_best"], f"{c0['median_ms']:.3f}", f"{c0['tflops']:.0f}",
+                         f"{c0['vs_lib_paired']:.3f}", "n/a" if f is None else f"{f:.1f}"))
+        regime = ("boost clock (a GPU sleep before each call)" if d.get("lead_ms", 0) > 0
+                  else "calls back to back (power-limited clock)")
+        lines += [f"### `{name}`: {regime}", "", _src(name, d), ""]
+        lines += _table(("shape", "library ms", "library best", "ours ms", "TFLOP/s",
+                         "library / ours (paired)", "flag cost %"), rows) + [""]
+        status.append(f"{_rng(vs, '{:.3f}')}x ({d.get('tag', name)})")
+        if flag:
+            status[-1] += f", flags {_rng(flag, '{:.1f}', ' %')}"
+    cell = ("at ccta=0, default options, the best library GEMM's time / ours on every bench "
+            "shape: " + "; ".join(status))
+    return lines, cell
+
+
+def consumer(root):
+    (name,) = HEADLINE["consumer"][1]
+    d = _load(root, name)
+    res = d["results"]
+    sizes = sorted({r["bytes"] for r in res})
+    cctas = sorted({r["ccta"] for r in res if r["variant"] != "copy_engine"})
+    ce = {r["bytes"]: r["gbps"] for r in res if r["variant"] == "copy_engine"}
+    rows = []
+    for b in sizes:
+        best = []
+        for c in cctas:
+            pts = [r for r in res if r["bytes"] == b and r["ccta"] == c
+                   and r["variant"] != "copy_engine"]
+            top = max(pts, key=lambda r: r["gbps"])
+            best.append(f"{top['gbps']:.0f} ({top['variant'].replace('nvlink_tma_', '')})")
+        rows.append([f"{b / 2 ** 20:.0f} MiB", f"{ce.get(b, float('nan')):.0f}"] + best)
+    lines = [_src(name, d), "", "GB/s per direction with both directions busy; best ring per "
+             "SM count (stages x chunk, lookahead).", ""]
+    lines += _table(["size", "copy engine"] + [f"{c} SMs" for c in cctas], rows) + [""]
+    big = max(sizes)
+    at16 = max((r for r in res if r["bytes"] == big and r["ccta"] == 16), key=lambda r: r["gbps"],
+               default=None)
+    checked = {True: "received rows equal the sent ones; ", False: "DATA CHECK FAILED; "}.get(
+        d["meta"].get("correct"), "")
+    cell = (f"{checked}{at16['gbps']:.0f} GB/s per direction at 16 SMs for "
+            f"{big / 2 ** 20:.0f} MiB (copy engine {ce.get(big, float('nan')):.0f})"
+            if at16 else "no 16-SM point")
+    return lines, cell
+
+
+def _shape_name(s):
+    base = f"T{s['tokens']} E{s['experts']} k{s['topk']} N{s['N']} K{s['K']}"
+    return f"{s['name']} ({base})" if s.get("name") else base
+
+
+def combine(root):
+    lines, sweep_speed, same_scale, bounds, auto, valid = [], [], [], [], [], [0, 0]
+    for name in HEADLINE["combine"][1]:
+        d = _load(root, name)
+        pts = d["points"]
+        valid[0] += sum(bool(p["passed"]) for p in pts)
+        valid[1] += len(pts)
+        if all(p.get("timing") == "none" for p in pts):  # a validation-only grid
+            lines += [f"### `{name}`: validation grid", "", _src(name, d), "",
+                      f"{sum(bool(p['passed']) for p in pts)}/{len(pts)} points bitwise equal "
+                      "to the non-overlapped path and within 8e-3 of the sequential baseline "
+                      f"({len({json.dumps(p['shape']) for p in pts})} shapes x "
+                      f"{len({p['mode'] for p in pts})} router modes x "
+                      f"{len({(p['ccta'], p['mgb']) for p in pts})} (ccta, mgb)).", ""]
+            continue
+        has_same = any("speedup_same_scale" in p for p in pts)
+        rows = []
+        for r in d["summary"]:
+            best = min((p for p in pts if p["shape"] == r["shape"] and p["mode"] == r["mode"]),
+                       key=lambda p: p.get("t_overlap", p.get("t_overlap_ms")))
+            sp_t = best.get("speedup_torch", best.get("speedup"))
+            sweep_speed.append(sp_t)
+            bounds.append(best["overlap_over_bound"])
+            if r.get("autotuned_over_best"):
+                auto.append(r["autotuned_over_best"])
+            row = [_shape_name(r["shape"]), r["mode"], f"{best['ccta']},{best['mgb']}"]
+            if has_same:
+                same_scale.append(best["speedup_same_scale"])
+                row.append(f"{best['speedup_same_scale']:.2f}")
+            row += [f"{sp_t:.2f}", f"{best['overlap_over_bound']:.2f}",
+                    "n/a" if not r.get("autotuned_over_best") else
+                    f"{r['autotuned_over_best']:.3f}",
+                    "yes" if r["all_passed"] else "NO"]
+            rows.append(row)
+        hdr = ["shape", "mode", "best ccta,mgb"] + (["x same-scale"] if has_same else []) + [
+            "x torch baseline", "T_overlap / bound", "autotune / best", "all valid"]
+        lines += [f"### `{name}`", "", _src(name, d), ""]
+        lines += _table(hdr, rows) + [""]
+        if not has_same:
+            p0 = pts[0]
+            lines += [f"Baseline: plain torch ({p0.get('seq_timing')} timing, GEMM "
+                      f"`{p0.get('seq_gemm')}`, scale `{p0.get('seq_scale')}`); this file has "
+                      "no same-scale baseline (CUDA graph, our scale kernel).", ""]
+    lead = (f"{_rng(same_scale)}x the same-scale baseline, " if same_scale else
+            "same-scale baseline not measured yet; ")
+    cell = (f"{valid[0]}/{valid[1]} sweep and validation points bitwise equal to the "
+            f"non-overlapped path; {lead}{_rng(sweep_speed)}x the torch-only sequential baseline "
+            f"(best ccta, mgb); T_overlap / max(T_gemm, T_comm) = {_rng(bounds)}; autotune / "
+            f"sweep best {_rng(auto, '{:.3f}')}")
+    return lines, cell
+
+
+def ffn(root):
+    (name,) = HEADLINE["ffn"][1]
+    d = _load(root, name)
+    rows, sp = [], []
+    for r in d["results"]:
+        sp.append((r["shape"], r["speedup_vs_baseline"]))
+        rows.append((r["shape"], f"P{r['P']} O{r['O']} N{r['N']} T{r['T']}",
+                     f"{r['baseline_ms']:.3f}", f"{r['fused_ms']:.3f}",
+                     f"{r['speedup_vs_baseline']:.2f}", f"{r['bound_speedup']:.2f}",
+                     f"{r['memory']['fused_over_baseline']:.2f}",
+                     f"{r['fused_err_vs_baseline']:.1e}"))
+    rounds = d["meta"].get("args", {}).get("rounds")
+    lines = [_src(name, d), "", f"Medians of {rounds} interleaved rounds; speed = reference time "
+             "/ fused time (above 1: the fused backend is faster); bound = the speed a perfect "
+             "overlap would give.", ""]
+    lines += _table(("shape", "dims", "reference ms", "fused ms", "speed", "bound",
+                     "memory fused / reference", "error vs reference"), rows) + [""]
+    cell = (f"correct on 2 GPUs; {_rng(v for _, v in sp)}x the speed of the reference backend "
+            f"over {len(sp)} shapes (slowest: {min(sp, key=lambda x: x[1])[0]}); the reference "
+            "stays the default")
+    return lines, cell
+
+
+def scale(root):
+    (name,) = HEADLINE["scale"][1]
+    d = _load(root, name)
+    v = min(d["variants"], key=lambda v: v["ms"])
+    rows = [(x["variant"], f"{x['ms']:.3f}", f"{x['TBs']:.2f}",
+             "yes" if x["bitwise_equal_default"] else "NO") for x in d["variants"]]
+    lines = [_src(name, d), "", f"T={d['T']}, top-{d['topk']}, N={d['N']}; floor "
+             f"{d['floor_ms_at_4p8TBs']:.3f} ms at 4.8 TB/s; torch gather + bmm "
+             f"{d['torch_gather_bmm_ms']:.3f} ms.", ""]
+    lines += _table(("variant", "ms", "TB/s", "bitwise = default"), rows) + [""]
+    cell = (f"{v['ms']:.3f} ms at T={d['T']}, top-{d['topk']}, N={d['N']} ({v['TBs']:.1f} TB/s; "
+            f"torch gather + bmm {d['torch_gather_bmm_ms']:.3f} ms)")
+    return lines, cell
+
+
+AREAS = {"producer": producer, "consumer": consumer, "combine": combine, "ffn": ffn,
+         "scale": scale}
+
+
+def _src(name, doc):
+    dev, date, commit = _meta(doc)
+    return f"Source `bench/results/{name}`; device {dev}, date {date}, commit {commit}."
+
+
+# ------------------------------------------------------------------------------ outputs
+STATIC_ROWS = (
+    ("planner, reference backend, CLI",
+     "done; property-tested on CPU, sync-free plan checked on CUDA", "tests"),
+)
+ROW_OF = {"producer": "producer grouped GEMM (CuTe DSL, WGMMA + TMA, band flags)",
+          "consumer": "consumer (CuTe DSL, nvlink / nvshmem transports)",
+          "scale": "scale (CuTe DSL)",
+          "combine": "overlapped combine (`backend=\"overlap\"`)",
+          "ffn": "fused TP FFN (`backend=\"fused\"`)"}
+
+
+def build(root="."):
+    """{relative path: generated text}: the README status block and docs/RESULTS.md."""
+    cells, sections = {}, []
+    for area, fn in AREAS.items():
+        lines, cell = fn(root)
+        cells[area] = cell
+        sections += [f"## {HEADLINE[area][0]}", ""] + lines
+    rows = list(STATIC_ROWS) + [
+        (ROW_OF[a], cells[a], ", ".join(f"`{n}`" for n in HEADLINE[a][1])) for a in AREAS]
+    block = [BEGIN, "<!-- generated by `moe-overlap report` from bench/results/; do not edit -->",
+             ""] + _table(("piece", "state", "source (bench/results/)"), rows) + [
+        "", "Per-shape numbers, devices, dates and commits: [docs/RESULTS.md](docs/RESULTS.md).",
+        END]
+    results = ["# Results", "", "Generated by `moe-overlap report` (moe_overlap/report.py) from "
+               "the headline result files in bench/results/; do not edit by hand. History and "
+               "older files: bench/NOTES.md, bench/results/archive/.", ""] + sections
+    return {"README.md": "\n".join(block), RESULTS_MD: "\n".join(results).rstrip() + "\n"}
+
+
+def _readme_with(readme: str, block: str) -> str:
+    i, j = readme.find(BEGIN), readme.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
+    return readme[:i] + block + readme[j + len(END):]
+
+
+def problems(root=".") -> list[str]:
+    """What is out of date or missing (empty when everything matches)."""
+    out = []
+    res = os.path.join(root, "bench", "results")
+    named = {n for _, files in HEADLINE.values() for n in files} | set(CURRENT_OTHER)
+    for n in sorted(named):
+        if not os.path.isfile(os.path.join(res, n)):
+            out.append(f"named result file missing: bench/results/{n}")
+    for n in sorted(os.listdir(res)):
+        if n.endswith(".json") and ".tune." not in n and n not in named:
+            out.append(f"bench/results/{n} is named by neither HEADLINE nor CURRENT_OTHER in "
+                       "moe_overlap/report.py: make it a headline, list it, or archive it")
+    if out:
+        return out
+    gen = build(root)
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    try:
+        if _readme_with(readme, gen["README.md"]) != readme:
+            out.append("README.md status block differs from `moe-overlap report`")
+    except ValueError as e:
+        out.append(str(e))
+    path = os.path.join(root, RESULTS_MD)
+    if not os.path.exists(path) or open(path).read() != gen[RESULTS_MD]:
+        out.append(f"{RESULTS_MD} differs from `moe-overlap report`")
+    return out
+
+
+def write(root="."):
+    gen = build(root)
+    path = os.path.join(root, "README.md")
+    with open(path) as f:
+        readme = f.read()
+    with open(path, "w") as f:
+        f.write(_readme_with(readme, gen["README.md"]))
+    os.makedirs(os.path.join(root, "docs"), exist_ok=True)
+    with open(os.path.join(root, RESULTS_MD), "w") as f:
+        f.write(gen[RESULTS_MD])
+    return ["README.md", RESULTS_MD]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="moe-overlap report", description=__doc__.split("\n")[0])
+    ap.add_argument("--root", default=".", help="the repository (default: the current folder)")
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 if README.md / docs/RESULTS.md are out of date")
+    args = ap.parse_args(argv)
+    if args.check:
+        bad = problems(args.root)
+        for p in bad:
+            print(p, file=sys.stderr)
+        print("report: up to date" if not bad else f"report: {len(bad)} problem(s)")
+        return 1 if bad else 0
+    bad = [p for p in problems(args.root) if "differs" not in p]
+    if bad:
+        for p in bad:
+            print(p, file=sys.stderr)
+        return 1
+    print("wrote " + ", ".join(write(args.root)))
+    return 0
