@@ -30,6 +30,9 @@ HEADLINE = {
                  "validate_overlap_2xh200_b2403b3.json")),
     "ffn": ("Fused tensor-parallel FFN", ("ffn_fused_v7_final_2xh200.json",)),
     "scale": ("Scale (owner's top-k weighted sum)", ("scale_bench_h200.json",)),
+    "packed": ("Producer on fine-grained MoE plans (aligned vs packed layout)",
+               ("packed_gemm_h200_d98035d.json",)),
+    "plan": ("Planner and prepare (device time)", ("plan_h200_d98035d.json",)),
 }
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
@@ -46,6 +49,9 @@ CURRENT_OTHER = {
     "fused_compute_pingpong_h200.json": "fused compute kernel, ping-pong",
     "fused_compute_v5_variants_2xh200.json": "fused compute kernel variants",
     "validate_cpu_w4_w8.json": "CPU validation grid at W=4, 8",
+    "packed_gemm_h200_tm64_2e87a02.json": "producer on packed plans at tile_m 64 (slower)",
+    "planner_and_gemm_gpu_tests_d98035d.log": "GPU tests of the planner and the producer on "
+                                              "packed plans",
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"
@@ -236,8 +242,47 @@ def scale(root):
     return lines, cell
 
 
+def packed(root):
+    (name,) = HEADLINE["packed"][1]
+    d = _load(root, name)
+    pts = d["points"]
+    rows = [(p["model"], str(p["world_size"]), p["mode"], f"{p['aligned_padding']:.2f}",
+             f"{p['packed_padding']:.3f}", f"{p['library_ms']:.3f}", f"{p['aligned_ms']:.3f}",
+             f"{p['packed_ms']:.3f}", f"{p['aligned_vs_library']:.3f}",
+             f"{p['packed_vs_library']:.3f}", "yes" if p["correct"] else "NO") for p in pts]
+    lines = [_src(name, d), "", "One GPU; rank 0's plan of W ranks' routings, "
+             f"{pts[0]['tokens_per_rank']} tokens per rank; our GEMM (ccta 0, flags on) on the plan "
+             "layout vs `torch._grouped_mm` on the same rows unpadded, CUDA-graph replays. "
+             "Padding = plan rows / valid rows.", ""]
+    lines += _table(("model", "W", "router", "padding aligned", "padding packed", "library ms",
+                     "aligned ms", "packed ms", "aligned / library", "packed / library",
+                     "correct"), rows) + [""]
+    good = sum(p["packed_vs_library"] >= 0.95 for p in pts)
+    cell = (f"packed layout {_rng([p['packed_vs_library'] for p in pts], '{:.3f}')}x "
+            f"`torch._grouped_mm` on the unpadded rows (>= 0.95x on {good} of {len(pts)} points), "
+            f"aligned {_rng([p['aligned_vs_library'] for p in pts], '{:.3f}')}x; padding "
+            f"{_rng([p['packed_padding'] for p in pts])} vs "
+            f"{_rng([p['aligned_padding'] for p in pts])}; deepseek-v3, qwen3 routings, W = "
+            f"{', '.join(str(w) for w in sorted({p['world_size'] for p in pts}))}")
+    return lines, cell
+
+
+def plan(root):
+    (name,) = HEADLINE["plan"][1]
+    d = _load(root, name)
+    rows = [(str(r["world_size"]), str(r["experts"]), str(r["tokens_per_rank"]), r["layout"],
+             r["capacity"], f"{r['plan_us']:.0f}", f"{r['prepare_us']:.0f}") for r in d["rows"]]
+    lines = [_src(name, d), "", f"{d['method']}.", ""]
+    lines += _table(("W", "experts", "tokens/rank", "layout", "max_rows", "plan us",
+                     "prepare us"), rows) + [""]
+    cell = (f"plan {_rng([r['plan_us'] for r in d['rows']], '{:.0f}', ' us')}, prepare "
+            f"{_rng([r['prepare_us'] for r in d['rows']], '{:.0f}', ' us')} of device time "
+            f"(W = 2..64; goal <= 30 us together)")
+    return lines, cell
+
+
 AREAS = {"producer": producer, "consumer": consumer, "combine": combine, "ffn": ffn,
-         "scale": scale}
+         "scale": scale, "packed": packed, "plan": plan}
 
 
 def _src(name, doc):
@@ -254,7 +299,9 @@ ROW_OF = {"producer": "producer grouped GEMM (CuTe DSL, WGMMA + TMA, band flags)
           "consumer": "consumer (CuTe DSL, nvlink / nvshmem transports)",
           "scale": "scale (CuTe DSL)",
           "combine": "overlapped combine (`backend=\"overlap\"`)",
-          "ffn": "fused TP FFN (`backend=\"fused\"`)"}
+          "ffn": "fused TP FFN (`backend=\"fused\"`)",
+          "packed": "producer on fine-grained MoE plans (`layout=\"packed\"`)",
+          "plan": "planner + prepare (torch ops on device)"}
 
 
 def build(root="."):
