@@ -10,6 +10,7 @@ import torch
 
 from moe_overlap import MoECombine, plan_combine
 from moe_overlap.combine import dispatch_to_plan, exchange_counts, grouped_matmul
+from moe_overlap.combine.baseline import SequentialBaseline
 from moe_overlap.combine.checks import PeerInputError, agree_on_error
 from moe_overlap.combine.plan import count_assignments
 from moe_overlap.combine.reference import (sequential_combine, sequential_dispatch,
@@ -56,8 +57,15 @@ def _zero_case(rank, W, tokens, experts):
     rows_e = counts_c[:, mine].sum(0).tolist()
     seq = sequential_combine(grouped_matmul(x_c, w_up[mine], rows_e), w_down[mine], counts_c,
                              me["ids"], me["gates"])
+    # the prepared benchmark baseline, every CPU variant
+    hc = grouped_matmul(x_c, w_up[mine], rows_e)
+    base_err = 0.0
+    for gemm in ("loop", "blocks"):
+        for scale in ("fp32", "bmm"):
+            base = SequentialBaseline(counts_c, me["ids"], gemm=gemm, scale=scale)
+            base_err = max(base_err, _maxabs(base(hc, w_down[mine], me["gates"]) - truth))
     return (tuple(out.shape), _maxabs(out - truth), _maxabs(seq - truth), int(plan.total_rows),
-            tuple(h.shape))
+            tuple(h.shape), base_err)
 
 
 def _maxabs(t):
@@ -78,9 +86,10 @@ def test_weighted_sum_of_zero_tokens():
 def test_zero_tokens_and_empty_experts_on_every_path(tokens, experts):
     W = len(tokens)
     res = spawn(_zero_case, W, tokens, experts)
-    for r, (shape, err, seq_err, total_rows, h_shape) in enumerate(res):
+    for r, (shape, err, seq_err, total_rows, h_shape, base_err) in enumerate(res):
         assert shape == (tokens[r], N)
         assert err < 1e-12 and seq_err < 1e-12, (r, err, seq_err)
+        assert base_err < 1e-5, (r, base_err)  # the benchmark baseline's scale is fp32
     if tokens == [0, 5, 4]:
         assert res[0][3] == 0 and res[0][4] == (0, K)
 
