@@ -206,6 +206,34 @@ def test_bad_input_on_one_rank_raises_on_every_rank_quickly():
     assert "do not match the plan" in res[2][0]["forward"][1]
 
 
+def _collectives(rank, W):
+    """all_reduce calls (the agreement's collective) per step, validating and not."""
+    import torch.distributed as dist
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+    E, T = 2 * W, 5
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    x, w, gates = torch.randn(T, 4), torch.randn(2, 4, 6), torch.rand(T, 2)
+    out = {}
+    for validate in (True, False):
+        layer = MoECombine(E, 4, 6, 2, T, tile_m=64, backend="reference", validate=validate)
+        n0 = len(calls)
+        counts = exchange_counts(ids, E, validate=validate)
+        plan = layer.plan(counts)
+        h = dispatch_to_plan(x, ids, plan, counts, validate=validate)
+        y = layer(h, w, plan, ids, gates)
+        out[validate] = (len(calls) - n0, y)
+    dist.all_reduce = real
+    return out[True][0], out[False][0], torch.equal(out[True][1], out[False][1])
+
+
+def test_the_agreement_costs_one_all_reduce_per_step_and_none_without_validate():
+    for with_validate, without, same in spawn(_collectives, 2):
+        assert with_validate == 4 and without == 0 and same
+
+
 def test_agree_on_error_at_world_size_one_raises_the_error_itself():
     agree_on_error(None)
     err = ValueError("boom")
