@@ -9,6 +9,58 @@ import time
 import warnings
 
 
+ROUTER_MODES = ("balanced", "moderate_skew", "stress_skew")  # moe_overlap.routing.ROUTER_MODES
+TILE_MS = (64, 128, 256)  # moe_overlap.combine.plan.SUPPORTED_TILE_M
+# the sweep's default shapes (tokens x experts x topk x N x K): --backend overlap keeps N and K
+from .combine.shapes import SYNTHETIC  # noqa: E402  (no torch: the help pages stay fast)
+
+OVERLAP_SHAPES = tuple(tuple(int(v) for v in s.split("x")) for s in SYNTHETIC)  # T, E, k, N, K
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _int_list(choices=None):
+    """argparse type: a comma-separated list of positive ints (optionally from choices)."""
+    def parse(text: str) -> list[int]:
+        out = [_positive_int(t.strip()) for t in text.split(",")]
+        bad = [v for v in out if choices is not None and v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"{bad[0]} is not one of {', '.join(map(str, choices))}")
+        return out
+    parse.__name__ = "list of ints"
+    return parse
+
+
+def _name_list(choices):
+    def parse(text: str) -> list[str]:
+        out = [t.strip() for t in text.split(",")]
+        bad = [v for v in out if v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(choices)}")
+        return out
+    parse.__name__ = "list of names"
+    return parse
+
+
+def _check_experts(parser, experts, topk, world_sizes):
+    """parser.error (exit 2) unless experts split evenly over every world size and topk fits."""
+    for W in world_sizes:
+        if experts % W:
+            parser.error(f"--experts {experts} is not divisible by world size {W} (the experts "
+                         "are split evenly over the ranks)")
+    if topk > experts:
+        parser.error(f"--topk {topk} exceeds --experts {experts}")
+
+
 def _progress(it, total, desc):
     try:
         from tqdm import tqdm
@@ -90,13 +142,14 @@ def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, 
 
 
 def cmd_plan_stats(args) -> int:
-    world_sizes = [int(w) for w in args.world_sizes.split(",")]
-    tile_ms = [int(t) for t in args.tile_m.split(",")]
-    modes = args.modes.split(",")
-    rows = (plan_stats_rows(world_sizes, tile_ms, modes, args.tokens, args.experts, args.topk,
-                            args.seed, "weak")
-            + plan_stats_rows(world_sizes, tile_ms, modes, args.global_tokens, args.experts,
-                              args.topk, args.seed, "strong"))
+    world_sizes, tile_ms, modes = args.world_sizes, args.tile_m, args.modes
+    tasks = [(scaling, tokens, W, mode)
+             for scaling, tokens in (("weak", args.tokens), ("strong", args.global_tokens))
+             for W in world_sizes for mode in modes]
+    rows = []
+    for scaling, tokens, W, mode in _progress(tasks, len(tasks), "plan-stats"):
+        rows += plan_stats_rows([W], tile_ms, [mode], tokens, args.experts, args.topk, args.seed,
+                                scaling)
     os.makedirs(args.out, exist_ok=True)
     print(f"plan statistics: {args.experts} experts, top-{args.topk}; weak scaling: {args.tokens} "
           f"tokens/rank; strong scaling: {args.global_tokens} tokens over all ranks.\n"
@@ -151,22 +204,71 @@ def _plot_plan_stats(rows, modes, tile_ms, path, meta):
 
 
 # ------------------------------------------------------------------------------- validate
+VALIDATE_DEFAULTS = {"world_sizes": [2, 3, 4], "experts": 12, "tokens": 96, "topk": 2,
+                     "dtype": "float32", "device": "cpu"}
+
+
+def overlap_validate_argv(args, parser) -> list[str]:
+    """`validate --backend overlap` as `sweep --validate-only` arguments: options the sweep can
+    honour are passed on, the others refused (parser.error)."""
+    argv = ["--validate-only", "--out", args.out or "validate_overlap.json"]
+    if args.world_sizes is not None:
+        if len(args.world_sizes) != 1:
+            parser.error("--backend overlap runs on one set of GPUs: give one --world-sizes "
+                         "value (default: every visible GPU)")
+        argv += ["--world-size", str(args.world_sizes[0])]
+    if args.dtype not in (None, "bfloat16"):
+        parser.error(f"--backend overlap computes in bfloat16; --dtype {args.dtype} is for the "
+                     "reference backend")
+    if args.device not in (None, "cuda"):
+        parser.error(f"--backend overlap runs on CUDA GPUs; --device {args.device} is for the "
+                     "reference backend")
+    for opt in ("race_calls", "soak"):
+        if getattr(args, opt) is not None:
+            argv += ["--" + opt.replace("_", "-"), str(getattr(args, opt))]
+    given = {k: getattr(args, k) for k in ("tokens", "experts", "topk")
+             if getattr(args, k) is not None}
+    if given and args.shapes is not None:
+        parser.error("--backend overlap: give --shapes or --tokens/--experts/--topk, not both")
+    if args.shapes is not None:
+        argv += ["--shapes", args.shapes]
+    if given:  # the grid's shapes with these tokens / experts / topk, N and K as the sweep's
+        shapes = [(given.get("tokens", T), given.get("experts", E), given.get("topk", k), N, K)
+                  for T, E, k, N, K in OVERLAP_SHAPES]
+        _check_experts(parser, shapes[0][1], shapes[0][2], args.world_sizes or [])
+        argv += ["--shapes", ",".join("x".join(map(str, s)) for s in shapes)]
+    return argv
+
+
+def resolve_validate_args(args, parser) -> None:
+    """Fill the reference grid's defaults and refuse what cannot run, before any rank starts."""
+    for k, v in VALIDATE_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    _check_experts(parser, args.experts, args.topk, args.world_sizes)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: CUDA is not available here (use --device cpu)")
+        if torch.cuda.device_count() < max(args.world_sizes):
+            parser.error(f"--device cuda needs one GPU per rank: world size "
+                         f"{max(args.world_sizes)} > {torch.cuda.device_count()} GPUs")
+
+
 def cmd_validate(args) -> int:
     if args.backend == "overlap":  # the GPU grid: router modes x ccta x mgb x benchmark shapes
         from .combine.sweep import main as sweep_main
-        return sweep_main(["--validate-only", "--out", args.out or "validate_overlap.json",
-                           "--shapes", args.shapes, "--race-calls", str(args.race_calls),
-                           "--soak", str(args.soak)])
+        return sweep_main(args.overlap_argv)
     from .routing import ROUTER_MODES
     from .combine.validation import LayerCase, check_layers, passed
 
-    world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    world_sizes = args.world_sizes
     grid = [(m, tm, mgb) for m in ROUTER_MODES for tm in (64, 128) for mgb in (1, 2, 4)]
     failures = 0
     total = 0
     records = []
     for W in _progress(world_sizes, len(world_sizes), "world sizes"):
-        E = args.experts if args.experts % W == 0 else W * max(1, args.experts // W)
+        E = args.experts
         cases = [LayerCase(mode=m, tile_m=tm, mgb=mgb, num_experts=E, tokens=args.tokens,
                            topk=args.topk, seed=i, backend=args.backend, dtype=args.dtype)
                  for i, (m, tm, mgb) in enumerate(grid)]
@@ -185,53 +287,91 @@ def cmd_validate(args) -> int:
     return 1 if failures else 0
 
 
-def main(argv=None) -> int:
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    p = argparse.ArgumentParser(prog="moe-overlap", description=__doc__)
-    sub = p.add_subparsers(dest="cmd")
-    d = sub.add_parser("demo", help="4 CPU ranks: router -> dispatch -> combine, vs the baseline")
-    d.add_argument("--world-size", type=int, default=4)
-    d.add_argument("--tokens", type=int, default=256)
-    d.add_argument("--experts", type=int, default=16)
-    d.add_argument("--topk", type=int, default=4)
-    d.add_argument("--tile-m", type=int, default=64)
-    d.add_argument("--mgb", type=int, default=2)
-    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    d.add_argument("--seed", type=int, default=0)
-    s = sub.add_parser("plan-stats", help="padding overhead and band/segment counts vs W")
-    s.add_argument("--world-sizes", default="4,8,16,32,64")
-    s.add_argument("--tile-m", default="64,128,256")
-    s.add_argument("--modes", default="balanced,moderate_skew,stress_skew")
-    s.add_argument("--tokens", type=int, default=4096, help="tokens per rank (weak scaling)")
-    s.add_argument("--global-tokens", type=int, default=32768,
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="moe-overlap", description=__doc__, formatter_class=fmt)
+    sub = p.add_subparsers(dest="cmd", metavar="{demo,plan-stats,validate,sweep}")
+    d = sub.add_parser("demo", help="CPU ranks: router -> dispatch -> combine, vs the baseline "
+                       "(the default command)", formatter_class=fmt,
+                       description="W CPU ranks (gloo) run router -> dispatch -> combine for each "
+                       "router mode and compare with the sequential baseline and a float64 "
+                       "truth; exits 1 on a mismatch.")
+    d.add_argument("--world-size", type=_positive_int, default=4, help="CPU ranks (processes)")
+    d.add_argument("--tokens", type=_positive_int, default=256, help="tokens per rank")
+    d.add_argument("--experts", type=_positive_int, default=16,
+                   help="global experts (a multiple of --world-size)")
+    d.add_argument("--topk", type=_positive_int, default=4, help="experts per token")
+    d.add_argument("--tile-m", type=int, default=64, choices=TILE_MS,
+                   help="rows per band (the GEMM's M tile)")
+    d.add_argument("--mgb", type=_positive_int, default=2, help="bands per transfer")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="data type of tokens and weights")
+    d.add_argument("--seed", type=int, default=0, help="router and data seed")
+    s = sub.add_parser("plan-stats", help="padding overhead and band/segment counts vs W",
+                       formatter_class=fmt,
+                       description="Plan statistics (padding, remote rows, bands, segments) "
+                       "over world sizes, tile_m and router modes, under weak and strong "
+                       "scaling; writes plan_stats.json and plan_stats.png under --out.")
+    s.add_argument("--world-sizes", type=_int_list(), default="4,8,16,32,64",
+                   help="comma-separated world sizes")
+    s.add_argument("--tile-m", type=_int_list(TILE_MS), default="64,128,256",
+                   help="comma-separated tile_m values")
+    s.add_argument("--modes", type=_name_list(ROUTER_MODES), default=",".join(ROUTER_MODES),
+                   help="comma-separated router modes")
+    s.add_argument("--tokens", type=_positive_int, default=4096,
+                   help="tokens per rank (weak scaling)")
+    s.add_argument("--global-tokens", type=_positive_int, default=32768,
                    help="tokens over all ranks (strong scaling)")
-    s.add_argument("--experts", type=int, default=256)
-    s.add_argument("--topk", type=int, default=8)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", default="out/plan-stats")
+    s.add_argument("--experts", type=_positive_int, default=256,
+                   help="global experts (a multiple of every world size)")
+    s.add_argument("--topk", type=_positive_int, default=8, help="experts per token")
+    s.add_argument("--seed", type=int, default=0, help="router seed")
+    s.add_argument("--out", default="out/plan-stats", help="output folder")
     sub.add_parser("sweep", help="GPUs: overlap validation grid + ccta x mgb sweep (see "
                    "`moe-overlap sweep --help`)", add_help=False)
-    v = sub.add_parser("validate", help="the validation grid: CPU ranks (reference backend), or "
-                       "the GPU grid of the overlap backend (--backend overlap)")
-    v.add_argument("--world-sizes", default="2,3,4")
-    v.add_argument("--experts", type=int, default=12)
-    v.add_argument("--tokens", type=int, default=96)
-    v.add_argument("--topk", type=int, default=2)
-    v.add_argument("--backend", default="reference", choices=["reference", "overlap", "auto"])
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    v.add_argument("--out", default="", help="write every case's results as JSON")
-    v.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cuda: one GPU per rank, NCCL")
-    v.add_argument("--shapes", default="synthetic",
+    v = sub.add_parser(
+        "validate", help="the validation grid: CPU ranks (reference backend), or the GPU grid "
+        "of the overlap backend (--backend overlap)",
+        description="The validation grid (router modes x tile_m 64/128 x mgb 1/2/4) for each "
+        "world size, against the sequential baseline and a float64 truth. --backend overlap "
+        "runs `moe-overlap sweep --validate-only` instead (GPUs, bfloat16): --world-sizes (one "
+        "value), --tokens, --experts, --topk and --out are passed on, options it cannot honour "
+        "are refused.")
+    v.add_argument("--world-sizes", type=_int_list(), default=None,
+                   help="comma-separated world sizes (default: 2,3,4; overlap: one value, "
+                   "default every visible GPU)")
+    v.add_argument("--experts", type=_positive_int, default=None,
+                   help="global experts, a multiple of every world size (default: 12; overlap: "
+                   "the sweep's 16)")
+    v.add_argument("--tokens", type=_positive_int, default=None,
+                   help="tokens per rank (default: 96; overlap: the sweep's 4096)")
+    v.add_argument("--topk", type=_positive_int, default=None,
+                   help="experts per token (default: 2; overlap: the sweep's 4)")
+    v.add_argument("--backend", default="reference", choices=["reference", "overlap", "auto"],
+                   help="combine backend (default: reference)")
+    v.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="data type (default: float32; overlap: bfloat16 only)")
+    v.add_argument("--out", default="", help="write every case's results as JSON (default: "
+                   "none; overlap: validate_overlap.json)")
+    v.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="cpu: gloo ranks; cuda: one GPU per rank, NCCL (default: cpu; overlap: "
+                   "cuda only)")
+    v.add_argument("--shapes", default=None,
                    help="--backend overlap: the shapes (moe_overlap.combine.shapes: TxExkxNxK, "
-                        "model names, synthetic, models, all)")
-    v.add_argument("--race-calls", type=int, default=3,
+                        "model names, synthetic, models, all; default: synthetic)")
+    v.add_argument("--race-calls", type=int, default=None,
                    help="--backend overlap: extra calls per point with fresh data and poisoned "
-                        "buffers")
-    v.add_argument("--soak", type=int, default=0,
-                   help="--backend overlap: CUDA-graph replays of the soak (0: none)")
+                        "buffers (default: 3)")
+    v.add_argument("--soak", type=int, default=None,
+                   help="--backend overlap: CUDA-graph replays of the soak (default: 0, none)")
     sub.add_parser("report", help="README status table and docs/RESULTS.md from bench/results/ "
                    "(see `moe-overlap report --help`)", add_help=False)
+    return p, {"demo": d, "plan-stats": s, "validate": v}
+
+
+def main(argv=None) -> int:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    p, subs = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:  # its own options (moe_overlap/report.py)
         from .report import main as report_main
@@ -242,6 +382,17 @@ def main(argv=None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["demo"] + argv  # the main job: the CPU demo
     args = p.parse_args(argv)
+    if args.cmd is None:
+        p.error("choose a command")
+    sp = subs[args.cmd]
+    if args.cmd == "demo":
+        _check_experts(sp, args.experts, args.topk, [args.world_size])
+    elif args.cmd == "plan-stats":
+        _check_experts(sp, args.experts, args.topk, args.world_sizes)
+    elif args.backend == "overlap":
+        args.overlap_argv = overlap_validate_argv(args, sp)
+    else:
+        resolve_validate_args(args, sp)
     return {"demo": cmd_demo, "plan-stats": cmd_plan_stats, "validate": cmd_validate}[args.cmd](args)
 
 

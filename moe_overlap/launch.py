@@ -1,6 +1,7 @@
 """Run a function on W local processes joined by a process group (gloo on CPU, NCCL on CUDA)."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import traceback
@@ -16,12 +17,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, results):
+def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # W ranks share the machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **kw)
     try:
         results[rank] = ("ok", fn(rank, world_size, *args))
     except Exception:  # noqa: BLE001 - returned to the parent with the traceback
@@ -30,17 +32,19 @@ def _worker(rank, world_size, port, backend, fn, args, results):
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, backend: str = "gloo"):
+def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | None = None):
     """fn(rank, world_size, *args) on world_size processes; returns the list of results.
 
-    fn must be importable (module level). A failure on any rank raises with that rank's traceback."""
+    fn must be importable (module level). A failure on any rank raises with that rank's traceback.
+    timeout_s: the process group's timeout for collectives (default: torch's)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results))
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results,
+                                                   timeout_s))
                  for r in range(world_size)]
         for p in procs:
             p.start()

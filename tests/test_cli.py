@@ -57,3 +57,93 @@ def test_gpu_commands_fail_clearly_without_gpus():
     assert r.returncode != 0 and "needs at least 2 GPUs" in r.stderr
     r = run_cli("sweep", "--help")
     assert r.returncode == 0 and "--validate-only" in r.stdout
+
+
+# ---------------------------------------------------------------- argument errors and help
+@pytest.mark.parametrize("args,msg", [
+    (("validate", "--world-sizes", "2", "--experts", "5"), "--experts 5 is not divisible by "
+                                                           "world size 2"),
+    (("plan-stats", "--world-sizes", "4,x"), "--world-sizes: expected a positive integer"),
+    (("plan-stats", "--experts", "100"), "--experts 100 is not divisible by world size 8"),
+    (("plan-stats", "--modes", "balanced,hot"), "'hot' is not one of"),
+    (("plan-stats", "--tile-m", "100"), "100 is not one of 64, 128, 256"),
+    (("demo", "--experts", "6"), "--experts 6 is not divisible by world size 4"),
+    (("demo", "--topk", "17"), "--topk 17 exceeds --experts 16"),
+    (("validate", "--world-sizes", "0"), "expected a positive integer, got 0"),
+    (("validate", "--backend", "overlap", "--world-sizes", "2,4"), "one --world-sizes value"),
+    (("validate", "--backend", "overlap", "--dtype", "float32"), "bfloat16"),
+    (("validate", "--backend", "overlap", "--device", "cpu"), "--device cpu is for the "
+                                                              "reference backend"),
+])
+def test_argument_errors_are_one_line_usage_errors(args, msg):
+    r = run_cli(*args, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert ": error: " in last and msg in last, r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA error")
+def test_validate_on_cuda_without_cuda_fails_before_spawning():
+    r = run_cli("validate", "--device", "cuda", "--world-sizes", "2", timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--device cuda: CUDA is not available" in r.stderr.strip().splitlines()[-1]
+    assert "world sizes" not in r.stderr  # no rank was started (no progress bar)
+
+
+def test_validate_overlap_passes_its_options_on(monkeypatch):
+    import moe_overlap.combine.sweep as sweep
+    from moe_overlap import cli
+    seen = []
+    monkeypatch.setattr(sweep, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert cli.main(["validate", "--backend", "overlap", "--world-sizes", "2", "--tokens", "64",
+                     "--topk", "2", "--experts", "8", "--out", "v.json"]) == 0
+    argv = seen[0]
+    assert argv[:3] == ["--validate-only", "--out", "v.json"]
+    assert argv[argv.index("--world-size") + 1] == "2"
+    assert argv[argv.index("--shapes") + 1] == "64x8x2x8192x1024,64x8x2x8192x2048"
+    assert cli.main(["validate", "--backend", "overlap"]) == 0  # defaults: the sweep's own
+    assert seen[1] == ["--validate-only", "--out", "validate_overlap.json"]
+
+
+def _option_blocks(help_text):
+    """{option: its help block} from an argparse --help page."""
+    body = help_text.split("options:", 1)[1]
+    blocks, cur = {}, None
+    for line in body.splitlines():
+        if line.startswith("  -"):
+            cur = line.split()[0].rstrip(",")
+            blocks[cur] = line
+        elif cur and line.strip():
+            blocks[cur] += " " + line.strip()
+    return blocks
+
+
+@pytest.mark.parametrize("cmd", ["demo", "plan-stats", "validate", "sweep"])
+def test_help_describes_every_option_and_its_default(cmd):
+    r = run_cli(cmd, "--help", timeout=120)
+    assert r.returncode == 0, r.stderr
+    blocks = _option_blocks(r.stdout)
+    assert len(blocks) >= 5, blocks
+    for opt, text in blocks.items():
+        if opt in ("-h", "--validate-only"):
+            continue
+        described = " ".join(w for w in text.split() if not w.startswith(("-", "{")) and
+                             not w.isupper())
+        assert len(described) > 10 and "default" in text, (cmd, opt, text)
+
+
+def test_plan_stats_shows_progress_on_stderr(tmp_path):
+    r = run_cli("plan-stats", "--world-sizes", "2", "--tile-m", "64", "--tokens", "64",
+                "--global-tokens", "128", "--experts", "8", "--topk", "2", "--out",
+                str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "plan-stats" in r.stderr and "100%" in r.stderr and "6/6" in r.stderr, r.stderr
+    assert "100%" not in r.stdout
+
+
+def test_readme_command_line_section_mentions_sweep():
+    import pathlib
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Command line", 1)[1].split("\n## ", 1)[0]
+    assert "- `sweep`" in section

@@ -41,6 +41,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
 
 E, TOPK, K, N, TILE_M, T_MAX = 8, 2, 256, 512, 128, 384
+ZERO_TAGS = ("nvlink", "nvshmem", "nvlink_v2")  # configs that also run _zero_checks
 
 
 def _free_port():
@@ -154,6 +155,43 @@ def _forward_checks(ov, res, tag, seed):
     res[f"{tag}_epoch"] = int(ov.epoch.item())
 
 
+def _empty_ids(T, experts, seed, dev):
+    """[T, TOPK] distinct ids drawn from `experts` only."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(experts)
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:TOPK]] for _ in range(T)]) \
+        if T else torch.zeros(0, TOPK, dtype=torch.long)
+    return ids.to(dev), torch.rand(T, TOPK, generator=g).to(dev)
+
+
+def _zero_checks(ov, res, tag, seed):
+    """Calls with no tokens on a rank, a rank that receives no rows (h has 0 rows), and no tokens
+    anywhere; every rank still takes part in every call (markers, waits)."""
+    from moe_overlap.combine.reference import reference_combine
+    dev = ov.device
+    El = ov.experts_per_rank
+    rank1_experts = list(range(El, 2 * El))
+    cases = {"rank1_empty": ([120, 0], list(range(E))),
+             "rank0_receives_nothing": ([90, 70], rank1_experts),
+             "all_empty": ([0, 0], list(range(E)))}
+    for i, (name, (tokens, experts)) in enumerate(cases.items()):
+        ids, w = _empty_ids(tokens[ov.rank], experts, seed * 31 + i * 7 + ov.rank, dev)
+        plan = _plan(ov, ids)
+        rows = int(plan.total_rows.item())
+        g = torch.Generator(device=dev).manual_seed(seed + i)
+        h = torch.randn(rows, K, device=dev, generator=g).to(torch.bfloat16)
+        wd = (torch.randn(ov.experts_per_rank, K, N, device=dev, generator=g) / K ** 0.5).to(
+            torch.bfloat16)
+        ov.rt.barrier()
+        out = ov.forward(h, wd, plan, ids, w)
+        ov.check_errors()
+        ref = reference_combine(h.float(), wd.float(), plan, ids, w)
+        res[f"{tag}_zero_{name}_shape_ok"] = tuple(out.shape) == (tokens[ov.rank], N)
+        res[f"{tag}_zero_{name}_rel_err"] = _rel(out, ref) if out.numel() else 0.0
+        res[f"{tag}_zero_{name}_h_rows"] = rows
+    ov.rt.barrier()
+
+
 def _graph_checks(ov, res, tag, seed):
     from moe_overlap.combine.reference import reference_combine
     dev = ov.device
@@ -252,6 +290,8 @@ def _worker(rank, world, port, outdir):
                     continue
                 _consumer_alone(ov, res, tag, seed=10 + i)
                 _forward_checks(ov, res, tag, seed=20 + i)
+                if tag in ZERO_TAGS:
+                    _zero_checks(ov, res, tag, seed=50 + i)
                 _graph_checks(ov, res, tag, seed=30 + i)
                 if tag in ("nvshmem", "nvlink_v2"):
                     timeout_ov[tag] = ov
@@ -359,3 +399,16 @@ def test_timeout_raises_clear_error(results, tag):
         assert r[f"{key}_segments"] > 0, r  # there was a band to wait for
         assert r[f"{key}_raised"], r  # an OverlapError, not a silent return
         assert "timed out" in r[f"{key}_msg"] and "segment" in r[f"{key}_msg"], r
+
+
+@pytest.mark.parametrize("tr", ZERO_TAGS)
+def test_zero_tokens_and_ranks_without_rows(results, tr):
+    """A rank with no tokens, a rank that receives no rows (0-row h: the producer runs on a
+    stand-in row), no tokens anywhere: right shapes, reference values, no timeout."""
+    _selected(tr)
+    for rank, r in enumerate(results):
+        assert f"{tr}_error" not in r, r
+        for name in ("rank1_empty", "rank0_receives_nothing", "all_empty"):
+            assert r[f"{tr}_zero_{name}_shape_ok"], (rank, name, r)
+            assert r[f"{tr}_zero_{name}_rel_err"] < 8e-3, (rank, name, r)
+    assert results[0][f"{tr}_zero_rank0_receives_nothing_h_rows"] == 0

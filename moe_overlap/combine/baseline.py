@@ -28,14 +28,14 @@ def _time_ms(fn, reps=5):
 
 def _scale_fp32(recv, rows, w):
     T, k = rows.shape
-    g = recv.index_select(0, rows.reshape(-1)).view(T, k, -1)
+    g = recv.index_select(0, rows.reshape(-1)).view(T, k, recv.shape[1])
     return torch.einsum("tkn,tk->tn", g.float(), w.float()).to(recv.dtype)
 
 
 def _scale_bmm(recv, rows, w):
     """Gather in bf16, then a batched [1 x k] @ [k x N] product (fp32 accumulation in cuBLAS)."""
     T, k = rows.shape
-    g = recv.index_select(0, rows.reshape(-1)).view(T, k, -1)
+    g = recv.index_select(0, rows.reshape(-1)).view(T, k, recv.shape[1])
     return torch.bmm(w.to(recv.dtype).unsqueeze(1), g).squeeze(1)
 
 

@@ -3,24 +3,83 @@ from __future__ import annotations
 
 import torch
 
+from .checks import agree_on_error, as_int, check_expert_ids, error_of
 from .plan import CombinePlan, count_assignments
-from .reference import all_gather_counts, all_to_all, world
+from .reference import all_gather_counts, exchange, world
 
 
-def exchange_counts(topk_ids: torch.Tensor, num_experts: int, group=None) -> torch.Tensor:
-    """All-gather the routing counts: [W, E], entry [s, e] = assignments rank s sends to expert e."""
-    return all_gather_counts(count_assignments(topk_ids, num_experts), group)
+def exchange_counts(topk_ids: torch.Tensor, num_experts: int, group=None,
+                    validate: bool = True) -> torch.Tensor:
+    """All-gather the routing counts: [W, E], entry [s, e] = assignments rank s sends to expert e.
+
+    Collective. Ids outside [0, num_experts) raise ValueError on every rank, naming the rank and
+    the bad id, before the counts are exchanged (validate=False: no check and no extra collective;
+    the caller vouches for the ids, which are then counted as torch.bincount counts them)."""
+    if not validate:
+        return all_gather_counts(torch.bincount(topk_ids.reshape(-1).to(torch.int64),
+                                                minlength=num_experts)[:num_experts], group)
+    result = {}
+
+    def local():
+        n = as_int("num_experts", num_experts, minimum=1)
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+            raise ValueError(f"topk_ids must be a [tokens, topk] tensor, got "
+                             f"{getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
+        result["counts"] = count_assignments(topk_ids, n)
+
+    agree_on_error(error_of(local), group)
+    return all_gather_counts(result["counts"], group)
 
 
-def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
-                     expert_counts: torch.Tensor, group=None, rows: int | None = None) -> torch.Tensor:
-    """all_to_all_single the (token, k) rows of x to their experts' owners and place them in the
-    plan layout: [rows, K], padding rows zero. rows defaults to the plan's padded row count."""
+def _check_dispatch(x, topk_ids, plan, expert_counts, group, rows):
     rank, W = world(group)
+    if not isinstance(plan, CombinePlan):
+        raise TypeError(f"plan must be a CombinePlan, got {type(plan).__name__}")
     if (rank, W) != (plan.rank, plan.world_size):
         raise ValueError(f"plan is for rank {plan.rank} of {plan.world_size}, process group is "
                          f"rank {rank} of {W}")
-    E, El = plan.num_experts, plan.experts_per_rank
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("expert_counts", expert_counts)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [tokens, topk], got {tuple(topk_ids.shape)}")
+    if x.dim() != 2 or x.shape[0] != topk_ids.shape[0]:
+        raise ValueError(f"x must be [tokens={topk_ids.shape[0]}, features] like topk_ids, got "
+                         f"{tuple(x.shape)}")
+    E = plan.num_experts
+    if tuple(expert_counts.shape) != (W, E):
+        raise ValueError(f"expert_counts has shape {tuple(expert_counts.shape)}, expected "
+                         f"[{W}, {E}]")
+    check_expert_ids(topk_ids, E)
+    mine = count_assignments(topk_ids, E).to(expert_counts.device)
+    diff = (mine != expert_counts[rank].to(torch.int64)).nonzero()
+    if diff.numel():
+        e = int(diff[0, 0])
+        raise ValueError(f"topk_ids do not match expert_counts[{rank}]: expert {e} gets "
+                         f"{int(mine[e])} assignments from topk_ids, the counts say "
+                         f"{int(expert_counts[rank, e])} (counts from another routing?)")
+    if rows is not None:
+        need = int(plan.total_rows.item())
+        if as_int("rows", rows) < need:
+            raise ValueError(f"rows={rows} < the plan's {need} rows")
+
+
+def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
+                     expert_counts: torch.Tensor, group=None, rows: int | None = None,
+                     validate: bool = True) -> torch.Tensor:
+    """all_to_all_single the (token, k) rows of x to their experts' owners and place them in the
+    plan layout: [rows, K], padding rows zero. rows defaults to the plan's padded row count.
+
+    Collective and differentiable (the gradient of the result flows back to x; backward is
+    collective too). validate: check shapes, expert ids and that topk_ids match this rank's row
+    of expert_counts, agreed over the group first, so bad input on one rank raises on every rank
+    (naming that rank) instead of leaving the others in the exchange. validate=False: the caller
+    vouches for all of that."""
+    if validate:
+        agree_on_error(error_of(_check_dispatch, x, topk_ids, plan, expert_counts, group, rows),
+                       group)
+    rank, W = world(group)
+    El = plan.experts_per_rank
     T, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, then token, then k
@@ -29,10 +88,9 @@ def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
     counts_h = counts.tolist()
     in_splits = [sum(counts_h[rank][r * El:(r + 1) * El]) for r in range(W)]
     out_splits = [sum(counts_h[s][rank * El:(rank + 1) * El]) for s in range(W)]
-    recv = torch.empty(sum(out_splits), x.shape[1], dtype=x.dtype, device=x.device)
-    all_to_all(recv, send, out_splits, in_splits, group)
+    recv = exchange(send, out_splits, in_splits, group)
     # destination row of every received row: source-major, then local expert, then arrival order
-    local = counts[:, rank * El:(rank + 1) * El]  # [W, El]
+    local = counts[:, rank * El:(rank + 1) * El].to(x.device)  # [W, El]
     n = local.reshape(-1)
     block_start = torch.cumsum(n, 0) - n
     blk = torch.repeat_interleave(torch.arange(n.numel(), device=x.device), n)
@@ -41,6 +99,6 @@ def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
     dest = (plan.expert_row_start.long()[e] + plan.group_row_start.long()[e, s] + j)
     if rows is None:
         rows = int(plan.total_rows.item())
-    out = torch.zeros(rows, x.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.zeros(int(rows), x.shape[1], dtype=x.dtype, device=x.device)
     out[dest] = recv
     return out

@@ -9,14 +9,16 @@ stacked expert input in the plan layout on the expert's owner. Backends:
 from __future__ import annotations
 
 import importlib.util
+import numbers
 
 import torch
 
-from .plan import LAYOUTS, SUPPORTED_TILE_M, CombinePlan, plan_combine
+from .checks import agree_on_error, as_int, check_expert_ids, error_of
+from .plan import LAYOUTS, SUPPORTED_TILE_M, CombinePlan, count_assignments, plan_combine
 from .reference import reference_combine, world
 
 BACKENDS = ("auto", "reference", "overlap")
-_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # reference backend
 
 
 def overlap_available(device: torch.device | None = None) -> tuple[bool, str]:
@@ -43,6 +45,23 @@ class MoECombine(torch.nn.Module):
     out_features N: columns of w_down; topk: experts per token; max_tokens_per_rank: the most tokens
     any rank routes in one call (sizes plans and communication buffers); layout: the plan's row
     layout, "auto" (packed where it saves rows), "aligned" or "packed" (see `plan_combine`).
+
+    validate=True: `plan` and `forward` check their input, including its values (expert ids in
+    range, topk_ids matching the counts the plan was made from, capacities), which reads data on
+    the host, and agree on the outcome over the group (one small all-reduce), so bad input on one
+    rank raises on every rank, naming that rank, instead of leaving the others waiting in the
+    exchange. validate=False (CUDA graphs): no host reads and no extra collective; only the host
+    facts (shapes, dtypes, devices) are checked, locally. The caller then vouches, on every rank,
+    that expert ids are in [0, num_experts), that each plan was made from the all-gathered counts
+    of the very routing passed to `forward` (`exchange_counts(topk_ids)` of this step), that no
+    rank routes more than max_tokens_per_rank tokens, that h holds the plan's rows
+    (plan.total_rows) and that every rank passes the same kind of input; otherwise the output is
+    silently wrong or a rank waits until a timeout.
+
+    Autograd: the ``reference`` backend is differentiable in h, w_down and topk_weights across
+    ranks (its exchange's backward is the reverse exchange; backward is collective, run it on
+    every rank). The ``overlap`` backend is inference-only: it raises if grad mode is on and an
+    input requires grad.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, out_features: int, topk: int,
@@ -51,11 +70,19 @@ class MoECombine(torch.nn.Module):
                  local_copy: bool | None = None, copy: str | None = None, layout: str = "auto"):
         super().__init__()
         rank, W = world(group)
+        ints = {}
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
                         ("out_features", out_features), ("topk", topk),
                         ("max_tokens_per_rank", max_tokens_per_rank)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            try:
+                ints[name] = as_int(name, v, minimum=1)
+            except ValueError:
+                raise ValueError(f"{name} must be a positive int, got {v!r}") from None
+        num_experts, hidden_size, out_features = (ints["num_experts"], ints["hidden_size"],
+                                                  ints["out_features"])
+        topk, max_tokens_per_rank = ints["topk"], ints["max_tokens_per_rank"]
+        if isinstance(tile_m, numbers.Integral) and not isinstance(tile_m, bool):
+            tile_m = int(tile_m)
         if num_experts % W:
             raise ValueError(f"num_experts={num_experts} is not divisible by the world size {W}")
         if topk > num_experts:
@@ -65,10 +92,14 @@ class MoECombine(torch.nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; choose from {BACKENDS}")
         for name, v in (("ccta", ccta), ("mgb", mgb)):
-            if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if isinstance(v, str) and v == "auto":
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"{name} must be 'auto' or a positive int, got {v!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r}; choose from {LAYOUTS}")
+        ccta = ccta if isinstance(ccta, str) else int(ccta)
+        mgb = mgb if isinstance(mgb, str) else int(mgb)
         if transport not in ("nvlink", "nvshmem"):
             raise ValueError(f"transport={transport!r}; choose 'nvlink' or 'nvshmem'")
         if copy not in (None, "ldst", "tma") or (copy == "tma" and transport != "nvlink"):
@@ -110,13 +141,30 @@ class MoECombine(torch.nn.Module):
         return (choice[0] if ccta == "auto" else ccta), (choice[1] if mgb == "auto" else mgb)
 
     def plan(self, expert_counts: torch.Tensor, validate: bool | None = None) -> CombinePlan:
-        """The plan of this rank for all-gathered counts [W, E], sized for max_tokens_per_rank."""
-        if tuple(expert_counts.shape) != (self.world_size, self.num_experts):
-            raise ValueError(f"expert_counts has shape {tuple(expert_counts.shape)}, expected "
-                             f"[world_size={self.world_size}, num_experts={self.num_experts}]")
-        return plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=self.mgb,
-                            max_rows=self.max_rows, layout=self.layout,
-                            validate=self.validate if validate is None else validate)
+        """The plan of this rank for all-gathered counts [W, E], sized for max_tokens_per_rank.
+
+        validate (default: the layer's): check the counts' values; collective then (every rank
+        raises if any rank's counts are bad). False: no host read, no collective."""
+        validate = self.validate if validate is None else validate
+        result = {}
+
+        def make():
+            if not isinstance(expert_counts, torch.Tensor):
+                raise TypeError(f"expert_counts must be a torch.Tensor, got "
+                                f"{type(expert_counts).__name__}")
+            if tuple(expert_counts.shape) != (self.world_size, self.num_experts):
+                raise ValueError(f"expert_counts has shape {tuple(expert_counts.shape)}, expected "
+                                 f"[world_size={self.world_size}, "
+                                 f"num_experts={self.num_experts}]")
+            result["plan"] = plan_combine(expert_counts, self.rank, tile_m=self.tile_m,
+                                          mgb=self.mgb, max_rows=self.max_rows,
+                                          validate=validate, layout=self.layout)
+
+        if not validate:
+            make()
+        else:
+            agree_on_error(error_of(make), self.group)
+        return result["plan"]
 
     def backend_for(self, device: torch.device) -> str:
         if self.requested_backend != "auto":
@@ -140,7 +188,9 @@ class MoECombine(torch.nn.Module):
             raise ValueError(f"w_down must be [experts_per_rank={El}, K={K}, N={N}], got "
                              f"{tuple(w_down.shape)}")
         if h.dtype not in _FLOAT or w_down.dtype != h.dtype:
-            raise TypeError(f"h and w_down must share a float dtype, got {h.dtype} and "
+            raise TypeError(f"h and w_down must have the same dtype, one of "
+                            f"{', '.join(str(d).removeprefix('torch.') for d in _FLOAT)} "
+                            f"(bfloat16 on the overlap backend); got {h.dtype} and "
                             f"{w_down.dtype}")
         if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
             raise ValueError(f"topk_ids must be [tokens, topk={self.topk}], got "
@@ -166,11 +216,31 @@ class MoECombine(torch.nn.Module):
             raise ValueError(f"plan has {plan.num_experts} experts, this layer {self.num_experts}")
         if plan.tile_m != self.tile_m:
             raise ValueError(f"plan has tile_m={plan.tile_m}, this layer {self.tile_m}")
+        if self.backend_for(h.device) == "overlap":
+            if torch.is_grad_enabled() and any(
+                    t.requires_grad for t in (h, w_down, topk_weights)):
+                raise RuntimeError(
+                    "backend 'overlap' is inference-only (its kernels have no backward), but an "
+                    "input requires grad: use backend='reference' to train through the combine, "
+                    "or call it under torch.no_grad() / torch.inference_mode()")
+            ok, why = overlap_available(h.device)
+            if not ok:
+                raise RuntimeError(f"backend 'overlap' cannot run: {why}")
+            if h.dtype != torch.bfloat16:
+                raise TypeError(f"backend 'overlap' needs bfloat16 h and w_down, got {h.dtype}")
+            if not h.is_contiguous():
+                raise ValueError("backend 'overlap' needs a contiguous h")
         if self.validate:  # reads data (a host sync on CUDA); validate=False for CUDA graphs
-            if topk_ids.numel() and (int(topk_ids.min()) < 0
-                                     or int(topk_ids.max()) >= self.num_experts):
-                raise ValueError(f"expert ids must be in [0, {self.num_experts}), got "
-                                 f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
+            check_expert_ids(topk_ids, self.num_experts)
+            mine = count_assignments(topk_ids, self.num_experts).to(plan.device)
+            diff = (mine != plan.routed_counts.long()).nonzero()
+            if diff.numel():
+                e = int(diff[0, 0])
+                raise ValueError(
+                    f"topk_ids do not match the plan: expert {e} gets {int(mine[e])} "
+                    f"assignments from topk_ids, the plan was made for "
+                    f"{int(plan.routed_counts[e])} (a plan of another routing? plan each step "
+                    f"from exchange_counts(topk_ids) of that step)")
             need = int(plan.total_rows.item())
             if h.shape[0] < need:
                 raise ValueError(f"h has {h.shape[0]} rows but the plan lays out {need}")
@@ -193,9 +263,19 @@ class MoECombine(torch.nn.Module):
     def forward(self, h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 routes=None) -> torch.Tensor:
-        """routes: `prepare(plan, topk_ids)` of this step (optional; computed in the call if
-        None)."""
-        self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
+        """Combine one step: [T_local, N]. Collective (every rank calls it, also with 0 tokens).
+
+        plan: `plan(exchange_counts(topk_ids))` of this very routing; h: [>= plan.total_rows, K]
+        expert inputs in the plan layout; topk_ids / topk_weights: [T_local, topk] of this rank.
+        routes: `prepare(plan, topk_ids)` of this step (optional; computed in the call if None).
+        With validate=True the checks (see the class doc) run on every rank and are agreed on
+        before any communication; with validate=False see the class doc for what the caller
+        vouches for."""
+        if self.validate:
+            agree_on_error(error_of(self.check_inputs, h, w_down, plan, topk_ids, topk_weights),
+                           self.group)
+        else:
+            self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
         backend = self.backend_for(h.device)
         if backend == "reference":
             return reference_combine(h, w_down, plan, topk_ids, topk_weights, self.group)

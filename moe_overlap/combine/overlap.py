@@ -252,6 +252,11 @@ class OverlapCombine:
         """y_ext: [rows + 1, N]; the producer writes y = y_ext[:rows]. ccta: SMs left out of the
         producer's grid (default: the consumer's reservation)."""
         ccta = self.ccta if ccta is None else ccta
+        if h.shape[0] == 0:
+            # this rank receives no rows (the plan has no bands): the GEMM still launches, on
+            # the order of the stream every rank keeps, but its TMA descriptors need a row, so
+            # it gets one zero row of h and y's scratch row (y_ext has rows + 1 = 1 row)
+            h = h.new_zeros(1, h.shape[1])
         if self.producer_kind == "torch":
             self._torch_producer(h, w_down, plan, y_ext, band_ready, self.epoch)
         else:
@@ -262,6 +267,11 @@ class OverlapCombine:
     # ---- checks ------------------------------------------------------------------------------
     def check_inputs(self, h, w_down, plan, topk_ids, topk_weights):
         El, K, N = self.experts_per_rank, self.hidden_size, self.out_features
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (h, w_down, topk_weights)):
+            raise OverlapError("the overlap combine is inference-only (its kernels have no "
+                               "backward), but an input requires grad: use MoECombine("
+                               "backend='reference') to train through the combine, or call it "
+                               "under torch.no_grad() / torch.inference_mode()")
         if h.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16:
             raise TypeError(f"overlap backend needs bf16 h and w_down, got {h.dtype}, "
                             f"{w_down.dtype}")

@@ -16,9 +16,12 @@ from cells, so both layouts share one meaning of every field. See docs/CONTRACTS
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
 
 import torch
+
+from .checks import as_int, check_expert_ids
 
 SUPPORTED_TILE_M = (64, 128, 256)
 LAYOUTS = ("auto", "aligned", "packed")
@@ -51,6 +54,8 @@ class CombinePlan:
     expert_rows: torch.Tensor  # [El]
     expert_row_start: torch.Tensor  # [El]
     recv_rows_per_rank: torch.Tensor  # [W] rows each rank receives back (sum_e counts[d, e])
+    routed_counts: torch.Tensor  # [E] this rank's assignments per global expert (counts[rank]):
+    # what MoECombine.forward(validate=True) checks topk_ids against
     # counts
     num_bands: torch.Tensor  # [1]
     num_remote_bands: torch.Tensor  # [1]
@@ -133,7 +138,7 @@ class CombinePlan:
         }
 
 
-def _check_counts(expert_counts: torch.Tensor, rank: int, tile_m: int, mgb: int) -> tuple[int, int]:
+def _check_counts(expert_counts: torch.Tensor, rank, tile_m, mgb) -> tuple[int, int, int, int, int]:
     if not isinstance(expert_counts, torch.Tensor):
         raise TypeError(f"expert_counts must be a torch.Tensor, got {type(expert_counts).__name__}")
     if expert_counts.dtype not in _INT_DTYPES:
@@ -146,13 +151,18 @@ def _check_counts(expert_counts: torch.Tensor, rank: int, tile_m: int, mgb: int)
     if E < 1 or E % W != 0:
         raise ValueError(f"the number of experts E={E} must be a positive multiple of the world "
                          f"size W={W} (experts are placed contiguously, E // W per rank)")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < W:
+    rank = as_int("rank", rank)
+    if not 0 <= rank < W:
         raise ValueError(f"rank={rank!r} out of range for world size {W}")
+    if isinstance(tile_m, numbers.Integral) and not isinstance(tile_m, bool):
+        tile_m = int(tile_m)
     if tile_m not in SUPPORTED_TILE_M:
         raise ValueError(f"tile_m={tile_m!r} not supported; use one of {SUPPORTED_TILE_M}")
-    if not isinstance(mgb, int) or isinstance(mgb, bool) or mgb < 1:
-        raise ValueError(f"mgb (bands per transfer) must be an int >= 1, got {mgb!r}")
-    return W, E
+    try:
+        mgb = as_int("mgb", mgb, minimum=1)
+    except ValueError:
+        raise ValueError(f"mgb (bands per transfer) must be an int >= 1, got {mgb!r}") from None
+    return W, E, rank, tile_m, mgb
 
 
 def band_capacity_for(max_rows: int, experts_per_rank: int, world_size: int, tile_m: int) -> int:
@@ -177,7 +187,9 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         expert's total padded) or "auto" (packed where it lays out fewer rows than aligned,
         decided on the device: `plan.packed` says which, without a host sync).
     """
-    W, E = _check_counts(expert_counts, rank, tile_m, mgb)
+    W, E, rank, tile_m, mgb = _check_counts(expert_counts, rank, tile_m, mgb)
+    if max_rows is not None:
+        max_rows = as_int("max_rows", max_rows)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; choose from {LAYOUTS}")
     El = E // W
@@ -317,6 +329,7 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         expert_rows=expert_rows.to(torch.int32),
         expert_row_start=expert_row_start.to(torch.int32),
         recv_rows_per_rank=recv_rows_per_rank.to(torch.int32),
+        routed_counts=counts[rank].to(torch.int32),
         num_bands=nb.to(torch.int32),
         num_remote_bands=num_remote.to(torch.int32),
         num_segments=num_segments.to(torch.int32),
@@ -356,5 +369,7 @@ def recv_rows(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def count_assignments(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] assignments of this rank's tokens to each global expert (int64)."""
-    return torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=num_experts)[:num_experts]
+    """[E] assignments of this rank's tokens to each global expert (int64). Ids outside
+    [0, num_experts) raise ValueError (reads the ids: a host sync on CUDA)."""
+    check_expert_ids(topk_ids, num_experts)
+    return torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=num_experts)

@@ -23,12 +23,42 @@ def world(group=None) -> tuple[int, int]:
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group=None):
-    """all_to_all_single that also works without a process group (world size 1)."""
+    """all_to_all_single that also works without a process group (world size 1). No autograd:
+    see `exchange`."""
     if world(group)[1] == 1:
         out.copy_(inp)
         return out
     dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group)
     return out
+
+
+class _Exchange(torch.autograd.Function):
+    """all_to_all_single whose backward sends the output's gradient back the way it came (the
+    same exchange with the splits swapped). Collective in backward too: every rank of the group
+    must run the backward."""
+
+    @staticmethod
+    def forward(ctx, inp, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = inp.new_empty(sum(out_splits), *inp.shape[1:])
+        return all_to_all(out, inp.contiguous(), out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in = grad_out.new_empty(sum(ctx.in_splits), *grad_out.shape[1:])
+        all_to_all(grad_in, grad_out.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
+        return grad_in, None, None, None
+
+
+def exchange(inp: torch.Tensor, out_splits, in_splits, group=None) -> torch.Tensor:
+    """all_to_all_single of the rows of inp (in_splits rows to each rank, out_splits rows from
+    each rank), differentiable: gradients of the result flow back to inp across the ranks."""
+    out_splits = [int(n) for n in out_splits]
+    in_splits = [int(n) for n in in_splits]
+    if sum(in_splits) != inp.shape[0]:
+        raise ValueError(f"exchange: in_splits sum to {sum(in_splits)}, input has "
+                         f"{inp.shape[0]} rows")
+    return _Exchange.apply(inp, out_splits, in_splits, group)
 
 
 def all_gather_counts(local_counts: torch.Tensor, group=None) -> torch.Tensor:
@@ -41,11 +71,18 @@ def all_gather_counts(local_counts: torch.Tensor, group=None) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32, or float64 for float64 data."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def expert_matmul(h_e: torch.Tensor, w_e: torch.Tensor) -> torch.Tensor:
-    """h_e @ w_e with fp32 accumulation, rounded to h's dtype (as the GPU kernels do)."""
+    """h_e @ w_e with fp32 accumulation (float64 for float64), rounded to h's dtype (as the GPU
+    kernels do)."""
     if h_e.is_cuda and h_e.dtype in (torch.bfloat16, torch.float16):
         return h_e @ w_e  # cuBLAS accumulates in fp32
-    return (h_e.float() @ w_e.float()).to(h_e.dtype)
+    acc = _acc(h_e.dtype)
+    return (h_e.to(acc) @ w_e.to(acc)).to(h_e.dtype)
 
 
 def grouped_matmul(h: torch.Tensor, w: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
@@ -63,10 +100,11 @@ def grouped_matmul(h: torch.Tensor, w: torch.Tensor, rows_per_expert: list[int])
 
 def weighted_sum(recv: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor,
                  out_dtype: torch.dtype) -> torch.Tensor:
-    """out[t] = sum_k w[t, k] * recv[rows[t, k]], in fp32."""
+    """out[t] = sum_k w[t, k] * recv[rows[t, k]], in fp32 (float64 for float64 data)."""
     T, k = rows.shape
-    gathered = recv.index_select(0, rows.reshape(-1)).float().view(T, k, -1)
-    return (gathered * topk_weights.float().unsqueeze(-1)).sum(1).to(out_dtype)
+    acc = _acc(recv.dtype)
+    gathered = recv.index_select(0, rows.reshape(-1)).to(acc).view(T, k, recv.shape[1])
+    return (gathered * topk_weights.to(acc).unsqueeze(-1)).sum(1).to(out_dtype)
 
 
 # ---------------------------------------------------------------- sequential baseline
@@ -85,8 +123,7 @@ def sequential_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     counts_h = counts.tolist()
     in_splits = [sum(counts_h[rank][r * El:(r + 1) * El]) for r in range(W)]
     out_splits = [sum(counts_h[s][rank * El:(rank + 1) * El]) for s in range(W)]
-    recv = torch.empty(sum(out_splits), x.shape[1], dtype=x.dtype, device=x.device)
-    all_to_all(recv, send, out_splits, in_splits, group)
+    recv = exchange(send, out_splits, in_splits, group)
     # source-major -> expert-major (compact layout)
     perm = source_to_expert_major(counts_h, rank, El)
     return recv.index_select(0, torch.tensor(perm, device=x.device, dtype=torch.long)), counts
@@ -125,8 +162,7 @@ def sequential_combine(h_compact: torch.Tensor, w_down: torch.Tensor, expert_cou
     send = y.index_select(0, inv)  # back to source-major
     in_splits = [sum(counts_h[s][rank * El:(rank + 1) * El]) for s in range(W)]
     out_splits = [sum(counts_h[rank][r * El:(r + 1) * El]) for r in range(W)]
-    recv = torch.empty(sum(out_splits), y.shape[1], dtype=y.dtype, device=y.device)
-    all_to_all(recv, send, out_splits, in_splits, group)
+    recv = exchange(send, out_splits, in_splits, group)
     # recv is ordered by global expert, then token, then k: invert that stable sort
     T, k = topk_ids.shape
     order = torch.argsort(topk_ids.reshape(-1), stable=True)
@@ -170,6 +206,5 @@ def reference_combine(h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
     # receive: from owner r, my assignments to r's experts (a contiguous block of my buffer)
     owner = topk_ids.reshape(-1) // plan.experts_per_rank
     recv_splits = torch.bincount(owner, minlength=W).tolist()
-    recv = torch.empty(sum(recv_splits), y.shape[1], dtype=y.dtype, device=dev)
-    all_to_all(recv, send, recv_splits, send_rows, group)
+    recv = exchange(send, recv_splits, send_rows, group)
     return weighted_sum(recv, recv_rows(topk_ids, plan.num_experts), topk_weights, h.dtype)

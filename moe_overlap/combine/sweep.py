@@ -290,43 +290,62 @@ def summarize(points, tuned=()):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="moe-overlap sweep", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="moe-overlap sweep", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--shapes", default="synthetic",
-                    help="TxExkxNxK items, model names (moe_overlap.combine.shapes.MODELS, "
-                         "optionally @tokens), synthetic, models or all")
-    ap.add_argument("--modes", default="balanced,moderate_skew,stress_skew")
-    ap.add_argument("--ccta", default="4,8,16,24")
-    ap.add_argument("--mgb", default="1,2,4")
-    ap.add_argument("--tile-m", type=int, default=128)
-    ap.add_argument("--transport", default="nvlink", choices=["nvlink", "nvshmem"])
+                    help="comma-separated TxExkxNxK items (tokens per rank x experts x topk x N x "
+                         "K), model names (moe_overlap.combine.shapes.MODELS, optionally "
+                         "@tokens), synthetic, models or all")
+    ap.add_argument("--modes", default="balanced,moderate_skew,stress_skew",
+                    help="comma-separated router modes")
+    ap.add_argument("--ccta", default="4,8,16,24",
+                    help="comma-separated consumer CTA counts (SMs reserved for the consumer)")
+    ap.add_argument("--mgb", default="1,2,4", help="comma-separated bands per transfer")
+    ap.add_argument("--tile-m", type=int, default=128,
+                    help="rows per band (the producer GEMM's M tile)")
+    ap.add_argument("--transport", default="nvlink", choices=["nvlink", "nvshmem"],
+                    help="how the consumer ships bands to their owners")
     ap.add_argument("--local-copy", type=int, default=-1, choices=[-1, 0, 1],
                     help="1: the consumer copies local rows into the receive buffer (v1); 0: the "
                          "owner's scale reads them from y (v2); -1: MoECombine's default")
     ap.add_argument("--copy", default="auto", choices=["auto", "ldst", "tma"],
                     help="consumer copy: thread ld/st (v1), TMA bulk copies, or MoECombine's "
                          "default")
-    ap.add_argument("--world-size", type=int, default=0, help="default: every visible GPU")
+    ap.add_argument("--world-size", type=int, default=0, help="ranks, one GPU each (0: every visible GPU)")
     ap.add_argument("--reps", type=int, default=4, help="calls per captured graph")
-    ap.add_argument("--replays", type=int, default=15)
-    ap.add_argument("--autotune", type=int, default=1, help="also time MoECombine's own choice")
+    ap.add_argument("--replays", type=int, default=15,
+                    help="CUDA-graph replays per timing (the median counts)")
+    ap.add_argument("--autotune", type=int, default=1, help="1: also time MoECombine's own choice (autotune); 0: skip it")
     ap.add_argument("--validate-only", action="store_true",
                     help="the validation grid without timing (what `moe-overlap validate "
                          "--backend overlap` runs)")
     ap.add_argument("--gemm-cluster-n", type=int, default=None, choices=(1, 2),
-                    help="producer GEMM cluster size for the sweep points (default: the GEMM's; "
+                    help="producer GEMM cluster size for the sweep points (None: the GEMM's; "
                          "MoECombine's autotune rows keep the defaults)")
     ap.add_argument("--band-group", type=int, default=None,
-                    help="producer GEMM tile order (band_group) for the sweep points")
+                    help="producer GEMM tile order (band_group) for the sweep points (None: the "
+                         "GEMM's)")
     ap.add_argument("--race-calls", type=int, default=3,
                     help="per point: extra calls with fresh data and poisoned buffers (0: none)")
     ap.add_argument("--soak", type=int, default=0,
                     help="CUDA-graph replays of the soak on the first shape and mode (0: none)")
-    ap.add_argument("--out", default="sweep.json")
+    ap.add_argument("--out", default="sweep.json", help="JSON results file")
     args = ap.parse_args(argv)
-    args.shapes = parse_shapes(args.shapes)
+    try:
+        args.shapes = parse_shapes(args.shapes)
+        args.ccta = [int(c) for c in args.ccta.split(",")]
+        args.mgb = [int(m) for m in args.mgb.split(",")]
+    except ValueError as e:
+        ap.error(f"{e} (--ccta and --mgb: comma-separated integers)")
+    for sh in args.shapes:
+        if min(sh.values()) < 1 or sh["topk"] > sh["experts"]:
+            ap.error(f"bad shape {sh}: every size >= 1 and topk <= experts")
+    if min(args.ccta + args.mgb) < 1:
+        ap.error("--ccta and --mgb values must be >= 1")
+    from moe_overlap.routing import ROUTER_MODES
     args.modes = args.modes.split(",")
-    args.ccta = [int(c) for c in args.ccta.split(",")]
-    args.mgb = [int(m) for m in args.mgb.split(",")]
+    if any(m not in ROUTER_MODES for m in args.modes):
+        ap.error(f"--modes: choose from {', '.join(ROUTER_MODES)}")
     args.gemm_options = {k: v for k, v in (("cluster_n", args.gemm_cluster_n),
                                            ("band_group", args.band_group)) if v is not None}
     nvlink = args.transport == "nvlink"  # the defaults of MoECombine (see layer.py)
@@ -342,8 +361,16 @@ def main(argv=None):
     if W < 2:
         print("sweep needs at least 2 GPUs", file=sys.stderr)
         return 2
+    if W > torch.cuda.device_count():
+        print(f"sweep needs {W} GPUs (one per rank), found {torch.cuda.device_count()}",
+              file=sys.stderr)
+        return 2
     from .shapes import check_world
-    check_world(args.shapes, W)
+    try:
+        check_world(args.shapes, W)
+    except ValueError as e:
+        print(f"sweep: {e}", file=sys.stderr)
+        return 2
     t0 = time.time()
     if args.autotune:  # a fresh tune cache for this run
         os.environ["MOE_OVERLAP_TUNE_CACHE"] = os.path.abspath(args.out) + ".tune.json"
