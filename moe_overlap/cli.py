@@ -1,4 +1,4 @@
-"""moe-overlap command line: demo | plan-stats | validate | sweep | report."""
+"""moe-overlap command line: demo | plan-stats | validate | sweep | report | project."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,9 @@ import warnings
 ROUTER_MODES = ("balanced", "moderate_skew", "stress_skew")  # moe_overlap.routing.ROUTER_MODES
 TILE_MS = (64, 128, 256)  # moe_overlap.combine.plan.SUPPORTED_TILE_M
 # the sweep's default shapes (tokens x experts x topk x N x K): --backend overlap keeps N and K
-from .combine.shapes import SYNTHETIC  # noqa: E402  (no torch: the help pages stay fast)
+from .combine.shapes import MODELS, SYNTHETIC  # noqa: E402  (no torch: fast help pages)
+
+MODEL_NAMES = tuple(MODELS)
 
 OVERLAP_SHAPES = tuple(tuple(int(v) for v in s.split("x")) for s in SYNTHETIC)  # T, E, k, N, K
 
@@ -105,8 +107,10 @@ def cmd_demo(args) -> int:
 
 
 # ------------------------------------------------------------------------------- plan-stats
-def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, scaling="weak"):
-    """Padding overhead and band/segment counts, aggregated over all ranks of each world size.
+def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, scaling="weak",
+                    layouts=("aligned", "packed")):
+    """Padding overhead and band/segment counts, aggregated over all ranks of each world size,
+    per plan layout.
 
     scaling "weak": `tokens` per rank at every W; "strong": `tokens` in all, tokens // W per rank."""
     import torch
@@ -123,17 +127,17 @@ def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, 
             counts = torch.stack([count_assignments(route(per_rank, experts, topk, mode, seed=seed,
                                                           rank=r)[0], experts)
                                   for r in range(W)])
-            for tm in tile_ms:
+            for tm, layout in ((tm, lay) for tm in tile_ms for lay in layouts):
                 tot = {"rows_valid": 0, "rows_padded": 0, "bands": 0, "remote_bands": 0,
                        "segments": 0, "remote_rows": 0}
                 worst = 0.0
                 for r in range(W):
-                    s = plan_combine(counts, r, tile_m=tm, mgb=2).stats()
+                    s = plan_combine(counts, r, tile_m=tm, mgb=2, layout=layout).stats()
                     for k in tot:
                         tot[k] += s[k]
                     worst = max(worst, s["padding_overhead"])
                 rows.append({"scaling": scaling, "world_size": W, "tokens_per_rank": per_rank,
-                             "mode": mode, "tile_m": tm, **tot,
+                             "mode": mode, "tile_m": tm, "layout": layout, **tot,
                              "padding_overhead": (tot["rows_padded"] - tot["rows_valid"])
                              / max(tot["rows_valid"], 1),
                              "worst_rank_padding_overhead": worst,
@@ -149,22 +153,24 @@ def cmd_plan_stats(args) -> int:
     rows = []
     for scaling, tokens, W, mode in _progress(tasks, len(tasks), "plan-stats"):
         rows += plan_stats_rows([W], tile_ms, [mode], tokens, args.experts, args.topk, args.seed,
-                                scaling)
+                                scaling, args.layouts)
     os.makedirs(args.out, exist_ok=True)
     print(f"plan statistics: {args.experts} experts, top-{args.topk}; weak scaling: {args.tokens} "
           f"tokens/rank; strong scaling: {args.global_tokens} tokens over all ranks.\n"
           "padding = padded rows / routed rows - 1, over all ranks")
-    hdr = (f"{'scaling':<8}{'W':>4}{'tok/rank':>9} {'router mode':<14}{'tile_m':>7}{'pad %':>8}"
+    hdr = (f"{'scaling':<8}{'W':>4}{'tok/rank':>9} {'router mode':<14}{'tile_m':>7}"
+           f" {'layout':<8}{'pad %':>8}"
            f"{'worst rank %':>13}{'remote %':>9}{'bands':>8}{'segments':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         print(f"{r['scaling']:<8}{r['world_size']:>4}{r['tokens_per_rank']:>9} {r['mode']:<14}"
-              f"{r['tile_m']:>7}"
+              f"{r['tile_m']:>7} {r['layout']:<8}"
               f"{100 * r['padding_overhead']:>8.1f}{100 * r['worst_rank_padding_overhead']:>13.1f}"
               f"{100 * r['remote_fraction']:>9.1f}{r['bands']:>8}{r['segments']:>9}")
     meta = {"tokens_per_rank": args.tokens, "global_tokens": args.global_tokens,
-            "experts": args.experts, "topk": args.topk, "seed": args.seed}
+            "experts": args.experts, "topk": args.topk, "seed": args.seed,
+            "layouts": list(args.layouts)}
     with open(os.path.join(args.out, "plan_stats.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     png = os.path.join(args.out, "plan_stats.png")
@@ -187,10 +193,12 @@ def _plot_plan_stats(rows, modes, tile_ms, path, meta):
                              squeeze=False)
     for row, (scaling, what) in enumerate(scalings):
         for ax, mode in zip(axes[row], modes):
-            for tm in tile_ms:
+            for tm, layout in ((tm, lay) for tm in tile_ms for lay in meta["layouts"]):
                 pts = sorted((r["world_size"], 100 * r["padding_overhead"]) for r in rows
-                             if r["mode"] == mode and r["tile_m"] == tm and r["scaling"] == scaling)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"tile_m={tm}")
+                             if r["mode"] == mode and r["tile_m"] == tm and r["scaling"] == scaling
+                             and r["layout"] == layout)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        ls="-" if layout == "packed" else "--", label=f"tile_m={tm} {layout}")
             ax.set_xscale("log", base=2)
             ax.set_title(f"{mode}, {what}", fontsize=9)
             ax.set_xlabel("world size W")
@@ -201,6 +209,41 @@ def _plot_plan_stats(rows, modes, tile_ms, path, meta):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- project
+def cmd_project(args) -> int:
+    import datetime
+
+    from .combine.projection import Fabric, check_against_sweep, format_table, plot, project, write
+    from .combine.tuning import CostModel
+    cost = CostModel()
+    fabric = Fabric(gpus_per_node=args.gpus_per_node, ib_gbps=args.ib_gbps,
+                    ib_latency_us=args.ib_latency_us)
+    check = None
+    if args.sweep:
+        with open(args.sweep) as f:
+            check = check_against_sweep(json.load(f)["points"], cost, fabric)
+    rows = project(models=args.models, worlds=args.world_sizes, mode=args.mode,
+                   tokens=args.tokens, cost=cost, fabric=fabric,
+                   progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+    print(f"Projection (not a measurement): {fabric.describe()}; {args.tokens} tokens per rank, "
+          f"{args.mode} routing; times in ms, best ccta per point.")
+    if check:
+        print("Check on the measured 2-GPU sweep (" + args.sweep + "): " + ", ".join(
+            f"{k} error mean {100 * v['mean']:+.0f} %, max |{100 * v['max_abs']:.0f}| %"
+            for k, v in check.items()))
+    print(format_table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), tokens=args.tokens,
+                mode=args.mode, sweep=args.sweep, kind="projection")
+    write(rows, os.path.join(args.out, "projection.json"), fabric, cost, check, meta)
+    try:
+        plot(rows, os.path.join(args.out, "projection.png"), fabric, check)
+        print(f"wrote {args.out}/projection.json and projection.png")
+    except ImportError:
+        print(f"wrote {args.out}/projection.json (install matplotlib for the plot)")
+    return 0
 
 
 # ------------------------------------------------------------------------------- validate
@@ -318,6 +361,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="comma-separated tile_m values")
     s.add_argument("--modes", type=_name_list(ROUTER_MODES), default=",".join(ROUTER_MODES),
                    help="comma-separated router modes")
+    s.add_argument("--layouts", type=_name_list(("aligned", "packed")), default="aligned,packed",
+                   help="comma-separated plan layouts")
     s.add_argument("--tokens", type=_positive_int, default=4096,
                    help="tokens per rank (weak scaling)")
     s.add_argument("--global-tokens", type=_positive_int, default=32768,
@@ -366,7 +411,28 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="--backend overlap: CUDA-graph replays of the soak (default: 0, none)")
     sub.add_parser("report", help="README status table and docs/RESULTS.md from bench/results/ "
                    "(see `moe-overlap report --help`)", add_help=False)
-    return p, {"demo": d, "plan-stats": s, "validate": v}
+    j = sub.add_parser(
+        "project", help="scale-out projection of the combine's same-scale speedup, W = 2..64",
+        formatter_class=fmt,
+        description="Projected same-scale speedup of the overlapped combine against W for the "
+        "model shapes, aligned vs packed layout, from measured rates (moe_overlap/combine/"
+        "projection.py), checked against the measured 2-GPU sweep; prints a table, writes "
+        "projection.json and projection.png under --out. A projection, not a measurement.")
+    j.add_argument("--models", type=_name_list(MODEL_NAMES), default=",".join(MODEL_NAMES),
+                   help="comma-separated model shapes (moe_overlap.combine.shapes.MODELS)")
+    j.add_argument("--world-sizes", type=_int_list(), default="2,4,8,16,32,64",
+                   help="comma-separated world sizes (those the experts divide)")
+    j.add_argument("--tokens", type=_positive_int, default=4096, help="tokens per rank")
+    j.add_argument("--mode", default="balanced", choices=ROUTER_MODES, help="router mode")
+    j.add_argument("--gpus-per-node", type=_positive_int, default=8,
+                   help="GPUs per NVLink domain")
+    j.add_argument("--ib-gbps", type=float, default=50.0,
+                   help="InfiniBand bandwidth per GPU between nodes, GB/s (stated)")
+    j.add_argument("--ib-latency-us", type=float, default=10.0, help="InfiniBand latency, us")
+    j.add_argument("--sweep", default="bench/results/combine_sweep_2xh200_v7.json",
+                   help="measured 2-GPU sweep the model is checked against ('' : none)")
+    j.add_argument("--out", default="out/projection", help="output folder")
+    return p, {"demo": d, "plan-stats": s, "validate": v, "project": j}
 
 
 def main(argv=None) -> int:
@@ -389,11 +455,12 @@ def main(argv=None) -> int:
         _check_experts(sp, args.experts, args.topk, [args.world_size])
     elif args.cmd == "plan-stats":
         _check_experts(sp, args.experts, args.topk, args.world_sizes)
-    elif args.backend == "overlap":
+    elif args.cmd == "validate" and args.backend == "overlap":
         args.overlap_argv = overlap_validate_argv(args, sp)
-    else:
+    elif args.cmd == "validate":
         resolve_validate_args(args, sp)
-    return {"demo": cmd_demo, "plan-stats": cmd_plan_stats, "validate": cmd_validate}[args.cmd](args)
+    return {"demo": cmd_demo, "plan-stats": cmd_plan_stats, "validate": cmd_validate,
+            "project": cmd_project}[args.cmd](args)
 
 
 if __name__ == "__main__":

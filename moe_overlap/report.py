@@ -50,6 +50,8 @@ CURRENT_OTHER = {
     "fused_compute_v5_variants_2xh200.json": "fused compute kernel variants",
     "validate_cpu_w4_w8.json": "CPU validation grid at W=4, 8",
     "packed_gemm_h200_tm64_2e87a02.json": "producer on packed plans at tile_m 64 (slower)",
+    "projection_combine_w2_64.json": "projected same-scale speedup, W = 2..64 (moe-overlap project; "
+                                     "a projection, not a measurement)",
     "planner_and_gemm_gpu_tests_d98035d.log": "GPU tests of the planner and the producer on "
                                               "packed plans",
 }

@@ -27,16 +27,23 @@ def test_plan_stats_writes_table_and_plot(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.load(open(tmp_path / "plan_stats.json"))
     rows = data["rows"]
-    assert len(rows) == 2 * 2 * 3 * 2  # scalings x W x modes x tile_m
+    assert len(rows) == 2 * 2 * 3 * 2 * 2  # scalings x W x modes x tile_m x layouts
     for row in rows:
         assert row["rows_padded"] >= row["rows_valid"] > 0
         assert row["padding_overhead"] == pytest.approx(
             (row["rows_padded"] - row["rows_valid"]) / row["rows_valid"])
-    # strong scaling: fewer tokens per rank at W=4 than W=2, so no less padding (same tile_m)
+    # strong scaling, aligned: fewer tokens per rank at W=4 than W=2, so no less padding
     for mode in ("balanced",):
-        p = {r["world_size"]: r["padding_overhead"] for r in rows
-             if r["scaling"] == "strong" and r["mode"] == mode and r["tile_m"] == 128}
+        p = {r["world_size"]: r["padding_overhead"] for r in rows if r["scaling"] == "strong"
+             and r["mode"] == mode and r["tile_m"] == 128 and r["layout"] == "aligned"}
         assert p[4] >= p[2]
+    # the packed layout never lays out more rows than the aligned one, same routed rows
+    key = lambda r: (r["scaling"], r["world_size"], r["mode"], r["tile_m"])  # noqa: E731
+    aligned = {key(r): r for r in rows if r["layout"] == "aligned"}
+    for r in rows:
+        if r["layout"] == "packed":
+            a = aligned[key(r)]
+            assert r["rows_valid"] == a["rows_valid"] and r["rows_padded"] <= a["rows_padded"]
     png = tmp_path / "plan_stats.png"
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
 

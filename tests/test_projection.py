@@ -50,3 +50,21 @@ def test_error_on_the_measured_sweep_is_bounded():
     # the calibration the README quotes: mean error within 15 %, no point off by 2x
     assert abs(check["t_overlap"]["mean"]) < 0.15
     assert check["t_overlap"]["max_abs"] < 1.0
+
+
+def test_project_command_writes_table_json_and_refuses_bad_models(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "p"
+    r = subprocess.run([sys.executable, "-m", "moe_overlap", "project", "--models",
+                        "qwen3-30b-a3b", "--world-sizes", "2,16", "--tokens", "256", "--out",
+                        str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "not a measurement" in r.stdout and "t_overlap error mean" in r.stdout
+    doc = json.load(open(out / "projection.json"))
+    assert {(x["world_size"], x["layout"]) for x in doc["rows"]} == {
+        (2, "aligned"), (2, "packed"), (16, "aligned"), (16, "packed")}
+    assert doc["check"]["t_overlap"]["n"] > 0
+    bad = subprocess.run([sys.executable, "-m", "moe_overlap", "project", "--models", "gpt-5"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
