@@ -52,6 +52,8 @@ CURRENT_OTHER = {
     "packed_gemm_h200_tm64_2e87a02.json": "producer on packed plans at tile_m 64 (slower)",
     "projection_combine_w2_64.json": "projected same-scale speedup, W = 2..64 (moe-overlap project; "
                                      "a projection, not a measurement)",
+    "single_gpu_tests_50c7989.log": "planner, producer and fused FFN single-GPU tests after the "
+                                    "session's merges",
     "planner_and_gemm_gpu_tests_d98035d.log": "GPU tests of the planner and the producer on "
                                               "packed plans",
 }
