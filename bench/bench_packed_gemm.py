@@ -23,18 +23,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moe_overlap.combine.plan import count_assignments, plan_combine  # noqa: E402
+from moe_overlap.combine.plan import plan_combine  # noqa: E402
 from moe_overlap.combine.shapes import MODELS  # noqa: E402
-from moe_overlap.routing import route  # noqa: E402
+from moe_overlap.routing import routing_counts  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense rate of this workplace's H200
 LEAD_MS = 2.0
-
-
-def routing_counts(W, E, topk, tokens, mode, seed):
-    """[W, E] counts of every rank's routing (the all-gathered matrix a plan is built from)."""
-    return torch.stack([count_assignments(route(tokens, E, topk, mode, seed=seed, rank=r)[0], E)
-                        for r in range(W)])
 
 
 def layout_rows(plan, counts):
@@ -70,7 +64,7 @@ def run_point(model, W, mode, tokens, gemm, rounds, seed):
     E, topk, K, N = MODELS[model]
     El = E // W
     dev = torch.device("cuda")
-    counts = routing_counts(W, E, topk, tokens, mode, seed)
+    counts = routing_counts(W, tokens, E, topk, mode, seed)
     rows_e = counts[:, :El].sum(0)
     n_valid = int(rows_e.sum())
     gen = torch.Generator(device=dev).manual_seed(seed)

@@ -113,10 +113,8 @@ def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, 
     per plan layout.
 
     scaling "weak": `tokens` per rank at every W; "strong": `tokens` in all, tokens // W per rank."""
-    import torch
-
-    from .combine.plan import count_assignments, plan_combine
-    from .routing import route
+    from .combine.plan import plan_combine
+    from .routing import routing_counts
 
     rows = []
     for W in world_sizes:
@@ -124,9 +122,7 @@ def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, 
             raise ValueError(f"--experts {experts} is not divisible by world size {W}")
         per_rank = tokens if scaling == "weak" else max(1, tokens // W)
         for mode in modes:
-            counts = torch.stack([count_assignments(route(per_rank, experts, topk, mode, seed=seed,
-                                                          rank=r)[0], experts)
-                                  for r in range(W)])
+            counts = routing_counts(W, per_rank, experts, topk, mode, seed)
             for tm, layout in ((tm, lay) for tm in tile_ms for lay in layouts):
                 tot = {"rows_valid": 0, "rows_padded": 0, "bands": 0, "remote_bands": 0,
                        "segments": 0, "remote_rows": 0}

@@ -48,3 +48,13 @@ def route(num_tokens: int, num_experts: int, topk: int, mode: str = "balanced", 
     top, ids = scores.topk(topk, dim=1)
     weights = torch.softmax(top, dim=1).to(torch.float32)
     return ids.to(device), weights.to(device)
+
+
+def routing_counts(world_size: int, num_tokens: int, num_experts: int, topk: int,
+                   mode: str = "balanced", seed: int = 0) -> torch.Tensor:
+    """[W, E] int64: assignments of rank r's routing (``route(..., rank=r)``) to each expert, for
+    every rank r of a world of ``world_size``: the all-gathered counts a plan is made from,
+    generated in one process (for statistics, benchmarks and projections)."""
+    return torch.stack([torch.bincount(route(num_tokens, num_experts, topk, mode, seed=seed,
+                                             rank=r)[0].reshape(-1), minlength=num_experts)
+                        for r in range(world_size)])

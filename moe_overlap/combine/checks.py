@@ -50,10 +50,24 @@ def check_expert_ids(topk_ids: torch.Tensor, num_experts: int, name: str = "topk
                      f"({int(bad.sum())} bad in all)")
 
 
-def _world(group):
+def world(group=None) -> tuple[int, int]:
+    """(rank, world size) of `group`; (0, 1) without an initialized process group."""
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def check_routing_matches(mine: torch.Tensor, counts_row: torch.Tensor, what: str,
+                          hint: str) -> None:
+    """ValueError naming the first expert whose assignment count in this rank's routing (`mine`,
+    [E], from `count_assignments(topk_ids)`) differs from `counts_row` ([E], the counts the
+    caller's plan or exchange was made from)."""
+    mine = mine.to(counts_row.device)
+    diff = (mine != counts_row.to(torch.int64)).nonzero()
+    if diff.numel():
+        e = int(diff[0, 0])
+        raise ValueError(f"topk_ids do not match {what}: expert {e} gets {int(mine[e])} "
+                         f"assignments from topk_ids, {what} says {int(counts_row[e])} ({hint})")
 
 
 def _device(group) -> torch.device:
@@ -68,7 +82,7 @@ def agree_on_error(err: BaseException | None, group=None) -> None:
     `err` is not None on any rank. The failing rank raises its own error prefixed with its rank;
     the others raise PeerInputError naming the failing rank(s) and their messages. One all-reduce
     of W x 101 int32; none at world size 1 (err is raised as is)."""
-    rank, W = _world(group)
+    rank, W = world(group)
     if W == 1:
         if err is not None:
             raise err

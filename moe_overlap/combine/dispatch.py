@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import agree_on_error, as_int, check_expert_ids, error_of
+from .checks import agree_on_error, as_int, check_routing_matches, error_of
 from .plan import CombinePlan, count_assignments
 from .reference import all_gather_counts, exchange, world
 
@@ -50,14 +50,8 @@ def _check_dispatch(x, topk_ids, plan, expert_counts, group, rows):
     if tuple(expert_counts.shape) != (W, E):
         raise ValueError(f"expert_counts has shape {tuple(expert_counts.shape)}, expected "
                          f"[{W}, {E}]")
-    check_expert_ids(topk_ids, E)
-    mine = count_assignments(topk_ids, E).to(expert_counts.device)
-    diff = (mine != expert_counts[rank].to(torch.int64)).nonzero()
-    if diff.numel():
-        e = int(diff[0, 0])
-        raise ValueError(f"topk_ids do not match expert_counts[{rank}]: expert {e} gets "
-                         f"{int(mine[e])} assignments from topk_ids, the counts say "
-                         f"{int(expert_counts[rank, e])} (counts from another routing?)")
+    check_routing_matches(count_assignments(topk_ids, E), expert_counts[rank],
+                          f"expert_counts[{rank}]", "counts from another routing?")
     if rows is not None:
         need = int(plan.total_rows.item())
         if as_int("rows", rows) < need:

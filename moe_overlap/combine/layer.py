@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from .checks import agree_on_error, as_int, check_expert_ids, error_of
+from .checks import agree_on_error, as_int, check_routing_matches, error_of
 from .plan import LAYOUTS, SUPPORTED_TILE_M, CombinePlan, count_assignments, plan_combine
 from .reference import reference_combine, world
 
@@ -231,16 +231,10 @@ class MoECombine(torch.nn.Module):
             if not h.is_contiguous():
                 raise ValueError("backend 'overlap' needs a contiguous h")
         if self.validate:  # reads data (a host sync on CUDA); validate=False for CUDA graphs
-            check_expert_ids(topk_ids, self.num_experts)
-            mine = count_assignments(topk_ids, self.num_experts).to(plan.device)
-            diff = (mine != plan.routed_counts.long()).nonzero()
-            if diff.numel():
-                e = int(diff[0, 0])
-                raise ValueError(
-                    f"topk_ids do not match the plan: expert {e} gets {int(mine[e])} "
-                    f"assignments from topk_ids, the plan was made for "
-                    f"{int(plan.routed_counts[e])} (a plan of another routing? plan each step "
-                    f"from exchange_counts(topk_ids) of that step)")
+            check_routing_matches(  # count_assignments also checks the ids' range
+                count_assignments(topk_ids, self.num_experts), plan.routed_counts, "the plan",
+                "a plan of another routing? plan each step from exchange_counts(topk_ids) of "
+                "that step")
             need = int(plan.total_rows.item())
             if h.shape[0] < need:
                 raise ValueError(f"h has {h.shape[0]} rows but the plan lays out {need}")

@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .plan import count_assignments, plan_combine
+from .plan import plan_combine
 from .shapes import MODELS
 from .tuning import CCTA_CHOICES, CostModel
-from ..routing import route
+from ..routing import routing_counts
 
 
 @dataclass
@@ -79,8 +79,7 @@ def plan_rows(model: str, W: int, layout: str, mode: str, tokens: int, tile_m: i
     """The planner's rows for rank 0 of W: laid out, valid, and the remote ones by link."""
     fabric = fabric or Fabric()
     E, topk, _, _ = MODELS[model]
-    counts = torch.stack([count_assignments(route(tokens, E, topk, mode, seed=seed, rank=r)[0],
-                                            E) for r in range(W)])
+    counts = routing_counts(W, tokens, E, topk, mode, seed)
     plan = plan_combine(counts, 0, tile_m=tile_m, layout=layout)
     El = E // W
     from_src = counts[:, :El].sum(1)  # rows rank 0 computes for each source

@@ -55,10 +55,8 @@ def summarize(records: list[dict]) -> dict:
 # ---- GPU (collective) ---------------------------------------------------------------------------
 def _agree_ok(ok: bool, device, group) -> bool:
     """True on every rank only if every rank's call passed."""
-    import torch.distributed as dist
-    t = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item()) == 0
+    from ..timing import max_over_ranks
+    return max_over_ranks(0.0 if ok else 1.0, device, group) == 0.0
 
 
 class _Routing:

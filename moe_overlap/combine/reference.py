@@ -12,14 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .checks import world  # noqa: F401  (re-exported: callers import it from here)
 from .plan import CombinePlan, recv_rows
-
-
-def world(group=None) -> tuple[int, int]:
-    """(rank, world size) of `group`; (0, 1) without an initialized process group."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group=None):
