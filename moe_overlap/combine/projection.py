@@ -6,8 +6,9 @@ The machines here stop at 2 GPUs, so larger world sizes are projected, not measu
     T_seq     = T_gemm_lib + T_all_to_all + T_scale              (the same-scale baseline)
 
 - T_gemm_ours: our GEMM on the plan's rows (padding included) on num_sms - ccta SMs at the rate of
-  `CostModel.gemm_tflops`; T_gemm_lib: the library on the valid rows on every SM at that rate (on
-  one H200 our producer on packed plans runs at 0.90-1.12x the library, so one rate serves both).
+  `CostModel.gemm_tflops`; T_gemm_lib: the library on the valid rows on every SM at that rate
+  (one rate for both: on packed plans our producer runs close to the library per valid row,
+  bench/results/packed_gemm_*.json).
 - Bytes: the rows this rank computed for other ranks, N * 2 bytes each; peers of the same node
   (`gpus_per_node`) over NVLink, the others over InfiniBand.
 - T_comm_ours: max(NVLink bytes / the consumer's rate on ccta SMs (capped at the link), IB bytes /
