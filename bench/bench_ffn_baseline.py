@@ -5,7 +5,8 @@ per-rank work addmm(b1) + in-place act1 + mm on the G = 2 slice of each shape, b
 
 Per shape and token count: median ms of CUDA-graph replays (moe_overlap.timing.time_calls, the
 method every FFN bench uses), TFLOP/s, the floor at 790 TFLOP/s, and the activation memory of one
-call (peak allocation above the inputs and the output: H [T, O/G] bf16 for this baseline). JSON
+call (peak allocation during the call above what was allocated before it, output included: H
+[T, O/G], gelu's out-of-place copy and the output for this baseline). JSON
 `ffn_baseline_<tag>.json` to --out.
 """
 import argparse
@@ -24,8 +25,9 @@ from moe_overlap.timing import time_calls  # noqa: E402
 PEAK_TFLOPS = 790.0
 
 
-def peak_extra_bytes(fn, out_bytes: int) -> int:
-    """Peak bytes one call allocates beyond its output (which the caller keeps)."""
+def peak_call_bytes(fn) -> int:
+    """Peak bytes allocated during one call above what was allocated before it (the output
+    included: the same measure for every FFN path, issue 17's `activation_mem`)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -34,7 +36,7 @@ def peak_extra_bytes(fn, out_bytes: int) -> int:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del y
-    return peak - out_bytes
+    return peak
 
 
 def main():
@@ -64,7 +66,7 @@ def main():
 
             ms = time_calls(fn, reps=5, replays=20)[0]
             flops = 2.0 * T * P * Og * 2
-            extra = peak_extra_bytes(fn, T * P * 2)
+            extra = peak_call_bytes(fn)
             r = dict(shape=name, tokens=T, P=P, hidden_slice=Og, act=a.act, ms=ms,
                      tflops=flops / ms / 1e9, floor_ms=flops / PEAK_TFLOPS / 1e9,
                      activation_mem=extra, h_bytes=T * Og * 2)
@@ -76,7 +78,7 @@ def main():
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
                method="CUDA graph of 5 calls, median of 20 replays / 5; activation_mem = peak "
-                      "allocation of one eager call minus its output", world=a.world, rows=rows)
+                      "allocation of one eager call above the memory before it (output included)", world=a.world, rows=rows)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"ffn_baseline_{a.tag}.json")
     with open(path, "w") as f:
