@@ -60,6 +60,18 @@ def test_no_lookahead_makes_ctas_wait():
     assert bad.makespan > 1.1 * good.makespan
 
 
+@pytest.mark.parametrize("name", ["llama3-8b", "deepseek-v3-expert"])
+def test_tiles_from_a_counter_not_striding(name):
+    """With GEMM1 and GEMM2 tiles of different durations, CTAs striding over the list drift
+    apart and wait; taking the next tile from a counter does not."""
+    P, O = SHAPES[name]
+    s = derive(8192, O // 2, P)
+    dyn, static = simulate(s), simulate(s, policy="static")
+    assert dyn.efficiency > 0.95 and static.efficiency < 0.8, (dyn, static)
+    with pytest.raises(ValueError, match="policy"):
+        simulate(s, policy="random")
+
+
 def _act(h):
     return torch.nn.functional.gelu(h)
 
