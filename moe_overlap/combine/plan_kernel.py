@@ -63,18 +63,15 @@ class _Layout:
         return v
 
 
-def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
-    """(plan launcher, tail launcher). NE: shared array length (power of two >= E); NPS: sort
-    length (power of two >= El); counts_64: the counts are int64 (else int32)."""
-    import cutlass
+def simt_helpers():
+    """Straight-line device helpers of the SIMT kernels here (no Python control flow on device
+    values, so they need no @cute.jit): shared-memory words by raw 32-bit address, selects and
+    predicated stores in PTX, warp scans by shuffles and a CTA-wide exclusive scan."""
+    from types import SimpleNamespace
+
     import cutlass.cute as cute
-    import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
     from ..kernels import primitives as P
-
-    LOG_NE = int(math.log2(NE))
-    LOG_NPS = int(math.log2(NPS))
-    N_BAND_F, N_SEG_F = len(BAND_FIELDS), len(SEGMENT_FIELDS)
 
     def ptx1(code, *args):
         return cute.arch.inline_ptx(code, write_only_types=[Int32],
@@ -116,13 +113,10 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
         cute.arch.inline_ptx("st.shared.s64 [{$r0}], {$r1};",
                              read_only_args=[base + Int32(i) * Int32(8), Int64(v)])
 
-    def ldc(counts, i):
-        """counts[i] (flat) as Int32."""
-        if cutlass.const_expr(counts_64):
-            return cute.arch.inline_ptx(
-                "{ .reg .b64 x; ld.global.b64 x, [{$r0}]; cvt.u32.u64 {$w0}, x; }",
-                write_only_types=[Int32], read_only_args=[counts + Int64(i) * Int64(8)])
-        return P.ld_s32(counts + Int64(i) * Int64(4))
+    def ld_s64_as_s32(addr):
+        return cute.arch.inline_ptx(
+            "{ .reg .b64 x; ld.global.b64 x, [{$r0}]; cvt.u32.u64 {$w0}, x; }",
+            write_only_types=[Int32], read_only_args=[addr])
 
     def stg(out, off, v):
         P.st_s32(out + Int64(off) * Int64(4), v)
@@ -158,6 +152,34 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
             tot.append(shfl_idx(wt, Int32(31)))
         P.block_sync()  # scratch is reused by the next scan
         return ex, tot
+
+    return SimpleNamespace(**{k: v for k, v in locals().items() if callable(v) and k not in (
+        "SimpleNamespace", "Int32", "Int64")})
+
+
+def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
+    """(plan launcher, tail launcher). NE: shared array length (power of two >= E); NPS: sort
+    length (power of two >= El); counts_64: the counts are int64 (else int32)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    from ..kernels import primitives as P
+
+    LOG_NE = int(math.log2(NE))
+    LOG_NPS = int(math.log2(NPS))
+    N_BAND_F, N_SEG_F = len(BAND_FIELDS), len(SEGMENT_FIELDS)
+
+    H = simt_helpers()
+    ptx1, smin, smax, sel_lt, sel_eq = H.ptx1, H.smin, H.smax, H.sel_lt, H.sel_eq
+    lds, sts, sts_if_eq, lds64, sts64, stg = H.lds, H.sts, H.sts_if_eq, H.lds64, H.sts64, H.stg
+    block_scan, warp_sum = H.block_scan, H.warp_sum
+
+    def ldc(counts, i):
+        """counts[i] (flat) as Int32."""
+        if cutlass.const_expr(counts_64):
+            return H.ld_s64_as_s32(counts + Int64(i) * Int64(8))
+        return P.ld_s32(counts + Int64(i) * Int64(4))
 
     def group_source(j, rank, W):
         """Source rank of group j: remote ranks ascending, the local rank last."""
