@@ -171,8 +171,8 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
     N_BAND_F, N_SEG_F = len(BAND_FIELDS), len(SEGMENT_FIELDS)
 
     H = simt_helpers()
-    ptx1, smin, smax, sel_lt, sel_eq = H.ptx1, H.smin, H.smax, H.sel_lt, H.sel_eq
-    lds, sts, sts_if_eq, lds64, sts64, stg = H.lds, H.sts, H.sts_if_eq, H.lds64, H.sts64, H.stg
+    smin, smax, sel_lt, sel_eq = H.smin, H.smax, H.sel_lt, H.sel_eq
+    lds, sts, lds64, sts64, stg = H.lds, H.sts, H.lds64, H.sts64, H.stg
     block_scan, warp_sum = H.block_scan, H.warp_sum
 
     def ldc(counts, i):
