@@ -36,6 +36,7 @@ def test_plan_kernels_compile(counts_64, NE, NPS):
     assert ("ld.global.b64" in ptx) == counts_64
     assert ptx.count("bar.sync") >= 16  # eight scans, two barriers each, plus the sort
     assert ".local" not in ptx.split(".entry", 1)[1]
+    assert ".reqntid 1024" in ptx  # ptxas then keeps it within 64 registers (1024 threads fit)
     tail = _ptx(lt, *tail_example_args())
     assert "st.global.s32" in tail
 
@@ -51,6 +52,7 @@ def test_routes_kernels_compile(ids_64, NE, y_src):
     assert "red.shared.add.s32" in _ptx(lh, *hist_example_args())
     ptx = _ptx(lr, *rank_example_args())
     assert "match.any.sync.b32" in ptx and "popc.b32" in ptx
+    assert ".reqntid 1024" in ptx
     assert ".local" not in ptx.split(".entry", 1)[1]
 
 

@@ -211,16 +211,20 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
         SCR = arr + Int32(4 * 17 * NE)
 
         # ---- phase 1: per source s (a warp each): rows it receives back, rows before ours
+        # (8 loads in flight per lane: a loop of one load each would pay the latency E/32 times)
         s = warp
         while s < W:
             tot = Int32(0)
             bef = Int32(0)
             e = lane
             while e < E:
-                v = ldc(counts, s * E + e)
-                tot = tot + v
-                bef = bef + sel_lt(e, rank * El, v, Int32(0))
-                e = e + Int32(32)
+                es = [e + Int32(32 * u) for u in range(8)]
+                vs = [ldc(counts, s * E + smin(x, E - Int32(1))) for x in es]
+                for x, v in zip(es, vs):
+                    v = sel_lt(x, E, v, Int32(0))
+                    tot = tot + v
+                    bef = bef + sel_lt(x, rank * El, v, Int32(0))
+                e = e + Int32(256)
             tot = warp_sum(tot)
             bef = warp_sum(bef)
             if lane == Int32(0):

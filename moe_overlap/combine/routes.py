@@ -20,8 +20,9 @@ import torch
 
 from .plan import recv_rows as _recv_rows
 
-CHUNK = 4096  # assignments per CTA (4 rounds of 1024)
 NT = 1024
+ROUNDS = 4
+CHUNK = ROUNDS * NT  # assignments per CTA
 IMPLS = ("auto", "torch", "kernel")
 
 
@@ -69,6 +70,7 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
 
     H = simt_helpers()
     lds, sts, ptx1, smin, smax, block_scan = H.lds, H.sts, H.ptx1, H.smin, H.smax, H.block_scan
+    sel_lt = H.sel_lt
     NWARP = NT // 32
     Y_SRC = bool(y_src)
 
@@ -97,11 +99,13 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
             sts(hist, e, Int32(0))
             e = e + Int32(NT)
         P.block_sync()
-        i = bidx * Int32(CHUNK) + tid
-        end = smin(N, (bidx + Int32(1)) * Int32(CHUNK))
-        while i < end:
-            atom_add_shared(hist + ld_id(ids, i, E) * Int32(4), Int32(1))
-            i = i + Int32(NT)
+        c0 = bidx * Int32(CHUNK)
+        end = smin(N, c0 + Int32(CHUNK))
+        ii = [c0 + Int32(u * NT) + tid for u in range(ROUNDS)]
+        es = [ld_id(ids, smin(i, smax(end - Int32(1), Int32(0))), E) for i in ii]  # in flight
+        for i, e_ in zip(ii, es):
+            if i < end:
+                atom_add_shared(hist + e_ * Int32(4), Int32(1))
         P.block_sync()
         e = tid
         while e < E:
@@ -132,14 +136,17 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
             w_ = w_ + Int32(1)
         tot = Int32(0)
         pre = Int32(0)
-        if tid < E:
+        if tid < E:  # the expert's column of the workspace, 8 loads in flight
             c = Int32(0)
             while c < nblk:
-                v = P.ld_s32(ws + (Int64(c) * Int64(E) + Int64(tid)) * Int64(4))
-                tot = tot + v
-                if c < bidx:
-                    pre = pre + v
-                c = c + Int32(1)
+                cs = [c + Int32(u) for u in range(8)]
+                vs = [P.ld_s32(ws + (Int64(smin(x, nblk - Int32(1))) * Int64(E) + Int64(tid))
+                               * Int64(4)) for x in cs]
+                for x, v in zip(cs, vs):
+                    v = sel_lt(x, nblk, v, Int32(0))
+                    tot = tot + v
+                    pre = pre + sel_lt(x, bidx, v, Int32(0))
+                c = c + Int32(8)
         if tid < W:
             sts(ACC, tid, Int32(0))
         (first,), _ = block_scan([tot], SCR, lane, warp)  # (its barriers order ACC's zeroing)
@@ -161,11 +168,14 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
         c0 = bidx * Int32(CHUNK)
         end = smin(N, c0 + Int32(CHUNK))
         lt_mask = (Int32(1) << lane) - Int32(1)  # lanes below this one
-        while c0 < end:
-            i = c0 + tid
-            e = Int32(-1)  # past the end: matches no expert, writes nothing
-            if i < end:
-                e = ld_id(ids, i, E)
+        ii = [c0 + Int32(u * NT) + tid for u in range(ROUNDS)]
+        # every round's id loaded up front (in flight together); past the end: -1, which
+        # matches no expert and writes nothing
+        es = [sel_lt(i, end, ld_id(ids, smin(i, smax(end - Int32(1), Int32(0))), E), Int32(-1))
+              for i in ii]
+        for u in cutlass.range_constexpr(ROUNDS):
+            i = ii[u]
+            e = es[u]
             m = ptx1("match.any.sync.b32 {$w0}, {$r0}, -1;", e)
             below = ptx1("popc.b32 {$w0}, {$r0};", m & lt_mask)
             cnt = ptx1("popc.b32 {$w0}, {$r0};", m)
@@ -197,7 +207,6 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
                 atom_add_shared(RUN + e * Int32(4), cnt)
                 sts(WC, warp * Int32(NE) + e, Int32(0))
             P.block_sync()
-            c0 = c0 + Int32(NT)
 
     @cute.jit
     def launch_hist(ids: Int64, ws: Int64, N: Int32, E: Int32, grid: Int32,
@@ -264,8 +273,10 @@ class RoutesKernel:
         fn_hist, fn_rank = self.compiled(ids.dtype == torch.int64, E, y_src)
         grid = max(1, -(-N // CHUNK))
         dev = ids.device
-        ws = torch.empty(grid * E, dtype=torch.int32, device=dev)
         rows = torch.empty(topk_ids.shape, dtype=torch.int32, device=dev)
+        if N == 0:  # no assignment: only the call markers (the kernels would read ids[0])
+            return rows, torch.ones(W, dtype=torch.int64, device=dev)
+        ws = torch.empty(grid * E, dtype=torch.int32, device=dev)
         inc = torch.empty(W, dtype=torch.int64, device=dev)
         if stream is None:
             stream = torch.cuda.current_stream(dev)
