@@ -85,13 +85,13 @@ def simt_helpers():
 
     def sel_lt(a, b, x, y):
         """x if a < b else y."""
-        return ptx1("{ .reg .pred p; setp.lt.s32 p, {$r0}, {$r1}; selp.s32 {$w0}, {$r2}, {$r3}, p; }",
-                    a, b, x, y)
+        return ptx1("{ .reg .pred p; setp.lt.s32 p, {$r0}, {$r1}; "
+                    "selp.s32 {$w0}, {$r2}, {$r3}, p; }", a, b, x, y)
 
     def sel_eq(a, b, x, y):
         """x if a == b else y."""
-        return ptx1("{ .reg .pred p; setp.eq.s32 p, {$r0}, {$r1}; selp.s32 {$w0}, {$r2}, {$r3}, p; }",
-                    a, b, x, y)
+        return ptx1("{ .reg .pred p; setp.eq.s32 p, {$r0}, {$r1}; "
+                    "selp.s32 {$w0}, {$r2}, {$r3}, p; }", a, b, x, y)
 
     def lds(base, i):
         return P.ld_shared_s32(base + Int32(i) * Int32(4))
