@@ -101,3 +101,48 @@ def test_impl_switch_rejects_bad_values_and_cpu_kernel():
     a = plan_combine(counts, 0, impl="auto")  # CPU counts: the torch planner
     b = plan_combine(counts, 0, impl="torch")
     assert all(torch.equal(t, getattr(b, n)) for n, t in a.tensors().items())
+
+
+def _emulate_routes_rows(ids, E):
+    """The routes kernels' counting sort, step by step in Python (chunks of CHUNK ids per CTA,
+    ROUNDS rounds of 1024, warps of 32): row = first[e] + chunks before + earlier rounds + warps
+    before + lanes below with the same expert."""
+    from moe_overlap.combine.routes import CHUNK, NT, ROUNDS
+    flat = ids.reshape(-1).tolist()
+    N = len(flat)
+    G = max(1, -(-N // CHUNK))
+    hist = [[0] * E for _ in range(G)]
+    for i, e in enumerate(flat):
+        hist[i // CHUNK][e] += 1
+    tot = [sum(hist[b][e] for b in range(G)) for e in range(E)]
+    first = [sum(tot[:e]) for e in range(E)]
+    rows = [None] * N
+    for b in range(G):
+        base = [first[e] + sum(hist[c][e] for c in range(b)) for e in range(E)]
+        run = [0] * E
+        for u in range(ROUNDS):
+            lanes = [b * CHUNK + u * NT + t for t in range(NT)]
+            es = [flat[i] if i < N else -1 for i in lanes]
+            wc = [[0] * E for _ in range(NT // 32)]
+            for t, e in enumerate(es):
+                if e >= 0:
+                    wc[t // 32][e] += 1
+            for t, e in enumerate(es):
+                if e < 0:
+                    continue
+                w, lane = divmod(t, 32)
+                below = sum(1 for x in es[w * 32:w * 32 + lane] if x == e)
+                rows[lanes[t]] = base[e] + run[e] + below + sum(wc[v][e] for v in range(w))
+            for t, e in enumerate(es):
+                if e >= 0:
+                    run[e] += 1
+    return torch.tensor(rows, dtype=torch.int64).view(ids.shape)
+
+
+@pytest.mark.parametrize("T,E,k,seed", [(700, 8, 2, 0), (3000, 64, 4, 1), (1025, 16, 8, 2)])
+def test_routes_counting_sort_equals_stable_sort(T, E, k, seed):
+    from moe_overlap.combine.plan import recv_rows
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids[: T // 3] = ids[0]  # long runs of the same experts across warps, rounds and chunks
+    assert torch.equal(_emulate_routes_rows(ids, E), recv_rows(ids, E))
