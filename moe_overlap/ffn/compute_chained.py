@@ -134,7 +134,7 @@ def _kernel_class():
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass import Int32, Int64
     from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-    from cutlass.utils import LayoutEnum
+    from cutlass.tensor_utils import LayoutEnum
 
     from ..kernels.primitives import (fence_mbar_init, globaltimer, ld_acquire_gpu_s32,
                                       ld_shared_s32, mbar_arrive, mbar_init,
