@@ -193,3 +193,24 @@ def test_ring_bytes_is_the_schedule_ring():
     assert c.grid(1, 256, 256, sms=132) == 2  # capped at the number of tiles
     with pytest.raises(ValueError, match="ccta"):
         c.grid(8192, 7168, 4096, sms=132, ccta=132)
+
+
+def test_launch_path_compiles_from_torch_tensors(mod):
+    """The argument conversion of __call__ (DLPack views: weights as MN-major transposes, dynamic
+    M / table / ring / flags) compiles on CPU tensors: the GPU run does not meet it first."""
+    from cutlass.runtime import make_fake_stream
+    c = mod.ChainedFFNCompute()
+    M, P, hidden, N = 300, 256, 512, 512
+    bf = dict(dtype=torch.bfloat16)
+    x, w1, w2 = torch.zeros(M, P, **bf), torch.zeros(P, hidden, **bf), torch.zeros(hidden, N, **bf)
+    s = c.schedule(M, P, hidden, N, grid=c.grid(M, hidden, N, sms=132))
+    ring = torch.zeros(c.ring_rows(M, P, hidden, N, s.grid), hidden, **bf)
+    out = torch.zeros(M, N, **bf)
+    i32 = dict(dtype=torch.int32)
+    args, ints = c._cute_args(x, w1, torch.zeros(hidden), w2, ring, out,
+                              s.tile_table().reshape(-1).contiguous(),
+                              torch.zeros(1 + 2 * s.blocks, **i32), torch.zeros(s.blocks, **i32),
+                              torch.ones(1, **i32), torch.zeros(8, dtype=torch.int64), s.blocks,
+                              s.ring, s.grid)
+    fn = c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)
+    assert fn is c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)

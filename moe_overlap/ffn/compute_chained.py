@@ -65,8 +65,6 @@ torch only, and ``ChainedFFNCompute.can_implement`` / ``ring_bytes`` run without
 """
 
 
-import math
-
 import torch
 
 from ..runtime.device import num_sms
@@ -867,6 +865,34 @@ class ChainedFFNCompute:
             self._tables[key] = t
         return t
 
+    def _cute_args(self, x, w1, b1f, w2, h_ring, out, table, sync, band_ready, epoch, err,
+                   blocks, ring, grid):
+        """torch -> cute arguments of the launch: M, the table, the sync words, the ring rows and
+        the flag capacity are dynamic; P, hidden, N static (weights as MN-major views)."""
+        import cutlass
+        from cutlass.cute.runtime import from_dlpack
+
+        def dyn(t, align):
+            return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(
+                mode=0, stride_order=t.dim_order())
+
+        args = (dyn(x, 16), from_dlpack(w1.t(), assumed_align=16),
+                from_dlpack(b1f, assumed_align=16), from_dlpack(w2.t(), assumed_align=16),
+                dyn(h_ring, 16), dyn(out, 16), dyn(table, 4), dyn(sync, 4), dyn(band_ready, 4),
+                from_dlpack(epoch.reshape(1), assumed_align=4), from_dlpack(err, assumed_align=8))
+        ints = (cutlass.Int32(table.numel() // 3), cutlass.Int32(blocks), cutlass.Int32(ring),
+                cutlass.Int64(int(self.timeout_ms * 1e6)), cutlass.Int32(grid))
+        return args, ints
+
+    def _compiled_for(self, args, ints, stream, P, hidden, N, act1, has_b1):
+        import cutlass.cute as cute
+        key = ("dlpack",) + self._key(P, hidden, N, act1, has_b1)
+        fn = ChainedFFNCompute._compiled.get(key)
+        if fn is None:
+            fn = cute.compile(self._kernel(P, hidden, act1, has_b1), *args, *ints, stream)
+            ChainedFFNCompute._compiled[key] = fn
+        return fn
+
     def check(self, device=None):
         """Synchronizes and raises RuntimeError if a launch on ``device`` recorded an error
         (then clears it)."""
@@ -917,29 +943,10 @@ class ChainedFFNCompute:
             if b1f is None or b1f.device != dev:
                 b1f = torch.zeros(hidden, dtype=torch.float32, device=dev)
                 self._bufs[zk] = b1f
-        import cutlass
-        import cutlass.cute as cute
+        args, ints = self._cute_args(x, w1, b1f, w2, h_ring, out, table, sync, band_ready,
+                                     epoch, bufs["err"], blocks, s.ring, grid)
         import cuda.bindings.driver as cuda_drv
-        from cutlass.cute.runtime import from_dlpack
-
-        def dyn(t, align):
-            return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(
-                mode=0, stride_order=t.dim_order())
-
-        args = (dyn(x, 16), from_dlpack(w1.t(), assumed_align=16),
-                from_dlpack(b1f, assumed_align=16), from_dlpack(w2.t(), assumed_align=16),
-                dyn(h_ring, 16), dyn(out, 16), dyn(table, 4), dyn(sync, 4),
-                dyn(band_ready, 4), from_dlpack(epoch.reshape(1), assumed_align=4),
-                from_dlpack(bufs["err"], assumed_align=8))
-        ints = (cutlass.Int32(table.numel() // 3), cutlass.Int32(blocks),
-                cutlass.Int32(s.ring), cutlass.Int64(int(self.timeout_ms * 1e6)),
-                cutlass.Int32(grid))
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
-        key = ("dlpack",) + self._key(P, hidden, N, act1, b1 is not None)
-        fn = ChainedFFNCompute._compiled.get(key)
-        if fn is None:
-            fn = cute.compile(self._kernel(P, hidden, act1, b1 is not None), *args, *ints,
-                              cu_stream)
-            ChainedFFNCompute._compiled[key] = fn
+        fn = self._compiled_for(args, ints, cu_stream, P, hidden, N, act1, b1 is not None)
         fn(*args, *ints, cu_stream)
         return out
