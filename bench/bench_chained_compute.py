@@ -1,0 +1,163 @@
+"""The chained FFN compute kernel alone against torch's addmm + act + mm, one GPU (issue 17's goal:
+>= 0.95x on every shape).
+
+    PYTHONPATH=$PWD python bench/bench_chained_compute.py [--tokens 8192,32768] [--out DIR] [--tag h200]
+
+Per shape of bench_ffn.SHAPES (the G = 2 slice: x [T, P], w1 [P, O/G], w2 [O/G, P]) and token
+count: both paths captured in CUDA graphs of --reps calls and the replays timed interleaved in the
+same rounds (moe_overlap.timing.time_interleaved: clock and power drift hit both alike), median
+ms per call, speedup = baseline / ours, TFLOP/s; activation memory of one eager call of each
+(peak allocation above what was allocated before it, output included: ours = out + the H ring,
+baseline = H, gelu's copy and out; bench_ffn_baseline.peak_call_bytes); error of each against
+float64 on a subset of rows (<= --check-rows rows spread over all row blocks), relative to the
+largest |value|; the schedule (lookahead, ring). JSON `ffn_chained_compute_<tag>.json` to --out
+with device, date and commit. A shape that fails records its error and the run goes on.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_ffn import SHAPES  # noqa: E402
+from bench_ffn_baseline import peak_call_bytes  # noqa: E402
+from moe_overlap.ffn.activations import activation, activation_  # noqa: E402
+from moe_overlap.ffn.compute_chained import ChainedFFNCompute  # noqa: E402
+from moe_overlap.timing import time_interleaved  # noqa: E402
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)),
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - no git on the machine: say so
+        return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def graph_of(fn, reps):
+    """A CUDA graph of `reps` calls of fn (warmed up and compiled outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def rel_err(y, x, w1, b1, w2, act, rows):
+    """max |y - truth| / max |truth| over `rows`, truth in float64 (H not rounded)."""
+    h = x[rows].double() @ w1.double() + b1.double()
+    t = activation(h, act) @ w2.double()
+    d = (y[rows].double() - t).abs()
+    if torch.isnan(d).any():
+        return float("nan")
+    return (d.max() / t.abs().max()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="all")
+    ap.add_argument("--tokens", default="8192,32768")
+    ap.add_argument("--world", type=int, default=2, help="G: the hidden slice is O / G")
+    ap.add_argument("--act", default="gelu")
+    ap.add_argument("--reps", type=int, default=5, help="calls per CUDA graph")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--check-rows", type=int, default=1024)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tag", default="h200")
+    a = ap.parse_args()
+    names = list(SHAPES) if a.shapes == "all" else a.shapes.split(",")
+    dev = torch.device("cuda")
+    comp = ChainedFFNCompute()
+    rows_out = []
+    for name in names:
+        P, O = SHAPES[name]
+        Og = O // a.world
+        for T in (int(t) for t in a.tokens.split(",")):
+            r = dict(shape=name, tokens=T, P=P, hidden_slice=Og, N=P, act=a.act)
+            try:
+                g = torch.Generator(device=dev).manual_seed(T + P)
+                x = torch.randn(T, P, device=dev, dtype=torch.bfloat16, generator=g)
+                w1 = torch.randn(P, Og, device=dev, dtype=torch.bfloat16, generator=g) / P ** 0.5
+                b1 = torch.randn(Og, device=dev, dtype=torch.bfloat16, generator=g)
+                w2 = torch.randn(Og, P, device=dev, dtype=torch.bfloat16, generator=g) / Og ** 0.5
+
+                def base():
+                    return torch.mm(activation_(torch.addmm(b1, x, w1), a.act), w2)
+
+                def ours():
+                    return comp(x, w1, b1, w2, act1=a.act)
+
+                y = ours()
+                comp.check()
+                grid = comp.grid(T, Og, P, dev)
+                s = comp.schedule(T, P, Og, P, grid)
+                step = max(1, T // a.check_rows)
+                rows = torch.arange(0, T, step, device=dev)
+                r.update(err=rel_err(y, x, w1, b1, w2, a.act, rows),
+                         err_baseline=rel_err(base(), x, w1, b1, w2, a.act, rows),
+                         lookahead=s.lookahead, ring=s.ring, grid=grid,
+                         ring_bytes=comp.ring_bytes(T, P, Og, P, grid))
+                del y
+                graphs = {"ours": graph_of(ours, a.reps), "baseline": graph_of(base, a.reps)}
+                t = time_interleaved({k: gr.replay for k, gr in graphs.items()}, warmup=2,
+                                     rounds=a.rounds)
+                comp.check()
+                del graphs
+                ms = {k: v["median_ms"] / a.reps for k, v in t.items()}
+                flops = 2.0 * T * P * Og * 2
+                r.update(ms=ms["ours"], ms_baseline=ms["baseline"],
+                         speedup=ms["baseline"] / ms["ours"],
+                         tflops=flops / ms["ours"] / 1e9,
+                         tflops_baseline=flops / ms["baseline"] / 1e9,
+                         p10_ms=t["ours"]["p10_ms"] / a.reps, p90_ms=t["ours"]["p90_ms"] / a.reps,
+                         activation_mem=peak_call_bytes(ours),
+                         activation_mem_baseline=peak_call_bytes(base))
+                r["activation_ratio"] = r["activation_mem"] / r["activation_mem_baseline"]
+                print(f"{name:22s} T={T:6d} ours {r['ms']:7.3f} ms ({r['tflops']:5.0f} TF/s) "
+                      f"base {r['ms_baseline']:7.3f} ms ({r['tflops_baseline']:5.0f}) "
+                      f"x{r['speedup']:.3f}  mem {r['activation_mem'] / 2**20:7.1f} / "
+                      f"{r['activation_mem_baseline'] / 2**20:7.1f} MiB  err {r['err']:.2e} "
+                      f"(base {r['err_baseline']:.2e})  L={s.lookahead} ring={s.ring}",
+                      flush=True)
+                x = w1 = b1 = w2 = None  # free before the next shape
+            except Exception as e:  # noqa: BLE001 - record and go on to the next shape
+                r["error"] = f"{type(e).__name__}: {e}"
+                r["traceback"] = traceback.format_exc()
+                print(f"{name:22s} T={T:6d} FAILED: {r['error']}", flush=True)
+            rows_out.append(r)
+            torch.cuda.empty_cache()
+    ok = [r for r in rows_out if "speedup" in r]
+    doc = dict(bench="ffn_chained_compute", device=torch.cuda.get_device_name(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               git_commit=git_commit(), torch=torch.__version__, world=a.world,
+               method=f"CUDA graphs of {a.reps} calls per path, replays interleaved over "
+                      f"{a.rounds} rounds (time_interleaved), median / {a.reps}; activation_mem "
+                      f"= peak allocation of one eager call above the memory before it (output "
+                      f"included); err = max abs error / max |truth| vs float64 on every "
+                      f"(T // {a.check_rows})-th row",
+               goal="speedup >= 0.95 on every shape",
+               min_speedup=min((r["speedup"] for r in ok), default=None),
+               failed=[f"{r['shape']}@{r['tokens']}" for r in rows_out if "error" in r],
+               rows=rows_out)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"ffn_chained_compute_{a.tag}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"min speedup {doc['min_speedup']}; failed: {doc['failed']}; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
