@@ -55,9 +55,17 @@ with the text. The intra-CTA mbarrier waits (TMA completion, the tile mailbox) a
 unbounded ones: their other side never waits on another CTA without a bound.
 
 Structure (to be re-seated on the shared Hopper GEMM base, issue 19): ``fetch_tile`` /
-``read_tile`` (tile scheduler), ``load_tile`` (TMA mainloop producer), ``mma_tile`` (WGMMA
-mainloop), ``epilogue_gemm1`` / ``epilogue_gemm2`` (accumulator -> bf16 sub-tiles) and
-``store_tile`` (store warp: waits, TMA stores, counters) are separate methods.
+``read_tile`` (tile scheduler), ``load_role`` (TMA mainloop producer), ``mma_tile`` (WGMMA
+mainloop) in ``mma_role``, ``epilogue_gemm1`` / ``epilogue_gemm2`` (accumulator -> bf16
+sub-tiles) and ``store_role`` (store warp: waits, TMA stores, counters) are separate methods.
+
+The kernel walks whatever valid list it is given (every dependency earlier in the list), so the
+order is a host-side choice: ``group`` G > 1 runs the derived order on super-blocks of G row
+blocks (``GroupedChainedSchedule``): G consecutive blocks take the same column tile next to each
+other in the list, so the CTAs reading one weight panel (P x 256 of W1, hidden x 256 of W2) run
+G times as many blocks side by side and the panel comes from DRAM about G times less often (with
+G = 1, about grid / (h_tiles + n_tiles) blocks share a panel in time: 1.5 on llama3-70b's slice),
+at G times the ring.
 
 The tile order and its reference walk are ``chained_schedule.derive`` / ``execute_reference``;
 ``chained_ffn_reference`` is the plain math. cutlass is imported lazily: this module imports with
@@ -65,13 +73,17 @@ torch only, and ``ChainedFFNCompute.can_implement`` / ``ring_bytes`` run without
 """
 
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from ..runtime.device import num_sms
 from .activations import ACT2, activation
 from .chained_schedule import ChainedSchedule, derive
 
-__all__ = ["ChainedFFNCompute", "chained_ffn_reference", "ACT1_CHAINED"]
+__all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
+           "ACT1_CHAINED", "schedule_for"]
 
 ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -106,6 +118,93 @@ def describe_chained_error(err) -> str | None:
                 f"{el / 1e6:.1f} ms waiting for its H row block: g1_done[{blk}] = {obs}, "
                 f"expected {exp} (GEMM1 tiles of the block not done)")
     return f"chained FFN: unknown device error code {code}: {list(int(v) for v in err)}"
+
+
+@dataclass(frozen=True)
+class GroupedChainedSchedule:
+    """The derived tile order on super-blocks of ``group`` row blocks, expanded to row blocks.
+
+    ``base`` is ``derive`` for rows in super-blocks (tile_m * group rows) on grid / group CTAs
+    (each super-tile is ``group`` tiles side by side); a super-tile (kind, sb, c) becomes the tiles
+    (kind, sb * group + g, c), g < group, of the blocks that exist. Every dependency stays earlier
+    in the list: GEMM2 of block b needs the GEMM1 tiles of its super-block, GEMM1 of b >= ring
+    (= base.ring * group blocks) needs GEMM2 of b - ring, in super-block sb - base.ring. Duck-types
+    ChainedSchedule for ``simulate`` and ``execute_reference``."""
+
+    base: ChainedSchedule
+    group: int
+    rows: int
+    tile_m: int
+    grid: int
+
+    @property
+    def hidden(self):
+        return self.base.hidden
+
+    @property
+    def out(self):
+        return self.base.out
+
+    @property
+    def inputs(self):
+        return self.base.inputs
+
+    @property
+    def tile_h(self):
+        return self.base.tile_h
+
+    @property
+    def tile_n(self):
+        return self.base.tile_n
+
+    @property
+    def h_tiles(self):
+        return self.base.h_tiles
+
+    @property
+    def n_tiles(self):
+        return self.base.n_tiles
+
+    @property
+    def blocks(self):
+        return math.ceil(self.rows / self.tile_m)
+
+    @property
+    def lookahead(self):
+        return self.base.lookahead * self.group
+
+    @property
+    def ring(self):
+        return self.base.ring * self.group
+
+    @property
+    def ring_bytes(self):
+        return min(self.ring, self.blocks) * self.tile_m * self.hidden * 2
+
+    def tiles(self):
+        nb = self.blocks
+        return [(k, sb * self.group + g, c) for k, sb, c in self.base.tiles()
+                for g in range(self.group) if sb * self.group + g < nb]
+
+    def tile_table(self, device=None):
+        return torch.tensor(self.tiles(), dtype=torch.int32, device=device).reshape(-1, 3)
+
+
+def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, group=1,
+                 ring=None):
+    """The tile list the kernel runs: ``derive`` (group 1) or its super-block form (group G);
+    ring (row blocks, group 1 only) overrides the derived ring size, unchecked (tests only)."""
+    if group == 1:
+        s = derive(M, hidden, N, tile_m, tile_h, tile_n, grid=grid, inputs=P)
+        if ring is not None:
+            s = ChainedSchedule(s.rows, s.hidden, s.out, s.tile_m, s.tile_h, s.tile_n, s.grid,
+                                s.lookahead, ring, s.inputs)
+        return s
+    if ring is not None:
+        raise ValueError("a ring override is for group=1 only")
+    base = derive(M, hidden, N, tile_m * group, tile_h, tile_n, grid=max(1, grid // group),
+                  inputs=P)
+    return GroupedChainedSchedule(base, group, M, tile_m, grid)
 
 
 def _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages):
@@ -625,11 +724,12 @@ class ChainedFFNCompute:
     """The chained FFN compute kernel (module docstring).
 
     ChainedFFNCompute(tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
-                      timeout_ms=2000)
+                      timeout_ms=2000, group=1)
         tile_m = 128 (two consumer warpgroups); tile_h = tile_n = 256 (GEMM1 and GEMM2 tiles
         share the tiled MMA and the smem ring); stages: operand ring depth (None: as many as
         fit, 4); epi_n x epi_stages: epilogue sub-tile width and buffers; timeout_ms: bound of
-        every cross-CTA wait.
+        every cross-CTA wait; group: tile order on super-blocks of this many row blocks (module
+        docstring; 1 = ``chained_schedule.derive``'s order).
 
     __call__(x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu", ccta=0,
              stream=None, h_ring=None) -> out
@@ -648,8 +748,13 @@ class ChainedFFNCompute:
     _compiled = {}
 
     def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
-                 timeout_ms=2000, _test_ring=None, _test_skip_slot_wait=False):
+                 timeout_ms=2000, group=1, _test_ring=None, _test_skip_slot_wait=False):
         self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms)
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(f"group must be an int >= 1, got {group!r}")
+        if group > 1 and _test_ring is not None:
+            raise ValueError("_test_ring is for group=1 only")
+        self.group = group
         self.tile_m, self.tile_h, self.tile_n = tile_m, tile_h, tile_n
         self.stages, _ = _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages)
         self.epi_n, self.epi_stages = epi_n, epi_stages
@@ -710,13 +815,10 @@ class ChainedFFNCompute:
         return True
 
     # ---------------------------------------------------------------- schedule, memory
-    def schedule(self, M, P, hidden, N, grid) -> ChainedSchedule:
-        """The tile list this instance runs for M rows on ``grid`` CTAs."""
-        s = derive(M, hidden, N, self.tile_m, self.tile_h, self.tile_n, grid=grid, inputs=P)
-        if self._test_ring is not None:
-            s = ChainedSchedule(s.rows, s.hidden, s.out, s.tile_m, s.tile_h, s.tile_n, s.grid,
-                                s.lookahead, self._test_ring, s.inputs)
-        return s
+    def schedule(self, M, P, hidden, N, grid):
+        """The tile list this instance runs for M rows on ``grid`` CTAs (``schedule_for``)."""
+        return schedule_for(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
+                            self.group, self._test_ring)
 
     def grid(self, M, hidden, N, device=None, ccta=0, sms=None):
         sms = num_sms(device) if sms is None else sms
