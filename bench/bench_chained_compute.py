@@ -154,7 +154,7 @@ def main():
                 r["error"] = f"{type(e).__name__}: {e}"
                 r["traceback"] = traceback.format_exc()
                 print(f"{name:22s} T={T:6d} FAILED: {r['error']}", flush=True)
-                x = w1 = b1 = w2 = graphs = None
+                x = w1 = b1 = w2 = None
             rows_out.append(r)
             torch.cuda.empty_cache()
     ok = [r for r in rows_out if "speedup" in r]

@@ -88,7 +88,8 @@ def _run_case(mod, M, shape, act1, bias, seed, comp=None, ccta=0, epoch_val=7):
              h_ring=ring)
     assert y is out
     case = (f"M={M} P,hidden,N={shape} act1={act1} b1={'yes' if bias else 'None'} ccta={ccta} "
-            f"grid={grid} lookahead={s.lookahead} ring={s.ring} blocks={s.blocks}")
+            f"group={comp.group} grid={grid} lookahead={s.lookahead} ring={s.ring} "
+            f"blocks={s.blocks}")
     comp.check()  # raises with the device error text (a timed-out wait)
     msgs = [_report(case, out, _truth64(x, w1, b1, w2, act1), "float64 truth"),
             _report(case, out, execute_reference(s, x, w1, b1, w2,
@@ -119,6 +120,13 @@ CASES = [  # M, shape, act1, b1 given
 @pytest.mark.parametrize("M,shape,act1,bias", CASES)
 def test_matches_truth_and_reference(mod, M, shape, act1, bias):
     _run_case(mod, M, shape, act1, bias, seed=1000 * M + len(act1) + bias)
+
+
+@pytest.mark.parametrize("group,M", [(2, 8192), (4, 8192), (4, 1000)])
+def test_grouped_order(mod, group, M):
+    """The super-block tile order (group G) on the same kernel: a different table, same result."""
+    _run_case(mod, M, SHAPE, "gelu", True, seed=300 + group + M,
+              comp=mod.ChainedFFNCompute(group=group))
 
 
 def test_small_grid(mod):
