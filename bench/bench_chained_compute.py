@@ -66,6 +66,32 @@ def rel_err(y, x, w1, b1, w2, act, rows):
     return (d.max() / t.abs().max()).item()
 
 
+def write(a, groups, rows_out, final=False):
+    """The JSON so far (rewritten after every shape, so a run cut short keeps its rows)."""
+    ok = [r for r in rows_out if "speedup" in r]
+    doc = dict(bench="ffn_chained_compute", device=torch.cuda.get_device_name(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               git_commit=git_commit(), torch=torch.__version__, world=a.world,
+               complete=final, groups=groups,
+               method=f"CUDA graphs of {a.reps} calls per path, replays interleaved over "
+                      f"{a.rounds} rounds (time_interleaved), median / {a.reps}; activation_mem "
+                      f"= peak allocation of one eager call above the memory before it (output "
+                      f"included); err = max abs error / max |truth| vs float64 on every "
+                      f"(T // {a.check_rows})-th row",
+               goal="speedup >= 0.95 on every shape",
+               min_speedup=min((r["speedup"] for r in ok), default=None),
+               min_best_speedup=min((r["best_speedup"] for r in ok), default=None),
+               failed=[f"{r['shape']}@{r['tokens']}" for r in rows_out if "error" in r],
+               rows=rows_out)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"ffn_chained_compute_{a.tag}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    if final:
+        print(f"min speedup {doc['min_speedup']} (group {groups[0]}), with the best group per "
+              f"shape {doc['min_best_speedup']}; failed: {doc['failed']}; wrote {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="all")
@@ -156,27 +182,9 @@ def main():
                 print(f"{name:22s} T={T:6d} FAILED: {r['error']}", flush=True)
                 x = w1 = b1 = w2 = None
             rows_out.append(r)
+            write(a, groups, rows_out)
             torch.cuda.empty_cache()
-    ok = [r for r in rows_out if "speedup" in r]
-    doc = dict(bench="ffn_chained_compute", device=torch.cuda.get_device_name(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               git_commit=git_commit(), torch=torch.__version__, world=a.world,
-               method=f"CUDA graphs of {a.reps} calls per path, replays interleaved over "
-                      f"{a.rounds} rounds (time_interleaved), median / {a.reps}; activation_mem "
-                      f"= peak allocation of one eager call above the memory before it (output "
-                      f"included); err = max abs error / max |truth| vs float64 on every "
-                      f"(T // {a.check_rows})-th row",
-               goal="speedup >= 0.95 on every shape",
-               min_speedup=min((r["speedup"] for r in ok), default=None),
-               min_best_speedup=min((r["best_speedup"] for r in ok), default=None),
-               failed=[f"{r['shape']}@{r['tokens']}" for r in rows_out if "error" in r],
-               rows=rows_out)
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"ffn_chained_compute_{a.tag}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"min speedup {doc['min_speedup']} (group {groups[0]}), with the best group per "
-          f"shape {doc['min_best_speedup']}; failed: {doc['failed']}; wrote {path}")
+    write(a, groups, rows_out, final=True)
 
 
 if __name__ == "__main__":
