@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_ffn import SHAPES  # noqa: E402
 from bench_ffn_baseline import peak_call_bytes  # noqa: E402
 from moe_overlap.ffn.activations import activation, activation_  # noqa: E402
+from moe_overlap.ffn.chained_schedule import simulate  # noqa: E402
 from moe_overlap.ffn.compute_chained import ChainedFFNCompute  # noqa: E402
 from moe_overlap.timing import time_interleaved  # noqa: E402
 
@@ -143,6 +144,7 @@ def main():
                     variants[grp] = dict(err=rel_err(y, x, w1, b1, w2, a.act, rows),
                                          lookahead=s.lookahead, ring=s.ring, grid=grid,
                                          ring_bytes=comp.ring_bytes(T, P, Og, P, grid),
+                                         sim_efficiency=simulate(s).efficiency,
                                          activation_mem=peak_call_bytes(ours))
                     del y
                     fns[f"group{grp}"] = ours
