@@ -73,6 +73,11 @@ def variants():
                                                                keep_ptx=True).__ptx__,
         "grouped_gemm_noflag_c1": lambda: G(signal=False, cluster_n=1).compile(
             N=1024, K=512, keep_ptx=True).__ptx__,
+        # non-default tuning knobs in one build (flag post by the consumer warp, at the last k
+        # tile, 64-column epilogue sub-tiles, band-major order)
+        "grouped_gemm_knobs": lambda: G(flag_warp=False, signal_k_tile=-1, epi_n=64,
+                                        epi_stages=2, band_group=1).compile(
+            N=1024, K=512, keep_ptx=True).__ptx__,
         # fused FFN compute: the kernel's default (H in registers), the layers' default h_pair
         # (O/G a multiple of 2 tile_o), tile_o 128 where 256 does not divide O/G, tile_m 64, each
         # activation, clusters of 2 (dense option); dense and grouped calls compile one kernel
