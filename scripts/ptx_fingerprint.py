@@ -83,8 +83,6 @@ def variants():
         # activation, clusters of 2 (dense option); dense and grouped calls compile one kernel
         "fused_ffn_default": lambda: F().compile(
             P=256, O=1024, N=256, act1="gelu", keep_ptx=True).__ptx__,
-        "fused_ffn_smem_h": lambda: F(h_regs=False, h_pair=False).compile(
-            P=256, O=512, N=256, act1="silu", keep_ptx=True).__ptx__,
         "fused_ffn_pair_gelu": lambda: F(h_pair=True).compile(
             P=256, O=1024, N=256, act1="gelu", keep_ptx=True).__ptx__,
         "fused_ffn_pair_silu_tm64": lambda: F(tile_m=64, h_pair=True).compile(
@@ -95,6 +93,8 @@ def variants():
             P=256, O=512, N=256, act1="gelu_tanh", keep_ptx=True).__ptx__,
         "fused_ffn_pair_c2": lambda: F(h_pair=True, cluster_m=2).compile(
             P=256, O=1024, N=256, act1="gelu", keep_ptx=True).__ptx__,
+        "fused_ffn_knobs": lambda: F(stages=3, epi_n=16, epi_stages=4, signal_k_tile=2).compile(
+            P=512, O=512, N=256, act1="relu", keep_ptx=True).__ptx__,
         "band_allreduce_unicast_g2": lambda: ar().compile_band_allreduce(
             2, "unicast", "none", keep=True).__ptx__,
         "band_allreduce_switch_g4_gelu": lambda: ar().compile_band_allreduce(

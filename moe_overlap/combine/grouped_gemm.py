@@ -72,8 +72,9 @@ def grouped_gemm_reference(x, w, y, band_expert, band_src_row, schedule, num_ban
 
 
 def tile_order_reference(num_bands, n_tiles, cluster=1, group=1):
-    """The kernel's tile order (``tile_coords``) in plain Python: [(schedule position, n tile)]
-    for linear tiles t = 0 .. num_bands * n_tiles - 1. For tests of the arithmetic."""
+    """The kernel's tile order (``kernels.tile_scheduler.BandTileScheduler.coords``) in plain
+    Python: [(schedule position, n tile)] for linear tiles t = 0 .. num_bands * n_tiles - 1. For
+    tests of the arithmetic."""
     out = []
     for t in range(num_bands * n_tiles):
         p, n = t // n_tiles, t % n_tiles
