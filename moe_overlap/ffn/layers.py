@@ -233,7 +233,7 @@ COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "cluster_m", "h_pair")
 def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
                           grouped: bool) -> dict:
     """Validated copy of the fused layers' ``compute_options`` (keyword options of
-    ``kernels.fused_ffn.FusedFFNCompute``; tile sizes and band rows are the layer's) with the
+    ``ffn.compute_reduce.FusedFFNCompute``; tile sizes and band rows are the layer's) with the
     layer's default filled in: ``h_pair`` wherever the hidden tiles pair up (local_hidden a
     multiple of 2 * tile_o). Raises ValueError / TypeError on any machine,
     before CUDA is touched."""

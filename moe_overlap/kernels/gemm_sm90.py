@@ -15,7 +15,8 @@ The base holds what every such kernel does the same way, as methods a subclass c
   ``make_tma_load`` (plain or multicast over the cluster), ``make_tma_store`` (store or fp32
   reduce-add), ``SMEM_CAPACITY_SM90``;
 * device: ``prefetch_descriptors``, ``make_mainloop_pipeline`` (the ring's mbarriers; every
-  consumer warp releases a stage to each CTA that multicast into it), ``producer_warpgroup`` /
+  consumer warp releases a stage to each CTA that multicast into it), ``make_epi_store_pipeline``
+  (bulk-group bookkeeping of the epilogue stores), ``producer_warpgroup`` /
   ``consumer_warpgroup`` (register reallocation), ``mma_k_tile`` (the WGMMAs of one ring stage:
   one per k block, then ``commit_group``), ``signal_k_index`` (the k iteration at which a deferred
   flag of the previous tile is posted), ``store_epi_subtile`` (one epilogue sub-tile: registers ->
@@ -24,9 +25,10 @@ The base holds what every such kernel does the same way, as methods a subclass c
 Per tile, the subclass picks the A / B tensors (their TMA partitions and WGMMA fragments are
 arguments of these methods, not attributes) and the epilogue (the TMA atom passed to
 ``store_epi_subtile``, or its own), so one kernel can run different GEMMs on different tiles.
-The k loops themselves stay in the subclass's kernel body: the DSL carries a loop's state only
-for the names it sees written or advanced in that loop's own source, so a pipeline state must be
-advanced where the loop is written.
+The k loops themselves stay in the subclass's kernel body: the DSL carries a loop's state
+(pipeline states, pending flags) by the names written or advanced in that loop's own source, so
+a pipeline state is advanced where its loop is written; a k-loop helper that returned the states
+would also reorder the carried values of the enclosing tile loop, i.e. change the kernels' code.
 
 Written after CUTLASS's CuTe DSL Hopper persistent dense GEMM example and QuACK's ``GemmSm90``.
 Imports cutlass: import this module only where CuTe DSL is installed (the host wrappers import
@@ -177,7 +179,8 @@ class GemmSm90:
         if is_store_warp:
             bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
                 tma_atom, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_epi)
-            cute.copy(tma_atom, bSG_sD[(None, buf)], bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))])
+            cute.copy(tma_atom, bSG_sD[(None, buf)],
+                      bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))])
             store_pipeline.producer_commit()
             # buffer reuse: at most stages - 1 bulk groups still reading shared memory
             store_pipeline.producer_acquire()
