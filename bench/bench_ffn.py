@@ -129,7 +129,7 @@ def parse_options(text):
         if not eq or not k:
             raise ValueError(f"option {kv!r} is not key=value")
         out[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
-    for k in ("h_regs", "h_pair"):
+    for k in ("h_pair",):
         if k in out:
             out[k] = bool(out[k])
     return out

@@ -11,15 +11,16 @@ interleaved CUDA-event timing, median:
   ``tma256_c2``: clusters of two CTAs on adjacent m-tiles sharing W1 / W2 by TMA multicast;
   ``tma256_s3e32x4`` / ``tma256_e16``: other ring / epilogue shapes; ``tma256_pair*``: two
   hidden tiles per unit (h_pair: half the reduce-add bytes); ``tma128``: tile_o 128;
-  ``red256``: the register epilogue (red.global.add.v2.f32 from the accumulator);
   ``tma256_half_grid``: on half the SMs (time nearly unchanged = a shared resource such as the
   L2's reduction rate is the limit; time doubled = per-SM work is); ``tma256_m64``: tile_m = 64;
-- diagnostics (wrong results): ``tma256_plain`` plain TMA stores instead of reduce-adds (the
-  cost of the L2 read-modify-write); ``tma256_gemm1_only`` / ``tma256_gemm2_only``: GEMM2 (its
-  W2 stages, MMAs and reductions) or GEMM1's k loop left out; ``tma256_noepi`` /
-  ``tma256_gemm2_noepi``: GEMM2's reductions left out (how the time splits between phases);
-- ``v4*``: the kernel with H in shared memory (h_regs=False) and the epilogue shapes of
-  bench/NOTES.md, session 6 (s = ring stages, e = sub-tile columns, x = buffers).
+- diagnostics (wrong results; ``diag_compute``: a FusedFFNCompute whose kernel is a
+  FusedFFNKernel subclass with its timing-split attributes set, nothing of it in the product
+  constructor): ``tma256_plain`` plain TMA stores instead of reduce-adds (the cost of the L2
+  read-modify-write); ``tma256_gemm1_only`` / ``tma256_gemm2_only``: GEMM2 (its W2 stages, MMAs
+  and reductions) or GEMM1's k loop left out; ``tma256_noepi`` / ``tma256_gemm2_noepi``:
+  GEMM2's reductions left out (how the time splits between phases).
+The variants that lost and were removed from the kernel (H through shared memory ``v4*``, the
+register epilogue ``red256``) are in git history and bench/NOTES.md, session 10.
 The reduce-add traffic is T * N * 4 * O_g / tile_o bytes; the table gives its rate per variant.
 """
 import argparse
@@ -31,6 +32,35 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_ffn import SHAPES  # noqa: E402
+
+DIAG_SKIPS = (None, "gemm1", "gemm2", "epilogue", "gemm1+epilogue")
+_DIAG_KERNELS = {}
+
+
+def diag_compute(skip=None, plain_store=False, **options):
+    """A FusedFFNCompute(**options) whose kernel leaves a phase out (benchmarks only, wrong
+    results): skip "gemm1" / "gemm2" drops that GEMM's stages and work on both sides of the
+    ring, "epilogue" GEMM2's reductions, "gemm1+epilogue" both; plain_store replaces the
+    reduce-add by a plain TMA store."""
+    from moe_overlap.ffn.compute_reduce import FusedFFNCompute
+    if skip not in DIAG_SKIPS:
+        raise ValueError(f"skip must be one of {DIAG_SKIPS}, got {skip!r}")
+    key = (skip, bool(plain_store))
+    if key not in _DIAG_KERNELS:
+        from moe_overlap.ffn.compute_reduce_sm90 import FusedFFNKernel
+        attrs = dict(skip_gemm1=skip in ("gemm1", "gemm1+epilogue"), skip_gemm2=skip == "gemm2",
+                     skip_epi=skip in ("epilogue", "gemm1+epilogue"),
+                     plain_store=bool(plain_store))
+        name = "DiagFusedFFNKernel_" + "".join(c if c.isalnum() else "_" for c in
+                                               f"{skip}_{int(bool(plain_store))}")
+        _DIAG_KERNELS[key] = type(name, (FusedFFNKernel,), attrs)
+    kernel_class = _DIAG_KERNELS[key]
+
+    class DiagFusedFFNCompute(FusedFFNCompute):
+        def _kernel_class(self):
+            return kernel_class
+
+    return DiagFusedFFNCompute(**options)
 
 
 def main(argv=None):
@@ -50,7 +80,6 @@ def main(argv=None):
     from moe_overlap.timing import time_interleaved
     dev = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    v4 = dict(h_regs=False)  # H through shared memory (the v4 kernel, session-6 tables)
     variants = {  # name: (FusedFFNCompute options, ccta)
         # default: H in registers (GEMM2 as WGMMA RS), 4 ring stages, 32-column epilogue x 2
         "tma256": (dict(), 0),
@@ -61,30 +90,17 @@ def main(argv=None):
         "tma256_pair": (dict(h_pair=True), 0),
         "tma256_pair_c2": (dict(h_pair=True, cluster_m=2), 0),
         "tma256_pair_s2e32x4": (dict(h_pair=True, stages=2, epi_n=32, epi_stages=4), 0),
-        "tma256_pair_noepi": (dict(h_pair=True, _diag_skip="epilogue"), 0),
+        "tma256_pair_noepi": (dict(h_pair=True, _skip="epilogue"), 0),
         "tma128": (dict(tile_o=128), 0),
-        "red256": (dict(epilogue="red"), 0),
         "tma256_half_grid": (dict(), sms // 2),
         "tma256_m64": (dict(tile_m=64), 0),
         # diagnostics (wrong results): plain TMA stores instead of reduce-adds; the kernel
         # without GEMM2 / without GEMM1's k loop / without GEMM2's reductions
-        "tma256_plain": (dict(_diag_plain_store=True), 0),
-        "tma256_gemm1_only": (dict(_diag_skip="gemm2"), 0),
-        "tma256_gemm2_only": (dict(_diag_skip="gemm1"), 0),
-        "tma256_noepi": (dict(_diag_skip="epilogue"), 0),
-        "tma256_gemm2_noepi": (dict(_diag_skip="gemm1+epilogue"), 0),
-        # v4 (H in shared memory: 3 stages x 16 columns x 2 buffers) and its epilogue shapes:
-        # ring stages s, sub-tile width e (fp32 columns), buffers x
-        "v4": (dict(v4), 0),
-        "v4_c2": (dict(v4, cluster_m=2), 0),
-        "v4_noepi": (dict(v4, _diag_skip="epilogue"), 0),
-        "v4_plain": (dict(v4, _diag_plain_store=True), 0),
-        "v4_e16s1": (dict(v4, epi_n=16, epi_stages=1), 0),
-        "v4_e32s1": (dict(v4, epi_n=32, epi_stages=1), 0),
-        "v4_s2e16": (dict(v4, stages=2, epi_n=16), 0),
-        "v4_s2e32": (dict(v4, stages=2, epi_n=32), 0),
-        "v4_s2e32x4": (dict(v4, stages=2, epi_n=32, epi_stages=4), 0),
-        "v4_s2e16x8": (dict(v4, stages=2, epi_n=16, epi_stages=8), 0),
+        "tma256_plain": (dict(_plain=True), 0),
+        "tma256_gemm1_only": (dict(_skip="gemm2"), 0),
+        "tma256_gemm2_only": (dict(_skip="gemm1"), 0),
+        "tma256_noepi": (dict(_skip="epilogue"), 0),
+        "tma256_gemm2_noepi": (dict(_skip="gemm1+epilogue"), 0),
     }
     if a.variants:
         variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
@@ -108,10 +124,13 @@ def main(argv=None):
         fns["torch"] = torch_ffn
         errs, tile_o = {}, {}
         for vname, (kw, ccta) in variants.items():
-            comp = FusedFFNCompute(**kw)
+            diag = dict(skip=kw.get("_skip"), plain_store=kw.get("_plain", False))
+            opts = {k: v for k, v in kw.items() if k not in ("_skip", "_plain")}
+            comp = (diag_compute(**diag, **opts) if diag["skip"] or diag["plain_store"]
+                    else FusedFFNCompute(**opts))
             tile_o[vname] = comp.tile_o
             ready = torch.zeros(-(-T // comp.band_rows), dtype=torch.int32, device=dev)
-            if not (kw.get("_diag_plain_store") or kw.get("_diag_skip")):  # real variants, once
+            if not (diag["skip"] or diag["plain_store"]):  # real variants, once
                 acc.zero_()
                 comp(x, w1, b1, w2, acc, ready, epoch, ccta=ccta, act1=a.act1)
                 ref = fused_ffn_compute_reference(x[:512], w1, b1, w2, a.act1)

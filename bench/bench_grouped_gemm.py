@@ -144,7 +144,6 @@ def main():
     base = dict(tile_m=128, tile_n=256)
     results = []
     for i, (T, K, E) in enumerate(shapes):
-        # "def": the defaults (cluster_n=2 for even N/tile_n, flag posted mid k loop)
         configs = {
             # "def": the defaults (cluster_n=2 for even N/tile_n, band_group 8, flag_warp)
             "def": (dict(base), cctas),
@@ -163,9 +162,6 @@ def main():
         if os.environ.get("BENCH_CONFIGS"):  # e.g. "def,g8": those and their no-flag builds
             keep = set(os.environ["BENCH_CONFIGS"].split(","))
             configs = {k: v for k, v in configs.items() if k.removesuffix("-noflag") in keep}
-        if os.environ.get("BENCH_SW", "0") == "1":  # store_warp (v5: not a consistent win)
-            configs["sw"] = (dict(base, store_warp=True), cctas)
-            configs["sw-noflag"] = (dict(base, store_warp=True, signal=False), [0])
         results.append(run_shape(T, N, K, E, configs, args.rounds))
     doc = dict(bench="grouped_gemm", device=torch.cuda.get_device_name(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),

@@ -1,7 +1,7 @@
 """One profiled launch of the fused FFN compute kernel (for Nsight Compute), one GPU.
 
     ncu --nvtx --nvtx-include "fused/" --set full -o $OUT/fused python bench/profile_fused_compute.py \
-        [--shape llama3-8b] [--tile-o 256] [--epilogue tma] [--cluster-m 1]
+        [--shape llama3-8b] [--tile-o 256] [--cluster-m 1] [--h-pair 0]
 
 Warms the kernel up (compile, module load), then runs it once inside the NVTX range ``fused``.
 """
@@ -19,7 +19,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--tile-o", type=int, default=256)
-    ap.add_argument("--epilogue", default="tma", choices=("red", "tma"))
+    ap.add_argument("--h-pair", type=int, default=0, choices=(0, 1))
     ap.add_argument("--cluster-m", type=int, default=1, choices=(1, 2))
     a = ap.parse_args(argv)
     import torch
@@ -35,7 +35,7 @@ def main(argv=None):
     acc = torch.zeros(T, N, dtype=torch.float32, device=dev)
     ready = torch.zeros(T, dtype=torch.int32, device=dev)
     epoch = torch.ones(1, dtype=torch.int32, device=dev)
-    comp = FusedFFNCompute(tile_o=a.tile_o, epilogue=a.epilogue, cluster_m=a.cluster_m)
+    comp = FusedFFNCompute(tile_o=a.tile_o, cluster_m=a.cluster_m, h_pair=bool(a.h_pair))
     b1f = b1.float()
     for _ in range(2):
         comp(x, w1, b1f, w2, acc, ready, epoch, act1="gelu")

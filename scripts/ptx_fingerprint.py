@@ -55,14 +55,48 @@ def variants():
     sc = lambda: _mod("moe_overlap.combine.scale", "moe_overlap.kernels.scale")
     pk = lambda: _mod("moe_overlap.combine.plan_kernel")
     rt = lambda: _mod("moe_overlap.combine.routes")
+    G = lambda **kw: gg().GroupedGemm(**kw)
+    F = lambda **kw: ffn().FusedFFNCompute(**kw)
     return {
-        "grouped_gemm_default": lambda: gg().GroupedGemm().compile(N=1024, K=512, keep_ptx=True).__ptx__,
-        "grouped_gemm_tm64_c1": lambda: gg().GroupedGemm(tile_m=64, cluster_n=1).compile(
+        # producer: OverlapCombine's choices (tile_n the largest of 256 / 128 / 64 dividing N,
+        # clusters of 2 alone where N/tile_n is even, of 1 beside the consumer), flags on / off
+        "grouped_gemm_default": lambda: G().compile(N=1024, K=512, keep_ptx=True).__ptx__,
+        "grouped_gemm_tm64_c1": lambda: G(tile_m=64, cluster_n=1).compile(
             N=1024, K=512, keep_ptx=True).__ptx__,
-        "fused_ffn_default": lambda: ffn().FusedFFNCompute().compile(
+        "grouped_gemm_tm128_c1": lambda: G(cluster_n=1).compile(N=1024, K=512,
+                                                                keep_ptx=True).__ptx__,
+        "grouped_gemm_tm64_c2": lambda: G(tile_m=64).compile(N=1024, K=512,
+                                                             keep_ptx=True).__ptx__,
+        "grouped_gemm_tn128_odd": lambda: G(tile_n=128).compile(N=384, K=256,
+                                                                keep_ptx=True).__ptx__,
+        "grouped_gemm_tn64_tm64": lambda: G(tile_m=64, tile_n=64).compile(
+            N=128, K=256, keep_ptx=True).__ptx__,
+        "grouped_gemm_noflag": lambda: G(signal=False).compile(N=1024, K=512,
+                                                               keep_ptx=True).__ptx__,
+        "grouped_gemm_noflag_c1": lambda: G(signal=False, cluster_n=1).compile(
+            N=1024, K=512, keep_ptx=True).__ptx__,
+        # non-default tuning knobs in one build (flag post by the consumer warp, at the last k
+        # tile, 64-column epilogue sub-tiles, band-major order)
+        "grouped_gemm_knobs": lambda: G(flag_warp=False, signal_k_tile=-1, epi_n=64,
+                                        epi_stages=2, band_group=1).compile(
+            N=1024, K=512, keep_ptx=True).__ptx__,
+        # fused FFN compute: the kernel's default (H in registers), the layers' default h_pair
+        # (O/G a multiple of 2 tile_o), tile_o 128 where 256 does not divide O/G, tile_m 64, each
+        # activation, clusters of 2 (dense option); dense and grouped calls compile one kernel
+        "fused_ffn_default": lambda: F().compile(
             P=256, O=1024, N=256, act1="gelu", keep_ptx=True).__ptx__,
-        "fused_ffn_smem_h": lambda: ffn().FusedFFNCompute(h_regs=False, h_pair=False).compile(
-            P=256, O=512, N=256, act1="silu", keep_ptx=True).__ptx__,
+        "fused_ffn_pair_gelu": lambda: F(h_pair=True).compile(
+            P=256, O=1024, N=256, act1="gelu", keep_ptx=True).__ptx__,
+        "fused_ffn_pair_silu_tm64": lambda: F(tile_m=64, h_pair=True).compile(
+            P=256, O=1024, N=256, act1="silu", keep_ptx=True).__ptx__,
+        "fused_ffn_to128_relu": lambda: F(tile_o=128).compile(
+            P=256, O=384, N=256, act1="relu", keep_ptx=True).__ptx__,
+        "fused_ffn_to128_pair_gelu_tanh": lambda: F(tile_o=128, h_pair=True).compile(
+            P=256, O=512, N=256, act1="gelu_tanh", keep_ptx=True).__ptx__,
+        "fused_ffn_pair_c2": lambda: F(h_pair=True, cluster_m=2).compile(
+            P=256, O=1024, N=256, act1="gelu", keep_ptx=True).__ptx__,
+        "fused_ffn_knobs": lambda: F(stages=3, epi_n=16, epi_stages=4, signal_k_tile=2).compile(
+            P=512, O=512, N=256, act1="relu", keep_ptx=True).__ptx__,
         "band_allreduce_unicast_g2": lambda: ar().compile_band_allreduce(
             2, "unicast", "none", keep=True).__ptx__,
         "band_allreduce_switch_g4_gelu": lambda: ar().compile_band_allreduce(
@@ -117,14 +151,20 @@ def main(argv=None) -> int:
         ap.error("--out or --compare is required")
     os.makedirs(a.out, exist_ok=True)
     only = {s for s in a.only.split(",") if s}
+    failed = []
     for name, fn in variants().items():
         if only and name not in only:
             continue
-        text = normalize(fn())
+        try:
+            text = normalize(fn())
+        except Exception as e:  # noqa: BLE001 - e.g. a variant whose option was removed
+            print(f"{name}: FAILED ({type(e).__name__}: {e})")
+            failed.append(name)
+            continue
         with open(os.path.join(a.out, name + ".ptx"), "w") as f:
             f.write(text)
         print(f"{name}: {len(text)} chars sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ checks and its torch reference.
 
 CUTE_DSL_ARCH=sm_90a makes cute.compile target sm_90a without a GPU. The PTX must show the pieces
 the design relies on: WGMMA (both GEMMs, B transposed = MN-major weights; GEMM2's A from
-registers with h_regs, else stmatrix of H into shared memory + the async-proxy fence), the TMA reduce-add into the fp32 accumulator
+registers, with h_pair the second H tile by stmatrix into shared memory + the async-proxy fence),
+the TMA reduce-add into the fp32 accumulator
 (``cp.reduce.async.bulk.tensor...add``), and the flag protocol (``cp.async.bulk.wait_group 0``,
 ``fence.proxy.async.global``, ``atom...acq_rel`` counter, ``st.release.gpu`` flag). The SASS
 (nvdisasm, skipped where missing) must have the TMA reduce (UTMAREDG) and no local-memory spills.
@@ -31,55 +32,42 @@ def ffn_mod():
     return fused_ffn
 
 
-def _compiled(mod, tile_m, act1, tile_o=128, epilogue="red", h_regs=False):
-    key = (tile_m, act1, tile_o, epilogue, h_regs)
+def _compiled(mod, tile_m, act1, tile_o=128, h_pair=False):
+    key = (tile_m, act1, tile_o, h_pair)
     if key not in _CACHE:
-        fn = mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, epilogue=epilogue,
-                                 h_regs=h_regs).compile(P=256, O=512, N=256, act1=act1,
-                                                        keep_ptx=True)
+        fn = mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_pair=h_pair).compile(
+            P=256, O=512, N=256, act1=act1, keep_ptx=True)
         _CACHE[key] = (kept_ptx(fn), kept_cubin(fn))
     return _CACHE[key]
 
 
-@pytest.mark.parametrize("tile_m,act1,tile_o,epilogue,h_regs", [
-    (128, "gelu", 128, "tma", False), (64, "relu", 128, "tma", False),
-    (128, "gelu", 256, "tma", False), (128, "gelu", 256, "red", False),
-    (64, "silu", 128, "red", False), (128, "gelu", 256, "tma", True),
-    (64, "silu", 128, "red", True)])
-def test_ptx_has_wgmma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o, epilogue, h_regs):
-    ptx, _ = _compiled(ffn_mod, tile_m, act1, tile_o, epilogue, h_regs)
+@pytest.mark.parametrize("tile_m,act1,tile_o,h_pair", [
+    (128, "gelu", 128, False), (64, "relu", 128, False), (128, "gelu", 256, False),
+    (64, "silu", 128, True), (128, "gelu", 256, True)])
+def test_ptx_has_wgmma_reduce_and_flags(ffn_mod, tile_m, act1, tile_o, h_pair):
+    ptx, _ = _compiled(ffn_mod, tile_m, act1, tile_o, h_pair)
     body = ptx.split(".entry", 1)[1]
     def wgmma(n):  # bf16 WGMMAs, A from shared memory, B transposed (MN-major weights)
         return re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16 "
                           r"\{[^}]*\}, %rd\d+, %rd\d+, p, 1,\s*1, 0, 1;", body)
-    def wgmma_rs(n):  # A from four registers (h_regs), B transposed
+    def wgmma_rs(n):  # A from four registers (H), B transposed
         return re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16 "
                           r"\{[^}]*\}, \{[^}]*\}, %rd\d+, p, 1,\s*1, 1;", body)
     # GEMM1: one 64 x tile_o WGMMA per k16 step (4 per 64-wide k tile); GEMM2: 64 x 128, tile_o / 16
-    # k16 steps per n tile (two W2 chunks)
-    if h_regs:
-        assert len(wgmma(tile_o)) >= 4 and len(wgmma_rs(128)) >= tile_o // 16
-        assert "stmatrix" not in body  # H never goes to shared memory
-    else:
-        if tile_o == 128:
-            assert len(wgmma(128)) >= 4 + 8
-        else:
-            assert len(wgmma(tile_o)) >= 4 and len(wgmma(128)) >= tile_o // 16
-        assert not wgmma_rs(128)
-        assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in body  # H -> sH
+    # k16 steps per n tile (two W2 chunks) from registers, as many from sH with h_pair
+    assert len(wgmma(tile_o)) >= 4 and len(wgmma_rs(128)) >= tile_o // 16
+    if h_pair:
+        assert len(wgmma(128)) >= (4 if tile_o == 128 else 0) + tile_o // 16
+        assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in body  # the first H tile -> sH
         assert "fence.proxy.async.shared::cta" in body
-    red = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile", body)
-    vec = re.findall(r"red\.global\.add\.v2\.f32", body)
-    if epilogue == "tma":
-        epi_n = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=h_regs).epi_n
-        assert len(red) == 128 // epi_n  # one TMA reduce-add per fp32 sub-tile of an n tile
-        assert not vec
-        assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", body)
-        assert "fence.proxy.async.global" in body
     else:
-        assert not red
-        assert len(vec) == 64 * 128 // 128 // 2  # a 64 x 128 tile per warpgroup: 32 pairs/thread
-        assert "fence.acq_rel.gpu" in body  # every thread orders its adds before the count
+        assert "stmatrix" not in body  # H never goes to shared memory
+    red = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add\.tile", body)
+    epi_n = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_pair=h_pair).epi_n
+    assert len(red) == 128 // epi_n  # one TMA reduce-add per fp32 sub-tile of an n tile
+    assert not re.findall(r"red\.global\.add\.v2\.f32", body)
+    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", body)
+    assert "fence.proxy.async.global" in body
     assert "atom.global.acq_rel.add" in body or "atom.acq_rel.gpu" in body
     assert "st.release.gpu" in body
     assert "setmaxnreg" in body and "mbarrier.try_wait" in body
@@ -103,12 +91,29 @@ def test_cluster_multicast_compiles(ffn_mod, tile_m, tile_o):
     assert len(re.findall(r"\b(STL|LDL)\b", sass)) <= 12  # gelu's erf constants at most
 
 
+def _bench_fused_compute():
+    import importlib.util
+    import pathlib
+    import sys
+    bench_dir = pathlib.Path(__file__).resolve().parents[1] / "bench"
+    spec = importlib.util.spec_from_file_location("bench_fused_compute",
+                                                  bench_dir / "bench_fused_compute.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(bench_dir))  # the bench imports its sibling bench_ffn
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench_dir))
+    return mod
+
+
 @pytest.mark.parametrize("skip", ["gemm1", "gemm2", "epilogue", "gemm1+epilogue"])
 def test_phase_split_diagnostics_compile(ffn_mod, skip):
-    """_diag_skip leaves one GEMM (or GEMM2's reductions) out on both sides of the ring
-    (benchmarks only); the GEMM2 products stay in the code when their reductions do not."""
-    fn = ffn_mod.FusedFFNCompute(_diag_skip=skip).compile(P=256, O=512, N=256, act1="relu",
-                                                           keep_ptx=True)
+    """The benchmark's timing splits (a FusedFFNKernel subclass defined in the bench, nothing in
+    the product constructor) leave one GEMM (or GEMM2's reductions) out on both sides of the
+    ring; the GEMM2 products stay in the code when their reductions do not."""
+    bench = _bench_fused_compute()
+    fn = bench.diag_compute(skip).compile(P=256, O=512, N=256, act1="relu", keep_ptx=True)
     body = kept_ptx(fn).split(".entry", 1)[1]
     n256 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16", body))
     n128 = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16", body))
@@ -116,29 +121,38 @@ def test_phase_split_diagnostics_compile(ffn_mod, skip):
     assert (n256 == 0) == skip.startswith("gemm1")
     assert (n128 == 0) == (skip == "gemm2")
     assert (red == 0) == (skip != "gemm1")
-    with pytest.raises(ValueError, match="_diag_skip"):
-        ffn_mod.FusedFFNCompute(_diag_skip="both")
+    with pytest.raises(ValueError, match="skip"):
+        bench.diag_compute("both")
+    for removed in ("_diag_skip", "_diag_plain_store", "epilogue", "h_regs"):
+        with pytest.raises(TypeError, match=removed):
+            ffn_mod.FusedFFNCompute(**{removed: None})
+
+
+def test_plain_store_diagnostic_compiles(ffn_mod):
+    """plain_store: a plain TMA store where the product kernel reduce-adds."""
+    fn = _bench_fused_compute().diag_compute(plain_store=True).compile(
+        P=256, O=512, N=256, act1="relu", keep_ptx=True)
+    body = kept_ptx(fn).split(".entry", 1)[1]
+    assert not re.findall(r"cp\.reduce\.async\.bulk\.tensor", body)
+    assert re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", body)
 
 
 @pytest.mark.parametrize("tile_m,tile_o,act1", [(128, 256, "gelu"), (64, 128, "silu")])
 def test_h_in_registers_compiles_to_rs_wgmma(ffn_mod, tile_m, tile_o, act1):
-    """h_regs: GEMM2 reads H from registers (WGMMA RS, no sH), which frees shared memory for a
-    deeper ring and 128-byte epilogue rows; no WGMMA serialization, no new spills."""
+    """GEMM2 reads H from registers (WGMMA RS, no sH), which leaves shared memory for a deep
+    ring and 128-byte epilogue rows; no WGMMA serialization, no new spills."""
     from moe_overlap.kernels.compile import require_nvdisasm, sass_of
-    c = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=True)
-    base = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, h_regs=False)
-    assert c.epi_n == 32 and c.stages >= base.stages
-    if tile_o == 256:  # 3 x 48 KiB stages + H + 16-column buffers -> 4 stages, 32 columns
-        assert (base.stages, base.epi_n, c.stages) == (3, 16, 4)
+    c = ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o)
+    assert c.epi_n == 32
+    if tile_o == 256:  # 4 x 48 KiB stages + 2 x 32-column fp32 buffers
+        assert c.stages == 4
     fn = c.compile(P=256, O=512, N=256, act1=act1, keep_ptx=True)
     body = kept_ptx(fn).split(".entry", 1)[1]
     # GEMM2: A as four .b32 registers, B as a descriptor; GEMM1 still A and B from smem
     rs = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16\s*\{[^}]*\},"
                     r"\s*\{[^}]*\}", body)
     assert rs and all(r.count("%r") >= 4 for r in rs)
-    # no H store to shared memory (the default writes H with stmatrix; fp32 epilogue does not)
-    base_body = kept_ptx(base.compile(P=256, O=512, N=256, act1=act1, keep_ptx=True))
-    assert "stmatrix" in base_body and "stmatrix" not in body
+    assert "stmatrix" not in body  # no H store to shared memory (the fp32 epilogue: st.shared)
     sass = sass_of(kept_cubin(fn), require_nvdisasm())
     assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
     spills = len(re.findall(r"\b(STL|LDL)\b", sass))
@@ -172,10 +186,8 @@ def test_h_pair_compiles_with_both_gemm2_operand_sources(ffn_mod, tile_m, tile_o
     # never inside the GEMM2 n-tile loop
     assert len(spills) <= (24 if act1 == "gelu" else 0), len(spills)
     assert not [i for i in spills if gemm2[0] <= i <= gemm2[-1]]
-    assert c.stages == ffn_mod.FusedFFNCompute(tile_m=tile_m, tile_o=tile_o,
-                                               h_regs=False).stages  # one H tile in smem
-    with pytest.raises(ValueError, match="h_pair needs h_regs"):
-        ffn_mod.FusedFFNCompute(h_pair=True, h_regs=False)
+    assert c.stages == ffn_mod._ring_plan(tile_m, tile_o, 128, 64, None, None, 2,
+                                          True)[0]  # one H tile in smem
     x = torch.zeros(128, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="2 \\* tile_o"):  # an odd number of hidden tiles
         c.check(x, torch.zeros(256, 3 * tile_o, dtype=torch.bfloat16), None,
@@ -208,14 +220,13 @@ def test_act1_variants_compile(ffn_mod, act1, needle):
     assert needle in ptx.split(".entry", 1)[1]
 
 
-@pytest.mark.parametrize("tile_o,epilogue,act1,h_regs", [
-    (128, "tma", "gelu", False), (256, "tma", "silu", False), (256, "red", "relu", False),
-    (256, "tma", "gelu", False), (256, "tma", "gelu", True), (256, "tma", "silu", True)])
-def test_sass_reduce_no_spills(ffn_mod, tile_o, epilogue, act1, h_regs):
+@pytest.mark.parametrize("tile_o,act1,h_pair", [
+    (128, "gelu", False), (256, "silu", False), (256, "relu", True), (256, "gelu", False)])
+def test_sass_reduce_no_spills(ffn_mod, tile_o, act1, h_pair):
     from moe_overlap.kernels.compile import require_nvdisasm, sass_of
-    _, cubin = _compiled(ffn_mod, 128, act1, tile_o, epilogue, h_regs)
+    _, cubin = _compiled(ffn_mod, 128, act1, tile_o, h_pair)
     sass = sass_of(cubin, require_nvdisasm())
-    assert ("UTMAREDG" if epilogue == "tma" else "REDG.E.ADD.F32x2") in sass
+    assert "UTMAREDG" in sass
     assert "HGMMA" in sass
     spills = len(re.findall(r"\b(STL|LDL)\b", sass))
     if act1 == "gelu" and tile_o == 256:
@@ -284,43 +295,43 @@ def test_bad_inputs_raise_before_launch(ffn_mod):
     for kw, msg in [(dict(tile_m=96), "tile_m"), (dict(tile_o=64), "tile_o"),
                     (dict(tile_n=256), "tile_n"), (dict(band_rows=192), "band_rows"),
                     (dict(epi_n=8), "epi_n"), (dict(stages=1), "stages"), (dict(stages=5), "fit"),
-                    (dict(stages=4, h_regs=False), "fit"),
-                    (dict(epilogue="smem"), "epilogue"),
-                    (dict(_diag_plain_store=True, epilogue="red"), "tma")]:
+                    (dict(stages=4, h_pair=True), "fit"), (dict(cluster_m=3), "cluster_m")]:
         with pytest.raises(ValueError, match=msg):
             ffn_mod.FusedFFNCompute(**kw)
     assert ffn_mod.FusedFFNCompute(tile_m=64, band_rows=256).band_rows == 256
 
 
 def test_shared_memory_plan(ffn_mod):
-    """The ring is as deep as fits next to H and the epilogue buffers (227 KiB per CTA)."""
+    """The ring is as deep as fits next to H (h_pair: one tile in shared memory, else a 1 KiB
+    stub) and the epilogue buffers (227 KiB per CTA)."""
     plan = ffn_mod._ring_plan
-    # tile_o 256: 48 KiB stages; 32-column epilogue buffers would leave only 2, so 16 columns
-    assert plan(128, 256, 128, 64, None, None, 2, False) == (3, 16)
-    assert plan(128, 256, 128, 64, None, 32, 2, False) == (2, 32)
-    assert plan(128, 256, 128, 64, None, None, 2, True) == (3, 32)  # red: no epilogue buffers
-    assert plan(128, 128, 128, 64, None, None, 2, False) == (5, 32)  # 32 KiB stages
-    assert plan(64, 256, 128, 64, None, None, 2, False) == (4, 32)
-    for tile_m, tile_o, red in [(128, 256, False), (128, 128, False), (64, 256, True)]:
-        st, epi_n = plan(tile_m, tile_o, 128, 64, None, None, 2, red)
+    # h_pair, tile_o 256: 48 KiB stages; 32-column epilogue buffers would leave only 2, so 16
+    assert plan(128, 256, 128, 64, None, None, 2, True) == (3, 16)
+    assert plan(128, 256, 128, 64, None, 32, 2, True) == (2, 32)
+    assert plan(128, 128, 128, 64, None, None, 2, True) == (5, 32)  # 32 KiB stages
+    assert plan(64, 256, 128, 64, None, None, 2, True) == (4, 32)
+    for tile_m, tile_o in [(128, 256), (128, 128), (64, 256)]:
+        st, epi_n = plan(tile_m, tile_o, 128, 64, None, None, 2, True)
         used = 1024 + st * (tile_m + tile_o) * 64 * 2 + tile_m * tile_o * 2 \
-            + (0 if red else tile_m * epi_n * 4 * 2)
+            + tile_m * epi_n * 4 * 2
         assert used <= ffn_mod._SMEM_CAPACITY_SM90
         assert used + (tile_m + tile_o) * 64 * 2 > ffn_mod._SMEM_CAPACITY_SM90  # one more: no
     with pytest.raises(ValueError, match="fit"):
-        plan(128, 256, 128, 64, 4, None, 2, False)
+        plan(128, 256, 128, 64, 4, None, 2, True)
     with pytest.raises(ValueError, match="tile_n"):
         plan(128, 256, 256, 64, None, None, 2, False)
-    # h_regs: no H tile (a 1 KiB stub): 4 stages and 32-column buffers at tile_o 256
-    assert plan(128, 256, 128, 64, None, None, 2, False, True) == (4, 32)
+    # one H tile, in registers (a 1 KiB stub): 4 stages and 32-column buffers at tile_o 256
+    assert plan(128, 256, 128, 64, None, None, 2, False) == (4, 32)
     for tile_m, tile_o in [(128, 256), (128, 128), (64, 256), (64, 128)]:
-        st, epi_n = plan(tile_m, tile_o, 128, 64, None, None, 2, False, True)
+        st, epi_n = plan(tile_m, tile_o, 128, 64, None, None, 2, False)
         used = 1024 + st * (tile_m + tile_o) * 64 * 2 + 1024 + tile_m * epi_n * 4 * 2
         assert used <= ffn_mod._SMEM_CAPACITY_SM90
     c = ffn_mod.FusedFFNCompute()
-    assert (c.tile_o, c.stages, c.epi_n, c.h_regs) == (256, 4, 32, True)
-    assert (ffn_mod.FusedFFNCompute(h_regs=False).stages, ffn_mod.FusedFFNCompute(
-        h_regs=False).epi_n) == (3, 16)
+    assert (c.tile_o, c.stages, c.epi_n, c.h_pair) == (256, 4, 32, False)
+    p = ffn_mod.FusedFFNCompute(h_pair=True)
+    assert (p.stages, p.epi_n) == (3, 16)
+    # the static check gives the same plan without building anything
+    assert ffn_mod.FusedFFNCompute.check_options(h_pair=True) == (3, 16)
 
 
 def test_reference_semantics():

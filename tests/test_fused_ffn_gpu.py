@@ -38,29 +38,23 @@ SINGLE_CASES = [  # defaults: tile_o 256, TMA reduce-add epilogue, ring as deep 
     (777, 512, 256, 128, "silu", 128, 256, False, 16, {}),  # 2 m-tiles per band, ragged
     (64, 128, 128, 256, "gelu_tanh", 64, 64, True, 120, dict(tile_o=128)),  # one unit: grid 1
     (1000, 1024, 512, 512, "silu", 64, 128, True, 16, {}),
-    (520, 512, 768, 384, "gelu", 128, 128, True, 16, dict(epilogue="red")),  # ragged
-    (384, 256, 512, 256, "relu", 64, 128, False, 0, dict(tile_o=128, epilogue="red")),
+    (520, 512, 768, 384, "gelu", 128, 128, True, 16, {}),  # ragged
+    (384, 256, 512, 256, "relu", 64, 128, False, 0, dict(tile_o=128, signal_k_tile=-1)),
     (300, 256, 512, 256, "gelu", 128, 128, True, 16, dict(stages=2, epi_n=32)),
     (520, 512, 768, 384, "silu", 128, 256, True, 0, dict(tile_o=128, epi_stages=1)),
     # clusters of 2 with W1 / W2 multicast: odd m-tile counts (a phantom unit past M), odd ccta
     (300, 256, 384, 384, "gelu", 128, 128, True, 16, dict(tile_o=128, cluster_m=2)),
     (777, 512, 256, 128, "silu", 128, 256, False, 17, dict(cluster_m=2)),
-    (1000, 1024, 512, 512, "gelu", 64, 128, True, 0, dict(cluster_m=2, epilogue="red")),
+    (1000, 1024, 512, 512, "gelu", 64, 128, True, 0, dict(cluster_m=2, signal_k_tile=1)),
     (64, 128, 128, 256, "relu", 64, 64, True, 0, dict(tile_o=128, cluster_m=2)),
-    # H through shared memory (h_regs=False, the v4 kernel; the cases above run the default,
-    # H in registers as GEMM2's A operand)
-    (256, 512, 256, 256, "relu", 128, 128, True, 0, dict(h_regs=False)),
-    (300, 256, 384, 384, "gelu", 128, 128, True, 16, dict(tile_o=128, h_regs=False)),
-    (1000, 1024, 512, 512, "silu", 64, 128, True, 16, dict(h_regs=False)),
-    (777, 512, 256, 128, "gelu_tanh", 128, 256, False, 17, dict(h_regs=False, cluster_m=2)),
-    (520, 512, 768, 384, "gelu", 128, 128, True, 16, dict(h_regs=False, epilogue="red")),
-    (300, 256, 512, 256, "gelu", 128, 128, True, 16, dict(h_regs=False, epi_n=16, epi_stages=1)),
+    (777, 512, 256, 128, "gelu_tanh", 128, 256, False, 17, dict(cluster_m=2)),
+    (300, 256, 512, 256, "gelu", 128, 128, True, 16, dict(epi_n=16, epi_stages=1)),
     # two hidden tiles per unit (one H in registers, one in sH), O_g a multiple of 2 tile_o
     (256, 512, 512, 256, "relu", 128, 128, True, 0, dict(h_pair=True)),
     (300, 256, 768, 384, "gelu", 128, 128, True, 16, dict(tile_o=128, h_pair=True)),  # 3 pairs
     (1000, 1024, 1024, 512, "silu", 64, 128, True, 16, dict(h_pair=True)),
     (777, 512, 512, 128, "gelu_tanh", 128, 256, False, 17, dict(h_pair=True, cluster_m=2)),
-    (520, 512, 1024, 384, "gelu", 128, 128, True, 16, dict(h_pair=True, epilogue="red")),
+    (520, 512, 1024, 384, "gelu", 128, 128, True, 16, dict(h_pair=True, epi_n=32, stages=2)),
 ]
 
 
@@ -97,13 +91,12 @@ def _single_worker(q):
                                 finite=bool(torch.isfinite(acc).all().item())))
         # grouped launch (ShardedExperts): 3 experts, groups padded to tile_m, one empty
         gres = []
-        for tile_o, h_regs, h_pair in ((128, False, False), (256, False, False),
-                                       (256, True, False), (256, True, True)):
+        for tile_o, h_pair in ((128, False), (128, True), (256, False), (256, True)):
             g = torch.Generator(device=dev).manual_seed(300 + tile_o)
             E, P, O, N, tm = 3, 256, 512, 256, 128
             tiles = [0, 0, 2, 2, 2]  # expert of each m-tile (expert 1 has no rows)
             M = len(tiles) * tm
-            comp = FusedFFNCompute(tile_m=tm, tile_o=tile_o, h_regs=h_regs, h_pair=h_pair)
+            comp = FusedFFNCompute(tile_m=tm, tile_o=tile_o, h_pair=h_pair)
             x = torch.randn(M, P, generator=g, device=dev).to(torch.bfloat16)
             w1 = (torch.randn(E, P, O, generator=g, device=dev) / P ** 0.5).to(torch.bfloat16)
             b1 = (torch.randn(E, O, generator=g, device=dev) * 0.1).to(torch.bfloat16)

@@ -112,13 +112,13 @@ def test_grouped_gemm_on_packed_layout(kind, W, El, tile_m, tile_n, ccta):
 
 @pytest.mark.parametrize("kind,W,El,tile_m,tile_n,ccta,extra", [
     ("skew", 2, 4, 128, 256, 0, dict(cluster_n=1, signal_k_tile=3)),
-    ("zero_expert", 8, 2, 64, 256, 7, dict(cluster_n=2, b_evict_last=True)),
+    ("zero_expert", 8, 2, 64, 256, 7, dict(cluster_n=2)),
     ("one_expert", 1, 4, 128, 128, 24, dict(cluster_n=2, epi_n=64, epi_stages=2)),
     ("balanced", 2, 4, 64, 128, 8, dict(cluster_n=1, signal_k_tile=-1)),
     ("skew", 1, 4, 128, 256, 8, dict(cluster_n=2, signal_k_tile=1)),
-    ("skew", 2, 4, 128, 256, 0, dict(store_warp=True)),
-    ("zero_expert", 8, 2, 64, 128, 24, dict(store_warp=True, cluster_n=1)),
-    ("one_expert", 2, 4, 64, 256, 7, dict(store_warp=True, epi_n=64, epi_stages=2)),
+    ("skew", 2, 4, 128, 256, 0, dict(flag_warp=False)),
+    ("zero_expert", 8, 2, 64, 128, 24, dict(flag_warp=False, cluster_n=1)),
+    ("one_expert", 2, 4, 64, 256, 7, dict(flag_warp=False, epi_n=64, epi_stages=2)),
     ("skew", 2, 4, 128, 256, 0, dict(flag_warp=True)),
     ("zero_expert", 8, 2, 64, 128, 24, dict(flag_warp=True, cluster_n=1)),
     ("one_expert", 1, 4, 128, 256, 8, dict(flag_warp=True, signal_k_tile=-1)),

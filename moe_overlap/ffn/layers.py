@@ -227,15 +227,15 @@ def padded_expert_layout(rows, tile_m: int, device):
     return dst, tile_expert, row_expert, R_pad
 
 
-COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "epilogue", "cluster_m", "h_regs", "h_pair")
+COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "cluster_m", "h_pair")
 
 
 def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
                           grouped: bool) -> dict:
     """Validated copy of the fused layers' ``compute_options`` (keyword options of
-    ``kernels.fused_ffn.FusedFFNCompute``; tile sizes and band rows are the layer's) with the
+    ``ffn.compute_reduce.FusedFFNCompute``; tile sizes and band rows are the layer's) with the
     layer's default filled in: ``h_pair`` wherever the hidden tiles pair up (local_hidden a
-    multiple of 2 * tile_o, H in registers). Raises ValueError / TypeError on any machine,
+    multiple of 2 * tile_o). Raises ValueError / TypeError on any machine,
     before CUDA is touched."""
     options = {} if options is None else options
     if not isinstance(options, dict):
@@ -252,9 +252,9 @@ def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
     if "h_pair" not in options:
         # default: two hidden tiles per unit wherever they pair up (half the fp32 reduce-adds;
         # timings in bench/NOTES.md)
-        options["h_pair"] = options.get("h_regs", True) and local_hidden % (2 * tile_o) == 0
+        options["h_pair"] = local_hidden % (2 * tile_o) == 0
     from .compute_reduce import FusedFFNCompute
-    FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, **options)  # the kernel's own value checks
+    FusedFFNCompute.check_options(tile_m=tile_m, tile_o=tile_o, **options)  # the kernel's checks
     return options
 
 
@@ -415,8 +415,8 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     (64 or 128: compute m-tile = one ready flag); needs P % 64 == 0, (O/G) % 128 == 0,
     N % 128 == 0, bf16, Hopper GPUs, CuTe DSL. The fused forward is collective (every rank of the
     group calls it with the same token count). ``compute_options``: keyword options of the compute kernel
-    (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``, ``epilogue``,
-    ``cluster_m``, ``h_regs``, ``h_pair``; see ffn/compute_reduce.py), checked at construction;
+    (``COMPUTE_OPTIONS``: ring ``stages``, ``epi_n`` / ``epi_stages``, ``cluster_m``,
+    ``h_pair``; see ffn/compute_reduce.py), checked at construction;
     ``h_pair`` defaults to True where O/G is a multiple of 2 * tile_o.
     ``allreduce_band_rows`` (a divisor of tile_m; default ``fused_default_allreduce_band_rows``:
     32, or 64 at O/G <= 2048): rows per band of the all-reduce, so a finished m-tile is shared by

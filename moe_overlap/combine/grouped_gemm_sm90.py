@@ -1,0 +1,330 @@
+"""The producer grouped GEMM's device kernel: ``GroupedGemmKernel``, a ``GemmSm90`` subclass.
+
+y[band] = x[band] @ w[band_expert[band]] for the bands of ``schedule``, one persistent launch;
+the host wrapper, the tensors' contract and the torch reference are in ``combine.grouped_gemm``.
+What this subclass adds to the base's mainloop pieces:
+
+* the schedule: ``BandTileScheduler`` over (schedule position, n tile), the band -> expert /
+  first-row indirection read on the device;
+* clusters of ``cluster_n`` CTAs along N sharing the band's A tile by TMA multicast;
+* the epilogue: acc -> bf16 -> stmatrix -> TMA store per epi_n-column sub-tile, and the band
+  flag: a finished tile is counted on band_counter[b] once its TMA stores are complete
+  (``cp.async.bulk.wait_group 0`` + ``fence.proxy.async.global``), the tile that completes the
+  band stores band_ready[b] = epoch with release semantics. The previous tile's count is posted
+  by the first consumer warp in the middle of the next tile's k loop (its stores are long
+  finished by then); with ``flag_warp`` that warp hands the band to warp 2 of the producer
+  warpgroup, which does the gpu-scope atomic so that its fence (MEMBAR.ALL.GPU) never stalls a
+  WGMMA warpgroup. See ``kernels.primitives.count_band_after_bulk_stores`` /
+  ``relay_band_after_bulk_stores`` for the memory-ordering argument.
+
+Imports cutlass (the host wrapper imports this module when it compiles).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from ..kernels.gemm_sm90 import SMEM_CAPACITY_SM90, GemmSm90, smem_layout_staged
+from ..kernels.primitives import (RELAY_BYTES, band_relay_loop, multicast_rank_and_mask,
+                                  post_band_after_bulk_stores, relay_end, relay_init)
+from ..kernels.tile_scheduler import BandTileScheduler
+
+__all__ = ["GroupedGemmKernel"]
+
+
+class GroupedGemmKernel(GemmSm90):
+    """GroupedGemmKernel(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
+    epi_stages, cluster_n, flag_warp, band_group): options as ``GroupedGemm`` (already checked
+    there); ``__call__(mA, mB, mC, mBandExpert, mBandSrcRow, mSchedule, mNumBands, mReady,
+    mCounter, mEpoch, num_ctas, stream)`` traces and launches it."""
+
+    relay_warp_id = 2  # producer-warpgroup warp that posts the flags (flag_warp)
+    relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
+
+    def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
+                 epi_stages=4, cluster_n=1, flag_warp=False, band_group=1):
+        # two consumer warpgroups (stacked along M) for the 128 x 256 tile, else one
+        super().__init__(2 if (tile_m > 64 and tile_n > 128) else 1)
+        self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
+        self.req_stages = stages
+        self.signal = signal
+        self.signal_k_tile = signal_k_tile
+        self.epi_n, self.epi_stages = epi_n, epi_stages
+        # cluster_n = 2: the two CTAs of a cluster take tiles 2q and 2q+1 (same band, adjacent
+        # n tiles); each loads half of the band's A tile and multicasts it to both.
+        self.cluster_n = cluster_n
+        self.flag_warp = flag_warp and signal
+        self.scheduler = BandTileScheduler(cluster_n, band_group)
+
+    # ---------------------------------------------------------------- host-side setup
+    def _setup(self, a_dtype, b_dtype, c_dtype, a_layout, b_layout, c_layout):
+        self.tiled_mma = self.make_tiled_mma(a_dtype, b_dtype, a_layout, b_layout,
+                                             (64, self.tile_n))
+        self.epi_tile = (min(64 * self.num_mma_wg, self.tile_m), min(self.epi_n, self.tile_n))
+        self.epi_stage = self.epi_stages
+        ab_bytes = (self.tile_m * self.tile_k * a_dtype.width // 8
+                    + self.tile_n * self.tile_k * b_dtype.width // 8)
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * c_dtype.width // 8 * self.epi_stage
+        max_stages = (SMEM_CAPACITY_SM90 - 1024 - epi_bytes) // ab_bytes
+        self.ab_stage = max_stages if self.req_stages is None else self.req_stages
+        if self.ab_stage < 2 or self.ab_stage > max_stages:
+            raise ValueError(f"stages={self.ab_stage} does not fit (2..{max_stages})")
+        self.a_smem_layout_staged = smem_layout_staged(a_layout, a_dtype,
+                                                       (self.tile_m, self.tile_k), self.ab_stage)
+        self.b_smem_layout_staged = smem_layout_staged(b_layout, b_dtype,
+                                                       (self.tile_n, self.tile_k), self.ab_stage)
+        # C is N-major (row-major y)
+        c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(c_layout, c_dtype, self.epi_tile[1]), c_dtype)
+        self.epi_smem_layout_staged = cute.tile_to_shape(
+            c_atom, cute.append(self.epi_tile, self.epi_stage), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
+                 mBandExpert: cute.Tensor, mBandSrcRow: cute.Tensor, mSchedule: cute.Tensor,
+                 mNumBands: cute.Tensor, mReady: cute.Tensor, mCounter: cute.Tensor,
+                 mEpoch: cute.Tensor, num_ctas: cutlass.Int32, stream):
+        a_dtype, b_dtype, c_dtype = mA.element_type, mB.element_type, mC.element_type
+        self.a_dtype, self.b_dtype, self.c_dtype = a_dtype, b_dtype, c_dtype
+        self.a_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mA)
+        self.b_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mB)
+        self.c_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mC)
+        self._setup(a_dtype, b_dtype, c_dtype, self.a_layout, self.b_layout, self.c_layout)
+
+        tma_atom_a, tma_a = self.make_tma_load(mA, self.a_smem_layout_staged,
+                                               (self.tile_m, self.tile_k), self.cluster_n)
+        tma_atom_b, tma_b = self.make_tma_load(mB, self.b_smem_layout_staged,
+                                               (self.tile_n, self.tile_k))
+        tma_atom_c, tma_c = self.make_tma_store(mC, self.epi_smem_layout_staged, self.epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            relay: cute.struct.MemRange[cutlass.Int64, RELAY_BYTES // 8 if self.flag_warp else 1]
+            sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(self.a_smem_layout_staged)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[b_dtype, cute.cosize(self.b_smem_layout_staged)],
+                                  self.buffer_align_bytes]
+            sC: cute.struct.Align[cute.struct.MemRange[c_dtype, cute.cosize(self.epi_smem_layout_staged)],
+                                  self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, self.tiled_mma,
+                    self.a_smem_layout_staged, self.b_smem_layout_staged,
+                    self.epi_smem_layout_staged, mBandExpert, mBandSrcRow, mSchedule,
+                    mNumBands, mReady, mCounter, mEpoch).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
+            cluster=[self.cluster_n, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+    # ---------------------------------------------------------------- device kernel
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, tma_atom_b: cute.CopyAtom,
+               mB: cute.Tensor, tma_atom_c: cute.CopyAtom, mC: cute.Tensor,
+               tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
+               b_smem_layout_staged: cute.ComposedLayout,
+               epi_smem_layout_staged: cute.ComposedLayout, mBandExpert: cute.Tensor,
+               mBandSrcRow: cute.Tensor, mSchedule: cute.Tensor, mNumBands: cute.Tensor,
+               mReady: cute.Tensor, mCounter: cute.Tensor, mEpoch: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            self.prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_c)
+
+        a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
+        b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, 0))
+        tma_copy_bytes = (cute.size_in_bytes(self.a_dtype, a_smem_layout)
+                          + cute.size_in_bytes(self.b_dtype, b_smem_layout))
+
+        # cluster of cluster_n CTAs along N: (1, cluster_n, 1)
+        cta_layout_mnk = cute.make_layout((1, self.cluster_n, 1))
+        # the CTAs of a cluster (along N) share the band's A tile
+        cta_rank, a_mcast_mask = multicast_rank_and_mask(cta_layout_mnk, mode=1)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        mainloop_pipeline = self.make_mainloop_pipeline(
+            storage.mbar.data_ptr(), self.ab_stage, tma_copy_bytes,
+            cute.make_layout((1, *cta_layout_mnk.shape)), self.cluster_n)
+        relay = cutlass.Int32(0)
+        if cutlass.const_expr(self.flag_warp):
+            relay = cutlass.Int32(storage.relay.data_ptr().toint())
+            if tidx == 0:
+                relay_init(relay)
+        pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
+
+        # (bM, bK, RestM, RestK)
+        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+        # (bN, bK, RestN, RestK, E)
+        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
+        # (bM, bN, RestM, RestN)
+        gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None))
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, cta_rank, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+        thr_mma = tiled_mma.get_slice(mma_wg_layout(warp_group_idx - 1))
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        tCgC = thr_mma.partition_C(gC)
+        accumulators = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
+
+        k_tile_cnt = cute.size(gA, mode=[3])
+        n_tiles = cute.size(gC, mode=[3])
+        # linear tile t over (schedule position, n tile), CTA i takes i, i+G, ...
+        total_tiles = mNumBands[0] * n_tiles
+
+        pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
+
+        if warp_group_idx == 0:
+            self.producer_warpgroup()
+        # ------------------------------------------------------------ producer (TMA) warp
+        if warp_idx == self.load_warp_id:
+            prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+            t = cutlass.Int32(bidx)
+            while t < total_tiles:
+                p, n_tile = self.scheduler.coords(t, n_tiles, mNumBands[0])
+                b = mSchedule[p]
+                e = mBandExpert[b]
+                m_tile = mBandSrcRow[b] // self.tile_m
+                tAgA_k = tAgA[(None, m_tile, None)]
+                tBgB_k = tBgB[(None, n_tile, None, e)]
+                prod_state.reset_count()
+                for k_tile in range(k_tile_cnt):
+                    mainloop_pipeline.producer_acquire(prod_state)
+                    bar = mainloop_pipeline.producer_get_barrier(prod_state)
+                    cute.copy(tma_atom_a, tAgA_k[(None, prod_state.count)],
+                              tAsA[(None, prod_state.index)], tma_bar_ptr=bar,
+                              mcast_mask=a_mcast_mask)
+                    cute.copy(tma_atom_b, tBgB_k[(None, prod_state.count)],
+                              tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
+                    mainloop_pipeline.producer_commit(prod_state)
+                    prod_state.advance()
+                t = t + gdim
+            mainloop_pipeline.producer_tail(prod_state)
+
+        # ------------------------------------------------------------ relay warp (flag_warp)
+        if cutlass.const_expr(self.flag_warp):
+            if warp_idx == self.relay_warp_id:
+                band_relay_loop(relay, self.relay_bar0, mCounter, mReady, n_tiles, mEpoch[0])
+
+        # ------------------------------------------------------------ consumer warpgroups
+        if warp_group_idx > 0:
+            self.consumer_warpgroup()
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+
+            copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+                self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
+            copy_atom_C = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+            tiled_copy_C_atom = cute.make_tiled_copy_C_atom(copy_atom_C, tiled_mma)
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_C_atom)
+            thr_copy_r2s = tiled_copy_r2s.get_slice(tidx - self.threads_per_wg)
+            tRS_sD = thr_copy_r2s.partition_D(sC)
+            tRS_rAcc = tiled_copy_r2s.retile(accumulators)
+            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
+            size_tRS_rD = cute.size(tRS_rD)
+
+            tma_store_pipeline = self.make_epi_store_pipeline(self.epi_stage)
+
+            epoch = mEpoch[0]
+            is_store_warp = warp_idx == self.epi_store_warp_id
+            # band whose stores were issued but not yet counted (-1: none)
+            pend_band = cutlass.Int32(-1)
+            posts = cutlass.Int32(0)  # bands handed to the relay warp so far (flag_warp)
+            signal_k = self.signal_k_index(k_tile_cnt)
+            tiles_done = cutlass.Int32(0)
+
+            t = cutlass.Int32(bidx)
+            while t < total_tiles:
+                p, n_tile = self.scheduler.coords(t, n_tiles, mNumBands[0])
+                b = mSchedule[p]
+                m_tile = mBandSrcRow[b] // self.tile_m
+                gC_tile = gC[(None, None, m_tile, n_tile)]
+
+                read_state.reset_count()
+                release_state.reset_count()
+                accumulators.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                # prologue: one k tile of WGMMAs in flight
+                mainloop_pipeline.consumer_wait(read_state)
+                self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
+                                num_k_blocks)
+                read_state.advance()
+                for k_tile in range(1, k_tile_cnt):
+                    mainloop_pipeline.consumer_wait(read_state)
+                    self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
+                                    num_k_blocks)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    read_state.advance()
+                    if cutlass.const_expr(self.signal):
+                        # deferred flag of the previous tile: its TMA stores were issued a few
+                        # k tiles ago, so waiting for their completion here rarely stalls
+                        if k_tile == signal_k and pend_band >= 0:
+                            if is_store_warp:
+                                posts = post_band_after_bulk_stores(
+                                    self.flag_warp, relay, self.relay_bar0, posts, mCounter,
+                                    mReady, pend_band, n_tiles, epoch)
+                            pend_band = cutlass.Int32(-1)
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop_pipeline.consumer_release(release_state)
+                release_state.advance()
+                if cutlass.const_expr(self.signal):
+                    if pend_band >= 0:  # k_tile_cnt too small for an in-loop signal
+                        if is_store_warp:
+                            posts = post_band_after_bulk_stores(
+                                self.flag_warp, relay, self.relay_bar0, posts, mCounter,
+                                mReady, pend_band, n_tiles, epoch)
+                        pend_band = cutlass.Int32(-1)
+
+                # ---- epilogue: acc -> bf16 -> smem (stmatrix) -> gmem (TMA store)
+                gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
+                epi_tile_num = cute.size(gC_epi, mode=[1])
+                epi_tile_shape = gC_epi.shape[1]
+                epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
+                num_prev_epi = tiles_done * epi_tile_num
+                for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                    for v in cutlass.range_constexpr(size_tRS_rD):
+                        tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                    tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
+                    epi_buffer = (num_prev_epi + epi_idx) % self.epi_stage
+                    self.store_epi_subtile(tiled_copy_r2s, tRS_rD_out, tRS_sD, sC, tma_atom_c,
+                                           gC_epi, epi_tile_layout, epi_idx, epi_buffer,
+                                           tma_store_pipeline, is_store_warp)
+                if cutlass.const_expr(self.signal):
+                    pend_band = b
+                tiles_done = tiles_done + 1
+                t = t + gdim
+
+            if cutlass.const_expr(self.signal):
+                if pend_band >= 0:
+                    if is_store_warp:
+                        posts = post_band_after_bulk_stores(
+                            self.flag_warp, relay, self.relay_bar0, posts, mCounter, mReady,
+                            pend_band, n_tiles, epoch)
+                if cutlass.const_expr(self.flag_warp):
+                    if is_store_warp:
+                        relay_end(relay, self.relay_bar0, posts)
+            tma_store_pipeline.producer_tail()
