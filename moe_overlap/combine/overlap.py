@@ -150,6 +150,8 @@ class OverlapCombine:
         OverlapCombine._instances += 1  # same construction order on every rank
         self.buffers = self.rt.buffers(2 * self.max_recv_rows, out_features,
                                        key=f"overlap{OverlapCombine._instances}")
+        if transport == "nvlink":
+            self.buffers.require_p2p()  # stores to the peers' memory: they must be mapped
         self.recv, self.counters = self.buffers.recv, self.buffers.counters
         self.slot_bytes = self.max_recv_rows * out_features * 2
         dev = self.device
