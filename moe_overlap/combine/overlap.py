@@ -454,7 +454,7 @@ class OverlapCombine:
                                   counters=self.counters, expected=self.expected,
                                   rank=self.rank, err=self.err, epoch=self.epoch,
                                   slot_bytes=self.slot_bytes, num_sms=self.num_sms, stream=cs,
-                                  y=y)
+                                  y=y, epoch_tags=True)
             if marks:
                 marks["scaled"].record(cs)
                 self._diag_timeline.append(marks)

@@ -13,7 +13,7 @@ word  meaning
 1     rank that recorded it
 2     index: segment (consumer; -1 = a local cell), source rank (scale), assignment t * topk + k
       (bad row)
-3     band / stage index; ERR_EPOCH_MISMATCH: the source rank again; ERR_PLAN_BOUNDS: which
+3     band / stage index; ERR_SCALE_TIMEOUT: this rank's epoch; ERR_EPOCH_MISMATCH: the source rank again; ERR_PLAN_BOUNDS: which
       field (``PLAN_FIELDS``); ERR_SCALE_BAD_ROW: 1 for a y row (y_src), 0 for a slot row
 4     observed value (band flag, counter, the source's epoch, the bad row index)
 5     expected value (epoch, expected count, this rank's epoch, the valid row bound)
@@ -92,7 +92,8 @@ def describe_error(err_host) -> str | None:
         return (f"{what}: rank {rank}, segment {index} (-1: local band), stage {band} after "
                 f"{el / 1e6:.1f} ms (bulk copy engine stalled or bad address)")
     if code == ERR_SCALE_TIMEOUT:
-        return (f"{what}: rank {rank}, source rank {index}: counter={obs}, expected>={exp} after "
+        return (f"{what}: rank {rank} at epoch {band}, source rank {index}: counter={obs}, "
+                f"expected>={exp} after "
                 f"{el / 1e6:.1f} ms (a peer's consumer did not run, timed out, refused after an "
                 "error of its own, or sent fewer rows)")
     if code == ERR_EPOCH_MISMATCH:
