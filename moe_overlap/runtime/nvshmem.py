@@ -30,6 +30,9 @@ import torch
 import torch.distributed as dist
 
 
+COMM_BLOCK_WORDS_PER_RANK = 3  # counters, slot-0 tags, slot-1 tags (moe_overlap/kernels/errors.py)
+
+
 class NvshmemError(RuntimeError):
     pass
 
@@ -170,9 +173,9 @@ class NvshmemRuntime:
         self._check_live()
         b = self._buffers.get(key)
         if b is None:
-            from ..kernels.errors import comm_block_words
             recv = self.alloc((max_recv_rows, n), torch.bfloat16)
-            block = self.alloc((comm_block_words(self.world_size),), torch.int64)
+            # = kernels.errors.comm_block_words(W) (runtime sits below kernels; a test ties them)
+            block = self.alloc((COMM_BLOCK_WORDS_PER_RANK * self.world_size,), torch.int64)
             (rp, bad), (cp, _) = self.peer_table(recv), self.peer_table(block)
             b = CombineBuffers(recv, block[:self.world_size], rp, cp, block=block,
                                unreachable=bad)
