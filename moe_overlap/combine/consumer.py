@@ -422,9 +422,11 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                     fval = Int64(0)
                     fcap = Int64(0)
                     if span_ok(Int64(c_dst), Int64(rows), slot_rows) == Int32(0):
-                        field, fval, fcap = Int32(PF_CELL_DST), Int64(c_dst) + Int64(rows), slot_rows
+                        field, fval, fcap = (Int32(PF_CELL_DST), Int64(c_dst) + Int64(rows),
+                                             slot_rows)
                     if span_ok(Int64(c_src), Int64(rows), Int64(y_rows)) == Int32(0):
-                        field, fval, fcap = Int32(PF_CELL_SRC), Int64(c_src) + Int64(rows), Int64(y_rows)
+                        field, fval, fcap = (Int32(PF_CELL_SRC), Int64(c_src) + Int64(rows),
+                                             Int64(y_rows))
                     if field >= Int32(0):
                         failed = Int32(1)
                         if tidx == Int32(0):

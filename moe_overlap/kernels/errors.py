@@ -13,7 +13,8 @@ word  meaning
 1     rank that recorded it
 2     index: segment (consumer; -1 = a local cell), source rank (scale), assignment t * topk + k
       (bad row)
-3     band / stage index; ERR_SCALE_TIMEOUT: this rank's epoch; ERR_EPOCH_MISMATCH: the source rank again; ERR_PLAN_BOUNDS: which
+3     band / stage index; ERR_SCALE_TIMEOUT: this rank's epoch; ERR_EPOCH_MISMATCH: the source
+      rank again; ERR_PLAN_BOUNDS: which
       field (``PLAN_FIELDS``); ERR_SCALE_BAD_ROW: 1 for a y row (y_src), 0 for a slot row
 4     observed value (band flag, counter, the source's epoch, the bad row index)
 5     expected value (epoch, expected count, this rank's epoch, the valid row bound)

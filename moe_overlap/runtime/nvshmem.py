@@ -19,8 +19,8 @@ cumulative expected value on device), then the per-source epoch tags of the two 
 Peer address tables: built for every rank that this GPU reaches by load/store (NVLink P2P); an
 unreachable peer's entry is 0 and ``CombineBuffers.unreachable`` names it, so the NVSHMEM
 transport (which reaches peers through NVSHMEM calls only and reads its own entry alone) works
-without P2P, and ``require_p2p()`` gives the load/store transport its error. nvshmem4py is imported lazily, so this module imports on a
-machine without it.
+without P2P, and ``require_p2p()`` gives the load/store transport its error. nvshmem4py is
+imported lazily, so this module imports on a machine without it.
 """
 from __future__ import annotations
 
