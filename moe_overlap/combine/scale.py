@@ -14,6 +14,10 @@ bounded wait for the arrivals. One launcher, two kernels on the stream:
    ERR_SCALE_TIMEOUT (source, epoch, counter, expected). ``fence.acq_rel.sys`` after the acquire;
    the kernel boundary then orders the scale's loads after it (causality is transitive).
    Skipped (nothing waited for) when the error word is already set.
+   Why a kernel boundary rather than a device flag the other CTAs wait on: CTAs waiting on a
+   flag are resident all the same and hold the SMs (registers, threads) that another stream's
+   kernel would need; the second kernel's CTAs do not exist until the wait is over. Its cost is
+   one kernel boundary per call (measure with bench/bench_combine_split.py).
 2. scale, ``ctas_per_sm`` CTAs per SM, started only once every arrival is complete (the kernel
    boundary is the release of the work): thread 0 of each CTA reads the error word; if any error
    is recorded on this rank (this call's wait or consumer, or any earlier call: errors are sticky
