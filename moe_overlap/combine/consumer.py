@@ -68,6 +68,10 @@ DEFAULT_LOOKAHEAD = 4
 DEFAULT_PIECE_BYTES = 1 << 20  # OverlapCombine's default piece: rows of about 1 MiB
 
 
+# ERR_PLAN_BOUNDS field codes (word 3; texts in moe_overlap/kernels/errors.py PLAN_FIELDS)
+PF_NSEG, PF_NCELL, PF_DEST, PF_SEG_SRC, PF_SEG_DST, PF_BAND, PF_CELL_SRC, PF_CELL_DST = range(8)
+
+
 def _cute():
     import cutlass  # noqa: F401  (lazy: the package must import without CuTe DSL)
     import cutlass.cute as cute
@@ -188,21 +192,36 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
 
     @cute.jit
     def wait_bands(sched: Int64, band_ready: Int64, pos0: Int32, nbands: Int32, epoch: Int32,
-                   t0: Int64, timeout_ns: Int64, err: Int64, rank: Int32, seg: Int32):
+                   t0: Int64, timeout_ns: Int64, err: Int64, rank: Int32, seg: Int32,
+                   flag_cap: Int32):
         """Thread-0 wait for bands sched[pos0 .. pos0+nbands) (sched: a table of band ids: the
-        schedule, or the local cells' bands); returns timed_out (Int32)."""
+        schedule, or the local cells' bands); a band id outside band_ready [0, flag_cap) is an
+        ERR_PLAN_BOUNDS (never loaded). Returns failed (Int32)."""
         timed_out = Int32(0)
         j = Int32(0)
         while j < nbands and timed_out == Int32(0):
             b = P.ld_s32(sched + Int64(pos0 + j) * Int64(4))
-            to, v, el = P.wait_eq_gpu_s32(band_ready + Int64(b) * Int64(4), epoch, t0,
-                                          timeout_ns)
-            if to != Int32(0):
+            if P.in_range_s64(Int64(b), Int64(0), Int64(flag_cap)) == Int32(0):
                 timed_out = Int32(1)
-                P.record_error(err, Int32(P.ERR_CONSUMER_TIMEOUT), rank, seg, b, Int64(v),
-                               Int64(epoch), el)
+                P.record_error(err, Int32(P.ERR_PLAN_BOUNDS), rank, seg, Int32(PF_BAND),
+                               Int64(b), Int64(flag_cap), Int64(0))
+            else:
+                to, v, el = P.wait_eq_gpu_s32(band_ready + Int64(b) * Int64(4), epoch, t0,
+                                              timeout_ns)
+                if to != Int32(0):
+                    timed_out = Int32(1)
+                    P.record_error(err, Int32(P.ERR_CONSUMER_TIMEOUT), rank, seg, b, Int64(v),
+                                   Int64(epoch), el)
             j = j + Int32(1)
         return timed_out
+
+    @cute.jit
+    def span_ok(a: Int64, n: Int64, cap: Int64):
+        """Int32 1 if rows [a, a + n) lie in [0, cap) (n >= 0)."""
+        ok = Int32(0)
+        if P.in_range_s64(n, Int64(0), cap + Int64(1)) != Int32(0):
+            ok = P.in_range_s64(a, Int64(0), cap - n + Int64(1))
+        return ok
 
     @cute.kernel
     def consumer_kernel(y: Int64, row_bytes: Int64, rank: Int32,
@@ -213,12 +232,29 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                         local_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
                         recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64, ctr_sym: Int64,
                         err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32,
-                        piece_rows: Int32):
+                        piece_rows: Int32, y_rows: Int32, seg_cap: Int32, cell_cap: Int32,
+                        sched_cap: Int32, flag_cap: Int32):
         tidx, bidx, nblk = P.thread_block_grid()
         epoch = P.ld_s32(epoch_ptr)
-        nseg = P.ld_s32(num_segments)
-        failed = Int32(0)
         t_start = P.globaltimer()
+        slot_rows = Int64(0)
+        if row_bytes > Int64(0):
+            slot_rows = slot_bytes // row_bytes
+        # sticky errors: after any error recorded on this rank (this call or an earlier one) the
+        # consumer ships nothing and posts no call marker, so no peer slot is written after the
+        # error and the peers' scales time out instead of reading a slot it may have overwritten
+        e0 = Int32(0)
+        if tidx == Int32(0):
+            e0 = P.error_set(err)
+        failed = P.block_any(e0)
+        # validate=False plans: counts clamped to the tables' capacities (and recorded)
+        nseg = P.ld_s32(num_segments)
+        if P.in_range_s64(Int64(nseg), Int64(0), Int64(seg_cap) + Int64(1)) == Int32(0):
+            if tidx == Int32(0):
+                P.record_error(err, Int32(P.ERR_PLAN_BOUNDS), rank, Int32(-1), Int32(PF_NSEG),
+                               Int64(nseg), Int64(seg_cap), Int64(0))
+            nseg = Int32(0)
+            failed = Int32(1)
         # receive slot of this call (double buffer by epoch parity, see OverlapCombine)
         slot_off = Int64(epoch & Int32(1)) * slot_bytes
         smem0 = Int32(0)
@@ -239,17 +275,27 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
         # ---- call marker: +1 on counter[rank] of every rank (ours too). It tells each owner
         # that this rank's consumer of this call has started, i.e. (stream order) that this
         # rank's scale of the previous call is done reading its receive slot.
-        if bidx == Int32(0) and tidx < world:  # world <= threads (checked by the launcher)
+        # Before the marker, the same thread writes this call's epoch into rank tidx's tag of the
+        # slot it is about to fill (word W + parity * W + rank of the communication block,
+        # moe_overlap/kernels/errors.py); the marker's release orders the tag before it, so an
+        # owner whose counter wait covers this marker reads this tag (or a later one).
+        tag_off = (Int64(world) + Int64(epoch & Int32(1)) * Int64(world) + Int64(rank)) * Int64(8)
+        if bidx == Int32(0) and tidx < world and failed == Int32(0):  # world <= threads
             if cutlass.const_expr(use_nvshmem):
+                sig_t = cute.make_tensor(cute.make_ptr(cutlass.Uint64, ctr_sym + tag_off,
+                                                       cute.AddressSpace.gmem, assumed_align=8),
+                                         cute.make_layout(1))
+                nvdev.signal_op(sig_t, Int64(epoch), SignalOp.SIGNAL_SET, tidx)
+                nvdev.fence()  # the tag before the marker at that PE
                 sig_m = cute.make_tensor(cute.make_ptr(cutlass.Uint64,
                                                        ctr_sym + Int64(rank) * Int64(8),
                                                        cute.AddressSpace.gmem, assumed_align=8),
                                          cute.make_layout(1))
                 nvdev.signal_op(sig_m, Int64(1), SignalOp.SIGNAL_ADD, tidx)
             else:
-                P.red_release_sys_add_s64(
-                    P.ld_s64(ctr_peers + Int64(tidx) * Int64(8)) + Int64(rank) * Int64(8),
-                    Int64(1))
+                peer_ctr = P.ld_s64(ctr_peers + Int64(tidx) * Int64(8))
+                P.st_relaxed_sys_s64(peer_ctr + tag_off, Int64(epoch))
+                P.red_release_sys_add_s64(peer_ctr + Int64(rank) * Int64(8), Int64(1))
 
         # ---- remote segments, in pieces of piece_rows rows (0: a segment is one piece) -------
         # Piece q, numbered across the segments in schedule order, goes to CTA q % nblk: every
@@ -261,6 +307,30 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
         while s < nseg and failed == Int32(0):
             off = Int64(s) * Int64(4)
             seg_n = P.ld_s32(seg_rows + off)
+            # every field of segment s in range, else ERR_PLAN_BOUNDS and stop (every thread
+            # loads the same values: the outcome is uniform over the CTA, and over the CTAs)
+            field = Int32(-1)
+            fval = Int64(0)
+            fcap = Int64(0)
+            dest = P.ld_s32(seg_dest + off)
+            src_row0 = P.ld_s32(seg_src_row + off)
+            dst_row0 = P.ld_s32(seg_dest_row + off)
+            sstart = P.ld_s32(seg_start + off)
+            sbands = P.ld_s32(seg_bands + off)
+            if span_ok(Int64(sstart), Int64(sbands), Int64(sched_cap)) == Int32(0):
+                field, fval, fcap = Int32(PF_BAND), Int64(sstart) + Int64(sbands), Int64(sched_cap)
+            if span_ok(Int64(dst_row0), Int64(seg_n), slot_rows) == Int32(0):
+                field, fval, fcap = Int32(PF_SEG_DST), Int64(dst_row0) + Int64(seg_n), slot_rows
+            if span_ok(Int64(src_row0), Int64(seg_n), Int64(y_rows)) == Int32(0):
+                field, fval, fcap = Int32(PF_SEG_SRC), Int64(src_row0) + Int64(seg_n), Int64(y_rows)
+            if P.in_range_s64(Int64(dest), Int64(0), Int64(world)) == Int32(0):
+                field, fval, fcap = Int32(PF_DEST), Int64(dest), Int64(world)
+            if field >= Int32(0):
+                failed = Int32(1)
+                seg_n = Int32(0)
+                if tidx == Int32(0):
+                    P.record_error(err, Int32(P.ERR_PLAN_BOUNDS), rank, s, field, fval, fcap,
+                                   Int64(0))
             pr = seg_n
             if piece_rows > Int32(0):
                 pr = piece_rows
@@ -268,16 +338,12 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                 pr = Int32(1)
             npieces = (seg_n + pr - Int32(1)) // pr
             q = pc + (bidx - pc % nblk + nblk) % nblk  # this CTA's first piece >= pc
-            if q < pc + npieces:
+            if q < pc + npieces and failed == Int32(0):
                 to = Int32(0)
                 if tidx == Int32(0):
-                    to = wait_bands(schedule, band_ready, P.ld_s32(seg_start + off),
-                                    P.ld_s32(seg_bands + off), epoch, t_start, timeout_ns, err,
-                                    rank, s)
+                    to = wait_bands(schedule, band_ready, sstart, sbands, epoch, t_start,
+                                    timeout_ns, err, rank, s, flag_cap)
                 failed = P.block_any(to)
-                dest = P.ld_s32(seg_dest + off)
-                src_row0 = P.ld_s32(seg_src_row + off)
-                dst_row0 = P.ld_s32(seg_dest_row + off)
                 while q < pc + npieces and failed == Int32(0):
                     r0 = (q - pc) * pr
                     rows = seg_n - r0
@@ -332,6 +398,12 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
         # cell p = this rank's rows of band local_band[p], in schedule order
         if cutlass.const_expr(LOCAL_COPY):
             nl = P.ld_s32(num_local)
+            if P.in_range_s64(Int64(nl), Int64(0), Int64(cell_cap) + Int64(1)) == Int32(0):
+                if tidx == Int32(0):
+                    P.record_error(err, Int32(P.ERR_PLAN_BOUNDS), rank, Int32(-1),
+                                   Int32(PF_NCELL), Int64(nl), Int64(cell_cap), Int64(0))
+                nl = Int32(0)
+                failed = Int32(1)
             p = bidx
             own_recv = P.ld_s64(recv_peers + Int64(rank) * Int64(8))
             own_ctr = P.ld_s64(ctr_peers + Int64(rank) * Int64(8)) + Int64(rank) * Int64(8)
@@ -339,13 +411,30 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                 to = Int32(0)
                 if tidx == Int32(0):
                     to = wait_bands(local_band, band_ready, p, Int32(1), epoch, t_start,
-                                    timeout_ns, err, rank, Int32(-1))
+                                    timeout_ns, err, rank, Int32(-1), flag_cap)
                 failed = P.block_any(to)
+                coff = Int64(p) * Int64(4)
+                rows = P.ld_s32(local_rows + coff)
+                c_src = P.ld_s32(local_src_row + coff)
+                c_dst = P.ld_s32(local_dest_row + coff)
                 if failed == Int32(0):
-                    coff = Int64(p) * Int64(4)
-                    rows = P.ld_s32(local_rows + coff)
-                    src = y + Int64(P.ld_s32(local_src_row + coff)) * row_bytes
-                    dst = own_recv + slot_off + Int64(P.ld_s32(local_dest_row + coff)) * row_bytes
+                    field = Int32(-1)
+                    fval = Int64(0)
+                    fcap = Int64(0)
+                    if span_ok(Int64(c_dst), Int64(rows), slot_rows) == Int32(0):
+                        field, fval, fcap = (Int32(PF_CELL_DST), Int64(c_dst) + Int64(rows),
+                                             slot_rows)
+                    if span_ok(Int64(c_src), Int64(rows), Int64(y_rows)) == Int32(0):
+                        field, fval, fcap = (Int32(PF_CELL_SRC), Int64(c_src) + Int64(rows),
+                                             Int64(y_rows))
+                    if field >= Int32(0):
+                        failed = Int32(1)
+                        if tidx == Int32(0):
+                            P.record_error(err, Int32(P.ERR_PLAN_BOUNDS), rank, p, field, fval,
+                                           fcap, Int64(0))
+                if failed == Int32(0):
+                    src = y + Int64(c_src) * row_bytes
+                    dst = own_recv + slot_off + Int64(c_dst) * row_bytes
                     if cutlass.const_expr(use_tma):
                         to3 = Int32(0)
                         if tidx == Int32(0):
@@ -377,12 +466,14 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                local_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
                recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64, ctr_sym: Int64,
                err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32,
-               piece_rows: Int32, ccta: Int32, stream: cuda.CUstream):
+               piece_rows: Int32, y_rows: Int32, seg_cap: Int32, cell_cap: Int32,
+               sched_cap: Int32, flag_cap: Int32, ccta: Int32, stream: cuda.CUstream):
         consumer_kernel(y, row_bytes, rank, num_segments, seg_start, seg_bands, seg_dest,
                         seg_src_row, seg_dest_row, seg_rows, schedule, num_local,
                         local_band, local_src_row, local_rows, local_dest_row, band_ready,
                         epoch_ptr, recv_peers, ctr_peers, recv_sym, ctr_sym, err,
-                        timeout_ns, slot_bytes, world, piece_rows).launch(
+                        timeout_ns, slot_bytes, world, piece_rows, y_rows, seg_cap, cell_cap,
+                        sched_cap, flag_cap).launch(
             grid=[ccta, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch
@@ -393,7 +484,8 @@ _ARG_NAMES = ("y", "row_bytes", "rank", "num_segments", "segment_start", "segmen
               "num_local_cells", "local_cell_band", "local_cell_src_row", "local_cell_rows",
               "local_cell_dest_row",
               "band_ready", "epoch", "recv_peers", "ctr_peers", "recv_sym", "ctr_sym", "err",
-              "timeout_ns", "slot_bytes", "world", "piece_rows", "ccta")
+              "timeout_ns", "slot_bytes", "world", "piece_rows", "y_rows", "segment_capacity",
+              "cell_capacity", "schedule_capacity", "band_flag_capacity", "ccta")
 
 
 def consumer_example_args():
@@ -401,8 +493,8 @@ def consumer_example_args():
     for cute.compile."""
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
-    return [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 22 + [Int32(1), Int32(0), Int32(1),
-                                                               cuda.CUstream(0)]
+    return [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 22 + [Int32(1), Int32(0)] + \
+        [Int32(1)] * 5 + [Int32(1), cuda.CUstream(0)]
 
 
 def compile_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
@@ -490,5 +582,7 @@ class Consumer:
                 plan.local_cell_dest_row.data_ptr(), band_ready.data_ptr(), epoch.data_ptr(),
                 recv_peers.data_ptr(), ctr_peers.data_ptr(), int(recv_sym), int(ctr_sym),
                 err.data_ptr(), self.timeout_ns, int(slot_bytes), plan.world_size,
-                int(piece_rows), int(ccta))
+                int(piece_rows), y.shape[0], plan.segment_rows.numel(),
+                plan.local_cell_rows.numel(), plan.schedule.numel(), band_ready.numel(),
+                int(ccta))
         self._launcher(ints, stream.cuda_stream)

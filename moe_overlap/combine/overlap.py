@@ -149,6 +149,8 @@ class OverlapCombine:
         OverlapCombine._instances += 1  # same construction order on every rank
         self.buffers = self.rt.buffers(2 * self.max_recv_rows, out_features,
                                        key=f"overlap{OverlapCombine._instances}")
+        if transport == "nvlink":
+            self.buffers.require_p2p()  # stores to the peers' memory: they must be mapped
         self.recv, self.counters = self.buffers.recv, self.buffers.counters
         self.slot_bytes = self.max_recv_rows * out_features * 2
         dev = self.device
@@ -436,7 +438,7 @@ class OverlapCombine:
                                   counters=self.counters, expected=self.expected,
                                   rank=self.rank, err=self.err, epoch=self.epoch,
                                   slot_bytes=self.slot_bytes, num_sms=self.num_sms, stream=cs,
-                                  y=y)
+                                  y=y, epoch_tags=True)
             if marks:
                 marks["scaled"].record(cs)
                 self._diag_timeline.append(marks)

@@ -1,12 +1,30 @@
-"""Owner's scale: out[t] = sum_k w[t, k] * recv[row(t, k)] (fp32 accumulate, bf16 out), fused
-with the bounded wait for the arrivals.
+"""Owner's scale: out[t] = sum_k w[t, k] * recv[row(t, k)] (fp32 accumulate, bf16 out), after a
+bounded wait for the arrivals. One launcher, two kernels on the stream:
 
-Each CTA first waits (threads s < W, ld.acquire.sys bounded by %globaltimer) until
-``counter[s] >= expected_cum[s]`` for every source rank s; ``expected_cum`` lives on the device and
-is advanced by the caller on the stream before the launch (``expected_cum += rows from s + 1``: the
-consumer adds one call marker per call besides the rows), so no host ints change between calls and
-CUDA graphs replay. On timeout the kernel records (rank, source, counter, expected) in the error
-buffer and exits. ``bar.red.or`` then orders every thread's receive-buffer loads after the acquire.
+1. arrival wait, W CTAs of one warp (few CTAs spin on the peers, so a kernel of another stream
+   that a peer needs, e.g. NCCL, is not starved of SMs): CTA s, thread 0, waits (ld.acquire.sys,
+   bounded by %globaltimer) until ``counter[s] >= expected_cum[s]``; ``expected_cum`` lives on the
+   device and is advanced by the caller on the stream before the launch (``expected_cum += rows
+   from s + 1``: the consumer adds one call marker per call besides the rows), so no host ints
+   change between calls and CUDA graphs replay. Then it reads source s's epoch tag of this call's
+   slot (communication block word W + (epoch & 1) * W + s, moe_overlap/kernels/errors.py): the
+   sender wrote it before its marker, so it must equal this rank's epoch (int32 equality: the same
+   across the wrap); otherwise the ranks are out of step (one made a call the others did not, or
+   was reset alone) and it records ERR_EPOCH_MISMATCH (source, both epochs). A timeout records
+   ERR_SCALE_TIMEOUT (source, epoch, counter, expected). ``fence.acq_rel.sys`` after the acquire;
+   the kernel boundary then orders the scale's loads after it (causality is transitive).
+   Skipped (nothing waited for) when the error word is already set.
+   Why a kernel boundary rather than a device flag the other CTAs wait on: CTAs waiting on a
+   flag are resident all the same and hold the SMs (registers, threads) that another stream's
+   kernel would need; the second kernel's CTAs do not exist until the wait is over. Its cost is
+   one kernel boundary per call (measure with bench/bench_combine_split.py).
+2. scale, ``ctas_per_sm`` CTAs per SM, started only once every arrival is complete (the kernel
+   boundary is the release of the work): thread 0 of each CTA reads the error word; if any error
+   is recorded on this rank (this call's wait or consumer, or any earlier call: errors are sticky
+   until a reset), the kernel reads no receive slot and writes NaN to every row of ``out``.
+   Every row index is checked against the slot (``0 <= r < slot_rows``; with y_src a negative r
+   against y's rows); a bad one records ERR_SCALE_BAD_ROW, is never loaded, and its token's
+   row is NaN.
 
 Then each thread owns 8 columns (16 bytes) of ``unroll`` (token, column-chunk) pairs at a time:
 TOPK 16-byte loads of recv[row(t, k)] each (all issued before any arithmetic: every load needs the
@@ -27,6 +45,8 @@ DEFAULT_THREADS = 256
 DEFAULT_UNROLL = 1
 DEFAULT_CTAS_PER_SM = 8  # the fastest in bench/bench_scale.py (docs/RESULTS.md)
 DEFAULT_TIMEOUT_NS = 10_000_000_000
+WAIT_THREADS = 32  # the arrival-wait kernel: one warp per source rank
+BF16X2_NAN = 0x7FC07FC0  # two bf16 quiet NaNs
 
 
 def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
@@ -54,35 +74,70 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
         return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};",
                                     write_only_types=[Int32], read_only_args=[hi, lo])
 
+    def select_s64(cond, a, b):
+        return cute.arch.inline_ptx(
+            "{ .reg .pred p; setp.ne.s32 p, {$r0}, 0; selp.b64 {$w0}, {$r1}, {$r2}, p; }",
+            write_only_types=[Int64], read_only_args=[Int32(cond), Int64(a), Int64(b)])
+
+    def select_s32(cond, a, b):
+        return cute.arch.inline_ptx(
+            "{ .reg .pred p; setp.ne.s32 p, {$r0}, 0; selp.b32 {$w0}, {$r1}, {$r2}, p; }",
+            write_only_types=[Int32], read_only_args=[Int32(cond), Int32(a), Int32(b)])
+
+    @cute.kernel
+    def wait_kernel(counters: Int64, expected: Int64, world: Int32, rank: Int32, err: Int64,
+                    timeout_ns: Int64, epoch_ptr: Int64, check_tags: Int32):
+        tidx, src, _ = P.thread_block_grid()
+        if tidx == Int32(0) and src < world:
+            if P.error_set(err) == Int32(0):
+                epoch = P.ld_s32(epoch_ptr)
+                t0 = P.globaltimer()
+                exp = P.ld_s64(expected + Int64(src) * Int64(8))
+                to, v, el = P.wait_ge_sys_s64(counters + Int64(src) * Int64(8), exp, t0,
+                                              timeout_ns)
+                if to != Int32(0):
+                    P.record_error(err, Int32(P.ERR_SCALE_TIMEOUT), rank, src, epoch, v, exp,
+                                   el)
+                elif check_tags != Int32(0):
+                    tag = P.ld_relaxed_sys_s64(
+                        counters + (Int64(world) + Int64(epoch & Int32(1)) * Int64(world)
+                                    + Int64(src)) * Int64(8))
+                    if Int32(tag) != epoch:
+                        P.record_error(err, Int32(P.ERR_EPOCH_MISMATCH), rank, src, src,
+                                       Int64(Int32(tag)), Int64(epoch), Int64(0))
+                P.fence_acq_rel_sys()
+
     @cute.kernel
     def scale_kernel(recv: Int64, rows: Int64, weights: Int64, out: Int64, T: Int32,
-                     n_chunks: Int32, row_bytes: Int64, counters: Int64, expected: Int64,
-                     world: Int32, rank: Int32, err: Int64, timeout_ns: Int64, epoch_ptr: Int64,
-                     slot_bytes: Int64, y: Int64):
+                     n_chunks: Int32, row_bytes: Int64, rank: Int32, err: Int64,
+                     epoch_ptr: Int64, slot_bytes: Int64, y: Int64, y_rows: Int32,
+                     slot_rows: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
         tidx = Int32(tidx)
-        to = Int32(0)
-        if tidx < world:
-            t0 = P.globaltimer()
-            exp = P.ld_s64(expected + Int64(tidx) * Int64(8))
-            to2, v, el = P.wait_ge_sys_s64(counters + Int64(tidx) * Int64(8), exp, t0,
-                                           timeout_ns)
-            if to2 != Int32(0):
-                to = Int32(1)
-                P.record_error(err, Int32(P.ERR_SCALE_TIMEOUT), rank, tidx, Int32(-1), v, exp,
-                               el)
-        failed = P.block_any(to)
-        if failed == Int32(0):
-            base = recv + Int64(P.ld_s32(epoch_ptr) & Int32(1)) * slot_bytes
-            total = Int64(T) * Int64(n_chunks)
+        e0 = Int32(0)
+        if tidx == Int32(0):
+            e0 = P.error_set(err)
+        failed = P.block_any(e0)
+        total = Int64(T) * Int64(n_chunks)
+        stride = Int64(Int32(nblk) * Int32(NT))
+        if failed != Int32(0):
+            # an error is recorded on this rank: read no slot, NaN in every row of out
+            nan = Int32(BF16X2_NAN)
             i = Int64(Int32(bidx) * Int32(NT) + tidx)
-            stride = Int64(Int32(nblk) * Int32(NT))
+            while i < total:
+                t = i // Int64(n_chunks)
+                P.st_v4(out + t * row_bytes + (i - t * Int64(n_chunks)) * Int64(16),
+                        [nan, nan, nan, nan])
+                i = i + stride
+        else:
+            base = recv + Int64(P.ld_s32(epoch_ptr) & Int32(1)) * slot_bytes
+            i = Int64(Int32(bidx) * Int32(NT) + tidx)
             while i < total:
                 # U pairs i, i + stride, ...: a pair past the end is clamped to the last one
                 # (loads stay in bounds, one basic block) and not stored
-                ts, cs, ws, vs = [], [], [], []
+                ts, cs, ws, vs, bads = [], [], [], [], []
                 for u in cutlass.range_constexpr(U):
                     iu = i + Int64(u) * stride
                     if cutlass.const_expr(u > 0):
@@ -93,17 +148,35 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
                     ts.append(t)
                     cs.append(iu - t * Int64(n_chunks))
                 for u in cutlass.range_constexpr(U):
+                    bad = Int32(0)
                     for k in cutlass.range_constexpr(K):
                         a = ts[u] * Int64(K) + Int64(k)
                         r = P.ld_s32(rows + a * Int64(4))
                         ws.append(cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];",
                                                        write_only_types=[Float32],
                                                        read_only_args=[weights + a * Int64(4)]))
+                        # a row outside the slot (or y) is never loaded: row 0 of the slot is
+                        # read instead (in bounds whenever there is a pair) and the token is NaN
+                        ok = P.in_range_s64(Int64(r), Int64(0), slot_rows)
+                        is_y = Int32(0)
+                        bound = slot_rows
                         src = base + Int64(r) * row_bytes
+                        yr = Int64(Int32(-1) - r)
                         if cutlass.const_expr(Y_SRC):
                             if r < Int32(0):  # local expert: row -r - 1 of y
-                                src = y + Int64(Int32(-1) - r) * row_bytes
+                                ok = P.in_range_s64(yr, Int64(0), Int64(y_rows))
+                                src = y + yr * row_bytes
+                                is_y = Int32(1)
+                                bound = Int64(y_rows)
+                        if ok == Int32(0):
+                            src = base
+                            bad = Int32(1)
+                            if cs[u] == Int64(0):  # one report per assignment
+                                P.record_error(err, Int32(P.ERR_SCALE_BAD_ROW), rank, Int32(a),
+                                               is_y, select_s64(is_y, yr, Int64(r)), bound,
+                                               Int64(0))
                         vs.append(P.ld_v4_cg(src + cs[u] * Int64(16)))
+                    bads.append(bad)
                 for u in cutlass.range_constexpr(U):
                     acc = [Float32(0.0)] * 8
                     for k in cutlass.range_constexpr(K):
@@ -114,7 +187,8 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
                             hi = as_f32(v4[j] & Int32(-65536))
                             acc[2 * j] = acc[2 * j] + w * lo
                             acc[2 * j + 1] = acc[2 * j + 1] + w * hi
-                    o = [pack_bf16x2(acc[2 * j], acc[2 * j + 1]) for j in range(4)]
+                    o = [select_s32(bads[u], Int32(BF16X2_NAN),
+                                    pack_bf16x2(acc[2 * j], acc[2 * j + 1])) for j in range(4)]
                     if cutlass.const_expr(u == 0):
                         P.st_v4(out + ts[u] * row_bytes + cs[u] * Int64(16), o)
                     else:
@@ -126,9 +200,13 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
     def launch(recv: Int64, rows: Int64, weights: Int64, out: Int64, T: Int32, n_chunks: Int32,
                row_bytes: Int64, counters: Int64, expected: Int64, world: Int32, rank: Int32,
                err: Int64, timeout_ns: Int64, epoch_ptr: Int64, slot_bytes: Int64, y: Int64,
-               grid: Int32, stream: cuda.CUstream):
-        scale_kernel(recv, rows, weights, out, T, n_chunks, row_bytes, counters, expected, world,
-                     rank, err, timeout_ns, epoch_ptr, slot_bytes, y).launch(
+               y_rows: Int32, slot_rows: Int64, check_tags: Int32, wait_grid: Int32, grid: Int32,
+               stream: cuda.CUstream):
+        wait_kernel(counters, expected, world, rank, err, timeout_ns, epoch_ptr,
+                    check_tags).launch(
+            grid=[wait_grid, 1, 1], block=[WAIT_THREADS, 1, 1], stream=stream)
+        scale_kernel(recv, rows, weights, out, T, n_chunks, row_bytes, rank, err, epoch_ptr,
+                     slot_bytes, y, y_rows, slot_rows).launch(
             grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch
@@ -139,8 +217,8 @@ def scale_example_args():
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
     return [Int64(0)] * 4 + [Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), Int32(1),
-                             Int32(0), Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(1),
-                             cuda.CUstream(0)]
+                             Int32(0), Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0),
+                             Int64(0), Int32(0), Int32(1), Int32(1), cuda.CUstream(0)]
 
 
 def compile_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
@@ -173,10 +251,14 @@ class Scale:
         return self._fn
 
     def launch(self, *, recv, rows, weights, out, counters, expected, rank, err, epoch,
-               slot_bytes, num_sms: int, stream=None, y=None):
+               slot_bytes, num_sms: int, stream=None, y=None, epoch_tags: bool = False):
         """recv: receive buffer base (slot 0); rows: int32 [T, topk] (y_src: negative = y row
-        -r - 1); weights: fp32 [T, topk]; out: [T, N] bf16; counters / expected: int64 [W];
-        y: [rows, N] bf16 (needed with y_src)."""
+        -r - 1); weights: fp32 [T, topk]; out: [T, N] bf16; counters / expected: int64 [W]
+        (counters: the first W words of the communication block, whose epoch tags follow them);
+        y: [rows, N] bf16 (needed with y_src). slot_bytes > 0: recv holds slots of that size
+        (row indices are checked against its rows); 0: recv is the one slot.
+        epoch_tags: the source epoch tags follow ``counters`` (the communication block of
+        moe_overlap/kernels/errors.py, OverlapCombine); they are checked against ``epoch``."""
         if self.y_src and y is None:
             raise ValueError("Scale(y_src=True) needs y")
         import torch
@@ -192,10 +274,14 @@ class Scale:
         work = max(1, T * n_chunks)
         per_cta = self.threads * self.unroll
         grid = max(1, min(num_sms * self.ctas_per_sm, (work + per_cta - 1) // per_cta))
+        W = counters.numel()
         self._launcher((recv.data_ptr(), rows.data_ptr(), weights.data_ptr(), out.data_ptr(), T,
                         n_chunks, N * 2, counters.data_ptr(), expected.data_ptr(),
-                        counters.numel(), rank, err.data_ptr(), self.timeout_ns, epoch.data_ptr(),
-                        int(slot_bytes), 0 if y is None else y.data_ptr(), grid),
+                        W, rank, err.data_ptr(), self.timeout_ns, epoch.data_ptr(),
+                        int(slot_bytes), 0 if y is None else y.data_ptr(),
+                        0 if y is None else y.shape[0],
+                        int(slot_bytes) // (N * 2) if slot_bytes else recv.numel() // N,
+                        int(bool(epoch_tags)), max(1, W), grid),
                        stream.cuda_stream)
 
 

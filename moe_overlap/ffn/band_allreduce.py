@@ -65,7 +65,8 @@ Comparisons are wrap-safe (signed difference). Every wait is bounded by ``%globa
 (``timeout_ns`` since the CTA started); a timeout records (code, rank, band, observed, expected,
 elapsed) in the error buffer (``int64[8]``, first writer wins) and the CTA stops. All CTAs of all
 ranks must be co-resident (grid <= SMs left free by the compute blocks), as in any persistent
-spinning kernel.
+spinning kernel: ``BandAllReduce.compile`` computes the CTAs per SM from the kernel's registers and
+shared memory (read from its cubin) and refuses a grid that cannot all be resident.
 
 All pointers are 64-bit ints (``tensor.data_ptr()``); ``acc_remote`` / ``arrive_remote`` /
 ``done_remote`` are multicast addresses (switch) or device pointers to ``int64[G]`` tables of every
@@ -542,8 +543,19 @@ def emulate_band_allreduce(accs, M: int, band_rows: int, b2=None, act2: str = "n
 
 @functools.lru_cache(maxsize=None)
 def _compiled_variant(world, backend, act2, threads, unroll, zero_acc, arrive_ahead):
+    # kept cubin: its registers / shared memory bound the CTAs that can be co-resident
     return compile_band_allreduce(world, backend, act2, threads, unroll, zero_acc,
-                                  arrive_ahead=arrive_ahead)
+                                  arrive_ahead=arrive_ahead, keep=True)
+
+
+def coresident_ctas_per_sm(compiled, threads: int) -> int:
+    """CTAs of a compiled (``keep=True``) band all-reduce that fit on one SM, from its cubin's
+    registers and shared memory (moe_overlap.runtime.device.ctas_per_sm)."""
+    from ..runtime.device import cubin_resources, ctas_per_sm
+    res = cubin_resources(compiled.__cubin__)
+    if not res:
+        raise RuntimeError("no kernel resources in the band all-reduce cubin")
+    return min(ctas_per_sm(regs, threads, smem) for regs, smem in res.values())
 
 
 def describe_error(err_host) -> str | None:
@@ -667,13 +679,23 @@ class BandAllReduce:
         if not 1 <= self.ccta <= sms:
             raise ValueError(f"ccta={self.ccta} must be in [1, {sms}] (CTAs must be co-resident)")
         self._fn = None
+        self.ctas_per_sm = None  # set by compile() from the cubin
         torch.cuda.synchronize(dev)
         dist.barrier(group=self.group)  # every rank's counters are zero before anyone signals
 
     def compile(self):
+        """Compiles (once per variant) and checks co-residency: CTA c waits on CTA c of every
+        peer, so all ``ccta`` CTAs of every rank must be resident at once on the ``ccta`` SMs the
+        compute blocks leave free (the same variant, hence the same bound, on every rank)."""
         if self._fn is None:
-            self._fn = _compiled_variant(self.world, self.backend, self.act2, self.threads,
-                                         self.unroll, bool(self.zero_acc), self.arrive_ahead)
+            from ..runtime.device import require_coresident
+            fn = _compiled_variant(self.world, self.backend, self.act2, self.threads,
+                                   self.unroll, bool(self.zero_acc), self.arrive_ahead)
+            self.ctas_per_sm = coresident_ctas_per_sm(fn, self.threads)
+            require_coresident(self.ccta, self.ccta, self.ctas_per_sm,
+                               f"band all-reduce (threads={self.threads}, unroll={self.unroll}, "
+                               f"world={self.world})")
+            self._fn = fn
         return self._fn
 
     def __call__(self, M: int, b2=None, out=None, *, producer: bool = False, stream=None,

@@ -15,7 +15,8 @@ Memory-ordering vocabulary (PTX memory model):
 
 Error buffer (``int64[8]``, zeroed by the host): [0] code (0 = ok), [1] rank, [2] index (segment /
 source rank), [3] band, [4] observed value, [5] expected value, [6] elapsed ns. The first writer
-wins (atom.cas on [0]); the host reads it after a synchronize (see ``describe_error``).
+wins (atom.cas on [0]); the host reads it after a synchronize (see ``describe_error``). The
+layout and codes are defined in ``moe_overlap/kernels/errors.py`` (pure Python).
 """
 from __future__ import annotations
 
@@ -23,13 +24,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-ERR_WORDS = 8
-ERR_CONSUMER_TIMEOUT = 1  # consumer waited too long for band_ready[b] == epoch
-ERR_SCALE_TIMEOUT = 2  # owner's scale waited too long for a source's arrival counter
-ERR_COPY_TIMEOUT = 3  # consumer (copy="tma") waited too long for a bulk load into shared memory
-ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
-             ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
-             ERR_COPY_TIMEOUT: "consumer timed out waiting for a bulk (TMA) load of y"}
+# error word layout and codes: one definition, shared with the host (moe_overlap/kernels/errors.py)
+from .errors import (ERR_WORDS, ERR_CONSUMER_TIMEOUT, ERR_SCALE_TIMEOUT,  # noqa: E402,F401
+                              ERR_COPY_TIMEOUT, ERR_EPOCH_MISMATCH, ERR_PLAN_BOUNDS,
+                              ERR_SCALE_BAD_ROW, ERR_NAMES, describe_error)
 
 
 # ---- launch geometry ---------------------------------------------------------------------------
@@ -117,6 +115,43 @@ def atom_cas_s64(addr, cmp, val):
     return cute.arch.inline_ptx("atom.relaxed.gpu.global.cas.b64 {$w0}, [{$r0}], {$r1}, {$r2};",
                                 write_only_types=[Int64],
                                 read_only_args=[addr, Int64(cmp), Int64(val)])
+
+
+def ld_relaxed_sys_s64(addr):
+    """Strong (relaxed, sys scope) 64-bit load: a word other GPUs write (no stale L1 line)."""
+    return cute.arch.inline_ptx("ld.relaxed.sys.global.s64 {$w0}, [{$r0}];",
+                                write_only_types=[Int64], read_only_args=[addr])
+
+
+def ld_relaxed_gpu_s64(addr):
+    """Strong (relaxed, gpu scope) 64-bit load: e.g. the error word another kernel of this GPU
+    may have written."""
+    return cute.arch.inline_ptx("ld.relaxed.gpu.global.s64 {$w0}, [{$r0}];",
+                                write_only_types=[Int64], read_only_args=[addr])
+
+
+def st_relaxed_sys_s64(addr, val):
+    """Strong (relaxed, sys scope) 64-bit store, e.g. to a peer's mapped address; a later release
+    by the same thread orders it before the released value."""
+    cute.arch.inline_ptx("st.relaxed.sys.global.s64 [{$r0}], {$r1};",
+                         read_only_args=[addr, Int64(val)])
+
+
+def error_set(err_addr):
+    """Int32 1 if the error word's code (word 0) is non-zero (strong gpu-scope load; one thread,
+    then share it with ``block_any``)."""
+    v = ld_relaxed_gpu_s64(err_addr)
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; setp.ne.s64 p, {$r0}, 0; selp.s32 {$w0}, 1, 0, p; }",
+        write_only_types=[Int32], read_only_args=[v])
+
+
+def in_range_s64(v, lo, hi):
+    """Int32 1 if lo <= v < hi (Int64 operands)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p, q; setp.ge.s64 p, {$r0}, {$r1}; setp.lt.and.s64 q, {$r0}, {$r2}, p; "
+        "selp.s32 {$w0}, 1, 0, q; }",
+        write_only_types=[Int32], read_only_args=[Int64(v), Int64(lo), Int64(hi)])
 
 
 # ---- 16-byte vectors -------------------------------------------------------------------------
@@ -484,25 +519,6 @@ def wait_mbar_parity(mbar: Int32, parity: Int32, t0: Int64, timeout_ns: Int64):
     if done != Int32(0):
         timed_out = Int32(0)
     return timed_out, elapsed
-
-
-def describe_error(err_host: list[int]) -> str | None:
-    """Human-readable text of an error buffer read back to the host (None when clear)."""
-    code = int(err_host[0])
-    if code == 0:
-        return None
-    what = ERR_NAMES.get(code, f"device error code {code}")
-    rank, index, band, obs, exp, el = (int(v) for v in err_host[1:7])
-    if code == ERR_CONSUMER_TIMEOUT:
-        return (f"{what}: rank {rank}, segment {index}, band {band}: band_ready={obs}, epoch={exp}"
-                f" after {el / 1e6:.1f} ms (producer stalled, not launched, or plan/epoch mismatch)")
-    if code == ERR_COPY_TIMEOUT:
-        return (f"{what}: rank {rank}, segment {index} (-1: local band), stage {band} after "
-                f"{el / 1e6:.1f} ms (bulk copy engine stalled or bad address)")
-    if code == ERR_SCALE_TIMEOUT:
-        return (f"{what}: rank {rank}, source rank {index}: counter={obs}, expected>={exp} after "
-                f"{el / 1e6:.1f} ms (a peer's consumer did not run, timed out, or sent fewer rows)")
-    return f"{what}: {list(err_host)}"
 
 
 class LaunchCache:

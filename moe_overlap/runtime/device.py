@@ -15,3 +15,76 @@ def num_sms(device) -> int:
     """Streaming multiprocessors of a CUDA device (cached)."""
     idx = torch.device(device).index
     return _num_sms(torch.cuda.current_device() if idx is None else idx)
+
+
+# ---- co-residency of spinning kernels ----------------------------------------------------------
+# A kernel whose CTA c waits on CTA c of the peers (the band all-reduce) hangs until its timeout
+# unless every CTA of every rank is resident at once; the bound below is computed from the
+# kernel's own registers and shared memory (read from its cubin), so it holds before any launch.
+SM90_LIMITS = dict(threads=2048, regs=65536, ctas=32, smem=228 * 1024, reg_unit=256,
+                   smem_reserved=1024)
+
+
+def cubin_resources(cubin: bytes) -> dict:
+    """{kernel name: (registers per thread, static shared bytes)} from a cubin's ELF
+    (``.nv.info`` EIATTR_REGCOUNT, ``.nv.shared.<kernel>`` sizes)."""
+    import struct
+    b = bytes(cubin)
+    if b[:4] != b"\x7fELF":
+        raise ValueError("not an ELF cubin")
+    shoff, = struct.unpack_from("<Q", b, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQ", b, shoff + i * shentsize) for i in range(shnum)]
+    names_off = secs[shstrndx][4]
+
+    def cstr(off):
+        return b[off:b.index(b"\0", off)].decode()
+
+    named = {cstr(names_off + s[0]): (s[4], s[5]) for s in secs}
+    symtab, strtab = named.get(".symtab"), named.get(".strtab")
+    syms = []
+    if symtab and strtab:
+        for i in range(symtab[1] // 24):
+            st_name, = struct.unpack_from("<I", b, symtab[0] + 24 * i)
+            syms.append(cstr(strtab[0] + st_name))
+    regs = {}
+    off, size = named.get(".nv.info", (0, 0))
+    i = 0
+    while i + 4 <= size:
+        fmt, attr, sz = struct.unpack_from("<BBH", b, off + i)
+        if fmt == 4:  # EIFMT_SVAL: sz bytes of payload
+            if attr == 0x2F and sz >= 8:  # EIATTR_REGCOUNT: (symbol index, registers)
+                sym, n = struct.unpack_from("<II", b, off + i + 4)
+                regs[syms[sym] if sym < len(syms) else str(sym)] = n
+            i += 4 + sz
+        else:  # EIFMT_NVAL / BVAL / HVAL: the value is in the 16-bit field
+            i += 4
+    out = {}
+    for name, n in regs.items():
+        smem = named.get(f".nv.shared.{name}", (0, 0))[1]
+        out[name] = (n, smem)
+    return out
+
+
+def ctas_per_sm(regs: int, threads: int, smem: int = 0, limits: dict = SM90_LIMITS) -> int:
+    """CTAs of one kernel that fit on one SM by threads, registers (allocated per warp in units of
+    ``reg_unit``) and shared memory (0: it cannot run at all)."""
+    warps = -(-threads // 32)
+    per_warp = -(-max(regs, 1) * 32 // limits["reg_unit"]) * limits["reg_unit"]
+    by_regs = limits["regs"] // (per_warp * warps)
+    by_threads = limits["threads"] // (warps * 32)
+    by_smem = limits["smem"] // (smem + limits["smem_reserved"])
+    return max(0, min(by_regs, by_threads, by_smem, limits["ctas"]))
+
+
+def require_coresident(grid: int, sms: int, per_sm: int, what: str) -> None:
+    """ValueError unless ``grid`` CTAs fit at once on ``sms`` SMs at ``per_sm`` CTAs each."""
+    if per_sm < 1:
+        raise ValueError(f"{what}: one CTA does not fit on an SM (registers / shared memory); "
+                         "its CTAs wait on each other across ranks, so every CTA must be "
+                         "resident: use fewer threads or a smaller unroll")
+    if grid > sms * per_sm:
+        raise ValueError(f"{what}: grid of {grid} CTAs but only {sms} SMs x {per_sm} CTAs per SM "
+                         f"= {sms * per_sm} can be resident at once; its CTAs wait on each other "
+                         "across ranks (a CTA that is not resident never arrives): lower ccta / "
+                         "the grid")

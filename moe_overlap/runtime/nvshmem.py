@@ -11,10 +11,16 @@ Bootstrap: rank 0 of the group creates an NVSHMEM unique id, broadcast to the gr
 (uid, group rank, group size) on its current CUDA device. Symmetric allocations are collective:
 every rank must make the same calls in the same order.
 
-Receive buffer: ``[max_recv_rows, N]`` bf16. Counters: ``int64 [W]``, counter[s] on rank d counts
-rows that rank s has delivered to d, monotone over calls (never reset); the receiver keeps the
-cumulative expected value on device. nvshmem4py is imported lazily, so this module imports on a
-machine without it.
+Receive buffer: ``[max_recv_rows, N]`` bf16. Communication block ``int64 [3W]`` (layout in
+moe_overlap/kernels/errors.py): counters = its first W words, counter[s] on rank d counts rows
+that rank s has delivered to d, monotone over calls (never reset; the receiver keeps the
+cumulative expected value on device), then the per-source epoch tags of the two receive slots.
+
+Peer address tables: built for every rank that this GPU reaches by load/store (NVLink P2P); an
+unreachable peer's entry is 0 and ``CombineBuffers.unreachable`` names it, so the NVSHMEM
+transport (which reaches peers through NVSHMEM calls only and reads its own entry alone) works
+without P2P, and ``require_p2p()`` gives the load/store transport its error. nvshmem4py is
+imported lazily, so this module imports on a machine without it.
 """
 from __future__ import annotations
 
@@ -22,6 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+COMM_BLOCK_WORDS_PER_RANK = 3  # counters, slot-0 tags, slot-1 tags (moe_overlap/kernels/errors.py)
 
 
 class NvshmemError(RuntimeError):
@@ -45,6 +54,39 @@ class CombineBuffers:
     counters: torch.Tensor  # int64 [W], symmetric; counters[s] = rows (+ markers) from rank s
     recv_peers: torch.Tensor  # int64 [W]: recv's base address on every rank, mapped here
     ctr_peers: torch.Tensor  # int64 [W]: counters' base address on every rank, mapped here
+    block: torch.Tensor | None = None  # int64 [3W]: counters + epoch tags (counters = block[:W])
+    unreachable: tuple = ()  # ranks without a load/store mapping (their table entries are 0)
+
+    def require_p2p(self, what: str = "transport='nvlink'"):
+        """NvshmemError if a peer has no load/store mapping (the NVSHMEM transport needs none)."""
+        if self.unreachable:
+            raise NvshmemError(
+                f"{what} stores to the peers' memory directly, but ranks "
+                f"{list(self.unreachable)} are not reachable by load/store (no NVLink/P2P "
+                "mapping) from this GPU; use transport='nvshmem' (it needs no P2P mapping)")
+
+
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def heap_error(nbytes: int, allocated: int, cause: BaseException) -> "NvshmemError":
+    """The error of a failed symmetric allocation: the size asked for, what is already taken,
+    and the NVSHMEM_SYMMETRIC_SIZE that would hold both (set before NVSHMEM starts)."""
+    import os
+    need = allocated + nbytes
+    # headroom for NVSHMEM's own allocations and alignment; round up to whole MiB
+    suggest = -(-(need + (need >> 3) + (64 << 20)) // (1 << 20))
+    cur = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+    return NvshmemError(
+        f"symmetric (NVSHMEM) allocation of {nbytes} bytes ({nbytes / 2**20:.1f} MiB) failed "
+        f"with {allocated / 2**20:.1f} MiB already allocated by this runtime "
+        f"({type(cause).__name__}: {cause}); the heap must hold at least {need / 2**20:.1f} MiB: "
+        f"set NVSHMEM_SYMMETRIC_SIZE={suggest}M (now {cur or 'unset: NVSHMEM default'}) in the "
+        "environment of every rank before NVSHMEM is initialized, or lower max_tokens_per_rank")
 
 
 class NvshmemRuntime:
@@ -103,7 +145,11 @@ class NvshmemRuntime:
     def alloc(self, shape, dtype) -> torch.Tensor:
         """Collective symmetric allocation (zeroed; returns after every rank zeroed it)."""
         self._check_live()
-        t = self._nc.tensor(tuple(shape), dtype=dtype)
+        nbytes = _nbytes(shape, dtype)
+        try:
+            t = self._nc.tensor(tuple(shape), dtype=dtype)
+        except Exception as e:
+            raise heap_error(nbytes, self.allocated_bytes(), e) from e
         if t is None:
             raise NvshmemError("nvshmem4py was built without torch interop")
         t.zero_()
@@ -111,6 +157,10 @@ class NvshmemRuntime:
         dist.barrier(group=self.group)
         self._tensors.append(t)
         return t
+
+    def allocated_bytes(self) -> int:
+        """Bytes of symmetric heap this runtime has allocated so far."""
+        return sum(t.numel() * t.element_size() for t in self._tensors)
 
     def buffers(self, max_recv_rows: int, n: int, key: str = "combine"):
         """The receive buffer [max_recv_rows, n] bf16 and counters int64 [W] of ``key``,
@@ -124,8 +174,11 @@ class NvshmemRuntime:
         b = self._buffers.get(key)
         if b is None:
             recv = self.alloc((max_recv_rows, n), torch.bfloat16)
-            ctr = self.alloc((self.world_size,), torch.int64)
-            b = CombineBuffers(recv, ctr, self.peer_ptrs(recv), self.peer_ptrs(ctr))
+            # = kernels.errors.comm_block_words(W) (runtime sits below kernels; a test ties them)
+            block = self.alloc((COMM_BLOCK_WORDS_PER_RANK * self.world_size,), torch.int64)
+            (rp, bad), (cp, _) = self.peer_table(recv), self.peer_table(block)
+            b = CombineBuffers(recv, block[:self.world_size], rp, cp, block=block,
+                               unreachable=bad)
             self._buffers[key] = b
         elif n != b.recv.shape[1] or max_recv_rows > b.recv.shape[0]:
             raise NvshmemError(
@@ -135,6 +188,16 @@ class NvshmemRuntime:
         return b
 
     def peer_tensor(self, t: torch.Tensor, pe: int) -> torch.Tensor:
+        """Torch view of rank pe's copy of symmetric ``t`` through NVLink P2P (load/store);
+        NvshmemError if pe is not mapped here (only the NVSHMEM calls reach it then)."""
+        p = self._peer_view(t, pe)
+        if p is None:
+            raise NvshmemError(f"rank {pe} is not reachable by load/store from rank {self.rank} "
+                               "(no NVLink/P2P mapping): a load/store view of its memory cannot "
+                               "exist; only NVSHMEM calls (transport='nvshmem') reach it")
+        return p
+
+    def _peer_view(self, t, pe):
         self._check_live()
         if not 0 <= pe < self.world_size:
             raise ValueError(f"pe={pe} out of range [0, {self.world_size})")
@@ -142,9 +205,17 @@ class NvshmemRuntime:
             return t
         p = self._nc.get_peer_tensor(t, pe)
         if p is None or p.data_ptr() == 0:
-            raise NvshmemError(f"rank {pe} is not reachable by load/store from rank {self.rank} "
-                               "(no NVLink/P2P mapping); use transport='nvshmem'")
+            return None
         return p
+
+    def peer_table(self, t: torch.Tensor):
+        """(int64 [W] device tensor of ``t``'s base address on every rank as mapped here, 0 for
+        a rank without a load/store mapping; the tuple of those ranks)."""
+        views = [self._peer_view(t, pe) for pe in range(self.world_size)]
+        self._peer_views.extend(v for v in views if v is not None)  # keep the owners alive
+        ptrs = [0 if v is None else v.data_ptr() for v in views]
+        bad = tuple(pe for pe, v in enumerate(views) if v is None)
+        return torch.tensor(ptrs, dtype=torch.int64, device=self.device), bad
 
     def peer_ptrs(self, t: torch.Tensor) -> torch.Tensor:
         """int64 [W] device tensor: base address of ``t`` on every rank, as mapped here."""

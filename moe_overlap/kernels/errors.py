@@ -1,0 +1,114 @@
+"""The overlapped combine's error word and communication-block layout: one definition for the
+kernels (consumer.py, scale.py, through kernels/primitives.py) and the host (describe_error).
+
+Pure Python (no CuTe DSL, no CUDA): the host can decode an error word on any machine.
+
+Error word (``int64[ERR_WORDS]`` per combine, on the device, zeroed by the host; the first
+writer wins through ``atom.cas`` on word 0, the rest is written by that thread only):
+
+====  ==========================================================================================
+word  meaning
+====  ==========================================================================================
+0     code (0 = ok, one of ``ERR_*`` below)
+1     rank that recorded it
+2     index: segment (consumer; -1 = a local cell), source rank (scale), assignment t * topk + k
+      (bad row)
+3     band / stage index; ERR_SCALE_TIMEOUT: this rank's epoch; ERR_EPOCH_MISMATCH: the source
+      rank again; ERR_PLAN_BOUNDS: which
+      field (``PLAN_FIELDS``); ERR_SCALE_BAD_ROW: 1 for a y row (y_src), 0 for a slot row
+4     observed value (band flag, counter, the source's epoch, the bad row index)
+5     expected value (epoch, expected count, this rank's epoch, the valid row bound)
+6     elapsed ns since the kernel started (timeouts), else 0
+7     unused (0)
+====  ==========================================================================================
+
+Sticky: a kernel that finds word 0 non-zero at its start does no work that could read a receive
+slot or write a peer (the consumer ships nothing and posts no call marker, so the peers' scales
+time out instead of reading a slot it might have overwritten; the scale writes NaN rows), until
+the host zeroes the word again (a collective reset, see docs/CONTRACTS.md).
+
+Communication block of rank d (``int64``, symmetric; ``NvshmemRuntime.buffers(...).counters`` is
+a view of its first W words, ``.block`` the whole of it):
+
+- ``[0, W)``: arrival counter of source s (rows + one call marker per call, monotone);
+- ``[W + p * W + s]`` for parity p in {0, 1}: the epoch (sign-extended int32) that source s's
+  consumer was at when it last wrote receive slot p of rank d; written once per call at consumer
+  start, before its call marker (same thread, the marker's release covers it).
+"""
+from __future__ import annotations
+
+ERR_WORDS = 8
+
+ERR_CONSUMER_TIMEOUT = 1  # consumer waited too long for band_ready[b] == epoch
+ERR_SCALE_TIMEOUT = 2  # owner's scale waited too long for a source's arrival counter
+ERR_COPY_TIMEOUT = 3  # consumer (copy="tma") waited too long for a bulk load into shared memory
+ERR_EPOCH_MISMATCH = 4  # the source's epoch tag of the slot is not this rank's epoch
+ERR_PLAN_BOUNDS = 5  # consumer: a plan entry outside its buffer (validate=False input)
+ERR_SCALE_BAD_ROW = 6  # scale: an assignment's row outside the receive slot / y
+
+ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
+             ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
+             ERR_COPY_TIMEOUT: "consumer timed out waiting for a bulk (TMA) load of y",
+             ERR_EPOCH_MISMATCH: "ranks out of step: a source's epoch differs from this rank's",
+             ERR_PLAN_BOUNDS: "consumer refused a plan entry outside its buffer",
+             ERR_SCALE_BAD_ROW: "scale refused a row index outside the receive slot / y"}
+
+# what word 3 of ERR_PLAN_BOUNDS names
+PLAN_FIELDS = {0: "num_segments > segment capacity", 1: "num_local_cells > cell capacity",
+               2: "segment destination rank outside [0, W)",
+               3: "segment source rows outside y", 4: "segment destination rows outside the slot",
+               5: "segment bands outside the schedule / band id outside band_ready",
+               6: "local cell source rows outside y",
+               7: "local cell destination rows outside the slot"}
+
+
+def comm_block_words(world: int) -> int:
+    """int64 words of one rank's communication block (counters + epoch tags)."""
+    return 3 * world
+
+
+def epoch_tag_word(world: int, parity: int, source: int) -> int:
+    """Index (int64 words) of source's epoch tag of receive slot ``parity``."""
+    return world + parity * world + source
+
+
+def epochs_out_of_step(observed: int, expected: int) -> bool:
+    """Host mirror of the scale's check: the int32 epochs differ (compared as the signed 32-bit
+    difference, so the check is the same across the 2^31 wrap)."""
+    d = (int(observed) - int(expected)) & 0xFFFFFFFF
+    return d != 0
+
+
+def describe_error(err_host) -> str | None:
+    """Human-readable text of a combine error word read back to the host (None when clear)."""
+    code = int(err_host[0])
+    if code == 0:
+        return None
+    what = ERR_NAMES.get(code, f"device error code {code}")
+    rank, index, band, obs, exp, el = (int(v) for v in err_host[1:7])
+    if code == ERR_CONSUMER_TIMEOUT:
+        return (f"{what}: rank {rank}, segment {index}, band {band}: band_ready={obs}, epoch={exp}"
+                f" after {el / 1e6:.1f} ms (producer stalled, not launched, or plan/epoch mismatch)")
+    if code == ERR_COPY_TIMEOUT:
+        return (f"{what}: rank {rank}, segment {index} (-1: local band), stage {band} after "
+                f"{el / 1e6:.1f} ms (bulk copy engine stalled or bad address)")
+    if code == ERR_SCALE_TIMEOUT:
+        return (f"{what}: rank {rank} at epoch {band}, source rank {index}: counter={obs}, "
+                f"expected>={exp} after "
+                f"{el / 1e6:.1f} ms (a peer's consumer did not run, timed out, refused after an "
+                "error of its own, or sent fewer rows)")
+    if code == ERR_EPOCH_MISMATCH:
+        return (f"{what}: rank {rank} is at epoch {exp}, source rank {index} wrote this call's "
+                f"receive slot at its epoch {obs} (a rank made a call the others did not, or was "
+                "reset alone); the slot was not read")
+    if code == ERR_PLAN_BOUNDS:
+        field = PLAN_FIELDS.get(band, f"field {band}")
+        return (f"{what}: rank {rank}, entry {index}: {field}: value {obs}, bound {exp} "
+                "(a plan built with validate=False or for another buffer); nothing was shipped "
+                "from that entry on")
+    if code == ERR_SCALE_BAD_ROW:
+        where = "y row" if band else "receive-slot row"
+        return (f"{what}: rank {rank}, assignment {index} (t * topk + k): {where} {obs} not in "
+                f"[0, {exp}) (routes prepared for another plan/buffer, or validate=False input); "
+                "its token's output row is NaN")
+    return f"{what}: {list(err_host)}"

@@ -1,0 +1,164 @@
+"""CPU checks of the fault handling (issue 21): the combine's error word (layout, codes, texts),
+the co-residency bound of the band all-reduce, and the NVSHMEM runtime's errors (heap full, no
+P2P mapping) with a fake allocator. No GPU, no CuTe DSL, no NVSHMEM needed."""
+import pytest
+import torch
+
+from moe_overlap.kernels import errors as E
+
+
+def _word(code, rank=1, index=2, band=3, obs=4, exp=5, el=6_000_000):
+    return [code, rank, index, band, obs, exp, el, 0]
+
+
+def test_error_codes_are_distinct_and_named():
+    codes = [E.ERR_CONSUMER_TIMEOUT, E.ERR_SCALE_TIMEOUT, E.ERR_COPY_TIMEOUT,
+             E.ERR_EPOCH_MISMATCH, E.ERR_PLAN_BOUNDS, E.ERR_SCALE_BAD_ROW]
+    assert len(set(codes)) == len(codes) and 0 not in codes
+    assert set(E.ERR_NAMES) == set(codes)
+    # the FFN's codes live in another range: one error word layout, no clash
+    from moe_overlap.ffn import band_allreduce as B
+    assert not set(codes) & {B.ERR_READY_TIMEOUT, B.ERR_ARRIVE_TIMEOUT, B.ERR_DONE_TIMEOUT}
+
+
+def test_describe_error_names_what_and_where():
+    assert E.describe_error([0] * 8) is None
+    m = E.describe_error(_word(E.ERR_EPOCH_MISMATCH, rank=0, index=1, band=1, obs=7, exp=9))
+    assert "out of step" in m and "epoch 9" in m and "source rank 1" in m and "epoch 7" in m
+    m = E.describe_error(_word(E.ERR_SCALE_TIMEOUT, rank=1, index=0, band=12, obs=3, exp=5))
+    assert "source rank 0" in m and "epoch 12" in m and "counter=3" in m and "6.0 ms" in m
+    m = E.describe_error(_word(E.ERR_PLAN_BOUNDS, rank=0, index=4, band=4, obs=900, exp=512))
+    assert "segment destination rows outside the slot" in m and "900" in m and "512" in m
+    m = E.describe_error(_word(E.ERR_SCALE_BAD_ROW, rank=0, index=11, band=1, obs=70, exp=64))
+    assert "y row 70" in m and "[0, 64)" in m and "NaN" in m
+    m = E.describe_error(_word(E.ERR_SCALE_BAD_ROW, rank=0, index=11, band=0, obs=-5, exp=64))
+    assert "receive-slot row -5" in m
+    assert "device error code 99" in E.describe_error(_word(99))
+
+
+def test_plan_field_codes_match_the_consumer():
+    pytest.importorskip("cutlass", reason="the consumer module's constants only")
+    from moe_overlap.combine import consumer as C
+    fields = [C.PF_NSEG, C.PF_NCELL, C.PF_DEST, C.PF_SEG_SRC, C.PF_SEG_DST, C.PF_BAND,
+              C.PF_CELL_SRC, C.PF_CELL_DST]
+    assert sorted(fields) == sorted(E.PLAN_FIELDS)
+    assert "num_segments" in E.PLAN_FIELDS[C.PF_NSEG]
+    assert "local cell destination" in E.PLAN_FIELDS[C.PF_CELL_DST]
+
+
+def test_primitives_reexport_the_one_definition():
+    pytest.importorskip("cutlass", reason="primitives imports CuTe DSL")
+    from moe_overlap.kernels import primitives as P
+    assert P.describe_error is E.describe_error and P.ERR_EPOCH_MISMATCH == E.ERR_EPOCH_MISMATCH
+
+
+def test_comm_block_layout():
+    W = 4
+    assert E.comm_block_words(W) == 3 * W
+    words = {E.epoch_tag_word(W, p, s) for p in (0, 1) for s in range(W)}
+    assert words == set(range(W, 3 * W))  # tags right after the W counters, no overlap
+
+
+def test_epoch_compare_is_wrap_safe():
+    assert not E.epochs_out_of_step(5, 5)
+    assert E.epochs_out_of_step(5, 7)
+    # int32 epoch wraps from 2^31 - 1 to -2^31: the same epoch read both ways
+    assert not E.epochs_out_of_step(-2**31, 2**31)
+    assert E.epochs_out_of_step(2**31 - 1, -2**31)
+
+
+# ---- band all-reduce co-residency -----------------------------------------------------------
+def test_ctas_per_sm_bound():
+    from moe_overlap.runtime.device import ctas_per_sm
+    assert ctas_per_sm(64, 1024) == 1  # 64 K registers: exactly one CTA of 1024 x 64
+    assert ctas_per_sm(32, 1024) == 2  # by threads (2048 per SM)
+    assert ctas_per_sm(65, 1024) == 0  # 72 registers (rounded per warp): does not fit
+    assert ctas_per_sm(32, 32) == 32  # by the CTA limit
+    assert ctas_per_sm(32, 256, smem=120 * 1024) == 1  # by shared memory
+
+
+def test_require_coresident_clear_errors():
+    from moe_overlap.runtime.device import require_coresident
+    require_coresident(16, 16, 1, "k")
+    with pytest.raises(ValueError, match="does not fit on an SM"):
+        require_coresident(1, 16, 0, "band all-reduce")
+    with pytest.raises(ValueError, match="only 16 SMs x 1 CTAs per SM = 16"):
+        require_coresident(17, 16, 1, "band all-reduce")
+
+
+def test_cubin_resources_rejects_garbage():
+    from moe_overlap.runtime.device import cubin_resources
+    with pytest.raises(ValueError, match="ELF"):
+        cubin_resources(b"not a cubin")
+
+
+# ---- NVSHMEM runtime errors (fake allocator) ------------------------------------------------
+def _fake_runtime(monkeypatch, tensor_fn=None, peer_fn=None, world=2, rank=0):
+    import types
+    from moe_overlap.runtime import nvshmem as N
+    rt = N.NvshmemRuntime.__new__(N.NvshmemRuntime)
+    rt.group, rt.rank, rt.world_size = None, rank, world
+    rt.device = torch.device("cpu")
+    rt._tensors, rt._buffers, rt._peer_views, rt._finalized = [], {}, [], False
+    rt._nc = types.SimpleNamespace(tensor=tensor_fn, get_peer_tensor=peer_fn)
+    monkeypatch.setattr(N.torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(N.dist, "barrier", lambda *a, **k: None)
+    return rt
+
+
+def test_full_heap_names_the_size_and_the_variable(monkeypatch):
+    from moe_overlap.runtime.nvshmem import NvshmemError
+
+    def tensor(shape, dtype):
+        if shape[0] > 1000:
+            raise RuntimeError("nvshmem_malloc failed: out of symmetric memory")
+        return torch.zeros(shape, dtype=dtype)
+
+    rt = _fake_runtime(monkeypatch, tensor_fn=tensor)
+    rt.alloc((500, 1024), torch.bfloat16)  # 1 MB, fits
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1G")
+    with pytest.raises(NvshmemError) as ei:
+        rt.alloc((4096 * 8, 7168), torch.bfloat16)
+    m = str(ei.value)
+    need = 4096 * 8 * 7168 * 2
+    assert f"allocation of {need} bytes" in m
+    assert "NVSHMEM_SYMMETRIC_SIZE=" in m and "(now 1G)" in m
+    assert "out of symmetric memory" in m  # the cause is kept
+    # the suggested size holds what is already allocated plus the request
+    suggested = int(m.split("NVSHMEM_SYMMETRIC_SIZE=")[1].split("M")[0]) << 20
+    assert suggested >= need + 500 * 1024 * 2
+
+
+def test_nvshmem_buffers_without_p2p(monkeypatch):
+    """A peer without a load/store mapping: the buffers still build (entry 0), the load/store
+    transport gets an error that does not tell it to use what it already uses."""
+    from moe_overlap.runtime.nvshmem import NvshmemError
+    rt = _fake_runtime(monkeypatch, tensor_fn=lambda shape, dtype: torch.zeros(shape,
+                                                                               dtype=dtype),
+                       peer_fn=lambda t, pe: None)
+    b = rt.buffers(8, 16, key="x")
+    assert b.unreachable == (1,)
+    assert b.recv_peers.tolist()[1] == 0 and b.recv_peers.tolist()[0] == b.recv.data_ptr()
+    assert b.block.numel() == E.comm_block_words(2) and b.counters.numel() == 2
+    assert b.counters.data_ptr() == b.block.data_ptr()
+    with pytest.raises(NvshmemError, match=r"transport='nvlink'.*ranks \[1\].*use "
+                                           r"transport='nvshmem' \(it needs no P2P"):
+        b.require_p2p()
+    with pytest.raises(NvshmemError, match="only NVSHMEM calls"):
+        rt.peer_tensor(b.recv, 1)
+
+
+def test_nvshmem_buffers_with_p2p(monkeypatch):
+    views = {}
+
+    def peer(t, pe):
+        views[pe] = torch.zeros_like(t)
+        return views[pe]
+
+    rt = _fake_runtime(monkeypatch, tensor_fn=lambda shape, dtype: torch.zeros(shape,
+                                                                               dtype=dtype),
+                       peer_fn=peer)
+    b = rt.buffers(8, 16)
+    assert b.unreachable == ()
+    b.require_p2p()
+    assert b.ctr_peers.tolist()[1] == views[1].data_ptr()
