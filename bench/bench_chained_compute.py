@@ -33,6 +33,10 @@ from moe_overlap.timing import time_interleaved  # noqa: E402
 
 
 def git_commit():
+    """GIT_COMMIT when set (the device machine's copy of the tree can report a stale HEAD),
+    else `git rev-parse HEAD`."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__)),

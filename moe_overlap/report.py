@@ -32,6 +32,8 @@ HEADLINE = {
     "scale": ("Scale (owner's top-k weighted sum)", ("scale_bench_h200.json",)),
     "packed": ("Producer on fine-grained MoE plans (aligned vs packed layout)",
                ("packed_gemm_h200_d98035d.json",)),
+    "chained": ("Chained FFN compute kernel alone (GEMM1 -> bf16 H ring -> full-depth GEMM2)",
+                ("ffn_chained_compute_h200_2bc5fa0.json",)),
     "plan": ("Planner and prepare (device time)", ("plan_kernel_h200_21d9b48.json",)),
 }
 
@@ -54,6 +56,7 @@ CURRENT_OTHER = {
                                      "a projection, not a measurement)",
     "single_gpu_tests_50c7989.log": "planner, producer and fused FFN single-GPU tests after the "
                                     "session's merges",
+    "chained_ffn_gpu_tests_2bc5fa0.log": "GPU tests of the chained FFN compute kernel (18 passed)",
     "ffn_baseline_h200.json": "per-rank compute of the reference FFN (addmm + act + mm, G = 2 "
                               "slices): what the chained compute kernel must reach",
     "planner_and_gemm_gpu_tests_d98035d.log": "GPU tests of the planner and the producer on "
@@ -298,8 +301,35 @@ def plan(root):
     return lines, cell
 
 
+def chained(root):
+    (name,) = HEADLINE["chained"][1]
+    d = _load(root, name)
+    groups = [str(g) for g in d["groups"]]
+    rows = []
+    for r in d["rows"]:
+        v = r["variants"]
+        rows.append((r["shape"], str(r["tokens"]), f"{r['ms_baseline']:.3f}")
+                    + tuple(f"{v[g]['ms']:.3f} ({v[g]['speedup']:.3f}x)" for g in groups)
+                    + (f"{r['activation_mem_baseline'] / 2**20:.0f}",
+                       f"{v[str(r['best_group'])]['activation_mem'] / 2**20:.0f}",
+                       f"{max(v[g]['err'] for g in groups):.1e}"))
+    lines = [_src(name, d), "", f"{d['method']}.", ""]
+    lines += _table(("shape", "tokens", "torch ms") + tuple(f"group {g} ms" for g in groups)
+                    + ("torch MiB", "ours MiB (best group)", "max rel err"), rows) + [""]
+    best = [r["best_speedup"] for r in d["rows"]]
+    per = {g: [r["variants"][g]["speedup"] for r in d["rows"]] for g in groups}
+    ratio = [r["variants"][str(r["best_group"])]["activation_ratio"] for r in d["rows"]]
+    cell = (f"one H200, against torch addmm + act + mm timed in the same rounds: best group per "
+            f"shape {_rng(best, '{:.3f}', 'x')} (>= 0.95x on {sum(b >= 0.95 for b in best)} of "
+            f"{len(best)}); " + ", ".join(f"group {g} {_rng(per[g], '{:.3f}', 'x')}"
+                                           for g in groups)
+            + f"; activation memory {_rng(ratio, '{:.2f}', 'x')} the baseline's; "
+            f"not yet in FusedFFN")
+    return lines, cell
+
+
 AREAS = {"producer": producer, "consumer": consumer, "combine": combine, "ffn": ffn,
-         "scale": scale, "packed": packed, "plan": plan}
+         "scale": scale, "packed": packed, "chained": chained, "plan": plan}
 
 
 def _src(name, doc):
@@ -318,6 +348,7 @@ ROW_OF = {"producer": "producer grouped GEMM (CuTe DSL, WGMMA + TMA, band flags)
           "combine": "overlapped combine (`backend=\"overlap\"`)",
           "ffn": "fused TP FFN (`backend=\"fused\"`)",
           "packed": "producer on fine-grained MoE plans (`layout=\"packed\"`)",
+          "chained": "chained FFN compute kernel (`ffn/compute_chained.py`)",
           "plan": "planner + prepare (CuTe DSL kernels; torch reference)"}
 
 
