@@ -23,6 +23,9 @@ from .plan import recv_rows as _recv_rows
 NT = 1024
 ROUNDS = 4
 CHUNK = ROUNDS * NT  # assignments per CTA
+# workspace loads per thread in flight: the whole column up to 32 chunks (16384 tokens x top-8),
+# so one global-latency round instead of one per 8 chunks
+WS_IN_FLIGHT = 32
 IMPLS = ("auto", "torch", "kernel")
 
 
@@ -124,9 +127,20 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
         WC = arr  # [NWARP][NE] assignments of expert e in warp w of this round
         RUN = arr + Int32(4 * NWARP * NE)  # assignments of e in earlier rounds of this chunk
         BASE = RUN + Int32(4 * NE)  # first row of e + its assignments in chunks before b
-        FIRST = BASE + Int32(4 * NE)  # first receive row of e
-        ACC = FIRST + Int32(4 * NE)  # expected_inc accumulation (CTA 0), per owner rank
+        YOFF = BASE + Int32(4 * NE)  # y_src: y row of local expert e = YOFF[e] + receive row
+        ACC = YOFF + Int32(4 * NE)  # expected_inc accumulation (CTA 0), per owner rank
         SCR = ACC + Int32(4 * NE)
+        # local expert tid: its y-row offset parts (one global round, in flight with the
+        # workspace loads; a load per assignment and round would pay the latency ROUNDS times)
+        yo = Int32(0)
+        if cutlass.const_expr(Y_SRC):
+            el_t = tid - rank * El
+            if tid < E:
+                if el_t >= Int32(0):
+                    if el_t < El:
+                        yo = (P.ld_s32(ers + Int64(el_t) * Int64(4))
+                              + P.ld_s32(grs + (Int64(el_t) * Int64(W) + Int64(rank))
+                                         * Int64(4)))
         w_ = Int32(0)
         while w_ < Int32(NWARP):
             e = tid
@@ -136,24 +150,25 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
             w_ = w_ + Int32(1)
         tot = Int32(0)
         pre = Int32(0)
-        if tid < E:  # the expert's column of the workspace, 8 loads in flight
+        if tid < E:  # the expert's column of the workspace, WS_IN_FLIGHT loads in flight
             c = Int32(0)
             while c < nblk:
-                cs = [c + Int32(u) for u in range(8)]
+                cs = [c + Int32(u) for u in range(WS_IN_FLIGHT)]
                 vs = [P.ld_s32(ws + (Int64(smin(x, nblk - Int32(1))) * Int64(E) + Int64(tid))
                                * Int64(4)) for x in cs]
                 for x, v in zip(cs, vs):
                     v = sel_lt(x, nblk, v, Int32(0))
                     tot = tot + v
                     pre = pre + sel_lt(x, bidx, v, Int32(0))
-                c = c + Int32(8)
+                c = c + Int32(WS_IN_FLIGHT)
         if tid < W:
             sts(ACC, tid, Int32(0))
         (first,), _ = block_scan([tot], SCR, lane, warp)  # (its barriers order ACC's zeroing)
         if tid < E:
             sts(RUN, tid, Int32(0))
             sts(BASE, tid, first + pre)
-            sts(FIRST, tid, first)
+            if cutlass.const_expr(Y_SRC):
+                sts(YOFF, tid, yo - first)  # int32 wrap-around: the same bits as yo + r - first
             if bidx == Int32(0):
                 owner = tid // El
                 if local_copy != Int32(0):
@@ -196,11 +211,7 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
                     el = e - rank * El
                     if el >= Int32(0):
                         if el < El:
-                            yrow = (P.ld_s32(ers + Int64(el) * Int64(4))
-                                    + P.ld_s32(grs + (Int64(el) * Int64(W) + Int64(rank))
-                                               * Int64(4))
-                                    + r - lds(FIRST, e))
-                            out = Int32(-1) - yrow
+                            out = Int32(-1) - (lds(YOFF, e) + r)
                 P.st_s32(rows + Int64(i) * Int64(4), out)
             P.block_sync()
             if lead == Int32(1):
