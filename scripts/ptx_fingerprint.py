@@ -108,10 +108,8 @@ def variants():
                                               *cons().consumer_example_args()),
         "consumer_nvshmem_ldst": lambda: _nvshmem_consumer(cons()),
         "scale_top8_y": lambda: _keep(sc().build_scale(8, y_src=True), *sc().scale_example_args()),
-        "plan_kernel_e512": lambda: _keep(pk().build_plan_kernels(True, 512, 8)[0],
+        "plan_kernel_e512": lambda: _keep(pk().build_plan_kernels(True, 512, 8),
                                           *pk().plan_example_args()),
-        "plan_tail": lambda: _keep(pk().build_plan_kernels(True, 512, 8)[1],
-                                   *pk().tail_example_args()),
         "routes_rank_y": lambda: _keep(rt().build_routes_kernels(True, 512, True)[1],
                                        *rt().rank_example_args()),
     }

@@ -28,17 +28,19 @@ def _ptx(launch, *args):
                                               (False, 256, 64)])
 def test_plan_kernels_compile(counts_64, NE, NPS):
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-    from moe_overlap.combine.plan_kernel import (build_plan_kernels, plan_example_args,
-                                                 tail_example_args)
-    lp, lt = build_plan_kernels(counts_64, NE, NPS)
-    ptx = _ptx(lp, *plan_example_args())
+    from moe_overlap.combine.plan_kernel import build_plan_kernels, plan_example_args
+    ptx = _ptx(build_plan_kernels(counts_64, NE, NPS), *plan_example_args())
     assert "shfl.sync.up.b32" in ptx and "shfl.sync.idx.b32" in ptx  # CTA scans
-    assert ("ld.global.b64" in ptx) == counts_64
-    assert ptx.count("bar.sync") >= 16  # eight scans, two barriers each, plus the sort
+    # int64 counts: the low words, one 32-bit register each (no 64-bit loads)
+    assert "ld.global.s32" in ptx and "ld.global.b64" not in ptx
+    # eight scans in CTA 0 plus the sort, one more scan in the tail CTAs; two barriers a scan
+    assert ptx.count("bar.sync") >= 18
+    assert "%ctaid.x" in ptx and "%nctaid.x" in ptx  # CTA 0 plans, the others fill the tails
+    # in one kernel: the plan's 29 output stores, the tail CTAs' -1 per field (17) and CTA 0's
+    # -1 per segment field between num_segments and the remote cells (6)
+    assert ptx.count("st.global.s32") >= 29 + 17 + 6
     assert ".local" not in ptx.split(".entry", 1)[1]
     assert ".reqntid 1024" in ptx  # ptxas then keeps it within 64 registers (1024 threads fit)
-    tail = _ptx(lt, *tail_example_args())
-    assert "st.global.s32" in tail
 
 
 @pytest.mark.compile

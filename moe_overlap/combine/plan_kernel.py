@@ -1,15 +1,19 @@
-"""The combine planner as two CuTe DSL kernels: `PlanKernel` fills every tensor of a CombinePlan
+"""The combine planner as one CuTe DSL kernel: `PlanKernel` fills every tensor of a CombinePlan
 exactly as the torch planner (`moe_overlap.combine.plan.plan_combine(impl="torch")`, the
 reference) does, from the counts alone, without a host sync (CUDA-graph capturable).
 
-Kernel 1 (one CTA, 1024 threads, shared memory): every field has a closed form from prefix sums
-over the E = El * W groups (<= 1024, one per thread), so no sort is needed except ranking the
-El experts (a bitonic sort of El keys in shared memory). The phases are those of
+CTA 0 (1024 threads, shared memory): every field has a closed form from prefix sums over the
+E = El * W groups (<= 1024, one per thread), so no sort is needed except ranking the El experts
+(a bitonic sort of El keys in shared memory). The phases are those of
 `moe_overlap.combine.plan_closed_form.closed_form_plan`, the same algorithm in plain Python that
 the CPU tests check against the torch planner; the per-band and per-remote-cell loops are
 strided over the threads, so the work follows the bands of this routing, not the capacity.
-Kernel 2 (a grid): the -1 tails of the capacity-length tensors, from the counts kernel 1 wrote
-(many CTAs, so the worst-case capacity costs about a memory-bandwidth microsecond or two).
+CTAs 1.. (same launch, no wait on CTA 0): the -1 tails of the capacity-length tensors. Each
+runs the group phases CTA 0 runs (so it knows num_bands exactly) and two order-free sums: the
+local cells (sum of local-band flags + num_bands - sum of remote bands) and R, the remote
+cells, an upper bound of num_segments (every segment starts at its own remote cell). CTA 0
+writes -1 to the segment fields in [num_segments, R), the tail CTAs from R on; many CTAs, so
+the worst-case capacity costs about a memory-bandwidth microsecond or two, and no second launch.
 
 All outputs are views of one int32 buffer allocated with torch.empty (one allocation, one base
 pointer for the kernels); the layout is `_Layout`.
@@ -20,7 +24,8 @@ import math
 import torch
 
 NT = 1024  # threads of the planning CTA: one group (and one expert) per thread
-TAIL_THREADS = 256
+P1_LOADS = 16  # phase 1: counts loads per source and lane in flight (two sources per round)
+TAIL_WORDS_PER_CTA = 2048  # per field: the capacity over this is the tail CTA count (<= 64)
 MAX_GROUPS = 1024  # E = El * W, one per thread of the planning CTA
 BAND_FIELDS = ("band_expert", "band_row", "band_src_row", "band_dest", "band_valid",
                "band_dest_row", "schedule", "local_cell_band", "local_cell_src_row",
@@ -158,7 +163,7 @@ def simt_helpers():
 
 
 def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
-    """(plan launcher, tail launcher). NE: shared array length (power of two >= E); NPS: sort
+    """The plan launcher (one kernel: CTA 0 plans, CTAs 1.. fill the -1 tails). NE: shared array length (power of two >= E); NPS: sort
     length (power of two >= El); counts_64: the counts are int64 (else int32)."""
     import cutlass
     import cutlass.cute as cute
@@ -176,9 +181,10 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
     block_scan, warp_sum = H.block_scan, H.warp_sum
 
     def ldc(counts, i):
-        """counts[i] (flat) as Int32."""
+        """counts[i] (flat) as Int32: for int64 counts the low (little-endian first) word, the
+        bits a 64-bit load and cvt.u32.u64 would give, in one register instead of two."""
         if cutlass.const_expr(counts_64):
-            return H.ld_s64_as_s32(counts + Int64(i) * Int64(8))
+            return P.ld_s32(counts + Int64(i) * Int64(8))
         return P.ld_s32(counts + Int64(i) * Int64(4))
 
     def group_source(j, rank, W):
@@ -188,8 +194,7 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
     @cute.kernel
     def plan_kernel(counts: Int64, out: Int64, W: Int32, E: Int32, El: Int32, rank: Int32,
                     lg: Int32, mgb: Int32, layout: Int32, B: Int32, S: Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        tid = Int32(tid)
+        tid, bidx, nblk = P.thread_block_grid()
         lane = tid & Int32(31)
         warp = tid >> Int32(5)
         t = Int32(1) << lg
@@ -210,36 +215,54 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
             E_RA, E_F, SRT, SRC_BEFORE = A
         SCR = arr + Int32(4 * 17 * NE)
 
-        # ---- phase 1: per source s (a warp each): rows it receives back, rows before ours
-        # (8 loads in flight per lane: a loop of one load each would pay the latency E/32 times)
-        s = warp
-        while s < W:
-            tot = Int32(0)
-            bef = Int32(0)
-            e = lane
-            while e < E:
-                es = [e + Int32(32 * u) for u in range(8)]
-                vs = [ldc(counts, s * E + smin(x, E - Int32(1))) for x in es]
-                for x, v in zip(es, vs):
-                    v = sel_lt(x, E, v, Int32(0))
-                    tot = tot + v
-                    bef = bef + sel_lt(x, rank * El, v, Int32(0))
-                e = e + Int32(256)
-            tot = warp_sum(tot)
-            bef = warp_sum(bef)
-            if lane == Int32(0):
-                stg(out, o_rrpr + s, tot)
-                sts(SRC_BEFORE, s, bef)
-            s = s + Int32(32)
-        i = tid
-        while i < E:
-            stg(out, o_rc + i, ldc(counts, rank * E + i))
-            i = i + Int32(NT)
-        # groups, source-major (x = s * El + e): count and first receive row at the source
+        # groups, source-major (x = s * El + e): count (every CTA: the tail CTAs size the
+        # valid lengths from them); loads issued first, in flight with phase 1's
         x = tid
         vx = Int32(0)
         if x < E:
             vx = ldc(counts, (x // El) * E + rank * El + x % El)
+        if bidx == Int32(0):
+            # ---- phase 1: per source s (a warp each, two per round): rows it receives back,
+            # rows before ours; P1_LOADS loads per source and lane in flight (a loop of one
+            # load each would pay the global latency E/32 times)
+            rcv = Int32(0)
+            if tid < E:  # E <= NT
+                rcv = ldc(counts, rank * E + tid)
+            s = warp
+            while s < W:
+                s2 = s + Int32(32)
+                s2c = smin(s2, W - Int32(1))
+                tot = Int32(0)
+                bef = Int32(0)
+                tot2 = Int32(0)
+                bef2 = Int32(0)
+                e = lane
+                while e < E:
+                    es = [e + Int32(32 * u) for u in range(P1_LOADS)]
+                    va = [ldc(counts, s * E + smin(x_, E - Int32(1))) for x_ in es]
+                    vb = [ldc(counts, s2c * E + smin(x_, E - Int32(1))) for x_ in es]
+                    for x_, v, v2 in zip(es, va, vb):
+                        v = sel_lt(x_, E, v, Int32(0))
+                        v2 = sel_lt(x_, E, v2, Int32(0))
+                        tot = tot + v
+                        bef = bef + sel_lt(x_, rank * El, v, Int32(0))
+                        tot2 = tot2 + v2
+                        bef2 = bef2 + sel_lt(x_, rank * El, v2, Int32(0))
+                    e = e + Int32(32 * P1_LOADS)
+                tot = warp_sum(tot)
+                bef = warp_sum(bef)
+                tot2 = warp_sum(tot2)
+                bef2 = warp_sum(bef2)
+                if lane == Int32(0):
+                    stg(out, o_rrpr + s, tot)
+                    sts(SRC_BEFORE, s, bef)
+                    if s2 < W:
+                        stg(out, o_rrpr + s2, tot2)
+                        sts(SRC_BEFORE, s2, bef2)
+                s = s + Int32(64)
+            if tid < E:
+                stg(out, o_rc + tid, rcv)
+        # first receive row at the source of each group
         (exx,), _ = block_scan([vx], SCR, lane, warp)
         if x < E:
             sts(TMP1, x, exx)
@@ -250,7 +273,8 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
             jx = sel_lt(sx, rank, sx, sel_eq(sx, rank, W - Int32(1), sx - Int32(1)))
             gx = ex_ * W + jx
             sts(G_C, gx, vx)
-            sts(G_DR, gx, lds(SRC_BEFORE, sx) + exx - lds(TMP1, sx * El))
+            if bidx == Int32(0):
+                sts(G_DR, gx, lds(SRC_BEFORE, sx) + exx - lds(TMP1, sx * El))
         P.block_sync()
 
         # ---- phase 2: per group g = e * W + j: aligned and packed starts, per expert rows
@@ -290,17 +314,20 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
         nb = total_rows >> lg
         if tid < El:
             sts(E_RS, tid, ers)
-            stg(out, o_er + tid, erows)
-            stg(out, o_ers + tid, ers)
+            if bidx == Int32(0):
+                stg(out, o_er + tid, erows)
+                stg(out, o_ers + tid, ers)
         if tid == Int32(0):
-            stg(out, Int32(0), packed)
-            stg(out, Int32(1), nb)
-            stg(out, Int32(5), total_rows)
-            stg(out, Int32(6), tot_sc)
+            if bidx == Int32(0):
+                stg(out, Int32(0), packed)
+                stg(out, Int32(1), nb)
+                stg(out, Int32(5), total_rows)
+                stg(out, Int32(6), tot_sc)
         if g < E:
             st = sel_eq(packed, 1, sp, sa)
             sts(G_ST, g, st)
-            stg(out, o_grs + eg * W + group_source(jg, rank, W), st)
+            if bidx == Int32(0):
+                stg(out, o_grs + eg * W + group_source(jg, rank, W), st)
             if jg == W - Int32(1):
                 sts(E_NRB, eg, (st + tm1) >> lg)
                 f = Int32(0)
@@ -310,248 +337,259 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
                 sts(E_F, eg, f)
         P.block_sync()
 
-        # ---- phase 3: experts ranked by (-remote bands, e): bitonic sort of El keys
-        if tid < Int32(NPS):
-            key = Int64(0x7FFFFFFFFFFFFFFF)
+        if bidx == Int32(0):
+            # ---- phase 3: experts ranked by (-remote bands, e): bitonic sort of El keys
+            if tid < Int32(NPS):
+                key = Int64(0x7FFFFFFFFFFFFFFF)
+                if tid < El:
+                    key = (Int64(Int32(0x7FFFFFFF) - lds(E_NRB, tid)) << Int64(32)) | Int64(tid)
+                sts64(keys, tid, key)
+            P.block_sync()
+            for kk in cutlass.range_constexpr(LOG_NPS):
+                k = 2 << kk
+                for jj in cutlass.range_constexpr(kk + 1):
+                    j = k >> (jj + 1)
+                    if tid < Int32(NPS):
+                        ixj = tid ^ Int32(j)
+                        if ixj > tid:
+                            ka = lds64(keys, tid)
+                            kb = lds64(keys, ixj)
+                            if (tid & Int32(k)) == Int32(0):
+                                if ka > kb:
+                                    sts64(keys, tid, kb)
+                                    sts64(keys, ixj, ka)
+                            else:
+                                if ka < kb:
+                                    sts64(keys, tid, kb)
+                                    sts64(keys, ixj, ka)
+                    P.block_sync()
             if tid < El:
-                key = (Int64(Int32(0x7FFFFFFF) - lds(E_NRB, tid)) << Int64(32)) | Int64(tid)
-            sts64(keys, tid, key)
-        P.block_sync()
-        for kk in cutlass.range_constexpr(LOG_NPS):
-            k = 2 << kk
-            for jj in cutlass.range_constexpr(kk + 1):
-                j = k >> (jj + 1)
-                if tid < Int32(NPS):
-                    ixj = tid ^ Int32(j)
-                    if ixj > tid:
-                        ka = lds64(keys, tid)
-                        kb = lds64(keys, ixj)
-                        if (tid & Int32(k)) == Int32(0):
-                            if ka > kb:
-                                sts64(keys, tid, kb)
-                                sts64(keys, ixj, ka)
-                        else:
-                            if ka < kb:
-                                sts64(keys, tid, kb)
-                                sts64(keys, ixj, ka)
-                P.block_sync()
-        if tid < El:
-            sts(SRT, tid, Int32(lds64(keys, tid) & Int64(0xFFFFFFFF)))
-        P.block_sync()
-        # rank order: remote-band base, local-band base, base of local cells in remote bands
-        er = Int32(0)
-        v_nrb = Int32(0)
-        v_lb = Int32(0)
-        v_f = Int32(0)
-        if tid < El:
-            er = lds(SRT, tid)
-            v_nrb = lds(E_NRB, er)
-            nxt = total_rows
-            if er + Int32(1) < El:
-                nxt = lds(E_RS, er + Int32(1))
-            v_lb = ((nxt - lds(E_RS, er)) >> lg) - v_nrb
-            v_f = lds(E_F, er)
-        (x_rb, x_lb, x_fb), (num_remote, num_lb, num_f) = block_scan([v_nrb, v_lb, v_f], SCR,
-                                                                     lane, warp)
-        if tid < El:
-            sts(E_RB, er, x_rb)
-            sts(E_LB, er, x_lb)
-            sts(E_FB, er, x_fb)
-        if tid == Int32(0):
-            stg(out, Int32(2), num_remote)
-            stg(out, Int32(4), num_f + num_lb)
-        # groups in rank order (i = r * W + j): first remote-cell index, segment base
-        ri = tid // W
-        ji = tid - ri * W
-        L = Int32(0)
-        if tid < E:
-            gi = lds(SRT, ri) * W + ji
-            if ji < W - Int32(1):
-                ci = lds(G_C, gi)
-                if ci > Int32(0):
-                    sti = lds(G_ST, gi)
-                    L = ((sti + ci - Int32(1)) >> lg) - (sti >> lg) + Int32(1)
-        (a0,), (R,) = block_scan([L], SCR, lane, warp)
-        nst = Int32(0)
-        if L > Int32(0):
-            reg = Int32(0)
-            if a0 == Int32(0):
-                nst = Int32(1) + (L - Int32(1) + mgb - Int32(1)) // mgb
-                if L == Int32(1):
-                    reg = Int32(1)
-                else:
-                    if (L - Int32(2)) % mgb == Int32(0):
+                sts(SRT, tid, Int32(lds64(keys, tid) & Int64(0xFFFFFFFF)))
+            P.block_sync()
+            # rank order: remote-band base, local-band base, base of local cells in remote bands
+            er = Int32(0)
+            v_nrb = Int32(0)
+            v_lb = Int32(0)
+            v_f = Int32(0)
+            if tid < El:
+                er = lds(SRT, tid)
+                v_nrb = lds(E_NRB, er)
+                nxt = total_rows
+                if er + Int32(1) < El:
+                    nxt = lds(E_RS, er + Int32(1))
+                v_lb = ((nxt - lds(E_RS, er)) >> lg) - v_nrb
+                v_f = lds(E_F, er)
+            (x_rb, x_lb, x_fb), (num_remote, num_lb, num_f) = block_scan([v_nrb, v_lb, v_f], SCR,
+                                                                         lane, warp)
+            if tid < El:
+                sts(E_RB, er, x_rb)
+                sts(E_LB, er, x_lb)
+                sts(E_FB, er, x_fb)
+            if tid == Int32(0):
+                stg(out, Int32(2), num_remote)
+                stg(out, Int32(4), num_f + num_lb)
+            # groups in rank order (i = r * W + j): first remote-cell index, segment base
+            ri = tid // W
+            ji = tid - ri * W
+            L = Int32(0)
+            if tid < E:
+                gi = lds(SRT, ri) * W + ji
+                if ji < W - Int32(1):
+                    ci = lds(G_C, gi)
+                    if ci > Int32(0):
+                        sti = lds(G_ST, gi)
+                        L = ((sti + ci - Int32(1)) >> lg) - (sti >> lg) + Int32(1)
+            (a0,), (R,) = block_scan([L], SCR, lane, warp)
+            nst = Int32(0)
+            if L > Int32(0):
+                reg = Int32(0)
+                if a0 == Int32(0):
+                    nst = Int32(1) + (L - Int32(1) + mgb - Int32(1)) // mgb
+                    if L == Int32(1):
                         reg = Int32(1)
-            else:
-                nst = (L + mgb - Int32(1)) // mgb
-                if (L - Int32(1)) % mgb == Int32(0):
-                    reg = Int32(1)
-            if a0 + L == R:
-                if reg == Int32(0):
-                    nst = nst + Int32(1)
-        (sb,), (nseg,) = block_scan([nst], SCR, lane, warp)
-        if tid < E:
-            sts(RO_A, tid, a0)
-            sts(RO_SB, tid, sb)
-        if tid == Int32(0):
-            stg(out, Int32(3), nseg)
-        P.block_sync()
+                    else:
+                        if (L - Int32(2)) % mgb == Int32(0):
+                            reg = Int32(1)
+                else:
+                    nst = (L + mgb - Int32(1)) // mgb
+                    if (L - Int32(1)) % mgb == Int32(0):
+                        reg = Int32(1)
+                if a0 + L == R:
+                    if reg == Int32(0):
+                        nst = nst + Int32(1)
+            (sb,), (nseg,) = block_scan([nst], SCR, lane, warp)
+            if tid < E:
+                sts(RO_A, tid, a0)
+                sts(RO_SB, tid, sb)
+            if tid == Int32(0):
+                stg(out, Int32(3), nseg)
+            P.block_sync()
 
-        # ---- phase 4: bands (stacked row order), strided over the threads
-        b = tid
-        while b < nb:
-            ep = Int32(0)  # the last expert whose first band is <= b
-            for st_ in cutlass.range_constexpr(LOG_NE):
-                cand = ep + Int32(NE >> (st_ + 1))
-                if cand < El:
-                    if (lds(E_RS, cand) >> lg) <= b:
-                        ep = cand
-            eb = ep
-            ers_b = lds(E_RS, eb)
-            kb_ = b - (ers_b >> lg)
-            kt = kb_ << lg
-            base_g = eb * W
-            jp = Int32(0)  # the group holding row kt: the last j with start <= kt
-            for st_ in cutlass.range_constexpr(LOG_NE):
-                cand = jp + Int32(NE >> (st_ + 1))
-                if cand < W:
-                    if lds(G_ST, base_g + cand) <= kt:
-                        jp = cand
-            gb = base_g + jp
-            stb = lds(G_ST, gb)
-            endb = stb + lds(G_C, gb)
-            if packed == Int32(1):
-                endb = lds(E_SC, eb)
-            stg(out, o_bands + b, eb)
-            stg(out, o_bands + B + b, kt)
-            stg(out, o_bands + Int32(2) * B + b, ers_b + kt)
-            stg(out, o_bands + Int32(3) * B + b, group_source(jp, rank, W))
-            stg(out, o_bands + Int32(4) * B + b, smin(t, endb - kt))
-            stg(out, o_bands + Int32(5) * B + b, lds(G_DR, gb) + kt - stb)
-            nrb_b = lds(E_NRB, eb)
-            pos = num_remote + lds(E_LB, eb) + kb_ - nrb_b
-            lq = num_f + lds(E_LB, eb) + kb_ - nrb_b
-            if kb_ < nrb_b:
-                pos = lds(E_RB, eb) + kb_
-                lq = lds(E_FB, eb)
-            stg(out, o_bands + Int32(6) * B + pos, b)
-            gl = base_g + W - Int32(1)
-            lsb = lds(G_ST, gl)
-            lo = smax(lsb, kt)
-            hi = smin(lsb + lds(G_C, gl), kt + t)
-            if hi > lo:  # the band holds local rows: its local cell
-                stg(out, o_bands + Int32(7) * B + lq, b)
-                stg(out, o_bands + Int32(8) * B + lq, ers_b + lo)
-                stg(out, o_bands + Int32(9) * B + lq, lds(G_DR, gl) + lo - lsb)
-                stg(out, o_bands + Int32(10) * B + lq, hi - lo)
-            b = b + Int32(NT)
+            # ---- phase 4: bands (stacked row order), strided over the threads
+            b = tid
+            while b < nb:
+                ep = Int32(0)  # the last expert whose first band is <= b
+                for st_ in cutlass.range_constexpr(LOG_NE):
+                    cand = ep + Int32(NE >> (st_ + 1))
+                    if cand < El:
+                        if (lds(E_RS, cand) >> lg) <= b:
+                            ep = cand
+                eb = ep
+                ers_b = lds(E_RS, eb)
+                kb_ = b - (ers_b >> lg)
+                kt = kb_ << lg
+                base_g = eb * W
+                jp = Int32(0)  # the group holding row kt: the last j with start <= kt
+                for st_ in cutlass.range_constexpr(LOG_NE):
+                    cand = jp + Int32(NE >> (st_ + 1))
+                    if cand < W:
+                        if lds(G_ST, base_g + cand) <= kt:
+                            jp = cand
+                gb = base_g + jp
+                stb = lds(G_ST, gb)
+                endb = stb + lds(G_C, gb)
+                if packed == Int32(1):
+                    endb = lds(E_SC, eb)
+                stg(out, o_bands + b, eb)
+                stg(out, o_bands + B + b, kt)
+                stg(out, o_bands + Int32(2) * B + b, ers_b + kt)
+                stg(out, o_bands + Int32(3) * B + b, group_source(jp, rank, W))
+                stg(out, o_bands + Int32(4) * B + b, smin(t, endb - kt))
+                stg(out, o_bands + Int32(5) * B + b, lds(G_DR, gb) + kt - stb)
+                nrb_b = lds(E_NRB, eb)
+                pos = num_remote + lds(E_LB, eb) + kb_ - nrb_b
+                lq = num_f + lds(E_LB, eb) + kb_ - nrb_b
+                if kb_ < nrb_b:
+                    pos = lds(E_RB, eb) + kb_
+                    lq = lds(E_FB, eb)
+                stg(out, o_bands + Int32(6) * B + pos, b)
+                gl = base_g + W - Int32(1)
+                lsb = lds(G_ST, gl)
+                lo = smax(lsb, kt)
+                hi = smin(lsb + lds(G_C, gl), kt + t)
+                if hi > lo:  # the band holds local rows: its local cell
+                    stg(out, o_bands + Int32(7) * B + lq, b)
+                    stg(out, o_bands + Int32(8) * B + lq, ers_b + lo)
+                    stg(out, o_bands + Int32(9) * B + lq, lds(G_DR, gl) + lo - lsb)
+                    stg(out, o_bands + Int32(10) * B + lq, hi - lo)
+                b = b + Int32(NT)
 
-        # ---- phase 5: remote cells in schedule order; a segment start writes its segment
-        q = tid
-        while q < R:
-            ip = Int32(0)  # the last rank-order group whose first remote cell is <= q
-            for st_ in cutlass.range_constexpr(LOG_NE):
-                cand = ip + Int32(NE >> (st_ + 1))
-                if cand < E:
-                    if lds(RO_A, cand) <= q:
-                        ip = cand
-            aq = lds(RO_A, ip)
-            u = q - aq
-            rq = ip // W
-            jq = ip - rq * W
-            eq = lds(SRT, rq)
-            gq = eq * W + jq
-            is_start = Int32(0)
-            if q == Int32(0):
-                is_start = Int32(1)
-            if q == R - Int32(1):
-                is_start = Int32(1)
-            kk_ = u
-            if aq == Int32(0):
-                kk_ = u - Int32(1)  # the first cell is cut off the first run
-            if kk_ >= Int32(0):
-                if kk_ % mgb == Int32(0):
+            # ---- phase 5: remote cells in schedule order; a segment start writes its segment
+            q = tid
+            while q < R:
+                ip = Int32(0)  # the last rank-order group whose first remote cell is <= q
+                for st_ in cutlass.range_constexpr(LOG_NE):
+                    cand = ip + Int32(NE >> (st_ + 1))
+                    if cand < E:
+                        if lds(RO_A, cand) <= q:
+                            ip = cand
+                aq = lds(RO_A, ip)
+                u = q - aq
+                rq = ip // W
+                jq = ip - rq * W
+                eq = lds(SRT, rq)
+                gq = eq * W + jq
+                is_start = Int32(0)
+                if q == Int32(0):
                     is_start = Int32(1)
-            if is_start == Int32(1):
-                stq = lds(G_ST, gq)
-                cq = lds(G_C, gq)
-                Lq = ((stq + cq - Int32(1)) >> lg) - (stq >> lg) + Int32(1)
-                nxt = (u // mgb + Int32(1)) * mgb
-                idx = (u + mgb - Int32(1)) // mgb
+                if q == R - Int32(1):
+                    is_start = Int32(1)
+                kk_ = u
                 if aq == Int32(0):
-                    nxt = Int32(1)
-                    idx = Int32(0)
-                    if u > Int32(0):
-                        nxt = Int32(1) + ((u - Int32(1)) // mgb + Int32(1)) * mgb
-                        idx = Int32(1) + (u - Int32(1) + mgb - Int32(1)) // mgb
-                endq = smin(nxt, Lq)
-                lastrel = R - Int32(1) - aq
-                if lastrel > u:
-                    endq = smin(endq, lastrel)
-                k0 = stq >> lg
-                kf = k0 + u
-                kl = k0 + endq - Int32(1)
-                lo_f = smax(stq, kf << lg)
-                hi_l = smin(stq + cq, (kl + Int32(1)) << lg)
-                si = lds(RO_SB, ip) + idx
-                stg(out, o_segs + si, lds(E_RB, eq) + kf)
-                stg(out, o_segs + S + si, kl - kf + Int32(1))
-                stg(out, o_segs + Int32(2) * S + si, group_source(jq, rank, W))
-                stg(out, o_segs + Int32(3) * S + si, lds(E_RS, eq) + lo_f)
-                stg(out, o_segs + Int32(4) * S + si, lds(G_DR, gq) + lo_f - stq)
-                stg(out, o_segs + Int32(5) * S + si, hi_l - lo_f)
-            q = q + Int32(NT)
-
-    @cute.kernel
-    def tail_kernel(out: Int64, o_bands: Int32, B: Int32, S: Int32):
-        """-1 from the valid count to the capacity of field blockIdx.y."""
-        tid, bidx, nblk = P.thread_block_grid()
-        _, fy, _ = cute.arch.block_idx()
-        f = Int32(fy)
-        valid = P.ld_s32(out + Int64(4))  # num_bands: band fields and the schedule
-        cap = B
-        base = o_bands + f * B
-        if f >= Int32(7):
-            valid = P.ld_s32(out + Int64(16))  # num_local_cells
-        if f >= Int32(N_BAND_F):
-            valid = P.ld_s32(out + Int64(12))  # num_segments
-            cap = S
-            base = o_bands + Int32(N_BAND_F) * B + (f - Int32(N_BAND_F)) * S
-        i = valid + bidx * Int32(TAIL_THREADS) + tid
-        while i < cap:
-            stg(out, base + i, Int32(-1))
-            i = i + nblk * Int32(TAIL_THREADS)
+                    kk_ = u - Int32(1)  # the first cell is cut off the first run
+                if kk_ >= Int32(0):
+                    if kk_ % mgb == Int32(0):
+                        is_start = Int32(1)
+                if is_start == Int32(1):
+                    stq = lds(G_ST, gq)
+                    cq = lds(G_C, gq)
+                    Lq = ((stq + cq - Int32(1)) >> lg) - (stq >> lg) + Int32(1)
+                    nxt = (u // mgb + Int32(1)) * mgb
+                    idx = (u + mgb - Int32(1)) // mgb
+                    if aq == Int32(0):
+                        nxt = Int32(1)
+                        idx = Int32(0)
+                        if u > Int32(0):
+                            nxt = Int32(1) + ((u - Int32(1)) // mgb + Int32(1)) * mgb
+                            idx = Int32(1) + (u - Int32(1) + mgb - Int32(1)) // mgb
+                    endq = smin(nxt, Lq)
+                    lastrel = R - Int32(1) - aq
+                    if lastrel > u:
+                        endq = smin(endq, lastrel)
+                    k0 = stq >> lg
+                    kf = k0 + u
+                    kl = k0 + endq - Int32(1)
+                    lo_f = smax(stq, kf << lg)
+                    hi_l = smin(stq + cq, (kl + Int32(1)) << lg)
+                    si = lds(RO_SB, ip) + idx
+                    stg(out, o_segs + si, lds(E_RB, eq) + kf)
+                    stg(out, o_segs + S + si, kl - kf + Int32(1))
+                    stg(out, o_segs + Int32(2) * S + si, group_source(jq, rank, W))
+                    stg(out, o_segs + Int32(3) * S + si, lds(E_RS, eq) + lo_f)
+                    stg(out, o_segs + Int32(4) * S + si, lds(G_DR, gq) + lo_f - stq)
+                    stg(out, o_segs + Int32(5) * S + si, hi_l - lo_f)
+                q = q + Int32(NT)
+            # segment fields from num_segments up to the remote cells R (one start cell per
+            # segment, so R >= num_segments); the tail CTAs fill from R on
+            q = nseg + tid
+            r_cap = smin(R, S)
+            while q < r_cap:
+                for fi in cutlass.range_constexpr(N_SEG_F):
+                    stg(out, o_segs + Int32(fi) * S + q, Int32(-1))
+                q = q + Int32(NT)
+        else:
+            # ---- tail CTAs: -1 from each field's valid length to its capacity, in the same
+            # launch as the plan. The lengths come from the phases above (the code CTA 0 runs,
+            # so the same values) and order-free sums: local cells = sum_e (local band flag)
+            # + num_bands - sum_e (remote bands); segments from R (CTA 0 fills below R)
+            t_nrb = Int32(0)
+            t_f = Int32(0)
+            if tid < El:
+                t_nrb = lds(E_NRB, tid)
+                t_f = lds(E_F, tid)
+            t_l = Int32(0)
+            if g < E:
+                if jg < W - Int32(1):
+                    if cg > Int32(0):
+                        st_g = lds(G_ST, g)
+                        t_l = ((st_g + cg - Int32(1)) >> lg) - (st_g >> lg) + Int32(1)
+            _, (s_nrb, s_f, r_t) = block_scan([t_nrb, t_f, t_l], SCR, lane, warp)
+            n_lc = s_f + nb - s_nrb
+            tb = bidx - Int32(1)
+            step = (nblk - Int32(1)) * Int32(NT)
+            for fi in cutlass.range_constexpr(N_BAND_F + N_SEG_F):
+                valid = nb  # band fields and the schedule
+                cap = B
+                base = o_bands + Int32(fi) * B
+                if cutlass.const_expr(fi >= 7):
+                    valid = n_lc  # local cell fields
+                if cutlass.const_expr(fi >= N_BAND_F):
+                    valid = smin(r_t, S)
+                    cap = S
+                    base = o_segs + Int32(fi - N_BAND_F) * S
+                i = valid + tb * Int32(NT) + tid
+                while i < cap:
+                    stg(out, base + i, Int32(-1))
+                    i = i + step
 
     @cute.jit
     def launch_plan(counts: Int64, out: Int64, W: Int32, E: Int32, El: Int32, rank: Int32,
-                    lg: Int32, mgb: Int32, layout: Int32, B: Int32, S: Int32,
+                    lg: Int32, mgb: Int32, layout: Int32, B: Int32, S: Int32, grid: Int32,
                     stream: cuda.CUstream):
         plan_kernel(counts, out, W, E, El, rank, lg, mgb, layout, B, S).launch(
-            grid=[1, 1, 1], block=[NT, 1, 1], stream=stream)
+            grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
 
-    @cute.jit
-    def launch_tail(out: Int64, o_bands: Int32, B: Int32, S: Int32, grid: Int32,
-                    stream: cuda.CUstream):
-        tail_kernel(out, o_bands, B, S).launch(
-            grid=[grid, N_BAND_F + N_SEG_F, 1], block=[TAIL_THREADS, 1, 1], stream=stream)
-
-    return launch_plan, launch_tail
+    return launch_plan
 
 
 def plan_example_args():
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
-    return [Int64(0), Int64(0)] + [Int32(1)] * 9 + [cuda.CUstream(0)]
-
-
-def tail_example_args():
-    import cuda.bindings.driver as cuda
-    from cutlass import Int32, Int64
-    return [Int64(0), Int32(0), Int32(1), Int32(1), Int32(1), cuda.CUstream(0)]
+    return [Int64(0), Int64(0)] + [Int32(1)] * 9 + [Int32(2), cuda.CUstream(0)]
 
 
 class PlanKernel:
-    """Compiled planner kernels, cached by the host facts that size them (counts dtype, shared
+    """The compiled planner kernel, cached by the host facts that size them (counts dtype, shared
     array length pow2(E), sort length pow2(El)); rank, tile_m, mgb, layout and the capacities
     are runtime arguments."""
 
@@ -576,9 +614,7 @@ class PlanKernel:
         key = (bool(counts_64), max(32, _pow2(E)), max(2, _pow2(El)))
         if key not in cls._cache:
             import cutlass.cute as cute
-            lp, lt = build_plan_kernels(*key)
-            cls._cache[key] = (cute.compile(lp, *plan_example_args()),
-                               cute.compile(lt, *tail_example_args()))
+            cls._cache[key] = cute.compile(build_plan_kernels(*key), *plan_example_args())
         return cls._cache[key]
 
     def __call__(self, expert_counts: torch.Tensor, rank: int, tile_m: int, mgb: int,
@@ -599,15 +635,13 @@ class PlanKernel:
             raise ValueError(f"plan kernel cannot run this plan: {why}")
         lay = _Layout(W, E, El, B, S)
         buf = torch.empty(lay.total, dtype=torch.int32, device=counts.device)
-        fn_plan, fn_tail = self.compiled(counts.dtype == torch.int64, E, El)
+        fn_plan = self.compiled(counts.dtype == torch.int64, E, El)
         if stream is None:
             stream = torch.cuda.current_stream(counts.device)
         h = cuda.CUstream(stream.cuda_stream)
+        tail_ctas = max(1, min(64, -(-max(B, S) // TAIL_WORDS_PER_CTA)))
         fn_plan(counts.data_ptr(), buf.data_ptr(), W, E, El, rank, int(tile_m).bit_length() - 1,
-                mgb, _LAYOUT_CODE[layout], B, S, h)
-        cap = max(B, S)
-        grid = max(1, min(64, -(-cap // (TAIL_THREADS * 8))))
-        fn_tail(buf.data_ptr(), lay.o_bands, B, S, grid, h)
+                mgb, _LAYOUT_CODE[layout], B, S, 1 + tail_ctas, h)
         return lay.views(buf, W, E, El, B, S)
 
 
