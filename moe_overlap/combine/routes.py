@@ -77,12 +77,15 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
     NWARP = NT // 32
     Y_SRC = bool(y_src)
 
-    def ld_id(ids, i, E):
-        """ids[i] clamped to [0, E)."""
+    def ld_id_raw(ids, i):
+        """ids[i] as Int32 (int64 ids: the low word, the bits cvt.u32.u64 keeps), not yet used,
+        so the load stays in flight until clamp_id."""
         if cutlass.const_expr(ids_64):
-            v = H.ld_s64_as_s32(ids + Int64(i) * Int64(8))
-        else:
-            v = P.ld_s32(ids + Int64(i) * Int64(4))
+            return P.ld_s32(ids + Int64(i) * Int64(8))
+        return P.ld_s32(ids + Int64(i) * Int64(4))
+
+    def clamp_id(v, E):
+        """An id clamped to [0, E)."""
         return smin(smax(v, Int32(0)), E - Int32(1))
 
     def atom_add_shared(addr, v):
@@ -97,15 +100,16 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
         tid, bidx, _ = P.thread_block_grid()
         alloc = cutlass.memory.SmemAllocator()
         hist = alloc.allocate_array(cutlass.Int32, NE, byte_alignment=16).toint()
-        e = tid
+        c0 = bidx * Int32(CHUNK)
+        end = smin(N, c0 + Int32(CHUNK))
+        ii = [c0 + Int32(u * NT) + tid for u in range(ROUNDS)]
+        raw = [ld_id_raw(ids, smin(i, smax(end - Int32(1), Int32(0)))) for i in ii]  # in flight
+        e = tid  # while the ids load
         while e < E:
             sts(hist, e, Int32(0))
             e = e + Int32(NT)
         P.block_sync()
-        c0 = bidx * Int32(CHUNK)
-        end = smin(N, c0 + Int32(CHUNK))
-        ii = [c0 + Int32(u * NT) + tid for u in range(ROUNDS)]
-        es = [ld_id(ids, smin(i, smax(end - Int32(1), Int32(0))), E) for i in ii]  # in flight
+        es = [clamp_id(v, E) for v in raw]
         for i, e_ in zip(ii, es):
             if i < end:
                 atom_add_shared(hist + e_ * Int32(4), Int32(1))
@@ -130,17 +134,22 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
         YOFF = BASE + Int32(4 * NE)  # y_src: y row of local expert e = YOFF[e] + receive row
         ACC = YOFF + Int32(4 * NE)  # expected_inc accumulation (CTA 0), per owner rank
         SCR = ACC + Int32(4 * NE)
+        c0 = bidx * Int32(CHUNK)
+        end = smin(N, c0 + Int32(CHUNK))
+        ii = [c0 + Int32(u * NT) + tid for u in range(ROUNDS)]
+        # every round's id loaded first (in flight together and with the workspace loads)
+        raw = [ld_id_raw(ids, smin(i, smax(end - Int32(1), Int32(0)))) for i in ii]
         # local expert tid: its y-row offset parts (one global round, in flight with the
         # workspace loads; a load per assignment and round would pay the latency ROUNDS times)
-        yo = Int32(0)
+        yo_e = Int32(0)
+        yo_g = Int32(0)
         if cutlass.const_expr(Y_SRC):
             el_t = tid - rank * El
             if tid < E:
                 if el_t >= Int32(0):
                     if el_t < El:
-                        yo = (P.ld_s32(ers + Int64(el_t) * Int64(4))
-                              + P.ld_s32(grs + (Int64(el_t) * Int64(W) + Int64(rank))
-                                         * Int64(4)))
+                        yo_e = P.ld_s32(ers + Int64(el_t) * Int64(4))
+                        yo_g = P.ld_s32(grs + (Int64(el_t) * Int64(W) + Int64(rank)) * Int64(4))
         w_ = Int32(0)
         while w_ < Int32(NWARP):
             e = tid
@@ -168,7 +177,8 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
             sts(RUN, tid, Int32(0))
             sts(BASE, tid, first + pre)
             if cutlass.const_expr(Y_SRC):
-                sts(YOFF, tid, yo - first)  # int32 wrap-around: the same bits as yo + r - first
+                # int32 wrap-around: the same bits as ers + grs + r - first
+                sts(YOFF, tid, yo_e + yo_g - first)
             if bidx == Int32(0):
                 owner = tid // El
                 if local_copy != Int32(0):
@@ -180,14 +190,9 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
         if bidx == Int32(0):
             if tid < W:
                 st_s64(inc + Int64(tid) * Int64(8), Int64(lds(ACC, tid)) + Int64(1))
-        c0 = bidx * Int32(CHUNK)
-        end = smin(N, c0 + Int32(CHUNK))
         lt_mask = (Int32(1) << lane) - Int32(1)  # lanes below this one
-        ii = [c0 + Int32(u * NT) + tid for u in range(ROUNDS)]
-        # every round's id loaded up front (in flight together); past the end: -1, which
-        # matches no expert and writes nothing
-        es = [sel_lt(i, end, ld_id(ids, smin(i, smax(end - Int32(1), Int32(0))), E), Int32(-1))
-              for i in ii]
+        # past the end: -1, which matches no expert and writes nothing
+        es = [sel_lt(i, end, clamp_id(v, E), Int32(-1)) for i, v in zip(ii, raw)]
         for u in cutlass.range_constexpr(ROUNDS):
             i = ii[u]
             e = es[u]
