@@ -97,6 +97,29 @@ def test_plan_kernel_at_scale(mgb):
                 _check_plan(counts, rank, tile_m, mgb, layout, W * T * k, case)
 
 
+@pytest.mark.parametrize("W,El", [(1, 1), (3, 3), (8, 32), (64, 8), (2, 512)])
+@pytest.mark.parametrize("mode", ["random", "one_hot", "zero", "sparse"])
+def test_plan_kernel_writes_every_word_of_a_poisoned_buffer(W, El, mode, monkeypatch):
+    """The -1 tails (tail CTAs from the valid lengths, CTA 0 between num_segments and the
+    remote cells) leave no word unwritten: the buffer starts as 0x5A5A5A5A, not as whatever
+    the caching allocator hands back (often the previous plan, tails included). The worst
+    capacity spreads the tails over several CTAs."""
+    import moe_overlap.combine.plan_kernel as pk
+    monkeypatch.setattr(pk, "_plan_buffer", lambda n, device: torch.full(
+        (n,), 0x5A5A5A5A, dtype=torch.int32, device=device))
+    dev = torch.device("cuda")
+    rng = random.Random(W * 31 + El + MODES.index(mode))
+    counts = _counts(W, El, mode, rng.randrange(1 << 20), dev)
+    for tile_m in (64, 256):
+        for layout in ("aligned", "packed", "auto"):
+            rank, mgb = rng.randrange(W), rng.choice([1, 2, 3, 7])
+            tight = int(counts[:, rank * El:(rank + 1) * El].sum())
+            for cap_name, max_rows in (("tight", tight), ("worst", int(counts.sum()) + 600_000)):
+                case = (f"poisoned W={W} E={W * El} rank={rank} tile_m={tile_m} mgb={mgb} "
+                        f"layout={layout} cap={cap_name}({max_rows}) mode={mode}")
+                _check_plan(counts, rank, tile_m, mgb, layout, max_rows, case)
+
+
 def test_plan_kernel_int32_counts_and_no_host_sync():
     counts = _counts(4, 8, "random", 5, "cuda")
     ref = plan_combine(counts, 1, tile_m=128, mgb=2, max_rows=50_000, validate=False,

@@ -8,12 +8,14 @@ E = El * W groups (<= 1024, one per thread), so no sort is needed except ranking
 `moe_overlap.combine.plan_closed_form.closed_form_plan`, the same algorithm in plain Python that
 the CPU tests check against the torch planner; the per-band and per-remote-cell loops are
 strided over the threads, so the work follows the bands of this routing, not the capacity.
-CTAs 1.. (same launch, no wait on CTA 0): the -1 tails of the capacity-length tensors. Each
-runs the group phases CTA 0 runs (so it knows num_bands exactly) and two order-free sums: the
-local cells (sum of local-band flags + num_bands - sum of remote bands) and R, the remote
-cells, an upper bound of num_segments (every segment starts at its own remote cell). CTA 0
-writes -1 to the segment fields in [num_segments, R), the tail CTAs from R on; many CTAs, so
-the worst-case capacity costs about a memory-bandwidth microsecond or two, and no second launch.
+CTAs 1.. (same launch, no wait on CTA 0): recv_rows_per_rank (the row totals of the counts,
+so CTA 0 reads only the entries before its experts) and the -1 tails of the capacity-length
+tensors. Each runs the group phases CTA 0 runs (so it knows num_bands exactly) and two
+order-free sums: the local cells (sum of local-band flags + num_bands - sum of remote bands)
+and R, the remote cells, an upper bound of num_segments (every segment starts at its own
+remote cell). CTA 0 writes -1 to the segment fields in [num_segments, R), the tail CTAs from R
+on; many CTAs, so the worst-case capacity costs about a memory-bandwidth microsecond or two,
+and no second launch.
 
 All outputs are views of one int32 buffer allocated with torch.empty (one allocation, one base
 pointer for the kernels); the layout is `_Layout`.
@@ -222,46 +224,55 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
         if x < E:
             vx = ldc(counts, (x // El) * E + rank * El + x % El)
         if bidx == Int32(0):
-            # ---- phase 1: per source s (a warp each, two per round): rows it receives back,
-            # rows before ours; P1_LOADS loads per source and lane in flight (a loop of one
-            # load each would pay the global latency E/32 times)
+            # ---- phase 1: per source s (a warp each, two per round): rows before ours at s
+            # (its rank * El first entries; the row totals are the tail CTAs'); P1_LOADS loads
+            # per source and lane in flight (a loop of one load each would pay the global
+            # latency once per 32 entries)
             rcv = Int32(0)
             if tid < E:  # E <= NT
                 rcv = ldc(counts, rank * E + tid)
+            nbef = rank * El
             s = warp
             while s < W:
                 s2 = s + Int32(32)
                 s2c = smin(s2, W - Int32(1))
-                tot = Int32(0)
                 bef = Int32(0)
-                tot2 = Int32(0)
                 bef2 = Int32(0)
                 e = lane
-                while e < E:
+                while e < nbef:
                     es = [e + Int32(32 * u) for u in range(P1_LOADS)]
-                    va = [ldc(counts, s * E + smin(x_, E - Int32(1))) for x_ in es]
-                    vb = [ldc(counts, s2c * E + smin(x_, E - Int32(1))) for x_ in es]
+                    va = [ldc(counts, s * E + smin(x_, nbef - Int32(1))) for x_ in es]
+                    vb = [ldc(counts, s2c * E + smin(x_, nbef - Int32(1))) for x_ in es]
                     for x_, v, v2 in zip(es, va, vb):
-                        v = sel_lt(x_, E, v, Int32(0))
-                        v2 = sel_lt(x_, E, v2, Int32(0))
-                        tot = tot + v
-                        bef = bef + sel_lt(x_, rank * El, v, Int32(0))
-                        tot2 = tot2 + v2
-                        bef2 = bef2 + sel_lt(x_, rank * El, v2, Int32(0))
+                        bef = bef + sel_lt(x_, nbef, v, Int32(0))
+                        bef2 = bef2 + sel_lt(x_, nbef, v2, Int32(0))
                     e = e + Int32(32 * P1_LOADS)
-                tot = warp_sum(tot)
                 bef = warp_sum(bef)
-                tot2 = warp_sum(tot2)
                 bef2 = warp_sum(bef2)
                 if lane == Int32(0):
-                    stg(out, o_rrpr + s, tot)
                     sts(SRC_BEFORE, s, bef)
                     if s2 < W:
-                        stg(out, o_rrpr + s2, tot2)
                         sts(SRC_BEFORE, s2, bef2)
                 s = s + Int32(64)
             if tid < E:
                 stg(out, o_rc + tid, rcv)
+        else:
+            # the tail CTAs: rows each source receives back (row totals of the counts), a warp
+            # per source; outputs only, so CTA 0 does not wait for them
+            s = (bidx - Int32(1)) * Int32(32) + warp
+            while s < W:
+                tot = Int32(0)
+                e = lane
+                while e < E:
+                    es = [e + Int32(32 * u) for u in range(2 * P1_LOADS)]
+                    vs = [ldc(counts, s * E + smin(x_, E - Int32(1))) for x_ in es]
+                    for x_, v in zip(es, vs):
+                        tot = tot + sel_lt(x_, E, v, Int32(0))
+                    e = e + Int32(64 * P1_LOADS)
+                tot = warp_sum(tot)
+                if lane == Int32(0):
+                    stg(out, o_rrpr + s, tot)
+                s = s + (nblk - Int32(1)) * Int32(32)
         # first receive row at the source of each group
         (exx,), _ = block_scan([vx], SCR, lane, warp)
         if x < E:
@@ -588,6 +599,12 @@ def plan_example_args():
     return [Int64(0), Int64(0)] + [Int32(1)] * 9 + [Int32(2), cuda.CUstream(0)]
 
 
+def _plan_buffer(n: int, device) -> torch.Tensor:
+    """The plan buffer, uninitialized: the kernel writes every word a view shows (the GPU tests
+    replace this with a poisoned buffer to check that)."""
+    return torch.empty(n, dtype=torch.int32, device=device)
+
+
 class PlanKernel:
     """The compiled planner kernel, cached by the host facts that size them (counts dtype, shared
     array length pow2(E), sort length pow2(El)); rank, tile_m, mgb, layout and the capacities
@@ -634,7 +651,7 @@ class PlanKernel:
         if not ok:
             raise ValueError(f"plan kernel cannot run this plan: {why}")
         lay = _Layout(W, E, El, B, S)
-        buf = torch.empty(lay.total, dtype=torch.int32, device=counts.device)
+        buf = _plan_buffer(lay.total, counts.device)
         fn_plan = self.compiled(counts.dtype == torch.int64, E, El)
         if stream is None:
             stream = torch.cuda.current_stream(counts.device)
