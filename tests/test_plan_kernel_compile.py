@@ -54,6 +54,11 @@ def test_routes_kernels_compile(ids_64, NE, y_src):
     assert "red.shared.add.s32" in _ptx(lh, *hist_example_args())
     ptx = _ptx(lr, *rank_example_args())
     assert "match.any.sync.b32" in ptx and "popc.b32" in ptx
+    from moe_overlap.combine.routes import ROUNDS
+    # one scan (two barriers) and one barrier before the rounds, two CTA barriers per round
+    # (each warp zeroes its own row of counts: a warp barrier between rounds)
+    assert ptx.count("bar.sync") == 3 + 2 * ROUNDS
+    assert ptx.count("bar.warp.sync") == ROUNDS - 1
     assert ".reqntid 1024" in ptx
     assert ".local" not in ptx.split(".entry", 1)[1]
 

@@ -10,7 +10,8 @@ expert:
     row, by a CTA scan over experts; chunks before b: its offset inside the expert), then walks
     its chunk 1024 assignments at a time in flat order: `match.any.sync` gives the lanes of a warp
     with the same expert (rank inside the warp = lanes below with the same id), per-warp counts
-    in shared memory give the warps before, and a running per-expert count the earlier rounds.
+    in shared memory give the warps before, and a running per-expert count the earlier rounds
+    (two CTA barriers a round: each warp writes and zeroes only its own row of counts).
     So row = first[e] + (assignments of e before this one in (token, k) order), exactly the
     stable sort's. CTA 0 also writes expected_inc.
 No host sync, CUDA-graph capturable. Ids must lie in [0, E) (the callers' checks reject others);
@@ -222,7 +223,11 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
             if lead == Int32(1):
                 atom_add_shared(RUN + e * Int32(4), cnt)
                 sts(WC, warp * Int32(NE) + e, Int32(0))
-            P.block_sync()
+            # no CTA barrier here: a warp zeroes only its own row of WC, and the next round's
+            # barrier orders these RUN adds and zeros before any read; the warp barrier orders
+            # a lane's zero before another lane's write of the same entry in the next round
+            if cutlass.const_expr(u + 1 < ROUNDS):
+                cute.arch.inline_ptx("bar.warp.sync -1;")
 
     @cute.jit
     def launch_hist(ids: Int64, ws: Int64, N: Int32, E: Int32, grid: Int32,
