@@ -10,8 +10,9 @@ expert:
     row, by a CTA scan over experts; chunks before b: its offset inside the expert), then walks
     its chunk 1024 assignments at a time in flat order: `match.any.sync` gives the lanes of a warp
     with the same expert (rank inside the warp = lanes below with the same id), per-warp counts
-    in shared memory give the warps before, and a running per-expert count the earlier rounds
-    (two CTA barriers a round: each warp writes and zeroes only its own row of counts).
+    in shared memory (a byte per warp and expert: two 16-byte loads and dp4a sum the warps
+    before) and a running per-expert count the earlier rounds (two CTA barriers a round: each
+    warp writes and zeroes only its own bytes).
     So row = first[e] + (assignments of e before this one in (token, k) order), exactly the
     stable sort's. CTA 0 also writes expected_inc.
 No host sync, CUDA-graph capturable. Ids must lie in [0, E) (the callers' checks reject others);
@@ -27,6 +28,10 @@ CHUNK = ROUNDS * NT  # assignments per CTA
 # workspace loads per thread in flight: the whole column up to 32 chunks (16384 tokens x top-8),
 # so one global-latency round instead of one per 8 chunks
 WS_IN_FLIGHT = 32
+# words per expert of the rank kernel's per-warp counts: 32 count bytes (one per warp, <= 32
+# each) and 16 pad bytes (a 48-byte stride puts the 8 lanes of a 16-byte access quarter on 8
+# different bank quads, where 32 bytes would give 4)
+WC_WORDS = 12
 IMPLS = ("auto", "torch", "kernel")
 
 
@@ -75,7 +80,6 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
     H = simt_helpers()
     lds, sts, ptx1, smin, smax, block_scan = H.lds, H.sts, H.ptx1, H.smin, H.smax, H.block_scan
     sel_lt = H.sel_lt
-    NWARP = NT // 32
     Y_SRC = bool(y_src)
 
     def ld_id_raw(ids, i):
@@ -95,6 +99,29 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
 
     def st_s64(addr, v):
         P.st_s64(addr, v)
+
+    def st_u8(addr, v):
+        cute.arch.inline_ptx("st.shared.u8 [{$r0}], {$r1};", read_only_args=[Int32(addr),
+                                                                            Int32(v)])
+
+    def warps_before(rec, warp):
+        """Sum of bytes 0 .. warp-1 of the 32-byte count record at shared address rec: two
+        16-byte loads, then per word the bytes of warps below masked and summed by dp4a."""
+        words = []
+        for h in range(2):
+            words += list(cute.arch.inline_ptx(
+                "ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                write_only_types=[Int32] * 4, read_only_args=[rec + Int32(16 * h)]))
+        acc = Int32(0)
+        for k, w in enumerate(words):
+            # n = clamp(warp - 4k, 0, 4) bytes of this word; mask (1 << 8n) - 1 (shl clamps
+            # the shift at 32, giving 0, so n = 4 is all ones)
+            acc = ptx1("{ .reg .b32 n, m, o; "
+                       f"sub.s32 n, {{$r1}}, {4 * k}; max.s32 n, n, 0; min.s32 n, n, 4; "
+                       "shl.b32 n, n, 3; mov.b32 m, 1; shl.b32 m, m, n; sub.s32 m, m, 1; "
+                       "and.b32 m, m, {$r0}; mov.b32 o, 0x01010101; "
+                       "dp4a.u32.u32 {$w0}, m, o, {$r2}; }", w, warp, acc)
+        return acc
 
     @cute.kernel
     def hist_kernel(ids: Int64, ws: Int64, N: Int32, E: Int32):
@@ -127,10 +154,12 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
         lane = tid & Int32(31)
         warp = tid >> Int32(5)
         alloc = cutlass.memory.SmemAllocator()
-        arr = alloc.allocate_array(cutlass.Int32, (NWARP + 4) * NE + 4 * 32,
+        arr = alloc.allocate_array(cutlass.Int32, (WC_WORDS + 4) * NE + 4 * 32,
                                    byte_alignment=16).toint()
-        WC = arr  # [NWARP][NE] assignments of expert e in warp w of this round
-        RUN = arr + Int32(4 * NWARP * NE)  # assignments of e in earlier rounds of this chunk
+        # [NE] records of WC_WORDS words: byte w = assignments of expert e in warp w of this
+        # round (<= 32); the 16 pad bytes spread the records' 16-byte halves over the banks
+        WC = arr
+        RUN = arr + Int32(4 * WC_WORDS * NE)  # assignments of e in earlier rounds of this chunk
         BASE = RUN + Int32(4 * NE)  # first row of e + its assignments in chunks before b
         YOFF = BASE + Int32(4 * NE)  # y_src: y row of local expert e = YOFF[e] + receive row
         ACC = YOFF + Int32(4 * NE)  # expected_inc accumulation (CTA 0), per owner rank
@@ -151,13 +180,10 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
                     if el_t < El:
                         yo_e = P.ld_s32(ers + Int64(el_t) * Int64(4))
                         yo_g = P.ld_s32(grs + (Int64(el_t) * Int64(W) + Int64(rank)) * Int64(4))
-        w_ = Int32(0)
-        while w_ < Int32(NWARP):
-            e = tid
-            while e < E:
-                sts(WC, w_ * Int32(NE) + e, Int32(0))
-                e = e + Int32(NT)
-            w_ = w_ + Int32(1)
+        w_ = tid
+        while w_ < Int32(WC_WORDS) * E:
+            sts(WC, w_, Int32(0))
+            w_ = w_ + Int32(NT)
         tot = Int32(0)
         pre = Int32(0)
         if tid < E:  # the expert's column of the workspace, WS_IN_FLIGHT loads in flight
@@ -204,14 +230,11 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
             if e >= Int32(0):
                 if below == Int32(0):
                     lead = Int32(1)
-                    sts(WC, warp * Int32(NE) + e, cnt)
+                    st_u8(WC + e * Int32(4 * WC_WORDS) + warp, cnt)
             P.block_sync()
             if e >= Int32(0):
-                r = lds(BASE, e) + lds(RUN, e) + below
-                w2 = Int32(0)
-                while w2 < warp:
-                    r = r + lds(WC, w2 * Int32(NE) + e)
-                    w2 = w2 + Int32(1)
+                r = lds(BASE, e) + lds(RUN, e) + below + warps_before(WC + e * Int32(4 * WC_WORDS),
+                                                                      warp)
                 out = r
                 if cutlass.const_expr(Y_SRC):
                     el = e - rank * El
@@ -222,8 +245,8 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
             P.block_sync()
             if lead == Int32(1):
                 atom_add_shared(RUN + e * Int32(4), cnt)
-                sts(WC, warp * Int32(NE) + e, Int32(0))
-            # no CTA barrier here: a warp zeroes only its own row of WC, and the next round's
+                st_u8(WC + e * Int32(4 * WC_WORDS) + warp, Int32(0))
+            # no CTA barrier here: a warp zeroes only its own bytes of WC, and the next round's
             # barrier orders these RUN adds and zeros before any read; the warp barrier orders
             # a lane's zero before another lane's write of the same entry in the next round
             if cutlass.const_expr(u + 1 < ROUNDS):
