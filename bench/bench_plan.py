@@ -75,8 +75,8 @@ def main():
                              prepare_us=prep_ms * 1e3)
                     rows.append(r)
                     print(f"{impl:<6} W={W:<3} r={rank:<3} E={E:<4} T={T:<6} {layout:<8} "
-                          f"{cap_name:<6} plan {r['plan_us']:8.1f} us  prepare {r['prepare_us']:7.1f} us  "
-                          f"sum {r['plan_us'] + r['prepare_us']:8.1f} us", flush=True)
+                          f"{cap_name:<6} plan {r['plan_us']:8.1f} us  "
+                          f"prepare {r['prepare_us']:7.1f} us  sum {r['plan_us'] + r['prepare_us']:8.1f} us", flush=True)
     doc = dict(bench="plan", device=torch.cuda.get_device_name(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,

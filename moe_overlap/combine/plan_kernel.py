@@ -165,8 +165,9 @@ def simt_helpers():
 
 
 def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
-    """The plan launcher (one kernel: CTA 0 plans, CTAs 1.. fill the -1 tails). NE: shared array length (power of two >= E); NPS: sort
-    length (power of two >= El); counts_64: the counts are int64 (else int32)."""
+    """The plan launcher (one kernel: CTA 0 plans, CTAs 1.. the row totals and the -1 tails).
+    NE: shared array length (power of two >= E); NPS: sort length (power of two >= El);
+    counts_64: the counts are int64 (else int32)."""
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
