@@ -34,7 +34,8 @@ HEADLINE = {
                ("packed_gemm_h200_d98035d.json",)),
     "chained": ("Chained FFN compute kernel alone (GEMM1 -> bf16 H ring -> full-depth GEMM2)",
                 ("ffn_chained_compute_h200_2bc5fa0.json",)),
-    "plan": ("Planner and prepare (device time)", ("plan_kernel_h200_21d9b48.json",)),
+    "plan": ("Planner and prepare (device time)", ("plan_kernel2_h200_1622057.json",
+                                                    "plan_kernel2_last_h200_1622057.json")),
 }
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
@@ -56,6 +57,11 @@ CURRENT_OTHER = {
                                      "a projection, not a measurement)",
     "single_gpu_tests_50c7989.log": "planner, producer and fused FFN single-GPU tests after the "
                                     "session's merges",
+    "plan_kernel_h200_21d9b48.json": "first planner kernels (two plan launches) next to the torch "
+                                     "planner: the torch reference's device time",
+    "plan_kernel_gpu_tests_1622057.log": "planner kernel GPU tests, second version (120 passed)",
+    "single_gpu_regress_1622057.log": "faults, producer and fused FFN single-GPU tests after the "
+                                      "GEMM-base and fault merges (49 passed)",
     "chained_ffn_gpu_tests_2bc5fa0.log": "GPU tests of the chained FFN compute kernel (18 passed)",
     "ffn_baseline_h200.json": "per-rank compute of the reference FFN (addmm + act + mm, G = 2 "
                               "slices): what the chained compute kernel must reach",
@@ -277,27 +283,30 @@ def packed(root):
 
 
 def plan(root):
-    (name,) = HEADLINE["plan"][1]
-    d = _load(root, name)
-    rows = [(r.get("impl", "torch"), str(r["world_size"]), str(r["experts"]),
-             str(r["tokens_per_rank"]), r["layout"], r["capacity"], f"{r['plan_us']:.1f}",
-             f"{r['prepare_us']:.1f}", f"{r['plan_us'] + r['prepare_us']:.1f}")
-            for r in d["rows"]]
-    lines = [_src(name, d), "", f"{d['method']}.", ""]
-    lines += _table(("impl", "W", "experts", "tokens/rank", "layout", "max_rows", "plan us",
-                     "prepare us", "sum us"), rows) + [""]
+    names = HEADLINE["plan"][1]
+    docs = [(n, _load(root, n)) for n in names]
+    all_rows = [r for _, d in docs for r in d["rows"]]
+    lines = []
+    for name, d in docs:
+        rows = [(r.get("impl", "torch"), str(r.get("rank", 0)), str(r["world_size"]),
+                 str(r["experts"]), str(r["tokens_per_rank"]), r["layout"], r["capacity"],
+                 f"{r['plan_us']:.1f}", f"{r['prepare_us']:.1f}",
+                 f"{r['plan_us'] + r['prepare_us']:.1f}") for r in d["rows"]]
+        lines += [_src(name, d), "", f"{d['method']}.", ""]
+        lines += _table(("impl", "rank", "W", "experts", "tokens/rank", "layout", "max_rows",
+                         "plan us", "prepare us", "sum us"), rows) + [""]
     parts = []
     for impl in ("kernel", "torch"):
-        rs = [r for r in d["rows"] if r.get("impl", "torch") == impl]
+        rs = [r for r in all_rows if r.get("impl", "torch") == impl]
         if not rs:
             continue
         tot = [r["plan_us"] + r["prepare_us"] for r in rs]
         parts.append(f"{impl}: plan {_rng([r['plan_us'] for r in rs], '{:.1f}', ' us')}, "
                      f"prepare {_rng([r['prepare_us'] for r in rs], '{:.1f}', ' us')}, together "
                      f"{_rng(tot, '{:.1f}', ' us')}")
-    ws = sorted({r["world_size"] for r in d["rows"]})
-    cell = (f"{'; '.join(parts)} of device time (W = {ws[0]}..{ws[-1]}; goal <= 30 us "
-            f"together)")
+    ws = sorted({r["world_size"] for r in all_rows})
+    cell = (f"{'; '.join(parts)} of device time (W = {ws[0]}..{ws[-1]}, first and last rank; "
+            f"goal <= 30 us together); bitwise equal to the torch planner")
     return lines, cell
 
 
