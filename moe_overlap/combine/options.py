@@ -93,8 +93,8 @@ class CombineOptions:
     consumer_piece_rows (int >= 0 or "auto"): rows per piece the consumer's CTAs split segments
         into (0: one piece per segment). auto: about 1 MiB of rows (``DEFAULT_PIECE_BYTES``).
     producer ("auto" | "torch" | "grouped_gemm"): the producer GEMM. auto: $MOE_OVERLAP_PRODUCER
-        where set, else the CuTe DSL grouped GEMM where the shape and install allow it, else a
-        torch stand-in (tests only).
+        where set, else the CuTe DSL grouped GEMM where the shape and install allow it
+        (``grouped_gemm_fits``), else a torch stand-in (test-only speed).
     timeout_s (float > 0): bound of every device spin-wait, in seconds.
     gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
         ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
@@ -211,8 +211,8 @@ class CombineOptions:
             env = os.environ.get(PRODUCER_ENV, AUTO)
             if env not in PRODUCERS:
                 raise ValueError(f"{PRODUCER_ENV}={env!r}; choose auto, torch or grouped_gemm")
-            if env != AUTO:
-                ch["producer"] = env
+            ch["producer"] = env if env != AUTO else (
+                "grouped_gemm" if grouped_gemm_fits(facts) else "torch")
         out = dataclasses.replace(self, **ch)
         if facts.num_sms is not None and not 1 <= out.ccta < facts.num_sms:
             raise ValueError(f"ccta={out.ccta!r} must be an int in [1, {facts.num_sms - 1}]")
@@ -232,6 +232,18 @@ class CombineOptions:
         """Chunks the copy="tma" consumer loads ahead (from the resolved stage count)."""
         from .consumer import DEFAULT_LOOKAHEAD
         return min(DEFAULT_LOOKAHEAD, max(1, int(self.consumer_stages) // 2))
+
+
+def grouped_gemm_fits(facts: CombineFacts) -> bool:
+    """Whether the CuTe DSL producer GEMM takes this shape and is installed (producer="auto"):
+    tile_m 64 or 128, N and K multiples of 64."""
+    if facts.tile_m not in (64, 128) or facts.out_features % 64 or facts.hidden_size % 64:
+        return False
+    try:
+        from .grouped_gemm import GroupedGemm  # noqa: F401
+    except Exception:  # noqa: BLE001 - CuTe DSL missing or broken: the torch stand-in
+        return False
+    return True
 
 
 def options_from_kwargs(options: CombineOptions | None, what: str, **kwargs) -> CombineOptions:

@@ -285,7 +285,7 @@ class _FusedBackend:
                     or compute_options is not None or allreduce_band_rows is not None):
                 raise ValueError("ccta / max_tokens / tile_m / compute_options / "
                                  "allreduce_band_rows apply to backend='fused' only")
-            if options is not None and options != FFNOptions():
+            if isinstance(options, FFNOptions) and options != FFNOptions():
                 raise ValueError(f"options={options!r} apply to backend='fused' only (the "
                                  "reference backend takes the defaults)")
         self.options = ffn_options_from_kwargs(
