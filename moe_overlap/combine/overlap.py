@@ -18,8 +18,9 @@ that marker.
 Everything per call lives on the device (epoch, expected counts, flags), so the call is capturable
 in a CUDA graph and replays with new data in the same input tensors.
 
-Options (v1 defaults ``local_copy=True, copy="ldst"``; v2 = ``local_copy=False, copy="tma"``):
-- ``local_copy=False``: the consumer ships remote segments only. ``prepare(plan, ...)`` builds,
+Options: ``moe_overlap.combine.options.CombineOptions`` (one default each, resolved once at
+construction). The consumer variants they select:
+- ``local_copy=False`` (the default with nvlink): the consumer ships remote segments only. ``prepare(plan, ...)`` builds,
   on the device, each (t, k) assignment's source row: the receive-slot row r (remote experts) or,
   for this rank's own experts, y row = expert_row_start[e] + group_row_start[e, rank] +
   (r - first receive row of expert g), encoded as -(y row) - 1; expected[rank] only advances by
@@ -32,7 +33,10 @@ Options (v1 defaults ``local_copy=True, copy="ldst"``; v2 = ``local_copy=False, 
   ordered after the producer they never spin on local work. Remote rows keep the sys-scope
   counter release/acquire. y is rewritten only by the next call's producer, which s0 orders after
   this call's scale (s0 waits cs at the end of the call).
-- ``copy="tma"`` (nvlink only): the consumer moves segments with bulk copies through a shared
+- ``local_copy=True`` (the default with nvshmem): the consumer also copies this rank's own rows
+  into its receive buffer (its local cells) and counts them; the scale reads every assignment
+  from the receive buffer.
+- ``copy="tma"`` (nvlink only; the default there): the consumer moves segments with bulk copies through a shared
   memory ring (see moe_overlap/combine/consumer.py); ``consumer_stages`` / ``consumer_chunk``
   size the ring.
 
@@ -241,12 +245,11 @@ class OverlapCombine:
         band_ready.copy_(torch.where(valid, epoch.expand(cap), band_ready))
 
     def _gemm_for(self, ccta: int):
-        """The producer GEMM for a launch beside ``ccta`` consumer SMs. Its default clusters of 2
-        CTAs are the fastest on every SM, but beside the consumer's CTAs part of the persistent
-        grid can find no pair of free SMs and run as a second wave: at ccta = 16 (and 4 on a
-        K=14336 shape) the overlapped call took 1.6-1.7x longer in CUDA-graph replays, and clusters
-        of 1 removed it (sweep_c1 / sweep_c2, bench/NOTES.md). So launches beside a consumer use
-        clusters of 1 unless gemm_options set cluster_n; both give the same bits."""
+        """The producer GEMM for a launch beside ``ccta`` consumer SMs (0: alone, every SM).
+        Beside the consumer's CTAs, clusters of 2 can leave part of the persistent grid without a
+        pair of free SMs, so it runs as a second wave; launches beside a consumer therefore use
+        clusters of 1 unless gemm_options set cluster_n (the measurements: bench/NOTES.md,
+        "Moved from docstrings"). Both cluster sizes give the same bits."""
         key = "solo" if ccta == 0 or "cluster_n" in self.gemm_options else "beside"
         gemm = self._gemms.get(key)
         if gemm is None:

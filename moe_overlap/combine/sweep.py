@@ -213,7 +213,7 @@ def worker(rank, W, args):
                         seq_timing=seq_mode, seq_gemm=base.gemm, seq_scale=base.scale_kind,
                         seq_variants_ms=base.variant_ms,
                         analytic=list(choice), race_check=race, **extra_info))
-                    # the issue-18 fields (t_* in ms, speedups, bound ratio, padding)
+                    # the fields of moe_overlap.combine.metrics (t_* in ms, speedups, bound ratio, padding)
                     points[-1].update(point_fields(t_gemm=t_gemm, t_comm=t_comm, t_overlap=t_ov,
                                                    t_seq_torch=t_seq, plan_rows=rows,
                                                    valid_rows=int(valid), **extra))

@@ -1,4 +1,4 @@
-"""Tensor-parallel FFN layers (issue 5): ``FusedFFN`` and ``ShardedExperts``.
+"""Tensor-parallel FFN layers: ``FusedFFN`` and ``ShardedExperts``.
 
 ``FusedFFN``: ``Y = act2(sum_g act1(X W1_g + b1_g) W2_g + b2)`` over the G ranks of ``group``.
 Rank g holds the column slice ``W1[:, g O/G : (g+1) O/G]`` / ``b1[...]``, the matching row slice of
@@ -33,10 +33,7 @@ Backends:
   constructor raises ``NotImplementedError`` (a ``RuntimeError``) saying why.
   ``ShardedExperts(backend="fused")`` runs the same kernel grouped over the experts (each
   expert's rows padded to tile_m, one launch; b_out seeds rank 0's accumulator).
-  Speed (2x H200, bench/NOTES.md): correct, but 0.24-0.36x the reference backend: the compute
-  kernel reaches ~320 TFLOP/s against cuBLAS's ~750 (GEMM1 starved of operands, the L2 busy
-  with the fp32 partial-tile reduce-adds), and with two GPUs the all-reduce that an overlap can
-  hide is only 10-20 % of the layer.
+  Its speed against the reference backend, and why: bench/NOTES.md.
   ``comm="unicast"`` (peer loads/stores over NVLink) or ``comm="switch"`` (NVLink multicast;
   refused unless multicast is explicitly allowed and available, see ``require_multicast``).
 
