@@ -46,37 +46,14 @@ import torch.distributed as dist
 
 from ..diagnostics import FFNDebug, debug_scope
 from .activations import ACT2, ACTIVATIONS, check_activation  # noqa: F401 (re-exported)
-from .options import FFNFacts, FFNOptions, ffn_options_from_kwargs
+from .options import (COMPUTE_OPTIONS, FFNFacts, FFNOptions,  # noqa: F401 (re-exported)
+                      check_compute_options, ffn_options_from_kwargs,
+                      fused_default_allreduce_band_rows, fused_default_ccta, fused_tile_o)
 from .reference import experts_tp_reference, ffn_tp_reference
 
 BACKENDS = ("reference", "fused")
 COMMS = ("unicast", "switch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: reference only
-
-def fused_default_ccta(local_hidden: int) -> int:
-    """SMs of the communication blocks (band all-reduce) in the fused backend when ccta is None.
-    The all-reduce's bytes per row are N fp32 whatever the hidden size, the compute's FLOPs per
-    row grow with O/G: small hidden slices leave the all-reduce exposed, so they get more SMs.
-    The thresholds are where 16 / 24 / 32 SMs change places on 2x H200 (bench/NOTES.md)."""
-    if local_hidden <= 2048:
-        return 32
-    return 24 if local_hidden <= 4096 else 16
-
-
-def fused_default_allreduce_band_rows(local_hidden: int, tile_m: int) -> int:
-    """Rows per band of the fused backend's all-reduce when allreduce_band_rows is None. A
-    compute m-tile is all-reduced by tile_m / band rows CTAs at once: fine bands shorten the
-    tail after the compute kernel ends, coarse ones cost fewer cross-GPU handshakes, which
-    matters where the all-reduce is longer than the compute (small hidden slices). Timings on
-    2x H200: bench/NOTES.md."""
-    return min(64 if local_hidden <= 2048 else 32, tile_m)
-
-
-def fused_tile_o(local_hidden: int) -> int:
-    """Hidden columns per compute unit of the fused backend: 256 where they divide O/G (half the
-    fp32 reduce-add traffic of 128), else 128."""
-    return 256 if local_hidden % 256 == 0 else 128
-
 
 def _group_world(group) -> tuple[int, int]:
     if group is None:
@@ -230,37 +207,6 @@ def padded_expert_layout(rows, tile_m: int, device):
     row_expert = torch.repeat_interleave(experts, pcnt, output_size=R_pad)
     tile_expert = row_expert[::tile_m].to(torch.int32)
     return dst, tile_expert, row_expert, R_pad
-
-
-COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "epilogue", "cluster_m", "h_regs", "h_pair")
-
-
-def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
-                          grouped: bool) -> dict:
-    """Validated copy of the fused layers' ``compute_options`` (keyword options of
-    ``kernels.fused_ffn.FusedFFNCompute``; tile sizes and band rows are the layer's) with the
-    layer's default filled in: ``h_pair`` wherever the hidden tiles pair up (local_hidden a
-    multiple of 2 * tile_o, H in registers). Raises ValueError / TypeError on any machine,
-    before CUDA is touched."""
-    options = {} if options is None else options
-    if not isinstance(options, dict):
-        raise TypeError(f"compute_options must be a dict, got {type(options).__name__}")
-    from ..kernels import reject_unknown_options
-    reject_unknown_options("compute_options", options, COMPUTE_OPTIONS)
-    options = dict(options)
-    if grouped and options.get("cluster_m", 1) != 1:
-        raise ValueError("compute_options: cluster_m=2 applies to FusedFFN only (the grouped "
-                         "expert call keeps one expert per m-tile, not per cluster)")
-    if options.get("h_pair") and local_hidden % (2 * tile_o):
-        raise ValueError(f"compute_options: h_pair needs hidden_features / world_size "
-                         f"({local_hidden}) to be a multiple of 2 * {tile_o}")
-    if "h_pair" not in options:
-        # default: two hidden tiles per unit wherever they pair up (half the fp32 reduce-adds;
-        # timings in bench/NOTES.md)
-        options["h_pair"] = options.get("h_regs", True) and local_hidden % (2 * tile_o) == 0
-    from .compute_reduce import FusedFFNCompute
-    FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, **options)  # the kernel's own value checks
-    return options
 
 
 class _FusedBackend:

@@ -23,6 +23,63 @@ COMMS = ("unicast", "switch")
 TILE_MS = (64, 128)
 
 
+# ---- the library's choices for the shape ("auto") and the compute kernel's option check -------
+def fused_default_ccta(local_hidden: int) -> int:
+    """SMs of the communication blocks (band all-reduce) in the fused backend for ccta="auto".
+    The all-reduce's bytes per row are N fp32 whatever the hidden size, the compute's FLOPs per
+    row grow with O/G: small hidden slices leave the all-reduce exposed, so they get more SMs.
+    The thresholds are where 16 / 24 / 32 SMs change places on 2x H200 (bench/NOTES.md)."""
+    if local_hidden <= 2048:
+        return 32
+    return 24 if local_hidden <= 4096 else 16
+
+
+def fused_default_allreduce_band_rows(local_hidden: int, tile_m: int) -> int:
+    """Rows per band of the fused backend's all-reduce for allreduce_band_rows="auto". A
+    compute m-tile is all-reduced by tile_m / band rows CTAs at once: fine bands shorten the
+    tail after the compute kernel ends, coarse ones cost fewer cross-GPU handshakes, which
+    matters where the all-reduce is longer than the compute (small hidden slices). Timings on
+    2x H200: bench/NOTES.md."""
+    return min(64 if local_hidden <= 2048 else 32, tile_m)
+
+
+def fused_tile_o(local_hidden: int) -> int:
+    """Hidden columns per compute unit of the fused backend: 256 where they divide O/G (half the
+    fp32 reduce-add traffic of 128), else 128."""
+    return 256 if local_hidden % 256 == 0 else 128
+
+
+COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "epilogue", "cluster_m", "h_regs", "h_pair")
+
+
+def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
+                          grouped: bool) -> dict:
+    """Validated copy of the fused layers' ``compute_options`` (keyword options of
+    ``ffn.compute_reduce.FusedFFNCompute``; tile sizes and band rows are the layer's) with the
+    layer's default filled in: ``h_pair`` wherever the hidden tiles pair up (local_hidden a
+    multiple of 2 * tile_o, H in registers). Raises ValueError / TypeError on any machine,
+    before CUDA is touched."""
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise TypeError(f"compute_options must be a dict, got {type(options).__name__}")
+    from ..kernels import reject_unknown_options
+    reject_unknown_options("compute_options", options, COMPUTE_OPTIONS)
+    options = dict(options)
+    if grouped and options.get("cluster_m", 1) != 1:
+        raise ValueError("compute_options: cluster_m=2 applies to FusedFFN only (the grouped "
+                         "expert call keeps one expert per m-tile, not per cluster)")
+    if options.get("h_pair") and local_hidden % (2 * tile_o):
+        raise ValueError(f"compute_options: h_pair needs hidden_features / world_size "
+                         f"({local_hidden}) to be a multiple of 2 * {tile_o}")
+    if "h_pair" not in options:
+        # default: two hidden tiles per unit wherever they pair up (half the fp32 reduce-adds;
+        # timings in bench/NOTES.md)
+        options["h_pair"] = options.get("h_regs", True) and local_hidden % (2 * tile_o) == 0
+    from .compute_reduce import FusedFFNCompute
+    FusedFFNCompute(tile_m=tile_m, tile_o=tile_o, **options)  # the kernel's own value checks
+    return options
+
+
 @dataclass(frozen=True)
 class FFNFacts:
     """What ``FFNOptions.resolve`` needs: local_hidden = hidden_features / world size (the
@@ -57,8 +114,7 @@ class FFNOptions:
     allreduce_band_rows (a divisor of tile_m, or "auto"): rows per band of the all-reduce, so a
         finished m-tile is shared by tile_m / allreduce_band_rows communication CTAs. auto:
         ``fused_default_allreduce_band_rows(O/G, tile_m)`` (32, or 64 at O/G <= 2048).
-    compute_options (dict or None): keyword options of the compute kernel (``COMPUTE_OPTIONS``
-        in ffn/layers.py; tile sizes and band rows are the layer's); resolved with the layer's
+    compute_options (dict or None): keyword options of the compute kernel (``COMPUTE_OPTIONS``; tile sizes and band rows are the layer's); resolved with the layer's
         defaults filled in (``check_compute_options``: ``h_pair`` where the hidden tiles pair up).
     """
     comm: str = "unicast"
@@ -101,7 +157,6 @@ class FFNOptions:
             if not isinstance(co, (dict, types.MappingProxyType)):
                 raise TypeError(f"compute_options must be a dict, got {type(co).__name__}")
             from ..kernels import reject_unknown_options
-            from .layers import COMPUTE_OPTIONS
             reject_unknown_options("compute_options", co, COMPUTE_OPTIONS)
             self._set("compute_options", types.MappingProxyType(dict(co)))
 
@@ -121,8 +176,6 @@ class FFNOptions:
     def resolve(self, facts: FFNFacts) -> "FFNOptions":
         """These options with every "auto" replaced and the compute options checked against the
         kernel (see the module doc). ValueError if a value does not fit the facts."""
-        from .layers import (check_compute_options, fused_default_allreduce_band_rows,
-                             fused_default_ccta, fused_tile_o)
         O = facts.local_hidden
         ccta = fused_default_ccta(O) if self.ccta == AUTO else self.ccta
         if facts.num_sms is not None and not 1 <= ccta < facts.num_sms:
