@@ -382,7 +382,10 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     "none" for no activation); ``bias``: keep b1 and b2; ``group``: the TP process group (None: the
     default group if initialized, else a single process); ``dtype`` / ``device`` of the
     parameters; ``backend`` "reference" | "fused"; ``comm`` "unicast" | "switch" (fused only).
-    Fused only: ``ccta`` (SMs of the communication blocks, default ``fused_default_ccta(O/G)``:
+    Fused only (``options=FFNOptions(...)`` or the same names as keywords, a keyword given
+    overriding the object's field; validated at construction and resolved once into
+    ``self.options``, see moe_overlap/ffn/options.py; the reference backend refuses them):
+    ``comm``, ``ccta`` (SMs of the communication blocks, default ``fused_default_ccta(O/G)``:
     16 to 32; the compute blocks take the others), ``max_tokens`` (rows the symmetric
     accumulator is first sized for; it grows, collectively, when a call brings more), ``tile_m``
     (64 or 128: compute m-tile = one ready flag); needs P % 64 == 0, (O/G) % 128 == 0,
