@@ -116,6 +116,8 @@ class MoECombine(torch.nn.Module):
             num_sms=torch.cuda.get_device_properties(torch.cuda.current_device())
             .multi_processor_count if cuda else None)
         self.options = options.resolve(self.facts)
+        if self.options.gemm_options:  # checked now, not when the overlap backend starts
+            self.options.check_gemm_options(tile_m)
         self._impl = None  # overlap backend object, built lazily on the first CUDA call
 
     # the most rows one rank can receive: every token of every rank routed to its experts

@@ -230,8 +230,9 @@ class CombineOptions:
     @property
     def consumer_lookahead(self) -> int:
         """Chunks the copy="tma" consumer loads ahead (from the resolved stage count)."""
-        from .consumer import DEFAULT_LOOKAHEAD
-        return min(DEFAULT_LOOKAHEAD, max(1, int(self.consumer_stages) // 2))
+        from .consumer import DEFAULT_LOOKAHEAD, DEFAULT_STAGES
+        stages = DEFAULT_STAGES if self.consumer_stages == AUTO else self.consumer_stages
+        return min(DEFAULT_LOOKAHEAD, max(1, stages // 2))
 
 
 def grouped_gemm_fits(facts: CombineFacts) -> bool:
