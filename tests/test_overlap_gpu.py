@@ -49,12 +49,15 @@ def _routing(T, seed, rank, dev):
     return route(T, E, TOPK, mode="moderate_skew", seed=seed, rank=rank, device=dev)
 
 
+_LAYOUT = {"now": "auto"}  # the plan layout of the config running (set per config in _worker)
+
+
 def _plan(ov, topk_ids):
     from moe_overlap.combine.dispatch import exchange_counts
     from moe_overlap.combine.plan import plan_combine
     counts = exchange_counts(topk_ids, E)
     return plan_combine(counts, ov.rank, tile_m=TILE_M, mgb=2,
-                        max_rows=ov.world_size * T_MAX * TOPK)
+                        max_rows=ov.world_size * T_MAX * TOPK, layout=_LAYOUT["now"])
 
 
 def _rel(out, ref):
