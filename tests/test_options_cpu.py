@@ -178,8 +178,10 @@ def test_combine_options_device_checks_and_frozen():
     with pytest.raises(TypeError, match="CombineOptions"):
         MoECombine(4, 8, 6, 2, 16, options={"ccta": 4})
     with pytest.raises(ValueError, match="cluster_n"):  # the producer GEMM's own check
-        MoECombine(4, 8, 6, 2, 16, tile_m=64, options=CombineOptions(gemm_options={"cluster_n": 3}))
-    assert CombineOptions().consumer_lookahead == CombineOptions(consumer_stages=12).consumer_lookahead
+        MoECombine(4, 8, 6, 2, 16, tile_m=64,
+                   options=CombineOptions(gemm_options={"cluster_n": 3}))
+    assert CombineOptions().consumer_lookahead == \
+        CombineOptions(consumer_stages=12).consumer_lookahead
 
 
 @pytest.mark.parametrize("kw,exc,msg", [

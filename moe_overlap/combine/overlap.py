@@ -20,11 +20,11 @@ in a CUDA graph and replays with new data in the same input tensors.
 
 Options: ``moe_overlap.combine.options.CombineOptions`` (one default each, resolved once at
 construction). The consumer variants they select:
-- ``local_copy=False`` (the default with nvlink): the consumer ships remote segments only. ``prepare(plan, ...)`` builds,
-  on the device, each (t, k) assignment's source row: the receive-slot row r (remote experts) or,
-  for this rank's own experts, y row = expert_row_start[e] + group_row_start[e, rank] +
-  (r - first receive row of expert g), encoded as -(y row) - 1; expected[rank] only advances by
-  the call marker. The scale is ordered after the producer on the stream (cs waits s0 after the
+- ``local_copy=False`` (the default with nvlink): the consumer ships remote segments only.
+  ``prepare(plan, ...)`` builds, on the device, each (t, k) assignment's source row: the
+  receive-slot row r (remote experts) or, for this rank's own experts, y row =
+  expert_row_start[e] + group_row_start[e, rank] + (r - first receive row of expert g), encoded
+  as -(y row) - 1; expected[rank] only advances by the call marker. The scale is ordered after the producer on the stream (cs waits s0 after the
   producer launch), not on the band flags.
   Memory ordering: the producer's y stores (TMA, async proxy) are complete and visible to later
   work at its kernel boundary; the cs -> s0 event wait orders the scale launch after that boundary
@@ -36,9 +36,9 @@ construction). The consumer variants they select:
 - ``local_copy=True`` (the default with nvshmem): the consumer also copies this rank's own rows
   into its receive buffer (its local cells) and counts them; the scale reads every assignment
   from the receive buffer.
-- ``copy="tma"`` (nvlink only; the default there): the consumer moves segments with bulk copies through a shared
-  memory ring (see moe_overlap/combine/consumer.py); ``consumer_stages`` / ``consumer_chunk``
-  size the ring.
+- ``copy="tma"`` (nvlink only; the default there): the consumer moves segments with bulk
+  copies through a shared memory ring (see moe_overlap/combine/consumer.py);
+  ``consumer_stages`` / ``consumer_chunk`` size the ring.
 
 Producer: ``moe_overlap.combine.grouped_gemm.GroupedGemm`` (clusters of 1 beside the consumer,
 see ``_gemm_for``); without CuTe DSL (or with ``producer="torch"``) a torch stand-in: all-expert

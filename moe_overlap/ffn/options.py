@@ -114,8 +114,9 @@ class FFNOptions:
     allreduce_band_rows (a divisor of tile_m, or "auto"): rows per band of the all-reduce, so a
         finished m-tile is shared by tile_m / allreduce_band_rows communication CTAs. auto:
         ``fused_default_allreduce_band_rows(O/G, tile_m)`` (32, or 64 at O/G <= 2048).
-    compute_options (dict or None): keyword options of the compute kernel (``COMPUTE_OPTIONS``; tile sizes and band rows are the layer's); resolved with the layer's
-        defaults filled in (``check_compute_options``: ``h_pair`` where the hidden tiles pair up).
+    compute_options (dict or None): keyword options of the compute kernel (``COMPUTE_OPTIONS``;
+        tile sizes and band rows are the layer's); resolved with the layer's defaults filled in
+        (``check_compute_options``: ``h_pair`` where the hidden tiles pair up).
     """
     comm: str = "unicast"
     ccta: int | str = AUTO
