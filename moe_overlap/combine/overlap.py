@@ -24,8 +24,8 @@ construction). The consumer variants they select:
   ``prepare(plan, ...)`` builds, on the device, each (t, k) assignment's source row: the
   receive-slot row r (remote experts) or, for this rank's own experts, y row =
   expert_row_start[e] + group_row_start[e, rank] + (r - first receive row of expert g), encoded
-  as -(y row) - 1; expected[rank] only advances by the call marker. The scale is ordered after the producer on the stream (cs waits s0 after the
-  producer launch), not on the band flags.
+  as -(y row) - 1; expected[rank] only advances by the call marker. The scale is ordered after
+  the producer on the stream (cs waits s0 after the producer launch), not on the band flags.
   Memory ordering: the producer's y stores (TMA, async proxy) are complete and visible to later
   work at its kernel boundary; the cs -> s0 event wait orders the scale launch after that boundary
   (no flag needed). Why not spin on band_ready in the scale instead: the scale's 2 x SMs CTAs could
