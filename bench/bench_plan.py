@@ -3,7 +3,8 @@
 
     PYTHONPATH=$PWD python bench/bench_plan.py [--out DIR]
 
-Per (W, E, tokens per rank, top-k) and layout: the plan of rank 0 with `validate=False` and
+Per implementation (`impl`: the torch reference or the CuTe DSL kernels), (W, E, tokens per rank,
+top-k) and layout: the plan of rank 0 with `validate=False` and
 `max_rows` the worst case (W * T * k) or tight (the rows the routing gives the rank), so the
 cost of unused capacity shows; `prepare` (receive rows, source rows, expected counts) of rank 0's
 routing. Both captured in a CUDA graph of 5 calls; the median replay / 5. JSON to --out.
@@ -13,7 +14,6 @@ import datetime
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -25,14 +25,11 @@ from moe_overlap.timing import time_calls  # noqa: E402
 CASES = [(2, 64, 8192, 8), (8, 256, 8192, 8), (32, 256, 8192, 8), (64, 512, 16384, 8)]
 
 
-def prepare_fn(plan, ids, E, W):
+def prepare_fn(plan, ids, E, W, impl):
     """OverlapCombine.prepare's device work (local_copy=False: source rows too), without the
     communication buffers an OverlapCombine would allocate."""
-    from moe_overlap.combine.overlap import OverlapCombine
-    me = SimpleNamespace(experts_per_rank=E // W, world_size=W, rank=0, num_experts=E,
-                         local_copy=False)
-    me.source_rows = lambda *a: OverlapCombine.source_rows(me, *a)
-    return lambda: OverlapCombine.prepare(me, plan, ids)
+    from moe_overlap.combine.routes import prepare_routes
+    return lambda: prepare_routes(ids, E, W, 0, False, plan, impl=impl)
 
 
 def main():
@@ -40,6 +37,8 @@ def main():
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the JSON")
     ap.add_argument("--tag", default="h200", help="suffix of the JSON name")
+    ap.add_argument("--impl", nargs="+", default=["torch", "kernel"], choices=["torch", "kernel"],
+                    help="planner / prepare implementations to time (plan_combine impl=)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
@@ -55,24 +54,29 @@ def main():
         El = E // W
         tight = int(counts[:, :El].sum())
         ids = ids0.to(dev)
-        for layout in ("aligned", "packed", "auto"):
-            for cap_name, max_rows in (("worst", W * T * k), ("tight", tight)):
-                fn = (lambda mr=max_rows, lay=layout:
-                      plan_combine(counts, 0, tile_m=128, mgb=2, max_rows=mr, validate=False,
-                                   layout=lay))
-                ms = time_calls(fn, reps=5, replays=15)[0]
-                plan = fn()
-                prep_ms = time_calls(prepare_fn(plan, ids, E, W), reps=5, replays=15)[0]
-                r = dict(world_size=W, experts=E, tokens_per_rank=T, topk=k, layout=layout,
-                         capacity=cap_name, max_rows=max_rows, band_capacity=plan.band_capacity,
-                         plan_us=ms * 1e3, prepare_us=prep_ms * 1e3)
-                rows.append(r)
-                print(f"W={W:<3} E={E:<4} T={T:<6} {layout:<8} {cap_name:<6} plan "
-                      f"{r['plan_us']:8.1f} us  prepare {r['prepare_us']:7.1f} us", flush=True)
+        for impl in args.impl:
+            for layout in ("aligned", "packed", "auto"):
+                for cap_name, max_rows in (("worst", W * T * k), ("tight", tight)):
+                    fn = (lambda mr=max_rows, lay=layout, im=impl:
+                          plan_combine(counts, 0, tile_m=128, mgb=2, max_rows=mr,
+                                       validate=False, layout=lay, impl=im))
+                    ms = time_calls(fn, reps=5, replays=15)[0]
+                    plan = fn()
+                    prep_ms = time_calls(prepare_fn(plan, ids, E, W, impl), reps=5,
+                                         replays=15)[0]
+                    r = dict(impl=impl, world_size=W, experts=E, tokens_per_rank=T, topk=k,
+                             layout=layout, capacity=cap_name, max_rows=max_rows,
+                             band_capacity=plan.band_capacity, plan_us=ms * 1e3,
+                             prepare_us=prep_ms * 1e3)
+                    rows.append(r)
+                    print(f"{impl:<6} W={W:<3} E={E:<4} T={T:<6} {layout:<8} {cap_name:<6} "
+                          f"plan {r['plan_us']:8.1f} us  prepare {r['prepare_us']:7.1f} us  "
+                          f"sum {r['plan_us'] + r['prepare_us']:8.1f} us", flush=True)
     doc = dict(bench="plan", device=torch.cuda.get_device_name(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
-               method="CUDA graph of 5 calls, median of 15 replays / 5", rows=rows)
+               method="CUDA graph of 5 calls, median of 15 replays / 5", impls=args.impl,
+               rows=rows)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"plan_{args.tag}.json")
     with open(path, "w") as f:

@@ -32,7 +32,7 @@ HEADLINE = {
     "scale": ("Scale (owner's top-k weighted sum)", ("scale_bench_h200.json",)),
     "packed": ("Producer on fine-grained MoE plans (aligned vs packed layout)",
                ("packed_gemm_h200_d98035d.json",)),
-    "plan": ("Planner and prepare (device time)", ("plan_h200_d98035d.json",)),
+    "plan": ("Planner and prepare (device time)", ("plan_kernel_h200_21d9b48.json",)),
 }
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
@@ -54,6 +54,8 @@ CURRENT_OTHER = {
                                      "a projection, not a measurement)",
     "single_gpu_tests_50c7989.log": "planner, producer and fused FFN single-GPU tests after the "
                                     "session's merges",
+    "ffn_baseline_h200.json": "per-rank compute of the reference FFN (addmm + act + mm, G = 2 "
+                              "slices): what the chained compute kernel must reach",
     "planner_and_gemm_gpu_tests_d98035d.log": "GPU tests of the planner and the producer on "
                                               "packed plans",
 }
@@ -274,14 +276,25 @@ def packed(root):
 def plan(root):
     (name,) = HEADLINE["plan"][1]
     d = _load(root, name)
-    rows = [(str(r["world_size"]), str(r["experts"]), str(r["tokens_per_rank"]), r["layout"],
-             r["capacity"], f"{r['plan_us']:.0f}", f"{r['prepare_us']:.0f}") for r in d["rows"]]
+    rows = [(r.get("impl", "torch"), str(r["world_size"]), str(r["experts"]),
+             str(r["tokens_per_rank"]), r["layout"], r["capacity"], f"{r['plan_us']:.1f}",
+             f"{r['prepare_us']:.1f}", f"{r['plan_us'] + r['prepare_us']:.1f}")
+            for r in d["rows"]]
     lines = [_src(name, d), "", f"{d['method']}.", ""]
-    lines += _table(("W", "experts", "tokens/rank", "layout", "max_rows", "plan us",
-                     "prepare us"), rows) + [""]
-    cell = (f"plan {_rng([r['plan_us'] for r in d['rows']], '{:.0f}', ' us')}, prepare "
-            f"{_rng([r['prepare_us'] for r in d['rows']], '{:.0f}', ' us')} of device time "
-            f"(W = 2..64; goal <= 30 us together)")
+    lines += _table(("impl", "W", "experts", "tokens/rank", "layout", "max_rows", "plan us",
+                     "prepare us", "sum us"), rows) + [""]
+    parts = []
+    for impl in ("kernel", "torch"):
+        rs = [r for r in d["rows"] if r.get("impl", "torch") == impl]
+        if not rs:
+            continue
+        tot = [r["plan_us"] + r["prepare_us"] for r in rs]
+        parts.append(f"{impl}: plan {_rng([r['plan_us'] for r in rs], '{:.1f}', ' us')}, "
+                     f"prepare {_rng([r['prepare_us'] for r in rs], '{:.1f}', ' us')}, together "
+                     f"{_rng(tot, '{:.1f}', ' us')}")
+    ws = sorted({r["world_size"] for r in d["rows"]})
+    cell = (f"{'; '.join(parts)} of device time (W = {ws[0]}..{ws[-1]}; goal <= 30 us "
+            f"together)")
     return lines, cell
 
 
@@ -305,7 +318,7 @@ ROW_OF = {"producer": "producer grouped GEMM (CuTe DSL, WGMMA + TMA, band flags)
           "combine": "overlapped combine (`backend=\"overlap\"`)",
           "ffn": "fused TP FFN (`backend=\"fused\"`)",
           "packed": "producer on fine-grained MoE plans (`layout=\"packed\"`)",
-          "plan": "planner + prepare (torch ops on device)"}
+          "plan": "planner + prepare (CuTe DSL kernels; torch reference)"}
 
 
 def build(root="."):

@@ -53,6 +53,8 @@ def variants():
     ar = lambda: _mod("moe_overlap.ffn.band_allreduce", "moe_overlap.kernels.switch")
     cons = lambda: _mod("moe_overlap.combine.consumer", "moe_overlap.kernels.consumer")
     sc = lambda: _mod("moe_overlap.combine.scale", "moe_overlap.kernels.scale")
+    pk = lambda: _mod("moe_overlap.combine.plan_kernel")
+    rt = lambda: _mod("moe_overlap.combine.routes")
     return {
         "grouped_gemm_default": lambda: gg().GroupedGemm().compile(N=1024, K=512, keep_ptx=True).__ptx__,
         "grouped_gemm_tm64_c1": lambda: gg().GroupedGemm(tile_m=64, cluster_n=1).compile(
@@ -72,6 +74,12 @@ def variants():
                                               *cons().consumer_example_args()),
         "consumer_nvshmem_ldst": lambda: _nvshmem_consumer(cons()),
         "scale_top8_y": lambda: _keep(sc().build_scale(8, y_src=True), *sc().scale_example_args()),
+        "plan_kernel_e512": lambda: _keep(pk().build_plan_kernels(True, 512, 8)[0],
+                                          *pk().plan_example_args()),
+        "plan_tail": lambda: _keep(pk().build_plan_kernels(True, 512, 8)[1],
+                                   *pk().tail_example_args()),
+        "routes_rank_y": lambda: _keep(rt().build_routes_kernels(True, 512, True)[1],
+                                       *rt().rank_example_args()),
     }
 
 

@@ -54,8 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ..diagnostics import CombineDebug, debug_scope
-from .options import TRANSPORTS, CombineFacts, CombineOptions, options_from_kwargs
-from .plan import recv_rows as _recv_rows
+from .options import TRANSPORTS, CombineFacts, CombineOptions, options_from_kwargs  # noqa: F401
 
 
 class OverlapError(RuntimeError):
@@ -358,16 +357,10 @@ class OverlapCombine:
         source_rows). Without a plan (consumer-only use) plain receive rows.
         expected_inc: int64 [W]: my assignments to rank s's experts + 1 (s's call marker); with
         local_copy=False the own rank's rows are not counted (they are read from y)."""
-        El, W = self.experts_per_rank, self.world_size
-        owner = (topk_ids.reshape(-1).long() // El).clamp(0, W - 1)
-        counted = torch.ones_like(owner) if self.local_copy else (owner != self.rank).long()
-        inc = torch.ones(W, dtype=torch.int64, device=topk_ids.device).index_add_(
-            0, owner, counted)
-        rows = _recv_rows(topk_ids, self.num_experts)
-        if not self.local_copy and plan is not None:
-            rows = self.source_rows(topk_ids, rows, plan)
-        return CombineRoutes(rows=rows.to(torch.int32).contiguous(), expected_inc=inc, plan=plan,
-                             num_tokens=topk_ids.shape[0])
+        from .routes import prepare_routes  # two CuTe DSL kernels on CUDA, torch reference
+        rows, inc = prepare_routes(topk_ids, self.num_experts, self.world_size, self.rank,
+                                   self.local_copy, plan)
+        return CombineRoutes(rows=rows, expected_inc=inc, plan=plan, num_tokens=topk_ids.shape[0])
 
     def begin_call(self, topk_ids, topk_weights, plan=None, routes=None):
         """Per-call device bookkeeping on the current stream (no host ints): epoch += 1,
@@ -383,18 +376,9 @@ class OverlapCombine:
         """Device-only (no sync): the scale's source of each (t, k): the receive row r for remote
         experts; for local expert e (global g): -(y row) - 1 with y row = expert_row_start[e] +
         group_row_start[e, rank] + r - (first receive row of g)."""
-        E, El, rank = self.num_experts, self.experts_per_rank, self.rank
-        ids = topk_ids.reshape(-1).long()
-        r = recv_rows.reshape(-1).long()
-        cnt = torch.zeros(E, dtype=torch.long, device=ids.device).scatter_add_(
-            0, ids.clamp(0, E - 1), torch.ones_like(ids))
-        first = torch.cumsum(cnt, 0) - cnt
-        el = ids - rank * El
-        local = (el >= 0) & (el < El)
-        elc = el.clamp(0, El - 1)
-        yrow = (plan.expert_row_start.long()[elc] + plan.group_row_start.long()[elc, rank]
-                + r - first[ids.clamp(0, E - 1)])
-        return torch.where(local, -yrow - 1, r).view(topk_ids.shape)
+        from .routes import source_rows_torch
+        return source_rows_torch(topk_ids, recv_rows, plan, self.num_experts,
+                                 self.experts_per_rank, self.rank)
 
     def ship(self, y, plan, band_ready, ccta=None, slot_bytes=None, stream=None,
              piece_rows=None):

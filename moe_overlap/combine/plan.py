@@ -17,6 +17,7 @@ from cells, so both layouts share one meaning of every field. See docs/CONTRACTS
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -172,9 +173,30 @@ def band_capacity_for(max_rows: int, experts_per_rank: int, world_size: int, til
     return max_rows // tile_m + experts_per_rank * world_size
 
 
+IMPLS = ("auto", "torch", "kernel")
+
+
+def _resolve_impl(impl, expert_counts: torch.Tensor) -> str:
+    """"kernel" (the CuTe DSL planner, moe_overlap/combine/plan_kernel.py) or "torch". auto:
+    the kernel for CUDA counts where CuTe DSL imports, torch otherwise (the CPU path, and the
+    reference the kernel is tested against). MOE_OVERLAP_PLAN_IMPL sets the default of auto."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}; choose from {IMPLS}")
+    if impl == "auto":
+        impl = os.environ.get("MOE_OVERLAP_PLAN_IMPL", "auto")
+        if impl not in IMPLS:
+            raise ValueError(f"MOE_OVERLAP_PLAN_IMPL={impl!r}; choose from {IMPLS}")
+    if impl == "auto":
+        from .plan_kernel import kernel_available
+        return "kernel" if expert_counts.is_cuda and kernel_available() else "torch"
+    if impl == "kernel" and not expert_counts.is_cuda:
+        raise ValueError("impl='kernel' needs the counts on a CUDA device")
+    return impl
+
+
 def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb: int = 1,
                  max_rows: int | None = None, validate: bool = True,
-                 layout: str = "auto") -> CombinePlan:
+                 layout: str = "auto", impl: str = "auto") -> CombinePlan:
     """Plan one rank's MoE combine.
 
     expert_counts [W, E]: expert_counts[s, e] = (token, k) assignments source s sends to expert e.
@@ -186,16 +208,23 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     layout: "aligned" (every (expert, source) group padded to tile_m), "packed" (only each
         expert's total padded) or "auto" (packed where it lays out fewer rows than aligned,
         decided on the device: `plan.packed` says which, without a host sync).
+    impl: "torch" (vectorized torch ops below: the reference, and the CPU path), "kernel" (two
+        CuTe DSL launches, moe_overlap/combine/plan_kernel.py: the same tensors bit for bit, a
+        few microseconds) or "auto" (the kernel on CUDA where CuTe DSL imports). The host checks
+        here run before either.
     """
     W, E, rank, tile_m, mgb = _check_counts(expert_counts, rank, tile_m, mgb)
     if max_rows is not None:
         max_rows = as_int("max_rows", max_rows)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; choose from {LAYOUTS}")
+    requested, impl = impl, _resolve_impl(impl, expert_counts)
     El = E // W
     dev = expert_counts.device
-    counts = expert_counts.to(torch.int64)
-    local = counts[:, rank * El:(rank + 1) * El].t()  # [El, W]: rows expert e receives from s
+    # int64 counts: no copy; the kernel reads the counts as given and needs these only to validate
+    counts = expert_counts.to(torch.int64) if validate or max_rows is None or impl == "torch" \
+        or expert_counts.dtype == torch.int64 else None
+    local = None if counts is None else counts[:, rank * El:(rank + 1) * El].t()  # [El, W]
     if validate:
         if bool((counts < 0).any()):
             raise ValueError("expert_counts must be non-negative")
@@ -209,6 +238,19 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     if max_rows < 0:
         raise ValueError(f"max_rows must be >= 0, got {max_rows}")
     B = band_capacity_for(max_rows, El, W, tile_m)
+    if impl == "kernel":
+        from .plan_kernel import PlanKernel, plan_tensors_kernel
+        ok, why = PlanKernel.can_implement(W, E, torch.int32 if expert_counts.dtype not in (
+            torch.int32, torch.int64) else expert_counts.dtype, B, B + El * W)
+        if not ok and requested == "kernel":
+            raise ValueError(f"impl='kernel' cannot plan this: {why}; use impl='torch'")
+        if ok:
+            return CombinePlan(world_size=W, rank=rank, num_experts=E, experts_per_rank=El,
+                               tile_m=tile_m, mgb=mgb, band_capacity=B,
+                               segment_capacity=B + El * W, layout=layout,
+                               **plan_tensors_kernel(expert_counts, rank, tile_m, mgb, B, layout))
+        counts = expert_counts.to(torch.int64)  # auto, beyond the kernel's limits: torch
+        local = counts[:, rank * El:(rank + 1) * El].t()
     C = B + El * W  # cells (band, source) of either layout: at most one per band and group
     i64 = dict(dtype=torch.int64, device=dev)
 

@@ -1,0 +1,193 @@
+"""The chained FFN compute kernel alone against torch's addmm + act + mm, one GPU (issue 17's goal:
+>= 0.95x on every shape).
+
+    PYTHONPATH=$PWD python bench/bench_chained_compute.py [--tokens 8192,32768] [--out DIR] [--tag h200]
+
+Per shape of bench_ffn.SHAPES (the G = 2 slice: x [T, P], w1 [P, O/G], w2 [O/G, P]) and token
+count: both paths captured in CUDA graphs of --reps calls and the replays timed interleaved in the
+same rounds (moe_overlap.timing.time_interleaved: clock and power drift hit both alike), median
+ms per call, speedup = baseline / ours, TFLOP/s; activation memory of one eager call of each
+(peak allocation above what was allocated before it, output included: ours = out + the H ring,
+baseline = H, gelu's copy and out; bench_ffn_baseline.peak_call_bytes); error of each against
+float64 on a subset of rows (<= --check-rows rows spread over all row blocks), relative to the
+largest |value|; the schedule (lookahead, ring). JSON `ffn_chained_compute_<tag>.json` to --out
+with device, date and commit. A shape that fails records its error and the run goes on.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_ffn import SHAPES  # noqa: E402
+from bench_ffn_baseline import peak_call_bytes  # noqa: E402
+from moe_overlap.ffn.activations import activation, activation_  # noqa: E402
+from moe_overlap.ffn.chained_schedule import simulate  # noqa: E402
+from moe_overlap.ffn.compute_chained import ChainedFFNCompute  # noqa: E402
+from moe_overlap.timing import time_interleaved  # noqa: E402
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)),
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - no git on the machine: say so
+        return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def graph_of(fn, reps):
+    """A CUDA graph of `reps` calls of fn (warmed up and compiled outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def rel_err(y, x, w1, b1, w2, act, rows):
+    """max |y - truth| / max |truth| over `rows`, truth in float64 (H not rounded)."""
+    h = x[rows].double() @ w1.double() + b1.double()
+    t = activation(h, act) @ w2.double()
+    d = (y[rows].double() - t).abs()
+    if torch.isnan(d).any():
+        return float("nan")
+    return (d.max() / t.abs().max()).item()
+
+
+def write(a, groups, rows_out, final=False):
+    """The JSON so far (rewritten after every shape, so a run cut short keeps its rows)."""
+    ok = [r for r in rows_out if "speedup" in r]
+    doc = dict(bench="ffn_chained_compute", device=torch.cuda.get_device_name(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               git_commit=git_commit(), torch=torch.__version__, world=a.world,
+               complete=final, groups=groups,
+               method=f"CUDA graphs of {a.reps} calls per path, replays interleaved over "
+                      f"{a.rounds} rounds (time_interleaved), median / {a.reps}; activation_mem "
+                      f"= peak allocation of one eager call above the memory before it (output "
+                      f"included); err = max abs error / max |truth| vs float64 on every "
+                      f"(T // {a.check_rows})-th row",
+               goal="speedup >= 0.95 on every shape",
+               min_speedup=min((r["speedup"] for r in ok), default=None),
+               min_best_speedup=min((r["best_speedup"] for r in ok), default=None),
+               failed=[f"{r['shape']}@{r['tokens']}" for r in rows_out if "error" in r],
+               rows=rows_out)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"ffn_chained_compute_{a.tag}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    if final:
+        print(f"min speedup {doc['min_speedup']} (group {groups[0]}), with the best group per "
+              f"shape {doc['min_best_speedup']}; failed: {doc['failed']}; wrote {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="all")
+    ap.add_argument("--tokens", default="8192,32768")
+    ap.add_argument("--world", type=int, default=2, help="G: the hidden slice is O / G")
+    ap.add_argument("--act", default="gelu")
+    ap.add_argument("--groups", default="1,2,4",
+                    help="tile orders timed in the same rounds: ChainedFFNCompute(group=G); the "
+                         "first is the row's headline (speedup, ms, err, activation_mem)")
+    ap.add_argument("--reps", type=int, default=5, help="calls per CUDA graph")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--check-rows", type=int, default=1024)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tag", default="h200")
+    a = ap.parse_args()
+    names = list(SHAPES) if a.shapes == "all" else a.shapes.split(",")
+    dev = torch.device("cuda")
+    groups = [int(g) for g in a.groups.split(",")]
+    comps = {g: ChainedFFNCompute(group=g) for g in groups}
+    rows_out = []
+    for name in names:
+        P, O = SHAPES[name]
+        Og = O // a.world
+        for T in (int(t) for t in a.tokens.split(",")):
+            r = dict(shape=name, tokens=T, P=P, hidden_slice=Og, N=P, act=a.act)
+            try:
+                g = torch.Generator(device=dev).manual_seed(T + P)
+                x = torch.randn(T, P, device=dev, dtype=torch.bfloat16, generator=g)
+                w1 = torch.randn(P, Og, device=dev, dtype=torch.bfloat16, generator=g) / P ** 0.5
+                b1 = torch.randn(Og, device=dev, dtype=torch.bfloat16, generator=g)
+                w2 = torch.randn(Og, P, device=dev, dtype=torch.bfloat16, generator=g) / Og ** 0.5
+
+                def base():
+                    return torch.mm(activation_(torch.addmm(b1, x, w1), a.act), w2)
+
+                flops = 2.0 * T * P * Og * 2
+                step = max(1, T // a.check_rows)
+                rows = torch.arange(0, T, step, device=dev)
+                r["err_baseline"] = rel_err(base(), x, w1, b1, w2, a.act, rows)
+                fns, variants, graphs = {"baseline": base}, {}, None
+                for grp, comp in comps.items():
+                    def ours(comp=comp):
+                        return comp(x, w1, b1, w2, act1=a.act)
+
+                    y = ours()
+                    comp.check()
+                    grid = comp.grid(T, Og, P, dev)
+                    s = comp.schedule(T, P, Og, P, grid)
+                    variants[grp] = dict(err=rel_err(y, x, w1, b1, w2, a.act, rows),
+                                         lookahead=s.lookahead, ring=s.ring, grid=grid,
+                                         ring_bytes=comp.ring_bytes(T, P, Og, P, grid),
+                                         sim_efficiency=simulate(s).efficiency,
+                                         activation_mem=peak_call_bytes(ours))
+                    del y
+                    fns[f"group{grp}"] = ours
+                r["activation_mem_baseline"] = peak_call_bytes(base)
+                graphs = {k: graph_of(fn, a.reps) for k, fn in fns.items()}
+                t = time_interleaved({k: gr.replay for k, gr in graphs.items()}, warmup=2,
+                                     rounds=a.rounds)
+                for comp in comps.values():
+                    comp.check()
+                del graphs
+                ms = {k: v["median_ms"] / a.reps for k, v in t.items()}
+                r.update(ms_baseline=ms["baseline"], tflops_baseline=flops / ms["baseline"] / 1e9)
+                for grp, v in variants.items():
+                    k = f"group{grp}"
+                    v.update(ms=ms[k], speedup=ms["baseline"] / ms[k], tflops=flops / ms[k] / 1e9,
+                             p10_ms=t[k]["p10_ms"] / a.reps, p90_ms=t[k]["p90_ms"] / a.reps,
+                             activation_ratio=v["activation_mem"] / r["activation_mem_baseline"])
+                r["variants"] = {str(k): v for k, v in variants.items()}
+                d = variants[groups[0]]  # the first --groups entry is the row's headline
+                r.update(group=groups[0], ms=d["ms"], speedup=d["speedup"], tflops=d["tflops"],
+                         err=d["err"], activation_mem=d["activation_mem"],
+                         activation_ratio=d["activation_ratio"], ring=d["ring"],
+                         lookahead=d["lookahead"])
+                best = max(variants, key=lambda k: variants[k]["speedup"])
+                r.update(best_group=best, best_speedup=variants[best]["speedup"])
+                print(f"{name:22s} T={T:6d} base {r['ms_baseline']:7.3f} ms "
+                      f"({r['tflops_baseline']:4.0f} TF/s, {r['activation_mem_baseline'] / 2**20:6.0f}"
+                      f" MiB, err {r['err_baseline']:.1e}) | " + " | ".join(
+                          f"G{k} {v['ms']:7.3f} ms x{v['speedup']:.3f} {v['tflops']:4.0f} TF/s "
+                          f"{v['activation_mem'] / 2**20:6.0f} MiB err {v['err']:.1e} "
+                          f"L={v['lookahead']} ring={v['ring']}" for k, v in variants.items()),
+                      flush=True)
+                x = w1 = b1 = w2 = None  # free before the next shape
+            except Exception as e:  # noqa: BLE001 - record and go on to the next shape
+                r["error"] = f"{type(e).__name__}: {e}"
+                r["traceback"] = traceback.format_exc()
+                print(f"{name:22s} T={T:6d} FAILED: {r['error']}", flush=True)
+                x = w1 = b1 = w2 = None
+            rows_out.append(r)
+            write(a, groups, rows_out)
+            torch.cuda.empty_cache()
+    write(a, groups, rows_out, final=True)
+
+
+if __name__ == "__main__":
+    main()

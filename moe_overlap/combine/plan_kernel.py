@@ -1,0 +1,628 @@
+"""The combine planner as two CuTe DSL kernels: `PlanKernel` fills every tensor of a CombinePlan
+exactly as the torch planner (`moe_overlap.combine.plan.plan_combine(impl="torch")`, the
+reference) does, from the counts alone, without a host sync (CUDA-graph capturable).
+
+Kernel 1 (one CTA, 1024 threads, shared memory): every field has a closed form from prefix sums
+over the E = El * W groups (<= 1024, one per thread), so no sort is needed except ranking the
+El experts (a bitonic sort of El keys in shared memory). The phases are those of
+`moe_overlap.combine.plan_closed_form.closed_form_plan`, the same algorithm in plain Python that
+the CPU tests check against the torch planner; the per-band and per-remote-cell loops are
+strided over the threads, so the work follows the bands of this routing, not the capacity.
+Kernel 2 (a grid): the -1 tails of the capacity-length tensors, from the counts kernel 1 wrote
+(many CTAs, so the worst-case capacity costs about a memory-bandwidth microsecond or two).
+
+All outputs are views of one int32 buffer allocated with torch.empty (one allocation, one base
+pointer for the kernels); the layout is `_Layout`.
+"""
+
+import math
+
+import torch
+
+NT = 1024  # threads of the planning CTA: one group (and one expert) per thread
+TAIL_THREADS = 256
+MAX_GROUPS = 1024  # E = El * W, one per thread of the planning CTA
+BAND_FIELDS = ("band_expert", "band_row", "band_src_row", "band_dest", "band_valid",
+               "band_dest_row", "schedule", "local_cell_band", "local_cell_src_row",
+               "local_cell_dest_row", "local_cell_rows")  # length band_capacity
+SEGMENT_FIELDS = ("segment_start", "segment_bands", "segment_dest", "segment_src_row",
+                  "segment_dest_row", "segment_rows")  # length segment_capacity
+SCALARS = ("packed", "num_bands", "num_remote_bands", "num_segments", "num_local_cells",
+           "total_rows", "valid_rows")  # [1] each, at offsets 0..6 of the buffer
+_LAYOUT_CODE = {"aligned": 0, "packed": 1, "auto": 2}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class _Layout:
+    """Element offsets of every field in the plan buffer (the kernels compute the same)."""
+
+    def __init__(self, W, E, El, B, S):
+        self.o_grs = 8
+        self.o_er = self.o_grs + E
+        self.o_ers = self.o_er + El
+        self.o_rrpr = self.o_ers + El
+        self.o_rc = self.o_rrpr + W
+        self.o_bands = self.o_rc + E
+        self.o_segs = self.o_bands + len(BAND_FIELDS) * B
+        self.total = self.o_segs + len(SEGMENT_FIELDS) * S
+
+    def views(self, buf, W, E, El, B, S):
+        v = {n: buf[i:i + 1] for i, n in enumerate(SCALARS)}
+        v["group_row_start"] = buf[self.o_grs:self.o_grs + E].view(El, W)
+        v["expert_rows"] = buf[self.o_er:self.o_er + El]
+        v["expert_row_start"] = buf[self.o_ers:self.o_ers + El]
+        v["recv_rows_per_rank"] = buf[self.o_rrpr:self.o_rrpr + W]
+        v["routed_counts"] = buf[self.o_rc:self.o_rc + E]
+        for f, n in enumerate(BAND_FIELDS):
+            v[n] = buf[self.o_bands + f * B:self.o_bands + (f + 1) * B]
+        for f, n in enumerate(SEGMENT_FIELDS):
+            v[n] = buf[self.o_segs + f * S:self.o_segs + (f + 1) * S]
+        return v
+
+
+def simt_helpers():
+    """Straight-line device helpers of the SIMT kernels here (no Python control flow on device
+    values, so they need no @cute.jit): shared-memory words by raw 32-bit address, selects and
+    predicated stores in PTX, warp scans by shuffles and a CTA-wide exclusive scan."""
+    from types import SimpleNamespace
+
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+    from ..kernels import primitives as P
+
+    def ptx1(code, *args):
+        return cute.arch.inline_ptx(code, write_only_types=[Int32],
+                                    read_only_args=[Int32(a) for a in args])
+
+    def smin(a, b):
+        return ptx1("min.s32 {$w0}, {$r0}, {$r1};", a, b)
+
+    def smax(a, b):
+        return ptx1("max.s32 {$w0}, {$r0}, {$r1};", a, b)
+
+    def sel_lt(a, b, x, y):
+        """x if a < b else y."""
+        return ptx1("{ .reg .pred p; setp.lt.s32 p, {$r0}, {$r1}; "
+                    "selp.s32 {$w0}, {$r2}, {$r3}, p; }", a, b, x, y)
+
+    def sel_eq(a, b, x, y):
+        """x if a == b else y."""
+        return ptx1("{ .reg .pred p; setp.eq.s32 p, {$r0}, {$r1}; "
+                    "selp.s32 {$w0}, {$r2}, {$r3}, p; }", a, b, x, y)
+
+    def lds(base, i):
+        return P.ld_shared_s32(base + Int32(i) * Int32(4))
+
+    def sts(base, i, v):
+        P.st_shared_s32(base + Int32(i) * Int32(4), v)
+
+    def sts_if_eq(a, b, base, i, v):
+        cute.arch.inline_ptx("{ .reg .pred p; setp.eq.s32 p, {$r0}, {$r1}; "
+                             "@p st.shared.s32 [{$r2}], {$r3}; }",
+                             read_only_args=[Int32(a), Int32(b), base + Int32(i) * Int32(4),
+                                             Int32(v)])
+
+    def lds64(base, i):
+        return cute.arch.inline_ptx("ld.shared.s64 {$w0}, [{$r0}];", write_only_types=[Int64],
+                                    read_only_args=[base + Int32(i) * Int32(8)])
+
+    def sts64(base, i, v):
+        cute.arch.inline_ptx("st.shared.s64 [{$r0}], {$r1};",
+                             read_only_args=[base + Int32(i) * Int32(8), Int64(v)])
+
+    def ld_s64_as_s32(addr):
+        return cute.arch.inline_ptx(
+            "{ .reg .b64 x; ld.global.b64 x, [{$r0}]; cvt.u32.u64 {$w0}, x; }",
+            write_only_types=[Int32], read_only_args=[addr])
+
+    def stg(out, off, v):
+        P.st_s32(out + Int64(off) * Int64(4), v)
+
+    def warp_incl_scan(v):
+        for off in (1, 2, 4, 8, 16):
+            v = ptx1("{ .reg .pred p; .reg .b32 n; "
+                     f"shfl.sync.up.b32 n|p, {{$r0}}, {off}, 0, -1; "
+                     "@p add.s32 n, n, {$r0}; mov.b32 {$w0}, n; @!p mov.b32 {$w0}, {$r0}; }", v)
+        return v
+
+    def shfl_idx(v, lane):
+        return ptx1("shfl.sync.idx.b32 {$w0}, {$r0}, {$r1}, 31, -1;", v, lane)
+
+    def warp_sum(v):
+        for off in (16, 8, 4, 2, 1):
+            v = v + ptx1(f"shfl.sync.bfly.b32 {{$w0}}, {{$r0}}, {off}, 31, -1;", v)
+        return v
+
+    def block_scan(vals, scratch, lane, warp):
+        """Exclusive prefix sums over the CTA's threads (thread order) of each value, and the
+        totals. Every thread calls it (two CTA barriers); `scratch` holds 32 words per value."""
+        incl = [warp_incl_scan(Int32(v)) for v in vals]
+        for i, x in enumerate(incl):
+            sts_if_eq(lane, 31, scratch, i * 32 + warp, x)
+        P.block_sync()
+        ex, tot = [], []
+        for i, (v, x) in enumerate(zip(vals, incl)):
+            wt = warp_incl_scan(lds(scratch, Int32(i * 32) + lane))  # inclusive over warps
+            before = shfl_idx(wt, smax(warp - Int32(1), Int32(0)))
+            before = sel_eq(warp, 0, Int32(0), before)
+            ex.append(x - Int32(v) + before)
+            tot.append(shfl_idx(wt, Int32(31)))
+        P.block_sync()  # scratch is reused by the next scan
+        return ex, tot
+
+    return SimpleNamespace(**{k: v for k, v in locals().items() if callable(v) and k not in (
+        "SimpleNamespace", "Int32", "Int64")})
+
+
+def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
+    """(plan launcher, tail launcher). NE: shared array length (power of two >= E); NPS: sort
+    length (power of two >= El); counts_64: the counts are int64 (else int32)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    from ..kernels import primitives as P
+
+    LOG_NE = int(math.log2(NE))
+    LOG_NPS = int(math.log2(NPS))
+    N_BAND_F, N_SEG_F = len(BAND_FIELDS), len(SEGMENT_FIELDS)
+
+    H = simt_helpers()
+    smin, smax, sel_lt, sel_eq = H.smin, H.smax, H.sel_lt, H.sel_eq
+    lds, sts, lds64, sts64, stg = H.lds, H.sts, H.lds64, H.sts64, H.stg
+    block_scan, warp_sum = H.block_scan, H.warp_sum
+
+    def ldc(counts, i):
+        """counts[i] (flat) as Int32."""
+        if cutlass.const_expr(counts_64):
+            return H.ld_s64_as_s32(counts + Int64(i) * Int64(8))
+        return P.ld_s32(counts + Int64(i) * Int64(4))
+
+    def group_source(j, rank, W):
+        """Source rank of group j: remote ranks ascending, the local rank last."""
+        return sel_eq(j, W - Int32(1), rank, sel_lt(j, rank, j, j + Int32(1)))
+
+    @cute.kernel
+    def plan_kernel(counts: Int64, out: Int64, W: Int32, E: Int32, El: Int32, rank: Int32,
+                    lg: Int32, mgb: Int32, layout: Int32, B: Int32, S: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        tid = Int32(tid)
+        lane = tid & Int32(31)
+        warp = tid >> Int32(5)
+        t = Int32(1) << lg
+        tm1 = t - Int32(1)
+        o_grs = Int32(8)
+        o_er = o_grs + E
+        o_ers = o_er + El
+        o_rrpr = o_ers + El
+        o_rc = o_rrpr + W
+        o_bands = o_rc + E
+        o_segs = o_bands + Int32(N_BAND_F) * B
+
+        alloc = cutlass.memory.SmemAllocator()
+        keys = alloc.allocate_array(cutlass.Int64, NPS, byte_alignment=16).toint()
+        arr = alloc.allocate_array(cutlass.Int32, 17 * NE + 4 * 32, byte_alignment=16).toint()
+        A = [arr + Int32(4 * NE * n) for n in range(17)]
+        G_C, G_ST, G_DR, TMP1, TMP2, RO_A, RO_SB, E_RS, E_NRB, E_RB, E_LB, E_FB, E_SC, \
+            E_RA, E_F, SRT, SRC_BEFORE = A
+        SCR = arr + Int32(4 * 17 * NE)
+
+        # ---- phase 1: per source s (a warp each): rows it receives back, rows before ours
+        # (8 loads in flight per lane: a loop of one load each would pay the latency E/32 times)
+        s = warp
+        while s < W:
+            tot = Int32(0)
+            bef = Int32(0)
+            e = lane
+            while e < E:
+                es = [e + Int32(32 * u) for u in range(8)]
+                vs = [ldc(counts, s * E + smin(x, E - Int32(1))) for x in es]
+                for x, v in zip(es, vs):
+                    v = sel_lt(x, E, v, Int32(0))
+                    tot = tot + v
+                    bef = bef + sel_lt(x, rank * El, v, Int32(0))
+                e = e + Int32(256)
+            tot = warp_sum(tot)
+            bef = warp_sum(bef)
+            if lane == Int32(0):
+                stg(out, o_rrpr + s, tot)
+                sts(SRC_BEFORE, s, bef)
+            s = s + Int32(32)
+        i = tid
+        while i < E:
+            stg(out, o_rc + i, ldc(counts, rank * E + i))
+            i = i + Int32(NT)
+        # groups, source-major (x = s * El + e): count and first receive row at the source
+        x = tid
+        vx = Int32(0)
+        if x < E:
+            vx = ldc(counts, (x // El) * E + rank * El + x % El)
+        (exx,), _ = block_scan([vx], SCR, lane, warp)
+        if x < E:
+            sts(TMP1, x, exx)
+        P.block_sync()  # TMP1 and SRC_BEFORE complete
+        if x < E:
+            sx = x // El
+            ex_ = x % El
+            jx = sel_lt(sx, rank, sx, sel_eq(sx, rank, W - Int32(1), sx - Int32(1)))
+            gx = ex_ * W + jx
+            sts(G_C, gx, vx)
+            sts(G_DR, gx, lds(SRC_BEFORE, sx) + exx - lds(TMP1, sx * El))
+        P.block_sync()
+
+        # ---- phase 2: per group g = e * W + j: aligned and packed starts, per expert rows
+        g = tid
+        eg = g // W
+        jg = g - eg * W
+        cg = Int32(0)
+        if g < E:
+            cg = lds(G_C, g)
+        ag = ((cg + tm1) >> lg) << lg
+        (exa, exc), _ = block_scan([ag, cg], SCR, lane, warp)
+        if g < E:
+            sts(TMP1, g, exa)
+            sts(TMP2, g, exc)
+        P.block_sync()
+        sa = Int32(0)
+        sp = Int32(0)
+        if g < E:
+            sa = exa - lds(TMP1, eg * W)
+            sp = exc - lds(TMP2, eg * W)
+            if jg == W - Int32(1):
+                sts(E_RA, eg, sa + ag)
+                sts(E_SC, eg, sp + cg)
+        P.block_sync()
+        ra = Int32(0)
+        sc = Int32(0)
+        if tid < El:
+            ra = lds(E_RA, tid)
+            sc = lds(E_SC, tid)
+        rp = ((sc + tm1) >> lg) << lg
+        _, (tot_ra, tot_rp, tot_sc) = block_scan([ra, rp, sc], SCR, lane, warp)
+        packed = layout
+        if layout == Int32(2):
+            packed = sel_lt(tot_rp, tot_ra, Int32(1), Int32(0))
+        erows = sel_eq(packed, 1, rp, ra)
+        (ers,), (total_rows,) = block_scan([erows], SCR, lane, warp)
+        nb = total_rows >> lg
+        if tid < El:
+            sts(E_RS, tid, ers)
+            stg(out, o_er + tid, erows)
+            stg(out, o_ers + tid, ers)
+        if tid == Int32(0):
+            stg(out, Int32(0), packed)
+            stg(out, Int32(1), nb)
+            stg(out, Int32(5), total_rows)
+            stg(out, Int32(6), tot_sc)
+        if g < E:
+            st = sel_eq(packed, 1, sp, sa)
+            sts(G_ST, g, st)
+            stg(out, o_grs + eg * W + group_source(jg, rank, W), st)
+            if jg == W - Int32(1):
+                sts(E_NRB, eg, (st + tm1) >> lg)
+                f = Int32(0)
+                if cg > Int32(0):
+                    if (st & tm1) != Int32(0):
+                        f = Int32(1)
+                sts(E_F, eg, f)
+        P.block_sync()
+
+        # ---- phase 3: experts ranked by (-remote bands, e): bitonic sort of El keys
+        if tid < Int32(NPS):
+            key = Int64(0x7FFFFFFFFFFFFFFF)
+            if tid < El:
+                key = (Int64(Int32(0x7FFFFFFF) - lds(E_NRB, tid)) << Int64(32)) | Int64(tid)
+            sts64(keys, tid, key)
+        P.block_sync()
+        for kk in cutlass.range_constexpr(LOG_NPS):
+            k = 2 << kk
+            for jj in cutlass.range_constexpr(kk + 1):
+                j = k >> (jj + 1)
+                if tid < Int32(NPS):
+                    ixj = tid ^ Int32(j)
+                    if ixj > tid:
+                        ka = lds64(keys, tid)
+                        kb = lds64(keys, ixj)
+                        if (tid & Int32(k)) == Int32(0):
+                            if ka > kb:
+                                sts64(keys, tid, kb)
+                                sts64(keys, ixj, ka)
+                        else:
+                            if ka < kb:
+                                sts64(keys, tid, kb)
+                                sts64(keys, ixj, ka)
+                P.block_sync()
+        if tid < El:
+            sts(SRT, tid, Int32(lds64(keys, tid) & Int64(0xFFFFFFFF)))
+        P.block_sync()
+        # rank order: remote-band base, local-band base, base of local cells in remote bands
+        er = Int32(0)
+        v_nrb = Int32(0)
+        v_lb = Int32(0)
+        v_f = Int32(0)
+        if tid < El:
+            er = lds(SRT, tid)
+            v_nrb = lds(E_NRB, er)
+            nxt = total_rows
+            if er + Int32(1) < El:
+                nxt = lds(E_RS, er + Int32(1))
+            v_lb = ((nxt - lds(E_RS, er)) >> lg) - v_nrb
+            v_f = lds(E_F, er)
+        (x_rb, x_lb, x_fb), (num_remote, num_lb, num_f) = block_scan([v_nrb, v_lb, v_f], SCR,
+                                                                     lane, warp)
+        if tid < El:
+            sts(E_RB, er, x_rb)
+            sts(E_LB, er, x_lb)
+            sts(E_FB, er, x_fb)
+        if tid == Int32(0):
+            stg(out, Int32(2), num_remote)
+            stg(out, Int32(4), num_f + num_lb)
+        # groups in rank order (i = r * W + j): first remote-cell index, segment base
+        ri = tid // W
+        ji = tid - ri * W
+        L = Int32(0)
+        if tid < E:
+            gi = lds(SRT, ri) * W + ji
+            if ji < W - Int32(1):
+                ci = lds(G_C, gi)
+                if ci > Int32(0):
+                    sti = lds(G_ST, gi)
+                    L = ((sti + ci - Int32(1)) >> lg) - (sti >> lg) + Int32(1)
+        (a0,), (R,) = block_scan([L], SCR, lane, warp)
+        nst = Int32(0)
+        if L > Int32(0):
+            reg = Int32(0)
+            if a0 == Int32(0):
+                nst = Int32(1) + (L - Int32(1) + mgb - Int32(1)) // mgb
+                if L == Int32(1):
+                    reg = Int32(1)
+                else:
+                    if (L - Int32(2)) % mgb == Int32(0):
+                        reg = Int32(1)
+            else:
+                nst = (L + mgb - Int32(1)) // mgb
+                if (L - Int32(1)) % mgb == Int32(0):
+                    reg = Int32(1)
+            if a0 + L == R:
+                if reg == Int32(0):
+                    nst = nst + Int32(1)
+        (sb,), (nseg,) = block_scan([nst], SCR, lane, warp)
+        if tid < E:
+            sts(RO_A, tid, a0)
+            sts(RO_SB, tid, sb)
+        if tid == Int32(0):
+            stg(out, Int32(3), nseg)
+        P.block_sync()
+
+        # ---- phase 4: bands (stacked row order), strided over the threads
+        b = tid
+        while b < nb:
+            ep = Int32(0)  # the last expert whose first band is <= b
+            for st_ in cutlass.range_constexpr(LOG_NE):
+                cand = ep + Int32(NE >> (st_ + 1))
+                if cand < El:
+                    if (lds(E_RS, cand) >> lg) <= b:
+                        ep = cand
+            eb = ep
+            ers_b = lds(E_RS, eb)
+            kb_ = b - (ers_b >> lg)
+            kt = kb_ << lg
+            base_g = eb * W
+            jp = Int32(0)  # the group holding row kt: the last j with start <= kt
+            for st_ in cutlass.range_constexpr(LOG_NE):
+                cand = jp + Int32(NE >> (st_ + 1))
+                if cand < W:
+                    if lds(G_ST, base_g + cand) <= kt:
+                        jp = cand
+            gb = base_g + jp
+            stb = lds(G_ST, gb)
+            endb = stb + lds(G_C, gb)
+            if packed == Int32(1):
+                endb = lds(E_SC, eb)
+            stg(out, o_bands + b, eb)
+            stg(out, o_bands + B + b, kt)
+            stg(out, o_bands + Int32(2) * B + b, ers_b + kt)
+            stg(out, o_bands + Int32(3) * B + b, group_source(jp, rank, W))
+            stg(out, o_bands + Int32(4) * B + b, smin(t, endb - kt))
+            stg(out, o_bands + Int32(5) * B + b, lds(G_DR, gb) + kt - stb)
+            nrb_b = lds(E_NRB, eb)
+            pos = num_remote + lds(E_LB, eb) + kb_ - nrb_b
+            lq = num_f + lds(E_LB, eb) + kb_ - nrb_b
+            if kb_ < nrb_b:
+                pos = lds(E_RB, eb) + kb_
+                lq = lds(E_FB, eb)
+            stg(out, o_bands + Int32(6) * B + pos, b)
+            gl = base_g + W - Int32(1)
+            lsb = lds(G_ST, gl)
+            lo = smax(lsb, kt)
+            hi = smin(lsb + lds(G_C, gl), kt + t)
+            if hi > lo:  # the band holds local rows: its local cell
+                stg(out, o_bands + Int32(7) * B + lq, b)
+                stg(out, o_bands + Int32(8) * B + lq, ers_b + lo)
+                stg(out, o_bands + Int32(9) * B + lq, lds(G_DR, gl) + lo - lsb)
+                stg(out, o_bands + Int32(10) * B + lq, hi - lo)
+            b = b + Int32(NT)
+
+        # ---- phase 5: remote cells in schedule order; a segment start writes its segment
+        q = tid
+        while q < R:
+            ip = Int32(0)  # the last rank-order group whose first remote cell is <= q
+            for st_ in cutlass.range_constexpr(LOG_NE):
+                cand = ip + Int32(NE >> (st_ + 1))
+                if cand < E:
+                    if lds(RO_A, cand) <= q:
+                        ip = cand
+            aq = lds(RO_A, ip)
+            u = q - aq
+            rq = ip // W
+            jq = ip - rq * W
+            eq = lds(SRT, rq)
+            gq = eq * W + jq
+            is_start = Int32(0)
+            if q == Int32(0):
+                is_start = Int32(1)
+            if q == R - Int32(1):
+                is_start = Int32(1)
+            kk_ = u
+            if aq == Int32(0):
+                kk_ = u - Int32(1)  # the first cell is cut off the first run
+            if kk_ >= Int32(0):
+                if kk_ % mgb == Int32(0):
+                    is_start = Int32(1)
+            if is_start == Int32(1):
+                stq = lds(G_ST, gq)
+                cq = lds(G_C, gq)
+                Lq = ((stq + cq - Int32(1)) >> lg) - (stq >> lg) + Int32(1)
+                nxt = (u // mgb + Int32(1)) * mgb
+                idx = (u + mgb - Int32(1)) // mgb
+                if aq == Int32(0):
+                    nxt = Int32(1)
+                    idx = Int32(0)
+                    if u > Int32(0):
+                        nxt = Int32(1) + ((u - Int32(1)) // mgb + Int32(1)) * mgb
+                        idx = Int32(1) + (u - Int32(1) + mgb - Int32(1)) // mgb
+                endq = smin(nxt, Lq)
+                lastrel = R - Int32(1) - aq
+                if lastrel > u:
+                    endq = smin(endq, lastrel)
+                k0 = stq >> lg
+                kf = k0 + u
+                kl = k0 + endq - Int32(1)
+                lo_f = smax(stq, kf << lg)
+                hi_l = smin(stq + cq, (kl + Int32(1)) << lg)
+                si = lds(RO_SB, ip) + idx
+                stg(out, o_segs + si, lds(E_RB, eq) + kf)
+                stg(out, o_segs + S + si, kl - kf + Int32(1))
+                stg(out, o_segs + Int32(2) * S + si, group_source(jq, rank, W))
+                stg(out, o_segs + Int32(3) * S + si, lds(E_RS, eq) + lo_f)
+                stg(out, o_segs + Int32(4) * S + si, lds(G_DR, gq) + lo_f - stq)
+                stg(out, o_segs + Int32(5) * S + si, hi_l - lo_f)
+            q = q + Int32(NT)
+
+    @cute.kernel
+    def tail_kernel(out: Int64, o_bands: Int32, B: Int32, S: Int32):
+        """-1 from the valid count to the capacity of field blockIdx.y."""
+        tid, bidx, nblk = P.thread_block_grid()
+        _, fy, _ = cute.arch.block_idx()
+        f = Int32(fy)
+        valid = P.ld_s32(out + Int64(4))  # num_bands: band fields and the schedule
+        cap = B
+        base = o_bands + f * B
+        if f >= Int32(7):
+            valid = P.ld_s32(out + Int64(16))  # num_local_cells
+        if f >= Int32(N_BAND_F):
+            valid = P.ld_s32(out + Int64(12))  # num_segments
+            cap = S
+            base = o_bands + Int32(N_BAND_F) * B + (f - Int32(N_BAND_F)) * S
+        i = valid + bidx * Int32(TAIL_THREADS) + tid
+        while i < cap:
+            stg(out, base + i, Int32(-1))
+            i = i + nblk * Int32(TAIL_THREADS)
+
+    @cute.jit
+    def launch_plan(counts: Int64, out: Int64, W: Int32, E: Int32, El: Int32, rank: Int32,
+                    lg: Int32, mgb: Int32, layout: Int32, B: Int32, S: Int32,
+                    stream: cuda.CUstream):
+        plan_kernel(counts, out, W, E, El, rank, lg, mgb, layout, B, S).launch(
+            grid=[1, 1, 1], block=[NT, 1, 1], stream=stream)
+
+    @cute.jit
+    def launch_tail(out: Int64, o_bands: Int32, B: Int32, S: Int32, grid: Int32,
+                    stream: cuda.CUstream):
+        tail_kernel(out, o_bands, B, S).launch(
+            grid=[grid, N_BAND_F + N_SEG_F, 1], block=[TAIL_THREADS, 1, 1], stream=stream)
+
+    return launch_plan, launch_tail
+
+
+def plan_example_args():
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    return [Int64(0), Int64(0)] + [Int32(1)] * 9 + [cuda.CUstream(0)]
+
+
+def tail_example_args():
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    return [Int64(0), Int32(0), Int32(1), Int32(1), Int32(1), cuda.CUstream(0)]
+
+
+class PlanKernel:
+    """Compiled planner kernels, cached by the host facts that size them (counts dtype, shared
+    array length pow2(E), sort length pow2(El)); rank, tile_m, mgb, layout and the capacities
+    are runtime arguments."""
+
+    _cache: dict = {}
+
+    @staticmethod
+    def can_implement(world_size: int, num_experts: int, counts_dtype, band_capacity: int,
+                      segment_capacity: int) -> tuple[bool, str]:
+        if num_experts > MAX_GROUPS:
+            return False, (f"E={num_experts} groups > {MAX_GROUPS} (one per thread of the "
+                           "planning CTA)")
+        if counts_dtype not in (torch.int32, torch.int64):
+            return False, f"counts dtype {counts_dtype} (int32 / int64 only)"
+        El = num_experts // world_size
+        total = _Layout(world_size, num_experts, El, band_capacity, segment_capacity).total
+        if total >= 2 ** 31:
+            return False, f"plan buffer of {total} int32 words exceeds int32 offsets"
+        return True, ""
+
+    @classmethod
+    def compiled(cls, counts_64: bool, E: int, El: int):
+        key = (bool(counts_64), max(32, _pow2(E)), max(2, _pow2(El)))
+        if key not in cls._cache:
+            import cutlass.cute as cute
+            lp, lt = build_plan_kernels(*key)
+            cls._cache[key] = (cute.compile(lp, *plan_example_args()),
+                               cute.compile(lt, *tail_example_args()))
+        return cls._cache[key]
+
+    def __call__(self, expert_counts: torch.Tensor, rank: int, tile_m: int, mgb: int,
+                 band_capacity: int, layout: str, stream=None) -> dict[str, torch.Tensor]:
+        """The plan tensors by CombinePlan field name (views of one int32 buffer). The host
+        checks (plan.py) have run; expert_counts is a CUDA [W, E] integer tensor."""
+        import cuda.bindings.driver as cuda
+        W, E = expert_counts.shape
+        El = E // W
+        B = band_capacity
+        S = B + E
+        counts = expert_counts
+        if counts.dtype not in (torch.int32, torch.int64):
+            counts = counts.to(torch.int32)
+        counts = counts.contiguous()
+        ok, why = self.can_implement(W, E, counts.dtype, B, S)
+        if not ok:
+            raise ValueError(f"plan kernel cannot run this plan: {why}")
+        lay = _Layout(W, E, El, B, S)
+        buf = torch.empty(lay.total, dtype=torch.int32, device=counts.device)
+        fn_plan, fn_tail = self.compiled(counts.dtype == torch.int64, E, El)
+        if stream is None:
+            stream = torch.cuda.current_stream(counts.device)
+        h = cuda.CUstream(stream.cuda_stream)
+        fn_plan(counts.data_ptr(), buf.data_ptr(), W, E, El, rank, int(tile_m).bit_length() - 1,
+                mgb, _LAYOUT_CODE[layout], B, S, h)
+        cap = max(B, S)
+        grid = max(1, min(64, -(-cap // (TAIL_THREADS * 8))))
+        fn_tail(buf.data_ptr(), lay.o_bands, B, S, grid, h)
+        return lay.views(buf, W, E, El, B, S)
+
+
+_KERNEL = PlanKernel()
+
+
+def plan_tensors_kernel(expert_counts, rank, tile_m, mgb, band_capacity, layout):
+    return _KERNEL(expert_counts, rank, tile_m, mgb, band_capacity, layout)
+
+
+def kernel_available() -> bool:
+    """CuTe DSL importable (the kernel path of plan_combine(impl="auto"))."""
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - any import failure means: use torch
+        return False

@@ -1,0 +1,1054 @@
+"""Chained FFN compute kernel (issue 17): ``out = act1(x W1 + b1) W2`` through a bf16 H ring in L2.
+
+One persistent Hopper (sm_90a) CuTe DSL launch with two tile kinds (``chained_schedule``):
+
+    GEMM1 tile (kind 0, block blk, hidden tile j):
+        H_ring[slot] [:, j] = act1(x[blk] @ W1[:, j] + b1[j])      depth P, bf16, slot = blk % ring
+    GEMM2 tile (kind 1, block blk, output tile n):
+        out[blk, n] = H_ring[slot] @ W2[:, n]                       depth hidden (full), bf16
+
+Tensors (CUDA, row-major, no host synchronization in the call path)::
+
+    x    [M, P]       bf16
+    w1   [P, hidden]  bf16   (hidden contiguous: read as an MN-major WGMMA B operand, no copy)
+    b1   [hidden]     any float dtype, or None
+    w2   [hidden, N]  bf16   (N contiguous: MN-major B)
+    out  [M, N]       bf16   (final: no split over the hidden dimension, no fp32 partials)
+    ring [R * tile_m, hidden] bf16, R = min(ring, blocks)       (``ring_bytes``)
+    band_ready [>= blocks] int32: band_ready[blk] = epoch once all N / tile_n output tiles of
+               rows [blk * tile_m, (blk + 1) * tile_m) are stored (the band-flag convention of
+               compute_reduce, with band_rows = tile_m)
+
+Work distribution: the CTAs (grid = SMs - ccta, capped at the number of tiles) take tiles of
+``ChainedSchedule.tile_table()`` (int32 [num_tiles, 3]: kind, block, column tile) in list order
+from a global atomic tile counter: lane 0 of the TMA warp takes the next index and broadcasts the
+tile through a two-slot mailbox in shared memory (an mbarrier pair per slot) to the consumer
+warpgroups and the store warp. Taking tiles in list order is what makes every wait safe: a tile
+only waits on tiles earlier in the list, which CTAs that are running already hold, and a CTA's
+roles process its tiles in order, so the lowest unfinished tile can always finish (no deadlock,
+even if not every CTA is resident). Static striding loses 2-54 % (``simulate(policy="static")``).
+
+Roles per CTA (384 threads): warp 0 = TMA loads (one smem ring of ``stages`` stages of an A
+tile 128 x 64 and a B tile 256 x 64, shared by both kinds); warp 1 = store warp (epilogue TMA
+stores and the dependency counters); warpgroups 1, 2 = WGMMA consumers (64 rows each, fp32
+accumulators 64 x 256), epilogue through stmatrix into ``epi_stages`` sub-tile buffers of
+128 x 32 that the store warp TMA-stores (the store-warp handshake of grouped_gemm).
+
+Dependencies (counters ``g1_done[blk]``, ``g2_done[blk]`` and the tile counter, zeroed by one
+memset on the stream before each launch, so the call is graph-capturable):
+* GEMM1 tile, blk >= ring: before its first H store the store warp waits (bounded, ld.acquire.gpu)
+  for g2_done[blk - ring] == N / tile_n (every GEMM2 tile that reads the slot is done), then
+  ``fence.proxy.async.global`` (generic acquire -> async-proxy writes). After its last store:
+  ``cp.async.bulk.wait_group 0`` (the writes are performed, not only their smem read),
+  ``fence.proxy.async.global``, ``red.release.gpu`` g1_done[blk] += 1.
+* GEMM2 tile: before the first H load the TMA warp waits (bounded, acquire) for g1_done[blk] ==
+  hidden / tile_h, then ``fence.proxy.async.global`` so its TMA loads see the H that other CTAs'
+  TMA stores wrote. After its last output store: wait_group 0, proxy fence, ``atom.acq_rel.gpu``
+  g2_done[blk] += 1; the last of the block's tiles stores ``st.release.gpu band_ready[blk] =
+  epoch`` (release is cumulative: a reader that acquires the flag sees the whole band).
+The store warp waits only for its own bulk stores, so the consumer warpgroups go straight on to the
+next tile's WGMMAs (no gpu-scope fence in a WGMMA warpgroup).
+Every cross-CTA wait is bounded (``timeout_ms``, globaltimer) and, on timeout, writes the error
+word (code, tile position, block, observed, expected, elapsed) and goes on, so the launch always
+ends; a wait that sees the error word set stops waiting too. ``ChainedFFNCompute.check()`` raises
+with the text. The intra-CTA mbarrier waits (TMA completion, the tile mailbox) are the usual
+unbounded ones: their other side never waits on another CTA without a bound.
+
+Structure (to be re-seated on the shared Hopper GEMM base, issue 19): ``fetch_tile`` /
+``read_tile`` (tile scheduler), ``load_role`` (TMA mainloop producer), ``mma_tile`` (WGMMA
+mainloop) in ``mma_role``, ``epilogue_gemm1`` / ``epilogue_gemm2`` (accumulator -> bf16
+sub-tiles) and ``store_role`` (store warp: waits, TMA stores, counters) are separate methods.
+
+The kernel walks whatever valid list it is given (every dependency earlier in the list), so the
+order is a host-side choice: ``group`` G > 1 runs the derived order on super-blocks of G row
+blocks (``GroupedChainedSchedule``): G consecutive blocks take the same column tile next to each
+other in the list, so the CTAs reading one weight panel (P x 256 of W1, hidden x 256 of W2) run
+G times as many blocks side by side and the panel comes from DRAM about G times less often (with
+G = 1, about grid / (h_tiles + n_tiles) blocks share a panel in time: 1.5 on llama3-70b's slice),
+at G times the ring.
+
+The tile order and its reference walk are ``chained_schedule.derive`` / ``execute_reference``;
+``chained_ffn_reference`` is the plain math. cutlass is imported lazily: this module imports with
+torch only, and ``ChainedFFNCompute.can_implement`` / ``ring_bytes`` run without a GPU.
+"""
+
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.device import num_sms
+from .activations import ACT2, activation
+from .chained_schedule import ChainedSchedule, derive
+
+__all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
+           "ACT1_CHAINED", "schedule_for"]
+
+ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
+_SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
+TILE_K = 64  # bf16: one 128-byte swizzle row
+
+# error codes of the chained kernel's error word (int64[8], layout of primitives.record_error)
+ERR_SLOT_TIMEOUT = 21  # a GEMM1 tile waited too long for g2_done[blk - ring] (its ring slot)
+ERR_BLOCK_TIMEOUT = 22  # a GEMM2 tile waited too long for g1_done[blk] (its H row block)
+
+
+def chained_ffn_reference(x, w1, b1, w2, act1="gelu"):
+    """fp32 ``act1(x @ w1 + b1) @ w2`` with H rounded to bf16 like the kernel; returns fp32."""
+    h = x.float() @ w1.float()
+    if b1 is not None:
+        h = h + b1.float()
+    return activation(h, act1).to(torch.bfloat16).float() @ w2.float()
+
+
+def describe_chained_error(err) -> str | None:
+    """Text of the chained kernel's error word (None when clear)."""
+    code = int(err[0])
+    if code == 0:
+        return None
+    _, pos, blk, obs, exp, el = (int(v) for v in err[1:7])
+    if code == ERR_SLOT_TIMEOUT:
+        return (f"chained FFN: GEMM1 tile at list position {pos} (block {blk}) timed out after "
+                f"{el / 1e6:.1f} ms waiting for its ring slot: g2_done[{blk} - ring] = {obs}, "
+                f"expected {exp} (GEMM2 tiles of the slot's previous block not done: ring too "
+                f"small for the tile order, or a stalled CTA)")
+    if code == ERR_BLOCK_TIMEOUT:
+        return (f"chained FFN: GEMM2 tile at list position {pos} (block {blk}) timed out after "
+                f"{el / 1e6:.1f} ms waiting for its H row block: g1_done[{blk}] = {obs}, "
+                f"expected {exp} (GEMM1 tiles of the block not done)")
+    return f"chained FFN: unknown device error code {code}: {list(int(v) for v in err)}"
+
+
+@dataclass(frozen=True)
+class GroupedChainedSchedule:
+    """The derived tile order on super-blocks of ``group`` row blocks, expanded to row blocks.
+
+    ``base`` is ``derive`` for rows in super-blocks (tile_m * group rows) on grid / group CTAs
+    (each super-tile is ``group`` tiles side by side); a super-tile (kind, sb, c) becomes the tiles
+    (kind, sb * group + g, c), g < group, of the blocks that exist. Every dependency stays earlier
+    in the list: GEMM2 of block b needs the GEMM1 tiles of its super-block, GEMM1 of b >= ring
+    (= base.ring * group blocks) needs GEMM2 of b - ring, in super-block sb - base.ring. Duck-types
+    ChainedSchedule for ``simulate`` and ``execute_reference``."""
+
+    base: ChainedSchedule
+    group: int
+    rows: int
+    tile_m: int
+    grid: int
+
+    @property
+    def hidden(self):
+        return self.base.hidden
+
+    @property
+    def out(self):
+        return self.base.out
+
+    @property
+    def inputs(self):
+        return self.base.inputs
+
+    @property
+    def tile_h(self):
+        return self.base.tile_h
+
+    @property
+    def tile_n(self):
+        return self.base.tile_n
+
+    @property
+    def h_tiles(self):
+        return self.base.h_tiles
+
+    @property
+    def n_tiles(self):
+        return self.base.n_tiles
+
+    @property
+    def blocks(self):
+        return math.ceil(self.rows / self.tile_m)
+
+    @property
+    def lookahead(self):
+        return self.base.lookahead * self.group
+
+    @property
+    def ring(self):
+        return self.base.ring * self.group
+
+    @property
+    def ring_bytes(self):
+        return min(self.ring, self.blocks) * self.tile_m * self.hidden * 2
+
+    def tiles(self):
+        nb = self.blocks
+        return [(k, sb * self.group + g, c) for k, sb, c in self.base.tiles()
+                for g in range(self.group) if sb * self.group + g < nb]
+
+    def tile_table(self, device=None):
+        return torch.tensor(self.tiles(), dtype=torch.int32, device=device).reshape(-1, 3)
+
+
+def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, group=1,
+                 ring=None):
+    """The tile list the kernel runs: ``derive`` (group 1) or its super-block form (group G);
+    ring (row blocks, group 1 only) overrides the derived ring size, unchecked (tests only)."""
+    if group == 1:
+        s = derive(M, hidden, N, tile_m, tile_h, tile_n, grid=grid, inputs=P)
+        if ring is not None:
+            s = ChainedSchedule(s.rows, s.hidden, s.out, s.tile_m, s.tile_h, s.tile_n, s.grid,
+                                s.lookahead, ring, s.inputs)
+        return s
+    if ring is not None:
+        raise ValueError("a ring override is for group=1 only")
+    base = derive(M, hidden, N, tile_m * group, tile_h, tile_n, grid=max(1, grid // group),
+                  inputs=P)
+    return GroupedChainedSchedule(base, group, M, tile_m, grid)
+
+
+def _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages):
+    """(ring stages, max stages): A tile tile_m x 64 + B tile tile_n x 64 per stage (bf16), the
+    epilogue sub-tile buffers tile_m x epi_n x epi_stages, 1 KiB for barriers and alignment."""
+    ab = (tile_m + tile_n) * TILE_K * 2
+    epi = tile_m * epi_n * 2 * epi_stages
+    max_stages = (_SMEM_CAPACITY_SM90 - 1024 - epi) // ab
+    st = max_stages if stages is None else stages
+    if st < 2 or st > max_stages:
+        raise ValueError(f"stages={stages} does not fit in shared memory (2..{max_stages} with "
+                         f"tile_m={tile_m}, tile_n={tile_n}, epi_stages={epi_stages})")
+    return st, max_stages
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+def _kernel_class():
+    """Builds the kernel class on first use (imports cutlass lazily)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Int32, Int64
+    from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+    from cutlass.tensor_utils import LayoutEnum
+
+    from ..kernels.primitives import (fence_mbar_init, globaltimer, ld_acquire_gpu_s32,
+                                      ld_shared_s32, mbar_arrive, mbar_init,
+                                      mbar_wait_parity_intra_cta, record_error,
+                                      red_release_gpu_add_s32, st_shared_s32)
+    from .band_allreduce import device_lib
+
+    act_fn = device_lib().act  # fp32 none / relu / gelu (erf) / gelu_tanh / silu
+
+    def ld_relaxed_gpu_s64(addr):
+        return cute.arch.inline_ptx("ld.relaxed.gpu.global.s64 {$w0}, [{$r0}];",
+                                    write_only_types=[Int64], read_only_args=[addr])
+
+    def atom_add_relaxed_gpu_s32(addr, v):
+        return cute.arch.inline_ptx("atom.relaxed.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
+                                    write_only_types=[Int32], read_only_args=[addr, Int32(v)])
+
+    def atom_add_acq_rel_gpu_s32(addr, v):
+        return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
+                                    write_only_types=[Int32], read_only_args=[addr, Int32(v)])
+
+    @cute.jit
+    def wait_count(addr: Int64, target: Int32, err: Int64, code: Int32, pos: Int32, blk: Int32,
+                   timeout_ns: Int64):
+        """Spin (ld.acquire.gpu) until ``*addr == target``; on timeout record the error word and
+        stop; stop at once when another wait already recorded one (the launch must end)."""
+        t0 = globaltimer()
+        v = ld_acquire_gpu_s32(addr)
+        go = Int32(1)
+        while v != target and go == Int32(1):
+            el = globaltimer() - t0
+            if el > timeout_ns:
+                record_error(err, code, Int32(0), pos, blk, Int64(v), Int64(target), el)
+                go = Int32(0)
+            if ld_relaxed_gpu_s64(err) != Int64(0):
+                go = Int32(0)
+            v = ld_acquire_gpu_s32(addr)
+
+    class _ChainedFFNKernel:
+        def __init__(self, tile_m, tile_n, act1, has_b1, stages, epi_n, epi_stages, k1, k2,
+                     skip_slot_wait=False):
+            self.acc_dtype = cutlass.Float32
+            self.k1, self.k2 = k1, k2  # k tiles of GEMM1 (P / 64) and GEMM2 (hidden / 64)
+            self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, TILE_K
+            self.act1, self.has_b1 = act1, has_b1
+            self.stages, _ = _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages)
+            self.epi_n, self.epi_stage = epi_n, epi_stages
+            # private test switch: GEMM1 tiles overwrite their slot without waiting (wrong results
+            # with a small ring: tests/test_chained_ffn_gpu.py shows the wait matters)
+            self.skip_slot_wait = skip_slot_wait
+            self.atom_layout_mnk = (tile_m // 64, 1, 1)  # one consumer warpgroup per 64 rows
+            self.num_mma_wg = tile_m // 64
+            self.threads_per_wg = 128
+            self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
+            self.load_warp_id = 0
+            self.store_warp_id = 1
+            self.load_regs = 40
+            self.mma_regs = 232 if self.num_mma_wg == 2 else 240
+            self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
+            # store-warp handshake per epilogue sub-tile (consumer threads + the store warp):
+            # FULL: consumers bar.arrive after writing the buffer, the store warp bar.sync;
+            # EMPTY: the store warp bar.arrive once the buffer is free, consumers bar.sync before
+            # writing it. Each side alternates arrive / sync, so generations never mix.
+            self.epi_full = pipeline.NamedBarrier(barrier_id=2,
+                                                  num_threads=self.num_mma_threads + 32)
+            self.epi_empty = pipeline.NamedBarrier(barrier_id=3,
+                                                   num_threads=self.num_mma_threads + 32)
+            # tile mailbox: 2 slots; "empty" is arrived once per consumer warp and by the store
+            # warp
+            self.mailbox_readers = self.num_mma_wg * 4 + 1
+            self.buffer_align_bytes = 1024
+
+        # ---------------------------------------------------------------- host-side setup
+        def _setup(self):
+            bf16 = cutlass.BFloat16
+            a_layout = LayoutEnum.ROW_MAJOR  # x and the H ring: K contiguous
+            self.b_layout = LayoutEnum.from_tensor(self._mW1)  # MN-major (column-major view)
+            self.c_layout = LayoutEnum.ROW_MAJOR
+            self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                bf16, bf16, a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n))
+            self.epi_tile = (self.tile_m, self.epi_n)
+
+            def smem_layout(layout, shape_2d, stages):
+                is_k_major = layout.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
+                major_size = shape_2d[1] if is_k_major else shape_2d[0]
+                atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                    sm90_utils.get_smem_layout_atom(layout, bf16, major_size), bf16)
+                return cute.tile_to_shape(atom, cute.append(shape_2d, stages),
+                                          order=(0, 1, 2) if is_k_major else (1, 0, 2))
+
+            self.a_smem_layout = smem_layout(a_layout, (self.tile_m, self.tile_k), self.stages)
+            self.b_smem_layout = smem_layout(self.b_layout, (self.tile_n, self.tile_k),
+                                             self.stages)
+            c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(self.c_layout, bf16, self.epi_tile[1]), bf16)
+            self.c_smem_layout = cute.tile_to_shape(
+                c_atom, cute.append(self.epi_tile, self.epi_stage), order=(0, 1, 2))
+            self.tx_bytes = (self.tile_m + self.tile_n) * self.tile_k * 2
+
+        @cute.jit
+        def __call__(self, mX: cute.Tensor, mW1: cute.Tensor, mB1: cute.Tensor,
+                     mW2: cute.Tensor, mH: cute.Tensor, mOut: cute.Tensor, mTable: cute.Tensor,
+                     mSync: cute.Tensor, mReady: cute.Tensor, mEpoch: cute.Tensor,
+                     mErr: cute.Tensor, num_tiles: Int32, blocks: Int32, ring: Int32,
+                     timeout_ns: Int64, num_ctas: Int32, stream):
+            self._mW1 = mW1
+            self._setup()
+            bf16 = cutlass.BFloat16
+            a1 = cute.slice_(self.a_smem_layout, (None, None, 0))
+            b1 = cute.slice_(self.b_smem_layout, (None, None, 0))
+            c1 = cute.slice_(self.c_smem_layout, (None, None, 0))
+            G2S = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp
+            S2G = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp
+            tk = (self.tile_m, self.tile_k)
+            bk = (self.tile_n, self.tile_k)
+            tma_atom_x, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(G2S(), mX, a1, tk)
+            tma_atom_ha, tma_ha = cute.nvgpu.cpasync.make_tiled_tma_atom(G2S(), mH, a1, tk)
+            tma_atom_w1, tma_w1 = cute.nvgpu.cpasync.make_tiled_tma_atom(G2S(), mW1, b1, bk)
+            tma_atom_w2, tma_w2 = cute.nvgpu.cpasync.make_tiled_tma_atom(G2S(), mW2, b1, bk)
+            tma_atom_hs, tma_hs = cute.nvgpu.cpasync.make_tiled_tma_atom(S2G(), mH, c1,
+                                                                         self.epi_tile)
+            tma_atom_o, tma_o = cute.nvgpu.cpasync.make_tiled_tma_atom(S2G(), mOut, c1,
+                                                                       self.epi_tile)
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+                # tile mailbox: full[0..1], empty[0..1] mbarriers, then 2 slots of 4 int32
+                # (kind, block, column tile, list position)
+                mailbox: cute.struct.MemRange[cutlass.Int64, 8]
+                sA: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.a_smem_layout)],
+                                      self.buffer_align_bytes]
+                sB: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.b_smem_layout)],
+                                      self.buffer_align_bytes]
+                sC: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.c_smem_layout)],
+                                      self.buffer_align_bytes]
+
+            self.shared_storage = SharedStorage
+            self.kernel(tma_atom_x, tma_x, tma_atom_ha, tma_ha, tma_atom_w1, tma_w1, tma_atom_w2,
+                        tma_w2, tma_atom_hs, tma_hs, tma_atom_o, tma_o, self.tiled_mma,
+                        self.a_smem_layout, self.b_smem_layout, self.c_smem_layout, mB1, mTable,
+                        mSync, mReady, mEpoch, mErr, num_tiles, blocks, ring,
+                        timeout_ns).launch(
+                grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
+                min_blocks_per_mp=1, stream=stream)
+
+        # ---------------------------------------------------------------- device kernel
+        @cute.kernel
+        def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor,
+                   tma_atom_ha: cute.CopyAtom, mHA: cute.Tensor,
+                   tma_atom_w1: cute.CopyAtom, mW1: cute.Tensor,
+                   tma_atom_w2: cute.CopyAtom, mW2: cute.Tensor,
+                   tma_atom_hs: cute.CopyAtom, mHS: cute.Tensor,
+                   tma_atom_o: cute.CopyAtom, mOut: cute.Tensor, tiled_mma: cute.TiledMma,
+                   a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
+                   c_smem_layout: cute.ComposedLayout, mB1: cute.Tensor, mTable: cute.Tensor,
+                   mSync: cute.Tensor, mReady: cute.Tensor, mEpoch: cute.Tensor,
+                   mErr: cute.Tensor, num_tiles: Int32, blocks: Int32, ring: Int32,
+                   timeout_ns: Int64):
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 0:
+                for atom in (tma_atom_x, tma_atom_ha, tma_atom_w1, tma_atom_w2, tma_atom_hs,
+                             tma_atom_o):
+                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_wg * 4),
+                tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True)
+            mailbox = Int32(storage.mailbox.data_ptr().toint())
+            if tidx == 0:
+                for s in range(2):
+                    mbar_init(mailbox + Int32(8 * s), 1)  # full[s]: the TMA warp's lane 0
+                    mbar_init(mailbox + Int32(16 + 8 * s), self.mailbox_readers)  # empty[s]
+                fence_mbar_init()
+            pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+            sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+            sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+            sC = storage.sC.get_tensor(c_smem_layout.outer, swizzle=c_smem_layout.inner)
+
+            sync_base = Int64(mSync.iterator.toint())  # [0] tile counter, g1_done, g2_done
+            err = Int64(mErr.iterator.toint())
+
+            pipeline_init_wait(cluster_shape_mn=(1, 1))
+            warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+            if warp_group_idx == 0:
+                cute.arch.setmaxregister_decrease(self.load_regs)
+            # ------------------------------------------------------------ TMA warp
+            if warp_idx == self.load_warp_id:
+                self.load_role(tma_atom_x, mX, tma_atom_ha, mHA, tma_atom_w1, mW1, tma_atom_w2,
+                               mW2, sA, sB, pipe, mailbox, mTable, sync_base, err, num_tiles,
+                               blocks, ring, timeout_ns)
+            # ------------------------------------------------------------ store warp
+            if warp_idx == self.store_warp_id:
+                self.store_role(tma_atom_hs, mHS, tma_atom_o, mOut, sC, mailbox, sync_base,
+                                mReady, mEpoch, err, blocks, ring, timeout_ns)
+            # ------------------------------------------------------------ consumer warpgroups
+            if warp_group_idx > 0:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.mma_role(tiled_mma, sA, sB, sC, pipe, mailbox, mB1, tidx)
+
+        # ---------------------------------------------------------------- tile scheduler
+        @cute.jit
+        def fetch_tile(self, n: Int32, mailbox: Int32, mTable: cute.Tensor, sync_base: Int64,
+                       num_tiles: Int32):
+            """TMA warp: lane 0 takes list position p = atomicAdd(tile counter) for this CTA's
+            n-th tile and posts (kind, block, column, p) to mailbox slot n % 2 (kind -1: no tile
+            left); every lane returns it."""
+            s = n % Int32(2)
+            info = mailbox + Int32(32) + s * Int32(16)
+            if cute.arch.lane_idx() == 0:
+                # the slot's previous tile (n - 2) was read by every reader
+                mbar_wait_parity_intra_cta(mailbox + Int32(16) + s * Int32(8),
+                                           ((n // Int32(2)) % Int32(2)) ^ Int32(1))
+                p = atom_add_relaxed_gpu_s32(sync_base, Int32(1))
+                st_shared_s32(info + Int32(12), p)
+                if p < num_tiles:
+                    st_shared_s32(info, mTable[p * 3])
+                    st_shared_s32(info + Int32(4), mTable[p * 3 + 1])
+                    st_shared_s32(info + Int32(8), mTable[p * 3 + 2])
+                else:
+                    st_shared_s32(info, Int32(-1))
+                mbar_arrive(mailbox + s * Int32(8))  # release (CTA): the slot's words
+            cute.arch.sync_warp()
+            return (ld_shared_s32(info), ld_shared_s32(info + Int32(4)),
+                    ld_shared_s32(info + Int32(8)), ld_shared_s32(info + Int32(12)))
+
+        @cute.jit
+        def read_tile(self, n: Int32, mailbox: Int32):
+            """Consumer / store warps: this CTA's n-th tile from the mailbox (waits for it), then
+            hands the slot back (lane 0 arrives on empty[n % 2] after the warp's reads)."""
+            s = n % Int32(2)
+            info = mailbox + Int32(32) + s * Int32(16)
+            mbar_wait_parity_intra_cta(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
+            kind = ld_shared_s32(info)
+            blk = ld_shared_s32(info + Int32(4))
+            col = ld_shared_s32(info + Int32(8))
+            pos = ld_shared_s32(info + Int32(12))
+            cute.arch.sync_warp()
+            if cute.arch.lane_idx() == 0:
+                mbar_arrive(mailbox + Int32(16) + s * Int32(8))
+            return kind, blk, col, pos
+
+        # ---------------------------------------------------------------- TMA warp
+        @cute.jit
+        def load_role(self, tma_atom_x, mX, tma_atom_ha, mHA, tma_atom_w1, mW1, tma_atom_w2,
+                      mW2, sA, sB, pipe, mailbox: Int32, mTable: cute.Tensor, sync_base: Int64,
+                      err: Int64, num_tiles: Int32, blocks: Int32, ring: Int32,
+                      timeout_ns: Int64):
+            one = cute.make_layout(1)
+            gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))
+            gHA = cute.local_tile(mHA, (self.tile_m, self.tile_k), (None, None))
+            gW1 = cute.local_tile(mW1, (self.tile_n, self.tile_k), (None, None))
+            gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_k), (None, None))
+            gsA, gsB = cute.group_modes(sA, 0, 2), cute.group_modes(sB, 0, 2)
+            tXs, tXg = cute.nvgpu.cpasync.tma_partition(tma_atom_x, 0, one, gsA,
+                                                        cute.group_modes(gX, 0, 2))
+            tHs, tHg = cute.nvgpu.cpasync.tma_partition(tma_atom_ha, 0, one, gsA,
+                                                        cute.group_modes(gHA, 0, 2))
+            tW1s, tW1g = cute.nvgpu.cpasync.tma_partition(tma_atom_w1, 0, one, gsB,
+                                                          cute.group_modes(gW1, 0, 2))
+            tW2s, tW2g = cute.nvgpu.cpasync.tma_partition(tma_atom_w2, 0, one, gsB,
+                                                          cute.group_modes(gW2, 0, 2))
+            k1 = cute.size(gX, mode=[3])  # P / 64
+            k2 = cute.size(gHA, mode=[3])  # hidden / 64
+            h_tiles = cute.size(gW1, mode=[2])  # hidden / tile_n
+            st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            n = Int32(0)
+            kind, blk, col, pos = self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
+            while kind >= 0:
+                k_cnt = Int32(k1)
+                slot = blk % ring
+                if kind == 1:
+                    k_cnt = Int32(k2)
+                    # H of the block complete (all its GEMM1 tiles), then make the acquired
+                    # generic-proxy view order this thread's async-proxy (TMA) reads after it
+                    wait_count(sync_base + Int64(4) * Int64(1 + blk), Int32(h_tiles), err,
+                               Int32(ERR_BLOCK_TIMEOUT), pos, blk, timeout_ns)
+                    cute.arch.fence_proxy("async.global")
+                for k in range(k_cnt):
+                    pipe.producer_acquire(st)
+                    bar = pipe.producer_get_barrier(st)
+                    if kind == 0:
+                        cute.copy(tma_atom_x, tXg[(None, blk, k)], tXs[(None, st.index)],
+                                  tma_bar_ptr=bar)
+                        cute.copy(tma_atom_w1, tW1g[(None, col, k)], tW1s[(None, st.index)],
+                                  tma_bar_ptr=bar)
+                    else:
+                        cute.copy(tma_atom_ha, tHg[(None, slot, k)], tHs[(None, st.index)],
+                                  tma_bar_ptr=bar)
+                        cute.copy(tma_atom_w2, tW2g[(None, col, k)], tW2s[(None, st.index)],
+                                  tma_bar_ptr=bar)
+                    pipe.producer_commit(st)
+                    st.advance()
+                n = n + Int32(1)
+                kind, blk, col, pos = self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
+            pipe.producer_tail(st)
+
+        # ---------------------------------------------------------------- consumers
+        @cute.jit
+        def mma_tile(self, tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt: Int32):
+            """WGMMA mainloop over k_cnt stages (one WGMMA group in flight); returns the states."""
+            num_kb = cute.size(tCrA, mode=[2])
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.fence()
+            pipe.consumer_wait(read)
+            for kb in cutlass.range_constexpr(num_kb):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
+                          tCrB[(None, None, kb, read.index)], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            for _k in range(1, k_cnt):
+                pipe.consumer_wait(read)
+                for kb in cutlass.range_constexpr(num_kb):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
+                              tCrB[(None, None, kb, read.index)], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)
+                pipe.consumer_release(rel)
+                rel.advance()
+                read.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            pipe.consumer_release(rel)
+            rel.advance()
+            return read, rel
+
+        @cute.jit
+        def epilogue_gemm1(self, tRS_rD, tRS_rAcc, e: cutlass.Constexpr, size: cutlass.Constexpr):
+            """GEMM1 sub-tile: act1 of the accumulator (b1 is already in it)."""
+            for v in cutlass.range_constexpr(size):
+                tRS_rD[v] = act_fn(tRS_rAcc[e * size + v], self.act1)
+
+        @cute.jit
+        def epilogue_gemm2(self, tRS_rD, tRS_rAcc, e: cutlass.Constexpr, size: cutlass.Constexpr):
+            """GEMM2 sub-tile: the accumulator as is (final output)."""
+            for v in cutlass.range_constexpr(size):
+                tRS_rD[v] = tRS_rAcc[e * size + v]
+
+        @cute.jit
+        def mma_role(self, tiled_mma, sA, sB, sC, pipe, mailbox: Int32, mB1: cute.Tensor,
+                     tidx: Int32):
+            warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+            ctid = tidx - self.threads_per_wg
+            mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+            thr_mma = tiled_mma.get_slice(mma_wg_layout(warp_group_idx - 1))
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc_shape = thr_mma.partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            # this thread's accumulator coordinates (per-thread slice), for b1's columns
+            tCc_thr = tiled_mma.get_slice(ctid).partition_C(
+                cute.make_identity_tensor((self.tile_m, self.tile_n)))
+
+            copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+                self.c_layout, elem_ty_d=cutlass.BFloat16, elem_ty_acc=self.acc_dtype)
+            copy_atom_C = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
+                cutlass.BFloat16)
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s,
+                                                    cute.make_tiled_copy_C_atom(copy_atom_C,
+                                                                                tiled_mma))
+            thr_copy_r2s = tiled_copy_r2s.get_slice(ctid)
+            tRS_sD = thr_copy_r2s.partition_D(sC)
+            tRS_rAcc = tiled_copy_r2s.retile(acc)
+            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], cutlass.BFloat16)
+            size_rD = cute.size(tRS_rD)
+            epi_num = self.tile_n // self.epi_n
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            n = Int32(0)
+            kind, blk, col, pos = self.read_tile(n, mailbox)
+            while kind >= 0:
+                k_cnt = Int32(self.k1)
+                if kind == 0:
+                    if cutlass.const_expr(self.has_b1):
+                        for i in cutlass.range_constexpr(cute.size(acc)):
+                            acc[i] = mB1[col * self.tile_n + tCc_thr[i][1]]
+                    else:
+                        acc.fill(0.0)
+                else:
+                    k_cnt = Int32(self.k2)
+                    acc.fill(0.0)
+                read, rel = self.mma_tile(tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt)
+                # ---- epilogue: acc -> bf16 sub-tiles -> sC (stmatrix) -> the store warp
+                for e in cutlass.range_constexpr(epi_num):
+                    if kind == 0:
+                        self.epilogue_gemm1(tRS_rD, tRS_rAcc, e, size_rD)
+                    else:
+                        self.epilogue_gemm2(tRS_rD, tRS_rAcc, e, size_rD)
+                    tRS_rD_out.store(tRS_rD.load().to(cutlass.BFloat16))
+                    buf = (n * epi_num + e) % self.epi_stage
+                    self.epi_empty.arrive_and_wait()
+                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                    # stmatrix (generic proxy) -> the TMA store (async proxy) reads sC
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.epi_full.arrive()
+                n = n + Int32(1)
+                kind, blk, col, pos = self.read_tile(n, mailbox)
+
+        # ---------------------------------------------------------------- store warp
+        @cute.jit
+        def store_role(self, tma_atom_hs, mHS, tma_atom_o, mOut, sC, mailbox: Int32,
+                       sync_base: Int64, mReady: cute.Tensor, mEpoch: cute.Tensor, err: Int64,
+                       blocks: Int32, ring: Int32, timeout_ns: Int64):
+            one = cute.make_layout(1)
+            gH = cute.local_tile(mHS, (self.tile_m, self.tile_n), (None, None))
+            gO = cute.local_tile(mOut, (self.tile_m, self.tile_n), (None, None))
+            n_tiles = cute.size(gO, mode=[3])  # N / tile_n: GEMM2 tiles per block
+            epi_num = self.tile_n // self.epi_n
+            epoch = mEpoch[0]
+            g1_base = sync_base + Int64(4)
+            g2_base = sync_base + Int64(4) * Int64(1 + blocks)
+            n = Int32(0)
+            kind, blk, col, pos = self.read_tile(n, mailbox)
+            while kind >= 0:
+                slot = blk % ring
+                if kind == 0:
+                    if cutlass.const_expr(not self.skip_slot_wait):
+                        if blk >= ring:
+                            # every GEMM2 tile that reads this slot (block blk - ring) is done;
+                            # then order the acquire before this thread's async-proxy writes
+                            wait_count(g2_base + Int64(4) * Int64(blk - ring), n_tiles, err,
+                                       Int32(ERR_SLOT_TIMEOUT), pos, blk, timeout_ns)
+                            cute.arch.fence_proxy("async.global")
+                gH_epi = cute.zipped_divide(gH[(None, None, slot, col)], self.epi_tile)
+                gO_epi = cute.zipped_divide(gO[(None, None, blk, col)], self.epi_tile)
+                sH_p, gH_p = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_hs, 0, one, cute.group_modes(sC, 0, 2), gH_epi)
+                sO_p, gO_p = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_o, 0, one, cute.group_modes(sC, 0, 2), gO_epi)
+                for e in cutlass.range_constexpr(epi_num):
+                    buf = (n * epi_num + e) % self.epi_stage
+                    # buffer buf is free: the store that last read it is at least epi_stage - 1
+                    # groups old (wait_group.read below)
+                    self.epi_empty.arrive()
+                    self.epi_full.arrive_and_wait()
+                    if kind == 0:
+                        cute.copy(tma_atom_hs, sH_p[(None, buf)], gH_p[(None, (0, e))])
+                    else:
+                        cute.copy(tma_atom_o, sO_p[(None, buf)], gO_p[(None, (0, e))])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(self.epi_stage - 1, read=True)
+                # the tile's writes performed (not only read from smem), ordered before the
+                # generic-proxy counter update; every lane waited for its own bulk groups
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")
+                cute.arch.sync_warp()
+                if cute.arch.lane_idx() == 0:
+                    if kind == 0:
+                        red_release_gpu_add_s32(g1_base + Int64(4) * Int64(blk), Int32(1))
+                    else:
+                        old = atom_add_acq_rel_gpu_s32(g2_base + Int64(4) * Int64(blk), Int32(1))
+                        if old == n_tiles - 1:
+                            # acquired every tile of the block (one release sequence): publish
+                            cute.arch.store(mReady.iterator + blk, epoch, sem="release",
+                                            scope="gpu")
+                n = n + Int32(1)
+                kind, blk, col, pos = self.read_tile(n, mailbox)
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    return _ChainedFFNKernel
+
+
+# --------------------------------------------------------------------------------------------
+# Host wrapper
+# --------------------------------------------------------------------------------------------
+_KERNEL_CLASS = None
+
+
+def _get_kernel_class():
+    global _KERNEL_CLASS
+    if _KERNEL_CLASS is None:
+        _KERNEL_CLASS = _kernel_class()
+    return _KERNEL_CLASS
+
+
+class ChainedFFNCompute:
+    """The chained FFN compute kernel (module docstring).
+
+    ChainedFFNCompute(tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
+                      timeout_ms=2000, group=1)
+        tile_m = 128 (two consumer warpgroups); tile_h = tile_n = 256 (GEMM1 and GEMM2 tiles
+        share the tiled MMA and the smem ring); stages: operand ring depth (None: as many as
+        fit, 4); epi_n x epi_stages: epilogue sub-tile width and buffers; timeout_ms: bound of
+        every cross-CTA wait; group: tile order on super-blocks of this many row blocks (module
+        docstring; 1 = ``chained_schedule.derive``'s order).
+
+    __call__(x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu", ccta=0,
+             stream=None, h_ring=None) -> out
+        x [M, P] bf16, w1 [P, hidden] bf16, b1 [hidden] float or None, w2 [hidden, N] bf16,
+        out [M, N] bf16 (allocated when None); band_ready int32 [>= ceil(M / tile_m)] and
+        epoch int32 [1] (band flags for a following band all-reduce; a private pair when None);
+        act1 in ACT1_CHAINED; ccta: SMs left free (grid = SMs - ccta); h_ring: the H ring
+        [ring_rows(M, ...), hidden] bf16 (allocated per call when None: ``ring_bytes``).
+        P % 64 == 0, hidden % tile_h == 0, N % tile_n == 0, any M >= 1. Never synchronizes;
+        all checks raise before any launch. Device errors (a timed-out wait) are sticky until
+        ``check()``, which synchronizes and raises RuntimeError with the error text.
+    Compile cache key: (tiles, stages, epilogue buffers, act1, b1 given, P, hidden, N); M, the
+    tile table, the ring size, the flag capacity and the grid are runtime values.
+    """
+
+    _compiled = {}
+
+    def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
+                 timeout_ms=2000, group=1, _test_ring=None, _test_skip_slot_wait=False):
+        self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms)
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(f"group must be an int >= 1, got {group!r}")
+        if group > 1 and _test_ring is not None:
+            raise ValueError("_test_ring is for group=1 only")
+        self.group = group
+        self.tile_m, self.tile_h, self.tile_n = tile_m, tile_h, tile_n
+        self.stages, _ = _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages)
+        self.epi_n, self.epi_stages = epi_n, epi_stages
+        self.timeout_ms = timeout_ms
+        # private test switches (tests/test_chained_ffn_gpu.py): a ring smaller than derived,
+        # and GEMM1 tiles that do not wait for their slot
+        if _test_ring is not None and (not isinstance(_test_ring, int) or _test_ring < 1):
+            raise ValueError(f"_test_ring must be an int >= 1, got {_test_ring!r}")
+        self._test_ring = _test_ring
+        self._test_skip_slot_wait = bool(_test_skip_slot_wait)
+        self._bufs = {}
+        self._tables = {}
+
+    # ---------------------------------------------------------------- static checks
+    @staticmethod
+    def check_options(tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
+                      timeout_ms=2000):
+        """Raises ValueError for an unsupported configuration (no GPU, no cutlass needed)."""
+        if tile_m != 128:
+            raise ValueError(f"tile_m must be 128 (two consumer warpgroups), got {tile_m!r}")
+        if tile_n != 256 or tile_h != tile_n:
+            raise ValueError(f"tile_h and tile_n must both be 256 (one tiled MMA for both "
+                             f"GEMMs), got tile_h={tile_h!r}, tile_n={tile_n!r}")
+        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)):
+            raise ValueError(f"stages must be None or an int, got {stages!r}")
+        if epi_n not in (32, 64):
+            raise ValueError(f"epi_n must be 32 or 64, got {epi_n!r}")
+        if isinstance(epi_stages, bool) or not isinstance(epi_stages, int) or epi_stages < 1:
+            raise ValueError(f"epi_stages must be an int >= 1, got {epi_stages!r}")
+        if not isinstance(timeout_ms, (int, float)) or timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be > 0, got {timeout_ms!r}")
+        _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages)
+
+    @staticmethod
+    def check_shapes(P, hidden, N, act1="gelu", tile_m=128, tile_h=256, tile_n=256):
+        """Raises ValueError when (P, hidden, N, act1) cannot run on this kernel."""
+        for name, v in (("P", P), ("hidden", hidden), ("N", N)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if P % TILE_K:
+            raise ValueError(f"P={P} must be a multiple of {TILE_K} (the k tile)")
+        if hidden % tile_h:
+            raise ValueError(f"hidden={hidden} must be a multiple of tile_h={tile_h}")
+        if N % tile_n:
+            raise ValueError(f"N={N} must be a multiple of tile_n={tile_n}")
+        if act1 not in ACT1_CHAINED:
+            raise ValueError(f"act1={act1!r}: choose from {ACT1_CHAINED}")
+
+    @staticmethod
+    def can_implement(P, hidden, N, act1="gelu", tile_m=128, tile_h=256, tile_n=256,
+                      stages=None) -> bool:
+        """True when the configuration and shapes are supported (CUTLASS-style, no GPU)."""
+        try:
+            ChainedFFNCompute.check_options(tile_m, tile_h, tile_n, stages)
+            ChainedFFNCompute.check_shapes(P, hidden, N, act1, tile_m, tile_h, tile_n)
+        except ValueError:
+            return False
+        return True
+
+    # ---------------------------------------------------------------- schedule, memory
+    def schedule(self, M, P, hidden, N, grid):
+        """The tile list this instance runs for M rows on ``grid`` CTAs (``schedule_for``)."""
+        return schedule_for(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
+                            self.group, self._test_ring)
+
+    def grid(self, M, hidden, N, device=None, ccta=0, sms=None):
+        sms = num_sms(device) if sms is None else sms
+        blocks = -(-M // self.tile_m)
+        tiles = blocks * (hidden // self.tile_h + N // self.tile_n)
+        g = min(sms - ccta, tiles)
+        if g < 1:
+            raise ValueError(f"ccta={ccta} leaves no SM for the chained FFN kernel")
+        return g
+
+    def ring_rows(self, M, P, hidden, N, grid=132) -> int:
+        return min(self.schedule(M, P, hidden, N, grid).ring, -(-M // self.tile_m)) * self.tile_m
+
+    def ring_bytes(self, M, P, hidden, N, grid=132) -> int:
+        """Bytes of the bf16 H ring one call allocates (its only activation memory besides out)."""
+        return self.ring_rows(M, P, hidden, N, grid) * hidden * 2
+
+    # ---------------------------------------------------------------- validation
+    def check_args(self, x, w1, b1, w2, out, band_ready, epoch, act1, ccta, h_ring=None,
+                   need_cuda=True):
+        """All argument checks (TypeError / ValueError); returns (M, P, hidden, N)."""
+        if act1 not in ACT1_CHAINED:
+            raise ValueError(f"act1={act1!r}: choose from {ACT1_CHAINED}")
+        tensors = dict(x=x, w1=w1, w2=w2)
+        for name, t in (("b1", b1), ("out", out), ("band_ready", band_ready), ("epoch", epoch),
+                        ("h_ring", h_ring)):
+            if t is not None:
+                tensors[name] = t
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if need_cuda and t.device.type != "cuda":
+                raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+            if t.device != x.device:
+                raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        for name in ("x", "w1", "w2", "out", "h_ring"):
+            if name in tensors:
+                if tensors[name].dtype != torch.bfloat16:
+                    raise TypeError(f"{name} must be bfloat16, got {tensors[name].dtype}")
+                if tensors[name].data_ptr() % 16:
+                    raise ValueError(f"{name} must be 16-byte aligned (TMA)")
+        if b1 is not None and not b1.is_floating_point():
+            raise TypeError(f"b1 must be floating point, got {b1.dtype}")
+        for name in ("band_ready", "epoch"):
+            if name in tensors and tensors[name].dtype != torch.int32:
+                raise TypeError(f"{name} must be int32, got {tensors[name].dtype}")
+        if (band_ready is None) != (epoch is None):
+            raise ValueError("give both band_ready and epoch, or neither")
+        if x.dim() != 2 or w1.dim() != 2 or w2.dim() != 2:
+            raise ValueError(f"expected x [M, P], w1 [P, hidden], w2 [hidden, N]; got "
+                             f"{tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)}")
+        M, P = x.shape
+        Pw, hidden = w1.shape
+        hw, N = w2.shape
+        if M < 1:
+            raise ValueError("x needs at least one row")
+        if Pw != P:
+            raise ValueError(f"P mismatch: x has P={P}, w1 has {Pw} rows")
+        if hw != hidden:
+            raise ValueError(f"hidden mismatch: w1 has {hidden} columns, w2 has {hw} rows")
+        self.check_shapes(P, hidden, N, act1, self.tile_m, self.tile_h, self.tile_n)
+        if b1 is not None and (b1.dim() != 1 or b1.numel() != hidden):
+            raise ValueError(f"b1 must be [{hidden}], got {tuple(b1.shape)}")
+        if out is not None and tuple(out.shape) != (M, N):
+            raise ValueError(f"out must be [{M}, {N}], got {tuple(out.shape)}")
+        blocks = -(-M // self.tile_m)
+        if band_ready is not None and (band_ready.dim() != 1 or band_ready.numel() < blocks):
+            raise ValueError(f"band_ready must be 1-D with >= ceil(M / tile_m) = {blocks} "
+                             f"entries, got {tuple(band_ready.shape)}")
+        if epoch is not None and epoch.numel() != 1:
+            raise ValueError("epoch must have exactly one element")
+        if isinstance(ccta, bool) or not isinstance(ccta, int) or ccta < 0:
+            raise ValueError(f"ccta must be a non-negative int, got {ccta!r}")
+        return M, P, hidden, N
+
+    # ---------------------------------------------------------------- compilation
+    def _key(self, P, hidden, N, act1, has_b1):
+        return (self.tile_m, self.tile_n, self.stages, self.epi_n, self.epi_stages, act1,
+                bool(has_b1), self._test_skip_slot_wait, int(P), int(hidden), int(N))
+
+    def _kernel(self, P, hidden, act1, has_b1):
+        return _get_kernel_class()(self.tile_m, self.tile_n, act1, bool(has_b1), self.stages,
+                                   self.epi_n, self.epi_stages, P // TILE_K, hidden // TILE_K,
+                                   self._test_skip_slot_wait)
+
+    def compile(self, P, hidden, N, act1="gelu", has_b1=True, keep_ptx=False):
+        """Compiles from symbolic tensors (M, the table, the ring and the flags are runtime
+        sizes); needs no GPU with CUTE_DSL_ARCH=sm_90a. keep_ptx: keep ``fn.__ptx__`` and
+        ``fn.__cubin__``."""
+        self.check_shapes(P, hidden, N, act1, self.tile_m, self.tile_h, self.tile_n)
+        key = ("fake", bool(keep_ptx)) + self._key(P, hidden, N, act1, has_b1)
+        fn = ChainedFFNCompute._compiled.get(key)
+        if fn is not None:
+            return fn
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_tensor
+        from cutlass.runtime import make_fake_stream
+        M, R, T, S, B = (cute.sym_int() for _ in range(5))
+        bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+        args = (make_fake_tensor(bf16, (M, P), (P, 1), assumed_align=16),
+                make_fake_tensor(bf16, (hidden, P), (1, hidden), assumed_align=16),
+                make_fake_tensor(f32, (hidden,), (1,), assumed_align=16),
+                make_fake_tensor(bf16, (N, hidden), (1, N), assumed_align=16),
+                make_fake_tensor(bf16, (R, hidden), (hidden, 1), assumed_align=16),
+                make_fake_tensor(bf16, (M, N), (N, 1), assumed_align=16),
+                make_fake_tensor(i32, (T,), (1,), assumed_align=4),
+                make_fake_tensor(i32, (S,), (1,), assumed_align=4),
+                make_fake_tensor(i32, (B,), (1,), assumed_align=4),
+                make_fake_tensor(i32, (1,), (1,), assumed_align=4),
+                make_fake_tensor(cutlass.Int64, (8,), (1,), assumed_align=8),
+                cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(1),
+                cutlass.Int32(1), make_fake_stream())
+        if keep_ptx:
+            from ..kernels.compile import compile_keep
+            fn = compile_keep(self._kernel(P, hidden, act1, has_b1), *args)
+        else:
+            fn = cute.compile(self._kernel(P, hidden, act1, has_b1), *args)
+        ChainedFFNCompute._compiled[key] = fn
+        return fn
+
+    # ---------------------------------------------------------------- launch
+    def _buffers(self, dev, blocks):
+        """Per-device scratch: the sync words (tile counter, g1_done, g2_done: zeroed before
+        every launch), the error word (sticky until check()), private band flags and epoch,
+        a zero b1."""
+        b = self._bufs.get(dev)
+        if b is None or b["sync"].numel() < 1 + 2 * blocks:
+            old_err = None if b is None else b["err"]
+            n = max(1 + 2 * blocks, 1 + 2 * 64)
+            b = dict(sync=torch.zeros(n, dtype=torch.int32, device=dev),
+                     err=old_err if old_err is not None else torch.zeros(8, dtype=torch.int64,
+                                                                         device=dev),
+                     ready=torch.zeros(max(blocks, 64), dtype=torch.int32, device=dev),
+                     epoch=torch.ones(1, dtype=torch.int32, device=dev))
+            self._bufs[dev] = b
+        return b
+
+    def _table(self, s: ChainedSchedule, dev):
+        key = (dev, s)
+        t = self._tables.get(key)
+        if t is None:
+            t = s.tile_table(dev).reshape(-1).contiguous()
+            self._tables[key] = t
+        return t
+
+    def _cute_args(self, x, w1, b1f, w2, h_ring, out, table, sync, band_ready, epoch, err,
+                   blocks, ring, grid):
+        """torch -> cute arguments of the launch: M, the table, the sync words, the ring rows and
+        the flag capacity are dynamic; P, hidden, N static (weights as MN-major views)."""
+        import cutlass
+        from cutlass.cute.runtime import from_dlpack
+
+        def dyn(t, align):
+            return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(
+                mode=0, stride_order=t.dim_order())
+
+        args = (dyn(x, 16), from_dlpack(w1.t(), assumed_align=16),
+                from_dlpack(b1f, assumed_align=16), from_dlpack(w2.t(), assumed_align=16),
+                dyn(h_ring, 16), dyn(out, 16), dyn(table, 4), dyn(sync, 4), dyn(band_ready, 4),
+                from_dlpack(epoch.reshape(1), assumed_align=4), from_dlpack(err, assumed_align=8))
+        ints = (cutlass.Int32(table.numel() // 3), cutlass.Int32(blocks), cutlass.Int32(ring),
+                cutlass.Int64(int(self.timeout_ms * 1e6)), cutlass.Int32(grid))
+        return args, ints
+
+    def _compiled_for(self, args, ints, stream, P, hidden, N, act1, has_b1):
+        import cutlass.cute as cute
+        key = ("dlpack",) + self._key(P, hidden, N, act1, has_b1)
+        fn = ChainedFFNCompute._compiled.get(key)
+        if fn is None:
+            fn = cute.compile(self._kernel(P, hidden, act1, has_b1), *args, *ints, stream)
+            ChainedFFNCompute._compiled[key] = fn
+        return fn
+
+    def check(self, device=None):
+        """Synchronizes and raises RuntimeError if a launch on ``device`` recorded an error
+        (then clears it)."""
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else \
+            torch.device(device)
+        b = self._bufs.get(dev)
+        if b is None:
+            return
+        torch.cuda.synchronize(dev)
+        words = b["err"].tolist()
+        msg = describe_chained_error(words)
+        if msg:
+            b["err"].zero_()
+            raise RuntimeError(msg)
+
+    def __call__(self, x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu",
+                 ccta=0, stream=None, h_ring=None):
+        M, P, hidden, N = self.check_args(x, w1, b1, w2, out, band_ready, epoch, act1, ccta,
+                                          h_ring)
+        dev = x.device
+        grid = self.grid(M, hidden, N, dev, ccta)
+        s = self.schedule(M, P, hidden, N, grid)
+        blocks = s.blocks
+        R = min(s.ring, blocks)
+        if h_ring is not None and tuple(h_ring.shape) != (R * self.tile_m, hidden):
+            raise ValueError(f"h_ring must be [{R * self.tile_m}, {hidden}] (ring_rows), got "
+                             f"{tuple(h_ring.shape)}")
+        torch_stream = stream if stream is not None else torch.cuda.current_stream(dev)
+        bufs = self._buffers(dev, blocks)
+        table = self._table(s, dev)
+        with torch.cuda.stream(torch_stream):
+            if out is None:
+                out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+            if h_ring is None:
+                h_ring = torch.empty(R * self.tile_m, hidden, dtype=torch.bfloat16, device=dev)
+            b1f = None
+            if b1 is not None:
+                b1f = b1 if b1.dtype == torch.float32 else b1.float()
+                if b1f.data_ptr() % 16:
+                    b1f = b1f.clone()
+            sync = bufs["sync"][:1 + 2 * blocks]
+            sync.zero_()  # one memset in stream order: graph-capturable
+        if band_ready is None:
+            band_ready, epoch = bufs["ready"], bufs["epoch"]
+        if b1f is None:
+            zk = ("b1zero", hidden)
+            b1f = self._bufs.get(zk)
+            if b1f is None or b1f.device != dev:
+                b1f = torch.zeros(hidden, dtype=torch.float32, device=dev)
+                self._bufs[zk] = b1f
+        args, ints = self._cute_args(x, w1, b1f, w2, h_ring, out, table, sync, band_ready,
+                                     epoch, bufs["err"], blocks, s.ring, grid)
+        import cuda.bindings.driver as cuda_drv
+        cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
+        fn = self._compiled_for(args, ints, cu_stream, P, hidden, N, act1, b1 is not None)
+        fn(*args, *ints, cu_stream)
+        return out

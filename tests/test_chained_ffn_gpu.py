@@ -1,0 +1,211 @@
+"""GPU tests of the chained FFN compute kernel (moe_overlap/ffn/compute_chained.py); skipped
+without CUDA.
+
+Every case draws fresh random inputs, poisons out and the H ring with NaN, and compares the result
+with the float64 truth (H not rounded) and with ``chained_schedule.execute_reference`` on the same
+schedule (<= 8e-3 relative to the largest |value|), and checks the band flags. Failures say which
+case, the largest error and where, the first NaN, and which row blocks are wrong (a ring or
+ordering bug shows as whole wrong blocks).
+
+    python3 -m pytest -q -x tests/test_chained_ffn_gpu.py
+"""
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = 8e-3
+SHAPE = (1024, 2048, 1024)  # P, hidden, N: at M = 8192 the derived ring (35 blocks) wraps
+SHAPE2 = (512, 1536, 768)  # P != N, 6 hidden tiles, 3 output tiles
+
+
+@pytest.fixture(scope="module")
+def mod():
+    import cutlass.cute  # noqa: F401  (a missing DSL on a GPU machine is an error, not a skip)
+    from moe_overlap.ffn import compute_chained
+    return compute_chained
+
+
+def _inputs(M, P, hidden, N, seed, bias=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = dict(device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(M, P, **bf)
+    w1 = torch.randn(P, hidden, **bf) / P ** 0.5
+    b1 = torch.randn(hidden, **bf) * 0.5 if bias else None
+    w2 = torch.randn(hidden, N, **bf) / hidden ** 0.5
+    return x, w1, b1, w2
+
+
+def _truth64(x, w1, b1, w2, act1):
+    from moe_overlap.ffn.activations import activation
+    h = x.double() @ w1.double()
+    if b1 is not None:
+        h = h + b1.double()
+    return activation(h, act1) @ w2.double()
+
+
+def _report(case, out, ref, what, tile_m=128):
+    """None when out matches ref within TOL, else a message for the assertion."""
+    out64, ref64 = out.double(), ref.double()
+    scale = ref64.abs().max().item() or 1.0
+    nan = torch.isnan(out64)
+    err = (out64 - ref64).abs()
+    err[nan] = float("inf")
+    worst = err.max().item()
+    if worst <= TOL * scale:
+        return None
+    idx = int(err.argmax())
+    r, c = divmod(idx, out.shape[1])
+    msg = [f"{case}: vs {what}: max |err| = {worst:.4g} (relative {worst / scale:.3g} > {TOL}) "
+           f"at row {r} col {c} (block {r // tile_m}): out={out64[r, c].item():.5g} "
+           f"ref={ref64[r, c].item():.5g}"]
+    if nan.any():
+        fi = int(nan.reshape(-1).nonzero()[0])
+        fr, fc = divmod(fi, out.shape[1])
+        msg.append(f"{int(nan.sum())} NaN, first at row {fr} col {fc} (block {fr // tile_m})")
+    bad_rows = (err > TOL * scale).any(dim=1).nonzero().reshape(-1)
+    blocks = sorted(set((bad_rows // tile_m).tolist()))
+    msg.append(f"wrong row blocks ({len(blocks)} of {-(-out.shape[0] // tile_m)}): "
+               f"{blocks[:20]}{' ...' if len(blocks) > 20 else ''}")
+    return "; ".join(msg)
+
+
+def _run_case(mod, M, shape, act1, bias, seed, comp=None, ccta=0, epoch_val=7):
+    from moe_overlap.ffn.chained_schedule import execute_reference
+    from moe_overlap.ffn.activations import activation
+    P, hidden, N = shape
+    comp = comp or mod.ChainedFFNCompute()
+    x, w1, b1, w2 = _inputs(M, P, hidden, N, seed, bias)
+    grid = comp.grid(M, hidden, N, x.device, ccta)
+    s = comp.schedule(M, P, hidden, N, grid)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ring = torch.full((comp.ring_rows(M, P, hidden, N, grid), hidden), float("nan"),
+                      device="cuda", dtype=torch.bfloat16)
+    ready = torch.zeros(s.blocks + 3, device="cuda", dtype=torch.int32)
+    epoch = torch.tensor([epoch_val], device="cuda", dtype=torch.int32)
+    y = comp(x, w1, b1, w2, out=out, band_ready=ready, epoch=epoch, act1=act1, ccta=ccta,
+             h_ring=ring)
+    assert y is out
+    case = (f"M={M} P,hidden,N={shape} act1={act1} b1={'yes' if bias else 'None'} ccta={ccta} "
+            f"group={comp.group} grid={grid} lookahead={s.lookahead} ring={s.ring} "
+            f"blocks={s.blocks}")
+    comp.check()  # raises with the device error text (a timed-out wait)
+    msgs = [_report(case, out, _truth64(x, w1, b1, w2, act1), "float64 truth"),
+            _report(case, out, execute_reference(s, x, w1, b1, w2,
+                                                 lambda h: activation(h, act1)),
+                    "execute_reference (same schedule)")]
+    msgs = [m for m in msgs if m]
+    assert not msgs, "\n".join(msgs)
+    flags = ready.tolist()
+    assert flags[:s.blocks] == [epoch_val] * s.blocks and flags[s.blocks:] == [0, 0, 0], \
+        f"{case}: band_ready {flags[:8]}... (want {epoch_val} on the {s.blocks} blocks, 0 after)"
+    return comp
+
+
+CASES = [  # M, shape, act1, b1 given
+    (1, SHAPE, "gelu", True),
+    (127, SHAPE, "relu", True),
+    (1000, SHAPE, "silu", False),
+    (1000, SHAPE, "none", True),
+    (8192, SHAPE, "gelu", True),
+    (8192, SHAPE, "gelu_tanh", False),
+    (8192, SHAPE, "silu", True),
+    (8192, SHAPE, "relu", False),
+    (1000, SHAPE2, "gelu", True),
+    (8192, SHAPE2, "gelu_tanh", True),
+]
+
+
+@pytest.mark.parametrize("M,shape,act1,bias", CASES)
+def test_matches_truth_and_reference(mod, M, shape, act1, bias):
+    _run_case(mod, M, shape, act1, bias, seed=1000 * M + len(act1) + bias)
+
+
+@pytest.mark.parametrize("group,M", [(2, 8192), (4, 8192), (4, 1000)])
+def test_grouped_order(mod, group, M):
+    """The super-block tile order (group G) on the same kernel: a different table, same result."""
+    _run_case(mod, M, SHAPE, "gelu", True, seed=300 + group + M,
+              comp=mod.ChainedFFNCompute(group=group))
+
+
+def test_small_grid(mod):
+    """ccta leaves 32 CTAs: the schedule is derived for that grid and still correct."""
+    _run_case(mod, 1000, SHAPE, "gelu", True, seed=5, ccta=torch.cuda.get_device_properties(
+        0).multi_processor_count - 32)
+
+
+def test_repeated_calls_reset_counters(mod):
+    """One instance, new data each call: the counters are zeroed before every launch."""
+    comp = mod.ChainedFFNCompute()
+    for i in range(3):
+        _run_case(mod, 8192, SHAPE, "gelu", True, seed=77 + i, comp=comp, epoch_val=10 + i)
+
+
+def test_too_small_ring_without_slot_wait_is_wrong(mod):
+    """Ordering matters: a 2-block ring whose GEMM1 tiles do not wait for their slot overwrites H
+    that GEMM2 tiles still read, so the result must be wrong (or the check must fail)."""
+    comp = mod.ChainedFFNCompute(_test_ring=2, _test_skip_slot_wait=True, timeout_ms=500)
+    M, (P, hidden, N) = 8192, SHAPE
+    x, w1, b1, w2 = _inputs(M, P, hidden, N, seed=11)
+    out = comp(x, w1, b1, w2, act1="gelu")
+    try:
+        comp.check()
+    except RuntimeError:
+        return  # a timed-out wait also shows the order was broken
+    msg = _report("ring=2, no slot wait", out, _truth64(x, w1, b1, w2, "gelu"), "float64")
+    assert msg is not None, ("a 2-block ring without slot waits gave the right result: the test "
+                             "does not exercise the ring (or the switch does nothing)")
+
+
+def test_too_small_ring_with_waits_is_right_or_times_out(mod):
+    """With the waits kept, a ring smaller than the tile order needs must never give a silently
+    wrong result: it is right (the waits serialize) or check() names the slot wait that timed
+    out."""
+    comp = mod.ChainedFFNCompute(_test_ring=2, timeout_ms=500)
+    M, (P, hidden, N) = 8192, SHAPE
+    x, w1, b1, w2 = _inputs(M, P, hidden, N, seed=12)
+    out = comp(x, w1, b1, w2, act1="gelu")
+    try:
+        comp.check()
+    except RuntimeError as e:
+        assert "ring slot" in str(e) or "H row block" in str(e), str(e)
+        return
+    msg = _report("ring=2 with waits", out, _truth64(x, w1, b1, w2, "gelu"), "float64")
+    assert msg is None, msg
+    comp.check()  # the error word was cleared, no second error
+
+
+def test_cuda_graph_capture_and_replay(mod):
+    """One call captured in a CUDA graph (the counter memset included), replayed with new data."""
+    P, hidden, N = SHAPE
+    M = 3000
+    comp = mod.ChainedFFNCompute()
+    x, w1, b1, w2 = _inputs(M, P, hidden, N, seed=21)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    grid = comp.grid(M, hidden, N, x.device, 0)
+    ring = torch.empty(comp.ring_rows(M, P, hidden, N, grid), hidden, device="cuda",
+                       dtype=torch.bfloat16)
+    ready = torch.zeros(-(-M // 128), device="cuda", dtype=torch.int32)
+    epoch = torch.ones(1, device="cuda", dtype=torch.int32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        comp(x, w1, b1, w2, out=out, band_ready=ready, epoch=epoch, h_ring=ring)
+    torch.cuda.synchronize()
+    comp.check()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        comp(x, w1, b1, w2, out=out, band_ready=ready, epoch=epoch, h_ring=ring)
+    for i in range(3):
+        nx, nw1, nb1, nw2 = _inputs(M, P, hidden, N, seed=100 + i)
+        x.copy_(nx), w1.copy_(nw1), b1.copy_(nb1), w2.copy_(nw2)
+        out.fill_(float("nan"))
+        ring.fill_(float("nan"))
+        epoch.fill_(5 + i)
+        g.replay()
+        torch.cuda.synchronize()
+        comp.check()
+        msg = _report(f"graph replay {i}", out, _truth64(x, w1, b1, w2, "gelu"), "float64")
+        assert msg is None, msg
+        assert (ready == 5 + i).all(), f"graph replay {i}: band flags {ready.tolist()[:8]}"

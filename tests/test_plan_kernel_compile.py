@@ -1,0 +1,148 @@
+"""Compile-only checks of the planner and route-preparation kernels for sm_90a (no GPU needed),
+and the closed forms the planner kernel implements against the torch planner, on the host.
+
+The kernels compile for several host facts (counts / ids dtype, shared array length, sort length,
+y_src); the PTX carries the CTA scans (shuffles), the warp match of the stable counting sort, and
+no local-memory stack. `closed_form_plan` (the kernel's phases in plain Python) must equal
+`plan_combine(impl="torch")` field by field on random and adversarial counts.
+"""
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (read at import)
+
+from moe_overlap.combine.plan import plan_combine  # noqa: E402
+from moe_overlap.combine.plan_closed_form import closed_form_plan  # noqa: E402
+
+
+def _ptx(launch, *args):
+    from moe_overlap.kernels.compile import compile_keep, kept_ptx
+    return kept_ptx(compile_keep(launch, *args))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("counts_64,NE,NPS", [(True, 512, 8), (False, 32, 2), (True, 1024, 1024),
+                                              (False, 256, 64)])
+def test_plan_kernels_compile(counts_64, NE, NPS):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    from moe_overlap.combine.plan_kernel import (build_plan_kernels, plan_example_args,
+                                                 tail_example_args)
+    lp, lt = build_plan_kernels(counts_64, NE, NPS)
+    ptx = _ptx(lp, *plan_example_args())
+    assert "shfl.sync.up.b32" in ptx and "shfl.sync.idx.b32" in ptx  # CTA scans
+    assert ("ld.global.b64" in ptx) == counts_64
+    assert ptx.count("bar.sync") >= 16  # eight scans, two barriers each, plus the sort
+    assert ".local" not in ptx.split(".entry", 1)[1]
+    assert ".reqntid 1024" in ptx  # ptxas then keeps it within 64 registers (1024 threads fit)
+    tail = _ptx(lt, *tail_example_args())
+    assert "st.global.s32" in tail
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("ids_64,NE,y_src", [(True, 512, False), (True, 512, True),
+                                             (False, 32, True), (True, 1024, False)])
+def test_routes_kernels_compile(ids_64, NE, y_src):
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    from moe_overlap.combine.routes import (build_routes_kernels, hist_example_args,
+                                            rank_example_args)
+    lh, lr = build_routes_kernels(ids_64, NE, y_src)
+    assert "red.shared.add.s32" in _ptx(lh, *hist_example_args())
+    ptx = _ptx(lr, *rank_example_args())
+    assert "match.any.sync.b32" in ptx and "popc.b32" in ptx
+    assert ".reqntid 1024" in ptx
+    assert ".local" not in ptx.split(".entry", 1)[1]
+
+
+def _random_counts(rng, W, El, mode):
+    c = torch.randint(0, rng.choice([1, 5, 70, 300, 1000]) + 1, (W, W * El),
+                      generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    if mode == "one_hot":
+        c.zero_()
+        c[rng.randrange(W), rng.randrange(W * El)] = rng.randint(1, 3000)
+    elif mode == "sparse":
+        c *= (torch.rand(W, W * El) < 0.3).long()
+    elif mode == "zero":
+        c.zero_()
+    elif mode == "to_one_rank":
+        r = rng.randrange(W)
+        c[:, :r * El] = 0
+        c[:, (r + 1) * El:] = 0
+    return c
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_closed_forms_equal_the_torch_planner(seed):
+    rng = random.Random(seed)
+    for _ in range(60):
+        W, El = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 3, 7])
+        tile_m, mgb = rng.choice([64, 128, 256]), rng.choice([1, 2, 3, 7])
+        counts = _random_counts(rng, W, El, rng.choice(["random", "one_hot", "sparse", "zero",
+                                                        "to_one_rank"]))
+        rank = rng.randrange(W)
+        for layout in ("aligned", "packed", "auto"):
+            tight = int(counts[:, rank * El:(rank + 1) * El].sum())
+            ref = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, layout=layout,
+                               max_rows=tight + rng.choice([0, 0, 999]), impl="torch")
+            cf = closed_form_plan(counts, rank, tile_m, mgb, ref.band_capacity, layout)
+            for name, t in ref.tensors().items():
+                assert torch.equal(t, cf[name]), (name, W, El, tile_m, mgb, layout, rank,
+                                                  counts.tolist())
+
+
+def test_impl_switch_rejects_bad_values_and_cpu_kernel():
+    counts = torch.ones(2, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="impl"):
+        plan_combine(counts, 0, impl="fast")
+    with pytest.raises(ValueError, match="CUDA"):
+        plan_combine(counts, 0, impl="kernel")
+    a = plan_combine(counts, 0, impl="auto")  # CPU counts: the torch planner
+    b = plan_combine(counts, 0, impl="torch")
+    assert all(torch.equal(t, getattr(b, n)) for n, t in a.tensors().items())
+
+
+def _emulate_routes_rows(ids, E):
+    """The routes kernels' counting sort, step by step in Python (chunks of CHUNK ids per CTA,
+    ROUNDS rounds of 1024, warps of 32): row = first[e] + chunks before + earlier rounds + warps
+    before + lanes below with the same expert."""
+    from moe_overlap.combine.routes import CHUNK, NT, ROUNDS
+    flat = ids.reshape(-1).tolist()
+    N = len(flat)
+    G = max(1, -(-N // CHUNK))
+    hist = [[0] * E for _ in range(G)]
+    for i, e in enumerate(flat):
+        hist[i // CHUNK][e] += 1
+    tot = [sum(hist[b][e] for b in range(G)) for e in range(E)]
+    first = [sum(tot[:e]) for e in range(E)]
+    rows = [None] * N
+    for b in range(G):
+        base = [first[e] + sum(hist[c][e] for c in range(b)) for e in range(E)]
+        run = [0] * E
+        for u in range(ROUNDS):
+            lanes = [b * CHUNK + u * NT + t for t in range(NT)]
+            es = [flat[i] if i < N else -1 for i in lanes]
+            wc = [[0] * E for _ in range(NT // 32)]
+            for t, e in enumerate(es):
+                if e >= 0:
+                    wc[t // 32][e] += 1
+            for t, e in enumerate(es):
+                if e < 0:
+                    continue
+                w, lane = divmod(t, 32)
+                below = sum(1 for x in es[w * 32:w * 32 + lane] if x == e)
+                rows[lanes[t]] = base[e] + run[e] + below + sum(wc[v][e] for v in range(w))
+            for t, e in enumerate(es):
+                if e >= 0:
+                    run[e] += 1
+    return torch.tensor(rows, dtype=torch.int64).view(ids.shape)
+
+
+@pytest.mark.parametrize("T,E,k,seed", [(700, 8, 2, 0), (3000, 64, 4, 1), (1025, 16, 8, 2)])
+def test_routes_counting_sort_equals_stable_sort(T, E, k, seed):
+    from moe_overlap.combine.plan import recv_rows
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids[: T // 3] = ids[0]  # long runs of the same experts across warps, rounds and chunks
+    assert torch.equal(_emulate_routes_rows(ids, E), recv_rows(ids, E))
