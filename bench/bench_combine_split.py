@@ -62,7 +62,7 @@ def worker(rank, W, args):
     for si, (T, E, k, N, K) in enumerate(args.shapes):
         El = E // W
         ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N, topk=k,
-                            max_tokens_per_rank=T, ccta=args.ccta[0], mgb=args.mgb,
+                            max_tokens_per_rank=T, ccta=args.ccta[0],
                             local_copy=False, copy="tma")
         default_piece = ov.piece_rows
         ids, gates = route(T, E, k, args.mode, seed=si, rank=rank, device=dev)
@@ -75,7 +75,7 @@ def worker(rank, W, args):
         st = plan.stats()
         ref = ov.forward(h, w_down, plan, ids, gates, check=True, overlap=False).clone()
         routes = None if args.inline else ov.prepare(plan, ids)
-        y, band_ready = ov._buffers_for(h, plan)
+        y, band_ready = ov.buffers_for(h, plan)
         scratch = torch.zeros(plan.band_capacity, dtype=torch.int32, device=dev)
         cap = plan.band_capacity
         valid_b = torch.arange(cap, device=dev) < plan.num_bands
@@ -92,54 +92,54 @@ def worker(rank, W, args):
         def mark_ready():
             band_ready.copy_(torch.where(valid_b, ov.epoch.expand(cap), band_ready))
 
-        t_gemm_all = timed(lambda: ov._produce(h, w_down, plan, y, scratch, ccta=0))
+        t_gemm_all = timed(lambda: ov.produce(h, w_down, plan, y, scratch, ccta=0))
         for ccta, piece in [(c, p) for c in args.ccta for p in args.piece_rows]:
-            ov.ccta = ccta
-            ov.piece_rows = default_piece if piece < 0 else piece
-            out = ov.forward(h, w_down, plan, ids, gates, check=True, routes=routes)
+            piece = default_piece if piece < 0 else piece
+            call = dict(ccta=ccta, piece_rows=piece)  # passed to every call of the point
+            out = ov.forward(h, w_down, plan, ids, gates, check=True, routes=routes, **call)
             bitwise = bool(torch.equal(out, ref))
             r = dict(shape=dict(tokens=T, experts=E, topk=k, N=N, K=K), mode=args.mode,
-                     ccta=ccta, piece_rows=ov.piece_rows, mgb=args.mgb,
+                     ccta=ccta, piece_rows=piece, mgb=args.mgb,
                      bitwise_equal=bitwise, stats=st,
                      gemm_all=t_gemm_all)
-            r["overlap"] = timed(lambda: ov.forward(h, w_down, plan, ids, gates, routes=routes))
-            ov._diag_skip_scale = True
-            r["overlap_noscale"] = timed(lambda: ov.forward(h, w_down, plan, ids, gates,
-                                                            routes=routes))
-            ov._diag_skip_scale = False
+            r["overlap"] = timed(lambda: ov.forward(h, w_down, plan, ids, gates, routes=routes,
+                                                    **call))
+            with ov.diagnostics(skip_scale=True):
+                r["overlap_noscale"] = timed(lambda: ov.forward(h, w_down, plan, ids, gates,
+                                                                routes=routes, **call))
             ov.check_errors()
             # a complete non-overlapped call, then its scale again and again (arrivals are in)
             rows, weights = ov.begin_call(ids, gates, plan, routes)
-            ov._produce(h, w_down, plan, y, band_ready, ccta=0)
-            ov.ship(y, plan, band_ready)
+            ov.produce(h, w_down, plan, y, band_ready, ccta=0)
+            ov.ship(y, plan, band_ready, **call)
             resync()
             scale_out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
             r["scale"] = timed(lambda: ov.scale.launch(
                 recv=ov.recv, rows=rows, weights=weights, out=scale_out, counters=ov.counters,
                 expected=ov.expected, rank=rank, err=ov.err, epoch=ov.epoch,
                 slot_bytes=ov.slot_bytes, num_sms=ov.num_sms, y=y))
-            r["gemm_prod"] = timed(lambda: ov._produce(h, w_down, plan, y, scratch, ccta=ccta))
+            r["gemm_prod"] = timed(lambda: ov.produce(h, w_down, plan, y, scratch, ccta=ccta))
             r["prepare"] = timed(lambda: ov.prepare(plan, ids))
             r["begin"] = timed(lambda: ov.begin_call(ids, gates, plan, routes))
             mark_ready()  # the epoch stays put while the consumer alone ships again and again
-            r["ship"] = timed(lambda: ov.ship(y, plan, band_ready))
+            r["ship"] = timed(lambda: ov.ship(y, plan, band_ready, **call))
 
             def comm():
                 ov.begin_call(ids, gates, plan, routes)
                 mark_ready()
-                ov.ship(y, plan, band_ready)
+                ov.ship(y, plan, band_ready, **call)
 
             r["comm"] = timed(comm)
             resync()
             ov.check_errors()
             # timeline: eager calls, a GPU sleep before each start event
-            ov._diag_timeline = marks = []
-            for _ in range(args.timeline_calls):
-                barrier()
-                torch.cuda._sleep(sleep)
-                ov.forward(h, w_down, plan, ids, gates, routes=routes)
-            torch.cuda.synchronize()
-            ov._diag_timeline = None
+            marks = []
+            with ov.diagnostics(timeline=marks):
+                for _ in range(args.timeline_calls):
+                    barrier()
+                    torch.cuda._sleep(sleep)
+                    ov.forward(h, w_down, plan, ids, gates, routes=routes, **call)
+                torch.cuda.synchronize()
             ov.check_errors()
             tl = {m: statistics.median(c["start"].elapsed_time(c[m]) for c in marks)
                   for m in MARKS}
@@ -152,7 +152,7 @@ def worker(rank, W, args):
             r["remote_GBs_ship"] = st["remote_rows"] * N * 2 / (r["ship"] * 1e-3) / 1e9
             points.append(r)
             if rank == 0:
-                print(f"[{T}x{E}x{k}x{N}x{K} ccta={ccta} piece={ov.piece_rows}] " + " ".join(
+                print(f"[{T}x{E}x{k}x{N}x{K} ccta={ccta} piece={piece}] " + " ".join(
                     f"{n} {r[n]:.3f}" for n in ("gemm_all", "gemm_prod", "prepare", "begin",
                                                 "ship", "comm",
                                                 "scale", "overlap", "overlap_noscale")) +

@@ -300,11 +300,10 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
             torch.cuda.synchronize(dev)
             m.check_fused()
             e = rel_err(yf, y_base.double())
-        ar_m = m._fused_allreduce(T)
+        ar_m = m.allreduce_for(T)
 
-        def alone(ccta=0):  # its compute kernel alone, on SMs - ccta SMs
-            m._compute(x, w1, b1, w2, ar_m.acc[:T], ar_m.band_ready, ar_m.epoch, ccta=ccta,
-                       act1=a.act1)
+        def alone(ccta=0):  # its compute kernel alone (the layer's weights = w1, b1, w2)
+            m.run_compute(x, ar_m.acc[:T], ar_m.band_ready, ar_m.epoch, ccta=ccta)
         return m, e, ar_m, alone
 
     mod, err, ar, compute_alone = layer(a.compute_opts)
@@ -364,7 +363,7 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
 
 def layer_timeline(mods, x, calls, barrier, lead_ms):
     """Median over ``calls`` layer calls of when the compute kernel and the all-reduce end,
-    in ms after the call's start (CUDA events in _fused_call), per module name. As in
+    in ms after the call's start (CUDA events of the layer's diagnostics()), per module name. As in
     time_interleaved, a GPU sleep of lead_ms before each call keeps the host's launch time out
     of the numbers (without it they include ~0.5 ms of CuTe DSL launch overhead)."""
     import statistics
@@ -374,15 +373,14 @@ def layer_timeline(mods, x, calls, barrier, lead_ms):
     sleep = int(lead_ms * sleep_cycles_per_ms()) if lead_ms > 0 else 0
     out = {}
     for name, m in mods.items():
-        m._diag_timeline = ev = []
-        with torch.inference_mode():
+        ev = []
+        with torch.inference_mode(), m.diagnostics(timeline=ev):
             for _ in range(calls):
                 barrier()
                 if sleep:
                     torch.cuda._sleep(sleep)
                 m(x)
-        torch.cuda.synchronize()
-        m._diag_timeline = None
+            torch.cuda.synchronize()
         comp = statistics.median(s.elapsed_time(c) for s, c, _ in ev)
         done = statistics.median(s.elapsed_time(e) for s, _, e in ev)
         out[name] = dict(compute_end_ms=comp, allreduce_end_ms=done, tail_ms=done - comp)

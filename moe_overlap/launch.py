@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -17,7 +18,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None):
+def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None,
+            hard_exit=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # W ranks share the machine's cores
     if backend == "nccl":
@@ -29,14 +31,20 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None):
     except Exception:  # noqa: BLE001 - returned to the parent with the traceback
         results[rank] = ("error", traceback.format_exc())
     finally:
+        if hard_exit:  # e.g. after NVSHMEM: its and NCCL's teardown order can hang
+            os._exit(0)
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | None = None):
+def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | None = None,
+          join_timeout_s: float | None = None, hard_exit: bool = False):
     """fn(rank, world_size, *args) on world_size processes; returns the list of results.
 
     fn must be importable (module level). A failure on any rank raises with that rank's traceback.
-    timeout_s: the process group's timeout for collectives (default: torch's)."""
+    timeout_s: the process group's timeout for collectives (default: torch's).
+    join_timeout_s: wall-clock bound of the whole run; ranks still running then are killed and
+    named in the RuntimeError (a hang fails instead of blocking). hard_exit: each rank leaves
+    with os._exit right after handing back its result (no process-group or NVSHMEM teardown)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
@@ -44,13 +52,21 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
         results = manager.dict()
         port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results,
-                                                   timeout_s))
+                                                   timeout_s, hard_exit))
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
         for p in procs:
-            p.join()
+            p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
         out = dict(results)
+    if hung:
+        raise RuntimeError(f"ranks {hung} of {world_size} still ran after {join_timeout_s} s "
+                           f"(hang?) and were killed; finished: {sorted(out)}")
     errors = [(r, out[r][1]) for r in sorted(out) if out[r][0] == "error"]
     if errors:
         r, tb = errors[0]

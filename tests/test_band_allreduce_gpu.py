@@ -17,13 +17,13 @@ The switch backend is not run (multicast is forbidden); its refusal is tested on
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from moe_overlap.launch import spawn  # noqa: E402
+from conftest import spawn_ranks  # noqa: E402
 
 CASES = [  # (M, N, act2, bias, band_rows, ccta)
     (256, 512, "none", False, 128, 2),
@@ -109,7 +109,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn(_worker, 2, backend="nccl")
+    return spawn_ranks(_worker, 2, backend="nccl")
 
 
 def test_unicast_allreduce_matches_nccl(results):

@@ -4,7 +4,7 @@ import torch
 
 from moe_overlap.combine.baseline import SequentialBaseline, plan_to_compact_rows
 from moe_overlap.combine.dispatch import dispatch_to_plan, exchange_counts
-from moe_overlap.launch import spawn
+from conftest import spawn_ranks
 from moe_overlap.combine.plan import plan_combine
 from moe_overlap.combine.reference import sequential_combine, sequential_dispatch
 from moe_overlap.routing import route
@@ -42,7 +42,7 @@ def _check(rank, W, mode):
 
 def test_prepared_baseline_matches_sequential_combine_in_every_variant():
     for mode in ("balanced", "stress_skew"):
-        for same, errs, gemm, listed in spawn(_check, 2, mode):
+        for same, errs, gemm, listed in spawn_ranks(_check, 2, mode):
             assert same
             assert all(listed)
             assert set(errs) == {(g, s) for g in GEMMS for s in SCALES_CPU}

@@ -8,7 +8,7 @@ import torch
 from moe_overlap import MoECombine
 from moe_overlap.combine import dispatch_to_plan, exchange_counts
 from moe_overlap.combine.reference import sequential_combine, sequential_dispatch
-from moe_overlap.launch import spawn
+from conftest import spawn_ranks
 
 K, N, TOPK, EL = 5, 4, 2, 2
 
@@ -133,6 +133,6 @@ def _case(rank, W, tokens):
 
 @pytest.mark.parametrize("tokens", [[6], [7, 5], [6, 0, 4]])
 def test_gradients_match_single_process_autograd(tokens):
-    for rank, errs in enumerate(spawn(_case, len(tokens), tokens)):
+    for rank, errs in enumerate(spawn_ranks(_case, len(tokens), tokens)):
         assert "missing" not in errs, (rank, errs)
         assert max(errs.values()) < 1e-12, (rank, errs)

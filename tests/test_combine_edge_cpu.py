@@ -15,7 +15,7 @@ from moe_overlap.combine.checks import PeerInputError, agree_on_error
 from moe_overlap.combine.plan import count_assignments
 from moe_overlap.combine.reference import (sequential_combine, sequential_dispatch,
                                            weighted_sum)
-from moe_overlap.launch import spawn
+from conftest import spawn_ranks
 
 E_PER_RANK, K, D, N, TOPK = 2, 8, 6, 5, 2
 
@@ -85,7 +85,7 @@ def test_weighted_sum_of_zero_tokens():
 ])
 def test_zero_tokens_and_empty_experts_on_every_path(tokens, experts):
     W = len(tokens)
-    res = spawn(_zero_case, W, tokens, experts)
+    res = spawn_ranks(_zero_case, W, tokens, experts)
     for r, (shape, err, seq_err, total_rows, h_shape, base_err) in enumerate(res):
         assert shape == (tokens[r], N)
         assert err < 1e-12 and seq_err < 1e-12, (r, err, seq_err)
@@ -190,7 +190,7 @@ def _one_rank_bad(rank, W):
 
 def test_bad_input_on_one_rank_raises_on_every_rank_quickly():
     W = 3
-    res = spawn(_one_rank_bad, W, timeout_s=30)
+    res = spawn_ranks(_one_rank_bad, W, timeout_s=30)
     for rank, (out, good_shape) in enumerate(res):
         assert good_shape == (6, 6)
         for step, (exc, msg, seconds) in out.items():
@@ -230,7 +230,7 @@ def _collectives(rank, W):
 
 
 def test_the_agreement_costs_one_all_reduce_per_step_and_none_without_validate():
-    for with_validate, without, same in spawn(_collectives, 2):
+    for with_validate, without, same in spawn_ranks(_collectives, 2):
         assert with_validate == 4 and without == 0 and same
 
 

@@ -19,7 +19,7 @@ from moe_overlap.ffn.activations import ACTIVATIONS
 from moe_overlap.ffn.layers import check_fused_inference
 from moe_overlap.ffn.reference import experts_truth, ffn_truth, rel_err
 from moe_overlap.ffn.validation import _case_inputs, _count_all_reduce, check_grad_cases
-from moe_overlap.launch import spawn
+from conftest import spawn_ranks
 
 TOL = 1e-10  # float64 on both sides; the sums differ only in their order
 
@@ -101,7 +101,7 @@ def _check_inference(results, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_reference_backward_matches_single_process_autograd(world):
     cases = _cases(world)
-    per_rank = spawn(_worker, world, cases)
+    per_rank = spawn_ranks(_worker, world, cases)
     assert len(per_rank) == world
     for grads, inference in per_rank:
         assert len(grads) == len(cases)

@@ -9,7 +9,7 @@ from moe_overlap.ffn import (FusedFFN, ShardedExperts, check_compute_options,
 from moe_overlap.ffn.activations import ACTIVATIONS
 from moe_overlap.ffn.reference import ffn_truth, rel_err, tolerance
 from moe_overlap.ffn.validation import check_cases
-from moe_overlap.launch import spawn
+from conftest import spawn_ranks
 
 
 def _cases(world):
@@ -41,7 +41,7 @@ def _check(results, cases):
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_reference_backend_matches_float64_truth(world):
     cases = _cases(world)
-    per_rank = spawn(check_cases, world, cases)
+    per_rank = spawn_ranks(check_cases, world, cases)
     assert len(per_rank) == world
     for results in per_rank:
         _check(results, cases)
@@ -170,7 +170,7 @@ def _not_divisible(rank, world):  # module level: spawn pickles it by name
 
 
 def test_hidden_not_divisible_by_world():
-    msgs = spawn(_not_divisible, 2)
+    msgs = spawn_ranks(_not_divisible, 2)
     assert all("not divisible by the TP world size 2" in m for m in msgs), msgs
 
 

@@ -4,13 +4,13 @@ tests/test_switch_gpu.py)."""
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
 from moe_overlap.ffn.validation import check_cases  # noqa: E402
-from moe_overlap.launch import spawn  # noqa: E402
+from conftest import spawn_ranks  # noqa: E402
 
 CASES = [dict(P=1024, O=4096, N=1024, T=257, act1=a, act2=b, dtype="bfloat16", device="cuda",
               seed=i) for i, (a, b) in enumerate([("gelu", None), ("silu", "relu"),
@@ -20,7 +20,7 @@ CASES.append(dict(experts=True, E=4, rows=[100, 0, 37, 64], P=512, O=1024, N=256
 
 
 def test_reference_backend_on_two_gpus():
-    for results in spawn(check_cases, 2, CASES, backend="nccl"):
+    for results in spawn_ranks(check_cases, 2, CASES, backend="nccl"):
         for case, r in zip(CASES, results):
             assert r["rel_err"] <= r["tol"], (case, r)
             assert r["rank_diff"] == 0.0, (case, r)

@@ -21,6 +21,8 @@ import os
 import pytest
 import torch
 
+from conftest import spawn_ranks
+
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
@@ -134,22 +136,16 @@ def _single_worker(q):
         q.put(("error", traceback.format_exc(), None))
 
 
+def _single_rank(rank, world):  # spawn_ranks entry (one process; the watchdog: join_timeout_s)
+    import queue
+    q = queue.Queue()
+    _single_worker(q)
+    return q.get()
+
+
 @pytest.fixture(scope="module")
 def single_results():
-    import multiprocessing as mp
-    import queue
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_single_worker, args=(q,))
-    p.start()
-    try:
-        status, res, errs = q.get(timeout=SINGLE_TIMEOUT_S)
-    except queue.Empty:
-        p.kill()
-        p.join()
-        pytest.fail(f"the single-GPU compute kernel run did not finish in {SINGLE_TIMEOUT_S} s "
-                    f"(hang?)")
-    p.join(timeout=60)
+    status, res, errs = spawn_ranks(_single_rank, 1, join_timeout_s=SINGLE_TIMEOUT_S)[0]
     if status != "ok":
         pytest.fail(f"single-GPU worker failed:\n{res}")
     return res, errs
@@ -244,10 +240,9 @@ def _assert_layer_matches(r):
     assert r["rank_diff"] == 0.0, r  # every rank holds the same all-reduced output
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.two_gpus
 def test_fused_ffn_matches_reference_on_two_gpus():
-    from moe_overlap.launch import spawn
-    for rank_res in spawn(_ffn_worker, 2, backend="nccl"):
+    for rank_res in spawn_ranks(_ffn_worker, 2, backend="nccl"):
         assert len(rank_res) == 2 * len(FFN_CASES)
         for r in rank_res:
             _assert_layer_matches(r)
@@ -291,10 +286,9 @@ def _experts_worker(rank, world):
     return res
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.two_gpus
 def test_sharded_experts_fused_matches_reference_on_two_gpus():
-    from moe_overlap.launch import spawn
-    for rank_res in spawn(_experts_worker, 2, backend="nccl"):
+    for rank_res in spawn_ranks(_experts_worker, 2, backend="nccl"):
         assert len(rank_res) == 2 * len(EXPERT_CASES)
         for r in rank_res:
             _assert_layer_matches(r)

@@ -27,13 +27,13 @@ routes of another plan must be refused.
 """
 import json
 import os
-import socket
-import tempfile
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from conftest import spawn_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
@@ -44,17 +44,12 @@ E, TOPK, K, N, TILE_M, T_MAX = 8, 2, 256, 512, 128, 384
 ZERO_TAGS = ("nvlink", "nvshmem", "nvlink_v2")  # configs that also run _zero_checks
 
 
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def _routing(T, seed, rank, dev):
     from moe_overlap.routing import route
     return route(T, E, TOPK, mode="moderate_skew", seed=seed, rank=rank, device=dev)
+
+
+_LAYOUT = {"now": "auto"}  # the plan layout of the config running (set per config in _worker)
 
 
 def _plan(ov, topk_ids):
@@ -62,7 +57,7 @@ def _plan(ov, topk_ids):
     from moe_overlap.combine.plan import plan_combine
     counts = exchange_counts(topk_ids, E)
     return plan_combine(counts, ov.rank, tile_m=TILE_M, mgb=2,
-                        max_rows=ov.world_size * T_MAX * TOPK)
+                        max_rows=ov.world_size * T_MAX * TOPK, layout=_LAYOUT["now"])
 
 
 def _rel(out, ref):
@@ -248,11 +243,10 @@ def _timeout_check(ov, res, tag="timeout"):
         res[f"{tag}_msg"] = str(e)
 
 
-def _worker(rank, world, port, outdir):
-    import torch.distributed as dist
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+def _worker(rank, world):
+    """Every config in sequence on this rank; returns the results dict (errors recorded per
+    config, not raised, so the other configs still run). spawn_ranks(hard_exit=True) ends the
+    process right after: no NCCL / NVSHMEM teardown (their order can hang)."""
     res = {}
     try:
         from moe_overlap.combine.overlap import OverlapCombine
@@ -309,43 +303,17 @@ def _worker(rank, world, port, outdir):
     except Exception as e:
         import traceback
         res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    if any(k.endswith("error") for k in res):
-        os._exit(1)  # a peer may sit in a collective: no teardown
-    try:
-        from moe_overlap.runtime.nvshmem import NvshmemRuntime
-        if not any(k.endswith("_raised") for k in res):  # after a timeout: skip teardown
-            for rt in list(NvshmemRuntime._live.values()):
-                rt.finalize()
-    except Exception:
-        pass
-    os._exit(0)  # skip NCCL / NVSHMEM teardown ordering issues
-
-
-def _run(outdir):
-    import torch.multiprocessing as mp
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, outdir)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=540)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    out = []
-    for r in range(2):
-        path = os.path.join(outdir, f"rank{r}.json")
-        out.append(json.load(open(path)) if os.path.exists(path) else {"error": "no result"})
-    return out
+    return res
 
 
 @pytest.fixture(scope="module")
 def results():
-    d = os.environ.get("MOE_TEST_OUT") or tempfile.mkdtemp()
-    res = _run(d)
+    res = spawn_ranks(_worker, 2, backend="nccl", join_timeout_s=540, hard_exit=True)
+    d = os.environ.get("MOE_TEST_OUT")  # keep the per-rank results (debugging)
+    if d:
+        for r, rr in enumerate(res):
+            with open(os.path.join(d, f"rank{r}.json"), "w") as f:
+                json.dump(rr, f, indent=1)
     print(json.dumps(res, indent=1))
     return res
 

@@ -1,5 +1,5 @@
 """CPU checks of moe_overlap.timing helpers that do not need a GPU."""
-from moe_overlap.launch import spawn
+from conftest import spawn_ranks
 
 
 def _max_worker(rank, world):
@@ -8,4 +8,4 @@ def _max_worker(rank, world):
 
 
 def test_max_over_ranks_is_the_largest_on_every_rank():
-    assert spawn(_max_worker, 3) == [2.25, 2.25, 2.25]
+    assert spawn_ranks(_max_worker, 3) == [2.25, 2.25, 2.25]

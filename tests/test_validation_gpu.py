@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
@@ -42,8 +42,8 @@ def _run(rank, world, producer, broken, local_copy, soak_calls):
 
 
 def _spawn(*args):
-    from moe_overlap.launch import spawn
-    return spawn(_run, 2, *args, backend="nccl")
+    from conftest import spawn_ranks
+    return spawn_ranks(_run, 2, *args, backend="nccl")
 
 
 @pytest.mark.parametrize("local_copy", [True, False])

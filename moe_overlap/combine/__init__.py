@@ -5,8 +5,9 @@
 """
 from .dispatch import dispatch_to_plan, exchange_counts
 from .layer import MoECombine, overlap_available
+from .options import CombineOptions
 from .plan import CombinePlan, plan_combine, recv_rows
 from .reference import grouped_matmul
 
-__all__ = ["CombinePlan", "MoECombine", "dispatch_to_plan", "exchange_counts", "grouped_matmul",
+__all__ = ["CombineOptions", "CombinePlan", "MoECombine", "dispatch_to_plan", "exchange_counts", "grouped_matmul",
            "overlap_available", "plan_combine", "recv_rows"]

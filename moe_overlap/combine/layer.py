@@ -14,7 +14,8 @@ import numbers
 import torch
 
 from .checks import agree_on_error, as_int, check_routing_matches, error_of
-from .plan import LAYOUTS, SUPPORTED_TILE_M, CombinePlan, count_assignments, plan_combine
+from .options import CombineFacts, CombineOptions, options_from_kwargs
+from .plan import SUPPORTED_TILE_M, CombinePlan, count_assignments, plan_combine
 from .reference import reference_combine, world
 
 BACKENDS = ("auto", "reference", "overlap")
@@ -43,8 +44,14 @@ class MoECombine(torch.nn.Module):
 
     num_experts: global experts E (E // world_size per rank); hidden_size K: rows of w_down;
     out_features N: columns of w_down; topk: experts per token; max_tokens_per_rank: the most tokens
-    any rank routes in one call (sizes plans and communication buffers); layout: the plan's row
-    layout, "auto" (packed where it saves rows), "aligned" or "packed" (see `plan_combine`).
+    any rank routes in one call (sizes plans and communication buffers); tile_m: rows per band
+    (64, 128 or 256); backend: see the module doc.
+
+    Options (``options=CombineOptions(...)``, or the same names as keyword arguments: ccta, mgb,
+    transport, local_copy, copy, layout; a keyword given overrides the object's field): see
+    moe_overlap/combine/options.py for each option, its allowed values and the one meaning of
+    "auto". They are validated and resolved once here (``self.options``: no "auto" left but the
+    per-plan layout); ``autotune`` replaces them with the tuned ccta and mgb.
 
     validate=True: `plan` and `forward` check their input, including its values (expert ids in
     range, topk_ids matching the counts the plan was made from, capacities), which reads data on
@@ -66,8 +73,9 @@ class MoECombine(torch.nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, out_features: int, topk: int,
                  max_tokens_per_rank: int, group=None, tile_m: int = 128, backend: str = "auto",
-                 ccta="auto", mgb="auto", transport: str = "nvlink", validate: bool = True,
-                 local_copy: bool | None = None, copy: str | None = None, layout: str = "auto"):
+                 ccta=None, mgb=None, transport: str | None = None, validate: bool = True,
+                 local_copy: bool | None = None, copy: str | None = None,
+                 layout: str | None = None, options: CombineOptions | None = None):
         super().__init__()
         rank, W = world(group)
         ints = {}
@@ -91,33 +99,25 @@ class MoECombine(torch.nn.Module):
             raise ValueError(f"tile_m={tile_m!r} not supported; use one of {SUPPORTED_TILE_M}")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; choose from {BACKENDS}")
-        for name, v in (("ccta", ccta), ("mgb", mgb)):
-            if isinstance(v, str) and v == "auto":
-                continue
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"{name} must be 'auto' or a positive int, got {v!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout={layout!r}; choose from {LAYOUTS}")
-        ccta = ccta if isinstance(ccta, str) else int(ccta)
-        mgb = mgb if isinstance(mgb, str) else int(mgb)
-        if transport not in ("nvlink", "nvshmem"):
-            raise ValueError(f"transport={transport!r}; choose 'nvlink' or 'nvshmem'")
-        if copy not in (None, "ldst", "tma") or (copy == "tma" and transport != "nvlink"):
-            raise ValueError(f"copy={copy!r} with transport={transport!r}: use 'ldst', or 'tma' "
-                             "with nvlink")
+        # every option checked in one place (CombineOptions.validate), resolved once below
+        options = options_from_kwargs(options, "MoECombine", ccta=ccta, mgb=mgb,
+                                      transport=transport, local_copy=local_copy, copy=copy,
+                                      layout=layout)
         self.group, self.rank, self.world_size = group, rank, W
         self.num_experts, self.experts_per_rank = num_experts, num_experts // W
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
         self.max_tokens_per_rank, self.tile_m, self.validate = max_tokens_per_rank, tile_m, validate
-        self.transport, self.requested_backend, self.layout = transport, backend, layout
-        # consumer variants (overlap backend): local_copy=False lets the scale read local rows
-        # straight from the GEMM output; copy="tma" ships with bulk copies through shared memory.
-        # Defaults: the fastest variant validated for the transport (nvlink: v2; nvshmem keeps
-        # its put and the local copy, the configuration its tests run).
-        nvlink = transport == "nvlink"
-        self.local_copy = (not nvlink) if local_copy is None else local_copy
-        self.copy = ("tma" if nvlink else "ldst") if copy is None else copy
-        self.ccta, self.mgb = self._resolve_auto(ccta, mgb)
+        self.requested_backend = backend
+        cuda = torch.cuda.is_available()
+        self.facts = CombineFacts(
+            world_size=W, hidden_size=hidden_size, out_features=out_features,
+            experts_per_rank=num_experts // W, tile_m=tile_m, rows=max_tokens_per_rank * topk,
+            device_name=torch.cuda.get_device_name() if cuda else "cpu",
+            num_sms=torch.cuda.get_device_properties(torch.cuda.current_device())
+            .multi_processor_count if cuda else None)
+        self.options = options.resolve(self.facts)
+        if self.options.gemm_options:  # checked now, not when the overlap backend starts
+            self.options.check_gemm_options(tile_m)
         self._impl = None  # overlap backend object, built lazily on the first CUDA call
 
     # the most rows one rank can receive: every token of every rank routed to its experts
@@ -125,20 +125,16 @@ class MoECombine(torch.nn.Module):
     def max_rows(self) -> int:
         return self.world_size * self.max_tokens_per_rank * self.topk
 
-    def _resolve_auto(self, ccta, mgb):
-        """'auto' -> a tuned value cached for this shape bucket, else the analytic choice for the
-        expected load (each rank receives about max_tokens_per_rank * topk rows, (W-1)/W remote)."""
-        from .tuning import TuneCache, analytic_choice, shape_key
-        rows = self.max_tokens_per_rank * self.topk
-        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        self.tune_key = shape_key(dev, self.world_size, self.out_features, self.hidden_size,
-                                  self.experts_per_rank, self.tile_m, rows)
-        if ccta != "auto" and mgb != "auto":
-            return ccta, mgb
-        choice = TuneCache().get(self.tune_key) or analytic_choice(
-            rows, rows * (self.world_size - 1) // self.world_size, self.out_features,
-            self.hidden_size, self.tile_m)
-        return (choice[0] if ccta == "auto" else ccta), (choice[1] if mgb == "auto" else mgb)
+    # the resolved options under their historical attribute names (read-only: the layer's
+    # options change only through autotune, which replaces self.options)
+    ccta = property(lambda self: self.options.ccta, doc="Consumer SMs (resolved option).")
+    mgb = property(lambda self: self.options.mgb, doc="Bands per transfer (resolved option).")
+    transport = property(lambda self: self.options.transport)
+    layout = property(lambda self: self.options.layout)
+    local_copy = property(lambda self: self.options.local_copy)
+    copy = property(lambda self: self.options.copy)
+    tune_key = property(lambda self: self.facts.tune_key,
+                        doc="The tune-cache key of this layer's shape bucket.")
 
     def plan(self, expert_counts: torch.Tensor, validate: bool | None = None) -> CombinePlan:
         """The plan of this rank for all-gathered counts [W, E], sized for max_tokens_per_rank.
@@ -274,7 +270,13 @@ class MoECombine(torch.nn.Module):
         if backend == "reference":
             return reference_combine(h, w_down, plan, topk_ids, topk_weights, self.group)
         return self._overlap_impl(h.device).forward(h, w_down, plan, topk_ids, topk_weights,
-                                                    routes=routes)
+                                                    routes=routes, ccta=self.ccta)
+
+    def check_errors(self):
+        """Overlap backend: synchronize and raise if a device wait timed out in an earlier call
+        (``OverlapError`` with the device's error record). Nothing to check otherwise."""
+        if self._impl is not None:
+            self._impl.check_errors()
 
     def _overlap_impl(self, device):
         ok, why = overlap_available(device)
@@ -286,8 +288,7 @@ class MoECombine(torch.nn.Module):
                 group=self.group, num_experts=self.num_experts, hidden_size=self.hidden_size,
                 out_features=self.out_features, topk=self.topk,
                 max_tokens_per_rank=self.max_tokens_per_rank, tile_m=self.tile_m,
-                ccta=self.ccta, mgb=self.mgb, transport=self.transport,
-                local_copy=self.local_copy, copy=self.copy)
+                options=self.options)
         return self._impl
 
     def autotune(self, h, w_down, expert_counts, topk_ids, topk_weights, candidates=None,
@@ -295,7 +296,10 @@ class MoECombine(torch.nn.Module):
         """Time (ccta, mgb) candidates (default: `tuning.coordinate_search` from the current
         choice) on this input with the overlap backend (CUDA-graph replays), keep the fastest
         (the slowest rank counts), cache it for this shape bucket (rank 0 writes) and use it from
-        now on. Collective: call on every rank. A bucket every rank finds cached is not timed."""
+        now on (``self.options`` becomes a copy with the chosen ccta and mgb). Each candidate is
+        passed to the calls it times (``forward(..., ccta=)`` and a plan made with its mgb); no
+        attribute is written while timing. Collective: call on every rank. A bucket every rank
+        finds cached is not timed."""
         import torch.distributed as dist
 
         from ..timing import time_calls
@@ -322,10 +326,9 @@ class MoECombine(torch.nn.Module):
             def measure(c, m):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
                                     max_rows=self.max_rows, validate=False, layout=self.layout)
-                impl.ccta = c
                 routes = impl.prepare(plan, topk_ids)
                 ms = time_calls(lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights,
-                                                     routes=routes),
+                                                     routes=routes, ccta=c),
                                 reps=reps, replays=5, barrier=barrier)[0]
                 impl.check_errors()
                 return agree(ms, dist.ReduceOp.MAX)
@@ -339,6 +342,5 @@ class MoECombine(torch.nn.Module):
             if self.rank == 0:
                 cache.put(self.tune_key, choice[0], choice[1], ms=times[choice],
                           tried={f"{c},{m}": t for (c, m), t in times.items()})
-        self.ccta, self.mgb = choice
-        impl.ccta = self.ccta
-        return choice
+        self.options = self.options.replace(ccta=int(choice[0]), mgb=int(choice[1]))
+        return self.ccta, self.mgb

@@ -18,13 +18,14 @@ that marker.
 Everything per call lives on the device (epoch, expected counts, flags), so the call is capturable
 in a CUDA graph and replays with new data in the same input tensors.
 
-Options (v1 defaults ``local_copy=True, copy="ldst"``; v2 = ``local_copy=False, copy="tma"``):
-- ``local_copy=False``: the consumer ships remote segments only. ``prepare(plan, ...)`` builds,
-  on the device, each (t, k) assignment's source row: the receive-slot row r (remote experts) or,
-  for this rank's own experts, y row = expert_row_start[e] + group_row_start[e, rank] +
-  (r - first receive row of expert g), encoded as -(y row) - 1; expected[rank] only advances by
-  the call marker. The scale is ordered after the producer on the stream (cs waits s0 after the
-  producer launch), not on the band flags.
+Options: ``moe_overlap.combine.options.CombineOptions`` (one default each, resolved once at
+construction). The consumer variants they select:
+- ``local_copy=False`` (the default with nvlink): the consumer ships remote segments only.
+  ``prepare(plan, ...)`` builds, on the device, each (t, k) assignment's source row: the
+  receive-slot row r (remote experts) or, for this rank's own experts, y row =
+  expert_row_start[e] + group_row_start[e, rank] + (r - first receive row of expert g), encoded
+  as -(y row) - 1; expected[rank] only advances by the call marker. The scale is ordered after
+  the producer on the stream (cs waits s0 after the producer launch), not on the band flags.
   Memory ordering: the producer's y stores (TMA, async proxy) are complete and visible to later
   work at its kernel boundary; the cs -> s0 event wait orders the scale launch after that boundary
   (no flag needed). Why not spin on band_ready in the scale instead: the scale's 2 x SMs CTAs could
@@ -32,9 +33,12 @@ Options (v1 defaults ``local_copy=True, copy="ldst"``; v2 = ``local_copy=False, 
   ordered after the producer they never spin on local work. Remote rows keep the sys-scope
   counter release/acquire. y is rewritten only by the next call's producer, which s0 orders after
   this call's scale (s0 waits cs at the end of the call).
-- ``copy="tma"`` (nvlink only): the consumer moves segments with bulk copies through a shared
-  memory ring (see moe_overlap/combine/consumer.py); ``consumer_stages`` / ``consumer_chunk``
-  size the ring.
+- ``local_copy=True`` (the default with nvshmem): the consumer also copies this rank's own rows
+  into its receive buffer (its local cells) and counts them; the scale reads every assignment
+  from the receive buffer.
+- ``copy="tma"`` (nvlink only; the default there): the consumer moves segments with bulk
+  copies through a shared memory ring (see moe_overlap/combine/consumer.py);
+  ``consumer_stages`` / ``consumer_chunk`` size the ring.
 
 Producer: ``moe_overlap.combine.grouped_gemm.GroupedGemm`` (clusters of 1 beside the consumer,
 see ``_gemm_for``); without CuTe DSL (or with ``producer="torch"``) a torch stand-in: all-expert
@@ -49,8 +53,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-
-TRANSPORTS = ("nvlink", "nvshmem")
+from ..diagnostics import CombineDebug, debug_scope
+from .options import TRANSPORTS, CombineFacts, CombineOptions, options_from_kwargs  # noqa: F401
 
 
 class OverlapError(RuntimeError):
@@ -59,15 +63,7 @@ class OverlapError(RuntimeError):
 
 def check_gemm_options(options, tile_m):
     """Validated copy of OverlapCombine's ``gemm_options`` (ValueError / TypeError otherwise)."""
-    import inspect
-    from ..kernels import reject_unknown_options
-    from .grouped_gemm import GroupedGemm
-    options = dict(options or {})
-    allowed = set(inspect.signature(GroupedGemm.__init__).parameters) - {
-        "self", "tile_m", "tile_n", "signal"}
-    reject_unknown_options("gemm_options", options, allowed)
-    GroupedGemm(tile_m=tile_m, **options)  # the GEMM's own value checks
-    return options
+    return CombineOptions(gemm_options=options).check_gemm_options(tile_m)
 
 
 class CombineRoutes:
@@ -79,44 +75,44 @@ class CombineRoutes:
 
 
 class OverlapCombine:
+    """The overlapped combine of one layer on this rank (see the module doc for one call).
+
+    Sizes: num_experts, hidden_size (K), out_features (N), topk, max_tokens_per_rank, tile_m.
+    Options: ``options=CombineOptions(...)`` and/or the same names as keyword arguments (a
+    keyword given overrides the object's field); resolved once here (``self.options``, no
+    "auto" left; see moe_overlap/combine/options.py for every option and what "auto" means).
+    ``mgb`` is accepted for compatibility only: bands per transfer are the plan's
+    (``plan_combine(mgb=)`` / ``MoECombine``), this object never reads it.
+    Per call, ``forward(..., ccta=)`` / ``ship(..., ccta=, piece_rows=)`` /
+    ``produce(..., ccta=)`` override the resolved ccta / piece rows for that call only (the
+    tuner and the sweep time candidates this way)."""
     _instances = 0
 
     def __init__(self, group=None, num_experts: int = 8, hidden_size: int = 1024,
                  out_features: int = 1024, topk: int = 2, max_tokens_per_rank: int = 1024,
-                 tile_m: int = 128, ccta="auto", mgb="auto", transport: str = "nvlink",
-                 producer: str | None = None, timeout_s: float = 10.0, consumer_threads: int = 512,
-                 consumer_unroll: int = 4, local_copy: bool = True, copy: str = "ldst",
+                 tile_m: int = 128, ccta=None, mgb=None, transport: str | None = None,
+                 producer: str | None = None, timeout_s: float | None = None,
+                 consumer_threads: int | None = None, consumer_unroll: int | None = None,
+                 local_copy: bool | None = None, copy: str | None = None,
                  consumer_stages: int | None = None, consumer_chunk: int | None = None,
                  consumer_piece_rows: int | None = None,
-                 gemm_options: dict | None = None):
-        # options of the producer GroupedGemm (e.g. cluster_n, band_group), checked here, on
-        # any machine, before CUDA is touched; tile_m / tile_n / signal are the combine's
-        self.gemm_options = check_gemm_options(gemm_options, tile_m)
-        if consumer_piece_rows is not None and (
-                not isinstance(consumer_piece_rows, int) or isinstance(consumer_piece_rows, bool)
-                or consumer_piece_rows < 0):
-            raise ValueError(f"consumer_piece_rows={consumer_piece_rows!r} must be an int >= 0 "
-                             "(0: one piece per segment) or None (about 1 MiB of rows)")
+                 gemm_options: dict | None = None, options: CombineOptions | None = None):
+        if mgb is not None and mgb != "auto":
+            warnings.warn("OverlapCombine(mgb=...) is ignored: bands per transfer are the "
+                          "plan's (plan_combine(mgb=...) or MoECombine(mgb=...))",
+                          DeprecationWarning, stacklevel=2)
+        # every option checked here, on any machine, before CUDA is touched
+        opts = options_from_kwargs(
+            options, "OverlapCombine", ccta=ccta, transport=transport, producer=producer,
+            timeout_s=timeout_s, consumer_threads=consumer_threads,
+            consumer_unroll=consumer_unroll, local_copy=local_copy, copy=copy,
+            consumer_stages=consumer_stages, consumer_chunk=consumer_chunk,
+            consumer_piece_rows=consumer_piece_rows, gemm_options=gemm_options)
+        self.gemm_options = opts.check_gemm_options(tile_m)
         if not torch.cuda.is_available():
             raise OverlapError("OverlapCombine needs CUDA")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport={transport!r}; choose from {TRANSPORTS}")
         if out_features % 8:
             raise ValueError(f"out_features={out_features} must be a multiple of 8 (16-byte rows)")
-        from .consumer import check_options, DEFAULT_STAGES, DEFAULT_CHUNK, \
-            DEFAULT_LOOKAHEAD, DEFAULT_PIECE_BYTES
-        stages = DEFAULT_STAGES if consumer_stages is None else int(consumer_stages)
-        chunk = DEFAULT_CHUNK if consumer_chunk is None else int(consumer_chunk)
-        lookahead = min(DEFAULT_LOOKAHEAD, max(1, stages // 2))
-        check_options(transport, copy, stages, chunk, lookahead)
-        if consumer_piece_rows is None:  # ~1 MiB per piece (see consumer.py)
-            consumer_piece_rows = max(1, DEFAULT_PIECE_BYTES // (2 * out_features))
-        self.piece_rows = consumer_piece_rows
-        self.local_copy, self.copy = bool(local_copy), copy
-        if producer is None:
-            producer = os.environ.get("MOE_OVERLAP_PRODUCER", "auto")
-        if producer not in ("auto", "torch", "grouped_gemm"):
-            raise ValueError(f"producer={producer!r}; choose auto, torch or grouped_gemm")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = W = dist.get_world_size(group)
@@ -128,14 +124,13 @@ class OverlapCombine:
         self.device = torch.device("cuda", torch.cuda.current_device())
         props = torch.cuda.get_device_properties(self.device)
         self.num_sms = props.multi_processor_count
-        if ccta == "auto":
-            ccta = 16
-        if not isinstance(ccta, int) or not 1 <= ccta < self.num_sms:
-            raise ValueError(f"ccta={ccta!r} must be an int in [1, {self.num_sms - 1}]")
-        self.ccta = ccta
-        self.mgb = 2 if mgb == "auto" else mgb
-        self.transport = transport
-        self.timeout_ns = int(timeout_s * 1e9)
+        self.facts = CombineFacts(
+            world_size=W, hidden_size=hidden_size, out_features=out_features,
+            experts_per_rank=self.experts_per_rank, tile_m=tile_m,
+            rows=max_tokens_per_rank * topk, device_name=torch.cuda.get_device_name(self.device),
+            num_sms=self.num_sms)
+        self.options = opts = opts.resolve(self.facts)
+        self.timeout_ns = int(opts.timeout_s * 1e9)
         if os.environ.get("CUDA_MODULE_LOADING", "") != "EAGER":
             warnings.warn("CUDA_MODULE_LOADING is not EAGER: a spinning kernel plus a lazily "
                           "loaded module can deadlock; OverlapCombine warms every kernel up, "
@@ -161,19 +156,18 @@ class OverlapCombine:
         self._band_ready = None
         self._y = None
         self.cs = torch.cuda.Stream(device=dev, priority=-1)
-        self.consumer = Consumer(transport, consumer_threads, consumer_unroll, self.timeout_ns,
-                                 local_copy=self.local_copy, copy=copy, stages=stages,
-                                 chunk_bytes=chunk, lookahead=lookahead)
-        self.scale = Scale(topk, timeout_ns=self.timeout_ns, y_src=not self.local_copy)
-        self.producer_kind = self._pick_producer(producer)
+        self.consumer = Consumer(opts.transport, opts.consumer_threads, opts.consumer_unroll,
+                                 self.timeout_ns, local_copy=opts.local_copy, copy=opts.copy,
+                                 stages=opts.consumer_stages, chunk_bytes=opts.consumer_chunk,
+                                 lookahead=opts.consumer_lookahead)
+        self.scale = Scale(topk, timeout_ns=self.timeout_ns, y_src=not opts.local_copy)
+        self.producer_kind = self._pick_producer(opts.producer)
         self._gemms = {}  # "solo" (every SM) / "beside" (next to the consumer): see _gemm_for
         self._warm = False  # consumer + scale loaded (warmup())
         self._prod_warm = False  # producer compiled and run once alone
-        # diagnostics (bench/bench_combine_split.py; eager calls only, never under capture):
-        # a list -> forward appends a dict of CUDA events (start, begun, shipped, produced,
-        # scaled); _diag_skip_scale leaves the scale out (times producer || consumer alone)
-        self._diag_timeline = None
-        self._diag_skip_scale = False
+        # diagnostics (benchmarks; eager calls only, never under capture; never in a compile
+        # key): see ``diagnostics``
+        self._debug = CombineDebug()
         # test only (moe_overlap.combine.race_check): a deliberately broken ordering, read once
         # here. "flags_before_stores": the torch stand-in producer raises every band flag before
         # the band's rows are computed and stored, so the consumer may ship stale rows; the
@@ -184,6 +178,20 @@ class OverlapCombine:
                              "only 'flags_before_stores' exists")
         if self._test_broken_order and self.producer_kind != "torch":
             raise ValueError("MOE_OVERLAP_TEST_BROKEN_ORDER needs producer='torch'")
+
+    # resolved options under their historical attribute names (read-only)
+    ccta = property(lambda self: self.options.ccta, doc="Consumer SMs (resolved option).")
+    transport = property(lambda self: self.options.transport)
+    local_copy = property(lambda self: self.options.local_copy)
+    copy = property(lambda self: self.options.copy)
+    piece_rows = property(lambda self: self.options.consumer_piece_rows)
+
+    def diagnostics(self, timeline: list | None = None, skip_scale: bool = False):
+        """Context manager for benchmarks (eager calls only): inside it every ``forward``
+        appends to ``timeline`` (a list) a dict of CUDA timing events (start, begun, shipped,
+        produced, scaled), and ``skip_scale=True`` leaves the scale out (its output is then
+        garbage: times producer || consumer alone). Not part of any compile key."""
+        return debug_scope(self, CombineDebug(timeline=timeline, skip_scale=bool(skip_scale)))
 
     # ---- producer ----------------------------------------------------------------------------
     def _pick_producer(self, producer: str) -> str:
@@ -202,8 +210,12 @@ class OverlapCombine:
                 raise
             return "torch"
 
-    def _buffers_for(self, h, plan):
-        """y [rows of h, N] (a view of a buffer with one scratch row more) and band_ready."""
+    def buffers_for(self, h, plan):
+        """The producer's outputs for this input, owned by this object and reused across calls:
+        ``(y, band_ready)`` with y bf16 ``[h.shape[0] + 1, N]`` (the last row absorbs the
+        stores of invalid bands; the GEMM output is ``y[:h.shape[0]]``) and band_ready int32
+        ``[plan.band_capacity]`` (persistent flags, never reset: see docs/CONTRACTS.md). Benches
+        and the validation use them to time or poison the producer's buffers."""
         rows = h.shape[0]
         if self._y is None or self._y.shape[0] != rows + 1:
             self._y = torch.zeros(rows + 1, self.out_features, dtype=torch.bfloat16,
@@ -234,12 +246,11 @@ class OverlapCombine:
         band_ready.copy_(torch.where(valid, epoch.expand(cap), band_ready))
 
     def _gemm_for(self, ccta: int):
-        """The producer GEMM for a launch beside ``ccta`` consumer SMs. Its default clusters of 2
-        CTAs are the fastest on every SM, but beside the consumer's CTAs part of the persistent
-        grid can find no pair of free SMs and run as a second wave: at ccta = 16 (and 4 on a
-        K=14336 shape) the overlapped call took 1.6-1.7x longer in CUDA-graph replays, and clusters
-        of 1 removed it (sweep_c1 / sweep_c2, bench/NOTES.md). So launches beside a consumer use
-        clusters of 1 unless gemm_options set cluster_n; both give the same bits."""
+        """The producer GEMM for a launch beside ``ccta`` consumer SMs (0: alone, every SM).
+        Beside the consumer's CTAs, clusters of 2 can leave part of the persistent grid without a
+        pair of free SMs, so it runs as a second wave; launches beside a consumer therefore use
+        clusters of 1 unless gemm_options set cluster_n (the measurements: bench/NOTES.md,
+        "Moved from docstrings"). Both cluster sizes give the same bits."""
         key = "solo" if ccta == 0 or "cluster_n" in self.gemm_options else "beside"
         gemm = self._gemms.get(key)
         if gemm is None:
@@ -249,9 +260,11 @@ class OverlapCombine:
                                                   **opts)
         return gemm
 
-    def _produce(self, h, w_down, plan, y_ext, band_ready, ccta=None):
-        """y_ext: [rows + 1, N]; the producer writes y = y_ext[:rows]. ccta: SMs left out of the
-        producer's grid (default: the consumer's reservation)."""
+    def produce(self, h, w_down, plan, y_ext, band_ready, ccta=None):
+        """Launch the producer alone on the current stream: y = y_ext[:rows] = h[bands] @
+        w_down[band expert], then band_ready[b] = epoch for every valid band (the current epoch:
+        no epoch change). y_ext: ``[rows + 1, N]`` (``buffers_for``); ccta: SMs left out of the
+        producer's grid (default: the resolved option; 0: every SM)."""
         ccta = self.ccta if ccta is None else ccta
         if h.shape[0] == 0:
             # this rank receives no rows (the plan has no bands): the GEMM still launches, on
@@ -293,6 +306,12 @@ class OverlapCombine:
         for t in (h, w_down, topk_ids, topk_weights):
             if t.device != self.device:
                 raise ValueError(f"tensors must be on {self.device}, got {t.device}")
+
+    def check_ccta(self, ccta) -> int:
+        """A per-call ccta checked against this GPU (ValueError otherwise)."""
+        if isinstance(ccta, bool) or not isinstance(ccta, int) or not 1 <= ccta < self.num_sms:
+            raise ValueError(f"ccta={ccta!r} must be an int in [1, {self.num_sms - 1}]")
+        return ccta
 
     def check_errors(self):
         """Synchronizes; raises OverlapError with the device error record if a wait timed out."""
@@ -363,24 +382,36 @@ class OverlapCombine:
         return source_rows_torch(topk_ids, recv_rows, plan, self.num_experts,
                                  self.experts_per_rank, self.rank)
 
-    def ship(self, y, plan, band_ready, ccta=None, slot_bytes=None, stream=None):
-        """Launch the consumer alone (for tests and benchmarks)."""
+    def ship(self, y, plan, band_ready, ccta=None, slot_bytes=None, stream=None,
+             piece_rows=None):
+        """Launch the consumer alone (for tests and benchmarks): it ships the plan's segments of
+        y once their bands' flags equal the current epoch. ccta / piece_rows: this launch's
+        CTAs and rows per piece (default: the resolved options)."""
         self.consumer.launch(y=y, plan=plan, band_ready=band_ready, epoch=self.epoch,
                              recv_peers=self.buffers.recv_peers,
                              ctr_peers=self.buffers.ctr_peers, recv_sym=self.recv.data_ptr(),
                              ctr_sym=self.counters.data_ptr(), err=self.err,
                              ccta=self.ccta if ccta is None else ccta,
                              slot_bytes=self.slot_bytes if slot_bytes is None else slot_bytes,
-                             piece_rows=self.piece_rows, stream=stream)
+                             piece_rows=self.piece_rows if piece_rows is None else piece_rows,
+                             stream=stream)
 
     # ---- the call ------------------------------------------------------------------------------
     def forward(self, h, w_down, plan, topk_ids, topk_weights, check: bool = False,
-                overlap: bool = True, routes: CombineRoutes | None = None, out=None):
-        """overlap=False: our own non-overlapped path (the same GEMM on every SM, then the
+                overlap: bool = True, routes: CombineRoutes | None = None, out=None,
+                ccta: int | None = None, piece_rows: int | None = None):
+        """One combine call (collective): bf16 [T, N].
+        overlap=False: our own non-overlapped path (the same GEMM on every SM, then the
         consumer, then the scale), the bitwise reference of the overlapped call.
         routes: ``prepare(plan, topk_ids)`` of this routing (computed in the call if None).
-        out: optional bf16 [T, N] tensor the result is written to (default: a new one)."""
+        out: optional bf16 [T, N] tensor the result is written to (default: a new one).
+        ccta / piece_rows: this call's consumer SMs and rows per piece (default: the resolved
+        options; every rank must pass the same). check: synchronize and raise on a device
+        error."""
         self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
+        ccta = self.ccta if ccta is None else self.check_ccta(ccta)
+        if piece_rows is not None:
+            CombineOptions(consumer_piece_rows=piece_rows)  # the option's own check
         T = topk_ids.shape[0]
         if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (
                 T, self.out_features) or not out.is_contiguous() or out.device != self.device):
@@ -399,15 +430,16 @@ class OverlapCombine:
         if not self._prod_warm:
             # solo producer pass on scratch flags: compiles and loads its module while nothing
             # spins (loading a module next to a spinning kernel can stall until the spin ends)
-            y, _ = self._buffers_for(h, plan)
+            y, _ = self.buffers_for(h, plan)
             scratch = torch.zeros(plan.band_capacity, dtype=torch.int32, device=self.device)
-            self._produce(h, w_down, plan, y, scratch)
+            self.produce(h, w_down, plan, y, scratch, ccta=ccta)
             torch.cuda.synchronize(self.device)
             self._prod_warm = True
-        y, band_ready = self._buffers_for(h, plan)
+        y, band_ready = self.buffers_for(h, plan)
         s0 = torch.cuda.current_stream(self.device)
         marks = None
-        if self._diag_timeline is not None:
+        debug = self._debug
+        if debug.timeline is not None:
             marks = {n: torch.cuda.Event(enable_timing=True)
                      for n in ("start", "begun", "shipped", "produced", "scaled")}
             marks["start"].record(s0)
@@ -418,14 +450,14 @@ class OverlapCombine:
             out = torch.empty(T, self.out_features, dtype=torch.bfloat16, device=self.device)
         cs = self.cs
         if not overlap:  # all bands final before the consumer starts
-            self._produce(h, w_down, plan, y, band_ready, ccta=0)
+            self.produce(h, w_down, plan, y, band_ready, ccta=0)
         cs.wait_stream(s0)
         with torch.cuda.stream(cs):
-            self.ship(y, plan, band_ready, stream=cs)
+            self.ship(y, plan, band_ready, ccta=ccta, stream=cs, piece_rows=piece_rows)
             if marks:
                 marks["shipped"].record(cs)
         if overlap:
-            self._produce(h, w_down, plan, y, band_ready)
+            self.produce(h, w_down, plan, y, band_ready, ccta=ccta)
         if marks:
             marks["produced"].record(s0)
         if not self.local_copy:
@@ -433,7 +465,7 @@ class OverlapCombine:
             # boundary = y final and visible; see the module doc for why not a flag spin)
             cs.wait_stream(s0)
         with torch.cuda.stream(cs):
-            if not self._diag_skip_scale:
+            if not debug.skip_scale:
                 self.scale.launch(recv=self.recv, rows=rows, weights=weights, out=out,
                                   counters=self.counters, expected=self.expected,
                                   rank=self.rank, err=self.err, epoch=self.epoch,
@@ -441,7 +473,7 @@ class OverlapCombine:
                                   y=y, epoch_tags=True)
             if marks:
                 marks["scaled"].record(cs)
-                self._diag_timeline.append(marks)
+                debug.timeline.append(marks)
         s0.wait_stream(cs)
         if not torch.cuda.is_current_stream_capturing():
             for t in (rows, weights, out, y):

@@ -85,15 +85,16 @@ def _poison_call_buffers(ov, h, plan, out):
     (a peer's consumer writes into this rank's receive buffer during a call)."""
     torch.cuda.synchronize(ov.device)
     ov.rt.barrier()
-    y, _ = ov._buffers_for(h, plan)
+    y, _ = ov.buffers_for(h, plan)
     poison_(ov.recv, y, out)
     torch.cuda.synchronize(ov.device)
     ov.rt.barrier()
 
 
 def validate_calls(ov, tokens: int, mode: str, calls: int = 8, routing_every: int = 3,
-                   seed: int = 0, mgb: int = 2, tol: float = TOL) -> dict:
-    """``calls`` eager overlapped calls, each with fresh h, poisoned buffers and both checks.
+                   seed: int = 0, mgb: int = 2, tol: float = TOL, ccta: int | None = None) -> dict:
+    """``calls`` eager overlapped calls, each with fresh h, poisoned buffers and both checks
+    (ccta: the overlapped calls' consumer SMs; default: ov's resolved option).
     Returns summarize(...) plus the per-call records; every rank returns the same verdicts."""
     from .overlap import OverlapError
     dev, K, N = ov.device, ov.hidden_size, ov.out_features
@@ -112,7 +113,7 @@ def validate_calls(ov, tokens: int, mode: str, calls: int = 8, routing_every: in
             out_ref = ov.forward(h, w_down, r.plan, r.ids, r.gates, overlap=False,
                                  check=True).clone()
             _poison_call_buffers(ov, h, r.plan, out)
-            ov.forward(h, w_down, r.plan, r.ids, r.gates, out=out, check=True)
+            ov.forward(h, w_down, r.plan, r.ids, r.gates, out=out, check=True, ccta=ccta)
         except OverlapError as e:  # a timed-out wait: this call failed, the layer is unusable
             records.append(dict(call=i, bitwise=False, finite=False, rel_err=float("inf"),
                                 ok=False, error=str(e)))
@@ -125,12 +126,14 @@ def validate_calls(ov, tokens: int, mode: str, calls: int = 8, routing_every: in
 
 
 def soak(ov, tokens: int, mode: str, calls: int = 1000, routing_every: int = 10,
-         seed: int = 0, mgb: int = 2, tol: float = TOL, check_every: int = 1) -> dict:
+         seed: int = 0, mgb: int = 2, tol: float = TOL, check_every: int = 1,
+         ccta: int | None = None) -> dict:
     """``calls`` replays of one captured overlapped call. Before each replay: new h (and every
     ``routing_every`` replays a new routing: its plan tensors copied into the captured plan's)
     written into the captured tensors, receive buffers / y / out poisoned; after it, the output
     is compared with the non-overlapped path on the same data (eager) and the fp32 baseline
-    (every ``check_every``-th replay; 1: all). Reports calls, failures, max error and memory."""
+    (every ``check_every``-th replay; 1: all). ccta: the captured call's consumer SMs (default:
+    ov's resolved option). Reports calls, failures, max error and memory."""
     from .overlap import OverlapError
     dev, K, N = ov.device, ov.hidden_size, ov.out_features
     g = torch.Generator(device=dev).manual_seed(1_000_003 * seed + 7919 * ov.rank + 2)
@@ -140,12 +143,12 @@ def soak(ov, tokens: int, mode: str, calls: int = 1000, routing_every: int = 10,
     plan, ids, gates = r.plan, r.ids.clone(), r.gates.clone()
     h = torch.randn(plan.row_capacity, K, device=dev, generator=g).to(torch.bfloat16)
     out = torch.empty(tokens, N, dtype=torch.bfloat16, device=dev)
-    ov.forward(h, w_down, plan, ids, gates, out=out, check=True)  # eager warm-up of the shape
+    ov.forward(h, w_down, plan, ids, gates, out=out, check=True, ccta=ccta)  # eager warm-up
     torch.cuda.synchronize(dev)
     ov.rt.barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ov.forward(h, w_down, plan, ids, gates, out=out)
+        ov.forward(h, w_down, plan, ids, gates, out=out, ccta=ccta)
     torch.cuda.synchronize(dev)
     ov.rt.barrier()
     mem_before = torch.cuda.memory_allocated(dev)

@@ -90,7 +90,7 @@ def worker(rank, W, args):
         El = E // W
         ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N, topk=k,
                             max_tokens_per_rank=T, tile_m=args.tile_m, ccta=args.ccta[0],
-                            mgb=1, transport=args.transport,
+                            transport=args.transport,
                             local_copy=bool(args.local_copy), copy=args.copy,
                             gemm_options=args.gemm_options)
         for mode in args.modes:
@@ -157,13 +157,12 @@ def worker(rank, W, args):
             choice = analytic_choice(int(valid), int(remote), N, K, args.tile_m)
             # GEMM alone, every SM
             ov.forward(h, w_down, p0, ids, gates, check=True)  # compiles and warms up everything
-            y, _ = ov._buffers_for(h, p0)
+            y, _ = ov.buffers_for(h, p0)
             scratch = torch.zeros(p0.band_capacity, dtype=torch.int32, device=dev)
-            t_gemm, _, _ = timing(lambda: ov._produce(h, w_down, p0, y, scratch, ccta=0))
+            t_gemm, _, _ = timing(lambda: ov.produce(h, w_down, p0, y, scratch, ccta=0))
             t_gemm = max_over_ranks(t_gemm)
             flops = 2.0 * rows * N * K
-            for ccta in args.ccta:
-                ov.ccta = ccta
+            for ccta in args.ccta:  # every call of the point passes its ccta
                 for mgb in args.mgb:
                     plan = plans[mgb]
                     # the routing's rows and counts, prepared once outside the timed calls as
@@ -172,20 +171,20 @@ def worker(rank, W, args):
                     out_seq = ov.forward(h, w_down, plan, ids, gates, check=True,
                                          overlap=False).clone()
                     out_ov = ov.forward(h, w_down, plan, ids, gates, check=True,
-                                        routes=routes).clone()
+                                        routes=routes, ccta=ccta).clone()
                     bitwise = bool(torch.equal(out_seq, out_ov))
                     err = float((out_ov.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                     t_ov, ov_mode, _ = timing(lambda: ov.forward(h, w_down, plan, ids, gates,
-                                                                 routes=routes))
+                                                                 routes=routes, ccta=ccta))
                     ov.check_errors()
-                    _, band_ready = ov._buffers_for(h, plan)
+                    _, band_ready = ov.buffers_for(h, plan)
                     cap = plan.band_capacity
                     valid_b = torch.arange(cap, device=dev) < plan.num_bands
 
                     def comm_only():
                         ov.begin_call(ids, gates, routes=routes)
                         band_ready.copy_(torch.where(valid_b, ov.epoch.expand(cap), band_ready))
-                        ov.ship(y, plan, band_ready)
+                        ov.ship(y, plan, band_ready, ccta=ccta)
 
                     t_comm, _, _ = timing(comm_only)
                     ov.check_errors()
@@ -196,7 +195,7 @@ def worker(rank, W, args):
                     if args.race_calls:
                         race = validate_calls(ov, T, mode, calls=args.race_calls,
                                               routing_every=2, seed=seed * 100 + ccta * 10 + mgb,
-                                              mgb=mgb)
+                                              mgb=mgb, ccta=ccta)
                         race = {k: v for k, v in race.items() if k != "records"}
                     ok = max_over_ranks(0.0 if (bitwise and err <= 8e-3 and (
                         race is None or race["failures"] == 0)) else 1.0) == 0.0
@@ -214,7 +213,7 @@ def worker(rank, W, args):
                         seq_timing=seq_mode, seq_gemm=base.gemm, seq_scale=base.scale_kind,
                         seq_variants_ms=base.variant_ms,
                         analytic=list(choice), race_check=race, **extra_info))
-                    # the issue-18 fields (t_* in ms, speedups, bound ratio, padding)
+                    # the fields of moe_overlap.combine.metrics (t_* in ms, speedups, bound ratio, padding)
                     points[-1].update(point_fields(t_gemm=t_gemm, t_comm=t_comm, t_overlap=t_ov,
                                                    t_seq_torch=t_seq, plan_rows=rows,
                                                    valid_rows=int(valid), **extra))
@@ -225,10 +224,10 @@ def worker(rank, W, args):
                               flush=True)
             if args.soak and not soaks:
                 # the first shape and mode: CUDA-graph replays with new data, poisoned, checked
-                ov.ccta = choice[0] if choice[0] < ov.num_sms else args.ccta[0]
+                soak_ccta = choice[0] if choice[0] < ov.num_sms else args.ccta[0]
                 res = soak(ov, T, mode, calls=args.soak, routing_every=10, seed=seed,
-                           mgb=args.mgb[0])
-                soaks.append(dict(res, shape=shape, ccta=ov.ccta, mgb=args.mgb[0]))
+                           mgb=args.mgb[0], ccta=soak_ccta)
+                soaks.append(dict(res, shape=shape, ccta=soak_ccta, mgb=args.mgb[0]))
                 if rank == 0:
                     print(f"[{shape} {mode}] soak: {res['calls']} checked replays, "
                           f"{res['failures']} failures, max rel err {res['max_rel_err']:.1e}, "
@@ -246,12 +245,12 @@ def worker(rank, W, args):
                 plan = comb.plan(counts)
                 routes = comb.prepare(plan, ids)
                 out_auto = comb(h, w_down, plan, ids, gates, routes=routes)
-                comb._impl.check_errors()
+                comb.check_errors()
                 err = float((out_auto.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                 t_auto, _, _ = time_calls(lambda: comb(h, w_down, plan, ids, gates,
                                                        routes=routes),
                                           args.reps, args.replays, barrier)
-                comb._impl.check_errors()
+                comb.check_errors()
                 t_auto = max_over_ranks(t_auto)
                 tuned.append(dict(shape=shape, mode=mode, first=list(first), choice=list(choice),
                                   t_auto_ms=t_auto, rel_err_vs_seq=max_over_ranks(err)))
@@ -306,11 +305,12 @@ def main(argv=None):
     ap.add_argument("--transport", default="nvlink", choices=["nvlink", "nvshmem"],
                     help="how the consumer ships bands to their owners")
     ap.add_argument("--local-copy", type=int, default=-1, choices=[-1, 0, 1],
-                    help="1: the consumer copies local rows into the receive buffer (v1); 0: the "
-                         "owner's scale reads them from y (v2); -1: MoECombine's default")
+                    help="1: the consumer copies local rows into the receive buffer; 0: the "
+                         "owner's scale reads them from y; -1: the default for the transport "
+                         "(CombineOptions local_copy='auto')")
     ap.add_argument("--copy", default="auto", choices=["auto", "ldst", "tma"],
-                    help="consumer copy: thread ld/st (v1), TMA bulk copies, or MoECombine's "
-                         "default")
+                    help="consumer copy: thread ld/st, TMA bulk copies, or the default for the "
+                         "transport (CombineOptions copy='auto')")
     ap.add_argument("--world-size", type=int, default=0, help="ranks, one GPU each (0: every visible GPU)")
     ap.add_argument("--reps", type=int, default=4, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=15,
@@ -348,11 +348,14 @@ def main(argv=None):
         ap.error(f"--modes: choose from {', '.join(ROUTER_MODES)}")
     args.gemm_options = {k: v for k, v in (("cluster_n", args.gemm_cluster_n),
                                            ("band_group", args.band_group)) if v is not None}
-    nvlink = args.transport == "nvlink"  # the defaults of MoECombine (see layer.py)
-    if args.local_copy < 0:
-        args.local_copy = 0 if nvlink else 1
-    if args.copy == "auto":
-        args.copy = "tma" if nvlink else "ldst"
+    from .options import CombineOptions  # "auto" / -1: the layers' default for the transport
+    try:
+        lc, args.copy = CombineOptions(
+            transport=args.transport, copy=args.copy,
+            local_copy="auto" if args.local_copy < 0 else bool(args.local_copy)).consumer_variant()
+    except ValueError as e:
+        ap.error(str(e))
+    args.local_copy = int(lc)
 
     import torch
 

@@ -4,7 +4,8 @@ all-reduce)."""
 from .activations import ACT2, ACTIVATIONS, check_activation
 from .layers import (BACKENDS, COMMS, FusedFFN, ShardedExperts, check_compute_options,
                      fused_default_allreduce_band_rows, fused_default_ccta, padded_expert_layout)
+from .options import FFNOptions
 
-__all__ = ["ACT2", "ACTIVATIONS", "BACKENDS", "COMMS", "FusedFFN", "ShardedExperts",
+__all__ = ["ACT2", "ACTIVATIONS", "BACKENDS", "COMMS", "FFNOptions", "FusedFFN", "ShardedExperts",
            "check_activation", "check_compute_options", "fused_default_allreduce_band_rows",
            "fused_default_ccta", "padded_expert_layout"]

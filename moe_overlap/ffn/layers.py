@@ -1,4 +1,4 @@
-"""Tensor-parallel FFN layers (issue 5): ``FusedFFN`` and ``ShardedExperts``.
+"""Tensor-parallel FFN layers: ``FusedFFN`` and ``ShardedExperts``.
 
 ``FusedFFN``: ``Y = act2(sum_g act1(X W1_g + b1_g) W2_g + b2)`` over the G ranks of ``group``.
 Rank g holds the column slice ``W1[:, g O/G : (g+1) O/G]`` / ``b1[...]``, the matching row slice of
@@ -33,10 +33,7 @@ Backends:
   constructor raises ``NotImplementedError`` (a ``RuntimeError``) saying why.
   ``ShardedExperts(backend="fused")`` runs the same kernel grouped over the experts (each
   expert's rows padded to tile_m, one launch; b_out seeds rank 0's accumulator).
-  Speed (2x H200, bench/NOTES.md): correct, but 0.24-0.36x the reference backend: the compute
-  kernel reaches ~320 TFLOP/s against cuBLAS's ~750 (GEMM1 starved of operands, the L2 busy
-  with the fp32 partial-tile reduce-adds), and with two GPUs the all-reduce that an overlap can
-  hide is only 10-20 % of the layer.
+  Its speed against the reference backend, and why: bench/NOTES.md.
   ``comm="unicast"`` (peer loads/stores over NVLink) or ``comm="switch"`` (NVLink multicast;
   refused unless multicast is explicitly allowed and available, see ``require_multicast``).
 
@@ -47,31 +44,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..diagnostics import FFNDebug, debug_scope
 from .activations import ACT2, ACTIVATIONS, check_activation  # noqa: F401 (re-exported)
+from .options import (COMPUTE_OPTIONS, FFNFacts, FFNOptions,  # noqa: F401 (re-exported)
+                      check_compute_options, ffn_options_from_kwargs,
+                      fused_default_allreduce_band_rows, fused_default_ccta, fused_tile_o)
 from .reference import experts_tp_reference, ffn_tp_reference
 
 BACKENDS = ("reference", "fused")
 COMMS = ("unicast", "switch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: reference only
-
-def fused_default_ccta(local_hidden: int) -> int:
-    """SMs of the communication blocks (band all-reduce) in the fused backend when ccta is None.
-    The all-reduce's bytes per row are N fp32 whatever the hidden size, the compute's FLOPs per
-    row grow with O/G: small hidden slices leave the all-reduce exposed, so they get more SMs.
-    The thresholds are where 16 / 24 / 32 SMs change places on 2x H200 (bench/NOTES.md)."""
-    if local_hidden <= 2048:
-        return 32
-    return 24 if local_hidden <= 4096 else 16
-
-
-def fused_default_allreduce_band_rows(local_hidden: int, tile_m: int) -> int:
-    """Rows per band of the fused backend's all-reduce when allreduce_band_rows is None. A
-    compute m-tile is all-reduced by tile_m / band rows CTAs at once: fine bands shorten the
-    tail after the compute kernel ends, coarse ones cost fewer cross-GPU handshakes, which
-    matters where the all-reduce is longer than the compute (small hidden slices). Timings on
-    2x H200: bench/NOTES.md."""
-    return min(64 if local_hidden <= 2048 else 32, tile_m)
-
 
 def _group_world(group) -> tuple[int, int]:
     if group is None:
@@ -227,37 +209,6 @@ def padded_expert_layout(rows, tile_m: int, device):
     return dst, tile_expert, row_expert, R_pad
 
 
-COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "cluster_m", "h_pair")
-
-
-def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
-                          grouped: bool) -> dict:
-    """Validated copy of the fused layers' ``compute_options`` (keyword options of
-    ``ffn.compute_reduce.FusedFFNCompute``; tile sizes and band rows are the layer's) with the
-    layer's default filled in: ``h_pair`` wherever the hidden tiles pair up (local_hidden a
-    multiple of 2 * tile_o). Raises ValueError / TypeError on any machine,
-    before CUDA is touched."""
-    options = {} if options is None else options
-    if not isinstance(options, dict):
-        raise TypeError(f"compute_options must be a dict, got {type(options).__name__}")
-    from ..kernels import reject_unknown_options
-    reject_unknown_options("compute_options", options, COMPUTE_OPTIONS)
-    options = dict(options)
-    if grouped and options.get("cluster_m", 1) != 1:
-        raise ValueError("compute_options: cluster_m=2 applies to FusedFFN only (the grouped "
-                         "expert call keeps one expert per m-tile, not per cluster)")
-    if options.get("h_pair") and local_hidden % (2 * tile_o):
-        raise ValueError(f"compute_options: h_pair needs hidden_features / world_size "
-                         f"({local_hidden}) to be a multiple of 2 * {tile_o}")
-    if "h_pair" not in options:
-        # default: two hidden tiles per unit wherever they pair up (half the fp32 reduce-adds;
-        # timings in bench/NOTES.md)
-        options["h_pair"] = local_hidden % (2 * tile_o) == 0
-    from .compute_reduce import FusedFFNCompute
-    FusedFFNCompute.check_options(tile_m=tile_m, tile_o=tile_o, **options)  # the kernel's checks
-    return options
-
-
 class _FusedBackend:
     """The fused backend's plumbing shared by FusedFFN and ShardedExperts: the compute-kernel
     object, the BandAllReduce (symmetric fp32 accumulator, made on the first forward and grown
@@ -266,24 +217,39 @@ class _FusedBackend:
     ``comm`` and the hooks ``_fused_device``, ``_fused_act2``, ``_fused_b2`` and
     ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream)``."""
 
-    def _init_backend(self, backend, device, ccta, max_tokens, tile_m, compute_options,
-                      allreduce_band_rows):
-        """The fused options are refused for the reference backend; the fused one is set up."""
+    def _init_backend(self, backend, device, options, comm, ccta, max_tokens, tile_m,
+                      compute_options, allreduce_band_rows):
+        """Builds the layer's FFNOptions from ``options`` and the keyword arguments (refused for
+        the reference backend: it takes no fused option), checks them, and sets up the fused
+        backend with the resolved options."""
+        self._debug = FFNDebug()  # benchmarks: see diagnostics()
+        if backend != "fused":
+            if (ccta is not None or max_tokens is not None or tile_m is not None
+                    or compute_options is not None or allreduce_band_rows is not None):
+                raise ValueError("ccta / max_tokens / tile_m / compute_options / "
+                                 "allreduce_band_rows apply to backend='fused' only")
+            if isinstance(options, FFNOptions) and options != FFNOptions():
+                raise ValueError(f"options={options!r} apply to backend='fused' only (the "
+                                 "reference backend takes the defaults)")
+        self.options = ffn_options_from_kwargs(
+            options, type(self).__name__, comm=comm, ccta=ccta, max_tokens=max_tokens,
+            tile_m=tile_m, compute_options=compute_options,
+            allreduce_band_rows=allreduce_band_rows)
+        self.comm = self.options.comm
         if backend == "fused":
-            self._init_fused(device, ccta, max_tokens, tile_m, compute_options,
-                             allreduce_band_rows)
-        elif (ccta is not None or max_tokens is not None or tile_m != 128
-              or compute_options is not None or allreduce_band_rows is not None):
-            raise ValueError("ccta / max_tokens / tile_m / compute_options / "
-                             "allreduce_band_rows apply to backend='fused' only")
+            self._init_fused(device)
 
-    def _init_fused(self, device, ccta, max_tokens, tile_m, compute_options,
-                    allreduce_band_rows):
-        """Checks (before any allocation or launch) and the compute-kernel object."""
+    def diagnostics(self, timeline: list | None = None):
+        """Context manager for benchmarks (fused backend, eager calls): inside it every call
+        appends ``[start, compute end, all-reduce end]`` CUDA timing events to ``timeline``.
+        Not part of any compile key."""
+        return debug_scope(self, FFNDebug(timeline=timeline))
+
+    def _init_fused(self, device):
+        """Checks (before any allocation or launch), the options resolved once, and the
+        compute-kernel object."""
         _fused_requirements(self.comm, device, type(self).__name__)
         from .compute_reduce import FusedFFNCompute
-        if tile_m not in (64, 128):
-            raise ValueError(f"tile_m={tile_m!r} must be 64 or 128")
         P, O, N = self.in_features, self.local_hidden, self.out_features
         if P % 64:
             raise ValueError(f"backend='fused' needs in_features % 64 == 0, got {P}")
@@ -293,31 +259,38 @@ class _FusedBackend:
         if N % 128:
             raise ValueError(f"backend='fused' needs out_features % 128 == 0, got {N}")
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        ccta = fused_default_ccta(O) if ccta is None else ccta
-        if isinstance(ccta, bool) or not isinstance(ccta, int) or not 1 <= ccta < sms:
-            raise ValueError(f"ccta={ccta!r} must be an int in [1, {sms - 1}] (SMs of the "
-                             f"communication blocks; the rest compute)")
-        if max_tokens is not None:
-            _pos_int("max_tokens", max_tokens)
-        ar_rows = fused_default_allreduce_band_rows(O, tile_m) if allreduce_band_rows is None \
-            else allreduce_band_rows
-        if isinstance(ar_rows, bool) or not isinstance(ar_rows, int) or ar_rows < 1 \
-                or tile_m % ar_rows:
-            raise ValueError(f"allreduce_band_rows={ar_rows!r} must be a positive divisor of "
-                             f"tile_m={tile_m}")
-        self.ccta, self.max_tokens, self.tile_m = ccta, max_tokens, tile_m
-        self.allreduce_band_rows = ar_rows
-        # 256 hidden columns per unit where they divide O/G: half the fp32 reduce-add traffic
-        # of 128 (bench/NOTES.md)
-        self.tile_o = 256 if O % 256 == 0 else 128
-        self.compute_options = check_compute_options(
-            compute_options, O, tile_m, self.tile_o, grouped=self._grouped_compute)
-        self._compute = FusedFFNCompute(tile_m=tile_m, tile_o=self.tile_o, band_rows=tile_m,
-                                        **self.compute_options)
+        self.options = opts = self.options.resolve(
+            FFNFacts(local_hidden=O, grouped=self._grouped_compute, num_sms=sms))
+        self.ccta, self.max_tokens, self.tile_m = opts.ccta, opts.max_tokens, opts.tile_m
+        self.allreduce_band_rows = opts.allreduce_band_rows
+        self.tile_o = fused_tile_o(O)
+        self.compute_options = dict(opts.compute_options)
+        self._compute = FusedFFNCompute(tile_m=self.tile_m, tile_o=self.tile_o,
+                                        band_rows=self.tile_m, **self.compute_options)
         self._allreduce = None
         self._comm_stream = None
         self._warm = False
-        self._diag_timeline = None  # a list: _fused_call appends (start, compute end, AR end)
+
+    def allreduce_for(self, M: int):
+        """The layer's BandAllReduce (symmetric fp32 accumulator ``acc``, ``band_ready``,
+        ``epoch``) sized for at least M rows. Collective on first use and on growth: every rank
+        calls it (or forward) with the same M. Benchmarks time it alone through it."""
+        return self._fused_allreduce(M)
+
+    def run_compute(self, x, acc, band_ready, epoch, ccta: int = 0, m_tile_expert=None,
+                    stream=None):
+        """Launch the layer's compute kernel alone with its own weights (benchmarks, tests):
+        reduce-adds act1(x W1_g + b1_g) W2_g into ``acc`` and sets band_ready[b] = epoch[0] per
+        finished band, on ``stream`` (default: the current one), leaving ``ccta`` SMs free (0:
+        every SM). ShardedExperts: x in the padded expert layout, ``m_tile_expert`` the expert of
+        each m-tile (``padded_expert_layout``). No communication, no epoch change."""
+        if self.backend != "fused":
+            raise RuntimeError("run_compute needs backend='fused'")
+        if stream is None:
+            stream = torch.cuda.current_stream(self._fused_device)
+        if m_tile_expert is None:
+            m_tile_expert = torch.zeros(1, dtype=torch.int32, device=self._fused_device)
+        self._run_compute(x, acc, band_ready, epoch, m_tile_expert, stream, ccta=ccta)
 
     def _fused_allreduce(self, M: int):
         """The BandAllReduce for M rows (collective on first use / growth: every rank calls
@@ -381,7 +354,7 @@ class _FusedBackend:
         # stream) and the all-reduce (comm stream, which waits on this point) read the same value
         ar.epoch.add_(1)
         comm.wait_stream(cur)  # x, weights, the zeroed accumulator, the epoch
-        ev = self._diag_timeline
+        ev = self._debug.timeline
         if ev is not None:  # benchmarks: when each kernel ends, relative to the call's start
             ev.append([torch.cuda.Event(enable_timing=True) for _ in range(3)])
             ev[-1][0].record(cur)
@@ -409,7 +382,10 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     "none" for no activation); ``bias``: keep b1 and b2; ``group``: the TP process group (None: the
     default group if initialized, else a single process); ``dtype`` / ``device`` of the
     parameters; ``backend`` "reference" | "fused"; ``comm`` "unicast" | "switch" (fused only).
-    Fused only: ``ccta`` (SMs of the communication blocks, default ``fused_default_ccta(O/G)``:
+    Fused only (``options=FFNOptions(...)`` or the same names as keywords, a keyword given
+    overriding the object's field; validated at construction and resolved once into
+    ``self.options``, see moe_overlap/ffn/options.py; the reference backend refuses them):
+    ``comm``, ``ccta`` (SMs of the communication blocks, default ``fused_default_ccta(O/G)``:
     16 to 32; the compute blocks take the others), ``max_tokens`` (rows the symmetric
     accumulator is first sized for; it grows, collectively, when a call brings more), ``tile_m``
     (64 or 128: compute m-tile = one ready flag); needs P % 64 == 0, (O/G) % 128 == 0,
@@ -443,8 +419,9 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
                  *, act1: str = "gelu", act2: str | None = None, bias: bool = True, group=None,
                  dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "reference",
                  comm: str | None = None, ccta: int | None = None, max_tokens: int | None = None,
-                 tile_m: int = 128, compute_options: dict | None = None,
-                 allreduce_band_rows: int | None = None):
+                 tile_m: int | None = None, compute_options: dict | None = None,
+                 allreduce_band_rows: int | None = None,
+                 options: FFNOptions | None = None):
         super().__init__()
         self.act1 = check_activation(act1, allow_none=False, what="act1")
         self.act2 = check_activation(act2, allow_none=True, what="act2")
@@ -460,8 +437,8 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.zeros(O // G, N, **kw), **grad)
         self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw), **grad) if bias else None
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw), **grad) if bias else None
-        self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options,
-                           allreduce_band_rows)
+        self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
+                           compute_options, allreduce_band_rows)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -475,10 +452,10 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     def _fused_b2(self):
         return self.b2.detach() if self.b2 is not None else None
 
-    def _run_compute(self, x, acc, ready, epoch, mte, stream):
+    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None):
         self._compute(x, self.w1.detach(), self.b1.detach() if self.b1 is not None else None,
-                      self.w2.detach(), acc, ready, epoch, ccta=self.ccta, act1=self.act1,
-                      stream=stream)
+                      self.w2.detach(), acc, ready, epoch,
+                      ccta=self.ccta if ccta is None else ccta, act1=self.act1, stream=stream)
 
     # ---- weights --------------------------------------------------------------------------
     def local_slice(self) -> slice:
@@ -586,8 +563,9 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
                  out_features: int | None = None, *, activation: str = "silu", bias: bool = False,
                  group=None, dtype: torch.dtype = torch.bfloat16, device=None,
                  backend: str = "reference", comm: str | None = None, ccta: int | None = None,
-                 max_tokens: int | None = None, tile_m: int = 128,
-                 compute_options: dict | None = None, allreduce_band_rows: int | None = None):
+                 max_tokens: int | None = None, tile_m: int | None = None,
+                 compute_options: dict | None = None, allreduce_band_rows: int | None = None,
+                 options: FFNOptions | None = None):
         super().__init__()
         E = _pos_int("num_experts", num_experts)
         self.activation = check_activation(activation, allow_none=False, what="activation")
@@ -603,8 +581,8 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.w_out = torch.nn.Parameter(torch.zeros(E, O // G, N, **kw), **grad)
         self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw), **grad) if bias else None
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw), **grad) if bias else None
-        self._init_backend(backend, device, ccta, max_tokens, tile_m, compute_options,
-                           allreduce_band_rows)
+        self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
+                           compute_options, allreduce_band_rows)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -618,11 +596,12 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
     def _fused_b2(self):
         return None  # b_out differs per expert: it seeds the accumulator instead (forward)
 
-    def _run_compute(self, x, acc, ready, epoch, mte, stream):
+    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None):
         self._compute.grouped(x, self.w_in.detach(),
                               self.b_in.detach() if self.b_in is not None else None,
-                              self.w_out.detach(), acc, ready, epoch, mte, ccta=self.ccta,
-                              act1=self.activation, stream=stream)
+                              self.w_out.detach(), acc, ready, epoch, mte,
+                              ccta=self.ccta if ccta is None else ccta, act1=self.activation,
+                              stream=stream)
 
     def _forward_fused(self, x, rows):
         """Experts' row groups padded to tile_m (an m-tile, hence a band, belongs to one

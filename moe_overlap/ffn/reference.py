@@ -1,4 +1,4 @@
-"""References for the tensor-parallel FFN (issue 5): the float64 truth of the unsplit layer, the
+"""References for the tensor-parallel FFN: the float64 truth of the unsplit layer, the
 plain-torch TP baseline (the ``reference`` backend of ``FusedFFN`` / ``ShardedExperts`` and the fair
 baseline of ``bench/bench_ffn.py``).
 

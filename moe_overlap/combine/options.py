@@ -1,0 +1,260 @@
+"""CombineOptions: every option of the overlapped combine, one default each, checked in one place.
+
+``MoECombine`` and ``OverlapCombine`` take ``options=CombineOptions(...)`` (or the same names as
+keyword arguments, which build one) and resolve it once, at construction, with
+``options.resolve(CombineFacts(...))``: the result has no ``"auto"`` left, and the layer reads
+only the resolved object afterwards.
+
+``"auto"`` has one meaning for every option that accepts it: *the library picks the value for this
+layer's shape bucket once, at construction*: the value tuned for the bucket where the tune cache
+(``moe_overlap.combine.tuning.TuneCache``) holds one (``ccta`` and ``mgb``, written by
+``MoECombine.autotune``), else the library's choice for the shape given with each option below.
+The one exception is ``layout="auto"``, which depends on the routing rather than the shape: each
+plan picks packed where that lays out fewer rows than aligned (``plan_combine``).
+
+Allowed values are checked in ``validate()`` (run by the constructor): ``ValueError`` /
+``TypeError`` with the option's name before any CUDA work. Checks that need device facts (the SM
+count for ``ccta``) run in ``resolve``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+import types
+from dataclasses import dataclass
+
+AUTO = "auto"
+TRANSPORTS = ("nvlink", "nvshmem")
+COPIES = ("ldst", "tma")
+LAYOUTS = ("auto", "aligned", "packed")  # moe_overlap.combine.plan.LAYOUTS
+PRODUCERS = ("auto", "torch", "grouped_gemm")
+PRODUCER_ENV = "MOE_OVERLAP_PRODUCER"  # default of producer="auto" (tests select the stand-in)
+
+
+def _int(name: str, v, minimum: int, auto: bool = True, extra: str = ""):
+    """v as a plain int >= minimum (numpy ints accepted, bools refused), or "auto" if allowed."""
+    if auto and isinstance(v, str) and v == AUTO:
+        return v
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+        what = f"'auto' or an int >= {minimum}" if auto else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}{extra}, got {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class CombineFacts:
+    """What ``CombineOptions.resolve`` needs to know about the layer and the device.
+
+    rows: rows one rank receives per call at full load (max_tokens_per_rank * topk);
+    device_name: ``torch.cuda.get_device_name()`` (part of the tune-cache key; "cpu" without
+    CUDA); num_sms: the GPU's SM count (None: not known, e.g. on the CPU; ccta is then not
+    range-checked)."""
+    world_size: int
+    hidden_size: int
+    out_features: int
+    experts_per_rank: int
+    tile_m: int
+    rows: int
+    device_name: str = "cpu"
+    num_sms: int | None = None
+
+    @property
+    def tune_key(self) -> str:
+        from .tuning import shape_key
+        return shape_key(self.device_name, self.world_size, self.out_features, self.hidden_size,
+                         self.experts_per_rank, self.tile_m, self.rows)
+
+
+@dataclass(frozen=True)
+class CombineOptions:
+    """Options of the overlapped combine (DeepEP's ``Config`` is the model: one object, passed
+    around, never mutated; make a changed copy with ``replace(**changes)``).
+
+    ccta (int >= 1 and < the GPU's SM count, or "auto"): SMs reserved for the consumer kernel
+        that ships finished bands; the producer GEMM runs on the others. auto: tuned, else
+        ``tuning.analytic_choice`` for the expected load.
+    mgb (int >= 1 or "auto"): most bands one transfer (segment) of the plan waits for
+        (``plan_combine(mgb=)``). auto: tuned, else ``tuning.analytic_choice``.
+    transport ("nvlink" | "nvshmem"): how the consumer ships rows: stores to peer-mapped memory,
+        or NVSHMEM put-with-signal.
+    layout ("auto" | "aligned" | "packed"): the plan's row layout (see ``plan_combine``; auto:
+        per plan, packed where it lays out fewer rows).
+    local_copy (bool or "auto"; None is read as "auto"): True: the consumer also copies this
+        rank's own rows into its receive buffer; False: the owner's scale reads them straight from
+        the GEMM output. auto: False with nvlink, True with nvshmem.
+    copy ("ldst" | "tma" | "auto"; None is read as "auto"): the consumer's copy: thread
+        loads/stores, or bulk copies through a shared-memory ring (nvlink only). auto: "tma"
+        with nvlink, "ldst" with nvshmem.
+    consumer_threads, consumer_unroll (int >= 1): threads per consumer CTA and 16-byte loads in
+        flight per thread (copy="ldst").
+    consumer_stages, consumer_chunk (int >= 1 or "auto"): ring stages and bytes per stage of
+        copy="tma". auto: ``consumer.DEFAULT_STAGES`` / ``DEFAULT_CHUNK``.
+    consumer_piece_rows (int >= 0 or "auto"): rows per piece the consumer's CTAs split segments
+        into (0: one piece per segment). auto: about 1 MiB of rows (``DEFAULT_PIECE_BYTES``).
+    producer ("auto" | "torch" | "grouped_gemm"): the producer GEMM. auto: $MOE_OVERLAP_PRODUCER
+        where set, else the CuTe DSL grouped GEMM where the shape and install allow it
+        (``grouped_gemm_fits``), else a torch stand-in (test-only speed).
+    timeout_s (float > 0): bound of every device spin-wait, in seconds.
+    gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
+        ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
+    """
+    ccta: int | str = AUTO
+    mgb: int | str = AUTO
+    transport: str = "nvlink"
+    layout: str = AUTO
+    local_copy: bool | str = AUTO
+    copy: str = AUTO
+    consumer_threads: int = 512
+    consumer_unroll: int = 4
+    consumer_stages: int | str = AUTO
+    consumer_chunk: int | str = AUTO
+    consumer_piece_rows: int | str = AUTO
+    producer: str = AUTO
+    timeout_s: float = 10.0
+    gemm_options: dict | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def _set(self, name, value):
+        object.__setattr__(self, name, value)  # normalization inside __post_init__ only
+
+    def validate(self) -> None:
+        """Checks every option's type and allowed values (and normalizes: numpy ints -> int,
+        None -> "auto", gemm_options -> a read-only copy). Raises ValueError / TypeError."""
+        self._set("ccta", _int("ccta", self.ccta, 1))
+        self._set("mgb", _int("mgb", self.mgb, 1))
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}; choose 'nvlink' or 'nvshmem'")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}; choose from {LAYOUTS}")
+        lc = AUTO if self.local_copy is None else self.local_copy
+        if not (lc == AUTO or isinstance(lc, bool)):
+            raise ValueError(f"local_copy must be True, False or 'auto', got {lc!r}")
+        self._set("local_copy", lc)
+        cp = AUTO if self.copy is None else self.copy
+        if cp not in COPIES + (AUTO,) or (cp == "tma" and self.transport != "nvlink"):
+            raise ValueError(f"copy={cp!r} with transport={self.transport!r}: use 'ldst', or "
+                             "'tma' with nvlink (or 'auto')")
+        self._set("copy", cp)
+        self._set("consumer_threads", _int("consumer_threads", self.consumer_threads, 1, False))
+        self._set("consumer_unroll", _int("consumer_unroll", self.consumer_unroll, 1, False))
+        for name in ("consumer_stages", "consumer_chunk"):
+            v = getattr(self, name)
+            self._set(name, _int(name, AUTO if v is None else v, 1))
+        v = AUTO if self.consumer_piece_rows is None else self.consumer_piece_rows
+        self._set("consumer_piece_rows", _int("consumer_piece_rows", v, 0,
+                                              extra=" (0: one piece per segment)"))
+        prod = AUTO if self.producer is None else self.producer
+        if prod not in PRODUCERS:
+            raise ValueError(f"producer={prod!r}; choose auto, torch or grouped_gemm")
+        self._set("producer", prod)
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real) \
+                or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got "
+                             f"{self.timeout_s!r}")
+        g = self.gemm_options
+        if g is not None and not isinstance(g, (dict, types.MappingProxyType)):
+            raise TypeError(f"gemm_options must be a dict, got {type(g).__name__}")
+        self._set("gemm_options", types.MappingProxyType(dict(g or {})))
+
+    def replace(self, **changes) -> "CombineOptions":
+        """A copy with some options changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_resolved(self) -> bool:
+        """No option is "auto" any more (``layout`` excepted: it is resolved per plan)."""
+        return all(getattr(self, f.name) != AUTO for f in dataclasses.fields(self)
+                   if f.name != "layout")
+
+    def check_gemm_options(self, tile_m: int) -> dict:
+        """The producer GEMM's options checked against the GEMM itself (any machine)."""
+        import inspect
+        from ..kernels import reject_unknown_options
+        from .grouped_gemm import GroupedGemm
+        options = dict(self.gemm_options)
+        allowed = set(inspect.signature(GroupedGemm.__init__).parameters) - {
+            "self", "tile_m", "tile_n", "signal"}
+        reject_unknown_options("gemm_options", options, allowed)
+        GroupedGemm(tile_m=tile_m, **options)  # the GEMM's own value checks
+        return options
+
+    def resolve(self, facts: CombineFacts, cache=None) -> "CombineOptions":
+        """These options with every "auto" replaced (see the module doc for what auto means);
+        cache: the TuneCache to read (default: ``TuneCache()``, read only if ccta or mgb is auto).
+        Raises ValueError if an explicit value does not fit the facts (ccta >= SM count)."""
+        from .consumer import DEFAULT_CHUNK, DEFAULT_PIECE_BYTES, DEFAULT_STAGES, check_options
+        ch = {}
+        if AUTO in (self.ccta, self.mgb):
+            from .tuning import TuneCache, analytic_choice
+            cache = TuneCache() if cache is None else cache
+            W = facts.world_size
+            choice = cache.get(facts.tune_key) or analytic_choice(
+                facts.rows, facts.rows * (W - 1) // W, facts.out_features, facts.hidden_size,
+                facts.tile_m)
+            if self.ccta == AUTO:
+                ch["ccta"] = int(choice[0])
+                if facts.num_sms is not None:  # a cached value from a GPU with more SMs
+                    ch["ccta"] = min(ch["ccta"], facts.num_sms - 1)
+            if self.mgb == AUTO:
+                ch["mgb"] = int(choice[1])
+        ch["local_copy"], ch["copy"] = self.consumer_variant()
+        if self.consumer_stages == AUTO:
+            ch["consumer_stages"] = DEFAULT_STAGES
+        if self.consumer_chunk == AUTO:
+            ch["consumer_chunk"] = DEFAULT_CHUNK
+        if self.consumer_piece_rows == AUTO:
+            ch["consumer_piece_rows"] = max(1, DEFAULT_PIECE_BYTES // (2 * facts.out_features))
+        if self.producer == AUTO:
+            env = os.environ.get(PRODUCER_ENV, AUTO)
+            if env not in PRODUCERS:
+                raise ValueError(f"{PRODUCER_ENV}={env!r}; choose auto, torch or grouped_gemm")
+            ch["producer"] = env if env != AUTO else (
+                "grouped_gemm" if grouped_gemm_fits(facts) else "torch")
+        out = dataclasses.replace(self, **ch)
+        if facts.num_sms is not None and not 1 <= out.ccta < facts.num_sms:
+            raise ValueError(f"ccta={out.ccta!r} must be an int in [1, {facts.num_sms - 1}]")
+        check_options(out.transport, out.copy, out.consumer_stages, out.consumer_chunk,
+                      out.consumer_lookahead)
+        return out
+
+    def consumer_variant(self) -> tuple[bool, str]:
+        """(local_copy, copy) with "auto" resolved: the fastest variant validated for the
+        transport (nvlink: no local copy, bulk copies; nvshmem: the local copy and its put)."""
+        nvlink = self.transport == "nvlink"
+        return ((not nvlink) if self.local_copy == AUTO else self.local_copy,
+                ("tma" if nvlink else "ldst") if self.copy == AUTO else self.copy)
+
+    @property
+    def consumer_lookahead(self) -> int:
+        """Chunks the copy="tma" consumer loads ahead (from the resolved stage count)."""
+        from .consumer import DEFAULT_LOOKAHEAD, DEFAULT_STAGES
+        stages = DEFAULT_STAGES if self.consumer_stages == AUTO else self.consumer_stages
+        return min(DEFAULT_LOOKAHEAD, max(1, stages // 2))
+
+
+def grouped_gemm_fits(facts: CombineFacts) -> bool:
+    """Whether the CuTe DSL producer GEMM takes this shape and is installed (producer="auto"):
+    tile_m 64 or 128, N and K multiples of 64."""
+    if facts.tile_m not in (64, 128) or facts.out_features % 64 or facts.hidden_size % 64:
+        return False
+    try:
+        from .grouped_gemm import GroupedGemm  # noqa: F401
+    except Exception:  # noqa: BLE001 - CuTe DSL missing or broken: the torch stand-in
+        return False
+    return True
+
+
+def options_from_kwargs(options: CombineOptions | None, what: str, **kwargs) -> CombineOptions:
+    """The options of a layer built with ``options=`` and/or the legacy keyword arguments:
+    keywords given (not None) override the object's fields; both may not name one option
+    with different values."""
+    if options is not None and not isinstance(options, CombineOptions):
+        raise TypeError(f"{what}: options must be a CombineOptions, got "
+                        f"{type(options).__name__}")
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    if options is None:
+        return CombineOptions(**given)
+    return options.replace(**given) if given else options

@@ -1,0 +1,102 @@
+"""Shared test machinery: markers (skips that say why), one multi-process spawn helper, and the
+PTX / SASS helpers of the compile tests.
+
+Markers (registered in pyproject.toml; the skips below are applied here, so a test only names
+what it needs):
+- ``gpu``: needs a CUDA GPU; skipped without one.
+- ``two_gpus``: needs 2 CUDA GPUs (one rank per GPU); skipped with fewer.
+- ``compile``: compiles CuTe DSL kernels for sm_90a (no GPU needed); skipped without
+  nvidia-cutlass-dsl.
+
+Multi-process tests: ``spawn_ranks(fn, world, *args, backend=...)`` (also as the fixture
+``spawn_ranks``) runs ``fn(rank, world, *args)`` on ``world`` processes joined by a process
+group: gloo on the CPU, NCCL with one GPU per rank (``backend="auto"`` picks NCCL where there are
+enough GPUs). A failure on a rank raises with its traceback; ``join_timeout_s`` turns a hang into
+a failure naming the ranks.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken torch install: no GPU tests
+        return 0
+
+
+def _has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def pytest_configure(config):
+    for line in ("gpu: needs a CUDA GPU (skipped where none)",
+                 "two_gpus: needs 2 CUDA GPUs, one rank each (skipped with fewer)",
+                 "compile: compiles CuTe DSL kernels for sm_90a without a GPU (needs "
+                 "nvidia-cutlass-dsl)"):
+        config.addinivalue_line("markers", line)
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = _cuda_count()
+    cutlass = _has("cutlass")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
+    skip_two = pytest.mark.skip(reason=f"needs 2 CUDA GPUs ({gpus} visible)")
+    skip_compile = pytest.mark.skip(reason="needs nvidia-cutlass-dsl (not installed)")
+    for item in items:
+        if "gpu" in item.keywords and gpus < 1:
+            item.add_marker(skip_gpu)
+        if "two_gpus" in item.keywords and gpus < 2:
+            item.add_marker(skip_two)
+        if "compile" in item.keywords and not cutlass:
+            item.add_marker(skip_compile)
+
+
+# ------------------------------------------------------------------------ multi-process runs
+def spawn_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float | None = None,
+                join_timeout_s: float | None = None, hard_exit: bool = False):
+    """``fn(rank, world, *args)`` on ``world`` processes (``moe_overlap.launch.spawn``); returns
+    the list of per-rank results. backend: "gloo" (CPU), "nccl" (rank r on GPU r) or "auto"
+    (NCCL where there are ``world`` GPUs, else gloo). fn must be a module-level function (the
+    processes are spawned and import it by name)."""
+    from moe_overlap.launch import spawn
+    if backend == "auto":
+        backend = "nccl" if _cuda_count() >= world else "gloo"
+    if backend == "nccl" and _cuda_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs for {world} NCCL ranks ({_cuda_count()} visible)")
+    return spawn(fn, world, *args, backend=backend, timeout_s=timeout_s,
+                 join_timeout_s=join_timeout_s, hard_exit=hard_exit)
+
+
+@pytest.fixture(name="spawn_ranks")
+def spawn_ranks_fixture():
+    """The ``spawn_ranks`` helper as a fixture."""
+    return spawn_ranks
+
+
+# ------------------------------------------------------------------------ PTX / SASS helpers
+def compile_ptx_cubin(launch, *args) -> tuple[str, bytes]:
+    """``cute.compile`` a launcher keeping its PTX and cubin: (ptx text, cubin bytes)."""
+    from moe_overlap.kernels.compile import compile_keep, kept_cubin, kept_ptx
+    c = compile_keep(launch, *args)
+    return kept_ptx(c), kept_cubin(c)
+
+
+def sass(cubin: bytes) -> str:
+    """SASS text of a cubin (nvdisasm; raises, not skips, when it or the cubin is missing)."""
+    from moe_overlap.kernels.compile import require_nvdisasm, sass_of
+    if not cubin:
+        raise RuntimeError("CuTe DSL returned no cubin")
+    return sass_of(cubin, require_nvdisasm())
+
+
+def ptx_body(ptx: str) -> str:
+    """The PTX after the first ``.entry`` (the kernel body, without the module header)."""
+    return ptx.split(".entry", 1)[1]

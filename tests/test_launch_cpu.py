@@ -1,0 +1,28 @@
+"""The shared multi-process helper (tests/conftest.py spawn_ranks -> moe_overlap.launch.spawn):
+a hung rank fails the run naming it, and hard_exit still hands back every result."""
+import time
+
+import pytest
+
+from conftest import spawn_ranks
+
+
+def _hang_on_rank1(rank, world):  # module level: spawn pickles it by name
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def _value(rank, world, base):
+    return base + rank
+
+
+def test_join_timeout_names_the_hung_rank():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 still ran after 30 s"):
+        spawn_ranks(_hang_on_rank1, 2, join_timeout_s=30)
+    assert time.monotonic() - t0 < 120  # killed, not waited for
+
+
+def test_hard_exit_returns_every_result():
+    assert spawn_ranks(_value, 3, 10, hard_exit=True) == [10, 11, 12]
