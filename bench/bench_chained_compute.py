@@ -103,8 +103,9 @@ def main():
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--world", type=int, default=2, help="G: the hidden slice is O / G")
     ap.add_argument("--act", default="gelu")
-    ap.add_argument("--groups", default="1,2,4",
-                    help="tile orders timed in the same rounds: ChainedFFNCompute(group=G); the "
+    ap.add_argument("--groups", default="auto,1,2,4",
+                    help="tile orders timed in the same rounds: ChainedFFNCompute(group=G), G an "
+                         "int or auto (the default rule, auto_group); the "
                          "first is the row's headline (speedup, ms, err, activation_mem)")
     ap.add_argument("--reps", type=int, default=5, help="calls per CUDA graph")
     ap.add_argument("--rounds", type=int, default=20)
@@ -114,7 +115,7 @@ def main():
     a = ap.parse_args()
     names = list(SHAPES) if a.shapes == "all" else a.shapes.split(",")
     dev = torch.device("cuda")
-    groups = [int(g) for g in a.groups.split(",")]
+    groups = [g if g == "auto" else int(g) for g in a.groups.split(",")]
     comps = {g: ChainedFFNCompute(group=g) for g in groups}
     rows_out = []
     for name in names:
@@ -146,6 +147,7 @@ def main():
                     grid = comp.grid(T, Og, P, dev)
                     s = comp.schedule(T, P, Og, P, grid)
                     variants[grp] = dict(err=rel_err(y, x, w1, b1, w2, a.act, rows),
+                                         group_run=comp.group_for(T, P, Og, P, grid),
                                          lookahead=s.lookahead, ring=s.ring, grid=grid,
                                          ring_bytes=comp.ring_bytes(T, P, Og, P, grid),
                                          sim_efficiency=simulate(s).efficiency,

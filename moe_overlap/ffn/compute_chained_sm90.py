@@ -1,4 +1,4 @@
-"""The chained FFN compute kernel: ``ChainedFFNKernel``, a ``GemmSm90`` subclass with two tile kinds.
+"""The chained FFN compute kernel: ``ChainedFFNKernel``, a ``GemmSm90`` subclass, two tile kinds.
 
 GEMM1 tiles (``H_ring[slot][:, j] = act1(x[blk] W1[:, j] + b1[j])``) and GEMM2 tiles
 (``out[blk, n] = H_ring[slot] W2[:, n]``) of one runtime tile list; the host wrapper, the tensors'
