@@ -85,7 +85,7 @@ def test_instance_default_is_auto_and_consistent():
 @pytest.mark.parametrize("kw,msg", [(dict(group="fast"), "group"), (dict(group=0), "group"),
                                     (dict(group=True), "group"), (dict(l2_bytes=0), "l2_bytes"),
                                     (dict(_test_ring=2), "_test_ring"),
-                                    (dict(group=2, _test_ring=2), "_test_ring")])
+                                    (dict(group=2, _test_ring=0), "_test_ring")])
 def test_bad_options(kw, msg):
     with pytest.raises(ValueError, match=msg):
         ChainedFFNCompute(**kw)

@@ -129,6 +129,16 @@ def test_grouped_order(mod, group, M):
               comp=mod.ChainedFFNCompute(group=group))
 
 
+@pytest.mark.parametrize("group,ring", [(2, 20), (4, 24)])
+def test_grouped_order_smallest_valid_ring(mod, group, ring):
+    """A grouped ring one super-block above the lookahead (the bench's GrR variants): GEMM1 tiles
+    wait for their slot far more often, the result is the same."""
+    comp = mod.ChainedFFNCompute(group=group, _test_ring=ring)
+    s = comp.schedule(8192, *SHAPE, grid=132)
+    assert s.ring == ring and ring // group == s.base.lookahead + 1 and s.ring < s.blocks
+    _run_case(mod, 8192, SHAPE, "gelu", True, seed=400 + group, comp=comp)
+
+
 def test_small_grid(mod):
     """ccta leaves 32 CTAs: the schedule is derived for that grid and still correct."""
     _run_case(mod, 1000, SHAPE, "gelu", True, seed=5, ccta=torch.cuda.get_device_properties(
