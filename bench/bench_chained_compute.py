@@ -97,14 +97,25 @@ def write(a, groups, rows_out, final=False):
               f"shape {doc['min_best_speedup']}; failed: {doc['failed']}; wrote {path}")
 
 
+def make_comp(spec):
+    """ChainedFFNCompute for a --groups entry: an int, "auto", or "GrR" (group G, ring R blocks)."""
+    if isinstance(spec, str) and "r" in spec:
+        g, r = (int(v) for v in spec.split("r"))
+        return ChainedFFNCompute(group=g, _test_ring=r)
+    return ChainedFFNCompute(group=spec)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="all")
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--world", type=int, default=2, help="G: the hidden slice is O / G")
     ap.add_argument("--act", default="gelu")
-    ap.add_argument("--groups", default="1,2,4",
-                    help="tile orders timed in the same rounds: ChainedFFNCompute(group=G); the "
+    ap.add_argument("--groups", default="auto,1,2,4",
+                    help="tile orders timed in the same rounds: ChainedFFNCompute(group=G), G an "
+                         "int or auto (the default rule, auto_group), or GrR: group G with a ring "
+                         "of R row blocks instead of the derived one (a multiple of G; a shape "
+                         "where it is invalid records the variant's error); the "
                          "first is the row's headline (speedup, ms, err, activation_mem)")
     ap.add_argument("--reps", type=int, default=5, help="calls per CUDA graph")
     ap.add_argument("--rounds", type=int, default=20)
@@ -114,8 +125,8 @@ def main():
     a = ap.parse_args()
     names = list(SHAPES) if a.shapes == "all" else a.shapes.split(",")
     dev = torch.device("cuda")
-    groups = [int(g) for g in a.groups.split(",")]
-    comps = {g: ChainedFFNCompute(group=g) for g in groups}
+    groups = [g if g == "auto" or "r" in g else int(g) for g in a.groups.split(",")]
+    comps = {g: make_comp(g) for g in groups}
     rows_out = []
     for name in names:
         P, O = SHAPES[name]
@@ -137,15 +148,22 @@ def main():
                 rows = torch.arange(0, T, step, device=dev)
                 r["err_baseline"] = rel_err(base(), x, w1, b1, w2, a.act, rows)
                 fns, variants, graphs = {"baseline": base}, {}, None
+                bad = {}
                 for grp, comp in comps.items():
                     def ours(comp=comp):
                         return comp(x, w1, b1, w2, act1=a.act)
 
+                    try:
+                        comp.schedule(T, P, Og, P, comp.grid(T, Og, P, dev))
+                    except ValueError as e:  # a GrR ring that this shape's order cannot use
+                        bad[grp] = dict(error=str(e))
+                        continue
                     y = ours()
                     comp.check()
                     grid = comp.grid(T, Og, P, dev)
                     s = comp.schedule(T, P, Og, P, grid)
                     variants[grp] = dict(err=rel_err(y, x, w1, b1, w2, a.act, rows),
+                                         group_run=comp.group_for(T, P, Og, P, grid),
                                          lookahead=s.lookahead, ring=s.ring, grid=grid,
                                          ring_bytes=comp.ring_bytes(T, P, Og, P, grid),
                                          sim_efficiency=simulate(s).efficiency,
@@ -166,8 +184,8 @@ def main():
                     v.update(ms=ms[k], speedup=ms["baseline"] / ms[k], tflops=flops / ms[k] / 1e9,
                              p10_ms=t[k]["p10_ms"] / a.reps, p90_ms=t[k]["p90_ms"] / a.reps,
                              activation_ratio=v["activation_mem"] / r["activation_mem_baseline"])
-                r["variants"] = {str(k): v for k, v in variants.items()}
-                d = variants[groups[0]]  # the first --groups entry is the row's headline
+                r["variants"] = {str(k): v for k, v in {**variants, **bad}.items()}
+                d = variants[groups[0]]  # the first --groups entry is the row's headline (valid)
                 r.update(group=groups[0], ms=d["ms"], speedup=d["speedup"], tflops=d["tflops"],
                          err=d["err"], activation_mem=d["activation_mem"],
                          activation_ratio=d["activation_ratio"], ring=d["ring"],

@@ -55,7 +55,9 @@ def variants():
     sc = lambda: _mod("moe_overlap.combine.scale", "moe_overlap.kernels.scale")
     pk = lambda: _mod("moe_overlap.combine.plan_kernel")
     rt = lambda: _mod("moe_overlap.combine.routes")
+    ch = lambda: _mod("moe_overlap.ffn.compute_chained")
     G = lambda **kw: gg().GroupedGemm(**kw)
+    C = lambda **kw: ch().ChainedFFNCompute(**kw)
     F = lambda **kw: ffn().FusedFFNCompute(**kw)
     return {
         # producer: OverlapCombine's choices (tile_n the largest of 256 / 128 / 64 dividing N,
@@ -97,6 +99,17 @@ def variants():
             P=256, O=1024, N=256, act1="gelu", keep_ptx=True).__ptx__,
         "fused_ffn_knobs": lambda: F(stages=3, epi_n=16, epi_stages=4, signal_k_tile=2).compile(
             P=512, O=512, N=256, act1="relu", keep_ptx=True).__ptx__,
+        # chained FFN compute (one kernel for every group: the tile order is a runtime table):
+        # the default (gelu, b1), no b1 with silu, non-default smem knobs, the slot-wait test
+        # switch (a different kernel body)
+        "chained_ffn_default": lambda: C().compile(
+            P=512, hidden=1024, N=512, act1="gelu", keep_ptx=True).__ptx__,
+        "chained_ffn_nob1_silu": lambda: C().compile(
+            P=256, hidden=512, N=256, act1="silu", has_b1=False, keep_ptx=True).__ptx__,
+        "chained_ffn_knobs_relu": lambda: C(stages=3, epi_n=64, epi_stages=2).compile(
+            P=256, hidden=512, N=512, act1="relu", keep_ptx=True).__ptx__,
+        "chained_ffn_noslotwait": lambda: C(_test_skip_slot_wait=True).compile(
+            P=256, hidden=512, N=256, act1="none", keep_ptx=True).__ptx__,
         "band_allreduce_unicast_g2": lambda: ar().compile_band_allreduce(
             2, "unicast", "none", keep=True).__ptx__,
         "band_allreduce_switch_g4_gelu": lambda: ar().compile_band_allreduce(

@@ -182,7 +182,7 @@ def test_argument_checks_before_launch():
 def test_ring_bytes_is_the_schedule_ring():
     from moe_overlap.ffn.chained_schedule import derive
     from moe_overlap.ffn.compute_chained import ChainedFFNCompute
-    c = ChainedFFNCompute()
+    c = ChainedFFNCompute(group=1)  # derive's order (auto: tests/test_chained_auto_group_cpu.py)
     for M, P, hidden, N in ((8192, 4096, 7168, 4096), (100, 7168, 1024, 7168),
                             (32768, 8192, 14336, 8192)):
         s = derive(M, hidden, N, grid=132, inputs=P)

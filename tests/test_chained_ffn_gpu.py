@@ -88,8 +88,8 @@ def _run_case(mod, M, shape, act1, bias, seed, comp=None, ccta=0, epoch_val=7):
              h_ring=ring)
     assert y is out
     case = (f"M={M} P,hidden,N={shape} act1={act1} b1={'yes' if bias else 'None'} ccta={ccta} "
-            f"group={comp.group} grid={grid} lookahead={s.lookahead} ring={s.ring} "
-            f"blocks={s.blocks}")
+            f"group={comp.group} ({comp.group_for(M, P, hidden, N, grid)}) grid={grid} "
+            f"lookahead={s.lookahead} ring={s.ring} blocks={s.blocks}")
     comp.check()  # raises with the device error text (a timed-out wait)
     msgs = [_report(case, out, _truth64(x, w1, b1, w2, act1), "float64 truth"),
             _report(case, out, execute_reference(s, x, w1, b1, w2,
@@ -122,11 +122,21 @@ def test_matches_truth_and_reference(mod, M, shape, act1, bias):
     _run_case(mod, M, shape, act1, bias, seed=1000 * M + len(act1) + bias)
 
 
-@pytest.mark.parametrize("group,M", [(2, 8192), (4, 8192), (4, 1000)])
+@pytest.mark.parametrize("group,M", [(1, 8192), (2, 8192), (4, 8192), (4, 1000)])
 def test_grouped_order(mod, group, M):
     """The super-block tile order (group G) on the same kernel: a different table, same result."""
     _run_case(mod, M, SHAPE, "gelu", True, seed=300 + group + M,
               comp=mod.ChainedFFNCompute(group=group))
+
+
+@pytest.mark.parametrize("group,ring", [(2, 20), (4, 24)])
+def test_grouped_order_smallest_valid_ring(mod, group, ring):
+    """A grouped ring one super-block above the lookahead (the bench's GrR variants): GEMM1 tiles
+    wait for their slot far more often, the result is the same."""
+    comp = mod.ChainedFFNCompute(group=group, _test_ring=ring)
+    s = comp.schedule(8192, *SHAPE, grid=132)
+    assert s.ring == ring and ring // group == s.base.lookahead + 1 and s.ring < s.blocks
+    _run_case(mod, 8192, SHAPE, "gelu", True, seed=400 + group, comp=comp)
 
 
 def test_small_grid(mod):
@@ -145,7 +155,7 @@ def test_repeated_calls_reset_counters(mod):
 def test_too_small_ring_without_slot_wait_is_wrong(mod):
     """Ordering matters: a 2-block ring whose GEMM1 tiles do not wait for their slot overwrites H
     that GEMM2 tiles still read, so the result must be wrong (or the check must fail)."""
-    comp = mod.ChainedFFNCompute(_test_ring=2, _test_skip_slot_wait=True, timeout_ms=500)
+    comp = mod.ChainedFFNCompute(group=1, _test_ring=2, _test_skip_slot_wait=True, timeout_ms=500)
     M, (P, hidden, N) = 8192, SHAPE
     x, w1, b1, w2 = _inputs(M, P, hidden, N, seed=11)
     out = comp(x, w1, b1, w2, act1="gelu")
@@ -162,7 +172,7 @@ def test_too_small_ring_with_waits_is_right_or_times_out(mod):
     """With the waits kept, a ring smaller than the tile order needs must never give a silently
     wrong result: it is right (the waits serialize) or check() names the slot wait that timed
     out."""
-    comp = mod.ChainedFFNCompute(_test_ring=2, timeout_ms=500)
+    comp = mod.ChainedFFNCompute(group=1, _test_ring=2, timeout_ms=500)
     M, (P, hidden, N) = 8192, SHAPE
     x, w1, b1, w2 = _inputs(M, P, hidden, N, seed=12)
     out = comp(x, w1, b1, w2, act1="gelu")

@@ -57,7 +57,14 @@ def test_reference_walk_matches_math(group):
     assert (y.float() - ref).abs().max() <= 8e-3 * ref.abs().max()
 
 
-def test_ring_override_is_group_one_only():
-    assert schedule_for(8192, 4096, 7168, 4096, grid=132, ring=2).ring == 2
-    with pytest.raises(ValueError, match="group=1"):
-        schedule_for(8192, 4096, 7168, 4096, grid=132, group=2, ring=2)
+def test_ring_override():
+    assert schedule_for(8192, 4096, 7168, 4096, grid=132, ring=2).ring == 2  # group 1: unchecked
+    d = schedule_for(8192, 8192, 14336, 8192, grid=132, group=2)
+    assert d.ring == 10 and d.lookahead == 4  # llama3-70b's slice: 5 super-blocks, 35 MiB
+    s = schedule_for(8192, 8192, 14336, 8192, grid=132, group=2, ring=8)
+    assert s.ring == 8 and s.ring_bytes == 8 * 128 * 14336 * 2 and s.lookahead == d.lookahead
+    sim = simulate(s)  # raises on a dependency later in the list
+    assert sim.efficiency >= simulate(d).efficiency - 0.005
+    for bad in (7, 4, 3):  # not a multiple of the group, or not above the lookahead
+        with pytest.raises(ValueError, match="multiple of the group"):
+            schedule_for(8192, 8192, 14336, 8192, grid=132, group=2, ring=bad)

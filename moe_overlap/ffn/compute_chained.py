@@ -54,10 +54,12 @@ ends; a wait that sees the error word set stops waiting too. ``ChainedFFNCompute
 with the text. The intra-CTA mbarrier waits (TMA completion, the tile mailbox) are the usual
 unbounded ones: their other side never waits on another CTA without a bound.
 
-Structure (to be re-seated on the shared Hopper GEMM base, issue 19): ``fetch_tile`` /
-``read_tile`` (tile scheduler), ``load_role`` (TMA mainloop producer), ``mma_tile`` (WGMMA
-mainloop) in ``mma_role``, ``epilogue_gemm1`` / ``epilogue_gemm2`` (accumulator -> bf16
-sub-tiles) and ``store_role`` (store warp: waits, TMA stores, counters) are separate methods.
+Structure: the kernel is ``ffn.compute_chained_sm90.ChainedFFNKernel``, a subclass of the shared
+Hopper base ``kernels.gemm_sm90.GemmSm90`` (tiled MMA, layouts, TMA atoms, pipelines, the WGMMA
+step of a ring stage); its own methods are ``fetch_tile`` / ``read_tile`` (the dynamic tile
+scheduler), ``load_role`` (TMA mainloop producer), ``mma_tile`` (WGMMA mainloop) in
+``mma_role``, ``epilogue_gemm1`` / ``epilogue_gemm2`` (accumulator -> bf16 sub-tiles) and
+``store_role`` (store warp: waits, TMA stores, counters).
 
 The kernel walks whatever valid list it is given (every dependency earlier in the list), so the
 order is a host-side choice: ``group`` G > 1 runs the derived order on super-blocks of G row
@@ -65,7 +67,8 @@ blocks (``GroupedChainedSchedule``): G consecutive blocks take the same column t
 other in the list, so the CTAs reading one weight panel (P x 256 of W1, hidden x 256 of W2) run
 G times as many blocks side by side and the panel comes from DRAM about G times less often (with
 G = 1, about grid / (h_tiles + n_tiles) blocks share a panel in time: 1.5 on llama3-70b's slice),
-at G times the ring.
+at G times the ring. The default ``group="auto"`` picks G per shape from the ring size against the L2
+(``auto_group``: the rule and the measurement it comes from).
 
 The tile order and its reference walk are ``chained_schedule.derive`` / ``execute_reference``;
 ``chained_ffn_reference`` is the plain math. cutlass is imported lazily: this module imports with
@@ -80,18 +83,14 @@ import torch
 
 from ..runtime.device import num_sms
 from .activations import ACT2, activation
-from .chained_schedule import ChainedSchedule, derive
+from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_SLOT_TIMEOUT, TILE_K, ChainedSchedule,
+                               derive)
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
-           "ACT1_CHAINED", "schedule_for"]
+           "ACT1_CHAINED", "L2_BYTES_SM90", "auto_group", "schedule_for"]
 
 ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
-TILE_K = 64  # bf16: one 128-byte swizzle row
-
-# error codes of the chained kernel's error word (int64[8], layout of primitives.record_error)
-ERR_SLOT_TIMEOUT = 21  # a GEMM1 tile waited too long for g2_done[blk - ring] (its ring slot)
-ERR_BLOCK_TIMEOUT = 22  # a GEMM2 tile waited too long for g1_done[blk] (its H row block)
 
 
 def chained_ffn_reference(x, w1, b1, w2, act1="gelu"):
@@ -193,18 +192,58 @@ class GroupedChainedSchedule:
 def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, group=1,
                  ring=None):
     """The tile list the kernel runs: ``derive`` (group 1) or its super-block form (group G);
-    ring (row blocks, group 1 only) overrides the derived ring size, unchecked (tests only)."""
+    ring (row blocks) overrides the derived ring size (tests and the bench only): unchecked with
+    group 1 (the GPU tests run invalid rings on purpose); with group G a multiple of G whose
+    super-block count exceeds the lookahead's, so that the list stays valid (the grouped ring is
+    derived in whole super-blocks, and on llama3-70b's slice the simulated efficiency is the same
+    with one super-block less: ``simulate``)."""
     if group == 1:
         s = derive(M, hidden, N, tile_m, tile_h, tile_n, grid=grid, inputs=P)
         if ring is not None:
             s = ChainedSchedule(s.rows, s.hidden, s.out, s.tile_m, s.tile_h, s.tile_n, s.grid,
                                 s.lookahead, ring, s.inputs)
         return s
-    if ring is not None:
-        raise ValueError("a ring override is for group=1 only")
     base = derive(M, hidden, N, tile_m * group, tile_h, tile_n, grid=max(1, grid // group),
                   inputs=P)
+    if ring is not None:
+        if ring % group or ring // group <= base.lookahead:
+            raise ValueError(f"ring={ring} with group={group}: must be a multiple of the group "
+                             f"above lookahead={base.lookahead * group} blocks")
+        base = ChainedSchedule(base.rows, base.hidden, base.out, base.tile_m, base.tile_h,
+                               base.tile_n, base.grid, base.lookahead, ring // group,
+                               base.inputs)
     return GroupedChainedSchedule(base, group, M, tile_m, grid)
+
+
+L2_BYTES_SM90 = 50 * 2 ** 20  # L2 of the sm_90 parts the kernel targets (H100, H200)
+AUTO_GROUPS = (4, 2)  # group="auto" picks from these (largest first), else 1
+
+
+def auto_group(M, P, hidden, N, grid, l2_bytes=L2_BYTES_SM90, tile_m=128, tile_h=256,
+               tile_n=256):
+    """The group ``group="auto"`` runs: the largest G in (4, 2) whose H ring (``ring_bytes`` of
+    its tile order) fits in half the L2, else the largest whose ring fits in 0.8 of it, else 1.
+
+    Why (bench/results/ffn_chained_compute_h200_2bc5fa0.json, one H200, 50 MiB L2, seven shapes
+    at 8192 and 32768 tokens): the better of groups 2 and 4 ran 1.15-1.27x group 1 on every
+    shape but deepseek-v3-expert (ring 9-11 MiB, all three within 1 %), so auto never takes 1
+    while a grouped ring fits. Between 2 and 4 the gap is 0.96-1.05x: where group 4's ring is
+    32-36 MiB (llama3-8b, mixtral, deepseek-v3-dense, llama4-scout-shared) it loses 1-4 % to
+    group 2 at 32768 tokens and gains at most 1 % at 8192 (a larger ring starts to evict the
+    weight panels the grouping is there to share), hence half the L2 first; with both rings
+    <= 25 MiB the two are within 1.3 %. The second threshold (0.8 L2) admits llama3-70b's
+    group 2 (35 MiB; group 1 ran 0.75-0.82x torch there). A ring above the L2 (70b's group 4,
+    56 MiB) is never chosen although it measured 3-5 % faster than group 2 alone on the GPU:
+    its H round trip goes partly to DRAM, which is what the chained kernel exists to avoid, and
+    an all-reduce running beside it (the layers' use) competes for the same L2.
+    Depends on M only through min(ring, blocks), so few tokens (small rings) take group 4."""
+    rings = {g: schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=g).ring_bytes
+             for g in AUTO_GROUPS}
+    for limit in (l2_bytes // 2, l2_bytes * 4 // 5):
+        for g in AUTO_GROUPS:
+            if rings[g] <= limit:
+                return g
+    return 1
 
 
 def _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages):
@@ -221,515 +260,26 @@ def _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages):
 
 
 # --------------------------------------------------------------------------------------------
-# Kernel
+# Host wrapper (the device kernel: ffn/compute_chained_sm90.py, imported when compiling)
 # --------------------------------------------------------------------------------------------
-def _kernel_class():
-    """Builds the kernel class on first use (imports cutlass lazily)."""
-    import cutlass
-    import cutlass.cute as cute
-    import cutlass.pipeline as pipeline
-    import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass import Int32, Int64
-    from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
-    from cutlass.tensor_utils import LayoutEnum
-
-    from ..kernels.primitives import (fence_mbar_init, globaltimer, ld_acquire_gpu_s32,
-                                      ld_shared_s32, mbar_arrive, mbar_init,
-                                      mbar_wait_parity_intra_cta, record_error,
-                                      red_release_gpu_add_s32, st_shared_s32)
-    from .band_allreduce import device_lib
-
-    act_fn = device_lib().act  # fp32 none / relu / gelu (erf) / gelu_tanh / silu
-
-    def ld_relaxed_gpu_s64(addr):
-        return cute.arch.inline_ptx("ld.relaxed.gpu.global.s64 {$w0}, [{$r0}];",
-                                    write_only_types=[Int64], read_only_args=[addr])
-
-    def atom_add_relaxed_gpu_s32(addr, v):
-        return cute.arch.inline_ptx("atom.relaxed.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
-                                    write_only_types=[Int32], read_only_args=[addr, Int32(v)])
-
-    def atom_add_acq_rel_gpu_s32(addr, v):
-        return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
-                                    write_only_types=[Int32], read_only_args=[addr, Int32(v)])
-
-    @cute.jit
-    def wait_count(addr: Int64, target: Int32, err: Int64, code: Int32, pos: Int32, blk: Int32,
-                   timeout_ns: Int64):
-        """Spin (ld.acquire.gpu) until ``*addr == target``; on timeout record the error word and
-        stop; stop at once when another wait already recorded one (the launch must end)."""
-        t0 = globaltimer()
-        v = ld_acquire_gpu_s32(addr)
-        go = Int32(1)
-        while v != target and go == Int32(1):
-            el = globaltimer() - t0
-            if el > timeout_ns:
-                record_error(err, code, Int32(0), pos, blk, Int64(v), Int64(target), el)
-                go = Int32(0)
-            if ld_relaxed_gpu_s64(err) != Int64(0):
-                go = Int32(0)
-            v = ld_acquire_gpu_s32(addr)
-
-    class _ChainedFFNKernel:
-        def __init__(self, tile_m, tile_n, act1, has_b1, stages, epi_n, epi_stages, k1, k2,
-                     skip_slot_wait=False):
-            self.acc_dtype = cutlass.Float32
-            self.k1, self.k2 = k1, k2  # k tiles of GEMM1 (P / 64) and GEMM2 (hidden / 64)
-            self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, TILE_K
-            self.act1, self.has_b1 = act1, has_b1
-            self.stages, _ = _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages)
-            self.epi_n, self.epi_stage = epi_n, epi_stages
-            # private test switch: GEMM1 tiles overwrite their slot without waiting (wrong results
-            # with a small ring: tests/test_chained_ffn_gpu.py shows the wait matters)
-            self.skip_slot_wait = skip_slot_wait
-            self.atom_layout_mnk = (tile_m // 64, 1, 1)  # one consumer warpgroup per 64 rows
-            self.num_mma_wg = tile_m // 64
-            self.threads_per_wg = 128
-            self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
-            self.load_warp_id = 0
-            self.store_warp_id = 1
-            self.load_regs = 40
-            self.mma_regs = 232 if self.num_mma_wg == 2 else 240
-            self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
-            # store-warp handshake per epilogue sub-tile (consumer threads + the store warp):
-            # FULL: consumers bar.arrive after writing the buffer, the store warp bar.sync;
-            # EMPTY: the store warp bar.arrive once the buffer is free, consumers bar.sync before
-            # writing it. Each side alternates arrive / sync, so generations never mix.
-            self.epi_full = pipeline.NamedBarrier(barrier_id=2,
-                                                  num_threads=self.num_mma_threads + 32)
-            self.epi_empty = pipeline.NamedBarrier(barrier_id=3,
-                                                   num_threads=self.num_mma_threads + 32)
-            # tile mailbox: 2 slots; "empty" is arrived once per consumer warp and by the store
-            # warp
-            self.mailbox_readers = self.num_mma_wg * 4 + 1
-            self.buffer_align_bytes = 1024
-
-        # ---------------------------------------------------------------- host-side setup
-        def _setup(self):
-            bf16 = cutlass.BFloat16
-            a_layout = LayoutEnum.ROW_MAJOR  # x and the H ring: K contiguous
-            self.b_layout = LayoutEnum.from_tensor(self._mW1)  # MN-major (column-major view)
-            self.c_layout = LayoutEnum.ROW_MAJOR
-            self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-                bf16, bf16, a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n))
-            self.epi_tile = (self.tile_m, self.epi_n)
-
-            def smem_layout(layout, shape_2d, stages):
-                is_k_major = layout.sm90_mma_major_mode() == cute.nvgpu.OperandMajorMode.K
-                major_size = shape_2d[1] if is_k_major else shape_2d[0]
-                atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-                    sm90_utils.get_smem_layout_atom(layout, bf16, major_size), bf16)
-                return cute.tile_to_shape(atom, cute.append(shape_2d, stages),
-                                          order=(0, 1, 2) if is_k_major else (1, 0, 2))
-
-            self.a_smem_layout = smem_layout(a_layout, (self.tile_m, self.tile_k), self.stages)
-            self.b_smem_layout = smem_layout(self.b_layout, (self.tile_n, self.tile_k),
-                                             self.stages)
-            c_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-                sm90_utils.get_smem_layout_atom(self.c_layout, bf16, self.epi_tile[1]), bf16)
-            self.c_smem_layout = cute.tile_to_shape(
-                c_atom, cute.append(self.epi_tile, self.epi_stage), order=(0, 1, 2))
-            self.tx_bytes = (self.tile_m + self.tile_n) * self.tile_k * 2
-
-        @cute.jit
-        def __call__(self, mX: cute.Tensor, mW1: cute.Tensor, mB1: cute.Tensor,
-                     mW2: cute.Tensor, mH: cute.Tensor, mOut: cute.Tensor, mTable: cute.Tensor,
-                     mSync: cute.Tensor, mReady: cute.Tensor, mEpoch: cute.Tensor,
-                     mErr: cute.Tensor, num_tiles: Int32, blocks: Int32, ring: Int32,
-                     timeout_ns: Int64, num_ctas: Int32, stream):
-            self._mW1 = mW1
-            self._setup()
-            bf16 = cutlass.BFloat16
-            a1 = cute.slice_(self.a_smem_layout, (None, None, 0))
-            b1 = cute.slice_(self.b_smem_layout, (None, None, 0))
-            c1 = cute.slice_(self.c_smem_layout, (None, None, 0))
-            G2S = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp
-            S2G = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp
-            tk = (self.tile_m, self.tile_k)
-            bk = (self.tile_n, self.tile_k)
-            tma_atom_x, tma_x = cute.nvgpu.cpasync.make_tiled_tma_atom(G2S(), mX, a1, tk)
-            tma_atom_ha, tma_ha = cute.nvgpu.cpasync.make_tiled_tma_atom(G2S(), mH, a1, tk)
-            tma_atom_w1, tma_w1 = cute.nvgpu.cpasync.make_tiled_tma_atom(G2S(), mW1, b1, bk)
-            tma_atom_w2, tma_w2 = cute.nvgpu.cpasync.make_tiled_tma_atom(G2S(), mW2, b1, bk)
-            tma_atom_hs, tma_hs = cute.nvgpu.cpasync.make_tiled_tma_atom(S2G(), mH, c1,
-                                                                         self.epi_tile)
-            tma_atom_o, tma_o = cute.nvgpu.cpasync.make_tiled_tma_atom(S2G(), mOut, c1,
-                                                                       self.epi_tile)
-
-            @cute.struct
-            class SharedStorage:
-                mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-                # tile mailbox: full[0..1], empty[0..1] mbarriers, then 2 slots of 4 int32
-                # (kind, block, column tile, list position)
-                mailbox: cute.struct.MemRange[cutlass.Int64, 8]
-                sA: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.a_smem_layout)],
-                                      self.buffer_align_bytes]
-                sB: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.b_smem_layout)],
-                                      self.buffer_align_bytes]
-                sC: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.c_smem_layout)],
-                                      self.buffer_align_bytes]
-
-            self.shared_storage = SharedStorage
-            self.kernel(tma_atom_x, tma_x, tma_atom_ha, tma_ha, tma_atom_w1, tma_w1, tma_atom_w2,
-                        tma_w2, tma_atom_hs, tma_hs, tma_atom_o, tma_o, self.tiled_mma,
-                        self.a_smem_layout, self.b_smem_layout, self.c_smem_layout, mB1, mTable,
-                        mSync, mReady, mEpoch, mErr, num_tiles, blocks, ring,
-                        timeout_ns).launch(
-                grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
-                min_blocks_per_mp=1, stream=stream)
-
-        # ---------------------------------------------------------------- device kernel
-        @cute.kernel
-        def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor,
-                   tma_atom_ha: cute.CopyAtom, mHA: cute.Tensor,
-                   tma_atom_w1: cute.CopyAtom, mW1: cute.Tensor,
-                   tma_atom_w2: cute.CopyAtom, mW2: cute.Tensor,
-                   tma_atom_hs: cute.CopyAtom, mHS: cute.Tensor,
-                   tma_atom_o: cute.CopyAtom, mOut: cute.Tensor, tiled_mma: cute.TiledMma,
-                   a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
-                   c_smem_layout: cute.ComposedLayout, mB1: cute.Tensor, mTable: cute.Tensor,
-                   mSync: cute.Tensor, mReady: cute.Tensor, mEpoch: cute.Tensor,
-                   mErr: cute.Tensor, num_tiles: Int32, blocks: Int32, ring: Int32,
-                   timeout_ns: Int64):
-            tidx, _, _ = cute.arch.thread_idx()
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            if warp_idx == 0:
-                for atom in (tma_atom_x, tma_atom_ha, tma_atom_w1, tma_atom_w2, tma_atom_hs,
-                             tma_atom_o):
-                    cute.nvgpu.cpasync.prefetch_descriptor(atom)
-
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.num_mma_wg * 4),
-                tx_count=self.tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-                defer_sync=True)
-            mailbox = Int32(storage.mailbox.data_ptr().toint())
-            if tidx == 0:
-                for s in range(2):
-                    mbar_init(mailbox + Int32(8 * s), 1)  # full[s]: the TMA warp's lane 0
-                    mbar_init(mailbox + Int32(16 + 8 * s), self.mailbox_readers)  # empty[s]
-                fence_mbar_init()
-            pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-            sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
-            sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
-            sC = storage.sC.get_tensor(c_smem_layout.outer, swizzle=c_smem_layout.inner)
-
-            sync_base = Int64(mSync.iterator.toint())  # [0] tile counter, g1_done, g2_done
-            err = Int64(mErr.iterator.toint())
-
-            pipeline_init_wait(cluster_shape_mn=(1, 1))
-            warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-            if warp_group_idx == 0:
-                cute.arch.setmaxregister_decrease(self.load_regs)
-            # ------------------------------------------------------------ TMA warp
-            if warp_idx == self.load_warp_id:
-                self.load_role(tma_atom_x, mX, tma_atom_ha, mHA, tma_atom_w1, mW1, tma_atom_w2,
-                               mW2, sA, sB, pipe, mailbox, mTable, sync_base, err, num_tiles,
-                               blocks, ring, timeout_ns)
-            # ------------------------------------------------------------ store warp
-            if warp_idx == self.store_warp_id:
-                self.store_role(tma_atom_hs, mHS, tma_atom_o, mOut, sC, mailbox, sync_base,
-                                mReady, mEpoch, err, blocks, ring, timeout_ns)
-            # ------------------------------------------------------------ consumer warpgroups
-            if warp_group_idx > 0:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                self.mma_role(tiled_mma, sA, sB, sC, pipe, mailbox, mB1, tidx)
-
-        # ---------------------------------------------------------------- tile scheduler
-        @cute.jit
-        def fetch_tile(self, n: Int32, mailbox: Int32, mTable: cute.Tensor, sync_base: Int64,
-                       num_tiles: Int32):
-            """TMA warp: lane 0 takes list position p = atomicAdd(tile counter) for this CTA's
-            n-th tile and posts (kind, block, column, p) to mailbox slot n % 2 (kind -1: no tile
-            left); every lane returns it."""
-            s = n % Int32(2)
-            info = mailbox + Int32(32) + s * Int32(16)
-            if cute.arch.lane_idx() == 0:
-                # the slot's previous tile (n - 2) was read by every reader
-                mbar_wait_parity_intra_cta(mailbox + Int32(16) + s * Int32(8),
-                                           ((n // Int32(2)) % Int32(2)) ^ Int32(1))
-                p = atom_add_relaxed_gpu_s32(sync_base, Int32(1))
-                st_shared_s32(info + Int32(12), p)
-                if p < num_tiles:
-                    st_shared_s32(info, mTable[p * 3])
-                    st_shared_s32(info + Int32(4), mTable[p * 3 + 1])
-                    st_shared_s32(info + Int32(8), mTable[p * 3 + 2])
-                else:
-                    st_shared_s32(info, Int32(-1))
-                mbar_arrive(mailbox + s * Int32(8))  # release (CTA): the slot's words
-            cute.arch.sync_warp()
-            return (ld_shared_s32(info), ld_shared_s32(info + Int32(4)),
-                    ld_shared_s32(info + Int32(8)), ld_shared_s32(info + Int32(12)))
-
-        @cute.jit
-        def read_tile(self, n: Int32, mailbox: Int32):
-            """Consumer / store warps: this CTA's n-th tile from the mailbox (waits for it), then
-            hands the slot back (lane 0 arrives on empty[n % 2] after the warp's reads)."""
-            s = n % Int32(2)
-            info = mailbox + Int32(32) + s * Int32(16)
-            mbar_wait_parity_intra_cta(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
-            kind = ld_shared_s32(info)
-            blk = ld_shared_s32(info + Int32(4))
-            col = ld_shared_s32(info + Int32(8))
-            pos = ld_shared_s32(info + Int32(12))
-            cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                mbar_arrive(mailbox + Int32(16) + s * Int32(8))
-            return kind, blk, col, pos
-
-        # ---------------------------------------------------------------- TMA warp
-        @cute.jit
-        def load_role(self, tma_atom_x, mX, tma_atom_ha, mHA, tma_atom_w1, mW1, tma_atom_w2,
-                      mW2, sA, sB, pipe, mailbox: Int32, mTable: cute.Tensor, sync_base: Int64,
-                      err: Int64, num_tiles: Int32, blocks: Int32, ring: Int32,
-                      timeout_ns: Int64):
-            one = cute.make_layout(1)
-            gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))
-            gHA = cute.local_tile(mHA, (self.tile_m, self.tile_k), (None, None))
-            gW1 = cute.local_tile(mW1, (self.tile_n, self.tile_k), (None, None))
-            gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_k), (None, None))
-            gsA, gsB = cute.group_modes(sA, 0, 2), cute.group_modes(sB, 0, 2)
-            tXs, tXg = cute.nvgpu.cpasync.tma_partition(tma_atom_x, 0, one, gsA,
-                                                        cute.group_modes(gX, 0, 2))
-            tHs, tHg = cute.nvgpu.cpasync.tma_partition(tma_atom_ha, 0, one, gsA,
-                                                        cute.group_modes(gHA, 0, 2))
-            tW1s, tW1g = cute.nvgpu.cpasync.tma_partition(tma_atom_w1, 0, one, gsB,
-                                                          cute.group_modes(gW1, 0, 2))
-            tW2s, tW2g = cute.nvgpu.cpasync.tma_partition(tma_atom_w2, 0, one, gsB,
-                                                          cute.group_modes(gW2, 0, 2))
-            k1 = cute.size(gX, mode=[3])  # P / 64
-            k2 = cute.size(gHA, mode=[3])  # hidden / 64
-            h_tiles = cute.size(gW1, mode=[2])  # hidden / tile_n
-            st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            n = Int32(0)
-            kind, blk, col, pos = self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
-            while kind >= 0:
-                k_cnt = Int32(k1)
-                slot = blk % ring
-                if kind == 1:
-                    k_cnt = Int32(k2)
-                    # H of the block complete (all its GEMM1 tiles), then make the acquired
-                    # generic-proxy view order this thread's async-proxy (TMA) reads after it
-                    wait_count(sync_base + Int64(4) * Int64(1 + blk), Int32(h_tiles), err,
-                               Int32(ERR_BLOCK_TIMEOUT), pos, blk, timeout_ns)
-                    cute.arch.fence_proxy("async.global")
-                for k in range(k_cnt):
-                    pipe.producer_acquire(st)
-                    bar = pipe.producer_get_barrier(st)
-                    if kind == 0:
-                        cute.copy(tma_atom_x, tXg[(None, blk, k)], tXs[(None, st.index)],
-                                  tma_bar_ptr=bar)
-                        cute.copy(tma_atom_w1, tW1g[(None, col, k)], tW1s[(None, st.index)],
-                                  tma_bar_ptr=bar)
-                    else:
-                        cute.copy(tma_atom_ha, tHg[(None, slot, k)], tHs[(None, st.index)],
-                                  tma_bar_ptr=bar)
-                        cute.copy(tma_atom_w2, tW2g[(None, col, k)], tW2s[(None, st.index)],
-                                  tma_bar_ptr=bar)
-                    pipe.producer_commit(st)
-                    st.advance()
-                n = n + Int32(1)
-                kind, blk, col, pos = self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
-            pipe.producer_tail(st)
-
-        # ---------------------------------------------------------------- consumers
-        @cute.jit
-        def mma_tile(self, tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt: Int32):
-            """WGMMA mainloop over k_cnt stages (one WGMMA group in flight); returns the states."""
-            num_kb = cute.size(tCrA, mode=[2])
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.fence()
-            pipe.consumer_wait(read)
-            for kb in cutlass.range_constexpr(num_kb):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
-                          tCrB[(None, None, kb, read.index)], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            read.advance()
-            for _k in range(1, k_cnt):
-                pipe.consumer_wait(read)
-                for kb in cutlass.range_constexpr(num_kb):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
-                              tCrB[(None, None, kb, read.index)], acc)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(1)
-                pipe.consumer_release(rel)
-                rel.advance()
-                read.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-            pipe.consumer_release(rel)
-            rel.advance()
-            return read, rel
-
-        @cute.jit
-        def epilogue_gemm1(self, tRS_rD, tRS_rAcc, e: cutlass.Constexpr, size: cutlass.Constexpr):
-            """GEMM1 sub-tile: act1 of the accumulator (b1 is already in it)."""
-            for v in cutlass.range_constexpr(size):
-                tRS_rD[v] = act_fn(tRS_rAcc[e * size + v], self.act1)
-
-        @cute.jit
-        def epilogue_gemm2(self, tRS_rD, tRS_rAcc, e: cutlass.Constexpr, size: cutlass.Constexpr):
-            """GEMM2 sub-tile: the accumulator as is (final output)."""
-            for v in cutlass.range_constexpr(size):
-                tRS_rD[v] = tRS_rAcc[e * size + v]
-
-        @cute.jit
-        def mma_role(self, tiled_mma, sA, sB, sC, pipe, mailbox: Int32, mB1: cute.Tensor,
-                     tidx: Int32):
-            warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-            ctid = tidx - self.threads_per_wg
-            mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
-            thr_mma = tiled_mma.get_slice(mma_wg_layout(warp_group_idx - 1))
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            acc_shape = thr_mma.partition_C(
-                cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
-            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            # this thread's accumulator coordinates (per-thread slice), for b1's columns
-            tCc_thr = tiled_mma.get_slice(ctid).partition_C(
-                cute.make_identity_tensor((self.tile_m, self.tile_n)))
-
-            copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-                self.c_layout, elem_ty_d=cutlass.BFloat16, elem_ty_acc=self.acc_dtype)
-            copy_atom_C = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
-                cutlass.BFloat16)
-            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s,
-                                                    cute.make_tiled_copy_C_atom(copy_atom_C,
-                                                                                tiled_mma))
-            thr_copy_r2s = tiled_copy_r2s.get_slice(ctid)
-            tRS_sD = thr_copy_r2s.partition_D(sC)
-            tRS_rAcc = tiled_copy_r2s.retile(acc)
-            rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
-            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
-            tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], cutlass.BFloat16)
-            size_rD = cute.size(tRS_rD)
-            epi_num = self.tile_n // self.epi_n
-
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            n = Int32(0)
-            kind, blk, col, pos = self.read_tile(n, mailbox)
-            while kind >= 0:
-                k_cnt = Int32(self.k1)
-                if kind == 0:
-                    if cutlass.const_expr(self.has_b1):
-                        for i in cutlass.range_constexpr(cute.size(acc)):
-                            acc[i] = mB1[col * self.tile_n + tCc_thr[i][1]]
-                    else:
-                        acc.fill(0.0)
-                else:
-                    k_cnt = Int32(self.k2)
-                    acc.fill(0.0)
-                read, rel = self.mma_tile(tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt)
-                # ---- epilogue: acc -> bf16 sub-tiles -> sC (stmatrix) -> the store warp
-                for e in cutlass.range_constexpr(epi_num):
-                    if kind == 0:
-                        self.epilogue_gemm1(tRS_rD, tRS_rAcc, e, size_rD)
-                    else:
-                        self.epilogue_gemm2(tRS_rD, tRS_rAcc, e, size_rD)
-                    tRS_rD_out.store(tRS_rD.load().to(cutlass.BFloat16))
-                    buf = (n * epi_num + e) % self.epi_stage
-                    self.epi_empty.arrive_and_wait()
-                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                    # stmatrix (generic proxy) -> the TMA store (async proxy) reads sC
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.epi_full.arrive()
-                n = n + Int32(1)
-                kind, blk, col, pos = self.read_tile(n, mailbox)
-
-        # ---------------------------------------------------------------- store warp
-        @cute.jit
-        def store_role(self, tma_atom_hs, mHS, tma_atom_o, mOut, sC, mailbox: Int32,
-                       sync_base: Int64, mReady: cute.Tensor, mEpoch: cute.Tensor, err: Int64,
-                       blocks: Int32, ring: Int32, timeout_ns: Int64):
-            one = cute.make_layout(1)
-            gH = cute.local_tile(mHS, (self.tile_m, self.tile_n), (None, None))
-            gO = cute.local_tile(mOut, (self.tile_m, self.tile_n), (None, None))
-            n_tiles = cute.size(gO, mode=[3])  # N / tile_n: GEMM2 tiles per block
-            epi_num = self.tile_n // self.epi_n
-            epoch = mEpoch[0]
-            g1_base = sync_base + Int64(4)
-            g2_base = sync_base + Int64(4) * Int64(1 + blocks)
-            n = Int32(0)
-            kind, blk, col, pos = self.read_tile(n, mailbox)
-            while kind >= 0:
-                slot = blk % ring
-                if kind == 0:
-                    if cutlass.const_expr(not self.skip_slot_wait):
-                        if blk >= ring:
-                            # every GEMM2 tile that reads this slot (block blk - ring) is done;
-                            # then order the acquire before this thread's async-proxy writes
-                            wait_count(g2_base + Int64(4) * Int64(blk - ring), n_tiles, err,
-                                       Int32(ERR_SLOT_TIMEOUT), pos, blk, timeout_ns)
-                            cute.arch.fence_proxy("async.global")
-                gH_epi = cute.zipped_divide(gH[(None, None, slot, col)], self.epi_tile)
-                gO_epi = cute.zipped_divide(gO[(None, None, blk, col)], self.epi_tile)
-                sH_p, gH_p = cute.nvgpu.cpasync.tma_partition(
-                    tma_atom_hs, 0, one, cute.group_modes(sC, 0, 2), gH_epi)
-                sO_p, gO_p = cute.nvgpu.cpasync.tma_partition(
-                    tma_atom_o, 0, one, cute.group_modes(sC, 0, 2), gO_epi)
-                for e in cutlass.range_constexpr(epi_num):
-                    buf = (n * epi_num + e) % self.epi_stage
-                    # buffer buf is free: the store that last read it is at least epi_stage - 1
-                    # groups old (wait_group.read below)
-                    self.epi_empty.arrive()
-                    self.epi_full.arrive_and_wait()
-                    if kind == 0:
-                        cute.copy(tma_atom_hs, sH_p[(None, buf)], gH_p[(None, (0, e))])
-                    else:
-                        cute.copy(tma_atom_o, sO_p[(None, buf)], gO_p[(None, (0, e))])
-                    cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(self.epi_stage - 1, read=True)
-                # the tile's writes performed (not only read from smem), ordered before the
-                # generic-proxy counter update; every lane waited for its own bulk groups
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_proxy("async.global")
-                cute.arch.sync_warp()
-                if cute.arch.lane_idx() == 0:
-                    if kind == 0:
-                        red_release_gpu_add_s32(g1_base + Int64(4) * Int64(blk), Int32(1))
-                    else:
-                        old = atom_add_acq_rel_gpu_s32(g2_base + Int64(4) * Int64(blk), Int32(1))
-                        if old == n_tiles - 1:
-                            # acquired every tile of the block (one release sequence): publish
-                            cute.arch.store(mReady.iterator + blk, epoch, sem="release",
-                                            scope="gpu")
-                n = n + Int32(1)
-                kind, blk, col, pos = self.read_tile(n, mailbox)
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    return _ChainedFFNKernel
-
-
-# --------------------------------------------------------------------------------------------
-# Host wrapper
-# --------------------------------------------------------------------------------------------
-_KERNEL_CLASS = None
-
-
 def _get_kernel_class():
-    global _KERNEL_CLASS
-    if _KERNEL_CLASS is None:
-        _KERNEL_CLASS = _kernel_class()
-    return _KERNEL_CLASS
+    from .compute_chained_sm90 import ChainedFFNKernel
+    return ChainedFFNKernel
 
 
 class ChainedFFNCompute:
     """The chained FFN compute kernel (module docstring).
 
     ChainedFFNCompute(tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
-                      timeout_ms=2000, group=1)
+                      timeout_ms=2000, group="auto", l2_bytes=L2_BYTES_SM90)
         tile_m = 128 (two consumer warpgroups); tile_h = tile_n = 256 (GEMM1 and GEMM2 tiles
         share the tiled MMA and the smem ring); stages: operand ring depth (None: as many as
         fit, 4); epi_n x epi_stages: epilogue sub-tile width and buffers; timeout_ms: bound of
         every cross-CTA wait; group: tile order on super-blocks of this many row blocks (module
-        docstring; 1 = ``chained_schedule.derive``'s order).
+        docstring; 1 = ``chained_schedule.derive``'s order), "auto" = ``auto_group`` per shape
+        (its docstring has the rule and the measurement behind it) with ``l2_bytes`` the L2
+        size it plans for (a fixed number, not queried, so that ``ring_bytes`` on the host and
+        the call agree).
 
     __call__(x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu", ccta=0,
              stream=None, h_ring=None) -> out
@@ -748,19 +298,25 @@ class ChainedFFNCompute:
     _compiled = {}
 
     def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
-                 timeout_ms=2000, group=1, _test_ring=None, _test_skip_slot_wait=False):
+                 timeout_ms=2000, group="auto", l2_bytes=L2_BYTES_SM90, _test_ring=None,
+                 _test_skip_slot_wait=False):
         self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms)
-        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
-            raise ValueError(f"group must be an int >= 1, got {group!r}")
-        if group > 1 and _test_ring is not None:
-            raise ValueError("_test_ring is for group=1 only")
+        if group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
+                                or group < 1):
+            raise ValueError(f"group must be \"auto\" or an int >= 1, got {group!r}")
+        if group == "auto" and _test_ring is not None:
+            raise ValueError("_test_ring needs an explicit group (it is in row blocks of that "
+                             "group's order)")
+        if isinstance(l2_bytes, bool) or not isinstance(l2_bytes, int) or l2_bytes < 1:
+            raise ValueError(f"l2_bytes must be an int >= 1, got {l2_bytes!r}")
         self.group = group
+        self.l2_bytes = l2_bytes
         self.tile_m, self.tile_h, self.tile_n = tile_m, tile_h, tile_n
         self.stages, _ = _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages)
         self.epi_n, self.epi_stages = epi_n, epi_stages
         self.timeout_ms = timeout_ms
-        # private test switches (tests/test_chained_ffn_gpu.py): a ring smaller than derived,
-        # and GEMM1 tiles that do not wait for their slot
+        # private test switches (tests/test_chained_ffn_gpu.py, the bench's "GrR" variants): a
+        # ring other than derived, and GEMM1 tiles that do not wait for their slot
         if _test_ring is not None and (not isinstance(_test_ring, int) or _test_ring < 1):
             raise ValueError(f"_test_ring must be an int >= 1, got {_test_ring!r}")
         self._test_ring = _test_ring
@@ -815,10 +371,17 @@ class ChainedFFNCompute:
         return True
 
     # ---------------------------------------------------------------- schedule, memory
+    def group_for(self, M, P, hidden, N, grid) -> int:
+        """The group this instance runs for the shape (``auto_group`` when group="auto")."""
+        if self.group != "auto":
+            return self.group
+        return auto_group(M, P, hidden, N, grid, self.l2_bytes, self.tile_m, self.tile_h,
+                          self.tile_n)
+
     def schedule(self, M, P, hidden, N, grid):
         """The tile list this instance runs for M rows on ``grid`` CTAs (``schedule_for``)."""
         return schedule_for(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
-                            self.group, self._test_ring)
+                            self.group_for(M, P, hidden, N, grid), self._test_ring)
 
     def grid(self, M, hidden, N, device=None, ccta=0, sms=None):
         sms = num_sms(device) if sms is None else sms
@@ -902,9 +465,9 @@ class ChainedFFNCompute:
                 bool(has_b1), self._test_skip_slot_wait, int(P), int(hidden), int(N))
 
     def _kernel(self, P, hidden, act1, has_b1):
-        return _get_kernel_class()(self.tile_m, self.tile_n, act1, bool(has_b1), self.stages,
-                                   self.epi_n, self.epi_stages, P // TILE_K, hidden // TILE_K,
-                                   self._test_skip_slot_wait)
+        return _get_kernel_class()(self.tile_m, self.tile_n, TILE_K, act1, bool(has_b1),
+                                   self.stages, self.epi_n, self.epi_stages, P // TILE_K,
+                                   hidden // TILE_K, self._test_skip_slot_wait)
 
     def compile(self, P, hidden, N, act1="gelu", has_b1=True, keep_ptx=False):
         """Compiles from symbolic tensors (M, the table, the ring and the flags are runtime

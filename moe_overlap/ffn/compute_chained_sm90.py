@@ -1,0 +1,476 @@
+"""The chained FFN compute kernel: ``ChainedFFNKernel``, a ``GemmSm90`` subclass, two tile kinds.
+
+GEMM1 tiles (``H_ring[slot][:, j] = act1(x[blk] W1[:, j] + b1[j])``) and GEMM2 tiles
+(``out[blk, n] = H_ring[slot] W2[:, n]``) of one runtime tile list; the host wrapper, the tensors'
+contract, the dependency protocol and the torch reference are in ``ffn.compute_chained``. What it
+shares with the base (and the other two kernels): the tiled MMA, the staged shared-memory
+layouts, the TMA load / store atoms, the descriptor prefetch, the operand-ring pipeline, the
+WGMMA step of one ring stage and the register reallocation. What is its own: the dynamic tile
+scheduler (a global atomic tile counter and a two-slot shared-memory mailbox: the tiles are taken
+in list order, which the cross-CTA waits need), one ring feeding both kinds (x + W1 or H + W2
+stages), the separate store warp (warp 1) with its FULL / EMPTY named-barrier handshake (the base's
+``store_epi_subtile`` has a consumer warp issue the store, which would put the bounded slot wait
+and the counter releases into a WGMMA warpgroup), and the bounded cross-CTA counter waits.
+
+Imports cutlass (the host wrapper imports this module when it compiles).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32, Int64
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from ..kernels.gemm_sm90 import GemmSm90, smem_layout_staged
+from ..kernels.primitives import (fence_mbar_init, globaltimer, ld_acquire_gpu_s32,
+                                  ld_shared_s32, mbar_arrive, mbar_init,
+                                  mbar_wait_parity_intra_cta, record_error,
+                                  red_release_gpu_add_s32, st_shared_s32)
+from .band_allreduce import device_lib
+from .chained_schedule import ERR_BLOCK_TIMEOUT, ERR_SLOT_TIMEOUT
+
+__all__ = ["ChainedFFNKernel"]
+
+act_fn = device_lib().act  # fp32 none / relu / gelu (erf) / gelu_tanh / silu
+
+def ld_relaxed_gpu_s64(addr):
+    return cute.arch.inline_ptx("ld.relaxed.gpu.global.s64 {$w0}, [{$r0}];",
+                                write_only_types=[Int64], read_only_args=[addr])
+
+
+def atom_add_relaxed_gpu_s32(addr, v):
+    return cute.arch.inline_ptx("atom.relaxed.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
+                                write_only_types=[Int32], read_only_args=[addr, Int32(v)])
+
+
+def atom_add_acq_rel_gpu_s32(addr, v):
+    return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
+                                write_only_types=[Int32], read_only_args=[addr, Int32(v)])
+
+
+@cute.jit
+def wait_count(addr: Int64, target: Int32, err: Int64, code: Int32, pos: Int32, blk: Int32,
+               timeout_ns: Int64):
+    """Spin (ld.acquire.gpu) until ``*addr == target``; on timeout record the error word and
+    stop; stop at once when another wait already recorded one (the launch must end)."""
+    t0 = globaltimer()
+    v = ld_acquire_gpu_s32(addr)
+    go = Int32(1)
+    while v != target and go == Int32(1):
+        el = globaltimer() - t0
+        if el > timeout_ns:
+            record_error(err, code, Int32(0), pos, blk, Int64(v), Int64(target), el)
+            go = Int32(0)
+        if ld_relaxed_gpu_s64(err) != Int64(0):
+            go = Int32(0)
+        v = ld_acquire_gpu_s32(addr)
+
+
+class ChainedFFNKernel(GemmSm90):
+    """ChainedFFNKernel(tile_m, tile_n, tile_k, act1, has_b1, stages, epi_n, epi_stages, k1, k2,
+    skip_slot_wait): options as ``ChainedFFNCompute``, with ``stages`` already resolved by its
+    shared-memory plan; k1 = P / tile_k and k2 = hidden / tile_k are GEMM1's and GEMM2's k
+    tiles. ``__call__(mX, mW1, mB1, mW2, mH, mOut, mTable, mSync, mReady, mEpoch, mErr,
+    num_tiles, blocks, ring, timeout_ns, num_ctas, stream)`` traces and launches it."""
+
+    store_warp_id = 1  # the epilogue's store warp (in the producer warpgroup, beside the TMA warp)
+
+    def __init__(self, tile_m, tile_n, tile_k, act1, has_b1, stages, epi_n, epi_stages, k1, k2,
+                 skip_slot_wait=False):
+        super().__init__(num_mma_wg=tile_m // 64)  # one consumer warpgroup per 64 rows
+        self.k1, self.k2 = k1, k2
+        self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
+        self.act1, self.has_b1 = act1, has_b1
+        self.stages = stages
+        self.epi_n, self.epi_stage = epi_n, epi_stages
+        # private test switch: GEMM1 tiles overwrite their slot without waiting (wrong results
+        # with a small ring: tests/test_chained_ffn_gpu.py shows the wait matters)
+        self.skip_slot_wait = skip_slot_wait
+        # store-warp handshake per epilogue sub-tile (consumer threads + the store warp):
+        # FULL: consumers bar.arrive after writing the buffer, the store warp bar.sync;
+        # EMPTY: the store warp bar.arrive once the buffer is free, consumers bar.sync before
+        # writing it. Each side alternates arrive / sync, so generations never mix.
+        self.epi_full = pipeline.NamedBarrier(barrier_id=2,
+                                              num_threads=self.num_mma_threads + 32)
+        self.epi_empty = pipeline.NamedBarrier(barrier_id=3,
+                                               num_threads=self.num_mma_threads + 32)
+        # tile mailbox: 2 slots; "empty" is arrived once per consumer warp and by the store
+        # warp
+        self.mailbox_readers = self.num_mma_wg * 4 + 1
+
+    # ---------------------------------------------------------------- host-side setup
+    def _setup(self):
+        bf16 = cutlass.BFloat16
+        a_layout = LayoutEnum.ROW_MAJOR  # x and the H ring: K contiguous
+        self.b_layout = LayoutEnum.from_tensor(self._mW1)  # MN-major (column-major view)
+        self.c_layout = LayoutEnum.ROW_MAJOR
+        # one tiled MMA for both kinds: A (x or H) K-major from shared memory, B MN-major
+        self.tiled_mma = self.make_tiled_mma(bf16, bf16, a_layout, self.b_layout,
+                                             (64, self.tile_n))
+        self.epi_tile = (self.tile_m, self.epi_n)
+        self.a_smem_layout = smem_layout_staged(a_layout, bf16, (self.tile_m, self.tile_k),
+                                                self.stages)
+        self.b_smem_layout = smem_layout_staged(self.b_layout, bf16, (self.tile_n, self.tile_k),
+                                                self.stages)
+        self.c_smem_layout = smem_layout_staged(self.c_layout, bf16, self.epi_tile,
+                                                self.epi_stage)
+        self.tx_bytes = (self.tile_m + self.tile_n) * self.tile_k * 2
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW1: cute.Tensor, mB1: cute.Tensor,
+                 mW2: cute.Tensor, mH: cute.Tensor, mOut: cute.Tensor, mTable: cute.Tensor,
+                 mSync: cute.Tensor, mReady: cute.Tensor, mEpoch: cute.Tensor,
+                 mErr: cute.Tensor, num_tiles: Int32, blocks: Int32, ring: Int32,
+                 timeout_ns: Int64, num_ctas: Int32, stream):
+        self._mW1 = mW1
+        self._setup()
+        bf16 = cutlass.BFloat16
+        tk = (self.tile_m, self.tile_k)
+        bk = (self.tile_n, self.tile_k)
+        # the H ring is read by GEMM2 (A tiles through the operand ring) and written by GEMM1
+        # (epilogue sub-tiles): one load and one store atom on the same tensor
+        tma_atom_x, tma_x = self.make_tma_load(mX, self.a_smem_layout, tk)
+        tma_atom_ha, tma_ha = self.make_tma_load(mH, self.a_smem_layout, tk)
+        tma_atom_w1, tma_w1 = self.make_tma_load(mW1, self.b_smem_layout, bk)
+        tma_atom_w2, tma_w2 = self.make_tma_load(mW2, self.b_smem_layout, bk)
+        tma_atom_hs, tma_hs = self.make_tma_store(mH, self.c_smem_layout, self.epi_tile)
+        tma_atom_o, tma_o = self.make_tma_store(mOut, self.c_smem_layout, self.epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            # tile mailbox: full[0..1], empty[0..1] mbarriers, then 2 slots of 4 int32
+            # (kind, block, column tile, list position)
+            mailbox: cute.struct.MemRange[cutlass.Int64, 8]
+            sA: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.a_smem_layout)],
+                                  self.buffer_align_bytes]
+            sB: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.b_smem_layout)],
+                                  self.buffer_align_bytes]
+            sC: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.c_smem_layout)],
+                                  self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_atom_x, tma_x, tma_atom_ha, tma_ha, tma_atom_w1, tma_w1, tma_atom_w2,
+                    tma_w2, tma_atom_hs, tma_hs, tma_atom_o, tma_o, self.tiled_mma,
+                    self.a_smem_layout, self.b_smem_layout, self.c_smem_layout, mB1, mTable,
+                    mSync, mReady, mEpoch, mErr, num_tiles, blocks, ring,
+                    timeout_ns).launch(
+            grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
+            min_blocks_per_mp=1, stream=stream)
+
+    # ---------------------------------------------------------------- device kernel
+    @cute.kernel
+    def kernel(self, tma_atom_x: cute.CopyAtom, mX: cute.Tensor,
+               tma_atom_ha: cute.CopyAtom, mHA: cute.Tensor,
+               tma_atom_w1: cute.CopyAtom, mW1: cute.Tensor,
+               tma_atom_w2: cute.CopyAtom, mW2: cute.Tensor,
+               tma_atom_hs: cute.CopyAtom, mHS: cute.Tensor,
+               tma_atom_o: cute.CopyAtom, mOut: cute.Tensor, tiled_mma: cute.TiledMma,
+               a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
+               c_smem_layout: cute.ComposedLayout, mB1: cute.Tensor, mTable: cute.Tensor,
+               mSync: cute.Tensor, mReady: cute.Tensor, mEpoch: cute.Tensor,
+               mErr: cute.Tensor, num_tiles: Int32, blocks: Int32, ring: Int32,
+               timeout_ns: Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            self.prefetch_descriptors(tma_atom_x, tma_atom_ha, tma_atom_w1, tma_atom_w2,
+                                      tma_atom_hs, tma_atom_o)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        pipe = self.make_mainloop_pipeline(storage.mbar.data_ptr(), self.stages,
+                                           self.tx_bytes, cute.make_layout((1, 1, 1, 1)), 1)
+        mailbox = Int32(storage.mailbox.data_ptr().toint())
+        if tidx == 0:
+            for s in range(2):
+                mbar_init(mailbox + Int32(8 * s), 1)  # full[s]: the TMA warp's lane 0
+                mbar_init(mailbox + Int32(16 + 8 * s), self.mailbox_readers)  # empty[s]
+            fence_mbar_init()
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        sC = storage.sC.get_tensor(c_smem_layout.outer, swizzle=c_smem_layout.inner)
+
+        sync_base = Int64(mSync.iterator.toint())  # [0] tile counter, g1_done, g2_done
+        err = Int64(mErr.iterator.toint())
+
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        if warp_group_idx == 0:
+            self.producer_warpgroup()
+        # ------------------------------------------------------------ TMA warp
+        if warp_idx == self.load_warp_id:
+            self.load_role(tma_atom_x, mX, tma_atom_ha, mHA, tma_atom_w1, mW1, tma_atom_w2,
+                           mW2, sA, sB, pipe, mailbox, mTable, sync_base, err, num_tiles,
+                           blocks, ring, timeout_ns)
+        # ------------------------------------------------------------ store warp
+        if warp_idx == self.store_warp_id:
+            self.store_role(tma_atom_hs, mHS, tma_atom_o, mOut, sC, mailbox, sync_base,
+                            mReady, mEpoch, err, blocks, ring, timeout_ns)
+        # ------------------------------------------------------------ consumer warpgroups
+        if warp_group_idx > 0:
+            self.consumer_warpgroup()
+            self.mma_role(tiled_mma, sA, sB, sC, pipe, mailbox, mB1, tidx)
+
+    # ---------------------------------------------------------------- tile scheduler
+    @cute.jit
+    def fetch_tile(self, n: Int32, mailbox: Int32, mTable: cute.Tensor, sync_base: Int64,
+                   num_tiles: Int32):
+        """TMA warp: lane 0 takes list position p = atomicAdd(tile counter) for this CTA's
+        n-th tile and posts (kind, block, column, p) to mailbox slot n % 2 (kind -1: no tile
+        left); every lane returns it."""
+        s = n % Int32(2)
+        info = mailbox + Int32(32) + s * Int32(16)
+        if cute.arch.lane_idx() == 0:
+            # the slot's previous tile (n - 2) was read by every reader
+            mbar_wait_parity_intra_cta(mailbox + Int32(16) + s * Int32(8),
+                                       ((n // Int32(2)) % Int32(2)) ^ Int32(1))
+            p = atom_add_relaxed_gpu_s32(sync_base, Int32(1))
+            st_shared_s32(info + Int32(12), p)
+            if p < num_tiles:
+                st_shared_s32(info, mTable[p * 3])
+                st_shared_s32(info + Int32(4), mTable[p * 3 + 1])
+                st_shared_s32(info + Int32(8), mTable[p * 3 + 2])
+            else:
+                st_shared_s32(info, Int32(-1))
+            mbar_arrive(mailbox + s * Int32(8))  # release (CTA): the slot's words
+        cute.arch.sync_warp()
+        return (ld_shared_s32(info), ld_shared_s32(info + Int32(4)),
+                ld_shared_s32(info + Int32(8)), ld_shared_s32(info + Int32(12)))
+
+    @cute.jit
+    def read_tile(self, n: Int32, mailbox: Int32):
+        """Consumer / store warps: this CTA's n-th tile from the mailbox (waits for it), then
+        hands the slot back (lane 0 arrives on empty[n % 2] after the warp's reads)."""
+        s = n % Int32(2)
+        info = mailbox + Int32(32) + s * Int32(16)
+        mbar_wait_parity_intra_cta(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
+        kind = ld_shared_s32(info)
+        blk = ld_shared_s32(info + Int32(4))
+        col = ld_shared_s32(info + Int32(8))
+        pos = ld_shared_s32(info + Int32(12))
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            mbar_arrive(mailbox + Int32(16) + s * Int32(8))
+        return kind, blk, col, pos
+
+    # ---------------------------------------------------------------- TMA warp
+    @cute.jit
+    def load_role(self, tma_atom_x, mX, tma_atom_ha, mHA, tma_atom_w1, mW1, tma_atom_w2,
+                  mW2, sA, sB, pipe, mailbox: Int32, mTable: cute.Tensor, sync_base: Int64,
+                  err: Int64, num_tiles: Int32, blocks: Int32, ring: Int32,
+                  timeout_ns: Int64):
+        one = cute.make_layout(1)
+        gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))
+        gHA = cute.local_tile(mHA, (self.tile_m, self.tile_k), (None, None))
+        gW1 = cute.local_tile(mW1, (self.tile_n, self.tile_k), (None, None))
+        gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_k), (None, None))
+        gsA, gsB = cute.group_modes(sA, 0, 2), cute.group_modes(sB, 0, 2)
+        tXs, tXg = cute.nvgpu.cpasync.tma_partition(tma_atom_x, 0, one, gsA,
+                                                    cute.group_modes(gX, 0, 2))
+        tHs, tHg = cute.nvgpu.cpasync.tma_partition(tma_atom_ha, 0, one, gsA,
+                                                    cute.group_modes(gHA, 0, 2))
+        tW1s, tW1g = cute.nvgpu.cpasync.tma_partition(tma_atom_w1, 0, one, gsB,
+                                                      cute.group_modes(gW1, 0, 2))
+        tW2s, tW2g = cute.nvgpu.cpasync.tma_partition(tma_atom_w2, 0, one, gsB,
+                                                      cute.group_modes(gW2, 0, 2))
+        k1 = cute.size(gX, mode=[3])  # P / 64
+        k2 = cute.size(gHA, mode=[3])  # hidden / 64
+        h_tiles = cute.size(gW1, mode=[2])  # hidden / tile_n
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        n = Int32(0)
+        kind, blk, col, pos = self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
+        while kind >= 0:
+            k_cnt = Int32(k1)
+            slot = blk % ring
+            if kind == 1:
+                k_cnt = Int32(k2)
+                # H of the block complete (all its GEMM1 tiles), then make the acquired
+                # generic-proxy view order this thread's async-proxy (TMA) reads after it
+                wait_count(sync_base + Int64(4) * Int64(1 + blk), Int32(h_tiles), err,
+                           Int32(ERR_BLOCK_TIMEOUT), pos, blk, timeout_ns)
+                cute.arch.fence_proxy("async.global")
+            for k in range(k_cnt):
+                pipe.producer_acquire(st)
+                bar = pipe.producer_get_barrier(st)
+                if kind == 0:
+                    cute.copy(tma_atom_x, tXg[(None, blk, k)], tXs[(None, st.index)],
+                              tma_bar_ptr=bar)
+                    cute.copy(tma_atom_w1, tW1g[(None, col, k)], tW1s[(None, st.index)],
+                              tma_bar_ptr=bar)
+                else:
+                    cute.copy(tma_atom_ha, tHg[(None, slot, k)], tHs[(None, st.index)],
+                              tma_bar_ptr=bar)
+                    cute.copy(tma_atom_w2, tW2g[(None, col, k)], tW2s[(None, st.index)],
+                              tma_bar_ptr=bar)
+                pipe.producer_commit(st)
+                st.advance()
+            n = n + Int32(1)
+            kind, blk, col, pos = self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
+        pipe.producer_tail(st)
+
+    # ---------------------------------------------------------------- consumers
+    @cute.jit
+    def mma_tile(self, tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt: Int32):
+        """WGMMA mainloop over k_cnt stages (one WGMMA group in flight); returns the states."""
+        num_kb = cute.size(tCrA, mode=[2])
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.fence()
+        pipe.consumer_wait(read)
+        self.mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_kb)
+        read.advance()
+        for _k in range(1, k_cnt):
+            pipe.consumer_wait(read)
+            self.mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_kb)
+            cute.nvgpu.warpgroup.wait_group(1)
+            pipe.consumer_release(rel)
+            rel.advance()
+            read.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        pipe.consumer_release(rel)
+        rel.advance()
+        return read, rel
+
+    @cute.jit
+    def epilogue_gemm1(self, tRS_rD, tRS_rAcc, e: cutlass.Constexpr, size: cutlass.Constexpr):
+        """GEMM1 sub-tile: act1 of the accumulator (b1 is already in it)."""
+        for v in cutlass.range_constexpr(size):
+            tRS_rD[v] = act_fn(tRS_rAcc[e * size + v], self.act1)
+
+    @cute.jit
+    def epilogue_gemm2(self, tRS_rD, tRS_rAcc, e: cutlass.Constexpr, size: cutlass.Constexpr):
+        """GEMM2 sub-tile: the accumulator as is (final output)."""
+        for v in cutlass.range_constexpr(size):
+            tRS_rD[v] = tRS_rAcc[e * size + v]
+
+    @cute.jit
+    def mma_role(self, tiled_mma, sA, sB, sC, pipe, mailbox: Int32, mB1: cute.Tensor,
+                 tidx: Int32):
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        ctid = tidx - self.threads_per_wg
+        mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
+        thr_mma = tiled_mma.get_slice(mma_wg_layout(warp_group_idx - 1))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc_shape = thr_mma.partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n))).shape
+        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        # this thread's accumulator coordinates (per-thread slice), for b1's columns
+        tCc_thr = tiled_mma.get_slice(ctid).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n)))
+
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+            self.c_layout, elem_ty_d=cutlass.BFloat16, elem_ty_acc=self.acc_dtype)
+        copy_atom_C = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
+            cutlass.BFloat16)
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s,
+                                                cute.make_tiled_copy_C_atom(copy_atom_C,
+                                                                            tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(ctid)
+        tRS_sD = thr_copy_r2s.partition_D(sC)
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+        tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+        tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], cutlass.BFloat16)
+        size_rD = cute.size(tRS_rD)
+        epi_num = self.tile_n // self.epi_n
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        n = Int32(0)
+        kind, blk, col, pos = self.read_tile(n, mailbox)
+        while kind >= 0:
+            k_cnt = Int32(self.k1)
+            if kind == 0:
+                if cutlass.const_expr(self.has_b1):
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = mB1[col * self.tile_n + tCc_thr[i][1]]
+                else:
+                    acc.fill(0.0)
+            else:
+                k_cnt = Int32(self.k2)
+                acc.fill(0.0)
+            read, rel = self.mma_tile(tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt)
+            # ---- epilogue: acc -> bf16 sub-tiles -> sC (stmatrix) -> the store warp
+            for e in cutlass.range_constexpr(epi_num):
+                if kind == 0:
+                    self.epilogue_gemm1(tRS_rD, tRS_rAcc, e, size_rD)
+                else:
+                    self.epilogue_gemm2(tRS_rD, tRS_rAcc, e, size_rD)
+                tRS_rD_out.store(tRS_rD.load().to(cutlass.BFloat16))
+                buf = (n * epi_num + e) % self.epi_stage
+                self.epi_empty.arrive_and_wait()
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                # stmatrix (generic proxy) -> the TMA store (async proxy) reads sC
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.epi_full.arrive()
+            n = n + Int32(1)
+            kind, blk, col, pos = self.read_tile(n, mailbox)
+
+    # ---------------------------------------------------------------- store warp
+    @cute.jit
+    def store_role(self, tma_atom_hs, mHS, tma_atom_o, mOut, sC, mailbox: Int32,
+                   sync_base: Int64, mReady: cute.Tensor, mEpoch: cute.Tensor, err: Int64,
+                   blocks: Int32, ring: Int32, timeout_ns: Int64):
+        one = cute.make_layout(1)
+        gH = cute.local_tile(mHS, (self.tile_m, self.tile_n), (None, None))
+        gO = cute.local_tile(mOut, (self.tile_m, self.tile_n), (None, None))
+        n_tiles = cute.size(gO, mode=[3])  # N / tile_n: GEMM2 tiles per block
+        epi_num = self.tile_n // self.epi_n
+        epoch = mEpoch[0]
+        g1_base = sync_base + Int64(4)
+        g2_base = sync_base + Int64(4) * Int64(1 + blocks)
+        n = Int32(0)
+        kind, blk, col, pos = self.read_tile(n, mailbox)
+        while kind >= 0:
+            slot = blk % ring
+            if kind == 0:
+                if cutlass.const_expr(not self.skip_slot_wait):
+                    if blk >= ring:
+                        # every GEMM2 tile that reads this slot (block blk - ring) is done;
+                        # then order the acquire before this thread's async-proxy writes
+                        wait_count(g2_base + Int64(4) * Int64(blk - ring), n_tiles, err,
+                                   Int32(ERR_SLOT_TIMEOUT), pos, blk, timeout_ns)
+                        cute.arch.fence_proxy("async.global")
+            gH_epi = cute.zipped_divide(gH[(None, None, slot, col)], self.epi_tile)
+            gO_epi = cute.zipped_divide(gO[(None, None, blk, col)], self.epi_tile)
+            sH_p, gH_p = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_hs, 0, one, cute.group_modes(sC, 0, 2), gH_epi)
+            sO_p, gO_p = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_o, 0, one, cute.group_modes(sC, 0, 2), gO_epi)
+            for e in cutlass.range_constexpr(epi_num):
+                buf = (n * epi_num + e) % self.epi_stage
+                # buffer buf is free: the store that last read it is at least epi_stage - 1
+                # groups old (wait_group.read below)
+                self.epi_empty.arrive()
+                self.epi_full.arrive_and_wait()
+                if kind == 0:
+                    cute.copy(tma_atom_hs, sH_p[(None, buf)], gH_p[(None, (0, e))])
+                else:
+                    cute.copy(tma_atom_o, sO_p[(None, buf)], gO_p[(None, (0, e))])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(self.epi_stage - 1, read=True)
+            # the tile's writes performed (not only read from smem), ordered before the
+            # generic-proxy counter update; every lane waited for its own bulk groups
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")
+            cute.arch.sync_warp()
+            if cute.arch.lane_idx() == 0:
+                if kind == 0:
+                    red_release_gpu_add_s32(g1_base + Int64(4) * Int64(blk), Int32(1))
+                else:
+                    old = atom_add_acq_rel_gpu_s32(g2_base + Int64(4) * Int64(blk), Int32(1))
+                    if old == n_tiles - 1:
+                        # acquired every tile of the block (one release sequence): publish
+                        cute.arch.store(mReady.iterator + blk, epoch, sem="release",
+                                        scope="gpu")
+            n = n + Int32(1)
+            kind, blk, col, pos = self.read_tile(n, mailbox)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
