@@ -32,16 +32,9 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_overlap.ffn.shapes import FFN_SHAPES  # noqa: E402
 
-SHAPES = {  # name: (P = N, O)
-    "llama3-8b": (4096, 14336),
-    "llama3-70b": (8192, 28672),
-    "deepseek-v3-dense": (7168, 18432),
-    "deepseek-v3-expert": (7168, 2048),
-    "llama4-scout-expert": (5120, 8192),
-    "llama4-scout-shared": (5120, 16384),
-    "mixtral-8x7b-expert": (4096, 14336),
-}
+SHAPES = FFN_SHAPES  # name: (P = N, O)
 ACTS = ("relu", "gelu", "gelu_tanh", "silu")
 
 

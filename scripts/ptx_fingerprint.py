@@ -42,7 +42,7 @@ def _nvshmem_consumer(cons):
     except ImportError:
         gpu = False
     if not gpu:
-        cons._point_nvshmem_bitcode_at_sm90()
+        cons.use_sm90_nvshmem_bitcode()
     return _keep(cons.build_consumer("nvshmem"), *cons.consumer_example_args())
 
 

@@ -12,8 +12,7 @@ ordering bug shows as whole wrong blocks).
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu  # skipped without a GPU by tests/conftest.py
 
 TOL = 8e-3
 SHAPE = (1024, 2048, 1024)  # P, hidden, N: at M = 8192 the derived ring (35 blocks) wraps

@@ -6,16 +6,9 @@ import torch
 
 from moe_overlap.ffn.chained_schedule import (GEMM1, GEMM2, ChainedSchedule, derive,
                                               execute_reference, simulate)
+from moe_overlap.ffn.shapes import FFN_SHAPES
 
-SHAPES = {  # name: (P = N, O) as in bench/bench_ffn.py, sliced over G = 2
-    "llama3-8b": (4096, 14336),
-    "llama3-70b": (8192, 28672),
-    "deepseek-v3-dense": (7168, 18432),
-    "deepseek-v3-expert": (7168, 2048),
-    "llama4-scout-expert": (5120, 8192),
-    "llama4-scout-shared": (5120, 16384),
-    "mixtral-8x7b-expert": (4096, 14336),
-}
+SHAPES = FFN_SHAPES  # name: (P = N, O), sliced over G = 2 below
 
 
 @pytest.mark.parametrize("rows,hidden,out,tm,th,tn,grid", [

@@ -278,7 +278,7 @@ def test_bad_inputs_raise_before_launch(ffn_mod):
         chk(*args[:3], torch.zeros(N, O, dtype=bf).t(), *args[4:])
     with pytest.raises(ValueError, match="P mismatch"):
         chk(x, torch.zeros(64, O, dtype=bf), *args[2:])
-    with pytest.raises(ValueError, match="O_g mismatch"):
+    with pytest.raises(ValueError, match="hidden mismatch"):
         chk(x, w1, b1, torch.zeros(128, N, dtype=bf), *args[4:])
     with pytest.raises(ValueError, match="acc must be"):
         chk(*args[:4], torch.zeros(M - 1, N, dtype=f32), *args[5:])

@@ -14,8 +14,7 @@ import torch
 
 from moe_overlap.combine.plan import plan_combine
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-pytestmark = [pytest.mark.gpu, cuda]
+pytestmark = pytest.mark.gpu  # skipped without a GPU by tests/conftest.py
 
 
 def _first_diff(name, got, ref, case):

@@ -5,8 +5,9 @@ import torch
 from moe_overlap.combine.plan import plan_combine
 from moe_overlap.routing import ROUTER_MODES
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+# markers: skipped by tests/conftest.py without one / two GPUs
+cuda = pytest.mark.gpu
+two_gpus = pytest.mark.two_gpus
 
 
 @pytest.mark.gpu

@@ -36,7 +36,8 @@ Call marker and receive slots: at kernel start CTA 0 adds 1 to counter[rank] on 
 own too), and every destination row is offset by (epoch & 1) * slot_bytes (double-buffered receive
 buffer). See moe_overlap/combine/overlap.py for why this makes back-to-back calls race-free.
 
-Options (compile-time; default v1 = ``local_copy=True, copy="ldst"``; MoECombine picks its own):
+Options (compile-time; the builder's defaults are ``local_copy=True, copy="ldst"``; the layers
+use ``CombineOptions.consumer_variant()``, which picks per transport):
 - ``local_copy=False``: the local-band loop is left out; the owner's scale reads local
   assignments straight from y (see scale.py and OverlapCombine), so the rank's own counter only
   receives the call marker.
@@ -506,7 +507,7 @@ def compile_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
     launch = build_consumer(transport, threads, unroll, **options)
     ex = consumer_example_args()
     if transport == "nvshmem" and not _have_gpu():
-        _point_nvshmem_bitcode_at_sm90()
+        use_sm90_nvshmem_bitcode()
     return cute.compile(launch, *ex)
 
 
@@ -518,7 +519,7 @@ def _have_gpu() -> bool:
         return False
 
 
-def _point_nvshmem_bitcode_at_sm90():
+def use_sm90_nvshmem_bitcode():
     """Without a GPU nvshmem4py cannot pick its device bitcode: use the sm_90 one."""
     import nvshmem.core
     import nvshmem.bindings.device.cute._bitcode as bc

@@ -43,6 +43,7 @@ whole expert's weights per wave, more than L2 holds at K=4096). Timings: bench/N
 
 import torch
 
+from ..kernels.host_checks import check_tensors
 from ..runtime.device import num_sms
 
 __all__ = ["GroupedGemm", "grouped_gemm_reference", "prepare_weights", "tile_order_reference"]
@@ -189,15 +190,7 @@ class GroupedGemm:
                        schedule=schedule, num_bands=num_bands, band_ready=band_ready, epoch=epoch)
         if band_counter is not None:
             tensors["band_counter"] = band_counter
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if need_cuda and t.device.type != "cuda":
-                raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-            if t.device != x.device:
-                raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous")
+        check_tensors(tensors, x, need_cuda)
         for name in ("x", "w", "y"):
             if tensors[name].dtype != torch.bfloat16:
                 raise TypeError(f"{name} must be bfloat16, got {tensors[name].dtype}")

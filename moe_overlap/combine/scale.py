@@ -34,7 +34,7 @@ thread set the bandwidth), bf16 -> fp32 by shifts, fma with w[t, k] (fp32), cvt.
 
 ``y_src=True`` (OverlapCombine(local_copy=False)): a negative entry r of ``rows`` names row
 ``-r - 1`` of ``y`` (the producer's output on this GPU: assignments to this rank's own experts,
-which the consumer no longer copies); r >= 0 is a receive-slot row as before. The caller orders
+which the consumer does not copy then); r >= 0 is a receive-slot row. The caller orders
 the scale after the producer on the stream (kernel boundary: y is final and visible), so the
 kernel itself waits only on the arrival counters (the own counter then expects just the call
 marker).

@@ -81,7 +81,7 @@ from ..runtime.multicast import require_multicast
 from .activations import ACT2
 
 BACKENDS = ("unicast", "switch")
-DEFAULT_THREADS = 1024  # x unroll 4: 1.44-1.64x the bytes in flight of 512 x 2 on 16 SMs
+DEFAULT_THREADS = 1024  # x unroll 4: the most bytes in flight per SM (bench/NOTES.md, session 7)
 DEFAULT_UNROLL = 4
 DEFAULT_BAND_ROWS = 128
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s

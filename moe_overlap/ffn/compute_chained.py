@@ -81,6 +81,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.host_checks import chained_gemm_dims, check_tensors
 from ..runtime.device import num_sms
 from .activations import ACT2, activation
 from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_SLOT_TIMEOUT, TILE_K, ChainedSchedule,
@@ -224,7 +225,7 @@ def auto_group(M, P, hidden, N, grid, l2_bytes=L2_BYTES_SM90, tile_m=128, tile_h
     """The group ``group="auto"`` runs: the largest G in (4, 2) whose H ring (``ring_bytes`` of
     its tile order) fits in half the L2, else the largest whose ring fits in 0.8 of it, else 1.
 
-    Why (bench/results/ffn_chained_compute_h200_2bc5fa0.json, one H200, 50 MiB L2, seven shapes
+    Why (bench/results/archive/ffn_chained_compute_h200_2bc5fa0.json, one H200, 50 MiB L2, seven shapes
     at 8192 and 32768 tokens): the better of groups 2 and 4 ran 1.15-1.27x group 1 on every
     shape but deepseek-v3-expert (ring 9-11 MiB, all three within 1 %), so auto never takes 1
     while a grouped ring fits. Between 2 and 4 the gap is 0.96-1.05x: where group 4's ring is
@@ -410,15 +411,7 @@ class ChainedFFNCompute:
                         ("h_ring", h_ring)):
             if t is not None:
                 tensors[name] = t
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if need_cuda and t.device.type != "cuda":
-                raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-            if t.device != x.device:
-                raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous")
+        check_tensors(tensors, x, need_cuda)
         for name in ("x", "w1", "w2", "out", "h_ring"):
             if name in tensors:
                 if tensors[name].dtype != torch.bfloat16:
@@ -432,18 +425,7 @@ class ChainedFFNCompute:
                 raise TypeError(f"{name} must be int32, got {tensors[name].dtype}")
         if (band_ready is None) != (epoch is None):
             raise ValueError("give both band_ready and epoch, or neither")
-        if x.dim() != 2 or w1.dim() != 2 or w2.dim() != 2:
-            raise ValueError(f"expected x [M, P], w1 [P, hidden], w2 [hidden, N]; got "
-                             f"{tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)}")
-        M, P = x.shape
-        Pw, hidden = w1.shape
-        hw, N = w2.shape
-        if M < 1:
-            raise ValueError("x needs at least one row")
-        if Pw != P:
-            raise ValueError(f"P mismatch: x has P={P}, w1 has {Pw} rows")
-        if hw != hidden:
-            raise ValueError(f"hidden mismatch: w1 has {hidden} columns, w2 has {hw} rows")
+        M, P, hidden, N = chained_gemm_dims(x, w1, w2)
         self.check_shapes(P, hidden, N, act1, self.tile_m, self.tile_h, self.tile_n)
         if b1 is not None and (b1.dim() != 1 or b1.numel() != hidden):
             raise ValueError(f"b1 must be [{hidden}], got {tuple(b1.shape)}")

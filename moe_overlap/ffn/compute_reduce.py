@@ -67,6 +67,7 @@ on another CTA or on the communication blocks (one-way dependency).
 
 import torch
 
+from ..kernels.host_checks import chained_gemm_dims, check_tensors
 from ..runtime.device import num_sms
 
 __all__ = ["FusedFFNCompute", "fused_ffn_compute_reference", "ACTIVATIONS"]
@@ -218,15 +219,7 @@ class FusedFFNCompute:
         tensors = dict(x=x, w1=w1, w2=w2, acc=acc, band_ready=band_ready, epoch=epoch)
         if b1 is not None:
             tensors["b1"] = b1
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if need_cuda and t.device.type != "cuda":
-                raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-            if t.device != x.device:
-                raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous")
+        check_tensors(tensors, x, need_cuda)
         for name in ("x", "w1", "w2", "acc"):
             if tensors[name].data_ptr() % 16:
                 raise ValueError(f"{name} must be 16-byte aligned (TMA)")
@@ -240,19 +233,9 @@ class FusedFFNCompute:
         for name in ("band_ready", "epoch"):
             if tensors[name].dtype != torch.int32:
                 raise TypeError(f"{name} must be int32, got {tensors[name].dtype}")
-        if x.dim() != 2 or w1.dim() != 2 or w2.dim() != 2 or acc.dim() != 2:
-            raise ValueError(f"expected x [M, P], w1 [P, O_g], w2 [O_g, N], acc [M, N]; got "
-                             f"{tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)}, "
-                             f"{tuple(acc.shape)}")
-        M, P = x.shape
-        Pw, O = w1.shape
-        Ow, N = w2.shape
-        if M < 1:
-            raise ValueError("x needs at least one row")
-        if Pw != P:
-            raise ValueError(f"P mismatch: x has P={P}, w1 has {Pw} rows")
-        if Ow != O:
-            raise ValueError(f"O_g mismatch: w1 has {O} columns, w2 has {Ow} rows")
+        M, P, O, N = chained_gemm_dims(x, w1, w2)
+        if acc.dim() != 2:
+            raise ValueError(f"expected acc [M, N], got {tuple(acc.shape)}")
         if b1 is not None and (b1.dim() != 1 or b1.numel() != O):
             raise ValueError(f"b1 must be [{O}], got {tuple(b1.shape)}")
         if tuple(acc.shape) != (M, N):
