@@ -122,8 +122,9 @@ def parse_options(argv=None) -> tuple[Options, int]:
         ap.error("--device cuda: CUDA is not available (use --device cpu --backend reference)")
     if a.device == "cpu" and a.backend == "overlap":
         ap.error("--backend overlap needs --device cuda")
-    tag = a.tag or ("cpu" if a.device == "cpu" else
-                    torch.cuda.get_device_name().split()[-1].lower())
+    world = a.spawn or int(os.environ.get("WORLD_SIZE", 1))
+    tag = a.tag or (f"{world}x" + ("cpu" if a.device == "cpu" else
+                                   torch.cuda.get_device_name().split()[-1].lower()))
     return Options(a.device, a.backend, tuple(shapes), a.calls, a.tol, tag, a.out, a.wrong,
                    a.seed), a.spawn
 
@@ -426,6 +427,13 @@ def check_routing(ids, *calls):
                                "GEMM is not deterministic here?): its split sizes are stale")
 
 
+def check_devices(*layers):
+    """Raise if a device wait of an overlapped call or of the scale kernel timed out."""
+    for layer in layers:
+        if hasattr(layer, "check_errors"):
+            layer.check_errors()
+
+
 def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
     """Build both layers for shape s, check them, time them; one JSON row."""
     group = None
@@ -458,6 +466,7 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
             t_b.append(ms_b)
             check_routing(ids, ids_o, ids_b)  # outside the timing, as the agreement
             errs.append(max_over_ranks(rel_err(out_o, out_b), dev))
+        check_devices(combine, base.combine)
     ours_ms = max_over_ranks(statistics.median(t_o), dev)
     base_ms = max_over_ranks(statistics.median(t_b), dev)
     side_end = max(tl_o[p]["end_ms"] for p in SIDE)
@@ -531,6 +540,8 @@ def run_rank(rank: int, W: int, opts: Options) -> dict:
     for s in opts.shapes:
         r = run_shape(s, opts, rank, W, dev)
         rows.append(r)
+        if dev.cuda:
+            torch.cuda.empty_cache()  # the shape's graphs and tensors are gone
         if rank == 0:
             print(f"{label_of(r)}: ours {r['ours_ms']:.3f} ms  base {r['base_ms']:.3f} ms  "
                   f"speedup {r['speedup']:.3f}x  plan+prepare {r['plan_prepare_ms']:.3f} ms "
