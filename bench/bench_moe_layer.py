@@ -553,7 +553,8 @@ def run_rank(rank: int, W: int, opts: Options) -> dict:
                wrong=opts.wrong, calls=opts.calls,
                method=("one layer call per timed call (a CUDA graph replay with the overlap "
                        "backend, else eager: rows' timing), ours and base interleaved, median, "
-                       "the slowest rank; timeline: rank 0's eager call, CUDA events behind a "
+                       "the slowest rank (the per-call lists: rank 0's); timeline: rank 0's eager "
+                       "call, CUDA events behind a "
                        "GPU sleep" if dev.cuda else
                        "eager calls, perf_counter, ours and base interleaved, median, the "
                        "slowest rank; timeline: rank 0's eager call"),
