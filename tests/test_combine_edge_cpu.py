@@ -301,3 +301,20 @@ def test_overlap_combine_itself_refuses_grad():
     with pytest.raises(OverlapError, match="inference-only.*backend='reference'"):
         OverlapCombine.check_inputs(me, h.bfloat16().requires_grad_(), w.bfloat16(), plan, ids,
                                     gates)
+
+
+def test_exchange_counts_unvalidated_counts_like_the_checked_path():
+    """validate=False counts without torch.bincount (no host sync, capturable): the same counts
+    as the checked path for valid ids; ids outside [0, E) are dropped, not an error."""
+    from moe_overlap.combine.dispatch import exchange_counts
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 12, (50, 4), generator=g)
+    assert torch.equal(exchange_counts(ids, 12, validate=False), exchange_counts(ids, 12))
+    bad = ids.clone()
+    bad[0, 0], bad[1, 1] = -3, 12
+    got = exchange_counts(bad, 12, validate=False)
+    want = exchange_counts(ids, 12)
+    want[0, ids[0, 0]] -= 1
+    want[0, ids[1, 1]] -= 1
+    assert torch.equal(got, want)
+    assert exchange_counts(torch.zeros(0, 4, dtype=torch.int64), 12, validate=False).sum() == 0

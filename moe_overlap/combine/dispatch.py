@@ -13,11 +13,11 @@ def exchange_counts(topk_ids: torch.Tensor, num_experts: int, group=None,
     """All-gather the routing counts: [W, E], entry [s, e] = assignments rank s sends to expert e.
 
     Collective. Ids outside [0, num_experts) raise ValueError on every rank, naming the rank and
-    the bad id, before the counts are exchanged (validate=False: no check and no extra collective;
-    the caller vouches for the ids, which are then counted as torch.bincount counts them)."""
+    the bad id, before the counts are exchanged (validate=False: no check, no extra collective
+    and no host synchronization, so it can be captured in a CUDA graph; the caller vouches for
+    the ids: ids outside [0, num_experts) are not counted)."""
     if not validate:
-        return all_gather_counts(torch.bincount(topk_ids.reshape(-1).to(torch.int64),
-                                                minlength=num_experts)[:num_experts], group)
+        return all_gather_counts(_count_unchecked(topk_ids, num_experts), group)
     result = {}
 
     def local():
@@ -29,6 +29,15 @@ def exchange_counts(topk_ids: torch.Tensor, num_experts: int, group=None,
 
     agree_on_error(error_of(local), group)
     return all_gather_counts(result["counts"], group)
+
+
+def _count_unchecked(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 counts by a scatter-add into E + 1 bins, the last one taking the ids outside
+    [0, E) (torch.bincount reads its maximum on the host, which a CUDA graph cannot capture)."""
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    idx = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    bins = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    return bins.scatter_add_(0, idx, torch.ones_like(idx))[:num_experts]
 
 
 def _check_dispatch(x, topk_ids, plan, expert_counts, group, rows):
