@@ -254,6 +254,8 @@ class MoECombine(torch.nn.Module):
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 routes=None) -> torch.Tensor:
         """Combine one step: [T_local, N]. Collective (every rank calls it, also with 0 tokens).
+        Overlap backend: a device error of an earlier call (read back asynchronously after each
+        call, ``CombineOptions.error_check``) raises ``OverlapError`` here, before any work.
 
         plan: `plan(exchange_counts(topk_ids))` of this very routing; h: [>= plan.total_rows, K]
         expert inputs in the plan layout; topk_ids / topk_weights: [T_local, topk] of this rank.
@@ -277,6 +279,19 @@ class MoECombine(torch.nn.Module):
         (``OverlapError`` with the device's error record). Nothing to check otherwise."""
         if self._impl is not None:
             self._impl.check_errors()
+
+    synchronize = check_errors
+
+    def reset(self):
+        """Collective (every rank, between calls): make the overlap backend usable again after
+        a device error (a timeout, ranks out of step): error word, arrival counters, epoch tags,
+        expected counts, epoch and band flags cleared on every rank between two barriers (see
+        ``OverlapCombine.reset``). The reference backend keeps no device state: a barrier."""
+        if self._impl is not None:
+            self._impl.reset()
+        elif self.world_size > 1:
+            import torch.distributed as dist
+            dist.barrier(group=self.group)
 
     def _overlap_impl(self, device):
         ok, why = overlap_available(device)
