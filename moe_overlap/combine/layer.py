@@ -75,7 +75,8 @@ class MoECombine(torch.nn.Module):
                  max_tokens_per_rank: int, group=None, tile_m: int = 128, backend: str = "auto",
                  ccta=None, mgb=None, transport: str | None = None, validate: bool = True,
                  local_copy: bool | None = None, copy: str | None = None,
-                 layout: str | None = None, options: CombineOptions | None = None):
+                 layout: str | None = None, error_check: str | None = None,
+                 options: CombineOptions | None = None):
         super().__init__()
         rank, W = world(group)
         ints = {}
@@ -102,7 +103,7 @@ class MoECombine(torch.nn.Module):
         # every option checked in one place (CombineOptions.validate), resolved once below
         options = options_from_kwargs(options, "MoECombine", ccta=ccta, mgb=mgb,
                                       transport=transport, local_copy=local_copy, copy=copy,
-                                      layout=layout)
+                                      layout=layout, error_check=error_check)
         self.group, self.rank, self.world_size = group, rank, W
         self.num_experts, self.experts_per_rank = num_experts, num_experts // W
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk

@@ -176,7 +176,8 @@ class OverlapCombine:
                  local_copy: bool | None = None, copy: str | None = None,
                  consumer_stages: int | None = None, consumer_chunk: int | None = None,
                  consumer_piece_rows: int | None = None,
-                 gemm_options: dict | None = None, options: CombineOptions | None = None):
+                 gemm_options: dict | None = None, error_check: str | None = None,
+                 options: CombineOptions | None = None):
         if mgb is not None and mgb != "auto":
             warnings.warn("OverlapCombine(mgb=...) is ignored: bands per transfer are the "
                           "plan's (plan_combine(mgb=...) or MoECombine(mgb=...))",
@@ -187,7 +188,8 @@ class OverlapCombine:
             timeout_s=timeout_s, consumer_threads=consumer_threads,
             consumer_unroll=consumer_unroll, local_copy=local_copy, copy=copy,
             consumer_stages=consumer_stages, consumer_chunk=consumer_chunk,
-            consumer_piece_rows=consumer_piece_rows, gemm_options=gemm_options)
+            consumer_piece_rows=consumer_piece_rows, gemm_options=gemm_options,
+            error_check=error_check)
         self.gemm_options = opts.check_gemm_options(tile_m)
         if not torch.cuda.is_available():
             raise OverlapError("OverlapCombine needs CUDA")

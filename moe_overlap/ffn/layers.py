@@ -219,23 +219,25 @@ class _FusedBackend:
     ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream, ccta=None, b1=None)``."""
 
     def _init_backend(self, backend, device, options, comm, ccta, max_tokens, tile_m,
-                      compute_options, allreduce_band_rows):
+                      compute_options, allreduce_band_rows, error_check=None):
         """Builds the layer's FFNOptions from ``options`` and the keyword arguments (refused for
         the reference backend: it takes no fused option), checks them, and sets up the fused
         backend with the resolved options."""
         self._debug = FFNDebug()  # benchmarks: see diagnostics()
         if backend != "fused":
             if (ccta is not None or max_tokens is not None or tile_m is not None
-                    or compute_options is not None or allreduce_band_rows is not None):
+                    or compute_options is not None or allreduce_band_rows is not None
+                    or error_check is not None):
                 raise ValueError("ccta / max_tokens / tile_m / compute_options / "
-                                 "allreduce_band_rows apply to backend='fused' only")
+                                 "allreduce_band_rows / error_check apply to backend='fused' "
+                                 "only")
             if isinstance(options, FFNOptions) and options != FFNOptions():
                 raise ValueError(f"options={options!r} apply to backend='fused' only (the "
                                  "reference backend takes the defaults)")
         self.options = ffn_options_from_kwargs(
             options, type(self).__name__, comm=comm, ccta=ccta, max_tokens=max_tokens,
             tile_m=tile_m, compute_options=compute_options,
-            allreduce_band_rows=allreduce_band_rows)
+            allreduce_band_rows=allreduce_band_rows, error_check=error_check)
         self.comm = self.options.comm
         if backend == "fused":
             self._init_fused(device)
@@ -494,7 +496,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
                  dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "reference",
                  comm: str | None = None, ccta: int | None = None, max_tokens: int | None = None,
                  tile_m: int | None = None, compute_options: dict | None = None,
-                 allreduce_band_rows: int | None = None,
+                 allreduce_band_rows: int | None = None, error_check: str | None = None,
                  options: FFNOptions | None = None):
         super().__init__()
         self.act1 = check_activation(act1, allow_none=False, what="act1")
@@ -512,7 +514,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw), **grad) if bias else None
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
-                           compute_options, allreduce_band_rows)
+                           compute_options, allreduce_band_rows, error_check)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -642,7 +644,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
                  backend: str = "reference", comm: str | None = None, ccta: int | None = None,
                  max_tokens: int | None = None, tile_m: int | None = None,
                  compute_options: dict | None = None, allreduce_band_rows: int | None = None,
-                 options: FFNOptions | None = None):
+                 error_check: str | None = None, options: FFNOptions | None = None):
         super().__init__()
         E = _pos_int("num_experts", num_experts)
         self.activation = check_activation(activation, allow_none=False, what="activation")
@@ -659,7 +661,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw), **grad) if bias else None
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
-                           compute_options, allreduce_band_rows)
+                           compute_options, allreduce_band_rows, error_check)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
