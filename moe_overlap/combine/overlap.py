@@ -3,10 +3,14 @@
 One call of ``forward(h, w_down, plan, topk_ids, topk_weights)`` on the current stream ``s0``:
 
     s0: epoch += 1; expected_cum[s] += rows from s + 1; rows(t, k); weights -> fp32
-    cs (high priority) waits s0, then: consumer (ccta CTAs, spins on band flags)
+    cs (high priority) waits s0 (this point: not the producer below)
     s0: producer: y[bands] = h[bands] @ w_down[band_expert], band_ready[b] = epoch (release, gpu)
+    cs: consumer (ccta CTAs, spins on band flags; launched after the producer, so it never
+        waits on a kernel not launched yet)
     cs: scale (waits on arrival counters, then out = sum_k w * recv[row])
-    s0 waits cs; returns out
+    s0 waits cs; starts the asynchronous read-back of the error word (ErrorWatch); returns out
+The next call raises OverlapError first if that read-back found an error; ``reset()`` (collective)
+clears the device state after one.
 
 Receive buffer: symmetric, two slots ``[2, max_tokens_per_rank * topk, N]`` used by epoch parity.
 Why two: a peer may start shipping call i+1 while this rank's scale still reads call i. It cannot
