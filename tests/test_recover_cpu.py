@@ -240,7 +240,7 @@ class _FakeAllReduce:
         self.err = torch.zeros(B.ERR_WORDS, dtype=torch.int64)
 
     def __call__(self, M, b2=None, out=None, producer=False, bump_epoch=True, stream=None):
-        self.log.append(("allreduce", stream.name))
+        self.log.append(("allreduce", getattr(stream, "name", "current")))
         if self.fail:
             self.err.copy_(torch.tensor([B.ERR_ARRIVE_TIMEOUT, 0, 2, 0, 1, 2, 3_000_000, 0]))
         return out
@@ -368,3 +368,19 @@ def test_reset_is_collective_and_zeroes_the_fused_state():
         assert r0[name + "_zero"] and r1[name + "_zero"], (r0, r1)
         assert r0[name + "_s"] > 0.8, r0  # rank 0 waited for rank 1 (a barrier)
     assert r0["combine_s"] > 0.8, r0
+
+
+def test_fused_warmup_barriers_after_compiling_before_the_first_cross_rank_wait(no_cuda):
+    log = no_cuda
+    mod = _fake_fused(_ffn(), log)
+    ar = mod._allreduce
+    ar.compile = lambda: log.append("compile allreduce")
+    ar.check = lambda: log.append("check")
+    mod._barrier = lambda: log.append("barrier")
+    mod._warm = False
+    with torch.no_grad():
+        mod(torch.zeros(8, 64, dtype=torch.bfloat16))
+    names = [e if isinstance(e, str) else e[0] for e in log]
+    first_ar = names.index("allreduce")  # the warm-up all-reduce: the first cross-rank wait
+    assert names.index("compute") < names.index("compile allreduce") < names.index("barrier") \
+        < first_ar, names

@@ -338,7 +338,11 @@ class _FusedBackend:
         epoch = torch.zeros(1, dtype=torch.int32, device=dev)
         mte = torch.zeros(1, dtype=torch.int32, device=dev)
         self._run_compute(x, acc, ready, epoch, mte, torch.cuda.current_stream(dev))
+        ar.compile()
         torch.cuda.synchronize(dev)
+        # every rank has compiled both kernels before the first cross-rank wait (the warm-up
+        # all-reduce) starts its timeout clock: ranks compile at different speeds
+        self._barrier()
         ar(min(tm, ar.max_rows))  # acc is zero: writes zeros, leaves acc zero; no epoch change
         torch.cuda.synchronize(dev)
         ar.check()
