@@ -226,11 +226,11 @@ class _FusedBackend:
         self._debug = FFNDebug()  # benchmarks: see diagnostics()
         if backend != "fused":
             if (ccta is not None or max_tokens is not None or tile_m is not None
-                    or compute_options is not None or allreduce_band_rows is not None
-                    or error_check is not None):
+                    or compute_options is not None or allreduce_band_rows is not None):
                 raise ValueError("ccta / max_tokens / tile_m / compute_options / "
-                                 "allreduce_band_rows / error_check apply to backend='fused' "
-                                 "only")
+                                 "allreduce_band_rows apply to backend='fused' only")
+            if error_check is not None:  # the reference backend has no device error word
+                raise ValueError("error_check applies to backend='fused' only")
             if isinstance(options, FFNOptions) and options != FFNOptions():
                 raise ValueError(f"options={options!r} apply to backend='fused' only (the "
                                  "reference backend takes the defaults)")
