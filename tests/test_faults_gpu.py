@@ -9,8 +9,8 @@ JSON that the tests read. Per config (v1: local copy + thread copies; v2: local_
   ``out`` all NaN, the slot not read;
 - ``sticky``: the next full forward after that error: NaN out, the error word kept (first error),
   no call marker posted, no receive-buffer row written;
-- ``reset``: the reset recipe (error word zeroed, expected counts re-synced to the quiescent
-  counters: what the collective ``reset()`` will do), then 100 correct calls;
+- ``reset``: ``OverlapCombine.reset()`` (error word, communication block, expected counts,
+  epoch and band flags zeroed between two barriers), then 100 correct calls;
 - ``bad_row``: the scale with one slot row (and, v2, one y row) out of range: ERR_SCALE_BAD_ROW,
   those tokens' rows NaN, every other row equal to ``scale_torch`` (to bf16 rounding);
 - ``bad_plan`` (v1): a local cell whose destination rows lie past the slot, and a cell count past
@@ -72,11 +72,11 @@ def _err(ov):
 
 
 def _reset(ov):
-    """The collective reset's work on one rank of a quiescent group (W=1 here)."""
-    torch.cuda.synchronize(ov.device)
-    ov.err.zero_()
-    ov.expected.copy_(ov.counters)
-    torch.cuda.synchronize(ov.device)
+    """The collective reset (W=1 here): error word, counters, tags, expected counts, epoch and
+    band flags zeroed, the host read-back forgotten (else the next forward raises the error
+    read back after the sticky call)."""
+    ov.reset()
+    assert _err(ov)[0] == 0 and not ov.buffers.block.any() and int(ov.epoch.item()) == 0
 
 
 def _ship_ready(ov, ids, w, plan, y):

@@ -75,7 +75,8 @@ class MoECombine(torch.nn.Module):
                  max_tokens_per_rank: int, group=None, tile_m: int = 128, backend: str = "auto",
                  ccta=None, mgb=None, transport: str | None = None, validate: bool = True,
                  local_copy: bool | None = None, copy: str | None = None,
-                 layout: str | None = None, options: CombineOptions | None = None):
+                 layout: str | None = None, error_check: str | None = None,
+                 options: CombineOptions | None = None):
         super().__init__()
         rank, W = world(group)
         ints = {}
@@ -102,7 +103,7 @@ class MoECombine(torch.nn.Module):
         # every option checked in one place (CombineOptions.validate), resolved once below
         options = options_from_kwargs(options, "MoECombine", ccta=ccta, mgb=mgb,
                                       transport=transport, local_copy=local_copy, copy=copy,
-                                      layout=layout)
+                                      layout=layout, error_check=error_check)
         self.group, self.rank, self.world_size = group, rank, W
         self.num_experts, self.experts_per_rank = num_experts, num_experts // W
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
@@ -254,6 +255,8 @@ class MoECombine(torch.nn.Module):
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 routes=None) -> torch.Tensor:
         """Combine one step: [T_local, N]. Collective (every rank calls it, also with 0 tokens).
+        Overlap backend: a device error of an earlier call (read back asynchronously after each
+        call, ``CombineOptions.error_check``) raises ``OverlapError`` here, before any work.
 
         plan: `plan(exchange_counts(topk_ids))` of this very routing; h: [>= plan.total_rows, K]
         expert inputs in the plan layout; topk_ids / topk_weights: [T_local, topk] of this rank.
@@ -277,6 +280,19 @@ class MoECombine(torch.nn.Module):
         (``OverlapError`` with the device's error record). Nothing to check otherwise."""
         if self._impl is not None:
             self._impl.check_errors()
+
+    synchronize = check_errors
+
+    def reset(self):
+        """Collective (every rank, between calls): make the overlap backend usable again after
+        a device error (a timeout, ranks out of step): error word, arrival counters, epoch tags,
+        expected counts, epoch and band flags cleared on every rank between two barriers (see
+        ``OverlapCombine.reset``). The reference backend keeps no device state: a barrier."""
+        if self._impl is not None:
+            self._impl.reset()
+        elif self.world_size > 1:
+            import torch.distributed as dist
+            dist.barrier(group=self.group)
 
     def _overlap_impl(self, device):
         ok, why = overlap_available(device)

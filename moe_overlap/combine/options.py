@@ -29,6 +29,7 @@ TRANSPORTS = ("nvlink", "nvshmem")
 COPIES = ("ldst", "tma")
 LAYOUTS = ("auto", "aligned", "packed")  # moe_overlap.combine.plan.LAYOUTS
 PRODUCERS = ("auto", "torch", "grouped_gemm")
+ERROR_CHECKS = ("async", "off")  # error_check: see CombineOptions
 PRODUCER_ENV = "MOE_OVERLAP_PRODUCER"  # default of producer="auto" (tests select the stand-in)
 
 
@@ -96,6 +97,11 @@ class CombineOptions:
         where set, else the CuTe DSL grouped GEMM where the shape and install allow it
         (``grouped_gemm_fits``), else a torch stand-in (test-only speed).
     timeout_s (float > 0): bound of every device spin-wait, in seconds.
+    error_check ("async" | "off"): "async": after each overlapped call the device error word is
+        copied to pinned host memory (non-blocking, with an event) and the next call (or
+        ``check_errors()``) raises ``OverlapError`` if it is set, with no host sync in the call;
+        "off": only an explicit ``check_errors()`` reads it (see README, "Failures and
+        recovery").
     gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
         ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
     """
@@ -113,6 +119,7 @@ class CombineOptions:
     producer: str = AUTO
     timeout_s: float = 10.0
     gemm_options: dict | None = None
+    error_check: str = "async"
 
     def __post_init__(self):
         self.validate()
@@ -154,6 +161,8 @@ class CombineOptions:
                 or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got "
                              f"{self.timeout_s!r}")
+        if self.error_check not in ERROR_CHECKS:
+            raise ValueError(f"error_check={self.error_check!r}; choose from {ERROR_CHECKS}")
         g = self.gemm_options
         if g is not None and not isinstance(g, (dict, types.MappingProxyType)):
             raise TypeError(f"gemm_options must be a dict, got {type(g).__name__}")

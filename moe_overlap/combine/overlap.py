@@ -3,10 +3,14 @@
 One call of ``forward(h, w_down, plan, topk_ids, topk_weights)`` on the current stream ``s0``:
 
     s0: epoch += 1; expected_cum[s] += rows from s + 1; rows(t, k); weights -> fp32
-    cs (high priority) waits s0, then: consumer (ccta CTAs, spins on band flags)
+    cs (high priority) waits s0 (this point: not the producer below)
     s0: producer: y[bands] = h[bands] @ w_down[band_expert], band_ready[b] = epoch (release, gpu)
+    cs: consumer (ccta CTAs, spins on band flags; launched after the producer, so it never
+        waits on a kernel not launched yet)
     cs: scale (waits on arrival counters, then out = sum_k w * recv[row])
-    s0 waits cs; returns out
+    s0 waits cs; starts the asynchronous read-back of the error word (ErrorWatch); returns out
+The next call raises OverlapError first if that read-back found an error; ``reset()`` (collective)
+clears the device state after one.
 
 Receive buffer: symmetric, two slots ``[2, max_tokens_per_rank * topk, N]`` used by epoch parity.
 Why two: a peer may start shipping call i+1 while this rank's scale still reads call i. It cannot
@@ -61,6 +65,86 @@ class OverlapError(RuntimeError):
     pass
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class ErrorWatch:
+    """Asynchronous read-back of one device error word (``int64[8]``, code in word 0, sticky on
+    the device until a reset), so that an overlapped call's device error raises on the host
+    without a host sync inside any call.
+
+    ``after_call(stream)`` (end of a call): starts a non-blocking copy of the word to pinned host
+    memory on ``stream`` and records an event; skipped while the previous copy is still in flight
+    (the word is sticky: the next copy sees what this one would have). ``poll()`` (start of the
+    next call): if that event has completed, reads the host copy and raises ``exc(text)`` when the
+    code is set; if it has not, leaves it for a later call (never waits). ``check()``:
+    synchronizes and reads the device word itself. ``clear()``: forgets the host copies (after a
+    reset zeroed the word). Under CUDA graph capture ``after_call`` captures the copy into a
+    second pinned buffer (each replay refreshes it) and records no event; ``poll`` does nothing
+    while capturing; after replays only ``check()`` (a sync) reports. ``enabled=False``: only
+    ``check()`` reads. A CPU word (tests) is read synchronously: the copy is complete at once."""
+
+    def __init__(self, err: torch.Tensor, describe, what: str, exc=OverlapError,
+                 enabled: bool = True):
+        self.err, self.describe, self.what, self.exc = err, describe, what, exc
+        self.enabled = bool(enabled)
+        pin = err.is_cuda
+        # allocated here, never inside a call (pinned allocation can sync)
+        self._host = torch.zeros(err.shape, dtype=err.dtype, pin_memory=pin)
+        self._graph_host = torch.zeros(err.shape, dtype=err.dtype, pin_memory=pin)
+        self._event = None
+        self._pending = False
+        self.copies = 0  # copies started (tests)
+
+    def _raise_if(self, words):
+        msg = self.describe([int(v) for v in words])
+        if msg:
+            raise self.exc(f"{self.what}: {msg}. The layer is unusable until a collective "
+                           "reset() on every rank (README: Failures and recovery)")
+
+    def poll(self):
+        """Start of a call: raise for the last completed read-back; never waits."""
+        if not self.enabled or not self._pending or _capturing(self.err):
+            return
+        if self._event is not None and not self._event.query():
+            return  # the previous call is still running: checked by a later call
+        self._pending = False
+        self._raise_if(self._host.tolist())
+
+    def after_call(self, stream=None):
+        """End of a call: start the asynchronous read-back on ``stream`` (current by default)."""
+        if not self.enabled:
+            return
+        if _capturing(self.err):
+            self._graph_host.copy_(self.err, non_blocking=True)  # part of the graph
+            return
+        if self._pending:
+            return
+        if self.err.is_cuda:
+            stream = stream or torch.cuda.current_stream(self.err.device)
+            with torch.cuda.stream(stream):
+                self._host.copy_(self.err, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+        else:
+            self._host.copy_(self.err)
+        self._pending = True
+        self.copies += 1
+
+    def check(self):
+        """Synchronize and raise for the device word as it is now."""
+        if self.err.is_cuda:
+            torch.cuda.synchronize(self.err.device)
+        self._pending = False
+        self._raise_if(self.err.tolist())
+
+    def clear(self):
+        self._pending, self._event = False, None
+        self._host.zero_()
+        self._graph_host.zero_()
+
+
 def check_gemm_options(options, tile_m):
     """Validated copy of OverlapCombine's ``gemm_options`` (ValueError / TypeError otherwise)."""
     return CombineOptions(gemm_options=options).check_gemm_options(tile_m)
@@ -96,7 +180,8 @@ class OverlapCombine:
                  local_copy: bool | None = None, copy: str | None = None,
                  consumer_stages: int | None = None, consumer_chunk: int | None = None,
                  consumer_piece_rows: int | None = None,
-                 gemm_options: dict | None = None, options: CombineOptions | None = None):
+                 gemm_options: dict | None = None, error_check: str | None = None,
+                 options: CombineOptions | None = None):
         if mgb is not None and mgb != "auto":
             warnings.warn("OverlapCombine(mgb=...) is ignored: bands per transfer are the "
                           "plan's (plan_combine(mgb=...) or MoECombine(mgb=...))",
@@ -107,7 +192,8 @@ class OverlapCombine:
             timeout_s=timeout_s, consumer_threads=consumer_threads,
             consumer_unroll=consumer_unroll, local_copy=local_copy, copy=copy,
             consumer_stages=consumer_stages, consumer_chunk=consumer_chunk,
-            consumer_piece_rows=consumer_piece_rows, gemm_options=gemm_options)
+            consumer_piece_rows=consumer_piece_rows, gemm_options=gemm_options,
+            error_check=error_check)
         self.gemm_options = opts.check_gemm_options(tile_m)
         if not torch.cuda.is_available():
             raise OverlapError("OverlapCombine needs CUDA")
@@ -153,6 +239,10 @@ class OverlapCombine:
         self.rt.barrier()  # counters are quiescent here: start the expectations from them
         self.expected = self.counters.clone()
         self.err = torch.zeros(8, dtype=torch.int64, device=dev)
+        from ..kernels.errors import describe_error
+        # reported by default: read back after every call, raised by the next (ErrorWatch)
+        self._watch = ErrorWatch(self.err, describe_error, f"OverlapCombine (rank {self.rank})",
+                                 enabled=opts.error_check == "async")
         self._band_ready = None
         self._y = None
         self.cs = torch.cuda.Stream(device=dev, priority=-1)
@@ -314,12 +404,35 @@ class OverlapCombine:
         return ccta
 
     def check_errors(self):
-        """Synchronizes; raises OverlapError with the device error record if a wait timed out."""
-        from ..kernels.primitives import describe_error
-        torch.cuda.synchronize(self.device)
-        msg = describe_error(self.err.tolist())
-        if msg:
-            raise OverlapError(msg)
+        """Synchronizes; raises OverlapError with the device error record (describe_error text)
+        if any kernel recorded an error (a timeout, ranks out of step, an entry out of bounds)
+        since construction or the last ``reset()``. Also the way to check after CUDA-graph
+        replays (the per-call read-back only raises on a later eager call)."""
+        self._watch.check()
+
+    synchronize = check_errors
+
+    def reset(self):
+        """Collective (every rank, between calls): make the combine usable again after a device
+        error. Synchronizes, barrier (no kernel of any rank runs past it), then zeroes this
+        rank's error word, arrival counters, epoch tags (the whole communication block: only
+        peers' consumers write it, and none runs now), expected counts, epoch and band flags,
+        and forgets the host read-back; barrier again so no rank ships before every rank has
+        cleared. The state is then the constructed one: every rank restarts at epoch 0 (a rank
+        that made more calls than the others is back in step too). Not capturable."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        self.rt.barrier()
+        self.err.zero_()
+        block = getattr(self.buffers, "block", None)
+        (block if block is not None else self.counters).zero_()
+        self.expected.zero_()
+        self.epoch.zero_()
+        if self._band_ready is not None:  # flags hold old epochs: a match after the epoch reset
+            self._band_ready.zero_()
+        self._watch.clear()
+        torch.cuda.synchronize(dev)
+        self.rt.barrier()
 
     # ---- warm-up -----------------------------------------------------------------------------
     def warmup(self):
@@ -425,6 +538,7 @@ class OverlapCombine:
                     tuple(topk_ids.shape):
                 raise ValueError(f"routes are for {routes.num_tokens} tokens x "
                                  f"{routes.rows.shape[1]}, topk_ids is {tuple(topk_ids.shape)}")
+        self._watch.poll()  # an earlier call's device error raises here, before any launch
         if not self._warm:
             self.warmup()
         if not self._prod_warm:
@@ -434,6 +548,9 @@ class OverlapCombine:
             scratch = torch.zeros(plan.band_capacity, dtype=torch.int32, device=self.device)
             self.produce(h, w_down, plan, y, scratch, ccta=ccta)
             torch.cuda.synchronize(self.device)
+            # every rank has compiled and loaded every kernel before any rank's first
+            # cross-rank wait starts its timeout clock (ranks compile at different speeds)
+            self.rt.barrier()
             self._prod_warm = True
         y, band_ready = self.buffers_for(h, plan)
         s0 = torch.cuda.current_stream(self.device)
@@ -451,15 +568,19 @@ class OverlapCombine:
         cs = self.cs
         if not overlap:  # all bands final before the consumer starts
             self.produce(h, w_down, plan, y, band_ready, ccta=0)
+        # cs depends on s0 up to here (begin_call), not on the producer: the producer is then
+        # launched first, so the consumer that spins on its flags never waits on a kernel that
+        # is not launched yet (with CUDA_LAUNCH_BLOCKING=1 the producer runs to completion and
+        # the consumer finds every flag set)
         cs.wait_stream(s0)
-        with torch.cuda.stream(cs):
-            self.ship(y, plan, band_ready, ccta=ccta, stream=cs, piece_rows=piece_rows)
-            if marks:
-                marks["shipped"].record(cs)
         if overlap:
             self.produce(h, w_down, plan, y, band_ready, ccta=ccta)
         if marks:
             marks["produced"].record(s0)
+        with torch.cuda.stream(cs):
+            self.ship(y, plan, band_ready, ccta=ccta, stream=cs, piece_rows=piece_rows)
+            if marks:
+                marks["shipped"].record(cs)
         if not self.local_copy:
             # the scale reads local rows straight from y: order it after the producer (kernel
             # boundary = y final and visible; see the module doc for why not a flag spin)
@@ -478,6 +599,7 @@ class OverlapCombine:
         if not torch.cuda.is_current_stream_capturing():
             for t in (rows, weights, out, y):
                 t.record_stream(cs)
+        self._watch.after_call(s0)
         if check:
             self.check_errors()
         return out

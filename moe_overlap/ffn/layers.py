@@ -214,11 +214,12 @@ class _FusedBackend:
     object, the BandAllReduce (symmetric fp32 accumulator, made on the first forward and grown
     collectively), the high-priority communication stream, the warm-up, and one overlapped call.
     The host class provides ``in_features``, ``out_features``, ``local_hidden``, ``group``,
-    ``comm`` and the hooks ``_fused_device``, ``_fused_act2``, ``_fused_b2`` and
-    ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream)``."""
+    ``comm`` and the hooks ``_fused_device``, ``_fused_act2``, ``_fused_b2``,
+    ``_fused_b1_param`` (the first bias parameter or None) and
+    ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream, ccta=None, b1=None)``."""
 
     def _init_backend(self, backend, device, options, comm, ccta, max_tokens, tile_m,
-                      compute_options, allreduce_band_rows):
+                      compute_options, allreduce_band_rows, error_check=None):
         """Builds the layer's FFNOptions from ``options`` and the keyword arguments (refused for
         the reference backend: it takes no fused option), checks them, and sets up the fused
         backend with the resolved options."""
@@ -228,13 +229,15 @@ class _FusedBackend:
                     or compute_options is not None or allreduce_band_rows is not None):
                 raise ValueError("ccta / max_tokens / tile_m / compute_options / "
                                  "allreduce_band_rows apply to backend='fused' only")
+            if error_check is not None:  # the reference backend has no device error word
+                raise ValueError("error_check applies to backend='fused' only")
             if isinstance(options, FFNOptions) and options != FFNOptions():
                 raise ValueError(f"options={options!r} apply to backend='fused' only (the "
                                  "reference backend takes the defaults)")
         self.options = ffn_options_from_kwargs(
             options, type(self).__name__, comm=comm, ccta=ccta, max_tokens=max_tokens,
             tile_m=tile_m, compute_options=compute_options,
-            allreduce_band_rows=allreduce_band_rows)
+            allreduce_band_rows=allreduce_band_rows, error_check=error_check)
         self.comm = self.options.comm
         if backend == "fused":
             self._init_fused(device)
@@ -270,6 +273,8 @@ class _FusedBackend:
         self._allreduce = None
         self._comm_stream = None
         self._warm = False
+        self._watch = None  # ErrorWatch of the all-reduce's error word (made with it)
+        self._b1_cache = None  # (key, fp32 b1): converted once per weight version, not per call
 
     def allreduce_for(self, M: int):
         """The layer's BandAllReduce (symmetric fp32 accumulator ``acc``, ``band_ready``,
@@ -300,11 +305,18 @@ class _FusedBackend:
         if ar is None or ar.max_rows < M:
             rows = max(M, self.max_tokens or 0, ar.max_rows * 2 if ar is not None else 0)
             rows = -(-rows // self.tile_m) * self.tile_m
+            if self._watch is not None:  # the old buffers' error would be lost with them
+                self._watch.check()
             # ready_rows == tile_m: one ready flag per compute m-tile
             self._allreduce = ar = BandAllReduce(
                 rows, self.out_features, self.group, backend=self.comm, act2=self._fused_act2,
                 band_rows=self.allreduce_band_rows, ready_rows=self.tile_m, ccta=self.ccta)
             self._warm = False
+            from ..combine.overlap import ErrorWatch
+            from .band_allreduce import describe_error
+            self._watch = ErrorWatch(ar.err, describe_error,
+                                     f"{type(self).__name__} (rank {self.rank})",
+                                     enabled=self.options.error_check == "async")
         if self._comm_stream is None:  # high priority: its CTAs go first when SMs free up
             try:
                 lo, hi = torch.cuda.Stream.priority_range()
@@ -326,52 +338,120 @@ class _FusedBackend:
         epoch = torch.zeros(1, dtype=torch.int32, device=dev)
         mte = torch.zeros(1, dtype=torch.int32, device=dev)
         self._run_compute(x, acc, ready, epoch, mte, torch.cuda.current_stream(dev))
+        ar.compile()
         torch.cuda.synchronize(dev)
+        # every rank has compiled both kernels before the first cross-rank wait (the warm-up
+        # all-reduce) starts its timeout clock: ranks compile at different speeds
+        self._barrier()
         ar(min(tm, ar.max_rows))  # acc is zero: writes zeros, leaves acc zero; no epoch change
         torch.cuda.synchronize(dev)
         ar.check()
         self._warm = True
 
+    def _b1_fp32(self):
+        """The first-layer bias as the contiguous fp32 tensor the compute kernel reads (None
+        without bias), converted once per weight version (``_version`` moves with every
+        in-place update, e.g. ``load_full_weights``), so that no call converts it."""
+        b1 = self._fused_b1_param()
+        if b1 is None:
+            return None
+        key = (b1.data_ptr(), b1._version, b1.dtype)
+        if self._b1_cache is None or self._b1_cache[0] != key:
+            self._b1_cache = (key, b1.detach().float().contiguous().clone())
+        return self._b1_cache[1]
+
+    def _streams(self, device):
+        """(compute stream = the current one, communication stream)."""
+        return torch.cuda.current_stream(device), self._comm_stream
+
+    @staticmethod
+    def _keep_for(t, stream):
+        t.record_stream(stream)
+
     def _fused_call(self, x2: torch.Tensor, mte=None, acc_init=None) -> torch.Tensor:
         """One overlapped layer call on M = x2.shape[0] rows: compute blocks (current stream)
         || band all-reduce (comm stream) -> bf16 [M, N]. acc_init(acc) may write the
-        accumulator's starting value (zero otherwise) in the compute stream's order."""
+        accumulator's starting value (zero otherwise) in the compute stream's order.
+
+        Host order: every allocation and conversion (output, fp32 b1, the compute kernel's
+        scratch counter) is done before the first launch; the compute (the producer of the
+        ready flags) is launched before the all-reduce that waits on them, so that the waiting
+        kernel never waits on one not launched yet (with CUDA_LAUNCH_BLOCKING=1 the compute runs
+        to completion first). An earlier call's device error raises here, before any work."""
         M = x2.shape[0]
         out = torch.empty(M, self.out_features, dtype=torch.bfloat16, device=x2.device)
         if M == 0:
             return out
+        if self._watch is not None:
+            self._watch.poll()
         x2 = x2.contiguous()
         if x2.data_ptr() % 16:  # TMA needs 16-byte aligned rows
             x2 = x2.clone()
         ar = self._fused_allreduce(M)
         if not self._warm:
             self._fused_warmup(ar)
-        cur = torch.cuda.current_stream(x2.device)
-        comm = self._comm_stream
+        cur, comm = self._streams(x2.device)
+        b1f = self._b1_fp32()
+        self._compute.counter_for(ar.band_ready)  # allocated (once) before any launch
+        b2 = self._fused_b2()
         if acc_init is not None:
             acc_init(ar.acc[:M])
         # one epoch per call, advanced in the compute stream's order: the compute kernel (same
         # stream) and the all-reduce (comm stream, which waits on this point) read the same value
         ar.epoch.add_(1)
-        comm.wait_stream(cur)  # x, weights, the zeroed accumulator, the epoch
+        comm.wait_stream(cur)  # x, weights, the zeroed accumulator, the epoch; not the compute
         ev = self._debug.timeline
         if ev is not None:  # benchmarks: when each kernel ends, relative to the call's start
             ev.append([torch.cuda.Event(enable_timing=True) for _ in range(3)])
             ev[-1][0].record(cur)
-        b2 = self._fused_b2()
+        self._run_compute(x2, ar.acc[:M], ar.band_ready, ar.epoch, mte, cur, b1=b1f)
         ar(M, b2=b2, out=out, producer=True, bump_epoch=False, stream=comm)
-        out.record_stream(comm)
-        self._run_compute(x2, ar.acc[:M], ar.band_ready, ar.epoch, mte, cur)
         if ev is not None:
             ev[-1][1].record(cur)
             ev[-1][2].record(comm)
+        self._keep_for(out, comm)
         cur.wait_stream(comm)  # join: out is final, acc zeroed for the next call
+        self._watch.after_call(cur)
         return out
 
+    def check_errors(self):
+        """Fused backend: synchronize and raise (``OverlapError``, a RuntimeError, with the
+        all-reduce's error record and this rank) if a device wait timed out since construction
+        or the last ``reset()``; also the way to check after CUDA-graph replays. Nothing to
+        check on the reference backend."""
+        if getattr(self, "_watch", None) is not None:
+            self._watch.check()
+
     def check_fused(self):
-        """Synchronizes and raises RuntimeError if the all-reduce recorded a timeout."""
-        if self._allreduce is not None:
-            self._allreduce.check()
+        """Old name of ``check_errors`` (kept for compatibility)."""
+        self.check_errors()
+
+    synchronize = check_errors
+
+    def _barrier(self):
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def reset(self):
+        """Collective (every rank of the group, between calls): make the layer usable again
+        after a device error (e.g. a timeout). Synchronizes, barrier (no kernel of any rank runs
+        past it), then zeroes this rank's error word, fp32 accumulator (partial sums of a failed
+        call), arrive / done / expected counts, ready flags, epoch and the compute kernel's
+        scratch band counter, forgets the host read-back, and barriers again so that no rank
+        signals before every rank has cleared. The reference backend: a barrier only."""
+        ar = getattr(self, "_allreduce", None)
+        dev = self._fused_device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self._barrier()
+        if ar is not None:
+            for t in (ar.err, ar.acc, ar.arrive, ar.done, ar.expected, ar.band_ready, ar.epoch):
+                t.zero_()
+            self._compute.counter_for(ar.band_ready).zero_()
+            self._watch.clear()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self._barrier()
 
 
 class FusedFFN(_FusedBackend, torch.nn.Module):
@@ -420,7 +500,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
                  dtype: torch.dtype = torch.bfloat16, device=None, backend: str = "reference",
                  comm: str | None = None, ccta: int | None = None, max_tokens: int | None = None,
                  tile_m: int | None = None, compute_options: dict | None = None,
-                 allreduce_band_rows: int | None = None,
+                 allreduce_band_rows: int | None = None, error_check: str | None = None,
                  options: FFNOptions | None = None):
         super().__init__()
         self.act1 = check_activation(act1, allow_none=False, what="act1")
@@ -438,7 +518,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw), **grad) if bias else None
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
-                           compute_options, allreduce_band_rows)
+                           compute_options, allreduce_band_rows, error_check)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -452,8 +532,11 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     def _fused_b2(self):
         return self.b2.detach() if self.b2 is not None else None
 
-    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None):
-        self._compute(x, self.w1.detach(), self.b1.detach() if self.b1 is not None else None,
+    def _fused_b1_param(self):
+        return self.b1
+
+    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None, b1=None):
+        self._compute(x, self.w1.detach(), self._b1_fp32() if b1 is None else b1,
                       self.w2.detach(), acc, ready, epoch,
                       ccta=self.ccta if ccta is None else ccta, act1=self.act1, stream=stream)
 
@@ -565,7 +648,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
                  backend: str = "reference", comm: str | None = None, ccta: int | None = None,
                  max_tokens: int | None = None, tile_m: int | None = None,
                  compute_options: dict | None = None, allreduce_band_rows: int | None = None,
-                 options: FFNOptions | None = None):
+                 error_check: str | None = None, options: FFNOptions | None = None):
         super().__init__()
         E = _pos_int("num_experts", num_experts)
         self.activation = check_activation(activation, allow_none=False, what="activation")
@@ -582,7 +665,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw), **grad) if bias else None
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
-                           compute_options, allreduce_band_rows)
+                           compute_options, allreduce_band_rows, error_check)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -596,9 +679,11 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
     def _fused_b2(self):
         return None  # b_out differs per expert: it seeds the accumulator instead (forward)
 
-    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None):
-        self._compute.grouped(x, self.w_in.detach(),
-                              self.b_in.detach() if self.b_in is not None else None,
+    def _fused_b1_param(self):
+        return self.b_in
+
+    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None, b1=None):
+        self._compute.grouped(x, self.w_in.detach(), self._b1_fp32() if b1 is None else b1,
                               self.w_out.detach(), acc, ready, epoch, mte,
                               ccta=self.ccta if ccta is None else ccta, act1=self.activation,
                               stream=stream)

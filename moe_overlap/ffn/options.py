@@ -19,6 +19,7 @@ import types
 from dataclasses import dataclass
 
 AUTO = "auto"
+ERROR_CHECKS = ("async", "off")  # FFNOptions.error_check
 COMMS = ("unicast", "switch")
 TILE_MS = (64, 128)
 
@@ -117,6 +118,10 @@ class FFNOptions:
     compute_options (dict or None): keyword options of the compute kernel (``COMPUTE_OPTIONS``;
         tile sizes and band rows are the layer's); resolved with the layer's defaults filled in
         (``check_compute_options``: ``h_pair`` where the hidden tiles pair up).
+    error_check ("async" | "off"): "async": after each fused call the band all-reduce's error
+        word is copied to pinned host memory (non-blocking, with an event) and the next call
+        (or ``check_errors()``) raises if it is set, with no host sync in the call; "off": only
+        an explicit ``check_errors()`` reads it (README, "Failures and recovery").
     """
     comm: str = "unicast"
     ccta: int | str = AUTO
@@ -124,6 +129,7 @@ class FFNOptions:
     tile_m: int = 128
     allreduce_band_rows: int | str = AUTO
     compute_options: dict | None = None
+    error_check: str = "async"
 
     def __post_init__(self):
         self.validate()
@@ -153,6 +159,8 @@ class FFNOptions:
             raise ValueError(f"allreduce_band_rows={ar!r} must be a positive divisor of "
                              f"tile_m={self.tile_m}")
         self._set("allreduce_band_rows", ar)
+        if self.error_check not in ERROR_CHECKS:
+            raise ValueError(f"error_check={self.error_check!r}; choose from {ERROR_CHECKS}")
         co = self.compute_options
         if co is not None:
             if not isinstance(co, (dict, types.MappingProxyType)):
