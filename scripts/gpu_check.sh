@@ -13,10 +13,15 @@
 #                 (bench_plan); one GPU
 #        ffn      fused FFN / band all-reduce tests + bench_ffn + the compute-kernel breakdown
 #                 (issue 5; "quick": 3 shapes, 10 rounds)
+#        chained  chained FFN compute kernel tests, the baseline compute and the kernel against
+#                 it (one GPU)
+#        layer    one MoE layer end to end, ours vs the same-scale sequential layer
+#                 (bench_moe_layer; 2 GPUs for the overlap backend)
+# The combine area also runs the fault and recovery tests (one GPU for the W=1 ones).
 # Logs and JSON go to $OUT (the device tool brings them back); a short summary is printed last.
 # NVLink multicast stays off whatever the caller's environment says.
 set -uo pipefail
-area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn [quick]}
+area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn|chained|layer [quick]}
 quick=${2:-}
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER
@@ -47,7 +52,8 @@ gemm)
         --tag back_to_back --out "$OUT"
     ;;
 plan)
-    run planner_tests 200 python -m pytest -q -p no:cacheprovider tests/test_planner_gpu.py
+    run planner_tests 300 python -m pytest -q -p no:cacheprovider tests/test_planner_gpu.py \
+        tests/test_plan_kernel_gpu.py
     run gemm_tests 400 python -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_gpu.py
     args=()
     [ "$quick" = quick ] && args=(--models deepseek-v3 --worlds 2 --modes balanced --rounds 5)
@@ -60,6 +66,8 @@ combine)
     export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-$heap}
     run overlap_tests 400 python -m pytest -q -p no:cacheprovider tests/test_overlap_gpu.py \
         tests/test_planner_gpu.py tests/test_validation_gpu.py
+    run fault_tests 400 python -m pytest -q -p no:cacheprovider tests/test_faults_gpu.py \
+        tests/test_recover_gpu.py
     if [ "$ngpu" -ge 2 ]; then
         if [ "$quick" = models ]; then
             run sweep_models 590 python scripts/sweep.py --shapes models --ccta 8,16 --mgb 2 \
@@ -84,8 +92,17 @@ ffn)
     fi
     run fused_compute 300 python bench/bench_fused_compute.py --out "$OUT"
     ;;
+chained)
+    run chained_tests 300 python -m pytest -q -p no:cacheprovider tests/test_chained_ffn_gpu.py
+    run ffn_baseline 200 python bench/bench_ffn_baseline.py --out "$OUT"
+    run chained_bench 300 python bench/bench_chained_compute.py --groups auto --out "$OUT"
+    ;;
+layer)
+    run layer_bench 590 torchrun --nproc-per-node "$ngpu" bench/bench_moe_layer.py \
+        --shapes models --tokens 4096 --out "$OUT"
+    ;;
 *)
-    echo "unknown area $area (gemm | combine | ffn)" >&2
+    echo "unknown area $area (gemm | plan | combine | ffn | chained | layer)" >&2
     exit 2
     ;;
 esac
