@@ -89,6 +89,11 @@ def compile_ptx_cubin(launch, *args) -> tuple[str, bytes]:
     return kept_ptx(c), kept_cubin(c)
 
 
+def compile_ptx(launch, *args) -> str:
+    """``cute.compile`` a launcher keeping its PTX: the PTX text."""
+    return compile_ptx_cubin(launch, *args)[0]
+
+
 def sass(cubin: bytes) -> str:
     """SASS text of a cubin (nvdisasm; raises, not skips, when it or the cubin is missing)."""
     from moe_overlap.kernels.compile import require_nvdisasm, sass_of

@@ -19,8 +19,8 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from moe_overlap.ffn import band_allreduce  # noqa: E402
-from moe_overlap.kernels.compile import (compile_keep, kept_cubin, kept_ptx,  # noqa: E402
-                                         require_nvdisasm, sass_of)
+from moe_overlap.kernels.compile import compile_keep, kept_cubin, kept_ptx  # noqa: E402
+from conftest import sass as _sass  # noqa: E402
 
 _CACHE = {}
 
@@ -31,12 +31,6 @@ def _compiled(world, backend, act2="none", unroll=2):
         c = band_allreduce.compile_band_allreduce(world, backend, act2, unroll=unroll, keep=True)
         _CACHE[key] = (kept_ptx(c), kept_cubin(c))
     return _CACHE[key]
-
-
-def _sass(cubin):
-    if not cubin:
-        raise RuntimeError("CuTe DSL returned no cubin")
-    return sass_of(cubin, require_nvdisasm())
 
 
 def _body(ptx):

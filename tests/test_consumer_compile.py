@@ -14,13 +14,7 @@ pytestmark = pytest.mark.compile
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (read at import)
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from moe_overlap.kernels.compile import kept_cubin, kept_ptx, require_nvdisasm, sass_of  # noqa: E402
-
-
-def _ptx(launch, *args):
-    import cutlass.cute as cute
-    c = cute.compile[cute.KeepPTX()](launch, *args)
-    return kept_ptx(c)
+from conftest import compile_ptx as _ptx, compile_ptx_cubin as _compile_keep, sass as _sass  # noqa: E402
 
 
 def _consumer_args():
@@ -64,16 +58,6 @@ def test_scale_compiles(topk, y_src, unroll):
 
 
 # ---- consumer v2: local_copy=False, copy="tma" ------------------------------------------------
-def _compile_keep(launch, *args):
-    import cutlass.cute as cute
-    c = cute.compile[cute.KeepPTX(), cute.KeepCUBIN()](launch, *args)
-    return kept_ptx(c), kept_cubin(c)
-
-
-def _sass(cubin):
-    return sass_of(cubin, require_nvdisasm())
-
-
 @pytest.mark.parametrize("local_copy", [True, False])
 def test_consumer_tma_compiles_with_bulk_copies(local_copy):
     from moe_overlap.combine.consumer import build_consumer

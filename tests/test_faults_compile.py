@@ -18,12 +18,7 @@ pytestmark = pytest.mark.compile
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from moe_overlap.kernels.compile import kept_ptx  # noqa: E402
-
-
-def _ptx(launch, *args):
-    import cutlass.cute as cute
-    return kept_ptx(cute.compile[cute.KeepPTX()](launch, *args))
+from conftest import compile_ptx as _ptx  # noqa: E402
 
 
 def _entries(ptx):

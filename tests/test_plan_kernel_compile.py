@@ -16,11 +16,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (
 
 from moe_overlap.combine.plan import plan_combine  # noqa: E402
 from moe_overlap.combine.plan_closed_form import closed_form_plan  # noqa: E402
-
-
-def _ptx(launch, *args):
-    from moe_overlap.kernels.compile import compile_keep, kept_ptx
-    return kept_ptx(compile_keep(launch, *args))
+from conftest import compile_ptx as _ptx  # noqa: E402
 
 
 @pytest.mark.compile
