@@ -187,8 +187,8 @@ def test_fused_backend_refuses_clearly(monkeypatch):
     for kw in (dict(compute_options={}), dict(allreduce_band_rows=32)):
         with pytest.raises(ValueError, match="allreduce_band_rows apply to backend='fused' only"):
             _ffn(**kw)
-    # only this switch off (importing moe_overlap.combine.sweep in the same process sets the
-    # others as defaults; the guard names the first one it finds)
+    # only this switch off (the environment may set the others, e.g. a device machine's; the
+    # guard names the first one it finds)
     for name in ("NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

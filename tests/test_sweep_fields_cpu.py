@@ -124,3 +124,18 @@ def test_poison_and_compare_catch_stale_or_racy_output():
     s = summarize([dict(ok=True, bitwise=True, rel_err=1e-3), dict(ok=False, bitwise=False,
                                                                     rel_err=0.5)])
     assert s == dict(calls=2, failures=1, max_rel_err=0.5, all_bitwise=False)
+
+
+def test_importing_the_sweep_leaves_the_environment_alone():
+    """The sweep sets its run environment (multicast off, heap size) in main, not at import."""
+    import subprocess
+    import sys
+    code = ("import os; before = dict(os.environ); import moe_overlap.combine.sweep as s; "
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
+            "s.set_run_environment(); assert os.environ['NVSHMEM_DISABLE_NVLS'] == '1'; "
+            "assert os.environ['NVSHMEM_SYMMETRIC_SIZE'] == os.environ.get('EXPECT_HEAP', '48G')")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_DISABLE_NVLS")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -36,12 +36,18 @@ import subprocess
 import sys
 import time
 
-for _k, _v in (("NVSHMEM_DISABLE_NVLS", "1"), ("NCCL_NVLS_ENABLE", "0"),
-               ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("CUDA_MODULE_LOADING", "EAGER")):
-    os.environ[_k] = _v  # never NVLink multicast on shared machines; eager module loading
-# symmetric heap for the receive buffers of every shape (2 slots x tokens x topk x N bf16 each)
-# (deepseek-v3 at 16384 tokens: 2 x 16384 x 8 x 7168 x 2 B = 3.8 GB per layer)
-os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "48G")
+
+
+def set_run_environment() -> None:
+    """The sweep's process environment, set by `main` before any rank starts (not at import:
+    importing this module for its helpers changes nothing): never NVLink multicast on shared
+    machines, eager module loading, and a symmetric heap for the receive buffers of every shape
+    (2 slots x tokens x topk x N bf16 each; deepseek-v3 at 16384 tokens: 2 x 16384 x 8 x 7168 x
+    2 B = 3.8 GB per layer) unless the caller sized it."""
+    for k, v in (("NVSHMEM_DISABLE_NVLS", "1"), ("NCCL_NVLS_ENABLE", "0"),
+                 ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("CUDA_MODULE_LOADING", "EAGER")):
+        os.environ[k] = v
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", "48G")
 
 
 def parse_shapes(text):
@@ -289,6 +295,7 @@ def summarize(points, tuned=()):
 
 
 def main(argv=None):
+    set_run_environment()
     ap = argparse.ArgumentParser(prog="moe-overlap sweep", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--shapes", default="synthetic",
