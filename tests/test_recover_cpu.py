@@ -12,7 +12,8 @@ import torch
 
 from conftest import spawn_ranks
 from moe_overlap.combine.options import CombineOptions
-from moe_overlap.combine.overlap import ErrorWatch, OverlapCombine, OverlapError
+from moe_overlap.combine.overlap import OverlapCombine, OverlapError
+from moe_overlap.runtime.error_watch import DeviceError, ErrorWatch
 from moe_overlap.diagnostics import CombineDebug, FFNDebug
 from moe_overlap.ffn import band_allreduce as B
 from moe_overlap.ffn.options import FFNOptions
@@ -32,11 +33,11 @@ def test_error_watch_raises_on_the_next_call_then_clears():
     w.poll()  # clear
     err.copy_(_timeout_word())  # the call fails on the device ...
     w.after_call()  # ... and its read-back is started
-    with pytest.raises(OverlapError) as ei:
+    with pytest.raises(DeviceError) as ei:
         w.poll()  # the next call raises
     msg = str(ei.value)
     assert "rank 1" in msg and "source rank 0" in msg and "epoch 7" in msg and "reset()" in msg
-    with pytest.raises(OverlapError):
+    with pytest.raises(DeviceError):
         w.check()  # the explicit check reads the device word itself
     err.zero_()  # what reset() does to the word ...
     w.clear()  # ... and to the host copy
@@ -63,7 +64,7 @@ def test_error_watch_never_waits_for_a_read_in_flight():
     w.after_call()  # still in flight: no second copy into the busy buffer
     assert w.copies == n
     ev.done = True
-    with pytest.raises(OverlapError):
+    with pytest.raises(DeviceError):
         w.poll()
 
 
@@ -73,7 +74,7 @@ def test_error_watch_off_reads_only_on_check():
     w.after_call()
     w.poll()
     assert w.copies == 0
-    with pytest.raises(OverlapError):
+    with pytest.raises(DeviceError):
         w.check()
 
 
@@ -119,7 +120,7 @@ def _fake_combine(log, error_check="async", fail_call=None):
     ov._debug = CombineDebug()
     ov.err = torch.zeros(8, dtype=torch.int64)
     ov._watch = ErrorWatch(ov.err, E.describe_error, "OverlapCombine (rank 0)",
-                           enabled=error_check == "async")
+                           exc=OverlapError, enabled=error_check == "async")
     ov.epoch = torch.zeros(1, dtype=torch.int32)
     ov.buffers = SimpleNamespace(block=torch.zeros(3 * W, dtype=torch.int64))
     ov.counters = ov.buffers.block[:W]
@@ -327,9 +328,9 @@ def test_fused_error_raises_on_the_next_call_naming_rank_and_band():
         n = len(log)
         with pytest.raises(RuntimeError, match=r"FusedFFN \(rank 0\).*band 2") as ei:
             mod(x)
-    assert isinstance(ei.value, OverlapError)
+    assert isinstance(ei.value, DeviceError)
     assert len(log) == n  # raised before any launch
-    with pytest.raises(OverlapError):
+    with pytest.raises(DeviceError):
         mod.check_fused()  # the old name still checks
 
 

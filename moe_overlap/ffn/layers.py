@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..diagnostics import FFNDebug, debug_scope
+from ..runtime.error_watch import ErrorWatch
 from .activations import ACT2, ACTIVATIONS, check_activation  # noqa: F401 (re-exported)
 from .options import (COMPUTE_OPTIONS, FFNFacts, FFNOptions,  # noqa: F401 (re-exported)
                       check_compute_options, ffn_options_from_kwargs,
@@ -312,7 +313,6 @@ class _FusedBackend:
                 rows, self.out_features, self.group, backend=self.comm, act2=self._fused_act2,
                 band_rows=self.allreduce_band_rows, ready_rows=self.tile_m, ccta=self.ccta)
             self._warm = False
-            from ..combine.overlap import ErrorWatch
             from .band_allreduce import describe_error
             self._watch = ErrorWatch(ar.err, describe_error,
                                      f"{type(self).__name__} (rank {self.rank})",
