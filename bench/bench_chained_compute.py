@@ -14,10 +14,7 @@ largest |value|; the schedule (lookahead, ring). JSON `ffn_chained_compute_<tag>
 with device, date and commit. A shape that fails records its error and the run goes on.
 """
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 import traceback
 
@@ -25,24 +22,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_ffn import SHAPES  # noqa: E402
-from bench_ffn_baseline import peak_call_bytes  # noqa: E402
-from moe_overlap.ffn.activations import activation, activation_  # noqa: E402
+from bench_ffn_baseline import baseline_call, ffn_slice, peak_call_bytes  # noqa: E402
+from bench_results import result_header, write_result  # noqa: E402
+from moe_overlap.ffn.activations import activation  # noqa: E402
 from moe_overlap.ffn.chained_schedule import simulate  # noqa: E402
 from moe_overlap.ffn.compute_chained import ChainedFFNCompute  # noqa: E402
 from moe_overlap.timing import time_interleaved  # noqa: E402
-
-
-def git_commit():
-    """GIT_COMMIT when set (the device machine's copy of the tree can report a stale HEAD),
-    else `git rev-parse HEAD`."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)),
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - no git on the machine: say so
-        return os.environ.get("GIT_COMMIT", "unknown")
 
 
 def graph_of(fn, reps):
@@ -74,9 +59,7 @@ def rel_err(y, x, w1, b1, w2, act, rows):
 def write(a, groups, rows_out, final=False):
     """The JSON so far (rewritten after every shape, so a run cut short keeps its rows)."""
     ok = [r for r in rows_out if "speedup" in r]
-    doc = dict(bench="ffn_chained_compute", device=torch.cuda.get_device_name(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               git_commit=git_commit(), torch=torch.__version__, world=a.world,
+    doc = dict(result_header("ffn_chained_compute"), world=a.world,
                complete=final, groups=groups,
                method=f"CUDA graphs of {a.reps} calls per path, replays interleaved over "
                       f"{a.rounds} rounds (time_interleaved), median / {a.reps}; activation_mem "
@@ -88,10 +71,7 @@ def write(a, groups, rows_out, final=False):
                min_best_speedup=min((r["best_speedup"] for r in ok), default=None),
                failed=[f"{r['shape']}@{r['tokens']}" for r in rows_out if "error" in r],
                rows=rows_out)
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"ffn_chained_compute_{a.tag}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    path = write_result(doc, a.out, f"ffn_chained_compute_{a.tag}.json")
     if final:
         print(f"min speedup {doc['min_speedup']} (group {groups[0]}), with the best group per "
               f"shape {doc['min_best_speedup']}; failed: {doc['failed']}; wrote {path}")
@@ -134,14 +114,8 @@ def main():
         for T in (int(t) for t in a.tokens.split(",")):
             r = dict(shape=name, tokens=T, P=P, hidden_slice=Og, N=P, act=a.act)
             try:
-                g = torch.Generator(device=dev).manual_seed(T + P)
-                x = torch.randn(T, P, device=dev, dtype=torch.bfloat16, generator=g)
-                w1 = torch.randn(P, Og, device=dev, dtype=torch.bfloat16, generator=g) / P ** 0.5
-                b1 = torch.randn(Og, device=dev, dtype=torch.bfloat16, generator=g)
-                w2 = torch.randn(Og, P, device=dev, dtype=torch.bfloat16, generator=g) / Og ** 0.5
-
-                def base():
-                    return torch.mm(activation_(torch.addmm(b1, x, w1), a.act), w2)
+                x, w1, b1, w2 = ffn_slice(T, P, Og, dev, seed=T + P)
+                base = baseline_call(x, w1, b1, w2, a.act)
 
                 flops = 2.0 * T * P * Og * 2
                 step = max(1, T // a.check_rows)

@@ -10,8 +10,6 @@ call (peak allocation during the call above what was allocated before it, output
 `ffn_baseline_<tag>.json` to --out.
 """
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -19,10 +17,27 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_ffn import SHAPES  # noqa: E402
+from bench_results import result_header, write_result  # noqa: E402
 from moe_overlap.ffn.activations import activation_  # noqa: E402
 from moe_overlap.timing import time_calls  # noqa: E402
 
 PEAK_TFLOPS = 790.0
+
+
+def ffn_slice(T: int, P: int, hidden: int, device, seed: int):
+    """x [T, P], w1 [P, hidden], b1 [hidden], w2 [hidden, P], bf16, random (fixed seed), the
+    weights scaled so that every product has unit-size entries."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, P, device=device, dtype=torch.bfloat16, generator=g)
+    w1 = torch.randn(P, hidden, device=device, dtype=torch.bfloat16, generator=g) / P ** 0.5
+    b1 = torch.randn(hidden, device=device, dtype=torch.bfloat16, generator=g)
+    w2 = torch.randn(hidden, P, device=device, dtype=torch.bfloat16, generator=g) / hidden ** 0.5
+    return x, w1, b1, w2
+
+
+def baseline_call(x, w1, b1, w2, act: str):
+    """The reference backend's per-rank compute: addmm(b1) + in-place act + mm."""
+    return lambda: torch.mm(activation_(torch.addmm(b1, x, w1), act), w2)
 
 
 def peak_call_bytes(fn) -> int:
@@ -55,15 +70,7 @@ def main():
         P, O = SHAPES[name]
         Og = O // a.world
         for T in (int(t) for t in a.tokens.split(",")):
-            g = torch.Generator(device=dev).manual_seed(T)
-            x = torch.randn(T, P, device=dev, dtype=torch.bfloat16, generator=g)
-            w1 = torch.randn(P, Og, device=dev, dtype=torch.bfloat16, generator=g) / P ** 0.5
-            b1 = torch.randn(Og, device=dev, dtype=torch.bfloat16, generator=g)
-            w2 = torch.randn(Og, P, device=dev, dtype=torch.bfloat16, generator=g) / Og ** 0.5
-
-            def fn():
-                return torch.mm(activation_(torch.addmm(b1, x, w1), a.act), w2)
-
+            fn = baseline_call(*ffn_slice(T, P, Og, dev, seed=T), a.act)
             ms = time_calls(fn, reps=5, replays=20)[0]
             flops = 2.0 * T * P * Og * 2
             extra = peak_call_bytes(fn)
@@ -73,17 +80,11 @@ def main():
             rows.append(r)
             print(f"{name:22s} T={T:6d} {ms:8.3f} ms {r['tflops']:6.1f} TFLOP/s floor "
                   f"{r['floor_ms']:.3f} ms  activation {extra / 2**20:8.1f} MiB", flush=True)
-            del x, w1, b1, w2
-    doc = dict(bench="ffn_baseline", device=torch.cuda.get_device_name(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
+            del fn
+    doc = dict(result_header("ffn_baseline"),
                method="CUDA graph of 5 calls, median of 20 replays / 5; activation_mem = peak "
                       "allocation of one eager call above the memory before it (output included)", world=a.world, rows=rows)
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"ffn_baseline_{a.tag}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {write_result(doc, a.out, f'ffn_baseline_{a.tag}.json')}")
 
 
 if __name__ == "__main__":

@@ -30,11 +30,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -49,6 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_results import result_header, write_result  # noqa: E402
 from moe_overlap.combine import MoECombine, dispatch_to_plan, exchange_counts  # noqa: E402
 from moe_overlap.combine.baseline import SameScaleBaseline, SequentialBaseline  # noqa: E402
 from moe_overlap.combine.reference import (all_gather_counts, grouped_matmul,  # noqa: E402
@@ -483,17 +481,6 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
 
 
 # ------------------------------------------------------------------------------ the run
-def git_commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def label_of(row) -> str:
     s = row["shape"]
     return row["name"] or "x".join(str(s[k]) for k in ("tokens", "experts", "topk", "N", "K"))
@@ -546,10 +533,7 @@ def run_rank(rank: int, W: int, opts: Options) -> dict:
             print(f"{label_of(r)}: ours {r['ours_ms']:.3f} ms  base {r['base_ms']:.3f} ms  "
                   f"speedup {r['speedup']:.3f}x  plan+prepare {r['plan_prepare_ms']:.3f} ms "
                   f"hidden {r['plan_hidden']}  max rel err {r['max_rel_err']:.2e}", flush=True)
-    doc = dict(bench="moe_layer",
-               device=torch.cuda.get_device_name() if dev.cuda else "cpu", world_size=W,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               git_commit=git_commit(), torch=torch.__version__, tol=opts.tol,
+    doc = dict(result_header("moe_layer", cuda=dev.cuda), world_size=W, tol=opts.tol,
                wrong=opts.wrong, calls=opts.calls,
                method=("one layer call per timed call (a CUDA graph replay with the overlap "
                        "backend, else eager: rows' timing), ours and base interleaved, median, "
@@ -560,11 +544,7 @@ def run_rank(rank: int, W: int, opts: Options) -> dict:
                        "slowest rank; timeline: rank 0's eager call"),
                agree=all(r["agree"] for r in rows), rows=rows)
     if rank == 0:
-        os.makedirs(opts.out, exist_ok=True)
-        path = os.path.join(opts.out, f"moe_layer_{opts.tag}.json")
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {path}")
+        print(f"wrote {write_result(doc, opts.out, f'moe_layer_{opts.tag}.json')}")
         print(plot(doc, os.path.join(opts.out, f"moe_layer_{opts.tag}.png")))
     return dict(agree=doc["agree"], max_rel_err=max(r["max_rel_err"] for r in rows))
 

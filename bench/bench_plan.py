@@ -11,14 +11,13 @@ cost of unused capacity shows; `prepare` (receive rows, source rows, expected co
 rank's routing. Both captured in a CUDA graph of 5 calls; the median replay / 5. JSON to --out.
 """
 import argparse
-import datetime
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_results import result_header, write_result  # noqa: E402
 from moe_overlap.combine.plan import count_assignments, plan_combine  # noqa: E402
 from moe_overlap.routing import route  # noqa: E402
 from moe_overlap.timing import time_calls  # noqa: E402
@@ -77,16 +76,10 @@ def main():
                     print(f"{impl:<6} W={W:<3} r={rank:<3} E={E:<4} T={T:<6} {layout:<8} "
                           f"{cap_name:<6} plan {r['plan_us']:8.1f} us  "
                           f"prepare {r['prepare_us']:7.1f} us  sum {r['plan_us'] + r['prepare_us']:8.1f} us", flush=True)
-    doc = dict(bench="plan", device=torch.cuda.get_device_name(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
+    doc = dict(result_header("plan"),
                method="CUDA graph of 5 calls, median of 15 replays / 5", impls=args.impl,
                rows=rows)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"plan_{args.tag}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {write_result(doc, args.out, f'plan_{args.tag}.json')}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""What every bench writes with its rows: the result header (device, date, commit, torch) and the
+JSON file in --out."""
+import datetime
+import json
+import os
+import subprocess
+
+import torch
+
+
+def git_commit() -> str:
+    """GIT_COMMIT when set (the device machine's copy of the tree can report a stale HEAD), else
+    `git rev-parse --short HEAD`, else "unknown"."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def result_header(bench: str, cuda: bool = True) -> dict:
+    """bench, device, date (UTC), git_commit and torch of a result file."""
+    return dict(bench=bench, device=torch.cuda.get_device_name() if cuda else "cpu",
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                git_commit=git_commit(), torch=torch.__version__)
+
+
+def write_result(doc: dict, out: str, name: str) -> str:
+    """Writes doc to out/name (creating out); returns the path."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return path
