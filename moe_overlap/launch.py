@@ -22,18 +22,33 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None,
             hard_exit=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # W ranks share the machine's cores
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    dist.init_process_group(backend, rank=rank, world_size=world_size, **kw)
+    initialized = False
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **kw)
+        initialized = True
         results[rank] = ("ok", fn(rank, world_size, *args))
     except Exception:  # noqa: BLE001 - returned to the parent with the traceback
         results[rank] = ("error", traceback.format_exc())
     finally:
         if hard_exit:  # e.g. after NVSHMEM: its and NCCL's teardown order can hang
+            if rank == 0:
+                _wait_for_all_results(results, world_size, timeout_s)
             os._exit(0)
-        dist.destroy_process_group()
+        if initialized:
+            dist.destroy_process_group()
+
+
+def _wait_for_all_results(results, world_size, timeout_s):
+    """Rank 0 hosts the rendezvous store: leaving while another rank is still inside
+    init_process_group (gloo connects its pairs through the store after rank 0's init returned)
+    resets that rank's connection and it dies without a result. Bounded: a rank that never
+    reports is the parent's to name (join timeout or missing result)."""
+    deadline = time.monotonic() + (300.0 if timeout_s is None else timeout_s)
+    while len(results) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | None = None,

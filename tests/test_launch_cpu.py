@@ -3,6 +3,7 @@ a hung rank fails the run naming it, and hard_exit still hands back every result
 import time
 
 import pytest
+import torch
 
 from conftest import spawn_ranks
 
@@ -26,3 +27,19 @@ def test_join_timeout_names_the_hung_rank():
 
 def test_hard_exit_returns_every_result():
     assert spawn_ranks(_value, 3, 10, hard_exit=True) == [10, 11, 12]
+
+
+def test_init_failure_is_reported_with_its_traceback():
+    # nccl on a machine without CUDA fails inside the rank's set-up, before fn runs
+    from moe_overlap.launch import spawn
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (nccl set-up must fail)")
+    with pytest.raises(RuntimeError, match=r"rank 0 failed:\nTraceback"):
+        spawn(_value, 2, 10, backend="nccl", join_timeout_s=120)
+
+
+def test_hard_exit_under_load_returns_every_result():
+    # rank 0 hosts the store: it must stay until every rank has reported (CI once lost ranks
+    # 1 and 2 inside init_process_group when rank 0 left first)
+    for _ in range(3):
+        assert spawn_ranks(_value, 4, 0, hard_exit=True) == [0, 1, 2, 3]
