@@ -56,6 +56,28 @@ so a finished producer band is all-reduced by ready_rows / band_rows CTAs at onc
    reduce-adds (no rank touches this band of this accumulator again in this call once done[b]
    is complete).
 
+bf16 partials (``partial="bf16"``, the chained compute kernel's output): ``acc`` is a bf16
+``[M, N]`` buffer in symmetric memory (N % 8 == 0) holding this rank's FINAL partial tiles (stored
+by the producer with TMA, not added), 16-byte vectors of 8 bf16. Step 1 is unchanged (the
+producer raises ``band_ready[blk] = epoch`` with st.release.gpu after ``cp.async.bulk.wait_group
+0`` + ``fence.proxy.async``). Step 2 (reduce-scatter, finalize, all-gather): chunk ``rank`` of the
+band is loaded from all G partials (``ld.relaxed.sys.v4.u32``, the peer table in rank order),
+summed in fp32 in the FIXED order 0..G-1, + b2, act2, rounded to bf16 once, and the final
+vector is stored into every rank's buffer (``st.relaxed.sys.v4.u32``) over the partial it
+replaces (only rank r reads or writes chunk r of a band in this phase; every thread's G loads of
+a vector precede its stores of it). Each chunk is computed by exactly one rank, so all ranks
+hold bitwise equal outputs; the fixed order makes them independent of which rank computed
+it. Step 3 waits for done[b] like the fp32 mode, then copies the band (``ld.global.cg``, written
+by peers during this kernel) to ``out``; nothing is zeroed. Switch: ``multimem.ld_reduce ...
+acc::f32.v4.bf16x2`` (the switch's fp32 sum, rounded to bf16 before b2 / act2, order not
+fixed) and ``multimem.st`` of the final; compiled, refused at run time like the fp32 switch.
+Slot protection (completion handshake, no second buffer): rank p's kernel ends only after
+done[b] == expected for every band it finishes, i.e. after every rank's step-2 loads from and
+stores into p's buffer completed (their release precedes done); the next call's producer on
+p, which overwrites the buffer, runs after this kernel in stream order (FusedFFN joins the
+communication stream into the compute stream before it returns), and a peer's next step 2
+waits for p's next arrive, which p posts only after its next producer's band_ready.
+
 Flags are monotone u32 counters in symmetric memory, never reset; ``expected[b]`` (int32, local)
 is advanced by the kernel itself for every band a call covers (calls with fewer rows leave the
 later bands' counters and expectations alone); ``epoch [1]`` (int32, device) is advanced on the
@@ -81,8 +103,20 @@ from ..runtime.multicast import require_multicast
 from .activations import ACT2
 
 BACKENDS = ("unicast", "switch")
+PARTIALS = ("fp32", "bf16")  # the producer's partial: fp32 accumulator or bf16 final tiles
 DEFAULT_THREADS = 1024  # x unroll 4: the most bytes in flight per SM (bench/NOTES.md, session 7)
 DEFAULT_UNROLL = 4
+# bf16 partials: 512 threads, unroll 8 / G: every load of a vector (G of them) and its fp32
+# finalize live in registers at once; more spills to local memory (the compile test checks)
+DEFAULT_BF16_THREADS = 512
+
+
+def default_threads_unroll(partial: str, world: int) -> tuple[int, int]:
+    """(threads, unroll) a BandAllReduce of this partial dtype and world size runs by default."""
+    if partial == "bf16":
+        return DEFAULT_BF16_THREADS, max(1, 8 // max(1, world))
+    return DEFAULT_THREADS, DEFAULT_UNROLL
+
 DEFAULT_BAND_ROWS = 128
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s
 ERR_WORDS = 8
@@ -159,6 +193,39 @@ def device_lib():
         for a in peer_addrs:
             st_v4_f32_sys(a + off, v)
 
+    # -- bf16 partials (16-byte vectors of 8 bf16, as 4 packed bf16x2 words) --
+    def ld_v4_u32_sys(addr):
+        return ptx("ld.relaxed.sys.global.v4.u32 " + V4 + ", [{$r0}];", [Int32] * 4, [addr])
+
+    def st_v4_u32_sys(addr, w):
+        ptx("st.relaxed.sys.global.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", (),
+            [addr, w[0], w[1], w[2], w[3]])
+
+    def ld_v4_u32_cg(addr):
+        return ptx("ld.global.cg.v4.u32 " + V4 + ", [{$r0}];", [Int32] * 4, [addr])
+
+    def ld_v4_u32(addr):
+        return ptx("ld.global.v4.u32 " + V4 + ", [{$r0}];", [Int32] * 4, [addr])
+
+    def st_v4_u32(addr, w):
+        ptx("st.global.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", (),
+            [addr, w[0], w[1], w[2], w[3]])
+
+    def mm_st_v4_u32(mc_addr, w):
+        ptx("multimem.st.relaxed.sys.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", (),
+            [mc_addr, as_f32(w[0]), as_f32(w[1]), as_f32(w[2]), as_f32(w[3])])
+
+    def unpack_bf16x8(w):
+        """4 packed bf16x2 words -> 8 fp32 (element 2j in the low half of word j)."""
+        out = []
+        for j in range(4):
+            out.append(as_f32(w[j] << Int32(16)))
+            out.append(as_f32(w[j] & Int32(-65536)))
+        return out
+
+    def pack_bf16x8(x):
+        return [pack_bf16x2(x[2 * j], x[2 * j + 1]) for j in range(4)]
+
     # -- other flags --
     def ld_v2_u32(addr):
         return ptx("ld.global.v2.u32 {{$w0}, {$w1}}, [{$r0}];", [Int32] * 2, [addr])
@@ -196,11 +263,13 @@ def device_lib():
 
 
 # ---------------------------------------------------------------- band all-reduce kernel
-def _check_options(world, backend, act2, threads, unroll):
+def _check_options(world, backend, act2, threads, unroll, partial="fp32"):
     if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 16:
         raise ValueError(f"world={world!r} must be an int in [1, 16]")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: choose from {BACKENDS}")
+    if partial not in PARTIALS:
+        raise ValueError(f"partial={partial!r}: choose from {PARTIALS}")
     if act2 not in ACT2:
         raise ValueError(f"act2={act2!r}: choose from {ACT2}")
     if threads % 32 or not world <= threads <= 1024 or threads < 32:
@@ -211,11 +280,19 @@ def _check_options(world, backend, act2, threads, unroll):
 
 def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none",
                          threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
-                         zero_acc: bool = True, arrive_ahead: bool = True):
+                         zero_acc: bool = True, arrive_ahead: bool = True,
+                         partial: str = "fp32", _test_skip_ready_wait: bool = False):
     """The @cute.jit launcher of one (world, backend, act2, threads, unroll, zero_acc,
-    arrive_ahead) variant.
-    Arguments: see ``ARG_NAMES`` (ints), then a ``CUstream``."""
-    _check_options(world, backend, act2, threads, unroll)
+    arrive_ahead, partial) variant.
+    Arguments: see ``ARG_NAMES`` (ints), then a ``CUstream``.
+
+    ``partial="bf16"`` (the bf16-partial mode, module docstring): ``acc`` is the bf16 ``[M, N]``
+    partial (N % 8 == 0), step 2 reduces in fp32 and stores the FINAL bf16 values, step 3
+    copies; ``zero_acc`` does not apply (the producer overwrites a bf16 partial, it does not add
+    into it). ``_test_skip_ready_wait``: private test switch, step 1 does not wait for
+    band_ready (a deliberately broken ordering: tests/test_band_allreduce_bf16_gpu.py shows
+    it reads unfinished partials)."""
+    _check_options(world, backend, act2, threads, unroll, partial)
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -225,8 +302,10 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
     G, NT, U = world, threads, unroll
     SWITCH = backend == "switch"
     ACT = act2
-    ZERO = bool(zero_acc)
+    BF16 = partial == "bf16"
+    ZERO = bool(zero_acc) and not BF16
     AHEAD = bool(arrive_ahead)
+    SKIP_READY = bool(_test_skip_ready_wait)
 
     @cute.jit
     def reduce_chunk(acc_r: Int64, peers, v0: Int64, lo: Int64, hi: Int64, tidx: Int32):
@@ -258,6 +337,70 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
             i = i + Int64(NT)
 
     @cute.jit
+    def finalize_bf16x8(words, b2: Int64, gv: Int64, ncolsv: Int64):
+        """Vector gv (8 columns): fp32 sum of the loaded partials in rank order 0..G-1 (switch:
+        the switch's bf16 sum), + b2, act2 -> 4 packed bf16x2 words of the final output."""
+        if cutlass.const_expr(SWITCH):
+            s = L.unpack_bf16x8(words)
+        else:
+            s = L.unpack_bf16x8(words[0])
+            for p in cutlass.range_constexpr(1, G):
+                t = L.unpack_bf16x8(words[p])
+                s = [s[j] + t[j] for j in range(8)]
+        # b2 is always a valid 16-byte aligned bf16 [N] (zeros when the layer has none)
+        c8 = gv - (gv // ncolsv) * ncolsv  # column / 8
+        bb = L.unpack_bf16x8(L.ld_v4_u32(b2 + c8 * Int64(16)))
+        return L.pack_bf16x8([L.act(s[j] + bb[j], ACT) for j in range(8)])
+
+    @cute.jit
+    def reduce_chunk_bf16(acc_r: Int64, peers, v0: Int64, lo: Int64, hi: Int64, b2: Int64,
+                          ncolsv: Int64, tidx: Int32):
+        """Vectors [lo, hi) of the band starting at vector v0 (8 bf16 each): load from all G
+        partials, reduce in fp32, + b2, act2, store the final bf16 to all G buffers; U vectors
+        (G loads each) in flight per thread; every load of a vector precedes its stores."""
+        i = lo + Int64(tidx)
+        step = Int64(NT * U)
+        while i + Int64((U - 1) * NT) < hi:
+            ws = []
+            for u in cutlass.range_constexpr(U):
+                off = (v0 + i + Int64(u * NT)) * Int64(16)
+                if cutlass.const_expr(SWITCH):
+                    ws.append(L.mm_ld_reduce_v4_bf16x2(acc_r + off))
+                else:
+                    ws.append([L.ld_v4_u32_sys(a + off) for a in peers])
+            for u in cutlass.range_constexpr(U):
+                gv = v0 + i + Int64(u * NT)
+                y = finalize_bf16x8(ws[u], b2, gv, ncolsv)
+                if cutlass.const_expr(SWITCH):
+                    L.mm_st_v4_u32(acc_r + gv * Int64(16), y)
+                else:
+                    for a in peers:
+                        L.st_v4_u32_sys(a + gv * Int64(16), y)
+            i = i + step
+        while i < hi:
+            gv = v0 + i
+            off = gv * Int64(16)
+            if cutlass.const_expr(SWITCH):
+                y = finalize_bf16x8(L.mm_ld_reduce_v4_bf16x2(acc_r + off), b2, gv, ncolsv)
+                L.mm_st_v4_u32(acc_r + off, y)
+            else:
+                y = finalize_bf16x8([L.ld_v4_u32_sys(a + off) for a in peers], b2, gv, ncolsv)
+                for a in peers:
+                    L.st_v4_u32_sys(a + off, y)
+            i = i + Int64(NT)
+
+    @cute.jit
+    def epilogue_copy(acc: Int64, out: Int64, v0: Int64, nvec: Int64, tidx: Int32):
+        """bf16 mode, vectors [0, nvec) of the band at vector v0: the final values (every
+        rank's chunk, stored into this rank's buffer in step 2) to ``out``. ld.cg: written by
+        peers during this kernel, never through the non-coherent cache."""
+        i = Int64(tidx)
+        while i < nvec:
+            gv = v0 + i
+            L.st_v4_u32(out + gv * Int64(16), L.ld_v4_u32_cg(acc + gv * Int64(16)))
+            i = i + Int64(NT)
+
+    @cute.jit
     def flag_add_all(flag_r: Int64, fpeers, boff: Int64, tidx: Int32):
         """+1 on flag[b] of every rank, release at sys scope (after a bar.sync of the CTA)."""
         if cutlass.const_expr(SWITCH):
@@ -268,7 +411,12 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
             if tidx == Int32(0):
                 L.fence_acq_rel_sys()
                 for p in cutlass.range_constexpr(G):
-                    L.red_release_sys_add_u32(fpeers[p] + boff, 1)
+                    if cutlass.const_expr(BF16):
+                        # bf16: the flag table is re-read here rather than kept in registers
+                        # (thread 0 only; the registers go to the loads in flight)
+                        L.red_release_sys_add_u32(L.ld_s64(flag_r + Int64(p * 8)) + boff, 1)
+                    else:
+                        L.red_release_sys_add_u32(fpeers[p] + boff, 1)
 
     @cute.jit
     def epilogue(acc: Int64, out: Int64, b2: Int64, v0: Int64, nvec: Int64, ncols4: Int64,
@@ -323,10 +471,11 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         epoch, then arrive[b] += 1 on every rank. Returns the CTA's failure vote."""
         to = Int32(0)
         if tidx == Int32(0):
-            if wait_ready != Int32(0):
-                r = (b * band_rows) // ready_rows
-                to = timed_out(band_ready + Int64(r) * Int64(4), epoch, False, ERR_READY_TIMEOUT,
-                               err, rank, b, r, t_start, timeout_ns)
+            if cutlass.const_expr(not SKIP_READY):
+                if wait_ready != Int32(0):
+                    r = (b * band_rows) // ready_rows
+                    to = timed_out(band_ready + Int64(r) * Int64(4), epoch, False,
+                                   ERR_READY_TIMEOUT, err, rank, b, r, t_start, timeout_ns)
         failed = L.block_any(to)
         if failed == Int32(0):
             flag_add_all(arrive_remote, arr_p, Int64(b) * Int64(4), tidx)
@@ -340,10 +489,12 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         ok = Int32(0)
         if tidx == Int32(0):
             ok = Int32(1)
-            if wait_ready != Int32(0):
-                r = (b * band_rows) // ready_rows
-                if L.ld_acquire_gpu_s32(band_ready + Int64(r) * Int64(4)) - epoch < Int32(0):
-                    ok = Int32(0)
+            if cutlass.const_expr(not SKIP_READY):
+                if wait_ready != Int32(0):
+                    r = (b * band_rows) // ready_rows
+                    if L.ld_acquire_gpu_s32(band_ready + Int64(r) * Int64(4)) - epoch \
+                            < Int32(0):
+                        ok = Int32(0)
         posted = L.block_any(ok)  # thread 0's answer, to the whole CTA
         if posted != Int32(0):
             flag_add_all(arrive_remote, arr_p, Int64(b) * Int64(4), tidx)
@@ -352,7 +503,8 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
     @cute.jit
     def reduce_band(b: Int32, arrive: Int64, expected: Int64, acc_remote: Int64, acc_p,
                     done_remote: Int64, done_p, err: Int64, rank: Int32, t_start: Int64,
-                    timeout_ns: Int64, M: Int32, band_rows: Int32, ncols4: Int64, tidx: Int32):
+                    timeout_ns: Int64, M: Int32, band_rows: Int32, ncols4: Int64, tidx: Int32,
+                    b2: Int64):
         """Step 2: once every rank's partial of band b arrived, reduce-scatter + all-gather
         chunk ``rank`` of it, then done[b] += 1 on every rank."""
         to = Int32(0)
@@ -371,7 +523,10 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
             hi = lo + per
             if hi > nvec:
                 hi = nvec
-            reduce_chunk(acc_remote, acc_p, v0, lo, hi, tidx)
+            if cutlass.const_expr(BF16):
+                reduce_chunk_bf16(acc_remote, acc_p, v0, lo, hi, b2, ncols4, tidx)
+            else:
+                reduce_chunk(acc_remote, acc_p, v0, lo, hi, tidx)
             cute.arch.barrier()
             flag_add_all(done_remote, done_p, Int64(b) * Int64(4), tidx)
         return failed
@@ -391,7 +546,10 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
             if cutlass.const_expr(SWITCH):
                 L.fence_proxy_alias()
             v0, nvec = band_span(b, M, band_rows, ncols4)
-            epilogue(acc, out, b2, v0, nvec, ncols4, tidx)
+            if cutlass.const_expr(BF16):
+                epilogue_copy(acc, out, v0, nvec, tidx)
+            else:
+                epilogue(acc, out, b2, v0, nvec, ncols4, tidx)
         return failed
 
     @cute.kernel
@@ -404,7 +562,8 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         t_start = cute.arch.globaltimer()
         epoch = L.ld_s32(epoch_ptr)
         nbands = (M + band_rows - Int32(1)) // band_rows
-        ncols4 = Int64(N // Int32(4))
+        # 16-byte vectors per row: 4 fp32 or 8 bf16 (the name says fp32's; both modes use it)
+        ncols4 = Int64(N // Int32(8 if BF16 else 4))
         # peer tables (unicast): G addresses each, kept in registers
         acc_p = []
         arr_p = []
@@ -412,8 +571,9 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
         if cutlass.const_expr(not SWITCH):
             for p in cutlass.range_constexpr(G):
                 acc_p.append(L.ld_s64(acc_remote + Int64(p * 8)))
-                arr_p.append(L.ld_s64(arrive_remote + Int64(p * 8)))
-                done_p.append(L.ld_s64(done_remote + Int64(p * 8)))
+                if cutlass.const_expr(not BF16):
+                    arr_p.append(L.ld_s64(arrive_remote + Int64(p * 8)))
+                    done_p.append(L.ld_s64(done_remote + Int64(p * 8)))
         failed = Int32(0)
         # Bands are pipelined one at a time (a CTA's bands become ready one after another while
         # the producer runs): 1 and 2 for band b, then 3 for the CTA's previous band (its done
@@ -441,7 +601,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
             if failed == Int32(0):
                 failed = reduce_band(b, arrive, expected, acc_remote, acc_p, done_remote,
                                      done_p, err, rank, t_start, timeout_ns, M, band_rows,
-                                     ncols4, tidx)
+                                     ncols4, tidx, b2)
             if failed == Int32(0) and b_prev >= Int32(0):
                 failed = finish_band(b_prev, done, expected, acc, out, b2, err, rank, t_start,
                                      timeout_ns, M, band_rows, ncols4, tidx)
@@ -481,11 +641,13 @@ def example_args():
 def compile_band_allreduce(world: int, backend: str = "unicast", act2: str = "none",
                            threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
                            zero_acc: bool = True, keep: bool = False,
-                           arrive_ahead: bool = True):
+                           arrive_ahead: bool = True, partial: str = "fp32",
+                           _test_skip_ready_wait: bool = False):
     """cute.compile one variant (``CUTE_DSL_ARCH=sm_90a`` compiles without a GPU). With
     ``keep=True`` the result carries ``__ptx__`` and ``__cubin__`` for inspection."""
     import cutlass.cute as cute
-    launch = build_band_allreduce(world, backend, act2, threads, unroll, zero_acc, arrive_ahead)
+    launch = build_band_allreduce(world, backend, act2, threads, unroll, zero_acc, arrive_ahead,
+                                  partial, _test_skip_ready_wait)
     if keep:
         return compile_keep(launch, *example_args())
     return cute.compile(launch, *example_args())
@@ -541,11 +703,72 @@ def emulate_band_allreduce(accs, M: int, band_rows: int, b2=None, act2: str = "n
     return outs, coverage
 
 
+def bf16_allreduce_reference(partials, b2=None, act2: str = "none"):
+    """The bf16-partial mode's math in torch: ``act2(sum_q float(partial_q) + b2)`` with the fp32
+    sum taken in rank order 0..G-1, rounded to bf16 once (what every rank's output must equal;
+    bitwise for act2 "none" / "relu", whose device and torch forms round alike)."""
+    import torch
+    from .activations import activation
+    s = partials[0].float()
+    for p in partials[1:]:
+        s = s + p.float()
+    if b2 is not None:
+        s = s + b2.float()
+    return activation(s, act2).to(torch.bfloat16)
+
+
+def emulate_band_allreduce_bf16(partials, M: int, band_rows: int, b2=None, act2: str = "none",
+                                grid: int = 1):
+    """CPU model of the ``partial="bf16"`` kernel, rank by rank and phase by phase, with its
+    index math (16-byte vectors of 8 bf16; band vectors cut into G chunks; rank r finalizes
+    chunk r: loads it from every buffer, fp32 sum in rank order, + b2, act2, bf16, stores it
+    into every buffer; then each rank copies the band to its out).
+
+    ``partials``: one bf16 ``[>= M, N]`` tensor per rank, modified in place like the symmetric
+    buffers (rows [0, M) end holding the final output). Returns (outs: bf16 ``[M, N]`` per rank,
+    coverage: int ``[M * N / 8]``, how many (rank, vector) finalize steps touched each vector:
+    must be all ones)."""
+    import torch
+    from .activations import activation
+    G = len(partials)
+    N = partials[0].shape[1]
+    if N % 8:
+        raise ValueError(f"N={N} must be a multiple of 8")
+    ncols8 = N // 8
+    flat = [p.view(-1, 8) for p in partials]
+    nbands = (M + band_rows - 1) // band_rows
+    coverage = torch.zeros(M * ncols8, dtype=torch.int64)
+    bias = torch.zeros(N) if b2 is None else b2.float()
+    for bidx in range(grid):  # step 2 of every CTA of every rank
+        for b in range(bidx, nbands, grid):
+            row0 = b * band_rows
+            rows = min(M - row0, band_rows)
+            v0, nvec = row0 * ncols8, rows * ncols8
+            per = (nvec + G - 1) // G
+            for rank in range(G):
+                lo, hi = rank * per, min(rank * per + per, nvec)
+                if hi <= lo:
+                    continue
+                gv = torch.arange(v0 + lo, v0 + hi)
+                s = flat[0][gv].float()
+                for f in flat[1:]:
+                    s = s + f[gv].float()
+                c8 = gv % ncols8
+                y = activation(s + bias.view(-1, 8)[c8], act2).to(torch.bfloat16)
+                for f in flat:
+                    f[gv] = y
+                coverage[gv] += 1
+    outs = [flat[r][:M * ncols8].clone().view(M, N) for r in range(G)]  # step 3: the copy
+    return outs, coverage
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled_variant(world, backend, act2, threads, unroll, zero_acc, arrive_ahead):
+def _compiled_variant(world, backend, act2, threads, unroll, zero_acc, arrive_ahead,
+                      partial="fp32", skip_ready_wait=False):
     # kept cubin: its registers / shared memory bound the CTAs that can be co-resident
     return compile_band_allreduce(world, backend, act2, threads, unroll, zero_acc,
-                                  arrive_ahead=arrive_ahead, keep=True)
+                                  arrive_ahead=arrive_ahead, keep=True, partial=partial,
+                                  _test_skip_ready_wait=skip_ready_wait)
 
 
 def coresident_ctas_per_sm(compiled, threads: int) -> int:
@@ -572,8 +795,21 @@ def describe_error(err_host) -> str | None:
 
 # ---------------------------------------------------------------- host side
 class BandAllReduce:
-    """Band all-reduce of an fp32 ``[M, N]`` accumulator over a process group of G CUDA ranks,
-    then ``out = act2(sum + b2)`` in bf16 on every rank.
+    """Band all-reduce of an fp32 ``[M, N]`` accumulator (``partial="fp32"``) or of bf16
+    ``[M, N]`` partials (``partial="bf16"``) over a process group of G CUDA ranks, then
+    ``out = act2(sum + b2)`` in bf16 on every rank (bitwise equal on every rank: each chunk is
+    finalized by one rank and copied to all).
+
+    ``partial="bf16"``: the symmetric buffer is ``self.partial`` (bf16 ``[max_rows, N]``,
+    N % 8 == 0; ``self.acc`` is None): the producer stores (not adds) its partial there, the
+    all-reduce sums the G partials in fp32 in rank order 0..G-1, adds b2, applies act2 and
+    stores the final bf16 values over every rank's partial, which step 3 copies to ``out``.
+    Half the bytes of the fp32 accumulator; nothing is zeroed between calls. Defaults:
+    ``default_threads_unroll``. Slot protection: a rank's next call cannot overwrite its
+    partial before every rank is done with it, because this call ends on that rank only after
+    its done[b] counters of every band reached G (every rank's loads from, and final stores
+    into, its buffer completed), and the caller starts the next producer after this call in
+    stream order (FusedFFN joins the streams).
 
     Owns (per rank): one symmetric allocation (torch symmetric memory, CUDA backend, multicast off)
     holding ``acc [max_rows, N]`` fp32 and the ``arrive`` / ``done`` u32 counters, the local
@@ -593,13 +829,17 @@ class BandAllReduce:
 
     def __init__(self, max_rows: int, N: int, group=None, *, backend: str = "unicast",
                  act2: str = "none", band_rows: int = DEFAULT_BAND_ROWS, ccta: int | None = None,
-                 threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
+                 threads: int | None = None, unroll: int | None = None,
                  zero_acc: bool = True, timeout_ns: int = DEFAULT_TIMEOUT_NS,
-                 arrive_ahead: bool = True, ready_rows: int | None = None):
+                 arrive_ahead: bool = True, ready_rows: int | None = None,
+                 partial: str = "fp32", _test_skip_ready_wait: bool = False):
         import torch
         import torch.distributed as dist
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: choose from {BACKENDS}")
+        if partial not in PARTIALS:
+            raise ValueError(f"partial={partial!r}: choose from {PARTIALS}")
+        bf16 = partial == "bf16"
         if act2 is None:
             act2 = "none"
         if act2 not in ACT2:
@@ -609,6 +849,9 @@ class BandAllReduce:
                 raise ValueError(f"{name}={v!r} must be a positive int")
         if N % 4:
             raise ValueError(f"N={N} must be a multiple of 4 (16-byte fp32 vectors)")
+        if bf16 and N % 8:
+            raise ValueError(f"N={N} must be a multiple of 8 with partial='bf16' (16-byte "
+                             f"vectors of 8 bf16)")
         ready_rows = band_rows if ready_rows is None else ready_rows
         if isinstance(ready_rows, bool) or not isinstance(ready_rows, int) or ready_rows < 1 \
                 or ready_rows % band_rows:
@@ -621,7 +864,10 @@ class BandAllReduce:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("BandAllReduce needs an initialized torch.distributed process "
                                "group (NCCL)")
-        _check_options(dist.get_world_size(group), backend, act2, threads, unroll)
+        d_threads, d_unroll = default_threads_unroll(partial, dist.get_world_size(group))
+        threads = d_threads if threads is None else threads
+        unroll = d_unroll if unroll is None else unroll
+        _check_options(dist.get_world_size(group), backend, act2, threads, unroll, partial)
         # our own symmetric memory never asks for multicast (setdefault: only if unset)
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
@@ -631,19 +877,28 @@ class BandAllReduce:
         self.max_rows, self.N, self.band_rows = max_rows, N, band_rows
         self.ready_rows = ready_rows
         self.backend, self.act2, self.timeout_ns = backend, act2, int(timeout_ns)
-        self.threads, self.unroll, self.zero_acc = threads, unroll, zero_acc
+        self.partial_dtype = partial
+        self._skip_ready_wait = bool(_test_skip_ready_wait)
+        # a bf16 partial is overwritten by the producer, never added into: nothing to zero
+        self.threads, self.unroll, self.zero_acc = threads, unroll, bool(zero_acc) and not bf16
         self.arrive_ahead = bool(arrive_ahead)
         dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.max_bands = -(-max_rows // band_rows)
-        acc_bytes = max_rows * N * 4
+        acc_bytes = max_rows * N * (2 if bf16 else 4)
         flag_off = (acc_bytes + 255) // 256 * 256
         flag_bytes = (self.max_bands * 4 + 255) // 256 * 256
         total = flag_off + 2 * flag_bytes
         self._buf = symm_mem.empty(total, dtype=torch.uint8, device=dev)
         self._buf.zero_()
         self._hdl = symm_mem.rendezvous(self._buf, self.group)
-        self.acc = self._buf[:acc_bytes].view(torch.float32).view(max_rows, N)
+        if bf16:
+            self.acc = None
+            self.partial = self._buf[:acc_bytes].view(torch.bfloat16).view(max_rows, N)
+        else:
+            self.acc = self._buf[:acc_bytes].view(torch.float32).view(max_rows, N)
+            self.partial = None
+        self._data = self.partial if bf16 else self.acc  # the symmetric [max_rows, N] buffer
         self.arrive = self._buf[flag_off:flag_off + self.max_bands * 4].view(torch.int32)
         self.done = self._buf[flag_off + flag_bytes:
                               flag_off + flag_bytes + self.max_bands * 4].view(torch.int32)
@@ -690,7 +945,8 @@ class BandAllReduce:
         if self._fn is None:
             from ..runtime.device import require_coresident
             fn = _compiled_variant(self.world, self.backend, self.act2, self.threads,
-                                   self.unroll, bool(self.zero_acc), self.arrive_ahead)
+                                   self.unroll, bool(self.zero_acc), self.arrive_ahead,
+                                   self.partial_dtype, self._skip_ready_wait)
             self.ctas_per_sm = coresident_ctas_per_sm(fn, self.threads)
             require_coresident(self.ccta, self.ccta, self.ctas_per_sm,
                                f"band all-reduce (threads={self.threads}, unroll={self.unroll}, "
@@ -700,7 +956,8 @@ class BandAllReduce:
 
     def __call__(self, M: int, b2=None, out=None, *, producer: bool = False, stream=None,
                  bump_epoch: bool = True):
-        """All-reduce rows [0, M) of ``self.acc`` (same M on every rank); returns ``out``
+        """All-reduce rows [0, M) of ``self.acc`` / ``self.partial`` (same M on every rank);
+        returns ``out``
         (bf16 [M, N], allocated when None). Never synchronizes.
 
         ``producer=False``: the accumulator is complete in stream order (one kernel launch, no
@@ -719,11 +976,14 @@ class BandAllReduce:
               or not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous bf16 [{M}, {self.N}] tensor on "
                              f"{self.device}")
+        align = 16 if self.partial is not None else 8  # bf16: 16-byte vectors of out and b2
+        if out.data_ptr() % align:
+            raise ValueError(f"out must be {align}-byte aligned")
         if b2 is not None and (b2.dtype != torch.bfloat16 or tuple(b2.shape) != (self.N,)
                                or not b2.is_contiguous() or b2.device != self.device
-                               or b2.data_ptr() % 8):
-            raise ValueError(f"b2 must be a contiguous, 8-byte aligned bf16 [{self.N}] tensor "
-                             f"on {self.device}")
+                               or b2.data_ptr() % align):
+            raise ValueError(f"b2 must be a contiguous, {align}-byte aligned bf16 [{self.N}] "
+                             f"tensor on {self.device}")
         fn = self.compile()
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
@@ -733,7 +993,7 @@ class BandAllReduce:
         if producer and bump_epoch:
             with torch.cuda.stream(stream):  # on the device: no host int changes (CUDA graphs)
                 self.epoch.add_(1)
-        fn(self.acc.data_ptr(), self._remote[0], out.data_ptr(),
+        fn(self._data.data_ptr(), self._remote[0], out.data_ptr(),
            (self._zero_b2 if b2 is None else b2).data_ptr(), M, self.N, self.band_rows,
            self.ready_rows, self.band_ready.data_ptr(), self.arrive.data_ptr(), self._remote[1],
            self.done.data_ptr(), self._remote[2], self.expected.data_ptr(),

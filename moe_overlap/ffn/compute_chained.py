@@ -540,6 +540,34 @@ class ChainedFFNCompute:
             ChainedFFNCompute._compiled[key] = fn
         return fn
 
+    def prepare(self, M, P, hidden, N, device, ccta=0, has_b1=True) -> int:
+        """Makes everything a call for this shape would allocate on the host side (the tile
+        table, the scratch words, the zero b1) so that the call itself allocates nothing but
+        what it is not given (out, h_ring); returns the ring rows the call needs
+        (``ring_rows``). The fused layer calls it before the launches of an overlapped call."""
+        dev = torch.device(device)
+        grid = self.grid(M, hidden, N, dev, ccta)
+        s = self.schedule(M, P, hidden, N, grid)
+        self._buffers(dev, s.blocks)
+        self._table(s, dev)
+        if not has_b1:
+            zk = ("b1zero", hidden)
+            b1f = self._bufs.get(zk)
+            if b1f is None or b1f.device != dev:
+                self._bufs[zk] = torch.zeros(hidden, dtype=torch.float32, device=dev)
+        return min(s.ring, s.blocks) * self.tile_m
+
+    def error_word(self, device=None):
+        """The device error word (int64[8]) of launches on ``device`` (made if needed; the same
+        tensor for the object's lifetime: the scratch grows around it), for an asynchronous
+        read-back (runtime.error_watch.ErrorWatch) and for a reset (zero it)."""
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else \
+            torch.device(device)
+        b = self._bufs.get(dev)
+        if b is None:
+            b = self._buffers(dev, 1)
+        return b["err"]
+
     def check(self, device=None):
         """Synchronizes and raises RuntimeError if a launch on ``device`` recorded an error
         (then clears it)."""

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from ..diagnostics import FFNDebug, debug_scope
 from ..runtime.error_watch import ErrorWatch
 from .activations import ACT2, ACTIVATIONS, check_activation  # noqa: F401 (re-exported)
-from .options import (COMPUTE_OPTIONS, FFNFacts, FFNOptions,  # noqa: F401 (re-exported)
+from .options import (CHAINED_COMPUTE_OPTIONS, COMPUTE_OPTIONS,  # noqa: F401 (re-exported)
+                      COMPUTES, FFNFacts, FFNOptions,
                       check_compute_options, ffn_options_from_kwargs,
                       fused_default_allreduce_band_rows, fused_default_ccta, fused_tile_o)
 from .reference import experts_tp_reference, ffn_tp_reference
@@ -217,10 +218,18 @@ class _FusedBackend:
     The host class provides ``in_features``, ``out_features``, ``local_hidden``, ``group``,
     ``comm`` and the hooks ``_fused_device``, ``_fused_act2``, ``_fused_b2``,
     ``_fused_b1_param`` (the first bias parameter or None) and
-    ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream, ccta=None, b1=None)``."""
+    ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream, ccta=None, b1=None)``.
+
+    ``compute="chained"`` (FusedFFN): the compute object is ``ChainedFFNCompute``, the
+    all-reduce runs ``partial="bf16"`` on its symmetric bf16 ``partial`` buffer (the compute
+    kernel's ``out``), the compute kernel's own error word is watched beside the all-reduce's,
+    and its H ring is one layer-owned buffer allocated before the launches."""
+    _chained = False  # compute="chained" (set by _init_fused)
+    _cwatch = None  # ErrorWatch of the chained compute kernel's error word
+    _ring_buf = None  # chained: the H ring's storage (grows, never per call)
 
     def _init_backend(self, backend, device, options, comm, ccta, max_tokens, tile_m,
-                      compute_options, allreduce_band_rows, error_check=None):
+                      compute_options, allreduce_band_rows, error_check=None, compute=None):
         """Builds the layer's FFNOptions from ``options`` and the keyword arguments (refused for
         the reference backend: it takes no fused option), checks them, and sets up the fused
         backend with the resolved options."""
@@ -232,13 +241,16 @@ class _FusedBackend:
                                  "allreduce_band_rows apply to backend='fused' only")
             if error_check is not None:  # the reference backend has no device error word
                 raise ValueError("error_check applies to backend='fused' only")
+            if compute is not None:
+                raise ValueError("compute applies to backend='fused' only (the reference "
+                                 "backend computes with torch)")
             if isinstance(options, FFNOptions) and options != FFNOptions():
                 raise ValueError(f"options={options!r} apply to backend='fused' only (the "
                                  "reference backend takes the defaults)")
         self.options = ffn_options_from_kwargs(
             options, type(self).__name__, comm=comm, ccta=ccta, max_tokens=max_tokens,
             tile_m=tile_m, compute_options=compute_options,
-            allreduce_band_rows=allreduce_band_rows, error_check=error_check)
+            allreduce_band_rows=allreduce_band_rows, error_check=error_check, compute=compute)
         self.comm = self.options.comm
         if backend == "fused":
             self._init_fused(device)
@@ -269,8 +281,18 @@ class _FusedBackend:
         self.allreduce_band_rows = opts.allreduce_band_rows
         self.tile_o = fused_tile_o(O)
         self.compute_options = dict(opts.compute_options)
-        self._compute = FusedFFNCompute(tile_m=self.tile_m, tile_o=self.tile_o,
-                                        band_rows=self.tile_m, **self.compute_options)
+        self._chained = opts.compute == "chained"
+        if self._chained:
+            from .compute_chained import ChainedFFNCompute
+            try:
+                ChainedFFNCompute.check_shapes(P, O, N, self._fused_act1)
+            except ValueError as e:
+                raise ValueError(f"compute='chained': {e} (compute='reduce' needs only "
+                                 f"(O/G) % 128 == 0 and N % 128 == 0)") from None
+            self._compute = ChainedFFNCompute(tile_m=self.tile_m, **self.compute_options)
+        else:
+            self._compute = FusedFFNCompute(tile_m=self.tile_m, tile_o=self.tile_o,
+                                            band_rows=self.tile_m, **self.compute_options)
         self._allreduce = None
         self._comm_stream = None
         self._warm = False
@@ -278,8 +300,9 @@ class _FusedBackend:
         self._b1_cache = None  # (key, fp32 b1): converted once per weight version, not per call
 
     def allreduce_for(self, M: int):
-        """The layer's BandAllReduce (symmetric fp32 accumulator ``acc``, ``band_ready``,
-        ``epoch``) sized for at least M rows. Collective on first use and on growth: every rank
+        """The layer's BandAllReduce (symmetric fp32 accumulator ``acc``, or with
+        compute="chained" the bf16 ``partial``; ``band_ready``, ``epoch``) sized for at least M
+        rows. Collective on first use and on growth: every rank
         calls it (or forward) with the same M. Benchmarks time it alone through it."""
         return self._fused_allreduce(M)
 
@@ -311,12 +334,19 @@ class _FusedBackend:
             # ready_rows == tile_m: one ready flag per compute m-tile
             self._allreduce = ar = BandAllReduce(
                 rows, self.out_features, self.group, backend=self.comm, act2=self._fused_act2,
-                band_rows=self.allreduce_band_rows, ready_rows=self.tile_m, ccta=self.ccta)
+                band_rows=self.allreduce_band_rows, ready_rows=self.tile_m, ccta=self.ccta,
+                partial="bf16" if self._chained else "fp32")
             self._warm = False
             from .band_allreduce import describe_error
             self._watch = ErrorWatch(ar.err, describe_error,
                                      f"{type(self).__name__} (rank {self.rank})",
                                      enabled=self.options.error_check == "async")
+            if self._chained and self._cwatch is None:  # one word for the object's lifetime
+                from .compute_chained import describe_chained_error
+                self._cwatch = ErrorWatch(self._compute.error_word(self._fused_device),
+                                          describe_chained_error,
+                                          f"{type(self).__name__} compute (rank {self.rank})",
+                                          enabled=self.options.error_check == "async")
         if self._comm_stream is None:  # high priority: its CTAs go first when SMs free up
             try:
                 lo, hi = torch.cuda.Stream.priority_range()
@@ -333,20 +363,37 @@ class _FusedBackend:
         dev = self._fused_device
         tm = self.tile_m
         x = torch.zeros(tm, self.in_features, dtype=torch.bfloat16, device=dev)
-        acc = torch.zeros(tm, self.out_features, dtype=torch.float32, device=dev)
+        acc = torch.zeros(tm, self.out_features,
+                          dtype=torch.bfloat16 if self._chained else torch.float32, device=dev)
         ready = torch.zeros(1, dtype=torch.int32, device=dev)
         epoch = torch.zeros(1, dtype=torch.int32, device=dev)
         mte = torch.zeros(1, dtype=torch.int32, device=dev)
+        if self._chained:
+            self._prepare_chained(tm)
         self._run_compute(x, acc, ready, epoch, mte, torch.cuda.current_stream(dev))
         ar.compile()
         torch.cuda.synchronize(dev)
         # every rank has compiled both kernels before the first cross-rank wait (the warm-up
         # all-reduce) starts its timeout clock: ranks compile at different speeds
         self._barrier()
-        ar(min(tm, ar.max_rows))  # acc is zero: writes zeros, leaves acc zero; no epoch change
+        # acc (partial) is zero: writes zeros, leaves it zero; no epoch change
+        ar(min(tm, ar.max_rows))
         torch.cuda.synchronize(dev)
         ar.check()
+        if self._chained:
+            self._compute.check(dev)
         self._warm = True
+
+    def _prepare_chained(self, M: int):
+        """compute="chained", before the launches of a call on M rows: the compute object's
+        table and scratch, and the H ring's storage (grown here, never inside the call)."""
+        dev = self._fused_device
+        rows = self._compute.prepare(M, self.in_features, self.local_hidden, self.out_features,
+                                     dev, ccta=self.ccta, has_b1=self._fused_b1_param() is not None)
+        need = rows * self.local_hidden
+        if self._ring_buf is None or self._ring_buf.numel() < need:
+            self._ring_buf = torch.empty(need, dtype=torch.bfloat16, device=dev)
+        return self._ring_buf[:need].view(rows, self.local_hidden)
 
     def _b1_fp32(self):
         """The first-layer bias as the contiguous fp32 tensor the compute kernel reads (None
@@ -392,10 +439,21 @@ class _FusedBackend:
             self._fused_warmup(ar)
         cur, comm = self._streams(x2.device)
         b1f = self._b1_fp32()
-        self._compute.counter_for(ar.band_ready)  # allocated (once) before any launch
+        if self._chained:
+            if self._cwatch is not None:
+                self._cwatch.poll()
+            ring = self._prepare_chained(M)  # allocated before any launch
+            data = ar.partial[:M]  # the compute kernel's out: stored, not added into
+        else:
+            ring = None
+            self._compute.counter_for(ar.band_ready)  # allocated (once) before any launch
+            data = ar.acc[:M]
         b2 = self._fused_b2()
         if acc_init is not None:
-            acc_init(ar.acc[:M])
+            if self._chained:
+                raise NotImplementedError("acc_init needs compute='reduce' (the chained kernel "
+                                          "stores its partial, it does not add into a seed)")
+            acc_init(data)
         # one epoch per call, advanced in the compute stream's order: the compute kernel (same
         # stream) and the all-reduce (comm stream, which waits on this point) read the same value
         ar.epoch.add_(1)
@@ -404,14 +462,19 @@ class _FusedBackend:
         if ev is not None:  # benchmarks: when each kernel ends, relative to the call's start
             ev.append([torch.cuda.Event(enable_timing=True) for _ in range(3)])
             ev[-1][0].record(cur)
-        self._run_compute(x2, ar.acc[:M], ar.band_ready, ar.epoch, mte, cur, b1=b1f)
+        if self._chained:
+            self._run_compute(x2, data, ar.band_ready, ar.epoch, mte, cur, b1=b1f, h_ring=ring)
+        else:
+            self._run_compute(x2, data, ar.band_ready, ar.epoch, mte, cur, b1=b1f)
         ar(M, b2=b2, out=out, producer=True, bump_epoch=False, stream=comm)
         if ev is not None:
             ev[-1][1].record(cur)
             ev[-1][2].record(comm)
         self._keep_for(out, comm)
-        cur.wait_stream(comm)  # join: out is final, acc zeroed for the next call
+        cur.wait_stream(comm)  # join: out is final, acc zeroed / partial free for the next call
         self._watch.after_call(cur)
+        if self._cwatch is not None:
+            self._cwatch.after_call(cur)
         return out
 
     def check_errors(self):
@@ -421,6 +484,8 @@ class _FusedBackend:
         check on the reference backend."""
         if getattr(self, "_watch", None) is not None:
             self._watch.check()
+        if self._cwatch is not None:
+            self._cwatch.check()
 
     def check_fused(self):
         """Old name of ``check_errors`` (kept for compatibility)."""
@@ -445,9 +510,16 @@ class _FusedBackend:
             torch.cuda.synchronize(dev)
         self._barrier()
         if ar is not None:
-            for t in (ar.err, ar.acc, ar.arrive, ar.done, ar.expected, ar.band_ready, ar.epoch):
-                t.zero_()
-            self._compute.counter_for(ar.band_ready).zero_()
+            for t in (ar.err, getattr(ar, "acc", None), getattr(ar, "partial", None),
+                      ar.arrive, ar.done, ar.expected, ar.band_ready, ar.epoch):
+                if t is not None:  # acc (fp32 mode) or partial (bf16 mode)
+                    t.zero_()
+            if self._chained:
+                self._compute.error_word(dev).zero_()
+                if self._cwatch is not None:
+                    self._cwatch.clear()
+            else:
+                self._compute.counter_for(ar.band_ready).zero_()
             self._watch.clear()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -477,6 +549,11 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     ``allreduce_band_rows`` (a divisor of tile_m; default ``fused_default_allreduce_band_rows``:
     32, or 64 at O/G <= 2048): rows per band of the all-reduce, so a finished m-tile is shared by
     tile_m / allreduce_band_rows communication CTAs.
+    ``compute`` ("reduce", the default, or "chained"): the compute kernel and the all-reduce's
+    partial dtype (see ``FFNOptions.compute``): "chained" runs ffn/compute_chained.py, whose
+    final bf16 partial tiles go to a symmetric bf16 buffer that the band all-reduce sums in
+    fp32 in rank order (half the fp32 path's bytes); it needs (O/G) % 256 == 0 and
+    N % 256 == 0, tile_m = 128, and takes ``CHAINED_COMPUTE_OPTIONS`` as compute_options.
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
     ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
 
@@ -501,7 +578,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
                  comm: str | None = None, ccta: int | None = None, max_tokens: int | None = None,
                  tile_m: int | None = None, compute_options: dict | None = None,
                  allreduce_band_rows: int | None = None, error_check: str | None = None,
-                 options: FFNOptions | None = None):
+                 options: FFNOptions | None = None, compute: str | None = None):
         super().__init__()
         self.act1 = check_activation(act1, allow_none=False, what="act1")
         self.act2 = check_activation(act2, allow_none=True, what="act2")
@@ -518,7 +595,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw), **grad) if bias else None
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
-                           compute_options, allreduce_band_rows, error_check)
+                           compute_options, allreduce_band_rows, error_check, compute)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -535,10 +612,19 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     def _fused_b1_param(self):
         return self.b1
 
-    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None, b1=None):
-        self._compute(x, self.w1.detach(), self._b1_fp32() if b1 is None else b1,
-                      self.w2.detach(), acc, ready, epoch,
-                      ccta=self.ccta if ccta is None else ccta, act1=self.act1, stream=stream)
+    @property
+    def _fused_act1(self):
+        return self.act1
+
+    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None, b1=None, h_ring=None):
+        b1 = self._b1_fp32() if b1 is None else b1
+        ccta = self.ccta if ccta is None else ccta
+        if self._chained:  # acc: the bf16 partial [M, N] the kernel stores (its out)
+            self._compute(x, self.w1.detach(), b1, self.w2.detach(), out=acc, band_ready=ready,
+                          epoch=epoch, act1=self.act1, ccta=ccta, stream=stream, h_ring=h_ring)
+            return
+        self._compute(x, self.w1.detach(), b1, self.w2.detach(), acc, ready, epoch,
+                      ccta=ccta, act1=self.act1, stream=stream)
 
     # ---- weights --------------------------------------------------------------------------
     def local_slice(self) -> slice:
@@ -633,7 +719,8 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
     ``[R, P]`` with expert e's rows contiguous, expert-major (``rows_per_expert`` a list of E ints
     or an int tensor, sum <= R; rows past the sum are zero in the output) -> ``[R, N]``,
     identical on every rank. The fused options are FusedFFN's (``compute_options`` without
-    ``cluster_m``: the grouped call keeps one expert per m-tile).
+    ``cluster_m``: the grouped call keeps one expert per m-tile), with ``compute="reduce"``
+    only: ``compute="chained"`` raises ValueError (no grouped chained kernel yet).
 
     Autograd: as ``FusedFFN``. ``backend="reference"`` gives every rank the full ``x.grad`` and
     ``b_out.grad`` and the gradient of its ``w_in`` / ``b_in`` / ``w_out`` slices (zero for an
@@ -648,7 +735,8 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
                  backend: str = "reference", comm: str | None = None, ccta: int | None = None,
                  max_tokens: int | None = None, tile_m: int | None = None,
                  compute_options: dict | None = None, allreduce_band_rows: int | None = None,
-                 error_check: str | None = None, options: FFNOptions | None = None):
+                 error_check: str | None = None, options: FFNOptions | None = None,
+                 compute: str | None = None):
         super().__init__()
         E = _pos_int("num_experts", num_experts)
         self.activation = check_activation(activation, allow_none=False, what="activation")
@@ -665,7 +753,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw), **grad) if bias else None
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
-                           compute_options, allreduce_band_rows, error_check)
+                           compute_options, allreduce_band_rows, error_check, compute)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property

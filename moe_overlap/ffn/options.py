@@ -22,6 +22,8 @@ AUTO = "auto"
 ERROR_CHECKS = ("async", "off")  # FFNOptions.error_check
 COMMS = ("unicast", "switch")
 TILE_MS = (64, 128)
+COMPUTES = ("reduce", "chained")  # FFNOptions.compute
+DEFAULT_COMPUTE = "reduce"  # "chained" becomes the default once its 2-GPU tests have run
 
 
 # ---- the library's choices for the shape ("auto") and the compute kernel's option check -------
@@ -51,6 +53,28 @@ def fused_tile_o(local_hidden: int) -> int:
 
 
 COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "cluster_m", "h_pair")
+# compute="chained": keyword options of ffn.compute_chained.ChainedFFNCompute (tile sizes are
+# the kernel's fixed 128 x 256 x 256)
+CHAINED_COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "group")
+
+
+def check_chained_compute_options(options) -> dict:
+    """Validated copy of ``compute_options`` for compute="chained" (``CHAINED_COMPUTE_OPTIONS``,
+    checked by ``ChainedFFNCompute.check_options``; group: "auto" or an int >= 1). Raises
+    ValueError / TypeError on any machine, before CUDA is touched."""
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise TypeError(f"compute_options must be a dict, got {type(options).__name__}")
+    from ..kernels import reject_unknown_options
+    reject_unknown_options("compute_options (compute='chained')", options,
+                           CHAINED_COMPUTE_OPTIONS)
+    options = dict(options)
+    g = options.get("group", "auto")
+    if g != "auto" and (isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1):
+        raise ValueError(f"compute_options: group={g!r} must be 'auto' or an int >= 1")
+    from .compute_chained import ChainedFFNCompute
+    ChainedFFNCompute.check_options(**{k: v for k, v in options.items() if k != "group"})
+    return options
 
 
 def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
@@ -122,6 +146,13 @@ class FFNOptions:
         word is copied to pinned host memory (non-blocking, with an event) and the next call
         (or ``check_errors()``) raises if it is set, with no host sync in the call; "off": only
         an explicit ``check_errors()`` reads it (README, "Failures and recovery").
+    compute ("reduce" | "chained"): the compute kernel. "reduce" (default): the seed's kernel
+        (ffn/compute_reduce.py), fp32 reduce-adds into the symmetric fp32 accumulator, fp32
+        band all-reduce. "chained": ffn/compute_chained.py (GEMM1 -> bf16 H ring in L2 ->
+        full-depth GEMM2, final bf16 partial tiles) into a symmetric bf16 buffer and the band
+        all-reduce's bf16-partial mode (half the bytes). FusedFFN only (ShardedExperts keeps
+        "reduce"); needs tile_m = 128, (O/G) % 256 == 0, N % 256 == 0; compute_options are then
+        ``CHAINED_COMPUTE_OPTIONS``.
     """
     comm: str = "unicast"
     ccta: int | str = AUTO
@@ -130,6 +161,7 @@ class FFNOptions:
     allreduce_band_rows: int | str = AUTO
     compute_options: dict | None = None
     error_check: str = "async"
+    compute: str = DEFAULT_COMPUTE
 
     def __post_init__(self):
         self.validate()
@@ -143,6 +175,9 @@ class FFNOptions:
         TypeError naming the option."""
         if self.comm not in COMMS:
             raise ValueError(f"comm={self.comm!r}: choose from {COMMS}")
+        if self.compute not in COMPUTES:
+            raise ValueError(f"compute={self.compute!r}: choose from {COMPUTES}")
+        chained = self.compute == "chained"
         self._set("ccta", _auto_or_int("ccta", AUTO if self.ccta is None else self.ccta,
                                        " (SMs of the communication blocks)"))
         if self.max_tokens is not None:
@@ -153,6 +188,8 @@ class FFNOptions:
         if isinstance(tm, bool) or not isinstance(tm, numbers.Integral) or tm not in TILE_MS:
             raise ValueError(f"tile_m={tm!r} must be 64 or 128")
         self._set("tile_m", int(tm))
+        if chained and tm != 128:
+            raise ValueError(f"tile_m={tm!r}: compute='chained' runs 128-row blocks (tile_m=128)")
         ar = AUTO if self.allreduce_band_rows is None else self.allreduce_band_rows
         ar = _auto_or_int("allreduce_band_rows", ar, f" dividing tile_m={self.tile_m}")
         if ar != AUTO and self.tile_m % ar:
@@ -166,7 +203,11 @@ class FFNOptions:
             if not isinstance(co, (dict, types.MappingProxyType)):
                 raise TypeError(f"compute_options must be a dict, got {type(co).__name__}")
             from ..kernels import reject_unknown_options
-            reject_unknown_options("compute_options", co, COMPUTE_OPTIONS)
+            if chained:
+                reject_unknown_options("compute_options (compute='chained')", co,
+                                       CHAINED_COMPUTE_OPTIONS)
+            else:
+                reject_unknown_options("compute_options", co, COMPUTE_OPTIONS)
             self._set("compute_options", types.MappingProxyType(dict(co)))
 
     def replace(self, **changes) -> "FFNOptions":
@@ -186,15 +227,27 @@ class FFNOptions:
         """These options with every "auto" replaced and the compute options checked against the
         kernel (see the module doc). ValueError if a value does not fit the facts."""
         O = facts.local_hidden
+        chained = self.compute == "chained"
+        if chained and facts.grouped:
+            raise ValueError("compute='chained' applies to FusedFFN only: ShardedExperts runs "
+                             "compute='reduce' (the grouped chained kernel is not built yet)")
+        if chained and O % 256:
+            raise ValueError(f"compute='chained' needs hidden_features / world_size ({O}) to be "
+                             f"a multiple of 256 (the kernel's hidden tile)")
+        # the bf16 all-reduce moves half the fp32 bytes, so it may need fewer SMs; the same
+        # defaults until it is measured (bench/NOTES.md)
         ccta = fused_default_ccta(O) if self.ccta == AUTO else self.ccta
         if facts.num_sms is not None and not 1 <= ccta < facts.num_sms:
             raise ValueError(f"ccta={ccta!r} must be an int in [1, {facts.num_sms - 1}] (SMs of "
                              f"the communication blocks; the rest compute)")
         ar = fused_default_allreduce_band_rows(O, self.tile_m) \
             if self.allreduce_band_rows == AUTO else self.allreduce_band_rows
-        co = check_compute_options(None if self.compute_options is None
-                                   else dict(self.compute_options), O, self.tile_m,
-                                   fused_tile_o(O), grouped=facts.grouped)
+        given = None if self.compute_options is None else dict(self.compute_options)
+        if chained:
+            co = check_chained_compute_options(given)
+        else:
+            co = check_compute_options(given, O, self.tile_m, fused_tile_o(O),
+                                       grouped=facts.grouped)
         return dataclasses.replace(self, ccta=ccta, allreduce_band_rows=ar, compute_options=co)
 
 
