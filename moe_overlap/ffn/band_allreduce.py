@@ -794,6 +794,19 @@ def describe_error(err_host) -> str | None:
 
 
 # ---------------------------------------------------------------- host side
+def symmetric_layout(max_rows: int, N: int, band_rows: int, partial: str = "fp32"):
+    """Bytes of one rank's symmetric allocation: (data bytes, offset of ``arrive``, bytes per
+    flag array, total). Data: ``[max_rows, N]`` fp32 (4 bytes) or bf16 (2 bytes, half the fp32
+    mode's); then ``arrive`` and ``done``, one u32 per band, each array 256-byte aligned."""
+    if partial not in PARTIALS:
+        raise ValueError(f"partial={partial!r}: choose from {PARTIALS}")
+    data = max_rows * N * (2 if partial == "bf16" else 4)
+    bands = -(-max_rows // band_rows)
+    flag_off = (data + 255) // 256 * 256
+    flag_bytes = (bands * 4 + 255) // 256 * 256
+    return data, flag_off, flag_bytes, flag_off + 2 * flag_bytes
+
+
 class BandAllReduce:
     """Band all-reduce of an fp32 ``[M, N]`` accumulator (``partial="fp32"``) or of bf16
     ``[M, N]`` partials (``partial="bf16"``) over a process group of G CUDA ranks, then
@@ -885,10 +898,8 @@ class BandAllReduce:
         dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.max_bands = -(-max_rows // band_rows)
-        acc_bytes = max_rows * N * (2 if bf16 else 4)
-        flag_off = (acc_bytes + 255) // 256 * 256
-        flag_bytes = (self.max_bands * 4 + 255) // 256 * 256
-        total = flag_off + 2 * flag_bytes
+        acc_bytes, flag_off, flag_bytes, total = symmetric_layout(max_rows, N, band_rows,
+                                                                  partial)
         self._buf = symm_mem.empty(total, dtype=torch.uint8, device=dev)
         self._buf.zero_()
         self._hdl = symm_mem.rendezvous(self._buf, self.group)

@@ -1,0 +1,228 @@
+"""CPU checks of FusedFFN(compute="chained") and the band all-reduce's bf16-partial mode: option
+validation, buffer sizing, the host order of one overlapped call (recorder kernels), and the
+torch model of the bf16 reduce-scatter / all-gather (every rank's output bitwise equal, and equal
+to the fixed-order fp32 sum). No GPU, no CuTe DSL."""
+import pytest
+import torch
+
+from moe_overlap.ffn import FFNOptions, FusedFFN, ShardedExperts
+from moe_overlap.ffn import band_allreduce as B
+from moe_overlap.ffn.activations import activation
+from moe_overlap.ffn.options import FFNFacts
+
+
+# ---------------------------------------------------------------- options
+def test_compute_option_values():
+    assert FFNOptions().compute == "reduce"  # "chained" is not the default before its GPU run
+    assert FFNOptions(compute="chained").compute == "chained"
+    with pytest.raises(ValueError, match="compute='fast'.*choose from"):
+        FFNOptions(compute="fast")
+
+
+@pytest.mark.parametrize("kw,exc,msg", [
+    (dict(compute="chained", tile_m=64), ValueError, "tile_m=128"),
+    (dict(compute="chained", compute_options=dict(cluster_m=2)), ValueError,
+     "unknown or reserved keys \\['cluster_m'\\]"),
+    (dict(compute="chained", compute_options=dict(h_pair=True)), ValueError, "h_pair"),
+    (dict(compute="reduce", compute_options=dict(group=2)), ValueError, "group"),
+])
+def test_chained_options_refused_at_construction(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        FFNOptions(**kw)
+
+
+def test_chained_resolve():
+    r = FFNOptions(compute="chained").resolve(FFNFacts(local_hidden=1024, num_sms=132))
+    assert r.is_resolved and r.compute == "chained" and dict(r.compute_options) == {}
+    r32 = FFNOptions().resolve(FFNFacts(local_hidden=1024, num_sms=132))
+    assert (r.ccta, r.allreduce_band_rows) == (r32.ccta, r32.allreduce_band_rows) == (32, 64)
+    r = FFNOptions(compute="chained", compute_options=dict(group=2, epi_n=64)).resolve(
+        FFNFacts(local_hidden=512))
+    assert dict(r.compute_options) == dict(group=2, epi_n=64)
+    with pytest.raises(ValueError, match="ShardedExperts runs compute='reduce'"):
+        FFNOptions(compute="chained").resolve(FFNFacts(local_hidden=1024, grouped=True))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        FFNOptions(compute="chained").resolve(FFNFacts(local_hidden=384))
+    with pytest.raises(ValueError, match="epi_n must be 32 or 64"):
+        FFNOptions(compute="chained", compute_options=dict(epi_n=48)).resolve(
+            FFNFacts(local_hidden=512))
+    with pytest.raises(ValueError, match="group=0"):
+        FFNOptions(compute="chained", compute_options=dict(group=0)).resolve(
+            FFNFacts(local_hidden=512))
+
+
+def test_reference_backend_refuses_compute():
+    with pytest.raises(ValueError, match="compute applies to backend='fused' only"):
+        FusedFFN(64, 128, compute="chained")
+    with pytest.raises(ValueError, match="compute applies to backend='fused' only"):
+        ShardedExperts(2, 64, 128, compute="reduce")
+    with pytest.raises(ValueError, match="compute='fast'"):
+        FusedFFN(64, 128, backend="fused", compute="fast")  # checked before the CUDA check
+
+
+def test_fused_chained_without_cuda_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+    with pytest.raises(NotImplementedError, match="cannot run here"):
+        FusedFFN(256, 512, 256, backend="fused", compute="chained")
+
+
+# ---------------------------------------------------------------- all-reduce host checks
+def test_bf16_mode_refusals_before_cuda():
+    with pytest.raises(ValueError, match="partial='fp16'"):
+        B.BandAllReduce(128, 64, partial="fp16")
+    with pytest.raises(ValueError, match="multiple of 8 with partial='bf16'"):
+        B.BandAllReduce(128, 68, partial="bf16")
+    with pytest.raises(ValueError, match="partial"):
+        B.build_band_allreduce(2, partial="int8")
+
+
+def test_symmetric_layout_bf16_is_half_the_data():
+    d32, off32, fb32, tot32 = B.symmetric_layout(8192, 4096, 32, "fp32")
+    d16, off16, fb16, tot16 = B.symmetric_layout(8192, 4096, 32, "bf16")
+    assert d32 == 8192 * 4096 * 4 and d16 == d32 // 2
+    assert fb16 == fb32 == 256 * 4  # 256 bands, one u32 each
+    assert off16 % 256 == 0 and off16 >= d16 and tot16 == off16 + 2 * fb16
+    d, off, fb, tot = B.symmetric_layout(3, 8, 128, "bf16")  # ragged: 48 bytes, one band
+    assert (d, off, fb, tot) == (48, 256, 256, 768)
+
+
+def test_default_threads_unroll():
+    assert B.default_threads_unroll("fp32", 2) == (B.DEFAULT_THREADS, B.DEFAULT_UNROLL)
+    # bf16: 8 / G vectors in flight per thread (G loads each): the registers hold them all
+    assert [B.default_threads_unroll("bf16", g) for g in (2, 4, 8)] == \
+        [(512, 4), (512, 2), (512, 1)]
+
+
+# ---------------------------------------------------------------- torch model of the schedule
+CASES = [  # G, M, N, band_rows, grid, act2, bias
+    (2, 256, 64, 128, 1, "none", False),
+    (2, 300, 40, 32, 3, "silu", True),  # ragged last band, N/8 odd
+    (3, 129, 24, 32, 8, "relu", True),  # G=3: the order of the sum matters (see below)
+    (4, 77, 8, 16, 2, "gelu", True),  # a chunk shorter than a row, some ranks' chunks empty
+    (8, 5, 16, 128, 4, "gelu_tanh", False),  # 10 vectors for 8 ranks
+]
+
+
+def _partials(G, M, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(M + 2, N, generator=g) * 3).to(torch.bfloat16) for _ in range(G)]
+
+
+@pytest.mark.parametrize("G,M,N,band_rows,grid,act2,bias", CASES)
+def test_bf16_model_all_ranks_bitwise_equal(G, M, N, band_rows, grid, act2, bias):
+    parts = _partials(G, M, N, G * 100 + M)
+    bufs = [p.clone() for p in parts]
+    g = torch.Generator().manual_seed(7)
+    b2 = (torch.randn(N, generator=g) * 0.1).to(torch.bfloat16) if bias else None
+    outs, cov = B.emulate_band_allreduce_bf16(bufs, M, band_rows, b2, act2, grid)
+    assert bool((cov == 1).all()), cov  # every vector finalized by exactly one rank
+    for r in range(1, G):
+        assert torch.equal(outs[0], outs[r]), r  # bitwise, whatever rank computed a chunk
+    ref = B.bf16_allreduce_reference([p[:M] for p in parts], b2, act2)
+    assert torch.equal(outs[0], ref)  # the fixed rank-order fp32 sum, rounded once
+    truth = activation(sum(p[:M].double() for p in parts) + (b2.double() if bias else 0), act2)
+    err = ((outs[0].double() - truth).abs().max() / truth.abs().max()).item()
+    assert err <= 8e-3, err
+    for r in range(G):
+        assert torch.equal(bufs[r][M:], parts[r][M:])  # rows past M untouched
+        assert torch.equal(bufs[r][:M], outs[r])  # the buffer holds the final values
+
+
+def test_rank_dependent_order_would_not_be_bitwise_equal():
+    """Why the order is fixed: with G = 3, a rank summing its own partial first (an all-reduce
+    whose order depends on the rank) rounds differently wherever the partials' magnitudes span
+    more than fp32's 24 bits less bf16's 8 (a few bf16 values of similar size sum exactly)."""
+    g = torch.Generator().manual_seed(5)
+    parts = [(torch.randn(64, 64, generator=g)
+              * torch.exp2(torch.randint(-12, 13, (64, 64), generator=g).float()))
+             .to(torch.bfloat16).float() for _ in range(3)]
+    own_first = [parts[r] + parts[(r + 1) % 3] + parts[(r + 2) % 3] for r in range(3)]
+    assert not all(torch.equal(own_first[0], o) for o in own_first[1:])
+    fixed = [parts[0] + parts[1] + parts[2] for _ in range(3)]  # what the kernel does
+    assert all(torch.equal(fixed[0], o) for o in fixed[1:])
+
+
+# ---------------------------------------------------------------- host order of one call
+class _Stream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+class _FakeAR:
+    def __init__(self, log, M, N):
+        self.log = log
+        self.max_rows, self.N = M, N
+        self.acc = None
+        self.partial = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+        self.band_ready = torch.zeros(M // 128 + 1, dtype=torch.int32)
+        self.epoch = torch.zeros(1, dtype=torch.int32)
+        self.err = torch.zeros(8, dtype=torch.int64)
+        self.arrive = torch.zeros(4, dtype=torch.int32)
+        self.done, self.expected = self.arrive.clone(), self.arrive.clone()
+
+    def __call__(self, M, b2=None, out=None, *, producer=False, stream=None, bump_epoch=True):
+        self.log.append(("allreduce", stream.name, producer, bump_epoch))
+        return out
+
+
+class _FakeChained:
+    def __init__(self, log):
+        self.log = log
+        self.err = torch.zeros(8, dtype=torch.int64)
+
+    def prepare(self, M, P, hidden, N, device, ccta=0, has_b1=True):
+        self.log.append(("prepare", M))
+        return 128
+
+    def error_word(self, device=None):
+        return self.err
+
+    def __call__(self, x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu",
+                 ccta=0, stream=None, h_ring=None):
+        self.log.append(("compute", stream.name, out.dtype, tuple(out.shape),
+                         tuple(h_ring.shape), int(epoch)))
+
+
+def test_chained_call_host_order(monkeypatch):
+    from moe_overlap.diagnostics import FFNDebug
+    from moe_overlap.runtime.error_watch import ErrorWatch
+    log = []
+    mod = FusedFFN(256, 512, 256, act1="gelu", bias=True)
+    mod.backend, mod.options = "fused", FFNOptions(compute="chained")
+    mod.ccta, mod.tile_m, mod.max_tokens = 4, 128, None
+    mod._debug, mod._chained = FFNDebug(), True
+    mod._compute = _FakeChained(log)
+    mod._allreduce = ar = _FakeAR(log, 256, 256)
+    mod._comm_stream = _Stream(log, "comm")
+    mod._warm, mod._b1_cache = True, None
+    mod._watch = ErrorWatch(ar.err, B.describe_error, "FusedFFN (rank 0)")
+    from moe_overlap.ffn.compute_chained import describe_chained_error
+    mod._cwatch = ErrorWatch(mod._compute.err, describe_chained_error, "FusedFFN compute")
+    cur = _Stream(log, "cur")
+    mod._streams = lambda device: (cur, mod._comm_stream)
+    mod._keep_for = lambda t, s: log.append("keep")
+    x = torch.zeros(200, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        mod(x)
+        mod(x)
+    launches = [e for e in log if isinstance(e, tuple) and e[0] in ("compute", "allreduce")]
+    assert launches == [("compute", "cur", torch.bfloat16, (200, 256), (128, 512), 1),
+                        ("allreduce", "comm", True, False),
+                        ("compute", "cur", torch.bfloat16, (200, 256), (128, 512), 2),
+                        ("allreduce", "comm", True, False)], log
+    i = log.index(launches[0])
+    assert log[i + 1] == launches[1]  # nothing on the host between the two launches
+    assert ("prepare", 200) in log[:i]  # ring, table and scratch exist before the launch
+    assert log[i - 1] == "comm waits cur"  # the epoch advance is ordered before both kernels
+    assert log[i + 3] == "cur waits comm"  # join: the partial is free for the next call
+    # a device error of the compute kernel surfaces on the next call (asynchronous read-back)
+    mod._compute.err[0] = 7
+    with torch.no_grad():
+        mod(x)
+        with pytest.raises(RuntimeError, match="FusedFFN compute: chained FFN: unknown device "
+                                               "error code 7"):
+            mod(x)
