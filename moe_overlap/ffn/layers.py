@@ -431,6 +431,8 @@ class _FusedBackend:
             return out
         if self._watch is not None:
             self._watch.poll()
+        if self._cwatch is not None:  # compute="chained": the compute kernel's own word
+            self._cwatch.poll()
         x2 = x2.contiguous()
         if x2.data_ptr() % 16:  # TMA needs 16-byte aligned rows
             x2 = x2.clone()
@@ -440,8 +442,6 @@ class _FusedBackend:
         cur, comm = self._streams(x2.device)
         b1f = self._b1_fp32()
         if self._chained:
-            if self._cwatch is not None:
-                self._cwatch.poll()
             ring = self._prepare_chained(M)  # allocated before any launch
             data = ar.partial[:M]  # the compute kernel's out: stored, not added into
         else:
