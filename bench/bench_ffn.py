@@ -71,8 +71,8 @@ def parse_args(argv=None):
                     help="FusedFFN compute_options of the fused layer, e.g. h_pair=1,cluster_m=2")
     ap.add_argument("--fused-variants", default="",
                     help="more fused layers timed in the same rounds, 'name:k=v,k=v;name2:...' "
-                         "(compute_options, ccta, allreduce_band_rows; registered as "
-                         "fused_<name>, fused_compute_<name>)")
+                         "(compute_options, ccta, allreduce_band_rows, compute; registered as "
+                         "fused_<name>, fused_compute_<name>; e.g. 'chained:compute=chained')")
     ap.add_argument("--lead-ms", type=float, default=4.0,
                     help="GPU sleep before each timed call so that the events time GPU work, "
                          "not the host's launch path (0: time from the host's first "
@@ -187,6 +187,17 @@ def bench_shape(a, name, rank, world, dev):
             fns["band_ar" if zero else "band_ar_nozero"] = (
                 lambda ar=ar, out=out: ar(T, b2=b2, out=out))
             ars.append(ar)
+        for cc in sorted({a.ccta, a.ar_variant_ccta}, key=lambda v: -1 if v is None else v):
+            # the bf16-partial mode (compute="chained"'s all-reduce) at its default threads /
+            # unroll: half the bytes of band_ar
+            ar = BandAllReduce(T, N, backend="unicast", act2=a.act2, band_rows=a.band_rows,
+                               ccta=cc, partial="bf16")
+            ar.compile()
+            ar.partial[:T].copy_(part)
+            out = torch.empty(T, N, **bf)
+            fns["band_ar_bf16" if cc == a.ccta else f"band_ar_bf16_c{cc}"] = (
+                lambda ar=ar, out=out: ar(T, b2=b2, out=out))
+            ars.append(ar)
         for nt, un, ahead in a.ar_variants:  # per-SM throughput of the all-reduce on few SMs
             ar = BandAllReduce(T, N, backend="unicast", act2=a.act2, band_rows=a.band_rows,
                                ccta=a.ar_variant_ccta, threads=nt, unroll=un,
@@ -278,7 +289,8 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
 
     def layer(opts):
         opts = dict(opts)
-        lkw = dict(kw, **{k: opts.pop(k) for k in ("ccta", "allreduce_band_rows") if k in opts})
+        lkw = dict(kw, **{k: opts.pop(k) for k in ("ccta", "allreduce_band_rows", "compute")
+                          if k in opts})
         m = FusedFFN(P, Ol * world, N, act1=a.act1, act2=a.act2, device=dev, backend="fused",
                      max_tokens=T, tile_m=a.fused_tile_m, compute_options=opts or None, **lkw)
         with torch.no_grad():
@@ -295,11 +307,16 @@ def add_fused(a, fns, x, w1, b1, w2, b2, y_base, baseline, rank, world, dev):
             e = rel_err(yf, y_base.double())
         ar_m = m.allreduce_for(T)
 
+        data = ar_m.acc if ar_m.acc is not None else ar_m.partial  # fp32 acc / bf16 partial
+
         def alone(ccta=0):  # its compute kernel alone (the layer's weights = w1, b1, w2)
-            m.run_compute(x, ar_m.acc[:T], ar_m.band_ready, ar_m.epoch, ccta=ccta)
+            m.run_compute(x, data[:T], ar_m.band_ready, ar_m.epoch, ccta=ccta)
         return m, e, ar_m, alone
 
     mod, err, ar, compute_alone = layer(a.compute_opts)
+    if ar.acc is None:
+        raise SystemExit("the main fused layer must be compute='reduce' (its ablations use the "
+                         "fp32 accumulator); time compute='chained' as a --fused-variants entry")
     acc = ar.acc[:T]
     out = torch.empty(T, N, dtype=torch.bfloat16, device=dev)
     variants = {}
