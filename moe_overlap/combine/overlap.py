@@ -19,11 +19,12 @@ transport, dtype) by default). Receive buffer: symmetric, two slots used by epoc
 the buffer's ``slot_bytes`` (at least ``max_tokens_per_rank * topk * N * 2``; this layer's rows
 start each slot, ``recv`` is its ``[2, max_tokens_per_rank * topk, N]`` view). The epoch counts
 calls on the buffer, whatever layer makes them, so all that follows holds for layers sharing it
-as long as they run one at a time. Why two: a peer may start shipping call i+1 while this rank's scale still reads call i. It cannot
-ship call i+2 before this rank's scale of call i is done: every consumer adds a call marker (+1) to
-every owner's counter[rank] when it starts, each rank's consumer of call i+1 starts after its scale
-of call i (same stream), and the peer's scale of call i+1 (before its consumer of i+2) waits for
-that marker.
+as long as they run one at a time.
+Why two slots: a peer may start shipping call i+1 while this rank's scale still reads call i. It
+cannot ship call i+2 before this rank's scale of call i is done: every consumer adds a call marker
+(+1) to every owner's counter[rank] when it starts, each rank's consumer of call i+1 starts after
+its scale of call i (same stream), and the peer's scale of call i+1 (before its consumer of i+2)
+waits for that marker.
 
 Everything per call lives on the device (epoch, expected counts, flags), so the call is capturable
 in a CUDA graph and replays with new data in the same input tensors.
