@@ -266,6 +266,22 @@ def test_an_error_of_one_layer_raises_in_the_next_call_of_another(monkeypatch):
     assert int(a.epoch) == 2
 
 
+def test_a_layer_that_has_not_run_yet_reports_and_resets_the_shared_buffer(monkeypatch):
+    from moe_overlap import MoECombine
+    buf, _ = _buffer(monkeypatch)
+    other = _Layer()
+    buf.attach(other, 8, 64)  # another layer's overlap backend allocated it
+    layer = MoECombine(8, 64, 32, 2, 4, comm_buffer=buf)
+    layer.check_errors()
+    buf.err[0] = E.ERR_SCALE_TIMEOUT
+    with pytest.raises(OverlapError, match="scale timed out"):
+        layer.check_errors()
+    buf.epoch.fill_(3)
+    layer.reset()
+    assert not buf.err.any() and int(buf.epoch) == 0 and not other._band_ready.any()
+    layer.check_errors()
+
+
 def test_runtime_free_returns_the_heap(monkeypatch):
     rt = fake_runtime(monkeypatch)
     t = rt.alloc((128,), torch.bfloat16)

@@ -309,6 +309,8 @@ class MoECombine(torch.nn.Module):
         communication buffer. Nothing to check otherwise."""
         if self._impl is not None:
             self._impl.check_errors()
+        elif self.comm_buffer is not None:  # other layers' calls on the shared buffer
+            self.comm_buffer.check_errors()
 
     synchronize = check_errors
 
@@ -320,6 +322,8 @@ class MoECombine(torch.nn.Module):
         reference backend keeps no device state: a barrier."""
         if self._impl is not None:
             self._impl.reset()
+        elif self.comm_buffer is not None and self.comm_buffer.allocated:
+            self.comm_buffer.reset()  # allocated by other layers (collectively: every rank)
         elif self.world_size > 1:
             import torch.distributed as dist
             dist.barrier(group=self.group)
