@@ -228,12 +228,14 @@ class CommBuffer:
 
     def _note(self, slot_bytes: int) -> str:
         rt = self.runtime
-        return (f"The {self.transport} combine's shared communication buffer needs "
-                f"{(2 * slot_bytes + comm_block_bytes(rt.world_size)) / 2**20:.1f} MiB "
-                f"(2 slots of {slot_bytes} bytes, the largest layer's max_tokens_per_rank x "
-                f"topk x N x {_esize(self.dtype)}, plus the {comm_block_bytes(rt.world_size)}-"
-                "byte communication block) whatever the number of layers sharing it; "
-                "`moe-overlap heap` reports a model's total")
+        block = comm_block_bytes(rt.world_size)
+        return (f"The {self.transport} combine's communication buffer needs "
+                f"{(2 * slot_bytes + block) / 2**20:.1f} MiB (2 slots of {slot_bytes} bytes, "
+                f"the largest max_tokens_per_rank x topk x N x {_esize(self.dtype)} of the "
+                f"{max(1, self.num_layers)} layer(s) on it so far, plus the {block}-byte "
+                "communication block); layers sharing one CommBuffer (the MoECombine default) "
+                "need it once, whatever their number; `moe-overlap heap` reports a model's "
+                "total")
 
     def _allocate(self, slot_bytes: int):
         from ..runtime.nvshmem import CombineBuffers
