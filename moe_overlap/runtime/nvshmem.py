@@ -4,6 +4,7 @@
     b = rt.buffers(max_recv_rows, N, key="layer0")  # collective on first call, then reused
     b.recv, b.counters, b.recv_peers, b.ctr_peers   # buffers + int64 [W] peer address tables
     rt.peer_tensor(recv, pe)                        # torch view of a peer's buffer (NVLink P2P)
+    t = rt.alloc(shape, dtype); rt.free(t)          # collective symmetric tensors (CommBuffer)
     rt.finalize()                                   # collective
 
 Bootstrap: rank 0 of the group creates an NVSHMEM unique id, broadcast to the group with
