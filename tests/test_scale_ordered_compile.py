@@ -1,0 +1,95 @@
+"""Compile-only (sm_90a, no GPU) checks of the ordered scale (moe_overlap/combine/scale_ordered.py):
+the PTX carries the ordering the design relies on (bench/NOTES.md, "Session 11")."""
+import os
+import re
+
+import pytest
+
+pytestmark = pytest.mark.compile
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+from conftest import compile_ptx as _ptx  # noqa: E402
+
+
+def _entries(ptx):
+    parts = re.split(r"\.entry\s+", ptx)[1:]
+    return {p.split("(", 1)[0].strip(): p for p in parts}
+
+
+@pytest.fixture(scope="module", params=[4, 8])
+def ordered(request):
+    from moe_overlap.combine.scale_ordered import build_ordered_scale, ordered_scale_example_args
+    ents = _entries(_ptx(build_ordered_scale(request.param), *ordered_scale_example_args()))
+    assert len(ents) == 1  # one persistent kernel: markers, claims, waits and the scale
+    return request.param, next(iter(ents.values()))
+
+
+def _spins(body, load):
+    """Every loop whose body holds ``load``: (label, loop text)."""
+    out = []
+    for m in re.finditer(r"^\$(\w+):\n", body, re.M):
+        lab = m.group(1)
+        j = body.find(f"bra.uni \t${lab};", m.end())
+        if j < 0:
+            j = body.find(f"${lab};", m.end())
+        if j > 0 and load in body[m.end():j]:
+            out.append((lab, body[m.end():j]))
+    return out
+
+
+def test_every_wait_is_bounded_and_scoped(ordered):
+    _, body = ordered
+    # segments and markers: sys-scope acquire (peers' consumers); local bands: gpu scope (this
+    # GPU's producer); nothing else spins
+    assert "ld.acquire.sys.global.s64" in body and "ld.acquire.gpu.global.s32" in body
+    assert "ld.acquire.gpu.global.s64" not in body and "ld.acquire.sys.global.s32" not in body
+    for load in ("ld.acquire.sys.global.s64", "ld.acquire.gpu.global.s32"):
+        # the innermost loops around the load (the spins; outer loops hold them trivially)
+        loops = [t for _, t in _spins(body, load) if t.count("bra") <= 4]
+        assert loops, load
+        assert all("%globaltimer" in t for t in loops), load  # every spin reads the clock
+    # each timeout is recorded (first writer wins): band 7, segment 8, marker 2
+    for code in (2, 7, 8):
+        assert re.search(rf"atom\.relaxed\.gpu\.global\.cas\.b64 %rd\d+, \[%rd\d+\], 0, {code};",
+                         body), code
+
+
+def test_claim_then_barrier_then_waits_then_join_then_rows(ordered):
+    _, body = ordered
+    i_err = body.index("ld.relaxed.gpu.global.s64")  # the error word, before anything else
+    i_claim = body.index("atom.relaxed.gpu.global.add.u32")
+    i_sync = body.index("bar.sync", i_claim)
+    i_band = body.index("ld.acquire.gpu.global.s32")
+    joins = [m.start() for m in re.finditer(r"bar\.red\.or\.pred", body)]
+    i_row = body.index("ld.global.cg.v4.u32")
+    assert i_err < i_claim < i_sync < i_band
+    # the tile's join (bar.red.or after the claim) precedes every row load of the slot / y
+    assert any(i_sync < j < i_row for j in joins)
+    assert not re.search(r"ld\.global\.nc", body)  # rows written by running kernels: never .nc
+    assert "multimem" not in body  # never NVLink multicast
+
+
+def test_arithmetic_matches_the_default_scale(ordered):
+    """Same fma chain as scale.py (bitwise-equal outputs): 8 accumulators x TOPK fma.rn.f32, the
+    first of each chain on 0, then cvt.rn.bf16x2; NaN fill present."""
+    topk, body = ordered
+    from moe_overlap.combine.scale import BF16X2_NAN, build_scale, scale_example_args
+    ref = next(b for n, b in _entries(_ptx(build_scale(topk, y_src=True),
+                                           *scale_example_args())).items()
+               if "scale_kernel" in n)
+    for b in (body, ref):
+        assert b.count("fma.rn.f32") == 8 * topk
+        assert len(re.findall(r"fma\.rn\.f32\s+%r\d+, %r\d+, %r\d+, 0f00000000;", b)) == 8
+        assert b.count("cvt.rn.bf16x2.f32") == 4
+    assert str(BF16X2_NAN) in body
+    assert ".local" not in body
+
+
+def test_ordered_scale_checks_its_arguments():
+    from moe_overlap.combine.scale_ordered import OrderedScale, build_ordered_scale
+    with pytest.raises(ValueError, match="topk"):
+        build_ordered_scale(0)
+    with pytest.raises(ValueError, match="threads"):
+        OrderedScale(4, threads=48)
