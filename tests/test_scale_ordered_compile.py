@@ -93,3 +93,44 @@ def test_ordered_scale_checks_its_arguments():
         build_ordered_scale(0)
     with pytest.raises(ValueError, match="threads"):
         OrderedScale(4, threads=48)
+
+
+def test_worker_build_fits_one_cta_per_sm():
+    """The consumer workers' CTAs (bench/bench_ordered_scale.py WORKER_THREADS) must fit one per
+    SM next to nothing else: registers x threads within the register file."""
+    from conftest import compile_ptx_cubin
+    from moe_overlap.combine.scale_ordered import build_ordered_scale, ordered_scale_example_args
+    from moe_overlap.runtime.device import cubin_resources
+    threads = 512
+    _, cubin = compile_ptx_cubin(build_ordered_scale(8, threads), *ordered_scale_example_args())
+    (regs, _), = cubin_resources(cubin).values()
+    assert 0 < regs * threads <= 65536, regs
+
+
+def test_launch_refuses_bad_inputs_before_compiling():
+    import torch
+    from moe_overlap.combine import ordered_scale as osc
+    from moe_overlap.combine.scale_ordered import OrderedScale
+    from moe_overlap.routing import route
+    ids = [route(64, 8, 2, "balanced", seed=0, rank=r)[0] for r in range(2)]
+    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=8) for i in ids])
+    plans = osc.sender_plans(counts, 64, 1, "packed")
+    deps = osc.row_dependencies(ids[0], counts, 0, plans)
+    tiles = osc.token_tiles(deps, torch.zeros(deps.kind.shape, dtype=torch.float64), 16)
+    tables = osc.tile_tables(tiles)
+    assert all(t.dtype == torch.int32 for t in tables.values())
+    sc = OrderedScale(2)
+    seg = osc.seg_expected_inc(plans, 0)
+    good = dict(rows=torch.zeros(64, 2, dtype=torch.int32), weights=torch.zeros(64, 2),
+                out=torch.zeros(64, 16, dtype=torch.bfloat16), tables=tables,
+                band_ready=torch.zeros(4, dtype=torch.int32), seg_arrivals=seg.clone(),
+                seg_expected=seg, queue=torch.zeros(1, dtype=torch.int32),
+                err=torch.zeros(8, dtype=torch.int64), epoch=torch.zeros(1, dtype=torch.int32))
+    sc.check(**good)
+    with pytest.raises(TypeError, match="weights"):
+        sc.check(**dict(good, weights=torch.zeros(64, 2, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="seg_expected"):
+        sc.check(**dict(good, seg_expected=seg[:, :1].contiguous()))
+    with pytest.raises(ValueError, match="tokens"):
+        sc.check(**dict(good, tables=dict(tables, order=tables["order"][:10])))
+    assert sc._fn is None  # nothing compiled

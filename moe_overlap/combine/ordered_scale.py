@@ -237,6 +237,19 @@ def token_tiles(deps: RowDeps, row_time: torch.Tensor, tile_tokens: int = 32) ->
                       dep_source=cat(dsrc), dep_index=cat(didx), max_segment=max_seg)
 
 
+def tile_tables(tiles: TokenTiles, device=None) -> dict:
+    """The ordered scale kernel's tables (int32, contiguous, on ``device``): order, tile_start,
+    dep_start, dep_kind, dep_source, dep_index (moe_overlap/combine/scale_ordered.py)."""
+    names = ("order", "tile_start", "dep_start", "dep_kind", "dep_source", "dep_index")
+    out = {}
+    for n in names:
+        t = getattr(tiles, n)
+        if t.numel() and (int(t.max()) >= 2 ** 31 or int(t.min()) < -2 ** 31):
+            raise ValueError(f"{n} does not fit int32")
+        out[n] = t.to(device=device, dtype=torch.int32).contiguous()
+    return out
+
+
 # ---- simulation ------------------------------------------------------------------------------
 def _run_queue(keys, work, phases):
     """Fluid in-order queue: tile j starts at max(its key, the end of tile j - 1) and drains

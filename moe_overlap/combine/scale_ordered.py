@@ -37,7 +37,7 @@ would come from this rank's own consumer, whose CTAs the scale's could crowd out
 
 from ..kernels.errors import (ERR_EPOCH_MISMATCH, ERR_PLAN_BOUNDS, ERR_SCALE_BAD_ROW,
                               ERR_SCALE_TIMEOUT, ERR_TILE_BAND_TIMEOUT, ERR_TILE_SEGMENT_TIMEOUT)
-from .ordered_scale import LOCAL, REMOTE  # noqa: F401  (the dependency kinds of the tables)
+from .ordered_scale import LOCAL  # the dependency kinds of the tables (REMOTE otherwise)
 from .scale import BF16X2_NAN, DEFAULT_TIMEOUT_NS
 
 DEFAULT_THREADS = 256
@@ -281,16 +281,86 @@ def compile_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
 
 
 class OrderedScale:
-    """Compiled ordered scale (launch helper to come with the OverlapCombine wiring)."""
+    """Compiled ordered scale + launch helper. ``launch`` never synchronizes."""
 
     def __init__(self, topk: int, threads: int = DEFAULT_THREADS,
-                 timeout_ns: int = DEFAULT_TIMEOUT_NS):
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS, ctas_per_sm: int = 4):
         if threads % 32 or not 32 <= threads <= 1024:
             raise ValueError(f"threads={threads} must be a multiple of 32 in [32, 1024]")
+        if not 1 <= ctas_per_sm <= 2048 // threads:
+            raise ValueError(f"ctas_per_sm={ctas_per_sm} must be in [1, {2048 // threads}] "
+                             f"for {threads} threads")
         self.topk, self.threads, self.timeout_ns = int(topk), int(threads), int(timeout_ns)
+        self.ctas_per_sm = int(ctas_per_sm)
         self._fn = None
+        self._launcher = None
 
     def compile(self):
         if self._fn is None:
             self._fn = compile_ordered_scale(self.topk, self.threads)
         return self._fn
+
+    def check(self, *, rows, weights, out, tables, band_ready, seg_arrivals, seg_expected,
+              queue, err, epoch):
+        """ValueError / TypeError for inputs the kernel cannot take (before any launch)."""
+        import torch
+        T, N = out.shape
+        want = {"rows": (rows, torch.int32, (T, self.topk)),
+                "weights": (weights, torch.float32, (T, self.topk)),
+                "queue": (queue, torch.int32, (1,)), "err": (err, torch.int64, (8,)),
+                "epoch": (epoch, torch.int32, (1,)), "band_ready": (band_ready, torch.int32, None),
+                "seg_arrivals": (seg_arrivals, torch.int64, None),
+                "seg_expected": (seg_expected, torch.int64, tuple(seg_arrivals.shape))}
+        for name in ("order", "tile_start", "dep_start", "dep_kind", "dep_source", "dep_index"):
+            want[name] = (tables[name], torch.int32, None)
+        if out.dtype != torch.bfloat16 or not out.is_contiguous() or N % 8:
+            raise ValueError("out must be a contiguous bf16 [T, N] tensor with N % 8 == 0")
+        for name, (t, dt, shape) in want.items():
+            if t.dtype != dt:
+                raise TypeError(f"{name} must be {dt}, got {t.dtype}")
+            if shape is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+            if not t.is_contiguous() or t.device != out.device:
+                raise ValueError(f"{name} must be contiguous on {out.device}")
+        if seg_arrivals.dim() != 2:
+            raise ValueError("seg_arrivals must be [W, segment capacity]")
+        if tables["order"].numel() != T or tables["tile_start"].numel() < 1:
+            raise ValueError(f"the tile tables are for {tables['order'].numel()} tokens, out "
+                             f"has {T}")
+
+    def launch(self, *, recv, rows, weights, out, y, tables, band_ready, seg_arrivals,
+               seg_expected, queue, counters, expected, rank, err, epoch, slot_bytes,
+               grid: int, wait_bands: bool, check_tags: bool, stream=None):
+        """recv: receive buffer base (slot 0; slot_bytes > 0: two slots of that size); rows:
+        int32 [T, topk] (y_src encoding: r < 0 is y row -r - 1); weights fp32 [T, topk]; out
+        bf16 [T, N]; y: the producer's output [rows, N]; tables: ``ordered_scale.tile_tables``
+        on the device; band_ready: the producer's flags; seg_arrivals / seg_expected: int64
+        [W, Sc] (this rank's per-segment arrival counters and their cumulative expectation);
+        queue: int32 [1], zeroed on the stream before the call; counters / expected: int64 [W]
+        (markers and, with check_tags, the epoch tags after them, as Scale.launch).
+        wait_bands: wait on the local bands' flags (a launch beside the producer); False after
+        the producer's kernel boundary. grid: CTAs (persistent)."""
+        import torch
+        self.check(rows=rows, weights=weights, out=out, tables=tables, band_ready=band_ready,
+                   seg_arrivals=seg_arrivals, seg_expected=seg_expected, queue=queue, err=err,
+                   epoch=epoch)
+        fn = self.compile()
+        if self._launcher is None:
+            from ..kernels.primitives import LaunchCache
+            self._launcher = LaunchCache(fn)
+        if stream is None:
+            stream = torch.cuda.current_stream(out.device)
+        T, N = out.shape
+        W, Sc = seg_arrivals.shape
+        slot_rows = int(slot_bytes) // (N * 2) if slot_bytes else recv.numel() // N
+        self._launcher((recv.data_ptr(), rows.data_ptr(), weights.data_ptr(), out.data_ptr(),
+                        N // 8, N * 2, int(rank), err.data_ptr(), self.timeout_ns,
+                        epoch.data_ptr(), int(slot_bytes), y.data_ptr(), y.shape[0], slot_rows,
+                        tables["order"].data_ptr(), tables["tile_start"].data_ptr(),
+                        tables["tile_start"].numel() - 1, tables["dep_start"].data_ptr(),
+                        tables["dep_kind"].data_ptr(), tables["dep_source"].data_ptr(),
+                        tables["dep_index"].data_ptr(), band_ready.data_ptr(),
+                        band_ready.numel(), int(bool(wait_bands)), seg_arrivals.data_ptr(),
+                        seg_expected.data_ptr(), Sc, queue.data_ptr(), counters.data_ptr(),
+                        expected.data_ptr(), W, int(bool(check_tags)), max(1, int(grid))),
+                       stream.cuda_stream)
