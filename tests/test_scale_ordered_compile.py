@@ -134,3 +134,29 @@ def test_launch_refuses_bad_inputs_before_compiling():
     with pytest.raises(ValueError, match="tokens"):
         sc.check(**dict(good, tables=dict(tables, order=tables["order"][:10])))
     assert sc._fn is None  # nothing compiled
+
+
+@pytest.mark.parametrize("copy", ["ldst", "tma"])
+def test_consumer_segment_arrivals(copy):
+    """arrival="segment": the same fence + release per piece, to another word (seg_arrivals after
+    the communication block: the offset uses the world size and the segment capacity)."""
+    from moe_overlap.combine.consumer import build_consumer, consumer_example_args
+    bodies = {a: _ptx(build_consumer("nvlink", copy=copy, local_copy=False, arrival=a),
+                      *consumer_example_args()).split(".entry", 1)[1]
+              for a in ("counter", "segment")}
+    assert bodies["counter"] != bodies["segment"]
+    for body in bodies.values():
+        reds = [m.start() for m in re.finditer(r"red\.release\.sys\.global\.add\.u64", body)]
+        assert len(reds) == len(re.findall(r"red\.release\.sys\.global\.add\.u64",
+                                           bodies["counter"]))
+        # every arrival release (not the call marker, the first one) follows a sys fence
+        for r in reds[1:]:
+            assert body.rfind("fence.acq_rel.sys", 0, r) > body.rfind("red.release", 0, r - 1)
+
+
+def test_consumer_segment_arrivals_refuse_the_local_copy():
+    from moe_overlap.combine.consumer import Consumer, build_consumer
+    with pytest.raises(ValueError, match="local_copy=False"):
+        build_consumer("nvlink", local_copy=True, arrival="segment")
+    with pytest.raises(ValueError, match="arrival"):
+        Consumer("nvlink", local_copy=False, arrival="pigeon")
