@@ -13,7 +13,8 @@ def _word(code, rank=1, index=2, band=3, obs=4, exp=5, el=6_000_000):
 
 def test_error_codes_are_distinct_and_named():
     codes = [E.ERR_CONSUMER_TIMEOUT, E.ERR_SCALE_TIMEOUT, E.ERR_COPY_TIMEOUT,
-             E.ERR_EPOCH_MISMATCH, E.ERR_PLAN_BOUNDS, E.ERR_SCALE_BAD_ROW]
+             E.ERR_EPOCH_MISMATCH, E.ERR_PLAN_BOUNDS, E.ERR_SCALE_BAD_ROW,
+             E.ERR_TILE_BAND_TIMEOUT, E.ERR_TILE_SEGMENT_TIMEOUT]
     assert len(set(codes)) == len(codes) and 0 not in codes
     assert set(E.ERR_NAMES) == set(codes)
     # the FFN's codes live in another range: one error word layout, no clash
@@ -33,6 +34,13 @@ def test_describe_error_names_what_and_where():
     assert "y row 70" in m and "[0, 64)" in m and "NaN" in m
     m = E.describe_error(_word(E.ERR_SCALE_BAD_ROW, rank=0, index=11, band=0, obs=-5, exp=64))
     assert "receive-slot row -5" in m
+    m = E.describe_error(_word(E.ERR_TILE_BAND_TIMEOUT, rank=1, index=17, band=40, obs=3, exp=4))
+    assert "tile 17" in m and "band 40" in m and "band_ready=3" in m and "epoch=4" in m
+    w3 = E.segment_word(1, 23)
+    assert (w3 >> 32, w3 & 0xFFFFFFFF) == (1, 23)
+    m = E.describe_error(_word(E.ERR_TILE_SEGMENT_TIMEOUT, rank=0, index=5, band=w3, obs=64,
+                               exp=128))
+    assert "tile 5" in m and "source rank 1" in m and "segment 23" in m and "64" in m
     assert "device error code 99" in E.describe_error(_word(99))
 
 
@@ -41,7 +49,10 @@ def test_plan_field_codes_match_the_consumer():
     from moe_overlap.combine import consumer as C
     fields = [C.PF_NSEG, C.PF_NCELL, C.PF_DEST, C.PF_SEG_SRC, C.PF_SEG_DST, C.PF_BAND,
               C.PF_CELL_SRC, C.PF_CELL_DST]
+    from moe_overlap.combine import scale_ordered as SO
+    fields += [SO.PF_TILE_BAND, SO.PF_TILE_SEGMENT]
     assert sorted(fields) == sorted(E.PLAN_FIELDS)
+    assert "ordered scale" in E.PLAN_FIELDS[SO.PF_TILE_BAND]
     assert "num_segments" in E.PLAN_FIELDS[C.PF_NSEG]
     assert "local cell destination" in E.PLAN_FIELDS[C.PF_CELL_DST]
 

@@ -51,10 +51,17 @@ use ``CombineOptions.consumer_variant()``, which picks per transport):
   signal: cp.async.bulk.wait_group 0 (writes complete, not only read) -> fence.proxy.async.global
   -> fence.acq_rel.sys -> red.release.sys.
 
+- ``arrival="segment"`` (needs ``local_copy=False``; for the ordered scale,
+  moe_overlap/combine/scale_ordered.py): a piece of segment s adds its rows to the destination's
+  ``seg_arrivals[rank, s]`` (int64 words after the 3W words of its communication block, row
+  stride ``segment_capacity``, which must be the same on every rank) instead of
+  ``counter[rank]``; the counters then carry only the call markers. Same fence / release.
+
 Dependencies are one-way: the consumer waits on the producer's band flags, never the reverse.
 All pointers are passed as 64-bit ints (``tensor.data_ptr()``), see primitives.py.
 """
 
+import functools
 import os
 
 TRANSPORTS = ("nvlink", "nvshmem")
@@ -67,6 +74,9 @@ DEFAULT_STAGES = 12
 DEFAULT_CHUNK = 16384  # bytes per stage: 12 x 16 KiB = 192 KiB of shared memory per CTA
 DEFAULT_LOOKAHEAD = 4
 DEFAULT_PIECE_BYTES = 1 << 20  # OverlapCombine's default piece: rows of about 1 MiB
+# arrival signal of a piece: "counter" (counter[rank] += rows, the default scale's wait) or
+# "segment" (seg_arrivals[rank, segment] += rows: the ordered scale, scale_ordered.py)
+ARRIVALS = ("counter", "segment")
 
 
 # ERR_PLAN_BOUNDS field codes (word 3; texts in moe_overlap/kernels/errors.py PLAN_FIELDS)
@@ -97,13 +107,23 @@ def check_options(transport, copy, stages, chunk_bytes, lookahead):
                              "memory (227 KiB)")
 
 
+def check_arrival(arrival, local_copy):
+    if arrival not in ARRIVALS:
+        raise ValueError(f"arrival={arrival!r}; choose from {ARRIVALS}")
+    if arrival == "segment" and local_copy:
+        raise ValueError("arrival='segment' needs local_copy=False (the ordered scale reads the "
+                         "local rows from y)")
+
+
 def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                    unroll: int = DEFAULT_UNROLL, local_copy: bool = True, copy: str = "ldst",
                    stages: int = DEFAULT_STAGES, chunk_bytes: int = DEFAULT_CHUNK,
-                   lookahead: int = DEFAULT_LOOKAHEAD):
+                   lookahead: int = DEFAULT_LOOKAHEAD, arrival: str = "counter"):
     """Returns the @cute.jit launcher for one variant (see the module doc for the options).
     copy="tma" runs TMA_THREADS threads per CTA whatever ``threads`` says."""
     check_options(transport, copy, stages, chunk_bytes, lookahead)
+    check_arrival(arrival, local_copy)
+    SEG_ARRIVAL = arrival == "segment"
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"threads={threads} must be a multiple of 32 in [32, 1024]")
     if unroll < 1 or unroll > 16:
@@ -122,6 +142,16 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
     if use_nvshmem:
         import nvshmem.core.device.cute as nvdev
         from nvshmem.core import SignalOp
+
+    def arrival_offset(src_rank, seg, world, seg_cap):
+        """Byte offset of a piece's arrival word in the destination's communication block:
+        counter[rank], or (arrival="segment") seg_arrivals[rank, segment], the table after the
+        block's 3W words with row stride seg_cap (the same on every rank: the owner's prepare
+        checks it). Plain Python at trace time: the variant is chosen here, not on the device."""
+        if SEG_ARRIVAL:
+            return (Int64(3) * Int64(world) + Int64(src_rank) * Int64(seg_cap)
+                    + Int64(seg)) * Int64(8)
+        return Int64(src_rank) * Int64(8)
 
     @cute.jit
     def copy_rows(src: Int64, dst: Int64, nbytes: Int64, tidx: Int32):
@@ -236,6 +266,7 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                         piece_rows: Int32, y_rows: Int32, seg_cap: Int32, cell_cap: Int32,
                         sched_cap: Int32, flag_cap: Int32):
         tidx, bidx, nblk = P.thread_block_grid()
+        arrival_off = functools.partial(arrival_offset, world=world, seg_cap=seg_cap)
         epoch = P.ld_s32(epoch_ptr)
         t_start = P.globaltimer()
         slot_rows = Int64(0)
@@ -362,7 +393,7 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                             cute.make_ptr(cutlass.BFloat16, src, cute.AddressSpace.gmem,
                                           assumed_align=2), lay)
                         sig_t = cute.make_tensor(
-                            cute.make_ptr(cutlass.Uint64, ctr_sym + Int64(rank) * Int64(8),
+                            cute.make_ptr(cutlass.Uint64, ctr_sym + arrival_off(rank, s),
                                           cute.AddressSpace.gmem, assumed_align=8),
                             cute.make_layout(1))
                         nvdev.put_signal_nbi_block(dst_t, src_t, sig_t, Int64(rows),
@@ -380,7 +411,7 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                                 P.fence_acq_rel_sys()
                                 P.red_release_sys_add_s64(
                                     P.ld_s64(ctr_peers + Int64(dest) * Int64(8))
-                                    + Int64(rank) * Int64(8), Int64(rows))
+                                    + arrival_off(rank, s), Int64(rows))
                         failed = P.block_any(to2)
                     else:
                         dst = P.ld_s64(recv_peers + Int64(dest) * Int64(8)) + dst_off
@@ -390,7 +421,7 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                             P.fence_acq_rel_sys()
                             P.red_release_sys_add_s64(
                                 P.ld_s64(ctr_peers + Int64(dest) * Int64(8))
-                                + Int64(rank) * Int64(8), Int64(rows))
+                                + arrival_off(rank, s), Int64(rows))
                     q = q + nblk
             pc = pc + npieces
             s = s + Int32(1)
@@ -502,7 +533,7 @@ def compile_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                      unroll: int = DEFAULT_UNROLL, **options):
     """cute.compile the consumer (no GPU needed with CUTE_DSL_ARCH=sm_90a). Returns the compiled
     callable ``f(*ints, stream)`` taking the args of ``_ARG_NAMES`` as ints, then a CUstream.
-    options: local_copy, copy, stages, chunk_bytes, lookahead (see build_consumer)."""
+    options: local_copy, copy, stages, chunk_bytes, lookahead, arrival (see build_consumer)."""
     cutlass, cute = _cute()
     launch = build_consumer(transport, threads, unroll, **options)
     ex = consumer_example_args()
@@ -533,12 +564,14 @@ class Consumer:
     def __init__(self, transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                  unroll: int = DEFAULT_UNROLL, timeout_ns: int = DEFAULT_TIMEOUT_NS,
                  local_copy: bool = True, copy: str = "ldst", stages: int = DEFAULT_STAGES,
-                 chunk_bytes: int = DEFAULT_CHUNK, lookahead: int = DEFAULT_LOOKAHEAD):
+                 chunk_bytes: int = DEFAULT_CHUNK, lookahead: int = DEFAULT_LOOKAHEAD,
+                 arrival: str = "counter"):
         check_options(transport, copy, stages, chunk_bytes, lookahead)
+        check_arrival(arrival, local_copy)
         self.transport, self.threads, self.unroll = transport, threads, unroll
-        self.local_copy, self.copy = bool(local_copy), copy
+        self.local_copy, self.copy, self.arrival = bool(local_copy), copy, arrival
         self.options = dict(local_copy=self.local_copy, copy=copy, stages=stages,
-                            chunk_bytes=chunk_bytes, lookahead=lookahead)
+                            chunk_bytes=chunk_bytes, lookahead=lookahead, arrival=arrival)
         self.block_threads = TMA_THREADS if copy == "tma" else threads
         self.timeout_ns = int(timeout_ns)
         self._fn = None

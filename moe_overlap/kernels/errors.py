@@ -12,9 +12,9 @@ word  meaning
 0     code (0 = ok, one of ``ERR_*`` below)
 1     rank that recorded it
 2     index: segment (consumer; -1 = a local cell), source rank (scale), assignment t * topk + k
-      (bad row)
+      (bad row), token tile (ordered scale)
 3     band / stage index; ERR_SCALE_TIMEOUT: this rank's epoch; ERR_EPOCH_MISMATCH: the source
-      rank again; ERR_PLAN_BOUNDS: which
+      rank again; ERR_TILE_SEGMENT_TIMEOUT: source << 32 | segment; ERR_PLAN_BOUNDS: which
       field (``PLAN_FIELDS``); ERR_SCALE_BAD_ROW: 1 for a y row (y_src), 0 for a slot row
 4     observed value (band flag, counter, the source's epoch, the bad row index)
 5     expected value (epoch, expected count, this rank's epoch, the valid row bound)
@@ -45,13 +45,17 @@ ERR_COPY_TIMEOUT = 3  # consumer (copy="tma") waited too long for a bulk load in
 ERR_EPOCH_MISMATCH = 4  # the source's epoch tag of the slot is not this rank's epoch
 ERR_PLAN_BOUNDS = 5  # consumer: a plan entry outside its buffer (validate=False input)
 ERR_SCALE_BAD_ROW = 6  # scale: an assignment's row outside the receive slot / y
+ERR_TILE_BAND_TIMEOUT = 7  # ordered scale: a token tile waited too long for a local band flag
+ERR_TILE_SEGMENT_TIMEOUT = 8  # ordered scale: a token tile waited too long for a segment's rows
 
 ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
              ERR_COPY_TIMEOUT: "consumer timed out waiting for a bulk (TMA) load of y",
              ERR_EPOCH_MISMATCH: "ranks out of step: a source's epoch differs from this rank's",
              ERR_PLAN_BOUNDS: "consumer refused a plan entry outside its buffer",
-             ERR_SCALE_BAD_ROW: "scale refused a row index outside the receive slot / y"}
+             ERR_SCALE_BAD_ROW: "scale refused a row index outside the receive slot / y",
+             ERR_TILE_BAND_TIMEOUT: "ordered scale timed out waiting for a local band of y",
+             ERR_TILE_SEGMENT_TIMEOUT: "ordered scale timed out waiting for a segment's rows"}
 
 # what word 3 of ERR_PLAN_BOUNDS names
 PLAN_FIELDS = {0: "num_segments > segment capacity", 1: "num_local_cells > cell capacity",
@@ -59,7 +63,14 @@ PLAN_FIELDS = {0: "num_segments > segment capacity", 1: "num_local_cells > cell 
                3: "segment source rows outside y", 4: "segment destination rows outside the slot",
                5: "segment bands outside the schedule / band id outside band_ready",
                6: "local cell source rows outside y",
-               7: "local cell destination rows outside the slot"}
+               7: "local cell destination rows outside the slot",
+               8: "ordered scale: dependency band id outside band_ready",
+               9: "ordered scale: dependency (source, segment) outside the arrival table"}
+
+
+def segment_word(source: int, segment: int) -> int:
+    """Word 3 of ERR_TILE_SEGMENT_TIMEOUT: source rank and segment in one int64."""
+    return (int(source) << 32) | (int(segment) & 0xFFFFFFFF)
 
 
 def comm_block_words(world: int) -> int:
@@ -97,6 +108,15 @@ def describe_error(err_host) -> str | None:
                 f"expected>={exp} after "
                 f"{el / 1e6:.1f} ms (a peer's consumer did not run, timed out, refused after an "
                 "error of its own, or sent fewer rows)")
+    if code == ERR_TILE_BAND_TIMEOUT:
+        return (f"{what}: rank {rank}, tile {index}, band {band}: band_ready={obs}, epoch={exp} "
+                f"after {el / 1e6:.1f} ms (producer stalled, or tiles prepared for another plan)")
+    if code == ERR_TILE_SEGMENT_TIMEOUT:
+        src, seg = band >> 32, band & 0xFFFFFFFF
+        return (f"{what}: rank {rank}, tile {index}, source rank {src}, segment {seg}: "
+                f"arrived rows={obs}, expected>={exp} after {el / 1e6:.1f} ms (the source's "
+                "consumer did not run, timed out, refused after an error of its own, or its "
+                "plan differs from the one this rank derived)")
     if code == ERR_EPOCH_MISMATCH:
         return (f"{what}: rank {rank} is at epoch {exp}, source rank {index} wrote this call's "
                 f"receive slot at its epoch {obs} (a rank made a call the others did not, or was "
