@@ -266,7 +266,7 @@ def cmd_project_ffn(args) -> int:
         check = check_reduce(json.load(f)["results"], rates)
     rows = project(shapes=args.shapes, worlds=args.world_sizes, tokens=args.tokens, rates=rates,
                    assumptions=a)
-    print(a.describe() + ".")
+    print(a.describe(rates) + ".")
     print("Check of the compute='reduce' model on the measured 2-GPU layer "
           "(ffn_fused_v7_final_2xh200.json), torch rate from the same run:")
     print(format_check(check["same_run"]))
@@ -285,7 +285,7 @@ def cmd_project_ffn(args) -> int:
     write(rows, out, rates, a, check, meta)
     png = os.path.splitext(out)[0] + ".png"
     try:
-        plot(rows, png, a, check)
+        plot(rows, png, a, check, rates)
         print(f"wrote {out} and {png}")
     except ImportError:
         print(f"wrote {out} (matplotlib is not installed: no plot)")

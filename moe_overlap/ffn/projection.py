@@ -172,9 +172,10 @@ class Assumptions:
     tile_m: int = 128  # compute m-tile = one band flag (both paths)
     tile_n: int = 256  # chained GEMM2 output tile width (tiles per row block = N / tile_n)
 
-    def describe(self) -> str:
-        bw = ("the measured 2-GPU value of each shape (254-287 GB/s)" if self.busbw_gbps is None
-              else f"{self.busbw_gbps:.0f} GB/s")
+    def describe(self, rates: FFNRates | None = None) -> str:
+        bws = sorted((rates or FFNRates()).nccl_busbw_gbps.values())
+        bw = (f"the measured 2-GPU value of each shape ({bws[0]:.0f}-{bws[-1]:.0f} GB/s)"
+              if self.busbw_gbps is None else f"{self.busbw_gbps:.0f} GB/s")
         return ("Projection, not a measurement. NCCL bf16 all-reduce bus bandwidth at G = 4 / 8 "
                 f"assumed: {bw}; torch and fused compute at their G = 2-slice rates; chained "
                 "bf16 band all-reduce assumed at the fp32 band all-reduce's per-SM rate")
@@ -367,7 +368,8 @@ def format_check(check: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, assumptions: Assumptions, check: dict | None = None):
+def plot(rows: list[dict], path: str, assumptions: Assumptions, check: dict | None = None,
+         rates: FFNRates | None = None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -393,7 +395,7 @@ def plot(rows: list[dict], path: str, assumptions: Assumptions, check: dict | No
         ax.set_xlabel("GPUs (G)")
     axes[0][0].set_ylabel("projected reference / fused")
     axes[0][-1].legend(fontsize=7)
-    note = assumptions.describe()
+    note = assumptions.describe(rates)
     if check:
         f = check["cross_run"]["summary"]["speedup"]
         note += (f". Model of the reduce path on the 2-GPU layer: speedup error mean "
@@ -407,7 +409,7 @@ def plot(rows: list[dict], path: str, assumptions: Assumptions, check: dict | No
 
 def write(rows, path_json, rates: FFNRates, assumptions: Assumptions, check, meta):
     doc = dict(meta=meta, assumptions=dict(
-        asdict(assumptions), text=assumptions.describe(), model=__doc__.split("\n\n", 1)[1],
+        asdict(assumptions), text=assumptions.describe(rates), model=__doc__.split("\n\n", 1)[1],
         ccta_choices=list(CCTA_CHOICES), seed_claim=SEED_CLAIM,
         min_measured_slice=MIN_MEASURED_SLICE),
         rates=asdict(rates), sources=SOURCES, check=check, rows=rows)
