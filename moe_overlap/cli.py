@@ -1,5 +1,5 @@
 """moe-overlap command line: demo | plan-stats | validate | sweep | report | project |
-project-ffn (also `project --ffn`)."""
+project-ffn (also `project --ffn`) | heap."""
 from __future__ import annotations
 
 import argparse
@@ -376,10 +376,50 @@ def cmd_validate(args) -> int:
     return 1 if failures else 0
 
 
+# ------------------------------------------------------------------------------- heap
+def _layer_spec(text: str) -> tuple:
+    """argparse type: T_MAX,TOPK,N[,COUNT] (a model name from moe_overlap.combine.shapes
+    instead of TOPK,N: NAME@T_MAX[,COUNT])."""
+    parts = [t.strip() for t in text.split(",")]
+    name, _, tok = parts[0].lower().partition("@")
+    try:
+        if name in MODELS:
+            if not tok or len(parts) > 2:
+                raise ValueError
+            _, k, _, n = MODELS[name]
+            vals = [int(tok), k, n] + [int(p) for p in parts[1:]]
+        else:
+            if len(parts) not in (3, 4):
+                raise ValueError
+            vals = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected T_MAX,TOPK,N[,COUNT] or MODEL@T_MAX[,COUNT] (models: "
+            f"{', '.join(MODEL_NAMES)})") from None
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be a positive integer")
+    if vals[2] % 8:
+        raise argparse.ArgumentTypeError(f"{text!r}: N={vals[2]} must be a multiple of 8 "
+                                         "(16-byte rows)")
+    return tuple(vals)
+
+
+def cmd_heap(args) -> int:
+    from .combine.comm_buffer import format_heap_report, heap_report
+    layers = getattr(args, "layer", None) or [(4096, 8, 7168, 60)]
+    r = heap_report(layers, args.world_size)
+    r["layer_shapes"] = [list(x) for x in layers]
+    print(format_heap_report(r))
+    if args.json:
+        print(json.dumps(r, indent=1))
+    return 0
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(prog="moe-overlap", description=__doc__, formatter_class=fmt)
-    sub = p.add_subparsers(dest="cmd", metavar="{demo,plan-stats,validate,sweep,report,project,project-ffn}")
+    sub = p.add_subparsers(
+        dest="cmd", metavar="{demo,plan-stats,validate,sweep,report,project,project-ffn,heap}")
     d = sub.add_parser("demo", help="CPU ranks: router -> dispatch -> combine, vs the baseline "
                        "(the default command)", formatter_class=fmt,
                        description="W CPU ranks (gloo) run router -> dispatch -> combine for each "
@@ -499,7 +539,24 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     f.add_argument("--root", default=".", help="the repository (reads bench/results/ there)")
     f.add_argument("--out", default="bench/results/projection_ffn_g2_8.json",
                    help="JSON to write (the PNG goes beside it)")
-    return p, {"demo": d, "plan-stats": s, "validate": v, "project": j, "project-ffn": f}
+    hp = sub.add_parser(
+        "heap", help="symmetric (NVSHMEM) heap the combine needs, with and without sharing",
+        formatter_class=fmt,
+        description="The symmetric heap per rank that the overlapped combine's communication "
+        "buffers take for a model's layers: every layer its own buffer (2 x T_max x topk x N x "
+        "2 bytes + a 24 W-byte block each) vs one CommBuffer shared by all of them (the "
+        "MoECombine default: 2 slots of the largest layer + one block), and the "
+        "NVSHMEM_SYMMETRIC_SIZE to set. Pure arithmetic: no GPU.")
+    hp.add_argument("--layer", type=_layer_spec, action="append", default=argparse.SUPPRESS,
+                    help="a layer shape T_MAX,TOPK,N[,COUNT] (T_MAX: max_tokens_per_rank; "
+                    "COUNT layers of it, default 1) or MODEL@T_MAX[,COUNT]; repeat for several "
+                    "shapes (default: 4096,8,7168,60, i.e. 60 DeepSeek-V3 layers at 4096 tokens)")
+    hp.add_argument("--world-size", type=_positive_int, default=8,
+                    help="ranks in the combine's process group (sizes the communication block)")
+    hp.add_argument("--json", action="store_true",
+                    help="also print the numbers as JSON")
+    return p, {"demo": d, "plan-stats": s, "validate": v, "project": j, "project-ffn": f,
+               "heap": hp}
 
 
 def main(argv=None) -> int:
@@ -540,7 +597,8 @@ def main(argv=None) -> int:
             sp.error(f"--busbw-gbps must be > 0, got {args.busbw_gbps}")
         args.argv = argv[1:]
     return {"demo": cmd_demo, "plan-stats": cmd_plan_stats, "validate": cmd_validate,
-            "project": cmd_project, "project-ffn": cmd_project_ffn}[args.cmd](args)
+            "project": cmd_project, "project-ffn": cmd_project_ffn,
+            "heap": cmd_heap}[args.cmd](args)
 
 
 if __name__ == "__main__":

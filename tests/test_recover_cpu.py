@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from conftest import spawn_ranks
+from fake_symmetric import fake_runtime
+from moe_overlap.combine.comm_buffer import CommBuffer
 from moe_overlap.combine.options import CombineOptions
 from moe_overlap.combine.overlap import OverlapCombine, OverlapError
 from moe_overlap.runtime.error_watch import DeviceError, ErrorWatch
@@ -110,27 +112,28 @@ def no_cuda(monkeypatch):
     return log
 
 
-def _fake_combine(log, error_check="async", fail_call=None):
-    """An OverlapCombine (rank 0 of 2) whose kernels are recorders; the scale of call number
-    ``fail_call`` (1-based) records a timeout in the error word."""
+def _fake_combine(log, error_check="async", fail_call=None, comm=None, N=16, monkeypatch=None):
+    """An OverlapCombine (rank 0 of 2) whose kernels are recorders, on a real CommBuffer (its
+    own, or ``comm``) over the CPU stand-in for nvshmem4py (tests/fake_symmetric.py); the scale
+    of its call number ``fail_call`` (1-based) records a timeout in the error word."""
     ov = object.__new__(OverlapCombine)
-    W, N, T = 2, 16, 4
+    W, T = 2, 4
     ov.rank, ov.world_size, ov.out_features, ov.device = 0, W, N, torch.device("cpu")
     ov.options = SimpleNamespace(ccta=4, local_copy=False, consumer_piece_rows=0)
     ov._debug = CombineDebug()
-    ov.err = torch.zeros(8, dtype=torch.int64)
-    ov._watch = ErrorWatch(ov.err, E.describe_error, "OverlapCombine (rank 0)",
-                           exc=OverlapError, enabled=error_check == "async")
-    ov.epoch = torch.zeros(1, dtype=torch.int32)
-    ov.buffers = SimpleNamespace(block=torch.zeros(3 * W, dtype=torch.int64))
-    ov.counters = ov.buffers.block[:W]
-    ov.expected = torch.zeros(W, dtype=torch.int64)
+    if comm is None:
+        comm = CommBuffer(None, "nvlink", runtime=fake_runtime(monkeypatch, log,
+                                                               patch_sync=False))
+    ov.comm, ov.max_recv_rows, ov._band_ready = comm, T * 2, None
+    comm.attach(ov, ov.max_recv_rows, N * 2)
+    ov._async_errors = error_check == "async"
     ov._band_ready = torch.zeros(4, dtype=torch.int32)
     ov._y = None
-    ov.recv, ov.slot_bytes, ov.num_sms = None, 0, 132
+    ov.num_sms = 132
     ov._warm = ov._prod_warm = False
     ov.cs = _Stream(log, "cs")
-    ov.rt = SimpleNamespace(barrier=lambda: log.append("barrier"))
+    ov.rt = comm.runtime
+    log.clear()  # construction's allocation barriers are not part of the call's order
     calls = {"n": 0}
 
     def warmup():
@@ -144,9 +147,9 @@ def _fake_combine(log, error_check="async", fail_call=None):
 
     def begin_call(ids, w, plan, routes):
         calls["n"] += 1
-        ov.epoch.add_(1)
         log.append("begin")
-        return ids.int(), w.float()
+        return OverlapCombine.begin_call(ov, ids, w, routes=SimpleNamespace(
+            rows=ids.int(), expected_inc=torch.ones(W, dtype=torch.int64)))
 
     ov.check_inputs = lambda *a: None
     ov.warmup = warmup
@@ -162,9 +165,10 @@ def _fake_combine(log, error_check="async", fail_call=None):
     return ov, args
 
 
-def test_combine_first_call_warms_up_and_barriers_before_any_cross_rank_wait(no_cuda):
+def test_combine_first_call_warms_up_and_barriers_before_any_cross_rank_wait(no_cuda,
+                                                                            monkeypatch):
     log = no_cuda
-    ov, args = _fake_combine(log)
+    ov, args = _fake_combine(log, monkeypatch=monkeypatch)
     ov.forward(*args)
     first_launch = min(log.index("ship"), log.index("produce"))
     assert log.index("warmup") < log.index("produce(warm)") < log.index("barrier") < first_launch
@@ -173,9 +177,9 @@ def test_combine_first_call_warms_up_and_barriers_before_any_cross_rank_wait(no_
     assert "barrier" not in log and "warmup" not in log  # once
 
 
-def test_combine_launches_the_producer_before_the_consumer(no_cuda):
+def test_combine_launches_the_producer_before_the_consumer(no_cuda, monkeypatch):
     log = no_cuda
-    ov, args = _fake_combine(log)
+    ov, args = _fake_combine(log, monkeypatch=monkeypatch)
     ov._warm = ov._prod_warm = True
     ov.forward(*args)
     # cs depends on s0 before the producer (begin_call only), the producer is launched first,
@@ -184,9 +188,9 @@ def test_combine_launches_the_producer_before_the_consumer(no_cuda):
                    "s0 waits cs"], log
 
 
-def test_combine_error_raises_on_the_next_call_before_any_launch(no_cuda):
+def test_combine_error_raises_on_the_next_call_before_any_launch(no_cuda, monkeypatch):
     log = no_cuda
-    ov, args = _fake_combine(log, fail_call=2)
+    ov, args = _fake_combine(log, fail_call=2, monkeypatch=monkeypatch)
     ov._warm = ov._prod_warm = True
     ov.forward(*args)
     ov.forward(*args)  # its scale times out: returns (no sync in the call)
@@ -199,9 +203,9 @@ def test_combine_error_raises_on_the_next_call_before_any_launch(no_cuda):
     assert ov.synchronize == ov.check_errors
 
 
-def test_combine_error_check_off_does_not_raise_in_calls(no_cuda):
+def test_combine_error_check_off_does_not_raise_in_calls(no_cuda, monkeypatch):
     log = no_cuda
-    ov, args = _fake_combine(log, error_check="off", fail_call=1)
+    ov, args = _fake_combine(log, error_check="off", fail_call=1, monkeypatch=monkeypatch)
     ov._warm = ov._prod_warm = True
     for _ in range(3):
         ov.forward(*args)
@@ -209,15 +213,15 @@ def test_combine_error_check_off_does_not_raise_in_calls(no_cuda):
         ov.check_errors()
 
 
-def test_combine_reset_clears_every_word_between_two_barriers(no_cuda):
+def test_combine_reset_clears_every_word_between_two_barriers(no_cuda, monkeypatch):
     log = no_cuda
-    ov, args = _fake_combine(log, fail_call=1)
+    ov, args = _fake_combine(log, fail_call=1, monkeypatch=monkeypatch)
     ov._warm = ov._prod_warm = True
     ov.forward(*args)
     seen = []
-    ov.rt = SimpleNamespace(barrier=lambda: seen.append(
+    ov.comm.runtime.barrier = lambda: seen.append(
         [int(t.abs().sum()) for t in (ov.err, ov.buffers.block, ov.expected, ov.epoch,
-                                      ov._band_ready)]))
+                                      ov._band_ready)])
     for t in (ov.buffers.block, ov.expected, ov._band_ready):
         t.fill_(3)
     log.clear()

@@ -65,6 +65,16 @@ class MoECombine(torch.nn.Module):
     (plan.total_rows) and that every rank passes the same kind of input; otherwise the output is
     silently wrong or a rank waits until a timeout.
 
+    Memory (overlap backend): the communication state (symmetric receive slots, counters,
+    epoch tags, epoch, expected counts, error word) is a ``CommBuffer``
+    (moe_overlap/combine/comm_buffer.py). ``comm_buffer=None`` (default): the process-wide buffer
+    of (group, transport, bf16), shared by every such layer and sized for the largest
+    (``max_tokens_per_rank * topk * N * 2`` bytes per slot, two slots), reserved here at
+    construction and allocated by the first call; ``comm_buffer=CommBuffer(...)``: that one (a
+    new object: this layer's own). Layers sharing a buffer must run one at a time (no call of
+    one in flight while another's is launched on another stream), and share its errors and
+    ``reset()``. The heap a model needs: ``moe-overlap heap``.
+
     Autograd: the ``reference`` backend is differentiable in h, w_down and topk_weights across
     ranks (its exchange's backward is the reverse exchange; backward is collective, run it on
     every rank). The ``overlap`` backend is inference-only: it raises if grad mode is on and an
@@ -76,8 +86,11 @@ class MoECombine(torch.nn.Module):
                  ccta=None, mgb=None, transport: str | None = None, validate: bool = True,
                  local_copy: bool | None = None, copy: str | None = None,
                  layout: str | None = None, error_check: str | None = None,
-                 options: CombineOptions | None = None):
+                 options: CombineOptions | None = None, comm_buffer=None):
         super().__init__()
+        from .comm_buffer import CommBuffer
+        if comm_buffer is not None and not isinstance(comm_buffer, CommBuffer):
+            raise TypeError(f"comm_buffer must be a CommBuffer, got {type(comm_buffer).__name__}")
         rank, W = world(group)
         ints = {}
         for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
@@ -119,6 +132,21 @@ class MoECombine(torch.nn.Module):
         self.options = options.resolve(self.facts)
         if self.options.gemm_options:  # checked now, not when the overlap backend starts
             self.options.check_gemm_options(tile_m)
+        self.comm_buffer = None
+        if backend != "reference":
+            if comm_buffer is None:
+                comm_buffer = CommBuffer.shared(group, self.options.transport, torch.bfloat16)
+            elif comm_buffer.group is not group or comm_buffer.dtype != torch.bfloat16 or \
+                    comm_buffer.transport != self.options.transport:
+                raise ValueError(f"comm_buffer is for transport={comm_buffer.transport!r}, "
+                                 f"{comm_buffer.dtype} rows (or another process group); this "
+                                 "layer needs one of its group, bfloat16 rows and "
+                                 f"transport={self.options.transport!r}")
+            # host only: the memory is allocated (collectively) by the first overlapped call
+            # (an N the overlap backend cannot run is refused there, not here: "auto" falls back)
+            if out_features % 8 == 0:
+                comm_buffer.reserve(max_tokens_per_rank * topk, out_features * 2)
+            self.comm_buffer = comm_buffer
         self._impl = None  # overlap backend object, built lazily on the first CUDA call
 
     # the most rows one rank can receive: every token of every rank routed to its experts
@@ -277,9 +305,12 @@ class MoECombine(torch.nn.Module):
 
     def check_errors(self):
         """Overlap backend: synchronize and raise if a device wait timed out in an earlier call
-        (``OverlapError`` with the device's error record). Nothing to check otherwise."""
+        (``OverlapError`` with the device's error record) of any layer on this layer's
+        communication buffer. Nothing to check otherwise."""
         if self._impl is not None:
             self._impl.check_errors()
+        elif self.comm_buffer is not None:  # other layers' calls on the shared buffer
+            self.comm_buffer.check_errors()
 
     synchronize = check_errors
 
@@ -287,9 +318,12 @@ class MoECombine(torch.nn.Module):
         """Collective (every rank, between calls): make the overlap backend usable again after
         a device error (a timeout, ranks out of step): error word, arrival counters, epoch tags,
         expected counts, epoch and band flags cleared on every rank between two barriers (see
-        ``OverlapCombine.reset``). The reference backend keeps no device state: a barrier."""
+        ``OverlapCombine.reset``), for every layer sharing its communication buffer. The
+        reference backend keeps no device state: a barrier."""
         if self._impl is not None:
             self._impl.reset()
+        elif self.comm_buffer is not None and self.comm_buffer.allocated:
+            self.comm_buffer.reset()  # allocated by other layers (collectively: every rank)
         elif self.world_size > 1:
             import torch.distributed as dist
             dist.barrier(group=self.group)
@@ -304,7 +338,7 @@ class MoECombine(torch.nn.Module):
                 group=self.group, num_experts=self.num_experts, hidden_size=self.hidden_size,
                 out_features=self.out_features, topk=self.topk,
                 max_tokens_per_rank=self.max_tokens_per_rank, tile_m=self.tile_m,
-                options=self.options)
+                options=self.options, comm_buffer=self.comm_buffer)
         return self._impl
 
     def autotune(self, h, w_down, expert_counts, topk_ids, topk_weights, candidates=None,

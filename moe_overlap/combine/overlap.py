@@ -12,12 +12,19 @@ One call of ``forward(h, w_down, plan, topk_ids, topk_weights)`` on the current 
 The next call raises OverlapError first if that read-back found an error; ``reset()`` (collective)
 clears the device state after one.
 
-Receive buffer: symmetric, two slots ``[2, max_tokens_per_rank * topk, N]`` used by epoch parity.
-Why two: a peer may start shipping call i+1 while this rank's scale still reads call i. It cannot
-ship call i+2 before this rank's scale of call i is done: every consumer adds a call marker (+1) to
-every owner's counter[rank] when it starts, each rank's consumer of call i+1 starts after its scale
-of call i (same stream), and the peer's scale of call i+1 (before its consumer of i+2) waits for
-that marker.
+Communication state: a ``CommBuffer`` (moe_overlap/combine/comm_buffer.py: the receive slots,
+counters, epoch tags, the epoch, the expected counts and the error word), this layer's own unless
+``comm_buffer=`` names one shared with other layers (``MoECombine`` shares one per (group,
+transport, dtype) by default). Receive buffer: symmetric, two slots used by epoch parity, each of
+the buffer's ``slot_bytes`` (at least ``max_tokens_per_rank * topk * N * 2``; this layer's rows
+start each slot, ``recv`` is its ``[2, max_tokens_per_rank * topk, N]`` view). The epoch counts
+calls on the buffer, whatever layer makes them, so all that follows holds for layers sharing it
+as long as they run one at a time.
+Why two slots: a peer may start shipping call i+1 while this rank's scale still reads call i. It
+cannot ship call i+2 before this rank's scale of call i is done: every consumer adds a call marker
+(+1) to every owner's counter[rank] when it starts, each rank's consumer of call i+1 starts after
+its scale of call i (same stream), and the peer's scale of call i+1 (before its consumer of i+2)
+waits for that marker.
 
 Everything per call lives on the device (epoch, expected counts, flags), so the call is capturable
 in a CUDA graph and replays with new data in the same input tensors.
@@ -58,12 +65,8 @@ import torch
 import torch.distributed as dist
 
 from ..diagnostics import CombineDebug, debug_scope
-from ..runtime.error_watch import ErrorWatch
+from .comm_buffer import CommBuffer, OverlapError  # noqa: F401  (OverlapError: its old home)
 from .options import TRANSPORTS, CombineFacts, CombineOptions, options_from_kwargs  # noqa: F401
-
-
-class OverlapError(RuntimeError):
-    pass
 
 
 def check_gemm_options(options, tile_m):
@@ -90,8 +93,11 @@ class OverlapCombine:
     (``plan_combine(mgb=)`` / ``MoECombine``), this object never reads it.
     Per call, ``forward(..., ccta=)`` / ``ship(..., ccta=, piece_rows=)`` /
     ``produce(..., ccta=)`` override the resolved ccta / piece rows for that call only (the
-    tuner and the sweep time candidates this way)."""
-    _instances = 0
+    tuner and the sweep time candidates this way).
+    ``comm_buffer``: the ``CommBuffer`` holding the communication state (receive slots,
+    counters, epoch tags, epoch, expected counts, error word); default: one of this object's
+    own. Layers given the same buffer share its memory (sized for the largest), its epoch, its
+    errors and its ``reset()``; they must run one at a time (see comm_buffer.py)."""
 
     def __init__(self, group=None, num_experts: int = 8, hidden_size: int = 1024,
                  out_features: int = 1024, topk: int = 2, max_tokens_per_rank: int = 1024,
@@ -102,7 +108,9 @@ class OverlapCombine:
                  consumer_stages: int | None = None, consumer_chunk: int | None = None,
                  consumer_piece_rows: int | None = None,
                  gemm_options: dict | None = None, error_check: str | None = None,
-                 options: CombineOptions | None = None):
+                 options: CombineOptions | None = None, comm_buffer: CommBuffer | None = None):
+        if comm_buffer is not None and not isinstance(comm_buffer, CommBuffer):
+            raise TypeError(f"comm_buffer must be a CommBuffer, got {type(comm_buffer).__name__}")
         if mgb is not None and mgb != "auto":
             warnings.warn("OverlapCombine(mgb=...) is ignored: bands per transfer are the "
                           "plan's (plan_combine(mgb=...) or MoECombine(mgb=...))",
@@ -143,29 +151,30 @@ class OverlapCombine:
                           "loaded module can deadlock; OverlapCombine warms every kernel up, "
                           "but set CUDA_MODULE_LOADING=EAGER before CUDA starts", RuntimeWarning)
 
-        from ..runtime.nvshmem import NvshmemRuntime
         from .consumer import Consumer
         from .scale import Scale
-        self.rt = NvshmemRuntime.get(group)
+        if comm_buffer is None:
+            comm_buffer = CommBuffer(group, opts.transport)
+        if comm_buffer.dtype != torch.bfloat16:
+            raise ValueError(f"comm_buffer holds {comm_buffer.dtype} rows; the overlap combine "
+                             "moves bfloat16 rows")
+        if comm_buffer.group is not group or comm_buffer.transport != opts.transport:
+            raise ValueError(
+                f"comm_buffer is for transport={comm_buffer.transport!r}"
+                f"{'' if comm_buffer.group is group else ' of another process group'}; this "
+                f"layer needs one of its own group and transport={opts.transport!r}")
+        self.comm = comm_buffer
         self.max_recv_rows = max_tokens_per_rank * topk
-        OverlapCombine._instances += 1  # same construction order on every rank
-        self.buffers = self.rt.buffers(2 * self.max_recv_rows, out_features,
-                                       key=f"overlap{OverlapCombine._instances}")
-        if transport == "nvlink":
-            self.buffers.require_p2p()  # stores to the peers' memory: they must be mapped
-        self.recv, self.counters = self.buffers.recv, self.buffers.counters
-        self.slot_bytes = self.max_recv_rows * out_features * 2
-        dev = self.device
-        self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.rt.barrier()  # counters are quiescent here: start the expectations from them
-        self.expected = self.counters.clone()
-        self.err = torch.zeros(8, dtype=torch.int64, device=dev)
-        from ..kernels.errors import describe_error
-        # reported by default: read back after every call, raised by the next (ErrorWatch)
-        self._watch = ErrorWatch(self.err, describe_error, f"OverlapCombine (rank {self.rank})",
-                                 exc=OverlapError,
-                                 enabled=opts.error_check == "async")
         self._band_ready = None
+        # collective (same construction order on every rank): allocates, or grows, the memory
+        comm_buffer.attach(self, self.max_recv_rows, out_features * 2)
+        self.rt = comm_buffer.runtime
+        if opts.transport == "nvlink":
+            self.buffers.require_p2p()  # stores to the peers' memory: they must be mapped
+        dev = self.device
+        # reported by default: read back after every call, raised by the next (ErrorWatch of
+        # the buffer: an error of any layer on it raises in the next call of any of them)
+        self._async_errors = opts.error_check == "async"
         self._y = None
         self.cs = torch.cuda.Stream(device=dev, priority=-1)
         self.consumer = Consumer(opts.transport, opts.consumer_threads, opts.consumer_unroll,
@@ -190,6 +199,26 @@ class OverlapCombine:
                              "only 'flags_before_stores' exists")
         if self._test_broken_order and self.producer_kind != "torch":
             raise ValueError("MOE_OVERLAP_TEST_BROKEN_ORDER needs producer='torch'")
+
+    # the communication state lives in the CommBuffer (shared with the layers sharing it)
+    buffers = property(lambda self: self.comm.buffers, doc="runtime.nvshmem.CombineBuffers")
+    counters = property(lambda self: self.comm.buffers.counters)
+    epoch = property(lambda self: self.comm.epoch, doc="int32 [1]: calls on the buffer")
+    expected = property(lambda self: self.comm.expected)
+    err = property(lambda self: self.comm.err)
+    _watch = property(lambda self: self.comm.watch)
+    slot_bytes = property(lambda self: self.comm.slot_bytes,
+                          doc="Bytes between the two receive slots (the buffer's slot).")
+
+    @property
+    def recv(self) -> torch.Tensor:
+        """This layer's view of the receive slots: bf16 [2, max_recv_rows, N] (slot stride
+        ``slot_bytes``)."""
+        return self.comm.slots(self.max_recv_rows, self.out_features)
+
+    def _clear_band_flags(self):
+        if self._band_ready is not None:  # flags hold old epochs: a match after the epoch reset
+            self._band_ready.zero_()
 
     # resolved options under their historical attribute names (read-only)
     ccta = property(lambda self: self.options.ccta, doc="Consumer SMs (resolved option).")
@@ -341,20 +370,10 @@ class OverlapCombine:
         peers' consumers write it, and none runs now), expected counts, epoch and band flags,
         and forgets the host read-back; barrier again so no rank ships before every rank has
         cleared. The state is then the constructed one: every rank restarts at epoch 0 (a rank
-        that made more calls than the others is back in step too). Not capturable."""
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        self.rt.barrier()
-        self.err.zero_()
-        block = getattr(self.buffers, "block", None)
-        (block if block is not None else self.counters).zero_()
-        self.expected.zero_()
-        self.epoch.zero_()
-        if self._band_ready is not None:  # flags hold old epochs: a match after the epoch reset
-            self._band_ready.zero_()
-        self._watch.clear()
-        torch.cuda.synchronize(dev)
-        self.rt.barrier()
+        that made more calls than the others is back in step too). Not capturable.
+        A reset of the communication buffer: with a shared ``comm_buffer`` it clears it for
+        every layer on it (``CommBuffer.reset``)."""
+        self.comm.reset()
 
     # ---- warm-up -----------------------------------------------------------------------------
     def warmup(self):
@@ -372,12 +391,13 @@ class OverlapCombine:
         flags = torch.zeros(1, dtype=torch.int32, device=dev)
         self.consumer.launch(y=yb, plan=empty, band_ready=flags, epoch=z,
                              recv_peers=self.buffers.recv_peers, ctr_peers=self.buffers.ctr_peers,
-                             recv_sym=self.recv.data_ptr(), ctr_sym=self.counters.data_ptr(),
+                             recv_sym=self.buffers.recv.data_ptr(),
+                             ctr_sym=self.counters.data_ptr(),
                              err=self.err, ccta=self.ccta, slot_bytes=0)
         out = torch.empty(0, self.out_features, dtype=torch.bfloat16, device=dev)
         zi = torch.zeros(1, dtype=torch.int32, device=dev)
         zf = torch.zeros(1, dtype=torch.float32, device=dev)
-        self.scale.launch(recv=self.recv, rows=zi, weights=zf, out=out,
+        self.scale.launch(recv=self.buffers.recv, rows=zi, weights=zf, out=out,
                           counters=self.counters[:0], expected=self.expected, rank=self.rank,
                           err=self.err, epoch=z, slot_bytes=0, num_sms=self.num_sms, y=yb)
         torch.cuda.synchronize(dev)
@@ -405,7 +425,8 @@ class OverlapCombine:
         Returns (rows int32 [T, topk], weights fp32 [T, topk]) for the scale."""
         if routes is None:
             routes = self.prepare(plan, topk_ids)
-        self.epoch.add_(1)
+        self.comm.note_call()
+        self.epoch.add_(1)  # the buffer's epoch: slot parity and tags count calls on the buffer
         self.expected.add_(routes.expected_inc)
         return routes.rows, topk_weights.to(torch.float32).contiguous()
 
@@ -424,7 +445,8 @@ class OverlapCombine:
         CTAs and rows per piece (default: the resolved options)."""
         self.consumer.launch(y=y, plan=plan, band_ready=band_ready, epoch=self.epoch,
                              recv_peers=self.buffers.recv_peers,
-                             ctr_peers=self.buffers.ctr_peers, recv_sym=self.recv.data_ptr(),
+                             ctr_peers=self.buffers.ctr_peers,
+                             recv_sym=self.buffers.recv.data_ptr(),
                              ctr_sym=self.counters.data_ptr(), err=self.err,
                              ccta=self.ccta if ccta is None else ccta,
                              slot_bytes=self.slot_bytes if slot_bytes is None else slot_bytes,
@@ -460,7 +482,8 @@ class OverlapCombine:
                     tuple(topk_ids.shape):
                 raise ValueError(f"routes are for {routes.num_tokens} tokens x "
                                  f"{routes.rows.shape[1]}, topk_ids is {tuple(topk_ids.shape)}")
-        self._watch.poll()  # an earlier call's device error raises here, before any launch
+        if self._async_errors:  # an earlier call's device error raises here, before any launch
+            self._watch.poll()
         if not self._warm:
             self.warmup()
         if not self._prod_warm:
@@ -509,7 +532,7 @@ class OverlapCombine:
             cs.wait_stream(s0)
         with torch.cuda.stream(cs):
             if not debug.skip_scale:
-                self.scale.launch(recv=self.recv, rows=rows, weights=weights, out=out,
+                self.scale.launch(recv=self.buffers.recv, rows=rows, weights=weights, out=out,
                                   counters=self.counters, expected=self.expected,
                                   rank=self.rank, err=self.err, epoch=self.epoch,
                                   slot_bytes=self.slot_bytes, num_sms=self.num_sms, stream=cs,
@@ -521,7 +544,8 @@ class OverlapCombine:
         if not torch.cuda.is_current_stream_capturing():
             for t in (rows, weights, out, y):
                 t.record_stream(cs)
-        self._watch.after_call(s0)
+        if self._async_errors:
+            self._watch.after_call(s0)
         if check:
             self.check_errors()
         return out
@@ -531,4 +555,4 @@ class OverlapCombine:
     def recv_slot(self, epoch: int | None = None) -> torch.Tensor:
         """The receive slot of an epoch (default: the last call's), a [max_recv_rows, N] view."""
         e = int(self.epoch.item()) if epoch is None else epoch
-        return self.recv.view(2, self.max_recv_rows, self.out_features)[e & 1]
+        return self.recv[e & 1]

@@ -149,7 +149,10 @@ def worker(rank, W, args):
                 extra["t_scale"] = max_over_ranks(t)
                 same.check_errors()
                 pieces = exchange_plan(same.counts_h, rank, El)
-                peers = {d: ov.rt.peer_tensor(ov.recv, d) for d, _, _, _ in pieces}
+                # slot 0 of every peer's receive buffer as [rows, N] (the symmetric tensor
+                # itself is what NVSHMEM maps; ov.recv is a strided view of it)
+                peers = {d: ov.rt.peer_tensor(ov.buffers.recv, d)[:ov.max_recv_rows * N].view(
+                    ov.max_recv_rows, N) for d, _, _, _ in pieces}
                 t, extra_info["a2a_copy_engine_timing"] = _time_graph_or_eager(
                     time_calls, lambda: copy_engine_exchange(send, peers, pieces), args.reps,
                     args.replays, barrier)

@@ -4,6 +4,7 @@
     b = rt.buffers(max_recv_rows, N, key="layer0")  # collective on first call, then reused
     b.recv, b.counters, b.recv_peers, b.ctr_peers   # buffers + int64 [W] peer address tables
     rt.peer_tensor(recv, pe)                        # torch view of a peer's buffer (NVLink P2P)
+    t = rt.alloc(shape, dtype); rt.free(t)          # collective symmetric tensors (CommBuffer)
     rt.finalize()                                   # collective
 
 Bootstrap: rank 0 of the group creates an NVSHMEM unique id, broadcast to the group with
@@ -73,20 +74,28 @@ def _nbytes(shape, dtype) -> int:
     return n * torch.empty(0, dtype=dtype).element_size()
 
 
-def heap_error(nbytes: int, allocated: int, cause: BaseException) -> "NvshmemError":
+def symmetric_size_mib(need_bytes: int) -> int:
+    """The NVSHMEM_SYMMETRIC_SIZE (whole MiB) that holds ``need_bytes`` of symmetric tensors:
+    headroom for NVSHMEM's own allocations and alignment (1/8 + 64 MiB), rounded up."""
+    return -(-(need_bytes + (need_bytes >> 3) + (64 << 20)) // (1 << 20))
+
+
+def heap_error(nbytes: int, allocated: int, cause: BaseException,
+               note: str = "") -> "NvshmemError":
     """The error of a failed symmetric allocation: the size asked for, what is already taken,
-    and the NVSHMEM_SYMMETRIC_SIZE that would hold both (set before NVSHMEM starts)."""
+    and the NVSHMEM_SYMMETRIC_SIZE that would hold both (set before NVSHMEM starts); ``note``
+    (e.g. what the shared combine buffer needs) is appended."""
     import os
     need = allocated + nbytes
-    # headroom for NVSHMEM's own allocations and alignment; round up to whole MiB
-    suggest = -(-(need + (need >> 3) + (64 << 20)) // (1 << 20))
+    suggest = symmetric_size_mib(need)
     cur = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
     return NvshmemError(
         f"symmetric (NVSHMEM) allocation of {nbytes} bytes ({nbytes / 2**20:.1f} MiB) failed "
         f"with {allocated / 2**20:.1f} MiB already allocated by this runtime "
         f"({type(cause).__name__}: {cause}); the heap must hold at least {need / 2**20:.1f} MiB: "
         f"set NVSHMEM_SYMMETRIC_SIZE={suggest}M (now {cur or 'unset: NVSHMEM default'}) in the "
-        "environment of every rank before NVSHMEM is initialized, or lower max_tokens_per_rank")
+        "environment of every rank before NVSHMEM is initialized, or lower max_tokens_per_rank"
+        + (f". {note}" if note else ""))
 
 
 class NvshmemRuntime:
@@ -106,6 +115,7 @@ class NvshmemRuntime:
         self._tensors: list[torch.Tensor] = []
         self._buffers: dict[str, CombineBuffers] = {}
         self._peer_views: list[torch.Tensor] = []
+        self._peer_views_of: dict[int, list] = {}  # id(symmetric tensor) -> its peer views
         self._finalized = False
         if NvshmemRuntime._live:
             raise NvshmemError("NVSHMEM is already initialized in this process; reuse "
@@ -142,14 +152,15 @@ class NvshmemRuntime:
         return cls(group)
 
     # ---- symmetric memory -----------------------------------------------------------------
-    def alloc(self, shape, dtype) -> torch.Tensor:
-        """Collective symmetric allocation (zeroed; returns after every rank zeroed it)."""
+    def alloc(self, shape, dtype, note: str = "") -> torch.Tensor:
+        """Collective symmetric allocation (zeroed; returns after every rank zeroed it). A full
+        heap raises ``heap_error`` (``note`` appended to its text)."""
         self._check_live()
         nbytes = _nbytes(shape, dtype)
         try:
             t = self._nc.tensor(tuple(shape), dtype=dtype)
         except Exception as e:
-            raise heap_error(nbytes, self.allocated_bytes(), e) from e
+            raise heap_error(nbytes, self.allocated_bytes(), e, note) from e
         if t is None:
             raise NvshmemError("nvshmem4py was built without torch interop")
         t.zero_()
@@ -157,6 +168,20 @@ class NvshmemRuntime:
         dist.barrier(group=self.group)
         self._tensors.append(t)
         return t
+
+    def free(self, t: torch.Tensor):
+        """Collective: free symmetric ``t`` (allocated by ``alloc``) and drop the peer views of
+        it. Synchronizes and barriers first, so no kernel of any rank still uses it."""
+        self._check_live()
+        i = next((i for i, x in enumerate(self._tensors) if x is t), None)
+        if i is None:
+            raise NvshmemError("free(): not a symmetric tensor of this runtime")
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        views = {id(v) for v in getattr(self, "_peer_views_of", {}).pop(id(t), [])}
+        self._peer_views = [v for v in self._peer_views if id(v) not in views]
+        del self._tensors[i]
+        self._nc.free_tensor(t)
 
     def allocated_bytes(self) -> int:
         """Bytes of symmetric heap this runtime has allocated so far."""
@@ -212,7 +237,9 @@ class NvshmemRuntime:
         """(int64 [W] device tensor of ``t``'s base address on every rank as mapped here, 0 for
         a rank without a load/store mapping; the tuple of those ranks)."""
         views = [self._peer_view(t, pe) for pe in range(self.world_size)]
-        self._peer_views.extend(v for v in views if v is not None)  # keep the owners alive
+        kept = [v for v in views if v is not None and v is not t]
+        self._peer_views.extend(kept)  # keep the owners alive
+        getattr(self, "_peer_views_of", {}).setdefault(id(t), []).extend(kept)
         ptrs = [0 if v is None else v.data_ptr() for v in views]
         bad = tuple(pe for pe, v in enumerate(views) if v is None)
         return torch.tensor(ptrs, dtype=torch.int64, device=self.device), bad
@@ -241,6 +268,7 @@ class NvshmemRuntime:
         dist.barrier(group=self.group)
         self._buffers.clear()
         self._peer_views.clear()
+        getattr(self, "_peer_views_of", {}).clear()
         for t in self._tensors:
             try:
                 self._nc.free_tensor(t)

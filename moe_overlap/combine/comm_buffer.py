@@ -1,0 +1,341 @@
+"""CommBuffer: all communication state of the overlapped combine, one object that layers share.
+
+One ``CommBuffer`` owns, on this rank:
+- the symmetric receive buffer: two slots of ``slot_bytes`` each (slot ``epoch & 1`` receives a
+  call's rows; a layer of width N uses ``rows x N x 2`` bytes from the start of a slot),
+- the symmetric communication block ``int64 [3W]`` (arrival counters, then the per-source epoch
+  tags of the two slots: moe_overlap/kernels/errors.py) and the peer address tables,
+- the call epoch (int32 [1]), the cumulative expected arrivals (int64 [W]) and the error word
+  (int64 [8]) with its asynchronous read-back (``ErrorWatch``).
+
+Why one object: the slot parity, the epoch tags and the cumulative counters are protocol state
+of the buffer, not of a layer. The slot-reuse argument of ``OverlapCombine`` (a peer cannot ship
+call i+2 into a slot before this rank's scale of call i is done) and the tag check of
+docs/CONTRACTS.md count calls on the receive buffer; so layers that share the memory must share
+the epoch too. With the epoch advanced per call on the buffer, layers A, B, A, B, ... alternate
+slots exactly as one layer's calls do.
+
+Sharing. Layers of one process that share (group, transport, dtype) can share one buffer
+(``CommBuffer.shared(group, transport, dtype)``, the default of ``MoECombine``), sized for the
+largest ``rows x row bytes`` of any of them. The rule that makes it safe: **layers sharing a
+buffer run one at a time** (a model runs its layers in sequence on one stream): a call of one
+layer must not be in flight, on this rank, while another layer's call on the same buffer is
+launched on another stream. Errors and ``reset()`` are the buffer's: a device error recorded by
+any layer's call is sticky for every layer on the buffer (their kernels refuse to run and write
+NaN), raises in the next call of any of them, and ``reset()`` of any of them (collective) clears
+the buffer for all of them (their band flags too: the epoch restarts at 0).
+
+Sizes and growth. ``reserve(rows, row_bytes)`` only records a size (host, no collective);
+``MoECombine`` reserves at construction, so a model whose layers are all built before the first
+call allocates once, at the largest size. The allocation itself happens when the first layer's
+overlap backend is built (``attach``, collective: every rank builds layers in the same order). A
+layer that needs more than the allocation grows it collectively at that point: synchronize,
+barrier (no kernel of any rank uses the old memory), free, allocate the larger size, zero the
+expected counts (the new counters start at 0; the epoch and the error word are kept), barrier.
+Growth is refused (``CommBufferError`` naming the bytes needed) once a call on the buffer was
+captured in a CUDA graph: the graph holds the old addresses and would replay into freed memory.
+Reserve the largest size before capturing, or pass a ``comm_buffer`` reserved for it.
+
+The heap a model needs: ``heap_report`` (and ``moe-overlap heap``).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.error_watch import ErrorWatch
+from ..runtime.nvshmem import COMM_BLOCK_WORDS_PER_RANK, NvshmemError, symmetric_size_mib
+from .options import TRANSPORTS
+
+# 2-byte rows; the consumer and the scale of OverlapCombine move bf16 (the key keeps dtypes apart)
+RECV_DTYPES = (torch.bfloat16, torch.float16)
+ERR_WORDS = 8
+
+
+class OverlapError(RuntimeError):
+    """A device error of the overlapped combine, or a misuse of its communication buffer."""
+
+
+class CommBufferError(OverlapError):
+    """The communication buffer cannot serve a request (too small and no longer growable)."""
+
+
+# ---------------------------------------------------------------------------- sizing (pure)
+def _esize(dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def comm_block_bytes(world_size: int) -> int:
+    """Bytes of one rank's communication block (counters + the two slots' epoch tags)."""
+    return COMM_BLOCK_WORDS_PER_RANK * world_size * 8
+
+
+def slot_bytes_for(max_tokens_per_rank: int, topk: int, n: int, dtype=torch.bfloat16) -> int:
+    """Bytes of one receive slot of a layer: max_tokens_per_rank x topk rows of N elements."""
+    return max_tokens_per_rank * topk * n * _esize(dtype)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One combine layer's communication size: T_max (max_tokens_per_rank), topk, N."""
+    max_tokens_per_rank: int
+    topk: int
+    n: int
+    count: int = 1  # layers of this shape
+
+    def slot_bytes(self, dtype=torch.bfloat16) -> int:
+        return slot_bytes_for(self.max_tokens_per_rank, self.topk, self.n, dtype)
+
+
+def heap_report(layers, world_size: int, dtype=torch.bfloat16) -> dict:
+    """Symmetric heap the combine needs on each rank for ``layers`` (LayerShape or
+    (T_max, topk, N[, count]) tuples) in one group of ``world_size`` ranks:
+    ``unshared`` (every layer its own buffer: 2 slots + a block each, what OverlapCombine
+    without a comm_buffer allocates), ``shared`` (one CommBuffer: 2 slots of the largest layer
+    + one block) and ``symmetric_size_mib`` / ``symmetric_size`` (the NVSHMEM_SYMMETRIC_SIZE to
+    set for the shared buffer, with NVSHMEM's headroom), plus the inputs. Pure Python."""
+    if dtype not in RECV_DTYPES:
+        raise ValueError(f"dtype={dtype}: the combine's receive buffer is one of {RECV_DTYPES}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    shapes = []
+    for s in layers:
+        s = s if isinstance(s, LayerShape) else LayerShape(*s)
+        for name in ("max_tokens_per_rank", "topk", "n", "count"):
+            v = getattr(s, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"layer {s}: {name}={v!r} must be a positive int")
+        shapes.append(s)
+    if not shapes:
+        raise ValueError("heap_report needs at least one layer")
+    block = comm_block_bytes(world_size)
+    num = sum(s.count for s in shapes)
+    unshared = sum(s.count * (2 * s.slot_bytes(dtype) + block) for s in shapes)
+    slot = max(s.slot_bytes(dtype) for s in shapes)
+    shared = 2 * slot + block
+    mib = symmetric_size_mib(shared)
+    return {"layers": num, "world_size": world_size, "dtype": str(dtype).removeprefix("torch."),
+            "slot_bytes": slot, "block_bytes": block, "unshared_bytes": unshared,
+            "shared_bytes": shared, "symmetric_size_mib": mib,
+            "symmetric_size": f"{mib}M",
+            "unshared_symmetric_size": f"{symmetric_size_mib(unshared)}M"}
+
+
+def format_heap_report(r: dict) -> str:
+    gib = 2 ** 30
+    return "\n".join([
+        f"{r['layers']} combine layers, world size {r['world_size']}, {r['dtype']} rows",
+        f"  without sharing: {r['unshared_bytes']} bytes ({r['unshared_bytes'] / gib:.3f} GiB) "
+        f"of symmetric heap per rank (NVSHMEM_SYMMETRIC_SIZE={r['unshared_symmetric_size']})",
+        f"  shared (one CommBuffer, the MoECombine default): {r['shared_bytes']} bytes "
+        f"({r['shared_bytes'] / gib:.3f} GiB) = 2 slots x {r['slot_bytes']} + "
+        f"{r['block_bytes']} block",
+        f"  set NVSHMEM_SYMMETRIC_SIZE={r['symmetric_size']} on every rank before NVSHMEM "
+        "starts (plus what other symmetric users, e.g. the fused FFN, need)"])
+
+
+# ---------------------------------------------------------------------------- the buffer
+class CommBuffer:
+    """The combine's communication state on this rank (see the module doc); ``OverlapCombine``
+    and ``MoECombine`` take it as ``comm_buffer=``.
+
+    CommBuffer(group=None, transport="nvlink", dtype=torch.bfloat16, runtime=None): host only,
+    nothing is allocated until the first layer attaches. ``runtime``: the symmetric allocator
+    (``NvshmemRuntime.get(group)`` by default, created then): alloc / free / peer_table /
+    barrier / device / rank / world_size.
+    ``CommBuffer.shared(group, transport, dtype)``: the process-wide buffer of that key.
+    """
+    _shared: dict = {}  # (id(group), transport, dtype) -> CommBuffer
+
+    def __init__(self, group=None, transport: str = "nvlink", dtype=torch.bfloat16,
+                 runtime=None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}; choose from {TRANSPORTS}")
+        if dtype not in RECV_DTYPES:
+            raise ValueError(f"dtype={dtype}: the combine's receive buffer is one of "
+                             f"{RECV_DTYPES}")
+        self.group, self.transport, self.dtype = group, transport, dtype
+        self._runtime = runtime
+        self.reserved_slot_bytes = 0  # the largest slot any layer asked for
+        self.slot_bytes = 0  # the allocated slot (0: not allocated)
+        self.buffers = None  # runtime.nvshmem.CombineBuffers (recv: flat, 2 slots)
+        self.epoch = self.expected = self.err = None  # device tensors, made with the memory
+        self.watch = None  # ErrorWatch of err
+        self.calls = 0  # calls begun on this buffer (host count, eager and captured)
+        self.captured = False  # a call was captured in a CUDA graph: the addresses are fixed
+        self.growths = 0
+        self._layers = weakref.WeakSet()  # attached layers (their band flags on reset)
+
+    @classmethod
+    def shared(cls, group=None, transport: str = "nvlink", dtype=torch.bfloat16) -> "CommBuffer":
+        """The process-wide buffer of (group, transport, dtype), created on first use."""
+        key = (id(group), transport, dtype)
+        b = cls._shared.get(key)
+        if b is None or b.group is not group:
+            b = cls._shared[key] = cls(group, transport, dtype)
+        return b
+
+    # ---- sizes --------------------------------------------------------------------------
+    @property
+    def runtime(self):
+        if self._runtime is None:
+            from ..runtime.nvshmem import NvshmemRuntime
+            self._runtime = NvshmemRuntime.get(self.group)
+        return self._runtime
+
+    @property
+    def allocated(self) -> bool:
+        return self.buffers is not None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def heap_bytes(self) -> int:
+        """Symmetric bytes this buffer holds now (0 before the first attach)."""
+        if not self.allocated:
+            return 0
+        return 2 * self.slot_bytes + self.buffers.block.numel() * 8
+
+    def reserve(self, rows: int, row_bytes: int) -> int:
+        """Record that a layer will need slots of ``rows x row_bytes`` (host only, no
+        collective; the memory follows at the next attach). Returns the slot bytes reserved."""
+        for name, v in (("rows", rows), ("row_bytes", row_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive int")
+        if row_bytes % 16:
+            raise ValueError(f"row_bytes={row_bytes} must be a multiple of 16 (16-byte rows)")
+        need = rows * row_bytes
+        self.reserved_slot_bytes = max(self.reserved_slot_bytes, need)
+        return need
+
+    # ---- attach / allocate / grow (collective) -----------------------------------------
+    def attach(self, layer, rows: int, row_bytes: int):
+        """Collective (every rank, same order): make the buffer hold slots of ``rows x
+        row_bytes`` for ``layer`` (allocating, or growing as the module doc says) and register
+        the layer (its ``_clear_band_flags()`` runs on reset)."""
+        need = self.reserve(rows, row_bytes)
+        if not self.allocated:
+            self._allocate(self.reserved_slot_bytes)
+        elif need > self.slot_bytes:
+            self._grow(self.reserved_slot_bytes)
+        self._layers.add(layer)
+        if self.watch is not None and len(self._layers) > 1:
+            self.watch.what = (f"OverlapCombine (rank {self.runtime.rank}; communication "
+                               f"buffer shared by {len(self._layers)} layers)")
+
+    def _note(self, slot_bytes: int) -> str:
+        rt = self.runtime
+        block = comm_block_bytes(rt.world_size)
+        return (f"The {self.transport} combine's communication buffer needs "
+                f"{(2 * slot_bytes + block) / 2**20:.1f} MiB (2 slots of {slot_bytes} bytes, "
+                f"the largest max_tokens_per_rank x topk x N x {_esize(self.dtype)} of the "
+                f"{max(1, self.num_layers)} layer(s) on it so far, plus the {block}-byte "
+                "communication block); layers sharing one CommBuffer (the MoECombine default) "
+                "need it once, whatever their number; `moe-overlap heap` reports a model's "
+                "total")
+
+    def _allocate(self, slot_bytes: int):
+        from ..runtime.nvshmem import CombineBuffers
+        rt = self.runtime
+        W = rt.world_size
+        note = self._note(slot_bytes)
+        recv = rt.alloc((2 * slot_bytes // _esize(self.dtype),), self.dtype, note=note)
+        try:
+            block = rt.alloc((COMM_BLOCK_WORDS_PER_RANK * W,), torch.int64, note=note)
+        except BaseException:
+            rt.free(recv)
+            raise
+        (rp, bad), (cp, _) = rt.peer_table(recv), rt.peer_table(block)
+        self.buffers = CombineBuffers(recv, block[:W], rp, cp, block=block, unreachable=bad)
+        self.slot_bytes = slot_bytes
+        if self.epoch is None:
+            dev = rt.device
+            self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+            self.expected = torch.zeros(W, dtype=torch.int64, device=dev)  # = fresh counters
+            self.err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=dev)
+            from ..kernels.errors import describe_error
+            # every layer's read-back of the one word; a layer with error_check="off" skips
+            # poll / after_call itself (OverlapCombine)
+            self.watch = ErrorWatch(self.err, describe_error,
+                                    f"OverlapCombine (rank {rt.rank})", exc=OverlapError)
+
+    def _grow(self, slot_bytes: int):
+        if self.captured:
+            raise CommBufferError(
+                f"a layer needs receive slots of {slot_bytes} bytes, but the shared "
+                f"{self.transport} communication buffer has {self.slot_bytes} and a call on it "
+                "was captured in a CUDA graph, whose replays use the current addresses: it "
+                f"cannot grow. It needs {2 * slot_bytes + self.buffers.block.numel() * 8} "
+                "bytes: build every layer (MoECombine reserves at construction) before the "
+                "first capture, or pass comm_buffer=CommBuffer(...) after "
+                f"reserve({slot_bytes} bytes) to the layers")
+        rt = self.runtime
+        torch.cuda.synchronize(rt.device)
+        rt.barrier()  # no kernel of any rank uses the old memory past this point
+        old = self.buffers
+        self.buffers = None
+        rt.free(old.recv)
+        rt.free(old.block)
+        self._allocate(slot_bytes)
+        self.expected.zero_()  # the new counters start at 0; epoch and error word are kept
+        self.growths += 1
+        rt.barrier()
+
+    # ---- calls ------------------------------------------------------------------------
+    def note_call(self):
+        """A call (or a lone consumer launch) on the buffer is being issued."""
+        self.calls += 1
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self.captured = True
+
+    def slots(self, rows: int, n: int) -> torch.Tensor:
+        """The two receive slots as a layer of ``rows`` x ``n`` sees them: a [2, rows, n]
+        view (slot stride: the buffer's slot, not rows x n)."""
+        if not self.allocated:
+            raise CommBufferError("the communication buffer is not allocated yet (attach)")
+        if rows * n * _esize(self.dtype) > self.slot_bytes:
+            raise CommBufferError(f"[{rows}, {n}] does not fit a slot of {self.slot_bytes} "
+                                  "bytes")
+        step = self.slot_bytes // _esize(self.dtype)
+        return torch.as_strided(self.buffers.recv, (2, rows, n), (step, n, 1))
+
+    # ---- errors / reset -----------------------------------------------------------------
+    def check_errors(self):
+        """Synchronize; OverlapError if any call on this buffer (any layer) recorded an error
+        since construction or the last reset()."""
+        if self.watch is not None:
+            self.watch.check()
+
+    def reset(self):
+        """Collective (every rank, between calls, not under capture): clear the buffer for every
+        layer on it. Synchronizes, barrier (no kernel of any rank runs past it), zeroes the
+        error word, the whole communication block (counters and epoch tags: only the peers'
+        consumers write it, and none runs now), the expected counts, the epoch and every
+        attached layer's band flags (an old flag would equal a new epoch), forgets the host
+        read-back, barrier again. Every rank restarts at epoch 0."""
+        if not self.allocated:
+            return
+        rt = self.runtime
+        torch.cuda.synchronize(rt.device)
+        rt.barrier()
+        self.err.zero_()
+        self.buffers.block.zero_()
+        self.expected.zero_()
+        self.epoch.zero_()
+        for layer in list(self._layers):
+            layer._clear_band_flags()
+        self.watch.clear()
+        torch.cuda.synchronize(rt.device)
+        rt.barrier()
+
+    def __repr__(self):
+        return (f"CommBuffer(transport={self.transport!r}, slot_bytes={self.slot_bytes}, "
+                f"reserved={self.reserved_slot_bytes}, layers={self.num_layers}, "
+                f"calls={self.calls})")
+
+
+__all__ = ["CommBuffer", "CommBufferError", "LayerShape", "NvshmemError", "OverlapError",
+           "comm_block_bytes", "format_heap_report", "heap_report", "slot_bytes_for"]
