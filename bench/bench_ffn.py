@@ -82,8 +82,17 @@ def parse_args(argv=None):
                     help="print the plan (shapes, FLOPs, bytes) and exit; no GPU needed")
     ap.add_argument("--world", type=int, default=None,
                     help="world size assumed by --dry-run (default: $WORLD_SIZE or 2)")
+    ap.add_argument("--tune-cache", default=None,
+                    help="also write each shape's measured fused and reference times into this "
+                         "FFN tune cache (moe_overlap.ffn.tuning.FFNTuneCache), which "
+                         "FusedFFN(backend='auto') reads; needs the layer's default options")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.tune_cache and (a.fused_ccta is not None or a.compute_options or a.skip_kernel
+                         or a.no_fused or a.fused_tile_m != 128 or a.act2 != "none"):
+        ap.error("--tune-cache records the default fused layer (backend='auto' decides on it): "
+                 "drop --fused-ccta / --compute-options / --fused-tile-m / --act2 / "
+                 "--skip-kernel / --no-fused")
     names = list(SHAPES) if a.shapes == "all" else [s.strip() for s in a.shapes.split(",") if s]
     bad = [n for n in names if n not in SHAPES]
     if bad:
@@ -463,6 +472,15 @@ def table(rows, kernel):
     return "\n".join(lines)
 
 
+def tune_entries(rows, device_name: str, world: int, **info) -> dict:
+    """{FFN tune-cache key: entry} of the measured rows (dense FusedFFN at its default options
+    against the reference layer, both timed in the same rounds)."""
+    from moe_overlap.ffn.tuning import ffn_tune_key
+    return {ffn_tune_key(device_name, world, r["P"], r["O"], r["N"], False, r["T"]):
+            dict(fused_ms=r["fused_ms"], reference_ms=r["baseline_ms"], **info)
+            for r in rows if "fused_ms" in r}
+
+
 def main(argv=None):
     a = parse_args(argv)
     if a.dry_run:
@@ -507,6 +525,14 @@ def main(argv=None):
             with open(os.path.join(out, "bench_ffn.json"), "w") as f:
                 json.dump(dict(meta=meta, results=rows), f, indent=1)
             print(table(rows, not a.skip_kernel))
+            if a.tune_cache:
+                from moe_overlap.ffn.tuning import FFNTuneCache
+                cache = FFNTuneCache(a.tune_cache)
+                for key, e in tune_entries(rows, meta["device"], world, source="bench_ffn",
+                                           date=meta["date"], commit=meta["commit"]).items():
+                    cache.put(key, **e)
+                    print(f"tune cache {a.tune_cache}: {key} reference / fused = "
+                          f"{e['reference_ms'] / e['fused_ms']:.3f}")
         dist.destroy_process_group()
     return 0
 

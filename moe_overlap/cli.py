@@ -1,4 +1,5 @@
-"""moe-overlap command line: demo | plan-stats | validate | sweep | report | project | heap."""
+"""moe-overlap command line: demo | plan-stats | validate | sweep | report | project |
+project-ffn (also `project --ffn`) | heap."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,9 @@ TILE_MS = (64, 128, 256)  # moe_overlap.combine.plan.SUPPORTED_TILE_M
 from .combine.shapes import MODELS, SYNTHETIC  # noqa: E402  (no torch: fast help pages)
 
 MODEL_NAMES = tuple(MODELS)
+from .ffn.shapes import FFN_SHAPES  # noqa: E402  (a plain dict: no torch)
+
+FFN_SHAPE_NAMES = tuple(FFN_SHAPES)
 
 OVERLAP_SHAPES = tuple(tuple(int(v) for v in s.split("x")) for s in SYNTHETIC)  # T, E, k, N, K
 
@@ -242,6 +246,52 @@ def cmd_project(args) -> int:
     return 0
 
 
+def _git_commit(root: str) -> str:
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def cmd_project_ffn(args) -> int:
+    import datetime
+
+    from .ffn.projection import (Assumptions, FFNRates, check_reduce, format_check, format_table,
+                                 plot, project, write)
+    rates = FFNRates.from_results(args.root)
+    a = Assumptions(busbw_gbps=args.busbw_gbps)
+    with open(os.path.join(args.root, "bench", "results", "ffn_fused_v7_final_2xh200.json")) as f:
+        check = check_reduce(json.load(f)["results"], rates)
+    rows = project(shapes=args.shapes, worlds=args.world_sizes, tokens=args.tokens, rates=rates,
+                   assumptions=a)
+    print(a.describe(rates) + ".")
+    print("Check of the compute='reduce' model on the measured 2-GPU layer "
+          "(ffn_fused_v7_final_2xh200.json), torch rate from the same run:")
+    print(format_check(check["same_run"]))
+    print("... and with torch's rate from ffn_baseline_h200.json (as projected):")
+    print(format_check(check["cross_run"]))
+    print(f"Chained layer: {check['chained']}.")
+    print("Projection (ms per call and GPU; x = reference / fused; goal x: the chained path with "
+          "the all-reduce goal met, NCCL's bandwidth on 16 SMs):")
+    print(format_table(rows))
+    meta = dict(device="model", kind="projection",
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                git_commit=_git_commit(args.root), tokens=args.tokens, worlds=args.world_sizes,
+                command="moe-overlap project-ffn " + " ".join(args.argv))
+    out = args.out
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    write(rows, out, rates, a, check, meta)
+    png = os.path.splitext(out)[0] + ".png"
+    try:
+        plot(rows, png, a, check, rates)
+        print(f"wrote {out} and {png}")
+    except ImportError:
+        print(f"wrote {out} (matplotlib is not installed: no plot)")
+    return 0
+
+
 # ------------------------------------------------------------------------------- validate
 VALIDATE_DEFAULTS = {"world_sizes": [2, 3, 4], "experts": 12, "tokens": 96, "topk": 2,
                      "dtype": "float32", "device": "cpu"}
@@ -368,7 +418,8 @@ def cmd_heap(args) -> int:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(prog="moe-overlap", description=__doc__, formatter_class=fmt)
-    sub = p.add_subparsers(dest="cmd", metavar="{demo,plan-stats,validate,sweep,heap}")
+    sub = p.add_subparsers(
+        dest="cmd", metavar="{demo,plan-stats,validate,sweep,report,project,project-ffn,heap}")
     d = sub.add_parser("demo", help="CPU ranks: router -> dispatch -> combine, vs the baseline "
                        "(the default command)", formatter_class=fmt,
                        description="W CPU ranks (gloo) run router -> dispatch -> combine for each "
@@ -467,6 +518,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     j.add_argument("--sweep", default="bench/results/combine_sweep_2xh200_v7.json",
                    help="measured 2-GPU sweep the model is checked against ('' : none)")
     j.add_argument("--out", default="out/projection", help="output folder")
+    f = sub.add_parser(
+        "project-ffn", help="projection of the tensor-parallel FFN to G = 2, 4, 8 GPUs "
+        "(also `project --ffn`)", formatter_class=fmt,
+        description="Projected reference / fused time of the tensor-parallel FFN on G GPUs of "
+        "one NVLink node for the seed shapes, from measured one- and two-GPU rates "
+        "(moe_overlap/ffn/projection.py); the model of the compute='reduce' path is checked "
+        "against the measured 2-GPU layer and its error printed. Prints a table, writes the "
+        "JSON (every rate, its source and every assumption) and a PNG beside it. A projection, "
+        "not a measurement.")
+    f.add_argument("--shapes", type=_name_list(FFN_SHAPE_NAMES), default=",".join(FFN_SHAPE_NAMES),
+                   help="comma-separated FFN shapes (moe_overlap.ffn.shapes.FFN_SHAPES)")
+    f.add_argument("--world-sizes", type=_int_list(), default="2,4,8",
+                   help="comma-separated GPU counts G (>= 2, dividing every hidden size)")
+    f.add_argument("--tokens", type=_int_list(), default="8192,32768",
+                   help="comma-separated token counts")
+    f.add_argument("--busbw-gbps", type=float, default=None,
+                   help="NCCL bf16 all-reduce bus bandwidth assumed at G > 2, GB/s (default: "
+                   "each shape's measured 2-GPU value)")
+    f.add_argument("--root", default=".", help="the repository (reads bench/results/ there)")
+    f.add_argument("--out", default="bench/results/projection_ffn_g2_8.json",
+                   help="JSON to write (the PNG goes beside it)")
     hp = sub.add_parser(
         "heap", help="symmetric (NVSHMEM) heap the combine needs, with and without sharing",
         formatter_class=fmt,
@@ -483,7 +555,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                     help="ranks in the combine's process group (sizes the communication block)")
     hp.add_argument("--json", action="store_true",
                     help="also print the numbers as JSON")
-    return p, {"demo": d, "plan-stats": s, "validate": v, "project": j, "heap": hp}
+    return p, {"demo": d, "plan-stats": s, "validate": v, "project": j, "project-ffn": f,
+               "heap": hp}
 
 
 def main(argv=None) -> int:
@@ -496,6 +569,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["sweep"]:  # GPUs: its own options (moe_overlap/combine/sweep.py)
         from .combine.sweep import main as sweep_main
         return sweep_main(argv[1:])
+    if argv[:1] == ["project"] and "--ffn" in argv:  # the FFN's projection, same command family
+        argv = ["project-ffn"] + [x for x in argv[1:] if x != "--ffn"]
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["demo"] + argv  # the main job: the CPU demo
     args = p.parse_args(argv)
@@ -510,8 +585,20 @@ def main(argv=None) -> int:
         args.overlap_argv = overlap_validate_argv(args, sp)
     elif args.cmd == "validate":
         resolve_validate_args(args, sp)
+    elif args.cmd == "project-ffn":
+        bad = [G for G in args.world_sizes if G < 2]
+        if bad:
+            sp.error(f"--world-sizes: G must be >= 2, got {bad}")
+        for name in args.shapes:
+            if any(FFN_SHAPES[name][1] % G for G in args.world_sizes):
+                sp.error(f"--world-sizes {args.world_sizes}: not all divide the hidden size "
+                         f"{FFN_SHAPES[name][1]} of {name}")
+        if args.busbw_gbps is not None and not args.busbw_gbps > 0:
+            sp.error(f"--busbw-gbps must be > 0, got {args.busbw_gbps}")
+        args.argv = argv[1:]
     return {"demo": cmd_demo, "plan-stats": cmd_plan_stats, "validate": cmd_validate,
-            "project": cmd_project, "heap": cmd_heap}[args.cmd](args)
+            "project": cmd_project, "project-ffn": cmd_project_ffn,
+            "heap": cmd_heap}[args.cmd](args)
 
 
 if __name__ == "__main__":

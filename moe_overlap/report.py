@@ -55,6 +55,11 @@ CURRENT_OTHER = {
     "packed_gemm_h200_tm64_2e87a02.json": "producer on packed plans at tile_m 64 (slower)",
     "projection_combine_w2_64.json": "projected same-scale speedup, W = 2..64 (moe-overlap project; "
                                      "a projection, not a measurement)",
+    "projection_ffn_g2_8.json": "projected reference / fused FFN time at G = 2, 4, 8 (moe-overlap "
+                                "project-ffn; a projection, not a measurement)",
+    "ordered_scale_prediction_w2.json": "predicted T_overlap / bound of the token-ordered scale "
+                                        "(bench/predict_ordered_scale.py; a model, not a "
+                                        "measurement)",
     "single_gpu_tests_50c7989.log": "planner, producer and fused FFN single-GPU tests after the "
                                     "session's merges",
     "plan_kernel_h200_21d9b48.json": "first planner kernels (two plan launches) next to the torch "

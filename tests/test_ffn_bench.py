@@ -62,3 +62,22 @@ def test_allreduce_variant_options(bench):
     for bad in ("512", "512x", "x4", "512x4m"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--ar-variants", bad])
+
+
+def test_tune_cache_entries_are_what_auto_reads(bench, tmp_path):
+    from moe_overlap.ffn.tuning import FFNTuneCache, choose_backend
+    with open(PATH.parents[1] / "bench/results/ffn_fused_v7_final_2xh200.json") as f:
+        rows = json.load(f)["results"]
+    entries = bench.tune_entries(rows, "NVIDIA H200", 2, source="test")
+    # one entry per shape bucket: mixtral's expert has llama3-8b's dimensions
+    assert len(entries) == len({(r["P"], r["O"], r["N"], r["T"]) for r in rows}) == 6
+    cache = FFNTuneCache(str(tmp_path / "t.json"))
+    for k, e in entries.items():
+        cache.put(k, **e)
+    for r in rows:  # the measured 0.55-0.76x: auto keeps the reference, from the measurement
+        b, why = choose_backend(r["P"], r["O"], r["N"], 2, tokens=r["T"], device_name="NVIDIA H200",
+                                cache=FFNTuneCache(cache.path))
+        assert b == "reference" and "measured" in why
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tune-cache", str(tmp_path / "t.json"), "--fused-ccta", "8"])
+    assert bench.parse_args(["--tune-cache", "x.json"]).tune_cache == "x.json"

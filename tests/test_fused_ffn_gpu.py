@@ -293,3 +293,52 @@ def test_sharded_experts_fused_matches_reference_on_two_gpus():
         for r in rank_res:
             _assert_layer_matches(r)
             assert r["tail_zero"], r
+
+
+# ---------------------------------------------------------------- 2 GPUs: backend="auto"
+AUTO_CASE = (300, 256, 1024, 384)  # T (= max_tokens), P, O, N
+
+
+def _auto_worker(rank, world, cache_path):
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    import torch.distributed as dist
+
+    from moe_overlap.ffn import FusedFFN
+    from moe_overlap.ffn.reference import ffn_truth
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD
+    T, P, O, N = AUTO_CASE
+    g = torch.Generator().manual_seed(5)
+    W1 = (torch.randn(P, O, generator=g) / P ** 0.5).to(torch.bfloat16).to(dev)
+    W2 = (torch.randn(O, N, generator=g) / O ** 0.5).to(torch.bfloat16).to(dev)
+    b1 = (torch.randn(O, generator=g) * 0.1).to(torch.bfloat16).to(dev)
+    b2 = (torch.randn(N, generator=g) * 0.1).to(torch.bfloat16).to(dev)
+    out = {}
+    os.environ["MOE_OVERLAP_FFN_TUNE_CACHE"] = os.path.join(cache_path, "absent.json")
+    m = FusedFFN.from_full_weights(W1, b1, W2, b2, group, backend="auto", max_tokens=T)
+    out["model"] = (m.backend, m.backend_reason)
+    os.environ["MOE_OVERLAP_FFN_TUNE_CACHE"] = os.path.join(cache_path, "fused_faster.json")
+    m = FusedFFN.from_full_weights(W1, b1, W2, b2, group, backend="auto", max_tokens=T)
+    out["cache"] = (m.backend, m.backend_reason)
+    ref = FusedFFN.from_full_weights(W1, b1, W2, b2, group)
+    x = torch.randn(T, P, generator=g).to(torch.bfloat16).to(dev)
+    with torch.no_grad():
+        y, yr = m(x), ref(x)
+    m.check_errors()
+    out["cmp"] = _compare(y, yr, ffn_truth(x, W1, b1, W2, b2, "gelu", "none"), group)
+    return out
+
+
+@pytest.mark.two_gpus
+def test_auto_backend_on_two_gpus(tmp_path):
+    """On 2 Hopper GPUs the fused backend can run, so the decision is the model's (the
+    reference) until a tune-cache entry measures the fused layer faster; then "auto" runs the
+    fused layer, and it matches the reference."""
+    from moe_overlap.ffn.tuning import FFNTuneCache, ffn_tune_key
+    T, P, O, N = AUTO_CASE
+    key = ffn_tune_key(torch.cuda.get_device_name(0), 2, P, O, N, False, T)
+    FFNTuneCache(str(tmp_path / "fused_faster.json")).put(key, fused_ms=1.0, reference_ms=1.2)
+    for r in spawn_ranks(_auto_worker, 2, str(tmp_path), backend="nccl"):
+        assert r["model"][0] == "reference" and "modelled" in r["model"][1], r
+        assert r["cache"][0] == "fused" and "measured" in r["cache"][1], r
+        _assert_layer_matches(r["cmp"])

@@ -36,6 +36,12 @@ Backends:
   Its speed against the reference backend, and why: bench/NOTES.md.
   ``comm="unicast"`` (peer loads/stores over NVLink) or ``comm="switch"`` (NVLink multicast;
   refused unless multicast is explicitly allowed and available, see ``require_multicast``).
+- ``auto``: ``fused`` only where it is measured faster (an FFN tune-cache entry) or modelled at
+  least 5 % faster (``moe_overlap.ffn.projection``), else ``reference``; decided once at
+  construction (``moe_overlap.ffn.tuning.choose_backend``), the choice in ``backend`` and why in
+  ``backend_reason`` (and ``repr``). With today's measured rates it is the reference on every
+  seed shape. The fused options may be given; they are validated and apply only if fused is
+  chosen. The default backend stays ``reference``.
 
 All argument checks raise ``TypeError`` / ``ValueError`` before any work is done.
 """
@@ -53,7 +59,7 @@ from .options import (CHAINED_COMPUTE_OPTIONS, COMPUTE_OPTIONS,  # noqa: F401 (r
                       fused_default_allreduce_band_rows, fused_default_ccta, fused_tile_o)
 from .reference import experts_tp_reference, ffn_tp_reference
 
-BACKENDS = ("reference", "fused")
+BACKENDS = ("reference", "fused", "auto")
 COMMS = ("unicast", "switch")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: reference only
 
@@ -80,6 +86,7 @@ def _check_dtype(dtype, backend):
     if dtype not in DTYPES:
         raise TypeError(f"dtype={dtype} is not supported: choose from {DTYPES}")
     # float64 is there for gradient checks against a float64 truth; the fused kernels are bf16
+    # ("auto" takes the reference for other dtypes)
     if backend == "fused" and dtype != torch.bfloat16:
         raise TypeError(f"backend='fused' computes in bfloat16, got dtype={dtype}")
 
@@ -106,31 +113,72 @@ def _check_device_vs_group(device: torch.device, group, world: int):
                          "(or move the module to the rank's GPU)")
 
 
-def _fused_requirements(comm: str, device: torch.device, what: str = "FusedFFN"):
-    """Raises NotImplementedError (a RuntimeError) naming the first missing requirement of the
-    fused backend on this machine: multicast for comm='switch', CUDA, a CUDA device, CuTe DSL."""
+def _fused_missing(comm: str, device: torch.device) -> str | None:
+    """The first missing requirement of the fused backend on this machine (multicast for
+    comm='switch', CUDA, a CUDA device, a Hopper GPU, CuTe DSL), or None."""
     if comm == "switch":
         from ..runtime.multicast import require_multicast
-        require_multicast()  # raises a clear RuntimeError on our machines
-    why = None
+        try:
+            require_multicast()  # raises a clear RuntimeError on our machines
+        except RuntimeError as e:
+            return str(e)
     if not torch.cuda.is_available():
-        why = "no CUDA GPU is available"
-    elif device.type != "cuda":
-        why = f"the module's device is {device}, not a CUDA GPU"
-    else:
-        major, _ = torch.cuda.get_device_capability(device)
-        if major != 9:
-            why = f"{torch.cuda.get_device_name(device)} is not a Hopper (sm_90) GPU"
-        else:
-            try:
-                import cutlass.cute  # noqa: F401
-            except Exception as e:  # noqa: BLE001 - ImportError or a broken install
-                why = f"CuTe DSL (nvidia-cutlass-dsl) is not importable ({e})"
+        return "no CUDA GPU is available"
+    if device.type != "cuda":
+        return f"the module's device is {device}, not a CUDA GPU"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"{torch.cuda.get_device_name(device)} is not a Hopper (sm_90) GPU"
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError or a broken install
+        return f"CuTe DSL (nvidia-cutlass-dsl) is not importable ({e})"
+    return None
+
+
+def _fused_requirements(comm: str, device: torch.device, what: str = "FusedFFN"):
+    """Raises NotImplementedError (a RuntimeError) naming the first missing requirement of the
+    fused backend on this machine (``_fused_missing``); comm='switch' without multicast raises
+    require_multicast's RuntimeError."""
+    if comm == "switch":
+        from ..runtime.multicast import require_multicast
+        require_multicast()
+    why = _fused_missing(comm, device)
     if why is not None:
         raise NotImplementedError(
             f"{what}(backend='fused', comm={comm!r}) cannot run here: the fused compute kernel "
             f"(moe_overlap/ffn/compute_reduce.py) and the band all-reduce need CUDA Hopper GPUs "
             f"and CuTe DSL; {why}. Use backend='reference'.")
+
+
+def _fused_shape_problem(P: int, local_hidden: int, N: int) -> str | None:
+    """What the fused kernels cannot take in these dimensions (the checks of ``_init_fused``)."""
+    if P % 64:
+        return f"backend='fused' needs in_features % 64 == 0, got {P}"
+    if local_hidden % 128:
+        return (f"backend='fused' needs hidden_features / world_size % 128 == 0, got "
+                f"{local_hidden}")
+    if N % 128:
+        return f"backend='fused' needs out_features % 128 == 0, got {N}"
+    return None
+
+
+def _resolve_backend(what: str, backend: str, P: int, O: int, N: int, G: int, dtype, device,
+                     grouped: bool, options, fused_kw: dict) -> tuple[str, str]:
+    """(backend, reason): an explicit backend as given; "auto" decided once here
+    (``moe_overlap.ffn.tuning.choose_backend``: tune cache, else the projection model, the
+    reference wherever the fused backend cannot run). The fused options are validated first,
+    and their ccta / max_tokens enter the decision."""
+    if backend != "auto":
+        return backend, f"requested backend={backend!r}"
+    from .tuning import choose_backend
+    opts = ffn_options_from_kwargs(options, what, **fused_kw)
+    why = None if dtype == torch.bfloat16 else f"dtype {dtype}: the fused kernels are bfloat16"
+    why = why or _fused_shape_problem(P, O // G, N) or _fused_missing(opts.comm, device)
+    name = torch.cuda.get_device_name(device) if why is None else device.type
+    return choose_backend(P, O, N, G, grouped=grouped, tokens=opts.max_tokens,
+                          ccta=None if opts.ccta == "auto" else opts.ccta, device_name=name,
+                          cannot_run=why)
 
 
 def _check_layer(in_features, hidden_features, out_features, bias, dtype, backend, comm, group,
@@ -229,12 +277,14 @@ class _FusedBackend:
     _ring_buf = None  # chained: the H ring's storage (grows, never per call)
 
     def _init_backend(self, backend, device, options, comm, ccta, max_tokens, tile_m,
-                      compute_options, allreduce_band_rows, error_check=None, compute=None):
+                      compute_options, allreduce_band_rows, error_check=None, compute=None,
+                      requested=None):
         """Builds the layer's FFNOptions from ``options`` and the keyword arguments (refused for
-        the reference backend: it takes no fused option), checks them, and sets up the fused
-        backend with the resolved options."""
+        the reference backend when it was asked for: it takes no fused option; kept unused where
+        "auto" chose it), checks them, and sets up the fused backend with the resolved
+        options."""
         self._debug = FFNDebug()  # benchmarks: see diagnostics()
-        if backend != "fused":
+        if backend != "fused" and requested != "auto":
             if (ccta is not None or max_tokens is not None or tile_m is not None
                     or compute_options is not None or allreduce_band_rows is not None):
                 raise ValueError("ccta / max_tokens / tile_m / compute_options / "
@@ -255,6 +305,11 @@ class _FusedBackend:
         if backend == "fused":
             self._init_fused(device)
 
+    def _backend_repr(self) -> str:
+        if self.requested_backend != "auto":
+            return f"backend={self.backend}"
+        return f"backend={self.backend} ({self.backend_reason})"
+
     def diagnostics(self, timeline: list | None = None):
         """Context manager for benchmarks (fused backend, eager calls): inside it every call
         appends ``[start, compute end, all-reduce end]`` CUDA timing events to ``timeline``.
@@ -267,13 +322,9 @@ class _FusedBackend:
         _fused_requirements(self.comm, device, type(self).__name__)
         from .compute_reduce import FusedFFNCompute
         P, O, N = self.in_features, self.local_hidden, self.out_features
-        if P % 64:
-            raise ValueError(f"backend='fused' needs in_features % 64 == 0, got {P}")
-        if O % 128:
-            raise ValueError(f"backend='fused' needs hidden_features / world_size % 128 == 0, "
-                             f"got {O}")
-        if N % 128:
-            raise ValueError(f"backend='fused' needs out_features % 128 == 0, got {N}")
+        bad = _fused_shape_problem(P, O, N)
+        if bad is not None:
+            raise ValueError(bad)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.options = opts = self.options.resolve(
             FFNFacts(local_hidden=O, grouped=self._grouped_compute, num_sms=sms))
@@ -533,7 +584,9 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     P); ``act1`` in ``ACTIVATIONS`` (relu, gelu, gelu_tanh, silu), ``act2`` in ``ACT2`` (None or
     "none" for no activation); ``bias``: keep b1 and b2; ``group``: the TP process group (None: the
     default group if initialized, else a single process); ``dtype`` / ``device`` of the
-    parameters; ``backend`` "reference" | "fused"; ``comm`` "unicast" | "switch" (fused only).
+    parameters; ``backend`` "reference" | "fused" | "auto" (module docstring: resolved once, the
+    choice in ``self.backend``, why in ``self.backend_reason``); ``comm`` "unicast" | "switch"
+    (fused only).
     Fused only (``options=FFNOptions(...)`` or the same names as keywords, a keyword given
     overriding the object's field; validated at construction and resolved once into
     ``self.options``, see moe_overlap/ffn/options.py; the reference backend refuses them):
@@ -585,6 +638,13 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         P, O, N, self.comm, rank, G, device = _check_layer(
             in_features, hidden_features, out_features, bias, dtype, backend, comm, group, device,
             "the TP world size")
+        # "auto" decided once, here (before the parameters: their requires_grad follows it)
+        self.requested_backend = backend
+        backend, self.backend_reason = _resolve_backend(
+            type(self).__name__, backend, P, O, N, G, dtype, device, self._grouped_compute,
+            options, dict(comm=comm, ccta=ccta, max_tokens=max_tokens, tile_m=tile_m,
+                          compute_options=compute_options,
+                          allreduce_band_rows=allreduce_band_rows, error_check=error_check))
         self.in_features, self.hidden_features, self.out_features = P, O, N
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
         self.local_hidden = O // G
@@ -595,7 +655,8 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.b1 = torch.nn.Parameter(torch.zeros(O // G, **kw), **grad) if bias else None
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
-                           compute_options, allreduce_band_rows, error_check, compute)
+                           compute_options, allreduce_band_rows, error_check, compute,
+                           requested=self.requested_backend)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -707,7 +768,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, hidden={self.hidden_features} ({self.local_hidden} on "
                 f"rank {self.rank} of {self.world_size}), out={self.out_features}, "
-                f"act1={self.act1}, act2={self.act2}, backend={self.backend}")
+                f"act1={self.act1}, act2={self.act2}, {self._backend_repr()}")
 
 
 class ShardedExperts(_FusedBackend, torch.nn.Module):
@@ -743,6 +804,13 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         P, O, N, self.comm, rank, G, device = _check_layer(
             in_features, hidden_features, out_features, bias, dtype, backend, comm, group, device,
             "the world size")
+        # "auto" decided once, here (before the parameters: their requires_grad follows it)
+        self.requested_backend = backend
+        backend, self.backend_reason = _resolve_backend(
+            type(self).__name__, backend, P, O, N, G, dtype, device, self._grouped_compute,
+            options, dict(comm=comm, ccta=ccta, max_tokens=max_tokens, tile_m=tile_m,
+                          compute_options=compute_options,
+                          allreduce_band_rows=allreduce_band_rows, error_check=error_check))
         self.num_experts, self.in_features, self.hidden_features = E, P, O
         self.out_features, self.local_hidden = N, O // G
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
@@ -753,7 +821,8 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.b_in = torch.nn.Parameter(torch.zeros(E, O // G, **kw), **grad) if bias else None
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
-                           compute_options, allreduce_band_rows, error_check, compute)
+                           compute_options, allreduce_band_rows, error_check, compute,
+                           requested=self.requested_backend)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -885,4 +954,4 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         return (f"experts={self.num_experts}, in={self.in_features}, hidden="
                 f"{self.hidden_features} ({self.local_hidden} on rank {self.rank} of "
                 f"{self.world_size}), out={self.out_features}, activation={self.activation}, "
-                f"backend={self.backend}")
+                f"{self._backend_repr()}")
