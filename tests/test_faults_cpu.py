@@ -14,7 +14,8 @@ def _word(code, rank=1, index=2, band=3, obs=4, exp=5, el=6_000_000):
 def test_error_codes_are_distinct_and_named():
     codes = [E.ERR_CONSUMER_TIMEOUT, E.ERR_SCALE_TIMEOUT, E.ERR_COPY_TIMEOUT,
              E.ERR_EPOCH_MISMATCH, E.ERR_PLAN_BOUNDS, E.ERR_SCALE_BAD_ROW,
-             E.ERR_TILE_BAND_TIMEOUT, E.ERR_TILE_SEGMENT_TIMEOUT]
+             E.ERR_TILE_BAND_TIMEOUT, E.ERR_TILE_SEGMENT_TIMEOUT,
+             E.ERR_PRODUCER_BOUNDS]
     assert len(set(codes)) == len(codes) and 0 not in codes
     assert set(E.ERR_NAMES) == set(codes)
     # the FFN's codes live in another range: one error word layout, no clash

@@ -9,7 +9,9 @@ of a call while the last segment ships on one CTA). Per piece:
   1. thread 0 waits (ld.acquire.gpu, bounded by %globaltimer) until ``band_ready[b] == epoch`` for
      every band b = schedule[segment_start[s] + j], j < segment_bands[s] (once per segment the CTA
      has pieces of); on timeout it records
-     (rank, segment, band, value, epoch) in the error buffer and the CTA exits;
+     (rank, segment, band, value, epoch) in the error buffer and the CTA exits; it also exits,
+     recording nothing, once the error word is set meanwhile (e.g. the producer refused a band
+     of a validate=False plan, whose flag then never comes);
      ``bar.red.or`` broadcasts the outcome to the CTA (and orders the other threads' loads after
      the acquire: producer release -> acquire -> bar.sync -> loads, causality order is transitive);
   2. the CTA copies the piece's rows (full width N, contiguous) from y row ``segment_src_row[s]``
@@ -237,10 +239,13 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                 P.record_error(err, Int32(P.ERR_PLAN_BOUNDS), rank, seg, Int32(PF_BAND),
                                Int64(b), Int64(flag_cap), Int64(0))
             else:
-                to, v, el = P.wait_eq_gpu_s32(band_ready + Int64(b) * Int64(4), epoch, t0,
-                                              timeout_ns)
-                if to != Int32(0):
+                # an error recorded meanwhile (the producer refused this band: its flag never
+                # comes) ends the wait at once; the first error stays the one recorded
+                st, v, el = P.wait_eq_gpu_s32_or_error(band_ready + Int64(b) * Int64(4), epoch,
+                                                       err, t0, timeout_ns)
+                if st != Int32(0):
                     timed_out = Int32(1)
+                if st == Int32(1):
                     P.record_error(err, Int32(P.ERR_CONSUMER_TIMEOUT), rank, seg, b, Int64(v),
                                    Int64(epoch), el)
             j = j + Int32(1)

@@ -19,6 +19,15 @@ Tensors (all CUDA, no host synchronization anywhere in the call path):
     band_ready   [B_cap] int32    persistent flags: band_ready[b] = epoch[0] when band b is final
     band_counter [B_cap] int32    persistent scratch, all zero between calls (we reset it)
     epoch        [1]     int32    read at kernel start
+    err          [8]     int64    error word (the combine's; ``kernels/errors.py``)
+
+Device bounds (a validate=False plan, or a plan for other buffers): the kernel checks each band
+once per tile (``band_faults`` is the host mirror, ``grouped_gemm_reference`` follows it):
+num_bands outside [0, B_cap] computes nothing; a schedule entry outside [0, num_bands),
+band_expert outside [0, E_local), or band rows [r, r + tile_m) not a tile of x / y (r < 0,
+r + tile_m > rows, r % tile_m != 0) skips that band: no load, no store to y, no count, no flag.
+Each records ERR_PRODUCER_BOUNDS (code 9: schedule position, field, value, bound) in ``err``.
+A skipped band's flag never comes; the consumer's band wait polls the error word and stops.
 
 Work: linear tile t over (schedule position p in [0, num_bands), n tile); persistent CTA i takes
 t = i, i + G, i + 2G, ... with G = number of SMs - ccta (a launch argument, not a recompile).
@@ -43,10 +52,13 @@ whole expert's weights per wave, more than L2 holds at K=4096). Timings: bench/N
 
 import torch
 
+from ..kernels.errors import (ERR_WORDS, PRF_EXPERT, PRF_NUM_BANDS, PRF_SCHEDULE,
+                              PRF_SRC_ROW)
 from ..kernels.host_checks import check_tensors
 from ..runtime.device import num_sms
 
-__all__ = ["GroupedGemm", "grouped_gemm_reference", "prepare_weights", "tile_order_reference"]
+__all__ = ["GroupedGemm", "band_faults", "grouped_gemm_reference", "prepare_weights",
+           "tile_order_reference"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -58,18 +70,54 @@ def grouped_gemm_reference(x, w, y, band_expert, band_src_row, schedule, num_ban
 
     for p in range(num_bands): b = schedule[p]; r = band_src_row[b]
         y[r:r+tile_m] = x[r:r+tile_m] @ w[band_expert[b]]  (fp32 accumulation, cast to y.dtype)
-    and, if band_ready/epoch are given, band_ready[b] = epoch[0].
+    and, if band_ready/epoch are given, band_ready[b] = epoch[0]; the positions ``band_faults``
+    names (bad entries of a validate=False plan) are skipped, as the kernel skips them.
     """
+    faults = band_faults(band_expert, band_src_row, schedule, num_bands, tile_m, x.shape[0],
+                         w.shape[0], y.shape[0])
+    if faults and faults[0][0] < 0:
+        return y  # num_bands outside the tables: no band
+    skip = {p for p, _, _, _ in faults}
     nb = int(num_bands.reshape(-1)[0].item())
     sched = schedule[:nb].tolist()
     be = band_expert.tolist()
     bs = band_src_row.tolist()
-    for b in sched:
+    for p, b in enumerate(sched):
+        if p in skip:
+            continue
         r, e = bs[b], be[b]
         y[r:r + tile_m] = (x[r:r + tile_m].to(acc_dtype) @ w[e].to(acc_dtype)).to(y.dtype)
         if band_ready is not None:
             band_ready[b] = epoch.reshape(-1)[0]
     return y
+
+
+def band_faults(band_expert, band_src_row, schedule, num_bands, tile_m, x_rows, n_experts,
+                y_rows=None):
+    """The kernel's bounds checks in plain Python: [(schedule position, field, value, bound)]
+    for every entry it refuses (fields: ``kernels.errors.PRODUCER_FIELDS``), in position order;
+    [] for a valid plan. num_bands outside [0, len(schedule)] gives the one entry
+    (-1, PRF_NUM_BANDS, num_bands, len(schedule)) (no band is computed). A band fails on the
+    first of: its id outside [0, num_bands), its expert outside [0, n_experts), its rows
+    [r, r + tile_m) outside [0, min(x_rows, y_rows)) or r not a multiple of tile_m. The kernel
+    records one of them (whichever CTA gets there first)."""
+    cap = len(schedule)
+    nb = int(num_bands.reshape(-1)[0].item()) if hasattr(num_bands, "reshape") else int(num_bands)
+    if not 0 <= nb <= cap:
+        return [(-1, PRF_NUM_BANDS, nb, cap)]
+    rows = x_rows if y_rows is None else min(x_rows, y_rows)
+    sched = [int(v) for v in schedule[:nb].tolist()]
+    be = [int(v) for v in band_expert.tolist()]
+    bs = [int(v) for v in band_src_row.tolist()]
+    out = []
+    for p, b in enumerate(sched):
+        if not 0 <= b < nb:
+            out.append((p, PRF_SCHEDULE, b, nb))
+        elif not 0 <= be[b] < n_experts:
+            out.append((p, PRF_EXPERT, be[b], n_experts))
+        elif not (0 <= bs[b] <= rows - tile_m and bs[b] % tile_m == 0):
+            out.append((p, PRF_SRC_ROW, bs[b], rows))
+    return out
 
 
 def tile_order_reference(num_bands, n_tiles, cluster=1, group=1):
@@ -130,9 +178,11 @@ class GroupedGemm:
     All option checks are ``GroupedGemm.check_options`` (a static function, no CuTe DSL needed).
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-             ccta=0, band_counter=None, stream=None) -> y
+             ccta=0, band_counter=None, stream=None, err=None, rank=0) -> y
         band_counter: persistent int32 [>= len(band_ready)] zero scratch; allocated (zeros) and
         kept per device if not given.  stream: a torch.cuda.Stream (default: current stream).
+        err: int64 [8] error word the kernel records a refused band entry in (ERR_PRODUCER_BOUNDS,
+        naming ``rank``); default: one kept per device (``error_word(device)``).
     Compile cache key: (tile config, stages, signal, flag options, N, K); rows, E_local, B_cap
     and the grid size (number of SMs - ccta) are runtime values.
     """
@@ -176,6 +226,7 @@ class GroupedGemm:
         self.flag_warp = bool(signal) if flag_warp is None else bool(flag_warp)
         self.band_group = band_group
         self._counters = {}
+        self._errors = {}
 
     def cluster_for(self, N):
         """Cluster size used for output width N."""
@@ -185,7 +236,7 @@ class GroupedGemm:
 
     # ---------------------------------------------------------------- validation
     def _check(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-               band_counter, ccta, need_cuda=True):
+               band_counter, ccta, need_cuda=True, err=None, rank=0):
         tensors = dict(x=x, w=w, y=y, band_expert=band_expert, band_src_row=band_src_row,
                        schedule=schedule, num_bands=num_bands, band_ready=band_ready, epoch=epoch)
         if band_counter is not None:
@@ -226,6 +277,13 @@ class GroupedGemm:
             raise ValueError(f"band_counter needs >= {b_cap} elements")
         if not isinstance(ccta, int) or ccta < 0:
             raise ValueError(f"ccta must be a non-negative int, got {ccta!r}")
+        if err is not None and (not isinstance(err, torch.Tensor) or err.dtype != torch.int64
+                                or err.numel() != ERR_WORDS or not err.is_contiguous()
+                                or err.device != x.device):
+            raise ValueError(f"err must be a contiguous int64 [{ERR_WORDS}] tensor on "
+                             f"{x.device}, got {err!r:.80}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         return rows, K, E, N
 
     # ---------------------------------------------------------------- compilation
@@ -261,7 +319,8 @@ class GroupedGemm:
         fv = lambda: make_fake_tensor(i32, (bcap,), (1,), assumed_align=4)
         f1 = lambda: make_fake_tensor(i32, (1,), (1,), assumed_align=4)
         fn = cute.compile(self._kernel(N), fx, fw, fy, fv(), fv(), fv(), f1(), fv(), fv(), f1(),
-                          cutlass.Int32(1), make_fake_stream(),
+                          cutlass.Int64(0), cutlass.Int32(0), cutlass.Int32(1),
+                          make_fake_stream(),
                           options="--keep-ptx" if keep_ptx else None)
         GroupedGemm._compiled[key] = fn
         return fn
@@ -284,10 +343,22 @@ class GroupedGemm:
                 dyn(band_ready, 0, 4), dyn(band_counter[:band_ready.numel()], 0, 4),
                 from_dlpack(epoch, assumed_align=4))
 
+    def error_word(self, device):
+        """The int64[8] error word this wrapper keeps for ``device`` (used by calls that pass no
+        ``err``): zeros until a launch refused a band entry (``describe_error`` decodes it)."""
+        device = torch.device(device)
+        word = self._errors.get(device)
+        if word is None:
+            word = self._errors[device] = torch.zeros(ERR_WORDS, dtype=torch.int64,
+                                                      device=device)
+        return word
+
     def __call__(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-                 ccta=0, band_counter=None, stream=None):
+                 ccta=0, band_counter=None, stream=None, err=None, rank=0):
         rows, K, E, N = self._check(x, w, y, band_expert, band_src_row, schedule, num_bands,
-                                    band_ready, epoch, band_counter, ccta)
+                                    band_ready, epoch, band_counter, ccta, err=err, rank=rank)
+        if err is None:
+            err = self.error_word(x.device)
         grid = num_sms(x.device) - ccta
         grid -= grid % self.cluster_for(N)
         if grid < 1:
@@ -308,7 +379,9 @@ class GroupedGemm:
         key = ("dlpack",) + self._key(N, K)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:
-            fn = cute.compile(self._kernel(N), *args, cutlass.Int32(grid), cu_stream)
+            fn = cute.compile(self._kernel(N), *args, cutlass.Int64(err.data_ptr()),
+                              cutlass.Int32(rank), cutlass.Int32(grid), cu_stream)
             GroupedGemm._compiled[key] = fn
-        fn(*args, cutlass.Int32(grid), cu_stream)
+        fn(*args, cutlass.Int64(err.data_ptr()), cutlass.Int32(rank), cutlass.Int32(grid),
+           cu_stream)
         return y

@@ -5,7 +5,12 @@ the host wrapper, the tensors' contract and the torch reference are in ``combine
 What this subclass adds to the base's mainloop pieces:
 
 * the schedule: ``BandTileScheduler`` over (schedule position, n tile), the band -> expert /
-  first-row indirection read on the device;
+  first-row indirection read on the device, with its bounds checks (``band_tile``: once per tile,
+  scalar): ``num_bands`` outside [0, capacity] computes no band, a schedule entry outside
+  [0, num_bands), an expert outside w, or a band whose rows are not a tile of x / y skips that
+  band (no load, no store, no count, no flag); either records ERR_PRODUCER_BOUNDS in the combine's
+  error word (first writer wins). Every warp walks the same tiles, so the pipeline stays matched;
+  a skipped band's flag never comes, and the consumer's band wait stops at the error word;
 * clusters of ``cluster_n`` CTAs along N sharing the band's A tile by TMA multicast;
 * the epilogue: acc -> bf16 -> stmatrix -> TMA store per epi_n-column sub-tile, and the band
   flag: a finished tile is counted on band_counter[b] once its TMA stores are complete
@@ -27,9 +32,12 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
+from ..kernels.errors import (ERR_PRODUCER_BOUNDS, PRF_EXPERT, PRF_NUM_BANDS, PRF_SCHEDULE,
+                              PRF_SRC_ROW)
 from ..kernels.gemm_sm90 import SMEM_CAPACITY_SM90, GemmSm90, smem_layout_staged
-from ..kernels.primitives import (RELAY_BYTES, band_relay_loop, multicast_rank_and_mask,
-                                  post_band_after_bulk_stores, relay_end, relay_init)
+from ..kernels.primitives import (RELAY_BYTES, band_relay_loop, in_range_s64,
+                                  multicast_rank_and_mask, post_band_after_bulk_stores,
+                                  record_error, relay_end, relay_init)
 from ..kernels.tile_scheduler import BandTileScheduler
 
 __all__ = ["GroupedGemmKernel"]
@@ -39,7 +47,8 @@ class GroupedGemmKernel(GemmSm90):
     """GroupedGemmKernel(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
     epi_stages, cluster_n, flag_warp, band_group): options as ``GroupedGemm`` (already checked
     there); ``__call__(mA, mB, mC, mBandExpert, mBandSrcRow, mSchedule, mNumBands, mReady,
-    mCounter, mEpoch, num_ctas, stream)`` traces and launches it."""
+    mCounter, mEpoch, err, rank, num_ctas, stream)`` traces and launches it (err: the int64[8]
+    error word's address, rank: the rank it names)."""
 
     relay_warp_id = 2  # producer-warpgroup warp that posts the flags (flag_warp)
     relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
@@ -86,7 +95,8 @@ class GroupedGemmKernel(GemmSm90):
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
                  mBandExpert: cute.Tensor, mBandSrcRow: cute.Tensor, mSchedule: cute.Tensor,
                  mNumBands: cute.Tensor, mReady: cute.Tensor, mCounter: cute.Tensor,
-                 mEpoch: cute.Tensor, num_ctas: cutlass.Int32, stream):
+                 mEpoch: cute.Tensor, err: cutlass.Int64, rank: cutlass.Int32,
+                 num_ctas: cutlass.Int32, stream):
         a_dtype, b_dtype, c_dtype = mA.element_type, mB.element_type, mC.element_type
         self.a_dtype, self.b_dtype, self.c_dtype = a_dtype, b_dtype, c_dtype
         self.a_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mA)
@@ -115,11 +125,66 @@ class GroupedGemmKernel(GemmSm90):
         self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, self.tiled_mma,
                     self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, mBandExpert, mBandSrcRow, mSchedule,
-                    mNumBands, mReady, mCounter, mEpoch).launch(
+                    mNumBands, mReady, mCounter, mEpoch, err, rank, cute.size(mA, mode=[0]),
+                    cute.size(mC, mode=[0]), cute.size(mB, mode=[2]),
+                    cute.size(mSchedule, mode=[0])).launch(
             grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
             cluster=[self.cluster_n, 1, 1], min_blocks_per_mp=1, stream=stream)
 
-    # ---------------------------------------------------------------- device kernel
+    # ---------------------------------------------------------------- device side
+    @cute.jit
+    def band_tile(self, t: cutlass.Int32, total_tiles: cutlass.Int32, gdim: cutlass.Int32,
+                  n_tiles: cutlass.Int32, num_bands: cutlass.Int32, mSchedule: cute.Tensor,
+                  mBandExpert: cute.Tensor, mBandSrcRow: cute.Tensor,
+                  n_experts: cutlass.Int32, rows: cutlass.Int32, err: cutlass.Int64,
+                  rank: cutlass.Int32, record: cutlass.Constexpr):
+        """This CTA's next tile at or after linear tile t (t, t + G, ...) whose band passes the
+        bounds checks: (t, n tile, band, expert, m tile); t >= total_tiles when none is left.
+        num_bands is already within the tables (so a position p < num_bands reads the schedule in
+        bounds, and a band id checked against num_bands indexes every band table, band_ready and
+        band_counter in bounds). A band that fails is skipped by every warp alike (the decision
+        depends on the band's table entries only, which no thread writes during the launch, so
+        the warps' pipelines and a cluster's two CTAs stay matched); ``record``: lane 0 records
+        ERR_PRODUCER_BOUNDS (schedule position, field, value, bound; the first error wins).
+        Scalar work once per tile: a few compares, no per-element check."""
+        n_tile = cutlass.Int32(0)
+        b = cutlass.Int32(0)
+        e = cutlass.Int32(0)
+        r = cutlass.Int32(0)
+        bad = cutlass.Int32(1)
+        while bad != 0 and t < total_tiles:
+            p, n_tile = self.scheduler.coords(t, n_tiles, num_bands)
+            b = mSchedule[p]
+            ok_b = in_range_s64(cutlass.Int64(b), cutlass.Int64(0), cutlass.Int64(num_bands))
+            bc = b
+            if ok_b == cutlass.Int32(0):
+                bc = cutlass.Int32(0)  # a valid index: the loads stay in bounds, then skipped
+            e = mBandExpert[bc]
+            r = mBandSrcRow[bc]
+            field = cutlass.Int32(-1)
+            value = cutlass.Int32(0)
+            bound = cutlass.Int32(0)
+            # rows [r, r + tile_m) inside x and y, r a multiple of tile_m (a power of two)
+            ok_r = in_range_s64(cutlass.Int64(r), cutlass.Int64(0),
+                                cutlass.Int64(rows) - cutlass.Int64(self.tile_m - 1))
+            if ok_r == cutlass.Int32(0) or (r & cutlass.Int32(self.tile_m - 1)) != 0:
+                field, value, bound = cutlass.Int32(PRF_SRC_ROW), r, rows
+            if in_range_s64(cutlass.Int64(e), cutlass.Int64(0),
+                            cutlass.Int64(n_experts)) == cutlass.Int32(0):
+                field, value, bound = cutlass.Int32(PRF_EXPERT), e, n_experts
+            if ok_b == cutlass.Int32(0):
+                field, value, bound = cutlass.Int32(PRF_SCHEDULE), b, num_bands
+            bad = cutlass.Int32(0)
+            if field >= cutlass.Int32(0):
+                bad = cutlass.Int32(1)
+                if cutlass.const_expr(record):
+                    if cute.arch.lane_idx() == 0:
+                        record_error(err, cutlass.Int32(ERR_PRODUCER_BOUNDS), rank, p, field,
+                                     cutlass.Int64(value), cutlass.Int64(bound),
+                                     cutlass.Int64(0))
+                t = t + gdim
+        return t, n_tile, b, e, r // self.tile_m
+
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB: cute.Tensor, tma_atom_c: cute.CopyAtom, mC: cute.Tensor,
@@ -127,7 +192,9 @@ class GroupedGemmKernel(GemmSm90):
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout, mBandExpert: cute.Tensor,
                mBandSrcRow: cute.Tensor, mSchedule: cute.Tensor, mNumBands: cute.Tensor,
-               mReady: cute.Tensor, mCounter: cute.Tensor, mEpoch: cute.Tensor):
+               mReady: cute.Tensor, mCounter: cute.Tensor, mEpoch: cute.Tensor,
+               err: cutlass.Int64, rank: cutlass.Int32, x_rows: cutlass.Int32,
+               y_rows: cutlass.Int32, n_experts: cutlass.Int32, band_cap: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -186,8 +253,20 @@ class GroupedGemmKernel(GemmSm90):
 
         k_tile_cnt = cute.size(gA, mode=[3])
         n_tiles = cute.size(gC, mode=[3])
+        # validate=False plans: a band count outside the tables computes no band (recorded)
+        num_bands = mNumBands[0]
+        if in_range_s64(cutlass.Int64(num_bands), cutlass.Int64(0),
+                        cutlass.Int64(band_cap) + cutlass.Int64(1)) == cutlass.Int32(0):
+            if bidx == 0 and tidx == 0:
+                record_error(err, cutlass.Int32(ERR_PRODUCER_BOUNDS), rank, cutlass.Int32(-1),
+                             cutlass.Int32(PRF_NUM_BANDS), cutlass.Int64(num_bands),
+                             cutlass.Int64(band_cap), cutlass.Int64(0))
+            num_bands = cutlass.Int32(0)
+        rows = x_rows
+        if y_rows < rows:
+            rows = y_rows
         # linear tile t over (schedule position, n tile), CTA i takes i, i+G, ...
-        total_tiles = mNumBands[0] * n_tiles
+        total_tiles = num_bands * n_tiles
 
         pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
 
@@ -196,12 +275,10 @@ class GroupedGemmKernel(GemmSm90):
         # ------------------------------------------------------------ producer (TMA) warp
         if warp_idx == self.load_warp_id:
             prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-            t = cutlass.Int32(bidx)
+            t, n_tile, b, e, m_tile = self.band_tile(
+                cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
+                mBandExpert, mBandSrcRow, n_experts, rows, err, rank, True)
             while t < total_tiles:
-                p, n_tile = self.scheduler.coords(t, n_tiles, mNumBands[0])
-                b = mSchedule[p]
-                e = mBandExpert[b]
-                m_tile = mBandSrcRow[b] // self.tile_m
                 tAgA_k = tAgA[(None, m_tile, None)]
                 tBgB_k = tBgB[(None, n_tile, None, e)]
                 prod_state.reset_count()
@@ -215,7 +292,9 @@ class GroupedGemmKernel(GemmSm90):
                               tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
                     mainloop_pipeline.producer_commit(prod_state)
                     prod_state.advance()
-                t = t + gdim
+                t, n_tile, b, e, m_tile = self.band_tile(
+                    t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
+                    mBandSrcRow, n_experts, rows, err, rank, True)
             mainloop_pipeline.producer_tail(prod_state)
 
         # ------------------------------------------------------------ relay warp (flag_warp)
@@ -254,11 +333,10 @@ class GroupedGemmKernel(GemmSm90):
             signal_k = self.signal_k_index(k_tile_cnt)
             tiles_done = cutlass.Int32(0)
 
-            t = cutlass.Int32(bidx)
+            t, n_tile, b, e, m_tile = self.band_tile(
+                cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
+                mBandExpert, mBandSrcRow, n_experts, rows, err, rank, False)
             while t < total_tiles:
-                p, n_tile = self.scheduler.coords(t, n_tiles, mNumBands[0])
-                b = mSchedule[p]
-                m_tile = mBandSrcRow[b] // self.tile_m
                 gC_tile = gC[(None, None, m_tile, n_tile)]
 
                 read_state.reset_count()
@@ -316,7 +394,9 @@ class GroupedGemmKernel(GemmSm90):
                 if cutlass.const_expr(self.signal):
                     pend_band = b
                 tiles_done = tiles_done + 1
-                t = t + gdim
+                t, n_tile, b, e, m_tile = self.band_tile(
+                    t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
+                    mBandSrcRow, n_experts, rows, err, rank, False)
 
             if cutlass.const_expr(self.signal):
                 if pend_band >= 0:

@@ -12,10 +12,11 @@ word  meaning
 0     code (0 = ok, one of ``ERR_*`` below)
 1     rank that recorded it
 2     index: segment (consumer; -1 = a local cell), source rank (scale), assignment t * topk + k
-      (bad row), token tile (ordered scale)
+      (bad row), token tile (ordered scale), schedule position (producer; -1 = num_bands)
 3     band / stage index; ERR_SCALE_TIMEOUT: this rank's epoch; ERR_EPOCH_MISMATCH: the source
       rank again; ERR_TILE_SEGMENT_TIMEOUT: source << 32 | segment; ERR_PLAN_BOUNDS: which
-      field (``PLAN_FIELDS``); ERR_SCALE_BAD_ROW: 1 for a y row (y_src), 0 for a slot row
+      field (``PLAN_FIELDS``); ERR_SCALE_BAD_ROW: 1 for a y row (y_src), 0 for a slot row;
+      ERR_PRODUCER_BOUNDS: which field (``PRODUCER_FIELDS``)
 4     observed value (band flag, counter, the source's epoch, the bad row index)
 5     expected value (epoch, expected count, this rank's epoch, the valid row bound)
 6     elapsed ns since the kernel started (timeouts), else 0
@@ -25,7 +26,9 @@ word  meaning
 Sticky: a kernel that finds word 0 non-zero at its start does no work that could read a receive
 slot or write a peer (the consumer ships nothing and posts no call marker, so the peers' scales
 time out instead of reading a slot it might have overwritten; the scale writes NaN rows), until
-the host zeroes the word again (a collective reset, see docs/CONTRACTS.md).
+the host zeroes the word again (a collective reset, see docs/CONTRACTS.md). The consumer's band
+waits also poll the word: an error recorded while it waits (the producer GEMM refusing a band, so
+that band's flag never comes) ends the wait at once instead of at the timeout.
 
 Communication block of rank d (``int64``, symmetric; ``NvshmemRuntime.buffers(...).counters`` is
 a view of its first W words, ``.block`` the whole of it):
@@ -47,6 +50,7 @@ ERR_PLAN_BOUNDS = 5  # consumer: a plan entry outside its buffer (validate=False
 ERR_SCALE_BAD_ROW = 6  # scale: an assignment's row outside the receive slot / y
 ERR_TILE_BAND_TIMEOUT = 7  # ordered scale: a token tile waited too long for a local band flag
 ERR_TILE_SEGMENT_TIMEOUT = 8  # ordered scale: a token tile waited too long for a segment's rows
+ERR_PRODUCER_BOUNDS = 9  # producer GEMM: a band entry outside its tables / x, y, w
 
 ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
@@ -55,7 +59,8 @@ ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_PLAN_BOUNDS: "consumer refused a plan entry outside its buffer",
              ERR_SCALE_BAD_ROW: "scale refused a row index outside the receive slot / y",
              ERR_TILE_BAND_TIMEOUT: "ordered scale timed out waiting for a local band of y",
-             ERR_TILE_SEGMENT_TIMEOUT: "ordered scale timed out waiting for a segment's rows"}
+             ERR_TILE_SEGMENT_TIMEOUT: "ordered scale timed out waiting for a segment's rows",
+             ERR_PRODUCER_BOUNDS: "producer GEMM refused a band entry outside its buffers"}
 
 # what word 3 of ERR_PLAN_BOUNDS names
 PLAN_FIELDS = {0: "num_segments > segment capacity", 1: "num_local_cells > cell capacity",
@@ -71,6 +76,16 @@ PLAN_FIELDS = {0: "num_segments > segment capacity", 1: "num_local_cells > cell 
 def segment_word(source: int, segment: int) -> int:
     """Word 3 of ERR_TILE_SEGMENT_TIMEOUT: source rank and segment in one int64."""
     return (int(source) << 32) | (int(segment) & 0xFFFFFFFF)
+
+
+# what word 3 of ERR_PRODUCER_BOUNDS names (the grouped GEMM's checks, combine/grouped_gemm.py
+# band_faults is their host mirror); word 2 is the schedule position (-1: num_bands itself)
+PRF_NUM_BANDS, PRF_SCHEDULE, PRF_EXPERT, PRF_SRC_ROW = range(4)
+PRODUCER_FIELDS = {PRF_NUM_BANDS: "num_bands outside [0, band capacity]",
+                   PRF_SCHEDULE: "schedule entry (band id) outside [0, num_bands)",
+                   PRF_EXPERT: "band_expert outside [0, experts of w)",
+                   PRF_SRC_ROW: "band_src_row: the band's tile_m rows outside x / y, or not a "
+                                "multiple of tile_m"}
 
 
 def comm_block_words(world: int) -> int:
@@ -126,6 +141,13 @@ def describe_error(err_host) -> str | None:
         return (f"{what}: rank {rank}, entry {index}: {field}: value {obs}, bound {exp} "
                 "(a plan built with validate=False or for another buffer); nothing was shipped "
                 "from that entry on")
+    if code == ERR_PRODUCER_BOUNDS:
+        field = PRODUCER_FIELDS.get(band, f"field {band}")
+        where = "num_bands" if index < 0 else f"schedule position {index}"
+        return (f"{what}: rank {rank}, {where}: {field}: value {obs}, bound {exp} (a plan built "
+                "with validate=False or for other buffers); the band was not computed and its "
+                "flag never set (num_bands: no band was), the consumer stopped shipping at this "
+                "error (the peers' scales time out) and this rank's scale writes NaN rows")
     if code == ERR_SCALE_BAD_ROW:
         where = "y row" if band else "receive-slot row"
         return (f"{what}: rank {rank}, assignment {index} (t * topk + k): {where} {obs} not in "

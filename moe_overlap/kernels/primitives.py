@@ -461,6 +461,31 @@ def wait_eq_gpu_s32(addr: Int64, expected: Int32, t0: Int64, timeout_ns: Int64):
     return timed_out, v, elapsed
 
 
+@cute.jit
+def wait_eq_gpu_s32_or_error(addr: Int64, expected: Int32, err_addr: Int64, t0: Int64,
+                             timeout_ns: Int64):
+    """``wait_eq_gpu_s32`` that also gives up as soon as the error word's code is set (an error
+    recorded by another kernel of this GPU while we wait, e.g. the producer GEMM refusing the
+    band whose flag this is: that flag never comes). The flag and the error word are loaded
+    back to back (independent loads: one round trip per spin, as before). Returns (status:
+    Int32 0 = equal, 1 = timed out, 2 = error word set; last value: Int32; now - t0: Int64)."""
+    v = ld_acquire_gpu_s32(addr)
+    status = Int32(0)
+    elapsed = Int64(0)
+    if v != expected:
+        status = error_set(err_addr) * Int32(2)
+    while v != expected and status == Int32(0):
+        elapsed = globaltimer() - t0
+        if elapsed > timeout_ns:
+            status = Int32(1)
+        v = ld_acquire_gpu_s32(addr)
+        if error_set(err_addr) != Int32(0):
+            status = Int32(2)
+    if v == expected:
+        status = Int32(0)
+    return status, v, elapsed
+
+
 def _wait_ge_s32(load_acquire):
     """A bounded, wrap-safe spin ``until *addr - expected >= 0`` on Int32 epoch flags, loading
     with ``load_acquire`` (gpu or sys scope)."""
