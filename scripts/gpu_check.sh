@@ -17,11 +17,13 @@
 #                 it (one GPU)
 #        layer    one MoE layer end to end, ours vs the same-scale sequential layer
 #                 (bench_moe_layer; 2 GPUs for the overlap backend)
-# The combine area also runs the fault and recovery tests (one GPU for the W=1 ones).
+#        scale    the token-ordered scale alone (tests + bench_ordered_scale; one GPU)
+# The combine area also runs the fault, recovery, producer-bounds and shared-buffer tests (one
+# GPU for the W=1 ones).
 # Logs and JSON go to $OUT (the device tool brings them back); a short summary is printed last.
 # NVLink multicast stays off whatever the caller's environment says.
 set -uo pipefail
-area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn|chained|layer [quick]}
+area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn|chained|layer|scale [quick]}
 quick=${2:-}
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER
@@ -43,7 +45,8 @@ run() {  # run <name> <timeout s> <command...>: log to $OUT/<name>.log, keep its
 
 case "$area" in
 gemm)
-    run gemm_tests 400 python -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_gpu.py
+    run gemm_tests 400 python -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_gpu.py \
+        tests/test_producer_bounds_gpu.py
     args=(--rounds 30)
     [ "$quick" = quick ] && args=(--quick)
     run gemm_bench 300 python bench/bench_grouped_gemm.py "${args[@]}" --tag boost --out "$OUT"
@@ -67,7 +70,7 @@ combine)
     run overlap_tests 400 python -m pytest -q -p no:cacheprovider tests/test_overlap_gpu.py \
         tests/test_planner_gpu.py tests/test_validation_gpu.py
     run fault_tests 400 python -m pytest -q -p no:cacheprovider tests/test_faults_gpu.py \
-        tests/test_recover_gpu.py
+        tests/test_recover_gpu.py tests/test_producer_bounds_gpu.py tests/test_comm_buffer_gpu.py
     if [ "$ngpu" -ge 2 ]; then
         if [ "$quick" = models ]; then
             run sweep_models 590 python scripts/sweep.py --shapes models --ccta 8,16 --mgb 2 \
@@ -83,12 +86,12 @@ combine)
     ;;
 ffn)
     run ffn_tests 500 python -m pytest -q -p no:cacheprovider tests/test_fused_ffn_gpu.py \
-        tests/test_ffn_gpu.py tests/test_band_allreduce_gpu.py
+        tests/test_ffn_gpu.py tests/test_band_allreduce_gpu.py tests/test_band_allreduce_bf16_gpu.py
     if [ "$ngpu" -ge 2 ]; then
         args=(--rounds 100)
         [ "$quick" = quick ] && args=(--quick)
         run ffn_bench 550 torchrun --nproc-per-node "$ngpu" bench/bench_ffn.py "${args[@]}" \
-            --out "$OUT"
+            --fused-variants "chained:compute=chained" --out "$OUT"
     fi
     run fused_compute 300 python bench/bench_fused_compute.py --out "$OUT"
     ;;
@@ -101,8 +104,14 @@ layer)
     run layer_bench 590 torchrun --nproc-per-node "$ngpu" bench/bench_moe_layer.py \
         --shapes models --tokens 4096 --out "$OUT"
     ;;
+scale)
+    run ordered_scale_tests 300 python -m pytest -q -p no:cacheprovider \
+        tests/test_scale_ordered_gpu.py
+    run ordered_scale_bench 300 python bench/bench_ordered_scale.py \
+        --shape 4096x16x4x8192x2048 --ccta 8,12,16 --out "$OUT"
+    ;;
 *)
-    echo "unknown area $area (gemm | plan | combine | ffn | chained | layer)" >&2
+    echo "unknown area $area (gemm | plan | combine | ffn | chained | layer | scale)" >&2
     exit 2
     ;;
 esac
