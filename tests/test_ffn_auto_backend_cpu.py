@@ -152,3 +152,25 @@ def test_bad_values_are_refused_before_any_work(kw, err, match):
         FusedFFN(64, 256, **kw)
     with pytest.raises(err, match=match):
         ShardedExperts(2, 64, 256, **kw)
+
+
+def test_the_decision_is_for_the_compute_kernel_asked_for(tmp_path):
+    # a measurement of compute="reduce" says nothing of compute="chained" (and back), and the
+    # model is asked about the kernel the layer will run
+    P, O = FFN_SHAPES["llama3-8b"]
+    cache = FFNTuneCache(str(tmp_path / "tune.json"))
+    cache.put(ffn_tune_key(H200, 2, P, O, P, False, 8192, "reduce"), fused_ms=1.40,
+              reference_ms=1.56)
+    cache = FFNTuneCache(cache.path)
+    b, why = choose_backend(P, O, P, 2, tokens=8192, device_name=H200, cache=cache,
+                            compute="reduce")
+    assert b == "fused" and "measured" in why
+    b, why = choose_backend(P, O, P, 2, tokens=8192, device_name=H200, cache=cache,
+                            compute="chained")
+    assert why.startswith("auto: modelled") and "compute='chained'" in why
+    from moe_overlap.ffn.projection import layer_speedup
+    sp = layer_speedup(P, O, P, 8192, 2, "chained")["speedup"]
+    assert (b == "fused") == (sp >= AUTO_MIN_SPEEDUP), (b, sp, why)
+    assert f"{sp:.2f}x" in why
+    with pytest.raises(ValueError, match="compute='split'"):
+        choose_backend(P, O, P, 2, device_name=H200, cache=cache, compute="split")

@@ -178,7 +178,7 @@ def _resolve_backend(what: str, backend: str, P: int, O: int, N: int, G: int, dt
     name = torch.cuda.get_device_name(device) if why is None else device.type
     return choose_backend(P, O, N, G, grouped=grouped, tokens=opts.max_tokens,
                           ccta=None if opts.ccta == "auto" else opts.ccta, device_name=name,
-                          cannot_run=why)
+                          cannot_run=why, compute=opts.compute)
 
 
 def _check_layer(in_features, hidden_features, out_features, bias, dtype, backend, comm, group,

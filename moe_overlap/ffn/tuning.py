@@ -11,7 +11,8 @@ In this order:
 2. a tune-cache entry for the layer's shape bucket (``ffn_tune_key``) holding both backends'
    measured times: the faster one (fused only if not slower);
 3. the projection model (``moe_overlap.ffn.projection.layer_speedup``, the fused backend's
-   compute="reduce" kernel at the layer's ccta; ShardedExperts: the dense model on all its rows):
+   compute kernel (``compute``, "reduce" unless the layer asks for "chained") at the layer's
+   ccta; ShardedExperts: the dense model on all its rows):
    fused if it projects at least ``AUTO_MIN_SPEEDUP`` x the reference's speed, else reference.
    With today's measured rates that is the reference on every seed shape at G = 2, 4 and 8.
 
@@ -31,11 +32,12 @@ CACHE_ENV = "MOE_OVERLAP_FFN_TUNE_CACHE"
 
 
 def ffn_tune_key(device_name: str, world_size: int, P: int, O: int, N: int, grouped: bool,
-                 tokens: int) -> str:
-    """The shape bucket of a tune-cache entry (tokens rounded up to a power of two)."""
+                 tokens: int, compute: str = "reduce") -> str:
+    """The shape bucket of a tune-cache entry (tokens rounded up to a power of two); the fused
+    compute kernel is part of it (a measurement of one kernel says nothing of the other)."""
     bucket = 1 << max(0, math.ceil(math.log2(max(int(tokens), 1))))
     kind = "experts" if grouped else "dense"
-    return f"ffn|{device_name}|G{world_size}|P{P}|O{O}|N{N}|{kind}|rows{bucket}"
+    return f"ffn|{device_name}|G{world_size}|P{P}|O{O}|N{N}|{kind}|rows{bucket}|{compute}"
 
 
 class FFNTuneCache:
@@ -83,11 +85,15 @@ class FFNTuneCache:
 def choose_backend(P: int, O: int, N: int, world_size: int, *, grouped: bool = False,
                    tokens: int | None = None, ccta: int | None = None,
                    device_name: str = "cpu", cannot_run: str | None = None,
-                   cache: FFNTuneCache | None = None, rates=None) -> tuple[str, str]:
+                   cache: FFNTuneCache | None = None, rates=None,
+                   compute: str = "reduce") -> tuple[str, str]:
     """("fused" | "reference", the reason): the rule of the module docstring. ``cannot_run``:
     why the fused backend cannot run here (None: it can); ``cache``: the tune cache (default
     ``FFNTuneCache()``, read only when the fused backend can run); ``rates``: the projection's
-    ``FFNRates`` (default: the measured ones)."""
+    ``FFNRates`` (default: the measured ones); ``compute``: the fused backend's compute kernel
+    ("reduce" | "chained"), the one measured or modelled."""
+    if compute not in ("reduce", "chained"):
+        raise ValueError(f"compute={compute!r}; choose 'reduce' or 'chained'")
     T = AUTO_TOKENS if tokens is None else int(tokens)
     if world_size < 2:
         return "reference", "auto: one rank, nothing to all-reduce (the fused backend " \
@@ -95,7 +101,7 @@ def choose_backend(P: int, O: int, N: int, world_size: int, *, grouped: bool = F
     if cannot_run is not None:
         return "reference", f"auto: the fused backend cannot run here ({cannot_run})"
     cache = FFNTuneCache() if cache is None else cache
-    key = ffn_tune_key(device_name, world_size, P, O, N, grouped, T)
+    key = ffn_tune_key(device_name, world_size, P, O, N, grouped, T, compute)
     e = cache.get(key)
     if e is not None:
         sp = e["reference_ms"] / e["fused_ms"]
@@ -103,10 +109,10 @@ def choose_backend(P: int, O: int, N: int, world_size: int, *, grouped: bool = F
         return pick, (f"auto: measured (tune cache {cache.path}, {key}): reference "
                       f"{e['reference_ms']:.3f} ms, fused {e['fused_ms']:.3f} ms = {sp:.2f}x")
     from .projection import layer_speedup
-    p = layer_speedup(P, O, N, T, world_size, "reduce", ccta, rates)
+    p = layer_speedup(P, O, N, T, world_size, compute, ccta, rates)
     pick = "fused" if p["speedup"] >= AUTO_MIN_SPEEDUP else "reference"
     rates_of = f"the measured rates of {p['shape']}" if p["shape"] else \
         "the median measured rates (not a seed shape)"
-    return pick, (f"auto: modelled (ffn.projection, compute='reduce' at ccta {p['ccta']}, "
+    return pick, (f"auto: modelled (ffn.projection, compute={compute!r} at ccta {p['ccta']}, "
                   f"{rates_of}, G={world_size}, T={T}): fused {p['speedup']:.2f}x the "
                   f"reference (fused needs >= {AUTO_MIN_SPEEDUP:.2f}x); no tune-cache entry")
