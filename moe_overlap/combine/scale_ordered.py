@@ -58,23 +58,8 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
     NT = threads
     K = topk
 
-    def as_f32(bits):
-        return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32],
-                                    read_only_args=[bits])
-
-    def pack_bf16x2(lo, hi):
-        return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};",
-                                    write_only_types=[Int32], read_only_args=[hi, lo])
-
-    def select_s32(cond, a, b):
-        return cute.arch.inline_ptx(
-            "{ .reg .pred p; setp.ne.s32 p, {$r0}, 0; selp.b32 {$w0}, {$r1}, {$r2}, p; }",
-            write_only_types=[Int32], read_only_args=[Int32(cond), Int32(a), Int32(b)])
-
-    def select_s64(cond, a, b):
-        return cute.arch.inline_ptx(
-            "{ .reg .pred p; setp.ne.s32 p, {$r0}, 0; selp.b64 {$w0}, {$r1}, {$r2}, p; }",
-            write_only_types=[Int64], read_only_args=[Int32(cond), Int64(a), Int64(b)])
+    as_f32, pack_bf16x2 = P.as_f32, P.pack_bf16x2
+    select_s32, select_s64 = P.select_s32, P.select_s64
 
     def claim(queue):
         return cute.arch.inline_ptx("atom.relaxed.gpu.global.add.u32 {$w0}, [{$r0}], 1;",

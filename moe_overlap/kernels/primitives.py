@@ -154,6 +154,33 @@ def in_range_s64(v, lo, hi):
         write_only_types=[Int32], read_only_args=[Int64(v), Int64(lo), Int64(hi)])
 
 
+# ---- register-level conversions and selects (the scales' fp32 math on packed bf16) ------------
+def as_f32(bits):
+    """The 32 bits of an Int32 as a Float32 (bf16 -> fp32 is a 16-bit shift of the bits)."""
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[cutlass.Float32],
+                                read_only_args=[bits])
+
+
+def pack_bf16x2(lo, hi):
+    """Two fp32 rounded to bf16 (nearest even) in one Int32, lo in the low half."""
+    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};",
+                                write_only_types=[Int32], read_only_args=[hi, lo])
+
+
+def select_s32(cond, a, b):
+    """a if cond != 0 else b (Int32), without a branch."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; setp.ne.s32 p, {$r0}, 0; selp.b32 {$w0}, {$r1}, {$r2}, p; }",
+        write_only_types=[Int32], read_only_args=[Int32(cond), Int32(a), Int32(b)])
+
+
+def select_s64(cond, a, b):
+    """a if cond != 0 else b (Int64), without a branch."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; setp.ne.s32 p, {$r0}, 0; selp.b64 {$w0}, {$r1}, {$r2}, p; }",
+        write_only_types=[Int64], read_only_args=[Int32(cond), Int64(a), Int64(b)])
+
+
 # ---- 16-byte vectors -------------------------------------------------------------------------
 def ld_v4_cg(addr):
     """16-byte load cached in L2 only (data written by another running kernel: never .nc)."""
