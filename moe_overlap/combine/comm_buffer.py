@@ -4,7 +4,11 @@ One ``CommBuffer`` owns, on this rank:
 - the symmetric receive buffer: two slots of ``slot_bytes`` each (slot ``epoch & 1`` receives a
   call's rows; a layer of width N uses ``rows x N x 2`` bytes from the start of a slot),
 - the symmetric communication block ``int64 [3W]`` (arrival counters, then the per-source epoch
-  tags of the two slots: moe_overlap/kernels/errors.py) and the peer address tables,
+  tags of the two slots: moe_overlap/kernels/errors.py) and the peer address tables; with a
+  layer of ``scale="ordered"`` attached, followed by its per-segment arrival words
+  (``seg_arrivals``, ``seg_words`` of them: a layer of segment capacity Sc views the first
+  W * Sc as [W, Sc], docs/CONTRACTS.md "Per-segment arrivals") and, on this rank only, their
+  cumulative expectation ``seg_expected`` (int64 [seg_words], same word mapping),
 - the call epoch (int32 [1]), the cumulative expected arrivals (int64 [W]) and the error word
   (int64 [8]) with its asynchronous read-back (``ErrorWatch``).
 
@@ -166,6 +170,9 @@ class CommBuffer:
         self.calls = 0  # calls begun on this buffer (host count, eager and captured)
         self.captured = False  # a call was captured in a CUDA graph: the addresses are fixed
         self.growths = 0
+        self.reserved_seg_words = 0  # the most per-segment arrival words any layer asked for
+        self.seg_words = 0  # allocated per-segment arrival words (after the 3W)
+        self.seg_expected = None  # int64 [seg_words] on this rank (None: seg_words == 0)
         self._layers = weakref.WeakSet()  # attached layers (their band flags on reset)
 
     @classmethod
@@ -212,15 +219,19 @@ class CommBuffer:
         return need
 
     # ---- attach / allocate / grow (collective) -----------------------------------------
-    def attach(self, layer, rows: int, row_bytes: int):
+    def attach(self, layer, rows: int, row_bytes: int, seg_words: int = 0):
         """Collective (every rank, same order): make the buffer hold slots of ``rows x
-        row_bytes`` for ``layer`` (allocating, or growing as the module doc says) and register
-        the layer (its ``_clear_band_flags()`` runs on reset)."""
+        row_bytes`` and ``seg_words`` per-segment arrival words (W x the layer's segment
+        capacity; 0 without scale="ordered") for ``layer`` (allocating, or growing as the module
+        doc says) and register the layer (its ``_clear_band_flags()`` runs on reset)."""
         need = self.reserve(rows, row_bytes)
+        if isinstance(seg_words, bool) or not isinstance(seg_words, int) or seg_words < 0:
+            raise ValueError(f"seg_words={seg_words!r} must be an int >= 0")
+        self.reserved_seg_words = max(self.reserved_seg_words, seg_words)
         if not self.allocated:
             self._allocate(self.reserved_slot_bytes)
-        elif need > self.slot_bytes:
-            self._grow(self.reserved_slot_bytes)
+        elif need > self.slot_bytes or seg_words > self.seg_words:
+            self._grow(max(self.reserved_slot_bytes, self.slot_bytes))
         self._layers.add(layer)
         if self.watch is not None and len(self._layers) > 1:
             self.watch.what = (f"OverlapCombine (rank {self.runtime.rank}; communication "
@@ -244,13 +255,19 @@ class CommBuffer:
         note = self._note(slot_bytes)
         recv = rt.alloc((2 * slot_bytes // _esize(self.dtype),), self.dtype, note=note)
         try:
-            block = rt.alloc((COMM_BLOCK_WORDS_PER_RANK * W,), torch.int64, note=note)
+            block = rt.alloc((COMM_BLOCK_WORDS_PER_RANK * W + self.reserved_seg_words,),
+                             torch.int64, note=note)
         except BaseException:
             rt.free(recv)
             raise
         (rp, bad), (cp, _) = rt.peer_table(recv), rt.peer_table(block)
         self.buffers = CombineBuffers(recv, block[:W], rp, cp, block=block, unreachable=bad)
         self.slot_bytes = slot_bytes
+        self.seg_words = self.reserved_seg_words
+        if self.seg_words and (self.seg_expected is None
+                               or self.seg_expected.numel() != self.seg_words):
+            # new arrival words start at 0, so must their expectation
+            self.seg_expected = torch.zeros(self.seg_words, dtype=torch.int64, device=rt.device)
         if self.epoch is None:
             dev = rt.device
             self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -281,8 +298,23 @@ class CommBuffer:
         rt.free(old.block)
         self._allocate(slot_bytes)
         self.expected.zero_()  # the new counters start at 0; epoch and error word are kept
+        if self.seg_expected is not None:
+            self.seg_expected.zero_()
         self.growths += 1
         rt.barrier()
+
+    def seg_tables(self, seg_cap: int):
+        """(seg_arrivals, seg_expected) as a layer of segment capacity ``seg_cap`` sees them:
+        int64 [W, seg_cap] views of the first W * seg_cap arrival words and of their
+        expectation (the senders' consumers index them the same way: rank * seg_cap + i)."""
+        W = self.runtime.world_size
+        if not self.allocated or W * seg_cap > self.seg_words:
+            raise CommBufferError(f"the communication buffer holds {self.seg_words} per-segment "
+                                  f"arrival words, a layer needs {W * seg_cap} (attach with "
+                                  "seg_words)")
+        base = COMM_BLOCK_WORDS_PER_RANK * W
+        return (self.buffers.block[base:base + W * seg_cap].view(W, seg_cap),
+                self.seg_expected[:W * seg_cap].view(W, seg_cap))
 
     # ---- calls ------------------------------------------------------------------------
     def note_call(self):
@@ -314,7 +346,8 @@ class CommBuffer:
         layer on it. Synchronizes, barrier (no kernel of any rank runs past it), zeroes the
         error word, the whole communication block (counters and epoch tags: only the peers'
         consumers write it, and none runs now), the expected counts, the epoch and every
-        attached layer's band flags (an old flag would equal a new epoch), forgets the host
+        attached layer's band flags (an old flag would equal a new epoch), the per-segment
+        arrival words (part of the block) and their expectation, forgets the host
         read-back, barrier again. Every rank restarts at epoch 0."""
         if not self.allocated:
             return
@@ -324,6 +357,8 @@ class CommBuffer:
         self.err.zero_()
         self.buffers.block.zero_()
         self.expected.zero_()
+        if self.seg_expected is not None:
+            self.seg_expected.zero_()  # the arrival words after the 3W were zeroed with the block
         self.epoch.zero_()
         for layer in list(self._layers):
             layer._clear_band_flags()

@@ -189,7 +189,16 @@ class MoECombine(torch.nn.Module):
             make()
         else:
             agree_on_error(error_of(make), self.group)
+        # scale="ordered" needs every rank's counts with the plan (prepare / forward)
+        self._last_plan_counts = (result["plan"], expert_counts)
         return result["plan"]
+
+    def _counts_of(self, plan, expert_counts):
+        """The all-gathered counts of ``plan``: as given, else those of the last ``plan()``."""
+        if expert_counts is not None:
+            return expert_counts
+        last = getattr(self, "_last_plan_counts", None)
+        return last[1] if last is not None and last[0] is plan else None
 
     def backend_for(self, device: torch.device) -> str:
         if self.requested_backend != "auto":
@@ -264,12 +273,14 @@ class MoECombine(torch.nn.Module):
             if h.shape[0] < need:
                 raise ValueError(f"h has {h.shape[0]} rows but the plan lays out {need}")
 
-    def prepare(self, plan: CombinePlan, topk_ids: torch.Tensor):
+    def prepare(self, plan: CombinePlan, topk_ids: torch.Tensor, expert_counts=None):
         """Per routing (once per step, right after `plan`, e.g. while the dispatch or the first
         expert GEMM runs): what `forward` needs from the routing, computed on the device without
         a host sync (overlap backend: each assignment's row for the owner's scale and the
         expected arrival counts; the reference backend needs nothing and gets None). Pass it to
-        `forward(..., routes=...)` to keep this work out of the combine's critical path."""
+        `forward(..., routes=...)` to keep this work out of the combine's critical path.
+        expert_counts: the [W, E] counts the plan was made from; default: those of the last
+        `plan()` call if it made this plan (only scale="ordered" reads them)."""
         if not isinstance(plan, CombinePlan):
             raise TypeError(f"plan must be a CombinePlan, got {type(plan).__name__}")
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 \
@@ -277,7 +288,8 @@ class MoECombine(torch.nn.Module):
             raise ValueError(f"topk_ids must be a [tokens, topk={self.topk}] tensor")
         if self.backend_for(topk_ids.device) == "reference":
             return None
-        return self._overlap_impl(topk_ids.device).prepare(plan, topk_ids)
+        return self._overlap_impl(topk_ids.device).prepare(
+            plan, topk_ids, self._counts_of(plan, expert_counts))
 
     def forward(self, h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -300,8 +312,11 @@ class MoECombine(torch.nn.Module):
         backend = self.backend_for(h.device)
         if backend == "reference":
             return reference_combine(h, w_down, plan, topk_ids, topk_weights, self.group)
-        return self._overlap_impl(h.device).forward(h, w_down, plan, topk_ids, topk_weights,
-                                                    routes=routes, ccta=self.ccta)
+        impl = self._overlap_impl(h.device)
+        if routes is None and impl.ordered:
+            routes = impl.prepare(plan, topk_ids, self._counts_of(plan, None))
+        return impl.forward(h, w_down, plan, topk_ids, topk_weights, routes=routes,
+                            ccta=self.ccta)
 
     def check_errors(self):
         """Overlap backend: synchronize and raise if a device wait timed out in an earlier call

@@ -30,6 +30,7 @@ COPIES = ("ldst", "tma")
 LAYOUTS = ("auto", "aligned", "packed")  # moe_overlap.combine.plan.LAYOUTS
 PRODUCERS = ("auto", "torch", "grouped_gemm")
 ERROR_CHECKS = ("async", "off")  # error_check: see CombineOptions
+SCALES = ("plain", "ordered")  # scale: see CombineOptions
 PRODUCER_ENV = "MOE_OVERLAP_PRODUCER"  # default of producer="auto" (tests select the stand-in)
 
 
@@ -102,6 +103,13 @@ class CombineOptions:
         ``check_errors()``) raises ``OverlapError`` if it is set, with no host sync in the call;
         "off": only an explicit ``check_errors()`` reads it (see README, "Failures and
         recovery").
+    scale ("plain" | "ordered"): the owner's scale. "plain": one pass after the last arrival
+        (combine/scale.py, on the consumer's stream). "ordered": token tiles in completion
+        order, each after a bounded wait for exactly its rows' signals (per-segment arrivals,
+        combine/scale_ordered.py), launched on the producer's stream right after the producer,
+        on every SM (design A of bench/NOTES.md "Session 11"); bitwise equal to "plain". Needs
+        transport="nvlink" and local_copy=False (local_copy="auto" resolves to False); its
+        ``prepare`` builds the tile tables on the host (a host sync per routing).
     gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
         ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
     """
@@ -120,6 +128,7 @@ class CombineOptions:
     timeout_s: float = 10.0
     gemm_options: dict | None = None
     error_check: str = "async"
+    scale: str = "plain"
 
     def __post_init__(self):
         self.validate()
@@ -140,6 +149,18 @@ class CombineOptions:
         if not (lc == AUTO or isinstance(lc, bool)):
             raise ValueError(f"local_copy must be True, False or 'auto', got {lc!r}")
         self._set("local_copy", lc)
+        if self.scale not in SCALES:
+            raise ValueError(f"scale={self.scale!r}; choose from {SCALES}")
+        if self.scale == "ordered":
+            if self.transport != "nvlink":
+                raise ValueError(f"scale='ordered' needs transport='nvlink' (per-segment arrivals "
+                                 f"over {self.transport!r} are not validated), got "
+                                 f"transport={self.transport!r}")
+            if lc is True:
+                raise ValueError("scale='ordered' needs local_copy=False (it reads the local "
+                                 "rows straight from the GEMM output; with the local copy they "
+                                 "would come from this rank's own consumer), got "
+                                 "local_copy=True")
         cp = AUTO if self.copy is None else self.copy
         if cp not in COPIES + (AUTO,) or (cp == "tma" and self.transport != "nvlink"):
             raise ValueError(f"copy={cp!r} with transport={self.transport!r}: use 'ldst', or "

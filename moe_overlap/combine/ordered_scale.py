@@ -339,3 +339,49 @@ def simulate(topk_ids_all: list, expert_counts: torch.Tensor, N: int, K: int, cc
         res[key] = max(r[key] for r in out["ranks"]) * (1 if key == "deps_per_tile" else 1e3)
     res["tiles"] = max(r["tiles"] for r in out["ranks"])
     return res
+
+
+# ---- the host tables of OverlapCombine(scale="ordered") --------------------------------------
+@dataclass
+class OrderedRoutes:
+    """What one routing needs for the ordered scale on the owner (``ordered_routes``): the
+    tiles (``token_tiles``), their kernel tables (``tile_tables``, on the host) and ``seg_inc``
+    [W, Sc] (``seg_expected_inc``: what ``begin_call`` adds to the cumulative expectation)."""
+    tiles: TokenTiles
+    tables: dict
+    seg_inc: torch.Tensor
+
+
+def completion_keys(deps: RowDeps, plans: list, rank: int) -> torch.Tensor:
+    """[T, k] float64: a cheap stand-in of each row's availability time for the tile order (the
+    order only affects speed): a local band's schedule position over the owner's bands, a remote
+    segment's index over its sender's segments (both complete roughly in schedule order)."""
+    key = torch.zeros(deps.kind.shape, dtype=torch.float64)
+    p = plans[rank]
+    nb = int(p.num_bands.item())
+    pos = torch.zeros(max(p.band_capacity, 1), dtype=torch.float64)
+    if nb:
+        pos[p.schedule[:nb].long()] = torch.arange(nb, dtype=torch.float64) / nb
+    loc = deps.kind == LOCAL
+    key[loc] = pos[deps.index[loc]]
+    for s, q in enumerate(plans):
+        m = (deps.kind == REMOTE) & (deps.source == s)
+        if bool(m.any()):
+            key[m] = deps.index[m].double() / max(1, int(q.num_segments.item()))
+    return key
+
+
+def ordered_routes(topk_ids: torch.Tensor, expert_counts: torch.Tensor, rank: int, tile_m: int,
+                   mgb: int, layout: str, seg_cap: int, tile_tokens: int = 32) -> OrderedRoutes:
+    """The owner's ordered-scale inputs for one routing, on the host (CPU tensors): every
+    sender's plan rebuilt from the all-gathered ``expert_counts`` [W, E] (as each rank builds
+    it: same tile_m, mgb, layout), each row's signal, tiles in completion order and the
+    per-segment increment of the expectation, with Sc = ``seg_cap`` (ValueError if a sender's
+    plan has more segments)."""
+    counts = expert_counts.detach().to("cpu", torch.int64)
+    ids = topk_ids.detach().to("cpu", torch.int64)
+    plans = sender_plans(counts, tile_m=tile_m, mgb=mgb, layout=layout)
+    deps = row_dependencies(ids, counts, rank, plans)
+    tiles = token_tiles(deps, completion_keys(deps, plans, rank), tile_tokens=tile_tokens)
+    return OrderedRoutes(tiles=tiles, tables=tile_tables(tiles),
+                         seg_inc=seg_expected_inc(plans, rank, capacity=seg_cap))

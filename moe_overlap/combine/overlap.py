@@ -51,6 +51,17 @@ construction). The consumer variants they select:
   copies through a shared memory ring (see moe_overlap/combine/consumer.py);
   ``consumer_stages`` / ``consumer_chunk`` size the ring.
 
+- ``scale="ordered"`` (nvlink, local_copy=False): the consumer adds each piece's rows to the
+  owner's per-segment arrival word (``arrival="segment"``; the counters then carry only the call
+  markers), ``begin_call`` advances the cumulative per-segment expectation (``CommBuffer.
+  seg_tables``) by the routing's ``seg_inc`` and zeroes the tile queue, and the ordered scale
+  (combine/scale_ordered.py) runs on s0 right after the producer, on every SM (design A of
+  bench/NOTES.md "Session 11"): after the kernel boundary every local row is final (no band
+  wait), each tile waits for its own segments. Why no deadlock and why the slots stay safe:
+  docs/CONTRACTS.md "Ordered scale" (the launch on s0 e ends before this rank's consumer e+1,
+  which waits s0 after begin_call e+1). ``prepare(plan, topk_ids, expert_counts)`` needs every
+  rank's counts (the plan holds only this rank's) and builds the tile tables on the host.
+
 Producer: ``moe_overlap.combine.grouped_gemm.GroupedGemm`` (clusters of 1 beside the consumer,
 see ``_gemm_for``); without CuTe DSL (or with ``producer="torch"``) a torch stand-in: all-expert
 matmul + gather by band expert, then one torch op that sets the flags of all valid bands (no host
@@ -77,9 +88,11 @@ def check_gemm_options(options, tile_m):
 class CombineRoutes:
     """A routing's per-call inputs of the overlapped combine (``OverlapCombine.prepare``)."""
 
-    def __init__(self, rows, expected_inc, plan, num_tokens):
+    def __init__(self, rows, expected_inc, plan, num_tokens, ordered=None):
         self.rows, self.expected_inc = rows, expected_inc
         self.plan, self.num_tokens = plan, num_tokens
+        # scale="ordered": {"tables": the tile tables, "seg_inc": int64 [W, Sc]} on the device
+        self.ordered = ordered
 
 
 class OverlapCombine:
@@ -166,8 +179,24 @@ class OverlapCombine:
         self.comm = comm_buffer
         self.max_recv_rows = max_tokens_per_rank * topk
         self._band_ready = None
+        self.ordered = opts.scale == "ordered"
+        self.seg_cap = 0
+        if self.ordered:
+            # the segment capacity of a plan at the layer's maximum rows (MoECombine.plan): the
+            # row stride of seg_arrivals, which the senders' consumers and this rank's scale
+            # must share, so it must be equal on every rank (checked here, collectively)
+            from .plan import band_capacity_for
+            rows_max = W * max_tokens_per_rank * topk
+            self.seg_cap = band_capacity_for(rows_max, self.experts_per_rank, W, tile_m) \
+                + self.experts_per_rank * W
+            caps = [None] * W
+            dist.all_gather_object(caps, self.seg_cap, group=group)
+            if len(set(caps)) != 1:
+                raise ValueError(f"scale='ordered' needs the same segment capacity on every "
+                                 f"rank (the shapes differ between ranks?): {caps}")
         # collective (same construction order on every rank): allocates, or grows, the memory
-        comm_buffer.attach(self, self.max_recv_rows, out_features * 2)
+        comm_buffer.attach(self, self.max_recv_rows, out_features * 2,
+                           seg_words=W * self.seg_cap)
         self.rt = comm_buffer.runtime
         if opts.transport == "nvlink":
             self.buffers.require_p2p()  # stores to the peers' memory: they must be mapped
@@ -180,8 +209,14 @@ class OverlapCombine:
         self.consumer = Consumer(opts.transport, opts.consumer_threads, opts.consumer_unroll,
                                  self.timeout_ns, local_copy=opts.local_copy, copy=opts.copy,
                                  stages=opts.consumer_stages, chunk_bytes=opts.consumer_chunk,
-                                 lookahead=opts.consumer_lookahead)
+                                 lookahead=opts.consumer_lookahead,
+                                 **({"arrival": "segment"} if self.ordered else {}))
         self.scale = Scale(topk, timeout_ns=self.timeout_ns, y_src=not opts.local_copy)
+        self.oscale = self.queue = None
+        if self.ordered:
+            from .scale_ordered import OrderedScale
+            self.oscale = OrderedScale(topk, timeout_ns=self.timeout_ns)
+            self.queue = torch.zeros(1, dtype=torch.int32, device=dev)
         self.producer_kind = self._pick_producer(opts.producer)
         self._gemms = {}  # "solo" (every SM) / "beside" (next to the consumer): see _gemm_for
         self._warm = False  # consumer + scale loaded (warmup())
@@ -194,11 +229,18 @@ class OverlapCombine:
         # the band's rows are computed and stored, so the consumer may ship stale rows; the
         # validation must catch it. Refused with the real producer (its kernel has no such mode).
         self._test_broken_order = os.environ.get("MOE_OVERLAP_TEST_BROKEN_ORDER", "")
-        if self._test_broken_order not in ("", "flags_before_stores"):
+        # "seg_expected_frozen" (scale="ordered" only): begin_call does not advance the
+        # per-segment expectation, so the ordered scale may read rows before they arrive.
+        if self._test_broken_order not in ("", "flags_before_stores", "seg_expected_frozen"):
             raise ValueError(f"MOE_OVERLAP_TEST_BROKEN_ORDER={self._test_broken_order!r}; "
-                             "only 'flags_before_stores' exists")
-        if self._test_broken_order and self.producer_kind != "torch":
+                             "only 'flags_before_stores' and 'seg_expected_frozen' exist")
+        if self._test_broken_order == "flags_before_stores" and self.producer_kind != "torch":
             raise ValueError("MOE_OVERLAP_TEST_BROKEN_ORDER needs producer='torch'")
+        if self._test_broken_order == "seg_expected_frozen" and not self.ordered:
+            raise ValueError("MOE_OVERLAP_TEST_BROKEN_ORDER=seg_expected_frozen needs "
+                             "scale='ordered'")
+        # test only: GPU cycles cs sleeps before each consumer launch (late arrivals)
+        self._test_consumer_delay_cycles = 0
 
     # the communication state lives in the CommBuffer (shared with the layers sharing it)
     buffers = property(lambda self: self.comm.buffers, doc="runtime.nvshmem.CombineBuffers")
@@ -225,6 +267,7 @@ class OverlapCombine:
     transport = property(lambda self: self.options.transport)
     local_copy = property(lambda self: self.options.local_copy)
     copy = property(lambda self: self.options.copy)
+    scale_kind = property(lambda self: self.options.scale, doc="'plain' or 'ordered'.")
     piece_rows = property(lambda self: self.options.consumer_piece_rows)
 
     def diagnostics(self, timeline: list | None = None, skip_scale: bool = False):
@@ -400,10 +443,22 @@ class OverlapCombine:
         self.scale.launch(recv=self.buffers.recv, rows=zi, weights=zf, out=out,
                           counters=self.counters[:0], expected=self.expected, rank=self.rank,
                           err=self.err, epoch=z, slot_bytes=0, num_sms=self.num_sms, y=yb)
+        if self.ordered:  # no tile, no tag check: loads the module
+            arr, exp = self.comm.seg_tables(self.seg_cap)
+            tables = {n: torch.zeros(1 if n in ("tile_start", "dep_start") else 0,
+                                     dtype=torch.int32, device=dev)
+                      for n in ("order", "tile_start", "dep_start", "dep_kind", "dep_source",
+                                "dep_index")}
+            self.oscale.launch(recv=self.buffers.recv, rows=zi[:0].view(0, self.topk),
+                               weights=zf[:0].view(0, self.topk), out=out, y=yb, tables=tables,
+                               band_ready=flags, seg_arrivals=arr, seg_expected=exp,
+                               queue=self.queue, counters=self.counters, expected=self.expected,
+                               rank=self.rank, err=self.err, epoch=z, slot_bytes=0, grid=1,
+                               wait_bands=False, check_tags=False)
         torch.cuda.synchronize(dev)
         self._warm = True
 
-    def prepare(self, plan, topk_ids) -> CombineRoutes:
+    def prepare(self, plan, topk_ids, expert_counts=None) -> CombineRoutes:
         """What a call needs from the routing, computed once per routing and off the call's
         critical path (device only, no host sync): each (t, k) assignment's row for the scale and
         the per-source increment of the expected arrival counts. The sequential baseline prepares
@@ -413,21 +468,61 @@ class OverlapCombine:
         rows: int32 [T, topk]: receive rows, or with local_copy=False and a plan, source rows (see
         source_rows). Without a plan (consumer-only use) plain receive rows.
         expected_inc: int64 [W]: my assignments to rank s's experts + 1 (s's call marker); with
-        local_copy=False the own rank's rows are not counted (they are read from y)."""
+        local_copy=False the own rank's rows are not counted (they are read from y).
+        scale="ordered": ``expert_counts`` [W, E] (the all-gathered counts the plans of every
+        rank were made from) is required; the counters carry only the call markers (expected_inc
+        = 1 per source) and ``ordered`` holds the tile tables and the per-segment increment,
+        built on the host (``ordered_scale.ordered_routes``: a host sync)."""
         from .routes import prepare_routes  # two CuTe DSL kernels on CUDA, torch reference
         rows, inc = prepare_routes(topk_ids, self.num_experts, self.world_size, self.rank,
                                    self.local_copy, plan)
-        return CombineRoutes(rows=rows, expected_inc=inc, plan=plan, num_tokens=topk_ids.shape[0])
+        ordered = None
+        if self.ordered:
+            ordered, inc = self._prepare_ordered(plan, topk_ids, expert_counts), \
+                torch.ones_like(inc)
+        return CombineRoutes(rows=rows, expected_inc=inc, plan=plan, num_tokens=topk_ids.shape[0],
+                             ordered=ordered)
+
+    def _prepare_ordered(self, plan, topk_ids, expert_counts):
+        W, E = self.world_size, self.num_experts
+        if expert_counts is None:
+            raise ValueError("scale='ordered' needs every rank's counts: prepare(plan, topk_ids, "
+                             "expert_counts) with the [W, E] counts the plans were made from "
+                             "(exchange_counts(topk_ids))")
+        if not isinstance(expert_counts, torch.Tensor) or tuple(expert_counts.shape) != (W, E):
+            raise ValueError(f"expert_counts must be a [{W}, {E}] tensor")
+        if plan.segment_capacity != self.seg_cap:
+            raise ValueError(f"scale='ordered' needs plans made with max_rows = world_size x "
+                             f"max_tokens_per_rank x topk (MoECombine.plan): their segment "
+                             f"capacity {self.seg_cap} is the arrival table's row stride on "
+                             f"every rank; this plan has {plan.segment_capacity}")
+        from .ordered_scale import ordered_routes
+        o = ordered_routes(topk_ids, expert_counts, self.rank, plan.tile_m, plan.mgb,
+                           plan.layout, self.seg_cap)
+        return {"tables": {n: t.to(self.device) for n, t in o.tables.items()},
+                "seg_inc": o.seg_inc.to(self.device)}
 
     def begin_call(self, topk_ids, topk_weights, plan=None, routes=None):
         """Per-call device bookkeeping on the current stream (no host ints): epoch += 1,
         expected_cum += routes.expected_inc (routes: from ``prepare``, computed here if None).
         Returns (rows int32 [T, topk], weights fp32 [T, topk]) for the scale."""
         if routes is None:
+            if self.ordered:
+                raise ValueError("scale='ordered': pass routes=prepare(plan, topk_ids, "
+                                 "expert_counts) (it needs every rank's counts)")
             routes = self.prepare(plan, topk_ids)
+        if self.ordered and routes.ordered is None:
+            raise ValueError("routes were prepared without the ordered scale's tables")
         self.comm.note_call()
         self.epoch.add_(1)  # the buffer's epoch: slot parity and tags count calls on the buffer
         self.expected.add_(routes.expected_inc)
+        if self.ordered:
+            if self._test_broken_order != "seg_expected_frozen":  # test only: see __init__
+                _, seg_expected = self.comm.seg_tables(self.seg_cap)
+                seg_expected.add_(routes.ordered["seg_inc"])
+            # the previous call's ordered scale has ended (s0 order); this call's claims start
+            # after this point on s0
+            self.queue.zero_()
         return routes.rows, topk_weights.to(torch.float32).contiguous()
 
     def source_rows(self, topk_ids, recv_rows, plan):
@@ -523,23 +618,29 @@ class OverlapCombine:
         if marks:
             marks["produced"].record(s0)
         with torch.cuda.stream(cs):
+            if self._test_consumer_delay_cycles:  # test only: see __init__
+                torch.cuda._sleep(int(self._test_consumer_delay_cycles))
             self.ship(y, plan, band_ready, ccta=ccta, stream=cs, piece_rows=piece_rows)
             if marks:
                 marks["shipped"].record(cs)
-        if not self.local_copy:
-            # the scale reads local rows straight from y: order it after the producer (kernel
-            # boundary = y final and visible; see the module doc for why not a flag spin)
-            cs.wait_stream(s0)
-        with torch.cuda.stream(cs):
-            if not debug.skip_scale:
-                self.scale.launch(recv=self.buffers.recv, rows=rows, weights=weights, out=out,
-                                  counters=self.counters, expected=self.expected,
-                                  rank=self.rank, err=self.err, epoch=self.epoch,
-                                  slot_bytes=self.slot_bytes, num_sms=self.num_sms, stream=cs,
-                                  y=y, epoch_tags=True)
-            if marks:
-                marks["scaled"].record(cs)
-                debug.timeline.append(marks)
+        if self.ordered:
+            self._launch_ordered_scale(routes, rows, weights, out, y, band_ready, s0, marks)
+        else:
+            if not self.local_copy:
+                # the scale reads local rows straight from y: order it after the producer
+                # (kernel boundary = y final and visible; see the module doc for why not a
+                # flag spin)
+                cs.wait_stream(s0)
+            with torch.cuda.stream(cs):
+                if not debug.skip_scale:
+                    self.scale.launch(recv=self.buffers.recv, rows=rows, weights=weights,
+                                      out=out, counters=self.counters, expected=self.expected,
+                                      rank=self.rank, err=self.err, epoch=self.epoch,
+                                      slot_bytes=self.slot_bytes, num_sms=self.num_sms,
+                                      stream=cs, y=y, epoch_tags=True)
+                if marks:
+                    marks["scaled"].record(cs)
+                    debug.timeline.append(marks)
         s0.wait_stream(cs)
         if not torch.cuda.is_current_stream_capturing():
             for t in (rows, weights, out, y):
@@ -549,6 +650,23 @@ class OverlapCombine:
         if check:
             self.check_errors()
         return out
+
+    def _launch_ordered_scale(self, routes, rows, weights, out, y, band_ready, s0, marks):
+        """scale="ordered": on s0 right after the producer's kernel boundary (every local row
+        final: no band wait), every SM; each tile waits for its own segments, the kernel for
+        every source's call marker and epoch tag."""
+        if not self._debug.skip_scale:
+            arr, exp = self.comm.seg_tables(self.seg_cap)
+            self.oscale.launch(recv=self.buffers.recv, rows=rows, weights=weights, out=out, y=y,
+                               tables=routes.ordered["tables"], band_ready=band_ready,
+                               seg_arrivals=arr, seg_expected=exp, queue=self.queue,
+                               counters=self.counters, expected=self.expected, rank=self.rank,
+                               err=self.err, epoch=self.epoch, slot_bytes=self.slot_bytes,
+                               grid=self.num_sms * self.oscale.ctas_per_sm, wait_bands=False,
+                               check_tags=True, stream=s0)
+        if marks:
+            marks["scaled"].record(s0)
+            self._debug.timeline.append(marks)
 
     __call__ = forward
 
