@@ -86,7 +86,8 @@ class MoECombine(torch.nn.Module):
                  ccta=None, mgb=None, transport: str | None = None, validate: bool = True,
                  local_copy: bool | None = None, copy: str | None = None,
                  layout: str | None = None, error_check: str | None = None,
-                 options: CombineOptions | None = None, comm_buffer=None):
+                 options: CombineOptions | None = None, comm_buffer=None,
+                 scale: str | None = None):
         super().__init__()
         from .comm_buffer import CommBuffer
         if comm_buffer is not None and not isinstance(comm_buffer, CommBuffer):
@@ -116,7 +117,7 @@ class MoECombine(torch.nn.Module):
         # every option checked in one place (CombineOptions.validate), resolved once below
         options = options_from_kwargs(options, "MoECombine", ccta=ccta, mgb=mgb,
                                       transport=transport, local_copy=local_copy, copy=copy,
-                                      layout=layout, error_check=error_check)
+                                      layout=layout, error_check=error_check, scale=scale)
         self.group, self.rank, self.world_size = group, rank, W
         self.num_experts, self.experts_per_rank = num_experts, num_experts // W
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk

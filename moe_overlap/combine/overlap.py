@@ -112,6 +112,10 @@ class OverlapCombine:
     own. Layers given the same buffer share its memory (sized for the largest), its epoch, its
     errors and its ``reset()``; they must run one at a time (see comm_buffer.py)."""
 
+    # scale="ordered" state (set in __init__; the class values are the default scale's)
+    ordered, seg_cap, oscale, queue = False, 0, None, None
+    _test_consumer_delay_cycles = 0  # test only: see __init__
+
     def __init__(self, group=None, num_experts: int = 8, hidden_size: int = 1024,
                  out_features: int = 1024, topk: int = 2, max_tokens_per_rank: int = 1024,
                  tile_m: int = 128, ccta=None, mgb=None, transport: str | None = None,
@@ -121,7 +125,8 @@ class OverlapCombine:
                  consumer_stages: int | None = None, consumer_chunk: int | None = None,
                  consumer_piece_rows: int | None = None,
                  gemm_options: dict | None = None, error_check: str | None = None,
-                 options: CombineOptions | None = None, comm_buffer: CommBuffer | None = None):
+                 options: CombineOptions | None = None, comm_buffer: CommBuffer | None = None,
+                 scale: str | None = None):
         if comm_buffer is not None and not isinstance(comm_buffer, CommBuffer):
             raise TypeError(f"comm_buffer must be a CommBuffer, got {type(comm_buffer).__name__}")
         if mgb is not None and mgb != "auto":
@@ -135,7 +140,7 @@ class OverlapCombine:
             consumer_unroll=consumer_unroll, local_copy=local_copy, copy=copy,
             consumer_stages=consumer_stages, consumer_chunk=consumer_chunk,
             consumer_piece_rows=consumer_piece_rows, gemm_options=gemm_options,
-            error_check=error_check)
+            error_check=error_check, scale=scale)
         self.gemm_options = opts.check_gemm_options(tile_m)
         if not torch.cuda.is_available():
             raise OverlapError("OverlapCombine needs CUDA")
