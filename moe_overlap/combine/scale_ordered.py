@@ -1,6 +1,8 @@
 """Ordered scale (design B of bench/NOTES.md, "Session 11"): the owner's scale done token tile by
 token tile in completion order, each tile after a bounded wait for exactly the signals its rows
-need. Not wired into OverlapCombine yet (see the NOTES for what is left); compile-checked only.
+need. Used by ``OverlapCombine`` with ``CombineOptions(scale="ordered")`` as design A: one launch
+on the producer's stream after the producer (``wait_bands=False``); the consumer workers of
+design B are not built (see the NOTES).
 
 One persistent kernel, ``grid`` CTAs of ``threads``:
 
