@@ -392,7 +392,7 @@ class MoECombine(torch.nn.Module):
             def measure(c, m):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
                                     max_rows=self.max_rows, validate=False, layout=self.layout)
-                routes = impl.prepare(plan, topk_ids)
+                routes = impl.prepare(plan, topk_ids, expert_counts)  # ordered: counts
                 ms = time_calls(lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights,
                                                      routes=routes, ccta=c),
                                 reps=reps, replays=5, barrier=barrier)[0]
