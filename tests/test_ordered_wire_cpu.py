@@ -239,3 +239,18 @@ def test_every_tile_waits_for_all_its_rows(W, rank, mode):
                         assert sig in arrived, (j, int(tok), kk)
                 pending.remove(j)
     assert not pending and torch.equal(done, torch.ones(T, dtype=torch.int64))
+
+
+def test_moe_combine_keeps_the_counts_of_its_last_plan():
+    """MoECombine.prepare / forward hand the ordered backend the counts of the plan they got
+    (the plan itself holds only this rank's); another plan gets none (prepare then raises)."""
+    from moe_overlap.combine import MoECombine
+    layer = MoECombine(8, 64, 32, 2, 64, tile_m=64, backend="reference", scale="ordered")
+    assert layer.options.scale == "ordered"
+    _, counts = _world(1, 64, 8, 2, "balanced", seed=2)
+    p1 = layer.plan(counts)
+    assert layer._counts_of(p1, None) is counts
+    other = torch.ones_like(counts)
+    assert layer._counts_of(p1, other) is other  # given counts win
+    p2 = layer.plan(counts.clone())
+    assert layer._counts_of(p1, None) is None and layer._counts_of(p2, None) is not counts

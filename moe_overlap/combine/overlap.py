@@ -582,6 +582,9 @@ class OverlapCombine:
                     tuple(topk_ids.shape):
                 raise ValueError(f"routes are for {routes.num_tokens} tokens x "
                                  f"{routes.rows.shape[1]}, topk_ids is {tuple(topk_ids.shape)}")
+        if self.ordered and (routes is None or routes.ordered is None):
+            raise ValueError("scale='ordered': pass routes=prepare(plan, topk_ids, "
+                             "expert_counts) (it needs every rank's counts)")
         if self._async_errors:  # an earlier call's device error raises here, before any launch
             self._watch.poll()
         if not self._warm:
