@@ -289,8 +289,10 @@ class MoECombine(torch.nn.Module):
             raise ValueError(f"topk_ids must be a [tokens, topk={self.topk}] tensor")
         if self.backend_for(topk_ids.device) == "reference":
             return None
-        return self._overlap_impl(topk_ids.device).prepare(
-            plan, topk_ids, self._counts_of(plan, expert_counts))
+        impl = self._overlap_impl(topk_ids.device)
+        if not getattr(impl, "ordered", False):  # only the ordered scale reads the counts
+            return impl.prepare(plan, topk_ids)
+        return impl.prepare(plan, topk_ids, self._counts_of(plan, expert_counts))
 
     def forward(self, h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -314,7 +316,7 @@ class MoECombine(torch.nn.Module):
         if backend == "reference":
             return reference_combine(h, w_down, plan, topk_ids, topk_weights, self.group)
         impl = self._overlap_impl(h.device)
-        if routes is None and impl.ordered:
+        if routes is None and getattr(impl, "ordered", False):
             routes = impl.prepare(plan, topk_ids, self._counts_of(plan, None))
         return impl.forward(h, w_down, plan, topk_ids, topk_weights, routes=routes,
                             ccta=self.ccta)
@@ -392,7 +394,8 @@ class MoECombine(torch.nn.Module):
             def measure(c, m):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
                                     max_rows=self.max_rows, validate=False, layout=self.layout)
-                routes = impl.prepare(plan, topk_ids, expert_counts)  # ordered: counts
+                routes = impl.prepare(plan, topk_ids, expert_counts) if getattr(
+                    impl, "ordered", False) else impl.prepare(plan, topk_ids)
                 ms = time_calls(lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights,
                                                      routes=routes, ccta=c),
                                 reps=reps, replays=5, barrier=barrier)[0]
