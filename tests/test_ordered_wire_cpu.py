@@ -6,6 +6,8 @@ and the host tables of prepare (the senders' plans rebuilt without max_rows ship
 segments as the plans made at the layer's max rows; every tile's list covers its rows). The GPU
 half: tests/test_ordered_wire_gpu.py.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -254,3 +256,52 @@ def test_moe_combine_keeps_the_counts_of_its_last_plan():
     assert layer._counts_of(p1, other) is other  # given counts win
     p2 = layer.plan(counts.clone())
     assert layer._counts_of(p1, None) is None and layer._counts_of(p2, None) is not counts
+
+
+def test_ordered_call_runs_on_s0_after_the_producer(monkeypatch):
+    """Host order of one forward with scale="ordered" (the kernels are recorders, the streams
+    too: test_recover_cpu's fakes): begin_call advances seg_expected and zeroes the queue, the
+    consumer is launched on cs, the ordered scale on s0 after the producer (no band wait, the
+    tag check on, every SM), s0 then waits cs; the plain scale is not launched."""
+    import contextlib
+
+    from test_recover_cpu import _fake_combine, _Stream
+    log = []
+    s0 = _Stream(log, "s0")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: s0)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    ov, (h, w, plan, ids, tw) = _fake_combine(log, monkeypatch=monkeypatch)
+    W, Sc = 2, 3
+    ov.comm.attach(ov, ov.max_recv_rows, ov.out_features * 2, seg_words=W * Sc)
+    ov.ordered, ov.seg_cap, ov._test_broken_order = True, Sc, ""
+    ov.queue = torch.full((1,), 9, dtype=torch.int32)
+    ov.oscale = SimpleNamespace(ctas_per_sm=4, launch=lambda **kw: log.append((
+        "ordered", kw["stream"].name, kw["wait_bands"], kw["check_tags"], kw["grid"],
+        int(kw["queue"]), kw["tables"]["order"])))
+    ov.scale = SimpleNamespace(launch=lambda **kw: log.append("plain scale"))
+
+    def begin_call(ids_, w_, plan_, routes_):
+        log.append("begin")
+        return OverlapCombine.begin_call(ov, ids_, w_, routes=routes_)
+    ov.begin_call = begin_call
+    inc = torch.zeros(W, Sc, dtype=torch.int64)
+    inc[1, 0], inc[1, 2] = 5, 3
+    order = torch.arange(ids.shape[0], dtype=torch.int32)
+    routes = CombineRoutes(rows=ids.int(), expected_inc=torch.ones(W, dtype=torch.int64),
+                           plan=plan, num_tokens=ids.shape[0],
+                           ordered={"tables": {"order": order}, "seg_inc": inc})
+    with pytest.raises(ValueError, match="routes=prepare"):
+        ov.forward(h, w, plan, ids, tw)  # refused before any launch
+    assert not any(x in log for x in ("begin", "produce", "ship"))
+    for call in (1, 2):
+        log.clear()
+        ov.forward(h, w, plan, ids, tw, routes=routes)
+        call_log = log[log.index("begin"):]
+        assert call_log[:4] == ["begin", "cs waits s0", "produce", "ship"], call_log
+        assert call_log[4] == ("ordered", "s0", False, True, 132 * 4, 0, order), call_log
+        assert "s0 waits cs" in call_log[5:] and "plain scale" not in log
+        _, exp = ov.comm.seg_tables(Sc)
+        assert torch.equal(exp, call * inc) and int(ov.queue) == 0
