@@ -17,7 +17,8 @@
 #                 it (one GPU)
 #        layer    one MoE layer end to end, ours vs the same-scale sequential layer
 #                 (bench_moe_layer; 2 GPUs for the overlap backend)
-#        scale    the token-ordered scale alone (tests + bench_ordered_scale; one GPU)
+#        scale    the token-ordered scale alone (tests + bench_ordered_scale; one GPU) and,
+#                 with 2 GPUs, scale="ordered" in the combine (tests/test_ordered_wire_gpu.py)
 # The combine area also runs the fault, recovery, producer-bounds and shared-buffer tests (one
 # GPU for the W=1 ones).
 # Logs and JSON go to $OUT (the device tool brings them back); a short summary is printed last.
@@ -107,6 +108,10 @@ layer)
 scale)
     run ordered_scale_tests 300 python -m pytest -q -p no:cacheprovider \
         tests/test_scale_ordered_gpu.py
+    if [ "$ngpu" -ge 2 ]; then  # scale="ordered" in the overlapped combine
+        run ordered_wire_tests 400 python -m pytest -q -p no:cacheprovider \
+            tests/test_ordered_wire_gpu.py
+    fi
     run ordered_scale_bench 300 python bench/bench_ordered_scale.py \
         --shape 4096x16x4x8192x2048 --ccta 8,12,16 --out "$OUT"
     ;;
