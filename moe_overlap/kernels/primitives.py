@@ -27,7 +27,7 @@ from cutlass import Int32, Int64
 # error word layout and codes: one definition, shared with the host (moe_overlap/kernels/errors.py)
 from .errors import (ERR_WORDS, ERR_CONSUMER_TIMEOUT, ERR_SCALE_TIMEOUT,  # noqa: E402,F401
                               ERR_COPY_TIMEOUT, ERR_EPOCH_MISMATCH, ERR_PLAN_BOUNDS,
-                              ERR_SCALE_BAD_ROW, ERR_NAMES, describe_error)
+                              ERR_SCALE_BAD_ROW, ERR_PEER_ERROR, ERR_NAMES, describe_error)
 
 
 # ---- launch geometry ---------------------------------------------------------------------------
@@ -554,6 +554,37 @@ def wait_ge_sys_s64(addr: Int64, expected: Int64, t0: Int64, timeout_ns: Int64):
     if v >= expected:
         timed_out = Int32(0)
     return timed_out, v, elapsed
+
+
+@cute.jit
+def wait_ge_sys_s64_or_peer_error(addr: Int64, expected: Int64, peer_err: Int64, t0: Int64,
+                                  timeout_ns: Int64):
+    """``wait_ge_sys_s64`` that also gives up as soon as the code word (word 0) at ``peer_err``
+    is non-zero: the error word of the rank that should raise ``*addr`` (a symmetric word on a
+    peer GPU, or this rank's own), loaded with ld.relaxed.sys (another GPU writes it; no stale
+    L1 line) back to back with the counter (independent loads: one round trip per spin). A rank
+    that has recorded an error ships nothing more (sticky), so its counter would only reach the
+    timeout. Returns (status: Int32 0 = reached, 1 = timed out, 2 = that error word set; last
+    counter value: Int64; now - t0: Int64; the code seen: Int64)."""
+    v = ld_acquire_sys_s64(addr)
+    code = Int64(0)
+    status = Int32(0)
+    elapsed = Int64(0)
+    if v < expected:
+        code = ld_relaxed_sys_s64(peer_err)
+        if code != Int64(0):
+            status = Int32(2)
+    while v < expected and status == Int32(0):
+        elapsed = globaltimer() - t0
+        if elapsed > timeout_ns:
+            status = Int32(1)
+        v = ld_acquire_sys_s64(addr)
+        code = ld_relaxed_sys_s64(peer_err)
+        if code != Int64(0):
+            status = Int32(2)
+    if v >= expected:
+        status = Int32(0)
+    return status, v, elapsed, code
 
 
 @cute.jit
