@@ -11,7 +11,11 @@ bounded wait for the arrivals. One launcher, two kernels on the stream:
    sender wrote it before its marker, so it must equal this rank's epoch (int32 equality: the same
    across the wrap); otherwise the ranks are out of step (one made a call the others did not, or
    was reset alone) and it records ERR_EPOCH_MISMATCH (source, both epochs). A timeout records
-   ERR_SCALE_TIMEOUT (source, epoch, counter, expected). ``fence.acq_rel.sys`` after the acquire;
+   ERR_SCALE_TIMEOUT (source, epoch, counter, expected). The same spin also polls source s's
+   error code (word 0 of its symmetric error word, ``err_peers[s]``, ld.relaxed.sys): a source
+   that has recorded an error ships nothing more (sticky), so once its code is set the wait
+   records ERR_PEER_ERROR (source, epoch, its code, the counter) and stops, instead of waiting
+   for the timeout (a counter already reached wins: those rows did arrive). ``fence.acq_rel.sys`` after the acquire;
    the kernel boundary then orders the scale's loads after it (causality is transitive).
    Skipped (nothing waited for) when the error word is already set.
    Why a kernel boundary rather than a device flag the other CTAs wait on: CTAs waiting on a
