@@ -12,7 +12,7 @@ its error word holds ERR_PEER_ERROR naming rank 0 and code 9 / 5, its ``out`` is
 0's own text (read from rank 0's word through P2P). Rank 0 raises its own error. Then
 ``reset()`` on both ranks (it clears the peer-visible word) and 20 correct calls (fp32
 reference), error words clear. For the v1 (local copy, thread copies) and v2 (local_copy=False,
-TMA) consumers.
+TMA) consumers, one layer each: the consumer fault runs after the producer fault's reset.
 
 Run: ``CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m pytest -q tests/test_peer_error_gpu.py``.
@@ -63,13 +63,10 @@ def _corrupt(plan, fault):
         plan.num_segments.fill_(plan.segment_rows.numel() + 1)  # ERR_PLAN_BOUNDS, PF_NSEG
 
 
-def _run(rank, res, tag, opts, fault):
-    from moe_overlap.combine.overlap import OverlapCombine, OverlapError
+def _run(ov, rank, res, tag, fault):
+    from moe_overlap.combine.overlap import OverlapError
     from moe_overlap.combine.reference import reference_combine
     key = f"{tag}_{fault}"
-    ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N, topk=TOPK,
-                        max_tokens_per_rank=T_MAX, tile_m=TILE_M, ccta=8, transport="nvlink",
-                        timeout_s=TIMEOUT_S, **opts)
     ids, w, plan, h, wd = _case(ov, 150, 1)
     out = ov.forward(h, wd, plan, ids, w)
     res[f"{key}_good_rel"] = _rel(out, reference_combine(h.float(), wd.float(), plan, ids, w))
@@ -107,11 +104,17 @@ def _run(rank, res, tag, opts, fault):
 
 
 def _worker(rank, world):
+    from moe_overlap.combine.overlap import OverlapCombine
     res = {}
     for tag, opts in CONFIGS.items():
-        for fault in FAULTS:
+        ov = None
+        for fault in FAULTS:  # one layer per config: the second fault follows the first's reset
             try:
-                _run(rank, res, tag, opts, fault)
+                if ov is None:
+                    ov = OverlapCombine(group=None, num_experts=E, hidden_size=K, out_features=N,
+                                        topk=TOPK, max_tokens_per_rank=T_MAX, tile_m=TILE_M,
+                                        ccta=8, transport="nvlink", timeout_s=TIMEOUT_S, **opts)
+                _run(ov, rank, res, tag, fault)
             except Exception as e:  # noqa: BLE001 - recorded, the other parts still run
                 import traceback
                 res[f"{tag}_{fault}_error"] = (f"{type(e).__name__}: {e}\n"

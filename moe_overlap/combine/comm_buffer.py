@@ -108,8 +108,9 @@ def heap_report(layers, world_size: int, dtype=torch.bfloat16) -> dict:
     (T_max, topk, N[, count]) tuples) in one group of ``world_size`` ranks:
     ``unshared`` (every layer its own buffer: 2 slots + a block + an error word each, what
     OverlapCombine without a comm_buffer allocates), ``shared`` (one CommBuffer: 2 slots of the
-    largest layer + one block + one error word) and ``symmetric_size_mib`` / ``symmetric_size`` (the NVSHMEM_SYMMETRIC_SIZE to
-    set for the shared buffer, with NVSHMEM's headroom), plus the inputs. Pure Python."""
+    largest layer + one block + one error word) and ``symmetric_size_mib`` /
+    ``symmetric_size`` (the NVSHMEM_SYMMETRIC_SIZE to set for the shared buffer, with NVSHMEM's
+    headroom), plus the inputs. Pure Python."""
     if dtype not in RECV_DTYPES:
         raise ValueError(f"dtype={dtype}: the combine's receive buffer is one of {RECV_DTYPES}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -249,9 +250,9 @@ class CommBuffer:
                 f"{(2 * slot_bytes + block) / 2**20:.1f} MiB (2 slots of {slot_bytes} bytes, "
                 f"the largest max_tokens_per_rank x topk x N x {_esize(self.dtype)} of the "
                 f"{max(1, self.num_layers)} layer(s) on it so far, plus the {block}-byte "
-                "communication block and error word); layers sharing one CommBuffer (the MoECombine default) "
-                "need it once, whatever their number; `moe-overlap heap` reports a model's "
-                "total")
+                "communication block and error word); layers sharing one CommBuffer (the "
+                "MoECombine default) need it once, whatever their number; `moe-overlap heap` "
+                "reports a model's total")
 
     def _allocate(self, slot_bytes: int):
         from ..runtime.nvshmem import CombineBuffers
@@ -372,8 +373,9 @@ class CommBuffer:
         """Collective (every rank, between calls, not under capture): clear the buffer for every
         layer on it. Synchronizes, barrier (no kernel of any rank runs past it), zeroes the
         error word (the symmetric one the peers' scales poll: cleared on every rank before the
-        second barrier, so no rank's next call sees a peer's old error), the whole communication block (counters and epoch tags: only the peers'
-        consumers write it, and none runs now), the expected counts, the epoch and every
+        second barrier, so no rank's next call sees a peer's old error), the whole
+        communication block (counters and epoch tags: only the peers' consumers write it, and
+        none runs now), the expected counts, the epoch and every
         attached layer's band flags (an old flag would equal a new epoch), forgets the host
         read-back, barrier again. Every rank restarts at epoch 0."""
         if not self.allocated:

@@ -15,8 +15,9 @@ bounded wait for the arrivals. One launcher, two kernels on the stream:
    error code (word 0 of its symmetric error word, ``err_peers[s]``, ld.relaxed.sys): a source
    that has recorded an error ships nothing more (sticky), so once its code is set the wait
    records ERR_PEER_ERROR (source, epoch, its code, the counter) and stops, instead of waiting
-   for the timeout (a counter already reached wins: those rows did arrive). ``fence.acq_rel.sys`` after the acquire;
-   the kernel boundary then orders the scale's loads after it (causality is transitive).
+   for the timeout (a counter already reached wins: those rows did arrive).
+   ``fence.acq_rel.sys`` after the acquire; the kernel boundary then orders the scale's loads
+   after it (causality is transitive).
    Skipped (nothing waited for) when the error word is already set.
    Why a kernel boundary rather than a device flag the other CTAs wait on: CTAs waiting on a
    flag are resident all the same and hold the SMs (registers, threads) that another stream's
