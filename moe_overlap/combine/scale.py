@@ -12,7 +12,8 @@ bounded wait for the arrivals. One launcher, two kernels on the stream:
    across the wrap); otherwise the ranks are out of step (one made a call the others did not, or
    was reset alone) and it records ERR_EPOCH_MISMATCH (source, both epochs). A timeout records
    ERR_SCALE_TIMEOUT (source, epoch, counter, expected). The same spin also polls source s's
-   error code (word 0 of its symmetric error word, ``err_peers[s]``, ld.relaxed.sys): a source
+   error code (word 0 of its symmetric error word, ``err_peers[s]``, ld.relaxed.sys, every
+   ``PEER_POLL_NS`` = 20 us of waiting: the hot spin stays local, kernels/primitives.py): a source
    that has recorded an error ships nothing more (sticky), so once its code is set the wait
    records ERR_PEER_ERROR (source, epoch, its code, the counter) and stops, instead of waiting
    for the timeout (a counter already reached wins: those rows did arrive).
