@@ -70,8 +70,9 @@ combine)
     export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-$heap}
     run overlap_tests 400 python -m pytest -q -p no:cacheprovider tests/test_overlap_gpu.py \
         tests/test_planner_gpu.py tests/test_validation_gpu.py
-    run fault_tests 400 python -m pytest -q -p no:cacheprovider tests/test_faults_gpu.py \
-        tests/test_recover_gpu.py tests/test_producer_bounds_gpu.py tests/test_comm_buffer_gpu.py
+    run fault_tests 590 python -m pytest -q -p no:cacheprovider tests/test_faults_gpu.py \
+        tests/test_recover_gpu.py tests/test_producer_bounds_gpu.py tests/test_comm_buffer_gpu.py \
+        tests/test_peer_error_gpu.py
     if [ "$ngpu" -ge 2 ]; then
         if [ "$quick" = models ]; then
             run sweep_models 590 python scripts/sweep.py --shapes models --ccta 8,16 --mgb 2 \

@@ -45,8 +45,9 @@ def test_heap_report_of_the_issue_model():
     slot = 4096 * 8 * 7168 * 2
     assert r["slot_bytes"] == slot == slot_bytes_for(4096, 8, 7168)
     assert r["block_bytes"] == comm_block_bytes(8) == E.comm_block_words(8) * 8
-    assert r["unshared_bytes"] == 60 * (2 * slot + 24 * 8)  # 0.94 GB a layer, 56 GB
-    assert r["shared_bytes"] == 2 * slot + 24 * 8
+    assert r["err_bytes"] == E.ERR_WORDS * 8  # the symmetric error word, one per buffer
+    assert r["unshared_bytes"] == 60 * (2 * slot + 24 * 8 + 64)  # 0.94 GB a layer, 56 GB
+    assert r["shared_bytes"] == 2 * slot + 24 * 8 + 64
     assert r["layers"] == 60
     mib = r["symmetric_size_mib"]
     assert r["symmetric_size"] == f"{mib}M" and mib == symmetric_size_mib(r["shared_bytes"])
@@ -57,8 +58,9 @@ def test_heap_report_mixed_shapes_takes_the_largest_slot():
     r = heap_report([LayerShape(4096, 8, 2048, 3), (1024, 8, 7168), (8192, 2, 4096)], 2)
     slots = [4096 * 8 * 2048 * 2, 1024 * 8 * 7168 * 2, 8192 * 2 * 4096 * 2]
     assert r["slot_bytes"] == max(slots) and r["layers"] == 5
-    assert r["unshared_bytes"] == 3 * (2 * slots[0] + 48) + 2 * slots[1] + 48 + 2 * slots[2] + 48
-    assert r["shared_bytes"] == 2 * max(slots) + 48
+    per = 48 + 64  # block + error word of each buffer
+    assert r["unshared_bytes"] == 3 * (2 * slots[0] + per) + 2 * slots[1] + per + 2 * slots[2] + per
+    assert r["shared_bytes"] == 2 * max(slots) + per
 
 
 @pytest.mark.parametrize("layers,W,msg", [
@@ -132,10 +134,13 @@ def test_reserved_sizes_allocate_once_at_the_first_attach(monkeypatch):
     layers = [_Layer(), _Layer()]
     buf.attach(layers[0], 64, 512)
     assert buf.slot_bytes == 16 * 4096 and buf.growths == 0
-    assert [e for e in log if e != "barrier"] == [("alloc", (16 * 4096,)), ("alloc", (6,))]
-    assert rt.allocated_bytes() == buf.heap_bytes() == 2 * 16 * 4096 + 48
+    # receive slots, communication block, then the error word (symmetric, its own allocation)
+    assert [e for e in log if e != "barrier"] == [("alloc", (16 * 4096,)), ("alloc", (6,)),
+                                                  ("alloc", (8,))]
+    assert rt.allocated_bytes() == buf.heap_bytes() == 2 * 16 * 4096 + 48 + 64
+    assert buf.err.data_ptr() == rt._tensors[2].data_ptr() and buf.err_peers.numel() == 2
     buf.attach(layers[1], 16, 4096)  # fits: nothing allocated, no collective
-    assert len(log) == 4 and buf.num_layers == 2
+    assert len(log) == 6 and buf.num_layers == 2
     del layers[1]
     assert buf.num_layers == 1  # a layer that is gone is not kept alive by its buffer
 
@@ -147,13 +152,16 @@ def test_a_larger_layer_grows_the_buffer_collectively(monkeypatch):
     buf.epoch.fill_(5)
     buf.expected.fill_(9)
     buf.buffers.counters.fill_(9)
+    buf.err[0] = 3
     log.clear()
     buf.attach(_Layer(), 8, 64)
     frees = [i for i, e in enumerate(log) if e[0] == "free"]
     assert len(frees) == 2 and "barrier" in log[:frees[0]]  # every rank quiet before the free
     assert log[-1] == "barrier"  # and every rank has the new memory before any ships
     assert buf.slot_bytes == 8 * 64 and buf.growths == 1
-    assert rt.allocated_bytes() == buf.heap_bytes() == 2 * 8 * 64 + 48  # the old one is freed
+    # the old slots and block are freed; the error word is kept (not reallocated)
+    assert rt.allocated_bytes() == buf.heap_bytes() == 2 * 8 * 64 + 48 + 64
+    assert ("alloc", (8,)) not in log and int(buf.err[0]) == 3
     assert int(buf.epoch) == 5  # epoch kept (tags of the new block are 0 != any next epoch)
     assert not buf.expected.any() and not buf.buffers.block.any()  # expected = new counters
     assert buf.slots(8, 32).stride() == (256, 32, 1)  # old layer: same rows, new slot stride
@@ -180,7 +188,7 @@ def test_full_heap_error_names_the_shared_size(monkeypatch):
     with pytest.raises(NvshmemError) as ei:
         buf.attach(_Layer(), 64, 1024)
     m = str(ei.value)
-    need = 2 * 4096 * 1024 + comm_block_bytes(2)
+    need = 2 * 4096 * 1024 + comm_block_bytes(2) + 64
     assert "NVSHMEM_SYMMETRIC_SIZE=" in m and "out of symmetric memory" in m
     assert f"communication buffer needs {need / 2**20:.1f} MiB" in m
     assert "sharing one CommBuffer" in m and "moe-overlap heap" in m

@@ -109,3 +109,33 @@ def test_band_allreduce_registers_allow_coresidency():
     from moe_overlap.runtime.device import cubin_resources
     (regs, _), = cubin_resources(c.__cubin__).values()
     assert 0 < regs <= 65536 // B.DEFAULT_THREADS
+
+
+def _loops(body):
+    """[(label, loop body)] of every backward branch of the PTX ``body`` (label ... bra label)."""
+    out = []
+    for m in re.finditer(r"^(\$L__BB\d+_\d+):", body, re.M):
+        label = m.group(1)
+        back = re.search(r"bra(?:\.uni)?\s+" + re.escape(label) + r";", body[m.end():])
+        if back:
+            out.append((label, body[m.end():m.end() + back.end()]))
+    return out
+
+
+@pytest.mark.parametrize("topk,y_src", [(8, True), (2, False)])
+def test_scale_wait_polls_the_source_error_code_bounded(topk, y_src):
+    """The arrival wait's spin loads the source's counter (ld.acquire.sys) AND its error code
+    (ld.relaxed.sys, the peer's symmetric word) in the same loop, which is bounded by
+    %globaltimer; a set code records ERR_PEER_ERROR through the first-writer-wins CAS."""
+    from moe_overlap.combine.scale import build_scale, scale_example_args
+    from moe_overlap.kernels.errors import ERR_PEER_ERROR, ERR_SCALE_TIMEOUT
+    ents = _entries(_ptx(build_scale(topk, y_src=y_src), *scale_example_args()))
+    wait = next(b for n, b in ents.items() if "wait_kernel" in n)
+    spins = [b for _, b in _loops(wait) if "ld.acquire.sys.global.s64" in b]
+    assert len(spins) == 1, spins  # one spin: counter and peer code together
+    spin = spins[0]
+    assert "ld.relaxed.sys.global.s64" in spin  # the peer's code, strong sys-scope load
+    assert "%globaltimer" in spin and "setp.gt.s64" in spin  # bounded by the timeout
+    cas = re.findall(r"atom\.relaxed\.gpu\.global\.cas\.b64 %rd\d+, \[%rd\d+\], 0, (\d+);",
+                     wait)
+    assert str(ERR_PEER_ERROR) in cas and str(ERR_SCALE_TIMEOUT) in cas

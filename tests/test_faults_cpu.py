@@ -15,8 +15,9 @@ def test_error_codes_are_distinct_and_named():
     codes = [E.ERR_CONSUMER_TIMEOUT, E.ERR_SCALE_TIMEOUT, E.ERR_COPY_TIMEOUT,
              E.ERR_EPOCH_MISMATCH, E.ERR_PLAN_BOUNDS, E.ERR_SCALE_BAD_ROW,
              E.ERR_TILE_BAND_TIMEOUT, E.ERR_TILE_SEGMENT_TIMEOUT,
-             E.ERR_PRODUCER_BOUNDS]
+             E.ERR_PRODUCER_BOUNDS, E.ERR_PEER_ERROR]
     assert len(set(codes)) == len(codes) and 0 not in codes
+    assert E.ERR_PEER_ERROR == 10  # a new code: the existing ones keep their numbers
     assert set(E.ERR_NAMES) == set(codes)
     # the FFN's codes live in another range: one error word layout, no clash
     from moe_overlap.ffn import band_allreduce as B
@@ -43,6 +44,72 @@ def test_describe_error_names_what_and_where():
                                exp=128))
     assert "tile 5" in m and "source rank 1" in m and "segment 23" in m and "64" in m
     assert "device error code 99" in E.describe_error(_word(99))
+
+
+def test_describe_peer_error_names_the_peer_and_its_code():
+    m = E.describe_error(_word(E.ERR_PEER_ERROR, rank=1, index=0, band=7,
+                               obs=E.ERR_PRODUCER_BOUNDS, exp=3, el=2_500_000))
+    assert m.startswith("rank 1 saw rank 0's error (code 9: producer GEMM refused")
+    assert "epoch 7" in m and "2.5 ms" in m and "instead of at the timeout" in m
+    m = E.describe_error(_word(E.ERR_PEER_ERROR, rank=2, index=1, obs=E.ERR_PLAN_BOUNDS))
+    assert "rank 2 saw rank 1's error (code 5: consumer refused a plan entry" in m
+    m = E.describe_error(_word(E.ERR_PEER_ERROR, rank=2, index=1, obs=E.ERR_PEER_ERROR))
+    assert "saw another rank's error" in m  # a second-hand error says so
+    assert "device error code 42" in E.describe_error(_word(E.ERR_PEER_ERROR, obs=42))
+
+
+def _peer_buffer(monkeypatch, world, rank, words_of):
+    """A CommBuffer on the fake runtime whose peer views return ``words_of[pe]``."""
+    from fake_symmetric import fake_runtime
+    from moe_overlap.combine.comm_buffer import CommBuffer
+    rt = fake_runtime(monkeypatch, world=world, rank=rank)
+    buf = CommBuffer(None, "nvlink", runtime=rt)
+    buf._test_layer = _NoFlags()  # attach keeps a weak reference only
+    buf.attach(buf._test_layer, 8, 32)
+    monkeypatch.setattr(rt, "peer_tensor", lambda t, pe: torch.tensor(words_of[pe]))
+    return buf
+
+
+class _NoFlags:
+    def _clear_band_flags(self):
+        pass
+
+
+def test_host_message_follows_peer_errors_to_the_first_failing_rank(monkeypatch):
+    from moe_overlap.combine.comm_buffer import OverlapError
+    first = _word(E.ERR_PRODUCER_BOUNDS, rank=0, index=-1, band=E.PRF_NUM_BANDS, obs=99, exp=8)
+    second = _word(E.ERR_PEER_ERROR, rank=1, index=0, obs=E.ERR_PRODUCER_BOUNDS)
+    buf = _peer_buffer(monkeypatch, 3, 2, {0: first, 1: second})
+    buf.err.copy_(torch.tensor(_word(E.ERR_PEER_ERROR, rank=2, index=1, obs=E.ERR_PEER_ERROR)))
+    with pytest.raises(OverlapError) as ei:
+        buf.check_errors()
+    m = str(ei.value)
+    assert "rank 2 saw rank 1's error" in m and "rank 1's error word: rank 1 saw rank 0's" in m
+    assert "rank 0's error word: producer GEMM refused" in m and "(rank 0 failed first)" in m
+    assert m.index("rank 1's error word") < m.index("rank 0's error word")
+
+
+def test_host_message_without_a_readable_peer_word_keeps_the_local_text(monkeypatch):
+    buf = _peer_buffer(monkeypatch, 2, 1, {})  # peer_tensor raises KeyError: not readable
+    w = _word(E.ERR_PEER_ERROR, rank=1, index=0, obs=E.ERR_PLAN_BOUNDS)
+    assert buf.describe_error(w) == E.describe_error(w)
+    buf = _peer_buffer(monkeypatch, 2, 1, {0: [0] * 8})  # the peer was reset meanwhile
+    assert buf.describe_error(w) == E.describe_error(w)
+    # a cycle of ERR_PEER_ERROR words (cannot happen first-writer-wins, but never loop)
+    buf = _peer_buffer(monkeypatch, 2, 1, {0: _word(E.ERR_PEER_ERROR, rank=0, index=1,
+                                                    obs=E.ERR_PEER_ERROR)})
+    assert buf.describe_error(w).count("error word") == 1
+    # other codes: the word's own text only, no peer read
+    w = _word(E.ERR_SCALE_TIMEOUT)
+    assert buf.describe_error(w) == E.describe_error(w)
+
+
+def test_reset_clears_the_peer_visible_word(monkeypatch):
+    buf = _peer_buffer(monkeypatch, 2, 0, {})
+    assert buf.err is buf.runtime._tensors[2]  # the symmetric allocation the peers map
+    buf.err.copy_(torch.tensor(_word(E.ERR_PLAN_BOUNDS)))
+    buf.reset()
+    assert not buf.err.any()
 
 
 def test_plan_field_codes_match_the_consumer():

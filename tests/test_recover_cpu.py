@@ -188,6 +188,21 @@ def test_combine_launches_the_producer_before_the_consumer(no_cuda, monkeypatch)
                    "s0 waits cs"], log
 
 
+def test_combine_scale_polls_the_peers_symmetric_error_words(no_cuda, monkeypatch):
+    """The call's scale gets the buffer's table of every rank's (symmetric) error word, so its
+    arrival wait can stop at a peer's error (ERR_PEER_ERROR) instead of its timeout."""
+    log = no_cuda
+    ov, args = _fake_combine(log, monkeypatch=monkeypatch)
+    ov._warm = ov._prod_warm = True
+    kw = {}
+    launch = ov.scale.launch
+    ov.scale.launch = lambda **k: (kw.update(k), launch(**k))
+    ov.forward(*args)
+    assert kw["err_peers"] is ov.comm.err_peers and kw["err"] is ov.comm.err
+    assert ov.comm.err_peers.shape == (2,)
+    assert any(t is ov.comm.err for t in ov.rt._tensors)  # a symmetric allocation
+
+
 def test_combine_error_raises_on_the_next_call_before_any_launch(no_cuda, monkeypatch):
     log = no_cuda
     ov, args = _fake_combine(log, fail_call=2, monkeypatch=monkeypatch)

@@ -9,8 +9,18 @@ One ``CommBuffer`` owns, on this rank:
   (``seg_arrivals``, ``seg_words`` of them: a layer of segment capacity Sc views the first
   W * Sc as [W, Sc], docs/CONTRACTS.md "Per-segment arrivals") and, on this rank only, their
   cumulative expectation ``seg_expected`` (int64 [seg_words], same word mapping),
-- the call epoch (int32 [1]), the cumulative expected arrivals (int64 [W]) and the error word
-  (int64 [8]) with its asynchronous read-back (``ErrorWatch``).
+- the error word (int64 [8], kernels/errors.py): a symmetric allocation of its own (not in the
+  communication block, whose layout the kernels fix) with its peer address table
+  ``err_peers``, so that the peers' scales see this rank's error code and stop waiting for rows
+  it will not ship (ERR_PEER_ERROR); its asynchronous read-back (``ErrorWatch``),
+- the call epoch (int32 [1]) and the cumulative expected arrivals (int64 [W]).
+
+Why the word itself is symmetric rather than a peer-visible mirror of its code: every kernel
+that records an error (consumer, producer GEMM, scales) keeps writing the one word it is given,
+with the same code, so none of them changes; a mirror would need a second store in each
+``record_error`` and would have to stay first-writer-wins with the word. The peers read word 0
+with ld.relaxed.sys through NVLink; the recording ``atom.cas`` (gpu scope) is performed in this
+GPU's memory, where those loads read it.
 
 Why one object: the slot parity, the epoch tags and the cumulative counters are protocol state
 of the buffer, not of a layer. The slot-reuse argument of ``OverlapCombine`` (a peer cannot ship
@@ -35,7 +45,8 @@ call allocates once, at the largest size. The allocation itself happens when the
 overlap backend is built (``attach``, collective: every rank builds layers in the same order). A
 layer that needs more than the allocation grows it collectively at that point: synchronize,
 barrier (no kernel of any rank uses the old memory), free, allocate the larger size, zero the
-expected counts (the new counters start at 0; the epoch and the error word are kept), barrier.
+expected counts (the new counters start at 0; the epoch and the error word, a separate
+allocation, are kept), barrier.
 Growth is refused (``CommBufferError`` naming the bytes needed) once a call on the buffer was
 captured in a CUDA graph: the graph holds the old addresses and would replay into freed memory.
 Reserve the largest size before capturing, or pass a ``comm_buffer`` reserved for it.
@@ -71,6 +82,9 @@ def _esize(dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+ERR_BYTES = ERR_WORDS * 8  # the symmetric error word, one per buffer
+
+
 def comm_block_bytes(world_size: int) -> int:
     """Bytes of one rank's communication block (counters + the two slots' epoch tags)."""
     return COMM_BLOCK_WORDS_PER_RANK * world_size * 8
@@ -96,10 +110,11 @@ class LayerShape:
 def heap_report(layers, world_size: int, dtype=torch.bfloat16) -> dict:
     """Symmetric heap the combine needs on each rank for ``layers`` (LayerShape or
     (T_max, topk, N[, count]) tuples) in one group of ``world_size`` ranks:
-    ``unshared`` (every layer its own buffer: 2 slots + a block each, what OverlapCombine
-    without a comm_buffer allocates), ``shared`` (one CommBuffer: 2 slots of the largest layer
-    + one block) and ``symmetric_size_mib`` / ``symmetric_size`` (the NVSHMEM_SYMMETRIC_SIZE to
-    set for the shared buffer, with NVSHMEM's headroom), plus the inputs. Pure Python."""
+    ``unshared`` (every layer its own buffer: 2 slots + a block + an error word each, what
+    OverlapCombine without a comm_buffer allocates), ``shared`` (one CommBuffer: 2 slots of the
+    largest layer + one block + one error word) and ``symmetric_size_mib`` /
+    ``symmetric_size`` (the NVSHMEM_SYMMETRIC_SIZE to set for the shared buffer, with NVSHMEM's
+    headroom), plus the inputs. Pure Python."""
     if dtype not in RECV_DTYPES:
         raise ValueError(f"dtype={dtype}: the combine's receive buffer is one of {RECV_DTYPES}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -114,14 +129,15 @@ def heap_report(layers, world_size: int, dtype=torch.bfloat16) -> dict:
         shapes.append(s)
     if not shapes:
         raise ValueError("heap_report needs at least one layer")
-    block = comm_block_bytes(world_size)
+    block = comm_block_bytes(world_size) + ERR_BYTES
     num = sum(s.count for s in shapes)
     unshared = sum(s.count * (2 * s.slot_bytes(dtype) + block) for s in shapes)
     slot = max(s.slot_bytes(dtype) for s in shapes)
     shared = 2 * slot + block
     mib = symmetric_size_mib(shared)
     return {"layers": num, "world_size": world_size, "dtype": str(dtype).removeprefix("torch."),
-            "slot_bytes": slot, "block_bytes": block, "unshared_bytes": unshared,
+            "slot_bytes": slot, "block_bytes": block - ERR_BYTES, "err_bytes": ERR_BYTES,
+            "unshared_bytes": unshared,
             "shared_bytes": shared, "symmetric_size_mib": mib,
             "symmetric_size": f"{mib}M",
             "unshared_symmetric_size": f"{symmetric_size_mib(unshared)}M"}
@@ -135,7 +151,7 @@ def format_heap_report(r: dict) -> str:
         f"of symmetric heap per rank (NVSHMEM_SYMMETRIC_SIZE={r['unshared_symmetric_size']})",
         f"  shared (one CommBuffer, the MoECombine default): {r['shared_bytes']} bytes "
         f"({r['shared_bytes'] / gib:.3f} GiB) = 2 slots x {r['slot_bytes']} + "
-        f"{r['block_bytes']} block",
+        f"{r['block_bytes']} block + {r['err_bytes']} error word",
         f"  set NVSHMEM_SYMMETRIC_SIZE={r['symmetric_size']} on every rank before NVSHMEM "
         "starts (plus what other symmetric users, e.g. the fused FFN, need)"])
 
@@ -166,6 +182,7 @@ class CommBuffer:
         self.slot_bytes = 0  # the allocated slot (0: not allocated)
         self.buffers = None  # runtime.nvshmem.CombineBuffers (recv: flat, 2 slots)
         self.epoch = self.expected = self.err = None  # device tensors, made with the memory
+        self.err_peers = None  # int64 [W]: every rank's error word as mapped here (0: none)
         self.watch = None  # ErrorWatch of err
         self.calls = 0  # calls begun on this buffer (host count, eager and captured)
         self.captured = False  # a call was captured in a CUDA graph: the addresses are fixed
@@ -204,7 +221,7 @@ class CommBuffer:
         """Symmetric bytes this buffer holds now (0 before the first attach)."""
         if not self.allocated:
             return 0
-        return 2 * self.slot_bytes + self.buffers.block.numel() * 8
+        return 2 * self.slot_bytes + self.buffers.block.numel() * 8 + self.err.numel() * 8
 
     def reserve(self, rows: int, row_bytes: int) -> int:
         """Record that a layer will need slots of ``rows x row_bytes`` (host only, no
@@ -239,14 +256,14 @@ class CommBuffer:
 
     def _note(self, slot_bytes: int) -> str:
         rt = self.runtime
-        block = comm_block_bytes(rt.world_size)
+        block = comm_block_bytes(rt.world_size) + ERR_BYTES
         return (f"The {self.transport} combine's communication buffer needs "
                 f"{(2 * slot_bytes + block) / 2**20:.1f} MiB (2 slots of {slot_bytes} bytes, "
                 f"the largest max_tokens_per_rank x topk x N x {_esize(self.dtype)} of the "
                 f"{max(1, self.num_layers)} layer(s) on it so far, plus the {block}-byte "
-                "communication block); layers sharing one CommBuffer (the MoECombine default) "
-                "need it once, whatever their number; `moe-overlap heap` reports a model's "
-                "total")
+                "communication block and error word); layers sharing one CommBuffer (the "
+                "MoECombine default) need it once, whatever their number; `moe-overlap heap` "
+                "reports a model's total")
 
     def _allocate(self, slot_bytes: int):
         from ..runtime.nvshmem import CombineBuffers
@@ -270,13 +287,20 @@ class CommBuffer:
             self.seg_expected = torch.zeros(self.seg_words, dtype=torch.int64, device=rt.device)
         if self.epoch is None:
             dev = rt.device
+            # symmetric, once (growth keeps it): the peers' scales poll its code word
+            try:
+                self.err = rt.alloc((ERR_WORDS,), torch.int64, note=note)
+            except BaseException:
+                rt.free(block)
+                rt.free(recv)
+                self.buffers = None
+                raise
+            self.err_peers, self._err_unreachable = rt.peer_table(self.err)
             self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
             self.expected = torch.zeros(W, dtype=torch.int64, device=dev)  # = fresh counters
-            self.err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=dev)
-            from ..kernels.errors import describe_error
             # every layer's read-back of the one word; a layer with error_check="off" skips
             # poll / after_call itself (OverlapCombine)
-            self.watch = ErrorWatch(self.err, describe_error,
+            self.watch = ErrorWatch(self.err, self.describe_error,
                                     f"OverlapCombine (rank {rt.rank})", exc=OverlapError)
 
     def _grow(self, slot_bytes: int):
@@ -335,6 +359,42 @@ class CommBuffer:
         return torch.as_strided(self.buffers.recv, (2, rows, n), (step, n, 1))
 
     # ---- errors / reset -----------------------------------------------------------------
+    def peer_error_word(self, pe: int):
+        """Rank pe's error word as a host list (read through its load/store mapping; None if
+        there is none or the read fails). Error path only: a synchronous device read."""
+        if self.err is None or not 0 <= pe < self.runtime.world_size or \
+                pe in getattr(self, "_err_unreachable", ()):
+            return None
+        try:
+            t = self.err if pe == self.runtime.rank else self.runtime.peer_tensor(self.err, pe)
+            return [int(v) for v in t.tolist()]
+        except Exception:  # a peer gone or unmapped: the local text stands alone
+            return None
+
+    def describe_error(self, words):
+        """describe_error of this rank's word; for ERR_PEER_ERROR also the peer's own word,
+        followed along ERR_PEER_ERROR links to the rank that failed first (read on the error
+        path only, when the host raises: the peers' words are sticky until the reset)."""
+        from ..kernels.errors import ERR_PEER_ERROR, describe_error
+        text = describe_error(words)
+        if not text or int(words[0]) != ERR_PEER_ERROR:
+            return text
+        seen = {int(words[1])}
+        pe = int(words[2])
+        for _ in range(self.runtime.world_size):
+            if pe in seen:
+                break
+            seen.add(pe)
+            peer = self.peer_error_word(pe)
+            if peer is None or int(peer[0]) == 0:
+                break
+            text += f"; rank {pe}'s error word: {describe_error(peer)}"
+            if int(peer[0]) != ERR_PEER_ERROR:
+                text += f" (rank {pe} failed first)"
+                break
+            pe = int(peer[2])
+        return text
+
     def check_errors(self):
         """Synchronize; OverlapError if any call on this buffer (any layer) recorded an error
         since construction or the last reset()."""
@@ -344,10 +404,12 @@ class CommBuffer:
     def reset(self):
         """Collective (every rank, between calls, not under capture): clear the buffer for every
         layer on it. Synchronizes, barrier (no kernel of any rank runs past it), zeroes the
-        error word, the whole communication block (counters and epoch tags: only the peers'
-        consumers write it, and none runs now), the expected counts, the epoch and every
-        attached layer's band flags (an old flag would equal a new epoch), the per-segment
-        arrival words (part of the block) and their expectation, forgets the host
+        error word (the symmetric one the peers' scales poll: cleared on every rank before the
+        second barrier, so no rank's next call sees a peer's old error), the whole
+        communication block (counters and epoch tags: only the peers' consumers write it, and
+        none runs now), the expected counts, the epoch and every attached layer's band flags
+        (an old flag would equal a new epoch), the per-segment arrival words (part of the
+        block) and their expectation, forgets the host
         read-back, barrier again. Every rank restarts at epoch 0."""
         if not self.allocated:
             return

@@ -645,7 +645,8 @@ class OverlapCombine:
                                       out=out, counters=self.counters, expected=self.expected,
                                       rank=self.rank, err=self.err, epoch=self.epoch,
                                       slot_bytes=self.slot_bytes, num_sms=self.num_sms,
-                                      stream=cs, y=y, epoch_tags=True)
+                                      stream=cs, y=y, epoch_tags=True,
+                                      err_peers=self.comm.err_peers)
                 if marks:
                     marks["scaled"].record(cs)
                     debug.timeline.append(marks)

@@ -11,8 +11,14 @@ bounded wait for the arrivals. One launcher, two kernels on the stream:
    sender wrote it before its marker, so it must equal this rank's epoch (int32 equality: the same
    across the wrap); otherwise the ranks are out of step (one made a call the others did not, or
    was reset alone) and it records ERR_EPOCH_MISMATCH (source, both epochs). A timeout records
-   ERR_SCALE_TIMEOUT (source, epoch, counter, expected). ``fence.acq_rel.sys`` after the acquire;
-   the kernel boundary then orders the scale's loads after it (causality is transitive).
+   ERR_SCALE_TIMEOUT (source, epoch, counter, expected). The same spin also polls source s's
+   error code (word 0 of its symmetric error word, ``err_peers[s]``, ld.relaxed.sys, every
+   ``PEER_POLL_NS`` = 20 us of waiting: the hot spin stays local, kernels/primitives.py): a source
+   that has recorded an error ships nothing more (sticky), so once its code is set the wait
+   records ERR_PEER_ERROR (source, epoch, its code, the counter) and stops, instead of waiting
+   for the timeout (a counter already reached wins: those rows did arrive).
+   ``fence.acq_rel.sys`` after the acquire; the kernel boundary then orders the scale's loads
+   after it (causality is transitive).
    Skipped (nothing waited for) when the error word is already set.
    Why a kernel boundary rather than a device flag the other CTAs wait on: CTAs waiting on a
    flag are resident all the same and hold the SMs (registers, threads) that another stream's
@@ -71,17 +77,31 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
 
     @cute.kernel
     def wait_kernel(counters: Int64, expected: Int64, world: Int32, rank: Int32, err: Int64,
-                    timeout_ns: Int64, epoch_ptr: Int64, check_tags: Int32):
+                    timeout_ns: Int64, epoch_ptr: Int64, check_tags: Int32, err_peers: Int64):
         tidx, src, _ = P.thread_block_grid()
         if tidx == Int32(0) and src < world:
             if P.error_set(err) == Int32(0):
                 epoch = P.ld_s32(epoch_ptr)
                 t0 = P.globaltimer()
                 exp = P.ld_s64(expected + Int64(src) * Int64(8))
-                to, v, el = P.wait_ge_sys_s64(counters + Int64(src) * Int64(8), exp, t0,
-                                              timeout_ns)
-                if to != Int32(0):
+                # source src's error word as mapped here (err_peers[src]); without a table
+                # (0) or a load/store mapping of that rank (entry 0) this rank's own word: the
+                # wait then ends on a local error only, and a peer's at the timeout
+                peer_err = err
+                if err_peers != Int64(0):
+                    pe = P.ld_s64(err_peers + Int64(src) * Int64(8))
+                    if pe != Int64(0):
+                        peer_err = pe
+                st, v, el, code = P.wait_ge_sys_s64_or_peer_error(
+                    counters + Int64(src) * Int64(8), exp, peer_err, t0, timeout_ns)
+                if st == Int32(1):
                     P.record_error(err, Int32(P.ERR_SCALE_TIMEOUT), rank, src, epoch, v, exp,
+                                   el)
+                elif st == Int32(2):
+                    # the source recorded an error: it ships nothing more (sticky), so stop
+                    # now and name it (a no-op if the word seen is this rank's own: the cas
+                    # finds it set; the first error stays the one recorded)
+                    P.record_error(err, Int32(P.ERR_PEER_ERROR), rank, src, epoch, code, v,
                                    el)
                 elif check_tags != Int32(0):
                     tag = P.ld_relaxed_sys_s64(
@@ -186,9 +206,9 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
                row_bytes: Int64, counters: Int64, expected: Int64, world: Int32, rank: Int32,
                err: Int64, timeout_ns: Int64, epoch_ptr: Int64, slot_bytes: Int64, y: Int64,
                y_rows: Int32, slot_rows: Int64, check_tags: Int32, wait_grid: Int32, grid: Int32,
-               stream: cuda.CUstream):
+               err_peers: Int64, stream: cuda.CUstream):
         wait_kernel(counters, expected, world, rank, err, timeout_ns, epoch_ptr,
-                    check_tags).launch(
+                    check_tags, err_peers).launch(
             grid=[wait_grid, 1, 1], block=[WAIT_THREADS, 1, 1], stream=stream)
         scale_kernel(recv, rows, weights, out, T, n_chunks, row_bytes, rank, err, epoch_ptr,
                      slot_bytes, y, y_rows, slot_rows).launch(
@@ -203,7 +223,8 @@ def scale_example_args():
     from cutlass import Int32, Int64
     return [Int64(0)] * 4 + [Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), Int32(1),
                              Int32(0), Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0),
-                             Int64(0), Int32(0), Int32(1), Int32(1), cuda.CUstream(0)]
+                             Int64(0), Int32(0), Int32(1), Int32(1), Int64(0),
+                             cuda.CUstream(0)]
 
 
 def compile_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
@@ -236,14 +257,19 @@ class Scale:
         return self._fn
 
     def launch(self, *, recv, rows, weights, out, counters, expected, rank, err, epoch,
-               slot_bytes, num_sms: int, stream=None, y=None, epoch_tags: bool = False):
+               slot_bytes, num_sms: int, stream=None, y=None, epoch_tags: bool = False,
+               err_peers=None):
         """recv: receive buffer base (slot 0); rows: int32 [T, topk] (y_src: negative = y row
         -r - 1); weights: fp32 [T, topk]; out: [T, N] bf16; counters / expected: int64 [W]
         (counters: the first W words of the communication block, whose epoch tags follow them);
         y: [rows, N] bf16 (needed with y_src). slot_bytes > 0: recv holds slots of that size
         (row indices are checked against its rows); 0: recv is the one slot.
         epoch_tags: the source epoch tags follow ``counters`` (the communication block of
-        moe_overlap/kernels/errors.py, OverlapCombine); they are checked against ``epoch``."""
+        moe_overlap/kernels/errors.py, OverlapCombine); they are checked against ``epoch``.
+        err_peers: int64 [W] device table of every rank's error word as mapped here (0: not
+        reachable; ``CommBuffer.err_peers``): the wait for source s also ends, recording
+        ERR_PEER_ERROR, once s's code word is set. None: the wait ends on this rank's own
+        error only (a peer's error shows as ERR_SCALE_TIMEOUT)."""
         if self.y_src and y is None:
             raise ValueError("Scale(y_src=True) needs y")
         import torch
@@ -266,7 +292,8 @@ class Scale:
                         int(slot_bytes), 0 if y is None else y.data_ptr(),
                         0 if y is None else y.shape[0],
                         int(slot_bytes) // (N * 2) if slot_bytes else recv.numel() // N,
-                        int(bool(epoch_tags)), max(1, W), grid),
+                        int(bool(epoch_tags)), max(1, W), grid,
+                        0 if err_peers is None else err_peers.data_ptr()),
                        stream.cuda_stream)
 
 

@@ -4,21 +4,29 @@ kernels (consumer.py, scale.py, through kernels/primitives.py) and the host (des
 Pure Python (no CuTe DSL, no CUDA): the host can decode an error word on any machine.
 
 Error word (``int64[ERR_WORDS]`` per combine, on the device, zeroed by the host; the first
-writer wins through ``atom.cas`` on word 0, the rest is written by that thread only):
+writer wins through ``atom.cas`` on word 0, the rest is written by that thread only). The
+combine's word is a symmetric allocation of its own (``CommBuffer.err``, beside the
+communication block, not in it) with a peer address table (``CommBuffer.err_peers``): the
+scale's arrival wait polls the code word of the source it waits for (ld.relaxed.sys), so a rank
+whose peer has recorded an error stops waiting at once and records ERR_PEER_ERROR:
 
 ====  ==========================================================================================
 word  meaning
 ====  ==========================================================================================
 0     code (0 = ok, one of ``ERR_*`` below)
 1     rank that recorded it
-2     index: segment (consumer; -1 = a local cell), source rank (scale), assignment t * topk + k
-      (bad row), token tile (ordered scale), schedule position (producer; -1 = num_bands)
-3     band / stage index; ERR_SCALE_TIMEOUT: this rank's epoch; ERR_EPOCH_MISMATCH: the source
+2     index: segment (consumer; -1 = a local cell), source rank (scale; ERR_PEER_ERROR: the
+      peer whose error word was set), assignment t * topk + k (bad row), token tile (ordered
+      scale), schedule position (producer; -1 = num_bands)
+3     band / stage index; ERR_SCALE_TIMEOUT, ERR_PEER_ERROR: this rank's epoch;
+      ERR_EPOCH_MISMATCH: the source
       rank again; ERR_TILE_SEGMENT_TIMEOUT: source << 32 | segment; ERR_PLAN_BOUNDS: which
       field (``PLAN_FIELDS``); ERR_SCALE_BAD_ROW: 1 for a y row (y_src), 0 for a slot row;
       ERR_PRODUCER_BOUNDS: which field (``PRODUCER_FIELDS``)
-4     observed value (band flag, counter, the source's epoch, the bad row index)
-5     expected value (epoch, expected count, this rank's epoch, the valid row bound)
+4     observed value (band flag, counter, the source's epoch, the bad row index; ERR_PEER_ERROR:
+      the peer's code)
+5     expected value (epoch, expected count, this rank's epoch, the valid row bound;
+      ERR_PEER_ERROR: the arrival counter of that peer when the wait stopped)
 6     elapsed ns since the kernel started (timeouts), else 0
 7     unused (0)
 ====  ==========================================================================================
@@ -51,6 +59,7 @@ ERR_SCALE_BAD_ROW = 6  # scale: an assignment's row outside the receive slot / y
 ERR_TILE_BAND_TIMEOUT = 7  # ordered scale: a token tile waited too long for a local band flag
 ERR_TILE_SEGMENT_TIMEOUT = 8  # ordered scale: a token tile waited too long for a segment's rows
 ERR_PRODUCER_BOUNDS = 9  # producer GEMM: a band entry outside its tables / x, y, w
+ERR_PEER_ERROR = 10  # scale: the source rank it waited for has an error recorded (its word 0)
 
 ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
@@ -60,7 +69,8 @@ ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_SCALE_BAD_ROW: "scale refused a row index outside the receive slot / y",
              ERR_TILE_BAND_TIMEOUT: "ordered scale timed out waiting for a local band of y",
              ERR_TILE_SEGMENT_TIMEOUT: "ordered scale timed out waiting for a segment's rows",
-             ERR_PRODUCER_BOUNDS: "producer GEMM refused a band entry outside its buffers"}
+             ERR_PRODUCER_BOUNDS: "producer GEMM refused a band entry outside its buffers",
+             ERR_PEER_ERROR: "scale stopped waiting: the source rank recorded an error"}
 
 # what word 3 of ERR_PLAN_BOUNDS names
 PLAN_FIELDS = {0: "num_segments > segment capacity", 1: "num_local_cells > cell capacity",
@@ -148,6 +158,13 @@ def describe_error(err_host) -> str | None:
                 "with validate=False or for other buffers); the band was not computed and its "
                 "flag never set (num_bands: no band was), the consumer stopped shipping at this "
                 "error (the peers' scales time out) and this rank's scale writes NaN rows")
+    if code == ERR_PEER_ERROR:
+        peer = ERR_NAMES.get(obs, f"device error code {obs}")
+        via = (" (itself one that saw another rank's error: that rank's own word names it)"
+               if obs == ERR_PEER_ERROR else "")
+        return (f"rank {rank} saw rank {index}'s error (code {obs}: {peer}){via} while waiting "
+                f"at epoch {band} for its rows (arrival counter {exp}); it stopped waiting after "
+                f"{el / 1e6:.1f} ms instead of at the timeout, and its scale writes NaN rows")
     if code == ERR_SCALE_BAD_ROW:
         where = "y row" if band else "receive-slot row"
         return (f"{what}: rank {rank}, assignment {index} (t * topk + k): {where} {obs} not in "

@@ -27,7 +27,7 @@ from cutlass import Int32, Int64
 # error word layout and codes: one definition, shared with the host (moe_overlap/kernels/errors.py)
 from .errors import (ERR_WORDS, ERR_CONSUMER_TIMEOUT, ERR_SCALE_TIMEOUT,  # noqa: E402,F401
                               ERR_COPY_TIMEOUT, ERR_EPOCH_MISMATCH, ERR_PLAN_BOUNDS,
-                              ERR_SCALE_BAD_ROW, ERR_NAMES, describe_error)
+                              ERR_SCALE_BAD_ROW, ERR_PEER_ERROR, ERR_NAMES, describe_error)
 
 
 # ---- launch geometry ---------------------------------------------------------------------------
@@ -554,6 +554,43 @@ def wait_ge_sys_s64(addr: Int64, expected: Int64, t0: Int64, timeout_ns: Int64):
     if v >= expected:
         timed_out = Int32(0)
     return timed_out, v, elapsed
+
+
+# how often (ns of waiting) the arrival wait loads a source's error code: the spin's own load is
+# of this GPU's memory, the code is on the peer (one NVLink round trip), so it is loaded only
+# now and then and never in the first PEER_POLL_NS of a wait (a wait that ends sooner never
+# touches the peer); a peer's error is seen within about this long plus one round trip
+PEER_POLL_NS = 20_000
+
+
+@cute.jit
+def wait_ge_sys_s64_or_peer_error(addr: Int64, expected: Int64, peer_err: Int64, t0: Int64,
+                                  timeout_ns: Int64):
+    """``wait_ge_sys_s64`` that also gives up once the code word (word 0) at ``peer_err`` is
+    non-zero: the error word of the rank that should raise ``*addr`` (a symmetric word on a peer
+    GPU, or this rank's own), loaded with ld.relaxed.sys (another GPU writes it; no stale L1
+    line) every ``PEER_POLL_NS`` of waiting. A rank that has recorded an error ships nothing more
+    (sticky), so its counter would only reach the timeout. Returns (status: Int32 0 = reached,
+    1 = timed out, 2 = that error word set; last counter value: Int64; now - t0: Int64; the code
+    seen: Int64)."""
+    v = ld_acquire_sys_s64(addr)
+    code = Int64(0)
+    status = Int32(0)
+    elapsed = Int64(0)
+    next_poll = Int64(PEER_POLL_NS)
+    while v < expected and status == Int32(0):
+        elapsed = globaltimer() - t0
+        if elapsed > timeout_ns:
+            status = Int32(1)
+        if elapsed >= next_poll:
+            next_poll = elapsed + Int64(PEER_POLL_NS)
+            code = ld_relaxed_sys_s64(peer_err)
+            if code != Int64(0):
+                status = Int32(2)
+        v = ld_acquire_sys_s64(addr)
+    if v >= expected:
+        status = Int32(0)
+    return status, v, elapsed, code
 
 
 @cute.jit
