@@ -75,6 +75,32 @@ def spawn_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float |
                  join_timeout_s=join_timeout_s, hard_exit=hard_exit)
 
 
+def single_rank_json(worker, join_timeout_s: float = 540) -> dict:
+    """Runs ``worker(0, 1, port, outdir)`` in one spawned process (a rank that records its checks
+    in ``outdir/rank0.json`` and leaves with ``os._exit``, skipping the NCCL / NVSHMEM teardown)
+    and returns that dict; ``{"error": ...}`` when the rank was killed after ``join_timeout_s``
+    or died without writing it. outdir: ``$MOE_TEST_OUT`` if set, else a fresh temporary one."""
+    import json
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from moe_overlap.launch import free_port
+    d = os.environ.get("MOE_TEST_OUT") or tempfile.mkdtemp()
+    p = mp.get_context("spawn").Process(target=worker, args=(0, 1, free_port(), d))
+    p.start()
+    p.join(timeout=join_timeout_s)
+    if p.is_alive():
+        p.kill()
+    path = os.path.join(d, "rank0.json")
+    r = json.load(open(path)) if os.path.exists(path) else {
+        "error": f"no result (rank 0 hung past {join_timeout_s} s or died, exit code "
+                 f"{p.exitcode})"}
+    print(json.dumps(r, indent=1))
+    return r
+
+
 @pytest.fixture(name="spawn_ranks")
 def spawn_ranks_fixture():
     """The ``spawn_ranks`` helper as a fixture."""

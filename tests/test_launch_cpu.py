@@ -43,3 +43,25 @@ def test_hard_exit_under_load_returns_every_result():
     # 1 and 2 inside init_process_group when rank 0 left first)
     for _ in range(3):
         assert spawn_ranks(_value, 4, 0, hard_exit=True) == [0, 1, 2, 3]
+
+
+def _json_rank(rank, world, port, outdir):  # the single-rank GPU tests' worker shape
+    import json
+    import os
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "world": world, "port_ok": port > 0}, f)
+    os._exit(0)
+
+
+def _silent_rank(rank, world, port, outdir):
+    import os
+    os._exit(3)
+
+
+def test_single_rank_json_returns_the_ranks_record(tmp_path, monkeypatch):
+    from conftest import single_rank_json
+    monkeypatch.setenv("MOE_TEST_OUT", str(tmp_path))
+    assert single_rank_json(_json_rank, 120) == {"rank": 0, "world": 1, "port_ok": True}
+    (tmp_path / "rank0.json").unlink()
+    r = single_rank_json(_silent_rank, 120)
+    assert "exit code 3" in r["error"]

@@ -23,12 +23,12 @@ Run: ``CUDA_MODULE_LOADING=EAGER python -m pytest -q tests/test_producer_bounds_
 """
 import json
 import os
-import socket
-import tempfile
 import time
 
 import pytest
 import torch
+
+from conftest import single_rank_json
 
 pytestmark = pytest.mark.gpu
 
@@ -47,14 +47,6 @@ RANK = 5  # the rank the wrapper is told to record
 E, TOPK, K, N, TILE_M, T_MAX = 4, 2, 256, 512, 128, 256
 CONFIGS = {"v1": dict(local_copy=True, copy="ldst"), "v2": dict(local_copy=False, copy="tma")}
 TIMEOUT_S = 10.0
-
-
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def _guarded(n, fill, dtype, guard, dev, shape_tail=()):
@@ -268,16 +260,7 @@ def _worker(rank, world, port, outdir):
 
 @pytest.fixture(scope="module")
 def results():
-    import torch.multiprocessing as mp
-    d = os.environ.get("MOE_TEST_OUT") or tempfile.mkdtemp()
-    p = mp.get_context("spawn").Process(target=_worker, args=(0, 1, _free_port(), d))
-    p.start()
-    p.join(timeout=540)
-    if p.is_alive():
-        p.kill()
-    path = os.path.join(d, "rank0.json")
-    r = json.load(open(path)) if os.path.exists(path) else {"error": "no result (hung?)"}
-    print(json.dumps(r, indent=1))
+    r = single_rank_json(_worker)
     assert "error" not in r, r["error"]
     return r
 
