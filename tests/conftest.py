@@ -12,7 +12,9 @@ Multi-process tests: ``spawn_ranks(fn, world, *args, backend=...)`` (also as the
 ``spawn_ranks``) runs ``fn(rank, world, *args)`` on ``world`` processes joined by a process
 group: gloo on the CPU, NCCL with one GPU per rank (``backend="auto"`` picks NCCL where there are
 enough GPUs). A failure on a rank raises with its traceback; ``join_timeout_s`` turns a hang into
-a failure naming the ranks.
+a failure naming the ranks. ``single_rank_json(worker)`` runs a one-rank worker that records
+its checks as JSON (the single-GPU fault tests); ``require_module(gpus)`` is the module-level
+skip of the combine's GPU test files.
 """
 from __future__ import annotations
 
@@ -73,6 +75,19 @@ def spawn_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float |
         pytest.skip(f"needs {world} CUDA GPUs for {world} NCCL ranks ({_cuda_count()} visible)")
     return spawn(fn, world, *args, backend=backend, timeout_s=timeout_s,
                  join_timeout_s=join_timeout_s, hard_exit=hard_exit)
+
+
+def require_module(gpus: int):
+    """Module-level skip of a GPU test file of the combine, called at import: fewer than
+    ``gpus`` CUDA GPUs, nvidia-cutlass-dsl missing or nvshmem4py missing, each with its reason."""
+    import sys
+    # pytest reports this line as the skip's place: the reason names the calling file
+    where = sys._getframe(1).f_globals.get("__name__", "?")
+    if _cuda_count() < gpus:
+        need = "a CUDA GPU" if gpus == 1 else f"{gpus} CUDA GPUs"
+        pytest.skip(f"{where}: needs {need}", allow_module_level=True)
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
 
 
 def single_rank_json(worker, join_timeout_s: float = 540) -> dict:

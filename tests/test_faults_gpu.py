@@ -26,14 +26,11 @@ import os
 import pytest
 import torch
 
-from conftest import single_rank_json
+from conftest import require_module, single_rank_json
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+require_module(gpus=1)
 
 E, TOPK, K, N, TILE_M, T_MAX = 4, 2, 256, 512, 128, 256
 CONFIGS = {"v1": dict(local_copy=True, copy="ldst"), "v2": dict(local_copy=False, copy="tma")}

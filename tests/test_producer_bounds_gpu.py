@@ -28,14 +28,11 @@ import time
 import pytest
 import torch
 
-from conftest import single_rank_json
+from conftest import require_module, single_rank_json
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+require_module(gpus=1)
 
 # GroupedGemm alone
 EL, GK, GN, GTM, NB, CAP = 3, 256, 512, 128, 6, 8

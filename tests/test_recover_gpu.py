@@ -18,14 +18,11 @@ import time
 import pytest
 import torch
 
-from conftest import spawn_ranks
+from conftest import require_module, spawn_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
-if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
-pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+require_module(gpus=2)
 
 E, TOPK, K, N, TILE_M, T_MAX = 8, 2, 256, 512, 128, 256
 P, O, NF, TF = 256, 1024, 256, 200  # the FFN: in, hidden (O / G = 512), out, tokens

@@ -7,12 +7,11 @@ import os
 import pytest
 import torch
 
+from conftest import require_module
+
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
-if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
-pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+require_module(gpus=2)
 
 for _k, _v in (("NVSHMEM_DISABLE_NVLS", "1"), ("NCCL_NVLS_ENABLE", "0"),
                ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("CUDA_MODULE_LOADING", "EAGER")):
