@@ -174,3 +174,20 @@ def test_the_decision_is_for_the_compute_kernel_asked_for(tmp_path):
     assert f"{sp:.2f}x" in why
     with pytest.raises(ValueError, match="compute='split'"):
         choose_backend(P, O, P, 2, device_name=H200, cache=cache, compute="split")
+
+
+def test_auto_layer_decides_for_the_compute_keyword(monkeypatch, tmp_path):
+    # compute= as a keyword reaches the decision as it does through options=
+    made = []
+    _pretend_two_hopper_ranks(monkeypatch, made)
+    path = tmp_path / "ffn_tune.json"
+    monkeypatch.setenv("MOE_OVERLAP_FFN_TUNE_CACHE", str(path))
+    P, O, N = 256, 1024, 256
+    FFNTuneCache(str(path)).put(ffn_tune_key(H200, 2, P, O, N, False, 4096, "chained"),
+                                fused_ms=0.5, reference_ms=0.6)
+    m = FusedFFN(P, O, N, backend="auto", dtype=torch.bfloat16, max_tokens=4096,
+                 compute="chained")
+    assert m.backend == "fused" and "measured" in m.backend_reason and "chained" in \
+        m.backend_reason, m.backend_reason
+    m = FusedFFN(P, O, N, backend="auto", dtype=torch.bfloat16, max_tokens=4096)
+    assert "compute='reduce'" in m.backend_reason  # the reduce bucket has no entry: the model

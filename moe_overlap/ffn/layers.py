@@ -276,6 +276,16 @@ class _FusedBackend:
     _cwatch = None  # ErrorWatch of the chained compute kernel's error word
     _ring_buf = None  # chained: the H ring's storage (grows, never per call)
 
+    def _decide_backend(self, backend, P, O, N, G, dtype, device, options, **fused_kw) -> str:
+        """The backend this layer runs (``backend``, or what "auto" decides: ``_resolve_backend``
+        on the fused keyword options, ``compute`` among them); keeps ``requested_backend`` and
+        ``backend_reason``."""
+        self.requested_backend = backend
+        backend, self.backend_reason = _resolve_backend(
+            type(self).__name__, backend, P, O, N, G, dtype, device, self._grouped_compute,
+            options, fused_kw)
+        return backend
+
     def _init_backend(self, backend, device, options, comm, ccta, max_tokens, tile_m,
                       compute_options, allreduce_band_rows, error_check=None, compute=None,
                       requested=None):
@@ -639,12 +649,10 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
             in_features, hidden_features, out_features, bias, dtype, backend, comm, group, device,
             "the TP world size")
         # "auto" decided once, here (before the parameters: their requires_grad follows it)
-        self.requested_backend = backend
-        backend, self.backend_reason = _resolve_backend(
-            type(self).__name__, backend, P, O, N, G, dtype, device, self._grouped_compute,
-            options, dict(comm=comm, ccta=ccta, max_tokens=max_tokens, tile_m=tile_m,
-                          compute_options=compute_options,
-                          allreduce_band_rows=allreduce_band_rows, error_check=error_check))
+        backend = self._decide_backend(
+            backend, P, O, N, G, dtype, device, options, comm=comm, ccta=ccta,
+            max_tokens=max_tokens, tile_m=tile_m, compute_options=compute_options,
+            allreduce_band_rows=allreduce_band_rows, error_check=error_check, compute=compute)
         self.in_features, self.hidden_features, self.out_features = P, O, N
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
         self.local_hidden = O // G
@@ -805,12 +813,10 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
             in_features, hidden_features, out_features, bias, dtype, backend, comm, group, device,
             "the world size")
         # "auto" decided once, here (before the parameters: their requires_grad follows it)
-        self.requested_backend = backend
-        backend, self.backend_reason = _resolve_backend(
-            type(self).__name__, backend, P, O, N, G, dtype, device, self._grouped_compute,
-            options, dict(comm=comm, ccta=ccta, max_tokens=max_tokens, tile_m=tile_m,
-                          compute_options=compute_options,
-                          allreduce_band_rows=allreduce_band_rows, error_check=error_check))
+        backend = self._decide_backend(
+            backend, P, O, N, G, dtype, device, options, comm=comm, ccta=ccta,
+            max_tokens=max_tokens, tile_m=tile_m, compute_options=compute_options,
+            allreduce_band_rows=allreduce_band_rows, error_check=error_check, compute=compute)
         self.num_experts, self.in_features, self.hidden_features = E, P, O
         self.out_features, self.local_hidden = N, O // G
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
