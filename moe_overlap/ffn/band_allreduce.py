@@ -201,15 +201,8 @@ def device_lib():
         ptx("st.relaxed.sys.global.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", (),
             [addr, w[0], w[1], w[2], w[3]])
 
-    def ld_v4_u32_cg(addr):
-        return ptx("ld.global.cg.v4.u32 " + V4 + ", [{$r0}];", [Int32] * 4, [addr])
-
-    def ld_v4_u32(addr):
-        return ptx("ld.global.v4.u32 " + V4 + ", [{$r0}];", [Int32] * 4, [addr])
-
-    def st_v4_u32(addr, w):
-        ptx("st.global.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", (),
-            [addr, w[0], w[1], w[2], w[3]])
+    from ..kernels.primitives import ld_v4 as ld_v4_u32, ld_v4_cg as ld_v4_u32_cg  # noqa: F401
+    from ..kernels.primitives import st_v4 as st_v4_u32  # noqa: F401
 
     def mm_st_v4_u32(mc_addr, w):
         ptx("multimem.st.relaxed.sys.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", (),
