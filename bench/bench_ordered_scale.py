@@ -53,6 +53,9 @@ def main(argv=None):
     ap.add_argument("--mode", default="balanced")
     ap.add_argument("--tile-tokens", type=int, default=32)
     ap.add_argument("--ctas-per-sm", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=256, help="threads per CTA of design A's "
+                    "launch (the workers of B keep WORKER_THREADS)")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
@@ -91,7 +94,7 @@ def main(argv=None):
     zeros_w = torch.zeros(W, dtype=torch.int64, device=dev)
     gemm = GroupedGemm(tile_m=tile_m, tile_n=256, cluster_n=1)
     scale = Scale(k, y_src=True)
-    ordered = OrderedScale(k, ctas_per_sm=args.ctas_per_sm)
+    ordered = OrderedScale(k, threads=args.threads, ctas_per_sm=args.ctas_per_sm)
     # the consumer workers' stand-in: ONE CTA per consumer SM, as the consumer itself. More CTAs
     # than the SMs the GEMM leaves free could take SMs its persistent grid still needs (a CTA of
     # it not yet resident never finishes its bands, and the workers wait on them: the deadlock
@@ -149,15 +152,21 @@ def main(argv=None):
         produce()
         run_ordered(outs["B"], torch.cuda.current_stream(), ccta, False, kernel=workers)
         torch.cuda.synchronize(dev)
-        for fn in (call_today, call_a, call_b, call_today):
+        # each variant against today's scale of the SAME receive slot (the slot is chosen by the
+        # epoch's parity and the two halves of recv hold different rows)
+        got = {}
+        for name, fn in (("today", call_today), ("today", call_today), ("A", call_a),
+                         ("B", call_b)):
             fn()
+            got[(name, int(epoch.item()) & 1)] = outs[name].clone()
         torch.cuda.synchronize(dev)
         if int(err[0]):
             raise SystemExit(describe_error(err.tolist()))
-        same = {n: bool(torch.equal(outs[n], outs["today"])) for n in ("A", "B")}
-        ref = osc_reference(recv[max_rows:] if int(epoch.item()) & 1 else recv[:max_rows],
-                            rows, weights, y_ext)
-        close = float((outs["today"].float() - ref.float()).abs().max())
+        same = {n: bool(torch.equal(v, got[("today", par)]))
+                for (n, par), v in got.items() if n != "today"}
+        par = int(epoch.item()) & 1
+        ref = osc_reference(recv[max_rows:] if par else recv[:max_rows], rows, weights, y_ext)
+        close = float((got[("today", par)].float() - ref.float()).abs().max())
         t = time_interleaved({"today": call_today, "A": call_a, "B": call_b, "gemm": lambda: (
             epoch.add_(1), produce())}, rounds=args.rounds, lead_ms=2.0)
         if int(err[0]):
@@ -169,10 +178,11 @@ def main(argv=None):
         print(json.dumps(r), flush=True)
     meta = {"device": torch.cuda.get_device_name(dev), "date":
             datetime.datetime.now(datetime.timezone.utc).isoformat(), "torch": torch.__version__,
+            "git_commit": os.environ.get("GIT_COMMIT", "unknown"), "threads": args.threads,
             "mode": args.mode, "tile_tokens": args.tile_tokens, "ctas_per_sm": args.ctas_per_sm,
             "rounds": args.rounds}
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "ordered_scale_h200.json")
+    path = os.path.join(args.out, f"ordered_scale_h200{args.tag}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "points": results}, f, indent=1)
     print("| ccta | gemm | today | A | B | bitwise A / B |")
