@@ -51,14 +51,21 @@ def main(argv=None):
     ap.add_argument("--shape", default="4096x16x4x8192x2048")
     ap.add_argument("--ccta", default="8,12,16")
     ap.add_argument("--mode", default="balanced")
-    ap.add_argument("--tile-tokens", type=int, default=32)
-    ap.add_argument("--ctas-per-sm", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=256, help="threads per CTA of design A's "
-                    "launch (the workers of B keep WORKER_THREADS)")
+    ap.add_argument("--tile-tokens", type=int, default=None, help="default: "
+                    "ordered_scale.DEFAULT_TILE_TOKENS")
+    ap.add_argument("--ctas-per-sm", type=int, default=None, help="default: "
+                    "scale_ordered.DEFAULT_CTAS_PER_SM")
+    ap.add_argument("--threads", type=int, default=None, help="threads per CTA of design A's "
+                    "launch (default scale_ordered.DEFAULT_THREADS; B's workers keep "
+                    "WORKER_THREADS)")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
+    from moe_overlap.combine import scale_ordered
+    args.tile_tokens = args.tile_tokens or osc.DEFAULT_TILE_TOKENS
+    args.threads = args.threads or scale_ordered.DEFAULT_THREADS
+    args.ctas_per_sm = args.ctas_per_sm or scale_ordered.DEFAULT_CTAS_PER_SM
     if os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
         raise SystemExit("set CUDA_MODULE_LOADING=EAGER (a spinning kernel next to a lazily "
                          "loaded module can stall)")

@@ -34,6 +34,10 @@ import torch
 from .plan import plan_combine, recv_rows
 from .tuning import CostModel
 
+# tokens per tile: 4096 tokens make 256 tiles, about one per CTA of the ordered scale's grid
+# (bench/NOTES.md, session 12: 32-token tiles left most of the grid idle)
+DEFAULT_TILE_TOKENS = 16
+
 LOCAL, REMOTE = 0, 1
 
 
@@ -202,7 +206,7 @@ class TokenTiles:
         return self.tile_start.numel() - 1
 
 
-def token_tiles(deps: RowDeps, row_time: torch.Tensor, tile_tokens: int = 32) -> TokenTiles:
+def token_tiles(deps: RowDeps, row_time: torch.Tensor, tile_tokens: int = DEFAULT_TILE_TOKENS) -> TokenTiles:
     """Sort tokens by completion (the time of their last row; ties: token id) and cut them into
     tiles of ``tile_tokens``; each tile's distinct dependencies."""
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
@@ -275,7 +279,7 @@ def _run_queue(keys, work, phases):
 
 
 def simulate(topk_ids_all: list, expert_counts: torch.Tensor, N: int, K: int, ccta: int,
-             tile_m: int = 128, mgb: int = 2, layout: str = "auto", tile_tokens: int = 32,
+             tile_m: int = 128, mgb: int = 2, layout: str = "auto", tile_tokens: int = DEFAULT_TILE_TOKENS,
              model: ScaleModel | None = None) -> dict:
     """Predicted times (ms) of one call on every rank (topk_ids_all[s]: rank s's routing):
     per rank ``today`` (scale after every arrival and the GEMM), ``A`` (ordered, launched after
@@ -372,7 +376,7 @@ def completion_keys(deps: RowDeps, plans: list, rank: int) -> torch.Tensor:
 
 
 def ordered_routes(topk_ids: torch.Tensor, expert_counts: torch.Tensor, rank: int, tile_m: int,
-                   mgb: int, layout: str, seg_cap: int, tile_tokens: int = 32) -> OrderedRoutes:
+                   mgb: int, layout: str, seg_cap: int, tile_tokens: int = DEFAULT_TILE_TOKENS) -> OrderedRoutes:
     """The owner's ordered-scale inputs for one routing, on the host (CPU tensors): every
     sender's plan rebuilt from the all-gathered ``expert_counts`` [W, E] (as each rank builds
     it: same tile_m, mgb, layout), each row's signal, tiles in completion order and the

@@ -42,7 +42,10 @@ from ..kernels.errors import (ERR_EPOCH_MISMATCH, ERR_PLAN_BOUNDS, ERR_SCALE_BAD
 from .ordered_scale import LOCAL  # the dependency kinds of the tables (REMOTE otherwise)
 from .scale import BF16X2_NAN, DEFAULT_TIMEOUT_NS
 
-DEFAULT_THREADS = 256
+# 512 threads x 2 CTAs per SM and 16-token tiles: the plain scale's rate after the GEMM
+# (bench/NOTES.md, session 12; 256 x 4 with 32-token tiles left 400 of 528 CTAs idle)
+DEFAULT_THREADS = 512
+DEFAULT_CTAS_PER_SM = 2
 PF_TILE_BAND, PF_TILE_SEGMENT = 8, 9  # ERR_PLAN_BOUNDS fields (kernels/errors.py PLAN_FIELDS)
 
 
@@ -271,7 +274,8 @@ class OrderedScale:
     """Compiled ordered scale + launch helper. ``launch`` never synchronizes."""
 
     def __init__(self, topk: int, threads: int = DEFAULT_THREADS,
-                 timeout_ns: int = DEFAULT_TIMEOUT_NS, ctas_per_sm: int = 4):
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS,
+                 ctas_per_sm: int = DEFAULT_CTAS_PER_SM):
         if threads % 32 or not 32 <= threads <= 1024:
             raise ValueError(f"threads={threads} must be a multiple of 32 in [32, 1024]")
         if not 1 <= ctas_per_sm <= 2048 // threads:
