@@ -77,6 +77,23 @@ CURRENT_OTHER = {
                               "slices): what the chained compute kernel must reach",
     "planner_and_gemm_gpu_tests_d98035d.log": "GPU tests of the planner and the producer on "
                                               "packed plans",
+    "single_gpu_tests_fb15101.log": "producer bounds, ordered scale, W=1 fault and fused FFN "
+                                    "single-GPU tests (77 passed, 6 need 2 GPUs)",
+    "grouped_gemm_v12_bounds_fb15101.json": "producer with device bounds checks, --quick shape "
+                                            "(1.018x the library)",
+    "ordered_scale_h200_fb15101.json": "ordered scale, first run: 32-token tiles, 256 threads "
+                                       "(2.4x the plain scale; B's mismatch a bench bug)",
+    "ordered_scale_h200_tt32_th256_ff10300.json": "ordered scale, token tiles x threads",
+    "ordered_scale_h200_tt8_th256_ff10300.json": "ordered scale, token tiles x threads",
+    "ordered_scale_h200_tt4_th256_ff10300.json": "ordered scale, token tiles x threads",
+    "ordered_scale_h200_tt16_th512_ff10300.json": "ordered scale, token tiles x threads",
+    "ordered_scale_h200_tt8_th512_ff10300.json": "ordered scale, token tiles x threads",
+    "ordered_scale_h200_defaults_fb5242b.json": "ordered scale with its new defaults (512 "
+                                                "threads, 16-token tiles)",
+    "scale_ordered_gpu_tests_fb5242b.log": "ordered scale GPU tests with the new defaults "
+                                           "(7 passed)",
+    "moe_layer_1xh200_overlap_fb5242b.json": "one MoE layer on ONE GPU (W=1: no remote rows, "
+                                             "nothing to hide; the 2-GPU run is the issue's)",
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"
