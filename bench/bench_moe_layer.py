@@ -234,20 +234,26 @@ def host_routing(counts, rank, El, plan_rows, dev) -> Routing:
     return Routing(send, recv, sum(recv), rows_e, plan_rows, perm)
 
 
-def dispatch_a2a(x, ids, rt: Routing, group):
+def dispatch_a2a(x, ids, rt: Routing, group, zero_row=False):
     """The (token, k) rows of x to their experts' owners: received source-major, then local
     expert, then arrival order (as `dispatch_to_plan` exchanges them)."""
     k = ids.shape[1]
     order = torch.argsort(ids.reshape(-1), stable=True)
     send = x.index_select(0, order // k)
-    recv = torch.empty(rt.recv_rows, x.shape[1], dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(recv, send, rt.recv_splits, rt.send_splits, group=group)
+    # zero_row: one zero row after the received ones, the source of the plan's padding rows
+    recv = torch.empty(rt.recv_rows + int(zero_row), x.shape[1], dtype=x.dtype, device=x.device)
+    if zero_row:
+        recv[rt.recv_rows:].zero_()
+    dist.all_to_all_single(recv[:rt.recv_rows], send, rt.recv_splits, rt.send_splits,
+                           group=group)
     return recv
 
 
 def place_rows(recv, counts, plan, x_plan, rank, rt: Routing):
-    """Write the received rows at their plan rows (`dispatch_to_plan`'s placement, with the
-    received row count from the host so that it needs no sync); padding rows keep their zeros."""
+    """The received rows at their plan rows (`dispatch_to_plan`'s placement, with the received
+    row count from the host so that it needs no sync), as a gather: every plan row reads its
+    received row, padding rows read recv's trailing zero row (index_copy_ of the rows measured
+    3-4x the base's index_select permutation, bench/NOTES.md session 12)."""
     El = plan.experts_per_rank
     n = counts[:, rank * El:(rank + 1) * El].reshape(-1)
     start = torch.cumsum(n, 0) - n
@@ -256,8 +262,9 @@ def place_rows(recv, counts, plan, x_plan, rank, rt: Routing):
     j = torch.arange(rt.recv_rows, device=n.device) - start[blk]
     s, e = blk // El, blk % El
     dest = plan.expert_row_start.long()[e] + plan.group_row_start.long()[e, s] + j
-    x_plan.index_copy_(0, dest, recv)
-    return x_plan
+    src = torch.full((x_plan.shape[0],), rt.recv_rows, dtype=torch.long, device=n.device)
+    src.index_copy_(0, dest, torch.arange(rt.recv_rows, device=n.device))
+    return torch.index_select(recv, 0, src, out=x_plan)
 
 
 def up_projection(x, w_up, offs=None, rows_e=None):
@@ -295,7 +302,7 @@ class OursLayer:
             mark("plan", True)
             routes = c.prepare(plan, ids)
             mark("prepare", True)
-        recv = dispatch_a2a(d["x"], ids, self.rt, c.group)
+        recv = dispatch_a2a(d["x"], ids, self.rt, c.group, zero_row=True)
         mark("dispatch_a2a")
         dv.join_side()
         x_plan = place_rows(recv, counts, plan, self.x_plan, c.rank, self.rt)
