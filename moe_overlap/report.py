@@ -92,8 +92,10 @@ CURRENT_OTHER = {
                                                 "threads, 16-token tiles)",
     "scale_ordered_gpu_tests_fb5242b.log": "ordered scale GPU tests with the new defaults "
                                            "(7 passed)",
-    "moe_layer_1xh200_overlap_fb5242b.json": "one MoE layer on ONE GPU (W=1: no remote rows, "
-                                             "nothing to hide; the 2-GPU run is the issue's)",
+    "moe_layer_1xh200_overlap_fb5242b.json": "one MoE layer on ONE GPU, row placement by "
+                                             "index_copy_ (superseded by the gather run)",
+    "moe_layer_1xh200_gather_8b659eb.json": "one MoE layer on ONE GPU (W=1: no remote rows, "
+                                            "nothing to hide; the 2-GPU run is the issue's)",
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"
