@@ -120,7 +120,19 @@ def test_bf16_model_all_ranks_bitwise_equal(G, M, N, band_rows, grid, act2, bias
     for r in range(1, G):
         assert torch.equal(outs[0], outs[r]), r  # bitwise, whatever rank computed a chunk
     ref = B.bf16_allreduce_reference([p[:M] for p in parts], b2, act2)
-    assert torch.equal(outs[0], ref)  # the fixed rank-order fp32 sum, rounded once
+    if act2 in ("none", "relu"):
+        assert torch.equal(outs[0], ref)  # the fixed rank-order fp32 sum, rounded once
+    else:
+        # torch's CPU tanh / erf / exp take a SIMD or a scalar path depending on where an element
+        # falls in the tensor, and the two differ in the last fp32 bit (deep in the negative tail,
+        # -0 vs -1.5e-7): the model's chunks and the reference's one tensor cut differently, so
+        # the order of the sum is checked bitwise before the activation and the activation to
+        # one bf16 step after it.
+        pre, _ = B.emulate_band_allreduce_bf16([p.clone() for p in parts], M, band_rows, b2,
+                                               "none", grid)
+        assert torch.equal(pre[0], B.bf16_allreduce_reference([p[:M] for p in parts], b2))
+        step = torch.finfo(torch.bfloat16).eps * ref.float().abs() + 1e-6
+        assert bool(((outs[0].float() - ref.float()).abs() <= step).all())
     truth = activation(sum(p[:M].double() for p in parts) + (b2.double() if bias else 0), act2)
     err = ((outs[0].double() - truth).abs().max() / truth.abs().max()).item()
     assert err <= 8e-3, err
