@@ -69,7 +69,7 @@ def test_auto_is_the_tuned_value_else_the_analytic_choice(tmp_path):
     want = analytic_choice(rows, rows * 3 // 4, FACTS.out_features, FACTS.hidden_size, 128)
     got = CombineOptions().resolve(FACTS, cache=cache)
     assert (got.ccta, got.mgb) == want
-    cache.put(FACTS.tune_key, 20, 4)
+    cache.put(CombineOptions().tune_key(FACTS), 20, 4)
     got = CombineOptions().resolve(FACTS, cache=TuneCache(cache.path))
     assert (got.ccta, got.mgb) == (20, 4)
     # explicit values win over the cache; an explicit half keeps the tuned other half
@@ -77,8 +77,31 @@ def test_auto_is_the_tuned_value_else_the_analytic_choice(tmp_path):
     assert (got.ccta, got.mgb) == (6, 4)
     # a cached ccta from a larger GPU is clamped to this one
     small = dataclasses.replace(FACTS, num_sms=16)
-    cache.put(small.tune_key, 20, 1)
+    cache.put(CombineOptions().tune_key(small), 20, 1)
     assert CombineOptions().resolve(small, cache=TuneCache(cache.path)).ccta == 15
+
+
+def test_a_pair_tuned_for_one_path_is_not_read_for_another(tmp_path):
+    """The tune key holds the options that move the best (ccta, mgb): transport, scale, layout,
+    consumer variant, producer. A pair cached for one of them leaves the others analytic."""
+    cache = TuneCache(str(tmp_path / "t.json"))
+    rows = FACTS.rows
+    want = analytic_choice(rows, rows * 3 // 4, FACTS.out_features, FACTS.hidden_size, 128)
+    assert want != (20, 4)
+    base = CombineOptions(producer="torch")
+    cache.put(base.tune_key(FACTS), 20, 4)
+    others = [base.replace(transport="nvshmem"), base.replace(scale="ordered"),
+              base.replace(layout="packed"), base.replace(copy="ldst"),
+              base.replace(producer="grouped_gemm")]
+    keys = {base.tune_key(FACTS)} | {o.tune_key(FACTS) for o in others}
+    assert len(keys) == 1 + len(others)
+    for o in others:
+        got = o.resolve(FACTS, cache=TuneCache(cache.path))
+        assert (got.ccta, got.mgb) == want, o
+    # "auto" and its resolved value name one path: the key is the same either way
+    got = base.resolve(FACTS, cache=TuneCache(cache.path))
+    assert (got.ccta, got.mgb) == (20, 4)
+    assert got.tune_key(FACTS) == base.tune_key(FACTS)
 
 
 def _fake_cuda(monkeypatch, name="FakeGPU", sms=132):

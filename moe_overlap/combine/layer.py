@@ -163,8 +163,8 @@ class MoECombine(torch.nn.Module):
     layout = property(lambda self: self.options.layout)
     local_copy = property(lambda self: self.options.local_copy)
     copy = property(lambda self: self.options.copy)
-    tune_key = property(lambda self: self.facts.tune_key,
-                        doc="The tune-cache key of this layer's shape bucket.")
+    tune_key = property(lambda self: self.options.tune_key(self.facts),
+                        doc="The tune-cache key of this layer's shape bucket and path.")
 
     def plan(self, expert_counts: torch.Tensor, validate: bool | None = None) -> CombinePlan:
         """The plan of this rank for all-gathered counts [W, E], sized for max_tokens_per_rank.

@@ -221,7 +221,7 @@ class CombineOptions:
             from .tuning import TuneCache, analytic_choice
             cache = TuneCache() if cache is None else cache
             W = facts.world_size
-            choice = cache.get(facts.tune_key) or analytic_choice(
+            choice = cache.get(self.tune_key(facts)) or analytic_choice(
                 facts.rows, facts.rows * (W - 1) // W, facts.out_features, facts.hidden_size,
                 facts.tile_m)
             if self.ccta == AUTO:
@@ -237,18 +237,31 @@ class CombineOptions:
             ch["consumer_chunk"] = DEFAULT_CHUNK
         if self.consumer_piece_rows == AUTO:
             ch["consumer_piece_rows"] = max(1, DEFAULT_PIECE_BYTES // (2 * facts.out_features))
-        if self.producer == AUTO:
-            env = os.environ.get(PRODUCER_ENV, AUTO)
-            if env not in PRODUCERS:
-                raise ValueError(f"{PRODUCER_ENV}={env!r}; choose auto, torch or grouped_gemm")
-            ch["producer"] = env if env != AUTO else (
-                "grouped_gemm" if grouped_gemm_fits(facts) else "torch")
+        ch["producer"] = self.resolved_producer(facts)
         out = dataclasses.replace(self, **ch)
         if facts.num_sms is not None and not 1 <= out.ccta < facts.num_sms:
             raise ValueError(f"ccta={out.ccta!r} must be an int in [1, {facts.num_sms - 1}]")
         check_options(out.transport, out.copy, out.consumer_stages, out.consumer_chunk,
                       out.consumer_lookahead)
         return out
+
+    def resolved_producer(self, facts: CombineFacts) -> str:
+        """The producer GEMM with "auto" resolved ($MOE_OVERLAP_PRODUCER, else the CuTe DSL GEMM
+        where it fits)."""
+        if self.producer != AUTO:
+            return self.producer
+        env = os.environ.get(PRODUCER_ENV, AUTO)
+        if env not in PRODUCERS:
+            raise ValueError(f"{PRODUCER_ENV}={env!r}; choose auto, torch or grouped_gemm")
+        return env if env != AUTO else ("grouped_gemm" if grouped_gemm_fits(facts) else "torch")
+
+    def tune_key(self, facts: CombineFacts) -> str:
+        """The tune-cache key of (ccta, mgb): the shape bucket (``facts.tune_key``) and every
+        option that moves the best pair (transport, scale, layout, consumer variant, producer),
+        so that a pair tuned for one path is never read for another."""
+        local_copy, copy = self.consumer_variant()
+        return (f"{facts.tune_key}|{self.transport}|scale={self.scale}|layout={self.layout}"
+                f"|copy={copy}|local_copy={int(local_copy)}|{self.resolved_producer(facts)}")
 
     def consumer_variant(self) -> tuple[bool, str]:
         """(local_copy, copy) with "auto" resolved: the fastest variant validated for the
