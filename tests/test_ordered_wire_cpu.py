@@ -280,7 +280,7 @@ def test_ordered_call_runs_on_s0_after_the_producer(monkeypatch):
     ov.queue = torch.full((1,), 9, dtype=torch.int32)
     ov.oscale = SimpleNamespace(ctas_per_sm=4, launch=lambda **kw: log.append((
         "ordered", kw["stream"].name, kw["wait_bands"], kw["check_tags"], kw["grid"],
-        int(kw["queue"]), kw["tables"]["order"])))
+        int(kw["queue"]), kw["tables"]["order"], kw["err_peers"] is ov.comm.err_peers)))
     ov.scale = SimpleNamespace(launch=lambda **kw: log.append("plain scale"))
 
     def begin_call(ids_, w_, plan_, routes_):
@@ -301,7 +301,8 @@ def test_ordered_call_runs_on_s0_after_the_producer(monkeypatch):
         ov.forward(h, w, plan, ids, tw, routes=routes)
         call_log = log[log.index("begin"):]
         assert call_log[:4] == ["begin", "cs waits s0", "produce", "ship"], call_log
-        assert call_log[4] == ("ordered", "s0", False, True, 132 * 4, 0, order), call_log
+        # the peers' error words: a failed peer ends the waits at once, not at the timeout
+        assert call_log[4] == ("ordered", "s0", False, True, 132 * 4, 0, order, True), call_log
         assert "s0 waits cs" in call_log[5:] and "plain scale" not in log
         _, exp = ov.comm.seg_tables(Sc)
         assert torch.equal(exp, call * inc) and int(ov.queue) == 0

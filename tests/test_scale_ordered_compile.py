@@ -50,8 +50,13 @@ def test_every_wait_is_bounded_and_scoped(ordered):
         loops = [t for _, t in _spins(body, load) if t.count("bra") <= 4]
         assert loops, load
         assert all("%globaltimer" in t for t in loops), load  # every spin reads the clock
-    # each timeout is recorded (first writer wins): band 7, segment 8, marker 2
-    for code in (2, 7, 8):
+    # the sys-scope waits (markers, segments: a peer's consumer) also poll that peer's error
+    # word, a relaxed sys-scope load (another GPU writes it)
+    sys_loops = [t for _, t in _spins(body, "ld.acquire.sys.global.s64") if t.count("bra") <= 4]
+    assert all("ld.relaxed.sys.global.s64" in t for t in sys_loops)
+    # each timeout is recorded (first writer wins): band 7, segment 8, marker 2; a peer's
+    # error word seen while waiting for its marker or segments: 10
+    for code in (2, 7, 8, 10):
         assert re.search(rf"atom\.relaxed\.gpu\.global\.cas\.b64 %rd\d+, \[%rd\d+\], 0, {code};",
                          body), code
 

@@ -7,7 +7,9 @@ receive slot, per-segment counters set by the test.
 - segment_timeout / band_timeout: one dependency never satisfied: error 8 / 7 naming a tile that
   depends on it and the segment (source << 32 | segment) / band; every row of out either its
   correct value or NaN, and the named tile's rows NaN;
-- sticky: an error already recorded: every row NaN.
+- sticky: an error already recorded: every row NaN;
+- peer error: source 1's error word (a stand-in for the symmetric one) set while its segment or
+  call marker is awaited: the wait ends at the peer poll with ERR_PEER_ERROR naming source 1.
 
 Run: ``CUDA_MODULE_LOADING=EAGER python -m pytest -q tests/test_scale_ordered_gpu.py``.
 """
@@ -163,3 +165,67 @@ def test_sticky_error_gives_nan_everywhere():
     torch.cuda.synchronize()
     assert bool(torch.isnan(out.float()).all())
     assert int(s["err"][0]) == ERR.ERR_SCALE_TIMEOUT  # the first error is kept
+
+
+def _peer_word(code):
+    """A stand-in for source 1's symmetric error word (what ``CommBuffer.err_peers`` maps)."""
+    word = torch.zeros(8, dtype=torch.int64, device=DEV)
+    word[0], word[1] = code, 1
+    return word
+
+
+@pytest.mark.parametrize("what", ["segment", "marker"])
+def test_peer_error_ends_the_wait_and_names_the_peer(what):
+    """Source 1 has recorded an error (it ships nothing more): the wait for its segment / call
+    marker ends within the peer poll, not at the 5 s bound, with ERR_PEER_ERROR naming source 1
+    and its code; every row of out its correct value or NaN, some NaN."""
+    import time
+    s = setup()
+    d = s["deps"]
+    m = d.kind == REMOTE
+    src, seg = int(d.source[m][0]), int(d.index[m][0])
+    assert src == 1
+    sc = OrderedScale(TOPK, timeout_ns=5_000_000_000)
+    next_call(s)
+    ref = reference(s)
+    counters = torch.zeros(3 * W, dtype=torch.int64, device=DEV)
+    expected = torch.zeros(W, dtype=torch.int64, device=DEV)
+    epoch = int(s["epoch"])
+    counters[W + (epoch & 1) * W:W + (epoch & 1) * W + W] = epoch  # both sources' tags right
+    if what == "segment":
+        s["seg_arrivals"][src, seg] -= 1  # a row of source 1's segment never arrives
+    else:
+        expected[1] = 1  # source 1's call marker never comes
+    word = _peer_word(ERR.ERR_PRODUCER_BOUNDS)
+    peers = torch.tensor([0, word.data_ptr()], dtype=torch.int64, device=DEV)
+    out = torch.empty(T, N, dtype=torch.bfloat16, device=DEV)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    sc.launch(recv=s["recv"], rows=s["rows"], weights=s["weights"], out=out, y=s["y"],
+              tables=s["tables"], band_ready=s["band_ready"], seg_arrivals=s["seg_arrivals"],
+              seg_expected=s["seg_expected"], queue=s["queue"], counters=counters,
+              expected=expected, rank=RANK, err=s["err"], epoch=s["epoch"],
+              slot_bytes=s["slot_bytes"], grid=4, wait_bands=True, check_tags=True,
+              err_peers=peers)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    e = s["err"].tolist()
+    assert e[0] == ERR.ERR_PEER_ERROR, ERR.describe_error(e)
+    assert (e[1], e[2], e[3], e[4]) == (RANK, 1, epoch, ERR.ERR_PRODUCER_BOUNDS), e
+    assert wall < 1.0, wall  # the poll, not the 5 s bound
+    if what == "segment":
+        _rows_ok_or_nan(out, ref, torch.zeros(0, dtype=torch.long, device=DEV))
+        assert bool(torch.isnan(out.float()).all(1).any())
+
+
+def test_peer_table_is_checked():
+    s = setup()
+    with pytest.raises(ValueError, match="err_peers"):
+        OrderedScale(TOPK).launch(
+            recv=s["recv"], rows=s["rows"], weights=s["weights"], out=torch.empty(
+                T, N, dtype=torch.bfloat16, device=DEV), y=s["y"], tables=s["tables"],
+            band_ready=s["band_ready"], seg_arrivals=s["seg_arrivals"],
+            seg_expected=s["seg_expected"], queue=s["queue"], counters=s["zeros"],
+            expected=s["zeros"], rank=RANK, err=s["err"], epoch=s["epoch"],
+            slot_bytes=s["slot_bytes"], grid=1, wait_bands=True, check_tags=False,
+            err_peers=torch.zeros(W + 1, dtype=torch.int64, device=DEV))

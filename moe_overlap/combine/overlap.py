@@ -672,7 +672,7 @@ class OverlapCombine:
                                counters=self.counters, expected=self.expected, rank=self.rank,
                                err=self.err, epoch=self.epoch, slot_bytes=self.slot_bytes,
                                grid=self.num_sms * self.oscale.ctas_per_sm, wait_bands=False,
-                               check_tags=True, stream=s0)
+                               check_tags=True, stream=s0, err_peers=self.comm.err_peers)
         if marks:
             marks["scaled"].record(s0)
             self._debug.timeline.append(marks)

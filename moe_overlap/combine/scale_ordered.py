@@ -26,6 +26,12 @@ One persistent kernel, ``grid`` CTAs of ``threads``:
    y row -r - 1, as scale.py with ``y_src``), fp32 fma in k order, cvt.rn.bf16x2: the same
    expression as scale.py, so the result is bitwise equal to the default scale's.
 
+Peers: the waits on a source's marker and segments also end once that source's error word
+(``err_peers[src]``, as scale.py's wait) is set, recording ERR_PEER_ERROR (index: the source,
+word 3: this rank's epoch, observed: the source's code, expected: the counter when the wait
+stopped): a rank that recorded an error ships nothing more, so waiting for it would only reach
+the timeout.
+
 Errors: the error word is read at every claim; once any error is recorded on this rank (this call
 or earlier; sticky until a reset) a claimed tile reads no slot and its rows are NaN. So after an
 error each row of ``out`` is either correct (its tile finished before) or NaN. A row index outside
@@ -37,8 +43,9 @@ Requires ``local_copy=False`` (local rows straight from y): with the local copy,
 would come from this rank's own consumer, whose CTAs the scale's could crowd out.
 """
 
-from ..kernels.errors import (ERR_EPOCH_MISMATCH, ERR_PLAN_BOUNDS, ERR_SCALE_BAD_ROW,
-                              ERR_SCALE_TIMEOUT, ERR_TILE_BAND_TIMEOUT, ERR_TILE_SEGMENT_TIMEOUT)
+from ..kernels.errors import (ERR_EPOCH_MISMATCH, ERR_PEER_ERROR, ERR_PLAN_BOUNDS,
+                              ERR_SCALE_BAD_ROW, ERR_SCALE_TIMEOUT, ERR_TILE_BAND_TIMEOUT,
+                              ERR_TILE_SEGMENT_TIMEOUT)
 from .ordered_scale import LOCAL  # the dependency kinds of the tables (REMOTE otherwise)
 from .scale import BF16X2_NAN, DEFAULT_TIMEOUT_NS
 
@@ -85,10 +92,21 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
             P.fence_acq_rel_sys()
 
     @cute.jit
+    def peer_error_word(err_peers: Int64, src: Int32, err: Int64):
+        """Source src's error word as mapped here; without a table (0) or a mapping of that rank
+        (entry 0) this rank's own word (the wait then ends on a local error only)."""
+        peer_err = err
+        if err_peers != Int64(0):
+            pe = P.ld_s64(err_peers + Int64(src) * Int64(8))
+            if pe != Int64(0):
+                peer_err = pe
+        return peer_err
+
+    @cute.jit
     def wait_dep(kind: Int32, src: Int32, idx: Int32, band_ready: Int64, flag_cap: Int32,
                  wait_bands: Int32, seg_arr: Int64, seg_exp: Int64, seg_cap: Int32,
                  world: Int32, epoch: Int32, t0: Int64, timeout_ns: Int64, err: Int64,
-                 rank: Int32, tile: Int32):
+                 rank: Int32, tile: Int32, err_peers: Int64):
         """One thread's dependency: bounded acquire wait. Returns Int32 1 on failure."""
         bad = Int32(0)
         if kind == Int32(LOCAL):
@@ -115,11 +133,15 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
             else:
                 off = (Int64(src) * Int64(seg_cap) + Int64(idx)) * Int64(8)
                 exp = P.ld_s64(seg_exp + off)
-                to, v, el = P.wait_ge_sys_s64(seg_arr + off, exp, t0, timeout_ns)
-                if to != Int32(0):
+                st, v, el, code = P.wait_ge_sys_s64_or_peer_error(
+                    seg_arr + off, exp, peer_error_word(err_peers, src, err), t0, timeout_ns)
+                if st == Int32(1):
                     bad = Int32(1)
                     record_error_wide(err, Int32(ERR_TILE_SEGMENT_TIMEOUT), rank, tile,
                                       (Int64(src) << Int64(32)) | Int64(idx), v, exp, el)
+                elif st == Int32(2):
+                    bad = Int32(1)
+                    P.record_error(err, Int32(ERR_PEER_ERROR), rank, src, epoch, code, v, el)
         return bad
 
     @cute.kernel
@@ -130,7 +152,7 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
                        dep_start: Int64, dep_kind: Int64, dep_src: Int64, dep_index: Int64,
                        band_ready: Int64, flag_cap: Int32, wait_bands: Int32, seg_arr: Int64,
                        seg_exp: Int64, seg_cap: Int32, queue: Int64, counters: Int64,
-                       expected: Int64, world: Int32, check_tags: Int32):
+                       expected: Int64, world: Int32, check_tags: Int32, err_peers: Int64):
         tidx, bidx, _ = P.thread_block_grid()
         alloc = cutlass.memory.SmemAllocator()
         shared = alloc.allocate_array(cutlass.Int32, 2, byte_alignment=8)
@@ -144,9 +166,13 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
         # 1. call markers and epoch tags (one source per CTA, thread 0)
         if check_tags != Int32(0) and tidx == Int32(0) and bidx < world and failed == Int32(0):
             exp = P.ld_s64(expected + Int64(bidx) * Int64(8))
-            to, v, el = P.wait_ge_sys_s64(counters + Int64(bidx) * Int64(8), exp, t0, timeout_ns)
-            if to != Int32(0):
+            st, v, el, code = P.wait_ge_sys_s64_or_peer_error(
+                counters + Int64(bidx) * Int64(8), exp, peer_error_word(err_peers, bidx, err),
+                t0, timeout_ns)
+            if st == Int32(1):
                 P.record_error(err, Int32(ERR_SCALE_TIMEOUT), rank, bidx, epoch, v, exp, el)
+            elif st == Int32(2):
+                P.record_error(err, Int32(ERR_PEER_ERROR), rank, bidx, epoch, code, v, el)
             else:
                 tag = P.ld_relaxed_sys_s64(
                     counters + (Int64(world) + Int64(epoch & Int32(1)) * Int64(world)
@@ -175,7 +201,7 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
                     bad = wait_dep(P.ld_s32(dep_kind + o4), P.ld_s32(dep_src + o4),
                                    P.ld_s32(dep_index + o4), band_ready, flag_cap, wait_bands,
                                    seg_arr, seg_exp, seg_cap, world, epoch, t0, timeout_ns, err,
-                                   rank, j)
+                                   rank, j, err_peers)
                     d = d + Int32(NT)
             # joins the waits (and every thread's read of the shared slot before the next claim)
             nan_tile = P.block_any(bad | stop)
@@ -244,18 +270,18 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
                dep_src: Int64, dep_index: Int64, band_ready: Int64, flag_cap: Int32,
                wait_bands: Int32, seg_arr: Int64, seg_exp: Int64, seg_cap: Int32,
                queue: Int64, counters: Int64, expected: Int64, world: Int32, check_tags: Int32,
-               grid: Int32, stream: cuda.CUstream):
+               err_peers: Int64, grid: Int32, stream: cuda.CUstream):
         ordered_kernel(recv, rows, weights, out, n_chunks, row_bytes, rank, err, timeout_ns,
                        epoch_ptr, slot_bytes, y, y_rows, slot_rows, order, tile_start, n_tiles,
                        dep_start, dep_kind, dep_src, dep_index, band_ready, flag_cap,
                        wait_bands, seg_arr, seg_exp, seg_cap, queue, counters, expected, world,
-                       check_tags).launch(grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+                       check_tags, err_peers).launch(grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch
 
 
 _ARG_TYPES = ("i64 " * 4 + "i32 i64 i32 i64 i64 i64 i64 i64 i32 i64 i64 i64 i32 i64 i64 i64 i64 "
-              "i64 i32 i32 i64 i64 i32 i64 i64 i64 i32 i32 i32").split()
+              "i64 i32 i32 i64 i64 i32 i64 i64 i64 i32 i32 i64 i32").split()
 
 
 def ordered_scale_example_args():
@@ -321,7 +347,7 @@ class OrderedScale:
 
     def launch(self, *, recv, rows, weights, out, y, tables, band_ready, seg_arrivals,
                seg_expected, queue, counters, expected, rank, err, epoch, slot_bytes,
-               grid: int, wait_bands: bool, check_tags: bool, stream=None):
+               grid: int, wait_bands: bool, check_tags: bool, stream=None, err_peers=None):
         """recv: receive buffer base (slot 0; slot_bytes > 0: two slots of that size); rows:
         int32 [T, topk] (y_src encoding: r < 0 is y row -r - 1); weights fp32 [T, topk]; out
         bf16 [T, N]; y: the producer's output [rows, N]; tables: ``ordered_scale.tile_tables``
@@ -330,11 +356,18 @@ class OrderedScale:
         queue: int32 [1], zeroed on the stream before the call; counters / expected: int64 [W]
         (markers and, with check_tags, the epoch tags after them, as Scale.launch).
         wait_bands: wait on the local bands' flags (a launch beside the producer); False after
-        the producer's kernel boundary. grid: CTAs (persistent)."""
+        the producer's kernel boundary. grid: CTAs (persistent). err_peers: int64 [W] device
+        table of every rank's error word as mapped here (0: not reachable;
+        ``CommBuffer.err_peers``): the waits for source s also end, recording ERR_PEER_ERROR,
+        once that word is set; None: a peer's error shows as a timeout."""
         import torch
         self.check(rows=rows, weights=weights, out=out, tables=tables, band_ready=band_ready,
                    seg_arrivals=seg_arrivals, seg_expected=seg_expected, queue=queue, err=err,
                    epoch=epoch)
+        if err_peers is not None and (err_peers.dtype != torch.int64 or
+                                      tuple(err_peers.shape) != (seg_arrivals.shape[0],) or
+                                      err_peers.device != out.device):
+            raise ValueError(f"err_peers must be int64 [{seg_arrivals.shape[0]}] on {out.device}")
         fn = self.compile()
         if self._launcher is None:
             from ..kernels.primitives import LaunchCache
@@ -353,5 +386,6 @@ class OrderedScale:
                         tables["dep_index"].data_ptr(), band_ready.data_ptr(),
                         band_ready.numel(), int(bool(wait_bands)), seg_arrivals.data_ptr(),
                         seg_expected.data_ptr(), Sc, queue.data_ptr(), counters.data_ptr(),
-                        expected.data_ptr(), W, int(bool(check_tags)), max(1, int(grid))),
+                        expected.data_ptr(), W, int(bool(check_tags)),
+                        0 if err_peers is None else err_peers.data_ptr(), max(1, int(grid))),
                        stream.cuda_stream)
