@@ -32,27 +32,33 @@ class _Exchange(torch.autograd.Function):
     must run the backward."""
 
     @staticmethod
-    def forward(ctx, inp, out_splits, in_splits, group):
+    def forward(ctx, inp, out_splits, in_splits, group, zero_rows):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        out = inp.new_empty(sum(out_splits), *inp.shape[1:])
-        return all_to_all(out, inp.contiguous(), out_splits, in_splits, group)
+        n = sum(out_splits)
+        out = inp.new_empty(n + zero_rows, *inp.shape[1:])
+        out[n:].zero_()
+        all_to_all(out[:n], inp.contiguous(), out_splits, in_splits, group)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_in = grad_out.new_empty(sum(ctx.in_splits), *grad_out.shape[1:])
-        all_to_all(grad_in, grad_out.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
-        return grad_in, None, None, None
+        all_to_all(grad_in, grad_out[:sum(ctx.out_splits)].contiguous(), ctx.in_splits,
+                   ctx.out_splits, ctx.group)
+        return grad_in, None, None, None, None
 
 
-def exchange(inp: torch.Tensor, out_splits, in_splits, group=None) -> torch.Tensor:
+def exchange(inp: torch.Tensor, out_splits, in_splits, group=None,
+             zero_rows: int = 0) -> torch.Tensor:
     """all_to_all_single of the rows of inp (in_splits rows to each rank, out_splits rows from
-    each rank), differentiable: gradients of the result flow back to inp across the ranks."""
+    each rank), differentiable: gradients of the result flow back to inp across the ranks.
+    zero_rows: that many zero rows after the received ones (no gradient flows from them)."""
     out_splits = [int(n) for n in out_splits]
     in_splits = [int(n) for n in in_splits]
     if sum(in_splits) != inp.shape[0]:
         raise ValueError(f"exchange: in_splits sum to {sum(in_splits)}, input has "
                          f"{inp.shape[0]} rows")
-    return _Exchange.apply(inp, out_splits, in_splits, group)
+    return _Exchange.apply(inp, out_splits, in_splits, group, int(zero_rows))
 
 
 def all_gather_counts(local_counts: torch.Tensor, group=None) -> torch.Tensor:
