@@ -96,6 +96,12 @@ CURRENT_OTHER = {
                                              "index_copy_ (superseded by the gather run)",
     "moe_layer_1xh200_gather_8b659eb.json": "one MoE layer on ONE GPU (W=1: no remote rows, "
                                             "nothing to hide; the 2-GPU run is the issue's)",
+    "ordered_scale_tests_08c29b4.log": "ordered scale GPU tests with the peer-error poll "
+                                       "(10 passed)",
+    "ordered_scale_h200_peerpoll_08c29b4.json": "ordered scale with the peer-error poll, ccta 8 "
+                                                "(A at today's rate)",
+    "dispatch_1xh200_08c29b4.json": "dispatch_to_plan's placement, gather vs scatter vs the "
+                                    "compact permutation (one GPU, eager)",
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"
