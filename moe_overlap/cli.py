@@ -378,25 +378,26 @@ def cmd_validate(args) -> int:
 
 # ------------------------------------------------------------------------------- heap
 def _layer_spec(text: str) -> tuple:
-    """argparse type: T_MAX,TOPK,N[,COUNT] (a model name from moe_overlap.combine.shapes
-    instead of TOPK,N: NAME@T_MAX[,COUNT])."""
+    """argparse type: T_MAX,TOPK,N[,COUNT[,EXPERTS]] (a model name from
+    moe_overlap.combine.shapes instead of TOPK,N: NAME@T_MAX[,COUNT], its experts known).
+    Returns (T_MAX, TOPK, N, COUNT, EXPERTS), EXPERTS 0 where not given."""
     parts = [t.strip() for t in text.split(",")]
     name, _, tok = parts[0].lower().partition("@")
     try:
         if name in MODELS:
             if not tok or len(parts) > 2:
                 raise ValueError
-            _, k, _, n = MODELS[name]
-            vals = [int(tok), k, n] + [int(p) for p in parts[1:]]
+            e, k, _, n = MODELS[name]
+            vals = [int(tok), k, n, int(parts[1]) if len(parts) > 1 else 1, e]
         else:
-            if len(parts) not in (3, 4):
+            if len(parts) not in (3, 4, 5):
                 raise ValueError
-            vals = [int(p) for p in parts]
+            vals = [int(p) for p in parts] + [1, 0][len(parts) - 3:]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected T_MAX,TOPK,N[,COUNT] or MODEL@T_MAX[,COUNT] (models: "
+            f"{text!r}: expected T_MAX,TOPK,N[,COUNT[,EXPERTS]] or MODEL@T_MAX[,COUNT] (models: "
             f"{', '.join(MODEL_NAMES)})") from None
-    if any(v < 1 for v in vals):
+    if any(v < 1 for v in vals[:4]) or vals[4] < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: every value must be a positive integer")
     if vals[2] % 8:
         raise argparse.ArgumentTypeError(f"{text!r}: N={vals[2]} must be a multiple of 8 "
@@ -405,10 +406,18 @@ def _layer_spec(text: str) -> tuple:
 
 
 def cmd_heap(args) -> int:
-    from .combine.comm_buffer import format_heap_report, heap_report
-    layers = getattr(args, "layer", None) or [(4096, 8, 7168, 60)]
+    from .combine.comm_buffer import LayerShape, format_heap_report, heap_report
+    specs = getattr(args, "layer", None) or [(4096, 8, 7168, 60, 256)]
+    ordered = args.scale == "ordered"
+    if ordered and any(not e for *_, e in specs):
+        raise SystemExit("moe-overlap heap: --scale ordered needs each layer's experts "
+                         "(T_MAX,TOPK,N,COUNT,EXPERTS or MODEL@T_MAX[,COUNT]): its per-segment "
+                         "arrival words depend on them")
+    layers = [LayerShape(t, k, n, c, e if ordered else 0, args.tile_m)
+              for t, k, n, c, e in specs]
     r = heap_report(layers, args.world_size)
-    r["layer_shapes"] = [list(x) for x in layers]
+    r["layer_shapes"] = [list(x) for x in specs]
+    r["scale"] = args.scale
     print(format_heap_report(r))
     if args.json:
         print(json.dumps(r, indent=1))
@@ -548,11 +557,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "MoECombine default: 2 slots of the largest layer + one block), and the "
         "NVSHMEM_SYMMETRIC_SIZE to set. Pure arithmetic: no GPU.")
     hp.add_argument("--layer", type=_layer_spec, action="append", default=argparse.SUPPRESS,
-                    help="a layer shape T_MAX,TOPK,N[,COUNT] (T_MAX: max_tokens_per_rank; "
-                    "COUNT layers of it, default 1) or MODEL@T_MAX[,COUNT]; repeat for several "
+                    help="a layer shape T_MAX,TOPK,N[,COUNT[,EXPERTS]] (T_MAX: "
+                    "max_tokens_per_rank; COUNT layers of it, default 1; EXPERTS: all ranks', "
+                    "needed with --scale ordered) or MODEL@T_MAX[,COUNT]; repeat for several "
                     "shapes (default: 4096,8,7168,60, i.e. 60 DeepSeek-V3 layers at 4096 tokens)")
     hp.add_argument("--world-size", type=_positive_int, default=8,
                     help="ranks in the combine's process group (sizes the communication block)")
+    hp.add_argument("--scale", choices=("plain", "ordered"), default="plain",
+                    help="the layers' scale: 'ordered' adds W x segment capacity int64 "
+                    "per-segment arrival words to the block (CombineOptions.scale)")
+    hp.add_argument("--tile-m", type=_positive_int, default=128,
+                    help="the layers' tile_m (sizes the segment capacity with --scale ordered)")
     hp.add_argument("--json", action="store_true",
                     help="also print the numbers as JSON")
     return p, {"demo": d, "plan-stats": s, "validate": v, "project": j, "project-ffn": f,

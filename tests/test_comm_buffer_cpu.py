@@ -302,3 +302,44 @@ def test_runtime_free_returns_the_heap(monkeypatch):
         rt.free(torch.zeros(3))
     rt.free(u)
     assert rt.allocated_bytes() == 0
+
+
+def test_heap_report_counts_the_ordered_scales_segment_words(monkeypatch):
+    """A scale="ordered" layer's per-segment arrival words (W x its segment capacity, int64) are
+    part of the heap: the report equals what a CommBuffer allocates for the same layers."""
+    from moe_overlap.combine.comm_buffer import ordered_segment_capacity
+    from moe_overlap.combine.plan import plan_combine
+    W = 2
+    plain, ordered = LayerShape(16, 4, 256), LayerShape(8, 4, 512, count=2, experts=8, tile_m=64)
+    r = heap_report([plain, ordered], W)
+    cap = ordered_segment_capacity(W, 8, 4, 4, 64)
+    # the capacity is what plan_combine gives a plan at the layer's most rows
+    counts = torch.full((W, 8), 8 * 4 // 8, dtype=torch.int64)
+    assert plan_combine(counts, 0, tile_m=64, max_rows=W * 8 * 4).segment_capacity == cap
+    assert r["seg_bytes"] == W * cap * 8 > 0
+    assert heap_report([plain], W)["seg_bytes"] == 0
+    assert r["shared_bytes"] == heap_report([plain, LayerShape(8, 4, 512, 2)], W)[
+        "shared_bytes"] + r["seg_bytes"]
+    assert r["unshared_bytes"] == heap_report([plain, LayerShape(8, 4, 512, 2)], W)[
+        "unshared_bytes"] + 2 * r["seg_bytes"]
+    log = []
+    buf, rt = _buffer(monkeypatch, log)
+    buf.attach(_Layer(), 16 * 4, 256 * 2)
+    buf.attach(_Layer(), 8 * 4, 512 * 2, seg_words=W * cap)
+    assert rt.allocated_bytes() == buf.heap_bytes() == r["shared_bytes"]
+    with pytest.raises(ValueError, match="experts"):
+        heap_report([LayerShape(8, 4, 512, experts=3)], W)
+
+
+def test_cli_heap_with_the_ordered_scale(capsys):
+    from moe_overlap.cli import main
+    assert main(["heap", "--layer", "deepseek-v3@4096,60", "--world-size", "8", "--scale",
+                 "ordered", "--json"]) == 0
+    out = capsys.readouterr().out
+    r = heap_report([LayerShape(4096, 8, 7168, 60, experts=256)], 8)
+    assert r["seg_bytes"] > 0 and str(r["shared_bytes"]) in out and "per-segment" in out
+    assert main(["heap", "--layer", "4096,8,7168,60,256", "--world-size", "8", "--scale",
+                 "ordered"]) == 0
+    assert str(r["shared_bytes"]) in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="experts"):
+        main(["heap", "--layer", "4096,8,7168,60", "--scale", "ordered"])

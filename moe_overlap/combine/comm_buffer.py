@@ -63,6 +63,7 @@ import torch
 from ..runtime.error_watch import ErrorWatch
 from ..runtime.nvshmem import COMM_BLOCK_WORDS_PER_RANK, NvshmemError, symmetric_size_mib
 from .options import TRANSPORTS
+from .plan import band_capacity_for
 
 # 2-byte rows; the consumer and the scale of OverlapCombine move bf16 (the key keeps dtypes apart)
 RECV_DTYPES = (torch.bfloat16, torch.float16)
@@ -95,16 +96,38 @@ def slot_bytes_for(max_tokens_per_rank: int, topk: int, n: int, dtype=torch.bflo
     return max_tokens_per_rank * topk * n * _esize(dtype)
 
 
+def ordered_segment_capacity(world_size: int, max_tokens_per_rank: int, topk: int,
+                             experts_per_rank: int, tile_m: int) -> int:
+    """Segment capacity of a ``scale="ordered"`` layer: that of a plan at the layer's most
+    received rows (every token of every rank routed here), the row stride of its per-segment
+    arrival words (W of them per segment)."""
+    rows_max = world_size * max_tokens_per_rank * topk
+    return band_capacity_for(rows_max, experts_per_rank, world_size, tile_m) \
+        + experts_per_rank * world_size
+
+
 @dataclass(frozen=True)
 class LayerShape:
-    """One combine layer's communication size: T_max (max_tokens_per_rank), topk, N."""
+    """One combine layer's communication size: T_max (max_tokens_per_rank), topk, N; for a
+    ``scale="ordered"`` layer also its experts (all ranks') and tile_m, which size its
+    per-segment arrival words (experts=0: a plain-scale layer, none)."""
     max_tokens_per_rank: int
     topk: int
     n: int
     count: int = 1  # layers of this shape
+    experts: int = 0  # > 0: scale="ordered", per-segment arrival words for this many experts
+    tile_m: int = 128
 
     def slot_bytes(self, dtype=torch.bfloat16) -> int:
         return slot_bytes_for(self.max_tokens_per_rank, self.topk, self.n, dtype)
+
+    def seg_words(self, world_size: int) -> int:
+        """Per-segment arrival words (int64) the layer attaches (0 with the plain scale)."""
+        if not self.experts:
+            return 0
+        return world_size * ordered_segment_capacity(
+            world_size, self.max_tokens_per_rank, self.topk, self.experts // world_size,
+            self.tile_m)
 
 
 def heap_report(layers, world_size: int, dtype=torch.bfloat16) -> dict:
@@ -112,7 +135,8 @@ def heap_report(layers, world_size: int, dtype=torch.bfloat16) -> dict:
     (T_max, topk, N[, count]) tuples) in one group of ``world_size`` ranks:
     ``unshared`` (every layer its own buffer: 2 slots + a block + an error word each, what
     OverlapCombine without a comm_buffer allocates), ``shared`` (one CommBuffer: 2 slots of the
-    largest layer + one block + one error word) and ``symmetric_size_mib`` /
+    largest layer + one block + one error word; the block also holds the most per-segment
+    arrival words of any ``scale="ordered"`` layer, ``seg_bytes``) and ``symmetric_size_mib`` /
     ``symmetric_size`` (the NVSHMEM_SYMMETRIC_SIZE to set for the shared buffer, with NVSHMEM's
     headroom), plus the inputs. Pure Python."""
     if dtype not in RECV_DTYPES:
@@ -122,22 +146,28 @@ def heap_report(layers, world_size: int, dtype=torch.bfloat16) -> dict:
     shapes = []
     for s in layers:
         s = s if isinstance(s, LayerShape) else LayerShape(*s)
-        for name in ("max_tokens_per_rank", "topk", "n", "count"):
+        for name in ("max_tokens_per_rank", "topk", "n", "count", "tile_m"):
             v = getattr(s, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"layer {s}: {name}={v!r} must be a positive int")
+        if isinstance(s.experts, bool) or not isinstance(s.experts, int) or s.experts < 0 or \
+                s.experts % world_size:
+            raise ValueError(f"layer {s}: experts={s.experts!r} must be 0 (plain scale) or a "
+                             f"positive multiple of world_size={world_size}")
         shapes.append(s)
     if not shapes:
         raise ValueError("heap_report needs at least one layer")
     block = comm_block_bytes(world_size) + ERR_BYTES
     num = sum(s.count for s in shapes)
-    unshared = sum(s.count * (2 * s.slot_bytes(dtype) + block) for s in shapes)
+    unshared = sum(s.count * (2 * s.slot_bytes(dtype) + block + 8 * s.seg_words(world_size))
+                   for s in shapes)
     slot = max(s.slot_bytes(dtype) for s in shapes)
-    shared = 2 * slot + block
+    seg = 8 * max(s.seg_words(world_size) for s in shapes)
+    shared = 2 * slot + block + seg
     mib = symmetric_size_mib(shared)
     return {"layers": num, "world_size": world_size, "dtype": str(dtype).removeprefix("torch."),
             "slot_bytes": slot, "block_bytes": block - ERR_BYTES, "err_bytes": ERR_BYTES,
-            "unshared_bytes": unshared,
+            "seg_bytes": seg, "unshared_bytes": unshared,
             "shared_bytes": shared, "symmetric_size_mib": mib,
             "symmetric_size": f"{mib}M",
             "unshared_symmetric_size": f"{symmetric_size_mib(unshared)}M"}
@@ -151,7 +181,9 @@ def format_heap_report(r: dict) -> str:
         f"of symmetric heap per rank (NVSHMEM_SYMMETRIC_SIZE={r['unshared_symmetric_size']})",
         f"  shared (one CommBuffer, the MoECombine default): {r['shared_bytes']} bytes "
         f"({r['shared_bytes'] / gib:.3f} GiB) = 2 slots x {r['slot_bytes']} + "
-        f"{r['block_bytes']} block + {r['err_bytes']} error word",
+        f"{r['block_bytes']} block + "
+        + (f"{r['seg_bytes']} per-segment arrival words (scale='ordered') + "
+           if r.get("seg_bytes") else "") + f"{r['err_bytes']} error word",
         f"  set NVSHMEM_SYMMETRIC_SIZE={r['symmetric_size']} on every rank before NVSHMEM "
         "starts (plus what other symmetric users, e.g. the fused FFN, need)"])
 

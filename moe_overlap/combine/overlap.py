@@ -76,7 +76,8 @@ import torch
 import torch.distributed as dist
 
 from ..diagnostics import CombineDebug, debug_scope
-from .comm_buffer import CommBuffer, OverlapError  # noqa: F401  (OverlapError: its old home)
+from .comm_buffer import (CommBuffer, OverlapError,  # noqa: F401  (OverlapError: its old home)
+                          ordered_segment_capacity)
 from .options import TRANSPORTS, CombineFacts, CombineOptions, options_from_kwargs  # noqa: F401
 
 
@@ -190,10 +191,8 @@ class OverlapCombine:
             # the segment capacity of a plan at the layer's maximum rows (MoECombine.plan): the
             # row stride of seg_arrivals, which the senders' consumers and this rank's scale
             # must share, so it must be equal on every rank (checked here, collectively)
-            from .plan import band_capacity_for
-            rows_max = W * max_tokens_per_rank * topk
-            self.seg_cap = band_capacity_for(rows_max, self.experts_per_rank, W, tile_m) \
-                + self.experts_per_rank * W
+            self.seg_cap = ordered_segment_capacity(W, max_tokens_per_rank, topk,
+                                                    self.experts_per_rank, tile_m)
             caps = [None] * W
             dist.all_gather_object(caps, self.seg_cap, group=group)
             if len(set(caps)) != 1:
