@@ -200,3 +200,78 @@ def test_no_flags_variant_and_empty_plan():
                        ready, epoch)
     torch.cuda.synchronize()
     assert torch.isnan(y.float()).all() and int(ready.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("layout,tile_n,extra", [("packed", 256, {}), ("aligned", 256, {}),
+                                                 ("packed", 256, dict(cluster_n=1)),
+                                                 ("packed", 128, {})])
+def test_bands_of_at_most_half_a_tile_skip_the_second_warpgroup(layout, tile_n, extra):
+    """band_valid (the plan's): with two consumer warpgroups (128 x 256), a band of <= 64 valid
+    rows is computed by the first alone: its valid rows equal the whole-band call's bit for bit
+    and the fp32 product, its rows [64, 128) are zeros; other bands are whole (padding rows
+    x @ w, x's padding here random, not zero). With one warpgroup (128 x 128) every band is
+    whole. Matches grouped_gemm_reference(band_valid=, half_band_rows=)."""
+    from moe_overlap.combine.grouped_gemm import grouped_gemm_reference
+    tile_m, El, W = 128, 6, 2
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.randint(5, 150, (W, W * El), generator=gen)
+    counts[:, 1] = 32  # 64 rows in all: exactly half a band
+    counts[:, 2] = 33  # 66: one row past
+    p = plan_combine(counts.to(DEV), 0, tile_m=tile_m, layout=layout)
+    nb = int(p.num_bands)
+    g = _gemm(tile_m, tile_n, **extra)
+    half = g.half_band_rows
+    assert half == (64 if tile_n == 256 else None)
+    bv = p.band_valid[:nb].tolist()
+    assert any(v <= 64 for v in bv) and any(v > 64 for v in bv)
+    assert (64 in bv and 66 in bv) if layout == "packed" else (32 in bv and 33 in bv)
+    rows = int(p.total_rows)
+    ready = torch.zeros(p.band_capacity, dtype=torch.int32, device=DEV)
+    for call in (1, 2):
+        epoch = torch.full((1,), call, dtype=torch.int32, device=DEV)
+        x = torch.randn(rows, K, device=DEV).to(torch.bfloat16)  # padding rows too
+        w = (torch.randn(El, K, N, device=DEV) / K ** 0.5).to(torch.bfloat16)
+        y = torch.full((rows, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+        whole = torch.full_like(y, float("nan"))
+        g(x, w, y, p.band_expert, p.band_src_row, p.schedule, p.num_bands, ready, epoch,
+          band_valid=p.band_valid)
+        g(x, w, whole, p.band_expert, p.band_src_row, p.schedule, p.num_bands, ready, epoch)
+        ref = grouped_gemm_reference(x, w, torch.full_like(y, float("nan")), p.band_expert,
+                                     p.band_src_row, p.schedule, p.num_bands, tile_m,
+                                     band_valid=p.band_valid, half_band_rows=half)
+        torch.cuda.synchronize()
+        assert not torch.isnan(y.float()).any()
+        be, bs = p.band_expert.tolist(), p.band_src_row.tolist()
+        for b in p.schedule[:nb].tolist():
+            r, v = bs[b], bv[b]
+            assert torch.equal(y[r:r + v], whole[r:r + v]), (b, v)  # valid rows: same bits
+            ref32 = x[r:r + v].float() @ w[be[b]].float()
+            rel = ((y[r:r + v].float() - ref32).norm() / ref32.norm()).item()
+            assert rel < 1e-2, (b, rel)
+            if half is not None and v <= half:
+                assert not y[r + half:r + tile_m].any(), b  # the skipped warpgroup's rows
+                assert whole[r + half:r + tile_m].any(), b  # (x @ w there is not zero)
+            else:
+                assert torch.equal(y[r:r + tile_m], whole[r:r + tile_m]), b
+        rel = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < 1e-2
+        # the reference zeroes exactly the rows the kernel skipped (every other row of the
+        # random product is non-zero)
+        assert torch.equal(y.float().abs().sum(1) == 0, ref.float().abs().sum(1) == 0)
+        assert all(int(ready[b]) == call for b in p.schedule[:nb].tolist())
+
+
+def test_band_valid_is_checked():
+    g = _gemm(128, 256)
+    p = plan_combine(torch.full((1, 2), 100, dtype=torch.int64, device=DEV), 0, tile_m=128)
+    x = torch.zeros(int(p.total_rows), K, device=DEV, dtype=torch.bfloat16)
+    w = torch.zeros(2, K, N, device=DEV, dtype=torch.bfloat16)
+    y = torch.zeros(int(p.total_rows), N, device=DEV, dtype=torch.bfloat16)
+    ready = torch.zeros(p.band_capacity, dtype=torch.int32, device=DEV)
+    epoch = torch.ones(1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="band_valid"):
+        g(x, w, y, p.band_expert, p.band_src_row, p.schedule, p.num_bands, ready, epoch,
+          band_valid=p.band_valid[:-1])
+    with pytest.raises(TypeError, match="band_valid"):
+        g(x, w, y, p.band_expert, p.band_src_row, p.schedule, p.num_bands, ready, epoch,
+          band_valid=p.band_valid.long())

@@ -27,20 +27,8 @@ VARIANTS = {"default": {}, "beside": dict(cluster_n=1), "noflag": dict(signal=Fa
 
 def _gemm_kernel_args(kw, N=1024, K=512):
     """The kernel object and fake arguments ``GroupedGemm.compile`` uses (to keep the cubin)."""
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
-    from cutlass.runtime import make_fake_stream
     from moe_overlap.combine.grouped_gemm import GroupedGemm
-    k = GroupedGemm(**kw)._kernel(N)
-    rows, E, bcap = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    bf16, i32 = cutlass.BFloat16, cutlass.Int32
-    fv = lambda: make_fake_tensor(i32, (bcap,), (1,), assumed_align=4)
-    f1 = lambda: make_fake_tensor(i32, (1,), (1,), assumed_align=4)
-    return k, (make_fake_tensor(bf16, (rows, K), (K, 1), assumed_align=16),
-               make_fake_tensor(bf16, (N, K, E), (1, N, K * N), assumed_align=16),
-               make_fake_tensor(bf16, (rows, N), (N, 1), assumed_align=16),
-               fv(), fv(), fv(), f1(), fv(), fv(), f1(), cutlass.Int64(0), cutlass.Int32(0),
-               cutlass.Int32(1), make_fake_stream())
+    return GroupedGemm(**kw)._kernel(N), GroupedGemm.example_args(N, K)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
