@@ -151,21 +151,3 @@ def test_reference_semantics():
     torch.testing.assert_close(y[4:12], x[4:12] @ w[1])
     assert torch.isnan(y[12:]).all()
     assert ready.tolist() == [7, 7, 7, 0]
-
-
-def test_half_band_skip_keeps_the_wgmma_pipeline(gg_mod):
-    """The second warpgroup's WGMMAs sit under a per-tile branch (bands of <= tile_m / 2 valid
-    rows): ptxas must keep them asynchronous. SASS: the same HGMMA count as two k-tile bodies of
-    tile_k / 16 each, no WARPGROUP.DEPBAR beyond the k loop's wait_group(1) and the tile's
-    wait_group(0) (a serialized pipeline waits after every HGMMA), no spills."""
-    import re
-    from conftest import compile_ptx_cubin, sass
-    g = gg_mod.GroupedGemm(tile_m=128, tile_n=256)
-    assert g.half_band_rows == 64
-    assert gg_mod.GroupedGemm(tile_m=128, tile_n=128).half_band_rows is None
-    assert gg_mod.GroupedGemm(tile_m=64, tile_n=256).half_band_rows is None
-    _, cubin = compile_ptx_cubin(g._kernel(2048), *g.example_args(2048, 2048))
-    s = sass(cubin)
-    assert len(re.findall(r"HGMMA\.64x256x16", s)) == 2 * (g.tile_k // 16)
-    assert len(re.findall(r"WARPGROUP\.DEPBAR", s)) == 2
-    assert not re.findall(r"\b(STL|LDL)\b", s)

@@ -114,28 +114,6 @@ def test_reference_skips_what_the_kernel_skips():
     assert torch.isnan(y).all() and not ready.any()
 
 
-def test_reference_zeroes_the_skipped_half_of_short_bands():
-    tile_m = 4
-    x = torch.randn(16, 8)
-    w = torch.randn(2, 8, 6)
-    be, bs, sched, nb = _tables(tile_m=tile_m)
-    valid = torch.tensor([4, 2, 3, 1, -1, -1], **i32)  # bands 1 and 3: <= tile_m / 2 rows
-    y = torch.full((16, 6), float("nan"))
-    grouped_gemm_reference(x, w, y, be, bs, sched, nb, tile_m, band_valid=valid,
-                           half_band_rows=2)
-    whole = grouped_gemm_reference(x, w, torch.full((16, 6), float("nan")), be, bs, sched, nb,
-                                   tile_m)
-    for b, r in enumerate(bs.tolist()[:4]):
-        if valid[b] <= 2:
-            assert torch.equal(y[r:r + 2], whole[r:r + 2]) and not y[r + 2:r + 4].any()
-        else:
-            assert torch.equal(y[r:r + 4], whole[r:r + 4])
-    # without half_band_rows (one warpgroup) every band is whole
-    y = grouped_gemm_reference(x, w, torch.full((16, 6), float("nan")), be, bs, sched, nb,
-                               tile_m, band_valid=valid)
-    assert torch.equal(y, whole)
-
-
 def test_wrapper_checks_err_and_rank_before_launch():
     g = GroupedGemm(tile_m=128, tile_n=256)
     x = torch.zeros(256, 512, dtype=torch.bfloat16)

@@ -19,11 +19,6 @@ Tensors (all CUDA, no host synchronization anywhere in the call path):
     band_ready   [B_cap] int32    persistent flags: band_ready[b] = epoch[0] when band b is final
     band_counter [B_cap] int32    persistent scratch, all zero between calls (we reset it)
     epoch        [1]     int32    read at kernel start
-    band_valid   [B_cap] int32    rows of band b carrying data, a prefix of its tile_m rows (the
-                                  plan's ``band_valid``; None: every row). With two consumer
-                                  warpgroups (``half_band_rows``), a band with at most tile_m / 2
-                                  valid rows is computed by the first alone: y rows
-                                  [r + tile_m / 2, r + tile_m) of it are stored as zeros
     err          [8]     int64    error word (the combine's; ``kernels/errors.py``)
 
 Device bounds (a validate=False plan, or a plan for other buffers): the kernel checks each band
@@ -70,16 +65,13 @@ __all__ = ["GroupedGemm", "band_faults", "grouped_gemm_reference", "prepare_weig
 # Plain torch reference (the truth the tests use)
 # --------------------------------------------------------------------------------------------
 def grouped_gemm_reference(x, w, y, band_expert, band_src_row, schedule, num_bands, tile_m,
-                           band_ready=None, epoch=None, acc_dtype=torch.float32,
-                           band_valid=None, half_band_rows=None):
+                           band_ready=None, epoch=None, acc_dtype=torch.float32):
     """Reference semantics, in place on ``y`` (host-synchronizing; for tests only).
 
     for p in range(num_bands): b = schedule[p]; r = band_src_row[b]
         y[r:r+tile_m] = x[r:r+tile_m] @ w[band_expert[b]]  (fp32 accumulation, cast to y.dtype)
     and, if band_ready/epoch are given, band_ready[b] = epoch[0]; the positions ``band_faults``
     names (bad entries of a validate=False plan) are skipped, as the kernel skips them.
-    With band_valid and half_band_rows h (``GroupedGemm.half_band_rows``): a band with
-    band_valid[b] <= h gets zeros in rows [r + h, r + tile_m).
     """
     faults = band_faults(band_expert, band_src_row, schedule, num_bands, tile_m, x.shape[0],
                          w.shape[0], y.shape[0])
@@ -90,14 +82,11 @@ def grouped_gemm_reference(x, w, y, band_expert, band_src_row, schedule, num_ban
     sched = schedule[:nb].tolist()
     be = band_expert.tolist()
     bs = band_src_row.tolist()
-    bv = None if band_valid is None or half_band_rows is None else band_valid.tolist()
     for p, b in enumerate(sched):
         if p in skip:
             continue
         r, e = bs[b], be[b]
         y[r:r + tile_m] = (x[r:r + tile_m].to(acc_dtype) @ w[e].to(acc_dtype)).to(y.dtype)
-        if bv is not None and bv[b] <= half_band_rows:
-            y[r + half_band_rows:r + tile_m] = 0
         if band_ready is not None:
             band_ready[b] = epoch.reshape(-1)[0]
     return y
@@ -237,15 +226,7 @@ class GroupedGemm:
         self.flag_warp = bool(signal) if flag_warp is None else bool(flag_warp)
         self.band_group = band_group
         self._counters = {}
-        self._whole = {}  # band_valid of calls that pass none: tile_m everywhere
         self._errors = {}
-
-    @property
-    def half_band_rows(self):
-        """tile_m / 2 where the kernel has two consumer warpgroups (tile_m 128, tile_n 256): a
-        band with at most that many valid rows is computed by the first alone (``band_valid``);
-        None with one warpgroup (every band computed whole)."""
-        return self.tile_m // 2 if (self.tile_m > 64 and self.tile_n > 128) else None
 
     def cluster_for(self, N):
         """Cluster size used for output width N."""
@@ -255,20 +236,17 @@ class GroupedGemm:
 
     # ---------------------------------------------------------------- validation
     def _check(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-               band_counter, ccta, need_cuda=True, err=None, rank=0, band_valid=None):
+               band_counter, ccta, need_cuda=True, err=None, rank=0):
         tensors = dict(x=x, w=w, y=y, band_expert=band_expert, band_src_row=band_src_row,
                        schedule=schedule, num_bands=num_bands, band_ready=band_ready, epoch=epoch)
         if band_counter is not None:
             tensors["band_counter"] = band_counter
-        if band_valid is not None:
-            tensors["band_valid"] = band_valid
         check_tensors(tensors, x, need_cuda)
         for name in ("x", "w", "y"):
             if tensors[name].dtype != torch.bfloat16:
                 raise TypeError(f"{name} must be bfloat16, got {tensors[name].dtype}")
         for name in ("band_expert", "band_src_row", "schedule", "num_bands", "band_ready",
-                     "epoch") + (("band_counter",) if band_counter is not None else ()) + (
-                         ("band_valid",) if band_valid is not None else ()):
+                     "epoch") + (("band_counter",) if band_counter is not None else ()):
             if tensors[name].dtype != torch.int32:
                 raise TypeError(f"{name} must be int32, got {tensors[name].dtype}")
         if x.dim() != 2 or y.dim() != 2 or w.dim() != 3:
@@ -290,8 +268,7 @@ class GroupedGemm:
         if E < 1 or rows < 1:
             raise ValueError("w needs at least one expert and x at least one row")
         b_cap = band_ready.numel()
-        for name in ("band_expert", "band_src_row", "schedule") + (
-                ("band_valid",) if band_valid is not None else ()):
+        for name in ("band_expert", "band_src_row", "schedule"):
             if tensors[name].dim() != 1 or tensors[name].numel() != b_cap:
                 raise ValueError(f"{name} must be 1-D of length {b_cap} (= len(band_ready))")
         if num_bands.numel() != 1 or epoch.numel() != 1:
@@ -349,17 +326,17 @@ class GroupedGemm:
         fv = lambda: make_fake_tensor(i32, (bcap,), (1,), assumed_align=4)  # noqa: E731
         f1 = lambda: make_fake_tensor(i32, (1,), (1,), assumed_align=4)  # noqa: E731
         # x, w (N, K, E view), y; band_expert, band_src_row, schedule, num_bands, band_ready,
-        # band_counter, epoch, band_valid; err, rank, grid, stream
+        # band_counter, epoch; err, rank, grid, stream
         return (make_fake_tensor(bf16, (rows, K), (K, 1), assumed_align=16),
                 make_fake_tensor(bf16, (N, K, E), (1, N, K * N), assumed_align=16),
                 make_fake_tensor(bf16, (rows, N), (N, 1), assumed_align=16),
-                fv(), fv(), fv(), f1(), fv(), fv(), f1(), fv(), cutlass.Int64(0),
+                fv(), fv(), fv(), f1(), fv(), fv(), f1(), cutlass.Int64(0),
                 cutlass.Int32(0), cutlass.Int32(1), make_fake_stream())
 
     # ---------------------------------------------------------------- launch
     @staticmethod
     def _cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready,
-                   band_counter, epoch, band_valid):
+                   band_counter, epoch):
         """torch -> cute tensors.  rows / E_local / B_cap are marked dynamic (no recompile for a
         new routing); N and K stay static."""
         from cutlass.cute.runtime import from_dlpack
@@ -372,7 +349,7 @@ class GroupedGemm:
         return (dyn(x, 0, 16), dyn(wt, 2, 16), dyn(y, 0, 16), dyn(band_expert, 0, 4),
                 dyn(band_src_row, 0, 4), dyn(schedule, 0, 4), from_dlpack(num_bands, assumed_align=4),
                 dyn(band_ready, 0, 4), dyn(band_counter[:band_ready.numel()], 0, 4),
-                from_dlpack(epoch, assumed_align=4), dyn(band_valid, 0, 4))
+                from_dlpack(epoch, assumed_align=4))
 
     def error_word(self, device):
         """The int64[8] error word this wrapper keeps for ``device`` (used by calls that pass no
@@ -385,16 +362,9 @@ class GroupedGemm:
         return word
 
     def __call__(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-                 ccta=0, band_counter=None, stream=None, err=None, rank=0, band_valid=None):
+                 ccta=0, band_counter=None, stream=None, err=None, rank=0):
         rows, K, E, N = self._check(x, w, y, band_expert, band_src_row, schedule, num_bands,
-                                    band_ready, epoch, band_counter, ccta, err=err, rank=rank,
-                                    band_valid=band_valid)
-        if band_valid is None:  # every band whole
-            key = (x.device, band_ready.numel())
-            band_valid = self._whole.get(key)
-            if band_valid is None:
-                band_valid = self._whole[key] = torch.full(
-                    (band_ready.numel(),), self.tile_m, dtype=torch.int32, device=x.device)
+                                    band_ready, epoch, band_counter, ccta, err=err, rank=rank)
         if err is None:
             err = self.error_word(x.device)
         grid = num_sms(x.device) - ccta
@@ -413,7 +383,7 @@ class GroupedGemm:
         torch_stream = stream if stream is not None else torch.cuda.current_stream(x.device)
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
         args = self._cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands,
-                               band_ready, band_counter, epoch, band_valid)
+                               band_ready, band_counter, epoch)
         key = ("dlpack",) + self._key(N, K)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:

@@ -12,13 +12,6 @@ What this subclass adds to the base's mainloop pieces:
   error word (first writer wins). Every warp walks the same tiles, so the pipeline stays matched;
   a skipped band's flag never comes, and the consumer's band wait stops at the error word;
 * clusters of ``cluster_n`` CTAs along N sharing the band's A tile by TMA multicast;
-* with two consumer warpgroups (128-row tiles of 256 columns), a band with at most 64 valid rows
-  (``band_valid[b]``, rows carrying data: a prefix of the band, the rest padding) is computed by
-  the first warpgroup alone: the second waits for and releases every stage as usual (the
-  pipeline and the cluster stay matched) but issues no WGMMA, so the tensor cores do half the
-  work; its accumulators stay zero and its 64 rows of y are stored as zeros (what the padding
-  rows' product is when they are zero, as the plan layout's are). The last band of an expert
-  holds tile_m / 2 or fewer rows about half the time;
 * the epilogue: acc -> bf16 -> stmatrix -> TMA store per epi_n-column sub-tile, and the band
   flag: a finished tile is counted on band_counter[b] once its TMA stores are complete
   (``cp.async.bulk.wait_group 0`` + ``fence.proxy.async.global``), the tile that completes the
@@ -54,8 +47,8 @@ class GroupedGemmKernel(GemmSm90):
     """GroupedGemmKernel(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
     epi_stages, cluster_n, flag_warp, band_group): options as ``GroupedGemm`` (already checked
     there); ``__call__(mA, mB, mC, mBandExpert, mBandSrcRow, mSchedule, mNumBands, mReady,
-    mCounter, mEpoch, mBandValid, err, rank, num_ctas, stream)`` traces and launches it (err: the
-    int64[8] error word's address, rank: the rank it names; mBandValid: valid rows per band)."""
+    mCounter, mEpoch, err, rank, num_ctas, stream)`` traces and launches it (err: the int64[8]
+    error word's address, rank: the rank it names)."""
 
     relay_warp_id = 2  # producer-warpgroup warp that posts the flags (flag_warp)
     relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
@@ -102,8 +95,8 @@ class GroupedGemmKernel(GemmSm90):
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
                  mBandExpert: cute.Tensor, mBandSrcRow: cute.Tensor, mSchedule: cute.Tensor,
                  mNumBands: cute.Tensor, mReady: cute.Tensor, mCounter: cute.Tensor,
-                 mEpoch: cute.Tensor, mBandValid: cute.Tensor, err: cutlass.Int64,
-                 rank: cutlass.Int32, num_ctas: cutlass.Int32, stream):
+                 mEpoch: cute.Tensor, err: cutlass.Int64, rank: cutlass.Int32,
+                 num_ctas: cutlass.Int32, stream):
         a_dtype, b_dtype, c_dtype = mA.element_type, mB.element_type, mC.element_type
         self.a_dtype, self.b_dtype, self.c_dtype = a_dtype, b_dtype, c_dtype
         self.a_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mA)
@@ -132,8 +125,7 @@ class GroupedGemmKernel(GemmSm90):
         self.kernel(tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_c, tma_c, self.tiled_mma,
                     self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, mBandExpert, mBandSrcRow, mSchedule,
-                    mNumBands, mReady, mCounter, mEpoch, mBandValid, err, rank,
-                    cute.size(mA, mode=[0]),
+                    mNumBands, mReady, mCounter, mEpoch, err, rank, cute.size(mA, mode=[0]),
                     cute.size(mC, mode=[0]), cute.size(mB, mode=[2]),
                     cute.size(mSchedule, mode=[0])).launch(
             grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
@@ -201,8 +193,7 @@ class GroupedGemmKernel(GemmSm90):
                epi_smem_layout_staged: cute.ComposedLayout, mBandExpert: cute.Tensor,
                mBandSrcRow: cute.Tensor, mSchedule: cute.Tensor, mNumBands: cute.Tensor,
                mReady: cute.Tensor, mCounter: cute.Tensor, mEpoch: cute.Tensor,
-               mBandValid: cute.Tensor, err: cutlass.Int64, rank: cutlass.Int32,
-               x_rows: cutlass.Int32,
+               err: cutlass.Int64, rank: cutlass.Int32, x_rows: cutlass.Int32,
                y_rows: cutlass.Int32, n_experts: cutlass.Int32, band_cap: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -347,12 +338,6 @@ class GroupedGemmKernel(GemmSm90):
                 mBandExpert, mBandSrcRow, n_experts, rows, err, rank, False)
             while t < total_tiles:
                 gC_tile = gC[(None, None, m_tile, n_tile)]
-                # the second warpgroup's rows [tile_m / 2, tile_m) hold no data: no WGMMA
-                do_mma = cutlass.Int32(1)
-                if cutlass.const_expr(self.num_mma_wg == 2):
-                    if warp_group_idx == 2:
-                        if mBandValid[b] <= cutlass.Int32(self.tile_m // 2):
-                            do_mma = cutlass.Int32(0)
 
                 read_state.reset_count()
                 release_state.reset_count()
@@ -361,15 +346,13 @@ class GroupedGemmKernel(GemmSm90):
                 cute.nvgpu.warpgroup.fence()
                 # prologue: one k tile of WGMMAs in flight
                 mainloop_pipeline.consumer_wait(read_state)
-                if do_mma != 0:
-                    self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
-                                    num_k_blocks)
+                self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
+                                num_k_blocks)
                 read_state.advance()
                 for k_tile in range(1, k_tile_cnt):
                     mainloop_pipeline.consumer_wait(read_state)
-                    if do_mma != 0:
-                        self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
-                                        num_k_blocks)
+                    self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
+                                    num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     mainloop_pipeline.consumer_release(release_state)
                     release_state.advance()

@@ -364,8 +364,7 @@ class OverlapCombine:
         else:
             self._gemm_for(ccta)(h, w_down, y_ext[:h.shape[0]], plan.band_expert,
                                  plan.band_src_row, plan.schedule, plan.num_bands, band_ready,
-                                 self.epoch, ccta=ccta, err=self.err, rank=self.rank,
-                                 band_valid=plan.band_valid)
+                                 self.epoch, ccta=ccta, err=self.err, rank=self.rank)
 
     # ---- checks ------------------------------------------------------------------------------
     def check_inputs(self, h, w_down, plan, topk_ids, topk_weights):
