@@ -102,6 +102,10 @@ CURRENT_OTHER = {
                                                 "(A at today's rate)",
     "dispatch_1xh200_08c29b4.json": "dispatch_to_plan's placement, gather vs scatter vs the "
                                     "compact permutation (one GPU, eager)",
+    "packed_gemm_h200_half_384457b.json": "producer with bands of <= 64 rows on one warpgroup "
+                                          "(no gain; reverted)",
+    "gemm_half_tests_384457b.log": "grouped GEMM + producer bounds GPU tests with the "
+                                   "half-band skip (90 passed; reverted)",
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"
