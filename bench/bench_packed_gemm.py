@@ -98,11 +98,11 @@ def run_point(model, W, mode, tokens, gemm, rounds, seed):
         rec[f"{layout}_padding"] = rows / max(n_valid, 1)
         rec[f"{layout}_bands"] = int(plan.num_bands.item())
         if layout == "packed":
-            # the same bands in expert order (band id = stacked row order), not remote-first:
-            # each expert's bands run together, so its weights are read about once
+            # the same bands in expert order (plan_combine(order="expert"): stacked row order),
+            # not remote-first: each expert's bands run together, its weights read about once
             nb = rec["packed_bands"]
-            by_expert = plan.schedule.clone()
-            by_expert[:nb] = torch.arange(nb, dtype=torch.int32, device=dev)
+            by_expert = plan_combine(counts.to(dev), 0, tile_m=gemm.tile_m, layout=layout,
+                                     order="expert").schedule
             ye = torch.full((rows, N), float("nan"), device=dev, dtype=torch.bfloat16)
             ready_e = torch.zeros_like(ready)
             ys["packed_expert_order"], idx["packed_expert_order"] = ye, idx[layout]

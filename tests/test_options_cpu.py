@@ -24,7 +24,8 @@ FFN_FIELDS = {f.name for f in dataclasses.fields(FFNOptions)}
 # ------------------------------------------------------------------------ one default each
 @pytest.mark.parametrize("layer,fields,all_fields", [
     (MoECombine, {"ccta", "mgb", "transport", "local_copy", "copy", "layout"}, COMBINE_FIELDS),
-    (OverlapCombine, COMBINE_FIELDS - {"layout"}, COMBINE_FIELDS),
+    # layout and order are the plan's (MoECombine.plan), not the overlap backend's keywords
+    (OverlapCombine, COMBINE_FIELDS - {"layout", "order"}, COMBINE_FIELDS),
     (FusedFFN, FFN_FIELDS, FFN_FIELDS), (ShardedExperts, FFN_FIELDS, FFN_FIELDS)])
 def test_layers_take_every_option_and_default_none(layer, fields, all_fields):
     """The layers' option keywords are options fields defaulting to None (= "not given"), so
@@ -92,6 +93,7 @@ def test_a_pair_tuned_for_one_path_is_not_read_for_another(tmp_path):
     cache.put(base.tune_key(FACTS), 20, 4)
     others = [base.replace(transport="nvshmem"), base.replace(scale="ordered"),
               base.replace(layout="packed"), base.replace(copy="ldst"),
+              base.replace(order="expert"),
               base.replace(producer="grouped_gemm")]
     keys = {base.tune_key(FACTS)} | {o.tune_key(FACTS) for o in others}
     assert len(keys) == 1 + len(others)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from moe_overlap.combine.plan import plan_combine, recv_rows
 
 
-def python_plan(counts, rank, tile_m, mgb, layout="aligned"):
+def python_plan(counts, rank, tile_m, mgb, layout="aligned", schedule_order="remote_first"):
     """The plan written with loops, straight from the specification (docs/CONTRACTS.md)."""
     W = len(counts)
     E = len(counts[0])
@@ -55,10 +55,13 @@ def python_plan(counts, rank, tile_m, mgb, layout="aligned"):
     remote_bands = [sum(1 for b in bands if b["expert"] == e and b["remote"]) for e in range(El)]
     exp_order = sorted(range(El), key=lambda e: (-remote_bands[e], e))
     schedule = []
-    for want_remote in (True, False):
-        for e in exp_order:
-            schedule += [i for i, b in enumerate(bands)
-                         if b["expert"] == e and b["remote"] == want_remote]
+    if schedule_order == "expert":  # stacked row order: expert by expert, remote rows first
+        schedule = list(range(len(bands)))
+    else:
+        for want_remote in (True, False):
+            for e in exp_order:
+                schedule += [i for i, b in enumerate(bands)
+                             if b["expert"] == e and b["remote"] == want_remote]
     R_bands = sum(b["remote"] for b in bands)
     # (position, cell) in schedule order, then row order inside a band
     cells = [(p, c) for p, i in enumerate(schedule) for c in bands[i]["cells"]]
@@ -86,9 +89,11 @@ def python_plan(counts, rank, tile_m, mgb, layout="aligned"):
                 num_remote=R_bands, segments=segments, local_cells=local)
 
 
-def check_against_python(counts_t, rank, tile_m, mgb, plan, layout="aligned"):
+def check_against_python(counts_t, rank, tile_m, mgb, plan, layout="aligned",
+                         order="remote_first"):
     counts = counts_t.tolist()
-    ref = python_plan(counts, rank, tile_m, mgb, layout)
+    ref = python_plan(counts, rank, tile_m, mgb, layout, order)
+    assert plan.order == order
     nb, nr, ns = plan.counts()
     assert int(plan.packed) == (ref["layout"] == "packed")
     assert nb == len(ref["bands"])
@@ -152,23 +157,31 @@ def check_invariants(counts_t, plan):
     assert int(t["band_valid"].sum()) == int(counts_t[:, rank * El:(rank + 1) * El].sum())
     owner = row_owners(counts_t, plan)
     assert (t["band_src_row"] == np.arange(nb) * tile_m).all()  # bands are stacked row tiles
-    # schedule is a permutation, bands holding any remote row first, experts in row order
+    # schedule is a permutation; remote_first: bands holding any remote row first, experts in
+    # row order; expert: stacked row order (each expert's bands together, remote rows first)
     sched = plan.schedule[:nb].numpy()
     assert sorted(sched.tolist()) == list(range(nb))
     band_owners = owner[: nb * tile_m].reshape(nb, tile_m) if nb else np.zeros((0, tile_m))
     has_remote = ((band_owners >= 0) & (band_owners != rank)).any(1)
-    assert has_remote[sched][:nr].all() and not has_remote[sched][nr:].any()
+    assert int(has_remote.sum()) == nr
+    if plan.order == "expert":
+        assert sched.tolist() == list(range(nb))
+        for e in range(El):  # inside an expert, no band with remote rows after one without
+            h = has_remote[t["band_expert"] == e]
+            assert not (np.diff(h.astype(np.int64)) > 0).any()
+    else:
+        assert has_remote[sched][:nr].all() and not has_remote[sched][nr:].any()
     for e in range(El):
         rows = t["band_row"][sched][t["band_expert"][sched] == e]
-        remote_rows = rows[: (t["band_expert"][sched][:nr] == e).sum()]
-        assert (np.diff(remote_rows) > 0).all()
+        assert (np.diff(rows) > 0).all()  # an expert's bands in row order, in either order
     # segments: every remote row of y shipped exactly once, local and padding rows never; one
     # destination each, contiguous in y and at the destination; bands named are those it covers
     seg = {k: getattr(plan, "segment_" + k)[:ns].numpy() for k in
            ("start", "bands", "dest", "src_row", "dest_row", "rows")}
     shipped = np.zeros(owner.size, dtype=np.int64)
     if ns:
-        assert seg["start"][0] == 0 and seg["rows"].min() > 0
+        # the first remote band ships first (remote_first: schedule position 0)
+        assert seg["start"][0] == int(np.argmax(has_remote[sched])) and seg["rows"].min() > 0
         assert (np.diff(seg["start"]) >= 0).all()
     for q in range(ns):
         r0, n = seg["src_row"][q], seg["rows"][q]
@@ -193,13 +206,14 @@ def check_invariants(counts_t, plan):
     assert (np.diff(pos[lc["band"]]) > 0).all()
 
 
-def all_plans_cover_receive_buffers(counts_t, tile_m, mgb, layout="aligned"):
+def all_plans_cover_receive_buffers(counts_t, tile_m, mgb, layout="aligned",
+                                    order="remote_first"):
     """Segments and local cells of all ranks' plans write every receive row exactly once."""
     W = counts_t.shape[0]
     recv = counts_t.sum(1).tolist()
     hits = [np.zeros(n, dtype=np.int64) for n in recv]
     for r in range(W):
-        p = plan_combine(counts_t, r, tile_m=tile_m, mgb=mgb, layout=layout)
+        p = plan_combine(counts_t, r, tile_m=tile_m, mgb=mgb, layout=layout, order=order)
         ns, nl = p.counts()[2], int(p.num_local_cells)
         for d, row, v in zip(p.segment_dest[:ns].tolist(), p.segment_dest_row[:ns].tolist(),
                              p.segment_rows[:ns].tolist()):
@@ -231,9 +245,11 @@ def counts_strategy(draw):
 def test_plan_matches_python_planner(args):
     counts, rank, tile_m, mgb = args
     for layout in ("aligned", "packed", "auto"):
-        plan = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, layout=layout)
-        check_against_python(counts, rank, tile_m, mgb, plan, layout)
-        check_invariants(counts, plan)
+        for order in ("remote_first", "expert"):
+            plan = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, layout=layout,
+                                order=order)
+            check_against_python(counts, rank, tile_m, mgb, plan, layout, order)
+            check_invariants(counts, plan)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -243,7 +259,8 @@ def test_destination_rows_disjoint_and_cover(args):
     if counts.shape[0] > 16:
         counts = counts[:16, : 16 * (counts.shape[1] // counts.shape[0])]
     for layout in ("aligned", "packed"):
-        all_plans_cover_receive_buffers(counts, tile_m, mgb, layout)
+        for order in ("remote_first", "expert"):
+            all_plans_cover_receive_buffers(counts, tile_m, mgb, layout, order)
 
 
 def test_capacity_sized_plan_matches_exact_plan():
@@ -293,9 +310,36 @@ def test_recv_rows_orders_by_expert_then_token_then_k():
     (dict(mgb=0), ValueError, "mgb"),
     (dict(expert_counts=-torch.ones(2, 4, dtype=torch.int64)), ValueError, "non-negative"),
     (dict(max_rows=3), ValueError, "capacity"),
+    (dict(order="fastest"), ValueError, "order"),
+    (dict(order="expert", impl="kernel"), ValueError, "remote_first"),
+    (dict(order="expert", impl="fastest"), ValueError, "impl"),
 ])
 def test_bad_input_is_rejected(bad, exc, msg):
     kw = dict(expert_counts=torch.ones(2, 4, dtype=torch.int64) * 5, rank=0)
     kw.update(bad)
     with pytest.raises(exc, match=msg):
         plan_combine(**kw)
+
+
+def test_expert_order_is_the_same_plan_in_another_order():
+    """order="expert" changes the schedule (and the positions that name it) only: the layout,
+    the bands and the rows every segment and local cell moves are those of remote_first."""
+    g = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 300, (4, 32), generator=g)
+    for layout in ("aligned", "packed"):
+        a = plan_combine(counts, 1, tile_m=128, mgb=2, layout=layout)
+        b = plan_combine(counts, 1, tile_m=128, mgb=2, layout=layout, order="expert")
+        assert a.band_table() == b.band_table() and a.counts()[:2] == b.counts()[:2]
+        nb = a.counts()[0]
+        assert b.schedule[:nb].tolist() == list(range(nb)) != a.schedule[:nb].tolist()
+
+        def moves(p):
+            ns, nl = p.counts()[2], int(p.num_local_cells)
+            seg = {(d, s, r, n) for d, s, r, n in zip(
+                p.segment_dest[:ns].tolist(), p.segment_src_row[:ns].tolist(),
+                p.segment_dest_row[:ns].tolist(), p.segment_rows[:ns].tolist())}
+            rows = sorted((s, n) for _, s, _, n in seg)
+            loc = sorted(zip(p.local_cell_src_row[:nl].tolist(),
+                             p.local_cell_rows[:nl].tolist()))
+            return sum(n for _, n in rows), loc
+        assert moves(a) == moves(b)

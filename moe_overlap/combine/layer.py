@@ -184,7 +184,8 @@ class MoECombine(torch.nn.Module):
                                  f"num_experts={self.num_experts}]")
             result["plan"] = plan_combine(expert_counts, self.rank, tile_m=self.tile_m,
                                           mgb=self.mgb, max_rows=self.max_rows,
-                                          validate=validate, layout=self.layout)
+                                          validate=validate, layout=self.layout,
+                                          order=self.options.order)
 
         if not validate:
             make()
@@ -393,7 +394,8 @@ class MoECombine(torch.nn.Module):
         else:
             def measure(c, m):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
-                                    max_rows=self.max_rows, validate=False, layout=self.layout)
+                                    max_rows=self.max_rows, validate=False, layout=self.layout,
+                                    order=self.options.order)
                 routes = impl.prepare(plan, topk_ids, expert_counts) if getattr(
                     impl, "ordered", False) else impl.prepare(plan, topk_ids)
                 ms = time_calls(lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights,

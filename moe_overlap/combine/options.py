@@ -31,6 +31,7 @@ LAYOUTS = ("auto", "aligned", "packed")  # moe_overlap.combine.plan.LAYOUTS
 PRODUCERS = ("auto", "torch", "grouped_gemm")
 ERROR_CHECKS = ("async", "off")  # error_check: see CombineOptions
 SCALES = ("plain", "ordered")  # scale: see CombineOptions
+ORDERS = ("remote_first", "expert")  # moe_overlap.combine.plan.ORDERS
 PRODUCER_ENV = "MOE_OVERLAP_PRODUCER"  # default of producer="auto" (tests select the stand-in)
 
 
@@ -110,6 +111,15 @@ class CombineOptions:
         on every SM (design A of bench/NOTES.md "Session 11"); bitwise equal to "plain". Needs
         transport="nvlink" and local_copy=False (local_copy="auto" resolves to False); its
         ``prepare`` builds the tile tables on the host (a host sync per routing).
+    order ("remote_first" | "expert"): the plan's schedule (``plan_combine(order=)``).
+        "remote_first": bands holding remote rows first, so the transfers start as early as
+        possible. "expert": expert by expert (remote rows first inside each), so the producer
+        reads each expert's weights about once: 1.04-1.10x torch._grouped_mm against
+        0.89-0.98x for remote_first on one H200 at W=2 on deepseek-v3 / qwen3-235b routings
+        (bench/NOTES.md, session 13), where much of each expert's rows are local; the remote
+        rows come later, so it suits shapes the GEMM bounds, not the transfer (not yet measured
+        in the overlapped call). Planned by the torch planner (the kernel planner builds
+        remote_first only); not with scale="ordered".
     gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
         ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
     """
@@ -129,6 +139,7 @@ class CombineOptions:
     gemm_options: dict | None = None
     error_check: str = "async"
     scale: str = "plain"
+    order: str = "remote_first"
 
     def __post_init__(self):
         self.validate()
@@ -161,6 +172,12 @@ class CombineOptions:
                                  "rows straight from the GEMM output; with the local copy they "
                                  "would come from this rank's own consumer), got "
                                  "local_copy=True")
+        if self.order not in ORDERS:
+            raise ValueError(f"order={self.order!r}; choose from {ORDERS}")
+        if self.order != "remote_first" and self.scale == "ordered":
+            raise ValueError(f"scale='ordered' needs order='remote_first' (its dependency "
+                             f"tables are built from remote-first sender plans), got "
+                             f"order={self.order!r}")
         cp = AUTO if self.copy is None else self.copy
         if cp not in COPIES + (AUTO,) or (cp == "tma" and self.transport != "nvlink"):
             raise ValueError(f"copy={cp!r} with transport={self.transport!r}: use 'ldst', or "
@@ -257,11 +274,12 @@ class CombineOptions:
 
     def tune_key(self, facts: CombineFacts) -> str:
         """The tune-cache key of (ccta, mgb): the shape bucket (``facts.tune_key``) and every
-        option that moves the best pair (transport, scale, layout, consumer variant, producer),
-        so that a pair tuned for one path is never read for another."""
+        option that moves the best pair (transport, scale, layout, order, consumer variant,
+        producer), so that a pair tuned for one path is never read for another."""
         local_copy, copy = self.consumer_variant()
         return (f"{facts.tune_key}|{self.transport}|scale={self.scale}|layout={self.layout}"
-                f"|copy={copy}|local_copy={int(local_copy)}|{self.resolved_producer(facts)}")
+                f"|order={self.order}|copy={copy}|local_copy={int(local_copy)}"
+                f"|{self.resolved_producer(facts)}")
 
     def consumer_variant(self) -> tuple[bool, str]:
         """(local_copy, copy) with "auto" resolved: the fastest variant validated for the
