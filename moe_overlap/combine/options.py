@@ -117,9 +117,10 @@ class CombineOptions:
         reads each expert's weights about once: 1.04-1.10x torch._grouped_mm against
         0.89-0.98x for remote_first on one H200 at W=2 on deepseek-v3 / qwen3-235b routings
         (bench/NOTES.md, session 13), where much of each expert's rows are local; the remote
-        rows come later, so it suits shapes the GEMM bounds, not the transfer (not yet measured
-        in the overlapped call). Planned by the torch planner (the kernel planner builds
-        remote_first only); not with scale="ordered".
+        rows come later, so it suits shapes the GEMM bounds, not the transfer. The planner and
+        the reference backend are tested with it on CPU; the overlapped call with it has not run
+        on a GPU yet. Planned by the torch planner (the kernel planner builds remote_first
+        only); not with scale="ordered".
     gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
         ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
     """
