@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_results import result_header, write_result  # noqa: E402
 from moe_overlap.combine import MoECombine, dispatch_to_plan, exchange_counts  # noqa: E402
 from moe_overlap.combine.baseline import SameScaleBaseline, SequentialBaseline  # noqa: E402
+from moe_overlap.combine.options import CombineOptions  # noqa: E402
 from moe_overlap.combine.reference import (all_gather_counts, grouped_matmul,  # noqa: E402
                                            source_to_expert_major)
 from moe_overlap.combine.shapes import check_world, parse_shapes, shape  # noqa: E402
@@ -73,6 +74,7 @@ class Options:
     out: str
     wrong: bool  # permute ours' output rows (shows that the agreement check catches it)
     seed: int
+    order: str = "remote_first"  # the plans' schedule (CombineOptions.order)
 
     @property
     def dtype(self):
@@ -97,6 +99,8 @@ def parse_options(argv=None) -> tuple[Options, int]:
     ap.add_argument("--wrong", action="store_true",
                     help="deliberately wrong ours (output rows rolled by one): must fail")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--order", default="remote_first", choices=("remote_first", "expert"),
+                    help="the combine plans' schedule (CombineOptions.order)")
     ap.add_argument("--spawn", type=int, default=0,
                     help="run on this many local processes (moe_overlap.launch.spawn) "
                          "instead of under torchrun")
@@ -124,7 +128,7 @@ def parse_options(argv=None) -> tuple[Options, int]:
     tag = a.tag or (f"{world}x" + ("cpu" if a.device == "cpu" else
                                    torch.cuda.get_device_name().split()[-1].lower()))
     return Options(a.device, a.backend, tuple(shapes), a.calls, a.tol, tag, a.out, a.wrong,
-                   a.seed), a.spawn
+                   a.seed, a.order), a.spawn
 
 
 # ------------------------------------------------------------------------------ the device
@@ -444,7 +448,8 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
     group = None
     data = make_inputs(s, rank, W, opts.dtype, dev.dev, opts.seed)
     combine = MoECombine(s["experts"], s["K"], s["N"], s["topk"], s["tokens"], group=group,
-                         backend=opts.backend, validate=False)
+                         backend=opts.backend, validate=False,
+                         options=CombineOptions(order=opts.order))
     ids, _ = router(data["x"], data["w_gate"], s["topk"])
     counts = count_exchange(ids, s["experts"], group, dev.cuda)
     plan0 = combine.plan(counts, validate=False)
@@ -484,6 +489,9 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
                 plan_exposed_ms=exposed if dev.cuda else None,
                 plan_hidden=(exposed <= 0.0) if dev.cuda else None,
                 plan_rows=plan_rows, recv_rows=rt.recv_rows,
+                plan_order=ours.last_plan.order,
+                plan_schedule_sorted=ours.last_plan.schedule[:int(ours.last_plan.num_bands)]
+                .tolist() == list(range(int(ours.last_plan.num_bands))),
                 rel_errs=errs, max_rel_err=max(errs), agree=max(errs) <= opts.tol)
 
 
@@ -541,7 +549,7 @@ def run_rank(rank: int, W: int, opts: Options) -> dict:
                   f"speedup {r['speedup']:.3f}x  plan+prepare {r['plan_prepare_ms']:.3f} ms "
                   f"hidden {r['plan_hidden']}  max rel err {r['max_rel_err']:.2e}", flush=True)
     doc = dict(result_header("moe_layer", cuda=dev.cuda), world_size=W, tol=opts.tol,
-               wrong=opts.wrong, calls=opts.calls,
+               wrong=opts.wrong, calls=opts.calls, order=opts.order,
                method=("one layer call per timed call (a CUDA graph replay with the overlap "
                        "backend, else eager: rows' timing), ours and base interleaved, median, "
                        "the slowest rank (the per-call lists: rank 0's); timeline: rank 0's eager "

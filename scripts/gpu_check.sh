@@ -16,7 +16,8 @@
 #        chained  chained FFN compute kernel tests, the baseline compute and the kernel against
 #                 it (one GPU)
 #        layer    one MoE layer end to end, ours vs the same-scale sequential layer
-#                 (bench_moe_layer; 2 GPUs for the overlap backend)
+#                 (bench_moe_layer; 2 GPUs for the overlap backend; "expert": also with the
+#                 plans expert by expert)
 #        scale    the token-ordered scale alone (tests + bench_ordered_scale; one GPU) and,
 #                 with 2 GPUs, scale="ordered" in the combine (tests/test_ordered_wire_gpu.py)
 # The combine area also runs the fault, recovery, producer-bounds and shared-buffer tests (one
@@ -77,6 +78,10 @@ combine)
         if [ "$quick" = models ]; then
             run sweep_models 590 python scripts/sweep.py --shapes models --ccta 8,16 --mgb 2 \
                 --autotune 0 --soak 1000 --out "$OUT/sweep_models.json"
+            # the plans expert by expert (each expert's weights read once; bench/NOTES.md,
+            # session 13): against remote_first on the same shapes
+            run sweep_models_expert 590 python scripts/sweep.py --shapes models --ccta 8,16 \
+                --mgb 2 --autotune 0 --order expert --out "$OUT/sweep_models_expert.json"
         elif [ "$quick" = quick ]; then
             run validate 400 python scripts/sweep.py --validate-only --shapes 4096x16x4x8192x1024 \
                 --out "$OUT/validate.json"
@@ -105,6 +110,9 @@ chained)
 layer)
     run layer_bench 590 torchrun --nproc-per-node "$ngpu" bench/bench_moe_layer.py \
         --shapes models --tokens 4096 --out "$OUT"
+    [ "$quick" = expert ] && run layer_bench_expert 590 torchrun --nproc-per-node "$ngpu" \
+        bench/bench_moe_layer.py --shapes models --tokens 4096 --order expert --tag expert \
+        --out "$OUT"
     ;;
 scale)
     run ordered_scale_tests 300 python -m pytest -q -p no:cacheprovider \

@@ -59,6 +59,7 @@ def test_json_fields(good):
         assert r["max_rel_err"] == max(r["rel_errs"]) <= 8e-3 and r["agree"]
         # every rank's received rows land in the plan layout: within the plan's padded rows
         assert 0 < r["recv_rows"] <= r["plan_rows"]
+        assert r["plan_order"] == "remote_first"
 
 
 def test_png_or_message(good):
@@ -78,3 +79,15 @@ def test_wrong_layer_is_caught(tmp_path):
         doc = json.load(f)
     assert doc["wrong"] is True and doc["agree"] is False
     assert all(not r["agree"] and min(r["rel_errs"]) > 8e-3 for r in doc["rows"])
+
+
+def test_expert_order_runs_and_agrees(tmp_path):
+    """--order expert: the plans' schedule expert by expert; the layers still agree on every
+    call and the JSON says which order ran."""
+    res = run_bench(tmp_path, "--order", "expert", shapes="128x4x2x32x16")
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(tmp_path / "moe_layer_t.json") as f:
+        doc = json.load(f)
+    assert doc["order"] == "expert" and doc["agree"] is True
+    # the timed calls' plans were expert-ordered (the schedule is the band order)
+    assert all(r["plan_order"] == "expert" and r["plan_schedule_sorted"] for r in doc["rows"])

@@ -77,6 +77,7 @@ def worker(rank, W, args):
     from moe_overlap.combine.metrics import point_fields
     from moe_overlap.combine.race_check import soak, validate_calls
     from moe_overlap.combine.dispatch import exchange_counts
+    from moe_overlap.combine.options import CombineOptions
     from moe_overlap.combine.overlap import OverlapCombine
     from moe_overlap.combine.plan import plan_combine
     from moe_overlap.routing import route
@@ -105,7 +106,8 @@ def worker(rank, W, args):
             counts = exchange_counts(ids, E)
             g = torch.Generator(device=dev).manual_seed(seed * 31 + rank)
             w_down = (torch.randn(El, K, N, device=dev, generator=g) / K ** 0.5).to(torch.bfloat16)
-            plans = {m: plan_combine(counts, rank, tile_m=args.tile_m, mgb=m, max_rows=W * T * k)
+            plans = {m: plan_combine(counts, rank, tile_m=args.tile_m, mgb=m, max_rows=W * T * k,
+                                     order=args.order)
                      for m in args.mgb}
             p0 = plans[args.mgb[0]]
             rows = int(p0.total_rows.item())
@@ -248,7 +250,8 @@ def worker(rank, W, args):
                 # reuse the cached choice, as a user's later calls would)
                 comb = MoECombine(E, K, N, k, T, tile_m=args.tile_m, backend="overlap",
                                   transport=args.transport, validate=False,
-                                  local_copy=bool(args.local_copy), copy=args.copy)
+                                  local_copy=bool(args.local_copy), copy=args.copy,
+                                  options=CombineOptions(order=args.order))
                 first = (comb.ccta, comb.mgb)
                 choice = comb.autotune(h, w_down, counts, ids, gates)
                 plan = comb.plan(counts)
@@ -321,6 +324,9 @@ def main(argv=None):
     ap.add_argument("--copy", default="auto", choices=["auto", "ldst", "tma"],
                     help="consumer copy: thread ld/st, TMA bulk copies, or the default for the "
                          "transport (CombineOptions copy='auto')")
+    ap.add_argument("--order", default="remote_first", choices=["remote_first", "expert"],
+                    help="the plans' schedule (plan_combine(order=)): remote bands first, or "
+                    "expert by expert (each expert's weights read about once)")
     ap.add_argument("--world-size", type=int, default=0, help="ranks, one GPU each (0: every visible GPU)")
     ap.add_argument("--reps", type=int, default=4, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=15,
@@ -402,7 +408,7 @@ def main(argv=None):
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 git_commit=commit, tile_m=args.tile_m,
                 transport=args.transport, local_copy=args.local_copy, copy=args.copy,
-                reps=args.reps, replays=args.replays, gemm_options=args.gemm_options,
+                order=args.order, reps=args.reps, replays=args.replays, gemm_options=args.gemm_options,
                 race_calls=args.race_calls, soak=args.soak, seconds=time.time() - t0)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, summary=summary, points=points, autotune=tuned, soak=soaks),
