@@ -53,10 +53,13 @@ def loop_deps(ids, counts, o, plans):
     return out
 
 
+@pytest.mark.parametrize("order", ["remote_first", "expert"])
 @pytest.mark.parametrize("W,T,E,k,tile_m,mgb,layout,mode", CASES)
-def test_row_dependencies_match_loops_and_cover_segments(W, T, E, k, tile_m, mgb, layout, mode):
+def test_row_dependencies_match_loops_and_cover_segments(W, T, E, k, tile_m, mgb, layout, mode,
+                                                         order):
     ids, counts = world(W, T, E, k, mode)
-    plans = osc.sender_plans(counts, tile_m, mgb, layout)
+    plans = osc.sender_plans(counts, tile_m, mgb, layout, order=order)
+    assert all(p.order == order for p in plans)
     El = E // W
     for o in range(W):
         d = osc.row_dependencies(ids[o], counts, o, plans)

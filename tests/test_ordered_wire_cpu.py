@@ -105,21 +105,23 @@ def _seg_cap(W, T, E, k, tile_m):
     return band_capacity_for(W * T * k, El, W, tile_m) + El * W
 
 
+@pytest.mark.parametrize("order", ["remote_first", "expert"])
 @pytest.mark.parametrize("W,T,E,k,tile_m,mgb,layout,mode", [
     (2, 300, 16, 4, 64, 2, "auto", "balanced"),
     (4, 200, 16, 2, 64, 1, "packed", "stress_skew"),
     (2, 257, 8, 2, 128, 2, "aligned", "moderate_skew"),
 ])
-def test_rebuilt_sender_plans_ship_the_layers_segments(W, T, E, k, tile_m, mgb, layout, mode):
+def test_rebuilt_sender_plans_ship_the_layers_segments(W, T, E, k, tile_m, mgb, layout, mode,
+                                                        order):
     """prepare rebuilds every sender's plan without max_rows; the senders plan at the layer's
     max rows (MoECombine.plan). Their segments (the indices of seg_arrivals) must agree, and
     the layer's capacity is what OverlapCombine allocates and checks."""
     _, counts = _world(W, T, E, k, mode, seed=3)
-    rebuilt = osc.sender_plans(counts, tile_m=tile_m, mgb=mgb, layout=layout)
+    rebuilt = osc.sender_plans(counts, tile_m=tile_m, mgb=mgb, layout=layout, order=order)
     Sc = _seg_cap(W, T, E, k, tile_m)
     for s in range(W):
         p = plan_combine(counts, s, tile_m=tile_m, mgb=mgb, max_rows=W * T * k, layout=layout,
-                         impl="torch")
+                         impl="torch", order=order)
         assert p.segment_capacity == Sc
         q = rebuilt[s]
         ns = int(p.num_segments)
@@ -206,6 +208,24 @@ def test_begin_call_and_prepare_refuse_missing_ordered_inputs(monkeypatch):
     assert o["seg_inc"].shape == (W, Sc) and o["tables"]["order"].numel() == T
     with pytest.raises(ValueError, match="capacity"):  # a sender's segments beyond Sc
         osc.ordered_routes(ids[0], counts, 0, tile_m, 1, "auto", 1)
+
+
+def test_prepare_rebuilds_the_senders_plans_in_the_plans_order(monkeypatch):
+    """An expert-ordered plan: _prepare_ordered rebuilds the senders' plans expert-ordered too,
+    so its per-segment expectation is indexed by those plans' segments (with remote_first
+    plans, another segment numbering: the rows' waits would name the wrong segments)."""
+    W, T, E, k, tile_m, mgb = 2, 300, 8, 2, 64, 1
+    Sc = _seg_cap(W, T, E, k, tile_m)
+    me = _fake_layer(monkeypatch, W, 0, Sc)
+    me.world_size, me.num_experts, me.rank, me.device = W, E, 0, torch.device("cpu")
+    ids, counts = _world(W, T, E, k, "stress_skew", seed=2)  # experts' remote bands differ
+    plan = plan_combine(counts, 0, tile_m=tile_m, mgb=mgb, max_rows=W * T * k, impl="torch",
+                        order="expert")
+    o = OverlapCombine._prepare_ordered(me, plan, ids[0], counts)
+    want = osc.ordered_routes(ids[0], counts, 0, tile_m, mgb, plan.layout, Sc, order="expert")
+    other = osc.ordered_routes(ids[0], counts, 0, tile_m, mgb, plan.layout, Sc)
+    assert torch.equal(o["seg_inc"], want.seg_inc)
+    assert not torch.equal(want.seg_inc, other.seg_inc)  # the orders number segments apart
 
 
 @pytest.mark.parametrize("W,rank,mode", [(2, 0, "balanced"), (4, 3, "stress_skew")])

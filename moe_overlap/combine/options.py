@@ -120,7 +120,7 @@ class CombineOptions:
         rows come later, so it suits shapes the GEMM bounds, not the transfer. The planner and
         the reference backend are tested with it on CPU; the overlapped call with it has not run
         on a GPU yet. Planned by the torch planner (the kernel planner builds remote_first
-        only); not with scale="ordered".
+        only).
     gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
         ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
     """
@@ -175,10 +175,6 @@ class CombineOptions:
                                  "local_copy=True")
         if self.order not in ORDERS:
             raise ValueError(f"order={self.order!r}; choose from {ORDERS}")
-        if self.order != "remote_first" and self.scale == "ordered":
-            raise ValueError(f"scale='ordered' needs order='remote_first' (its dependency "
-                             f"tables are built from remote-first sender plans), got "
-                             f"order={self.order!r}")
         cp = AUTO if self.copy is None else self.copy
         if cp not in COPIES + (AUTO,) or (cp == "tma" and self.transport != "nvlink"):
             raise ValueError(f"copy={cp!r} with transport={self.transport!r}: use 'ldst', or "

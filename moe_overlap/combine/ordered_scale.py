@@ -42,10 +42,12 @@ LOCAL, REMOTE = 0, 1
 
 
 def sender_plans(expert_counts: torch.Tensor, tile_m: int = 128, mgb: int = 1,
-                 layout: str = "auto") -> list:
-    """Every rank's plan, as each rank builds it (exact rows, torch reference)."""
+                 layout: str = "auto", order: str = "remote_first") -> list:
+    """Every rank's plan, as each rank builds it (exact rows, torch reference; the same tile_m,
+    mgb, layout and order as the senders')."""
     W = expert_counts.shape[0]
-    return [plan_combine(expert_counts, s, tile_m=tile_m, mgb=mgb, layout=layout, impl="torch")
+    return [plan_combine(expert_counts, s, tile_m=tile_m, mgb=mgb, layout=layout, impl="torch",
+                         order=order)
             for s in range(W)]
 
 
@@ -376,15 +378,16 @@ def completion_keys(deps: RowDeps, plans: list, rank: int) -> torch.Tensor:
 
 
 def ordered_routes(topk_ids: torch.Tensor, expert_counts: torch.Tensor, rank: int, tile_m: int,
-                   mgb: int, layout: str, seg_cap: int, tile_tokens: int = DEFAULT_TILE_TOKENS) -> OrderedRoutes:
+                   mgb: int, layout: str, seg_cap: int, tile_tokens: int = DEFAULT_TILE_TOKENS,
+                   order: str = "remote_first") -> OrderedRoutes:
     """The owner's ordered-scale inputs for one routing, on the host (CPU tensors): every
     sender's plan rebuilt from the all-gathered ``expert_counts`` [W, E] (as each rank builds
-    it: same tile_m, mgb, layout), each row's signal, tiles in completion order and the
+    it: same tile_m, mgb, layout, order), each row's signal, tiles in completion order and the
     per-segment increment of the expectation, with Sc = ``seg_cap`` (ValueError if a sender's
     plan has more segments)."""
     counts = expert_counts.detach().to("cpu", torch.int64)
     ids = topk_ids.detach().to("cpu", torch.int64)
-    plans = sender_plans(counts, tile_m=tile_m, mgb=mgb, layout=layout)
+    plans = sender_plans(counts, tile_m=tile_m, mgb=mgb, layout=layout, order=order)
     deps = row_dependencies(ids, counts, rank, plans)
     tiles = token_tiles(deps, completion_keys(deps, plans, rank), tile_tokens=tile_tokens)
     return OrderedRoutes(tiles=tiles, tables=tile_tables(tiles),

@@ -502,7 +502,7 @@ class OverlapCombine:
                              f"every rank; this plan has {plan.segment_capacity}")
         from .ordered_scale import ordered_routes
         o = ordered_routes(topk_ids, expert_counts, self.rank, plan.tile_m, plan.mgb,
-                           plan.layout, self.seg_cap)
+                           plan.layout, self.seg_cap, order=plan.order)
         return {"tables": {n: t.to(self.device) for n, t in o.tables.items()},
                 "seg_inc": o.seg_inc.to(self.device)}
 
