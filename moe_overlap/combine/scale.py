@@ -84,16 +84,9 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
                 epoch = P.ld_s32(epoch_ptr)
                 t0 = P.globaltimer()
                 exp = P.ld_s64(expected + Int64(src) * Int64(8))
-                # source src's error word as mapped here (err_peers[src]); without a table
-                # (0) or a load/store mapping of that rank (entry 0) this rank's own word: the
-                # wait then ends on a local error only, and a peer's at the timeout
-                peer_err = err
-                if err_peers != Int64(0):
-                    pe = P.ld_s64(err_peers + Int64(src) * Int64(8))
-                    if pe != Int64(0):
-                        peer_err = pe
                 st, v, el, code = P.wait_ge_sys_s64_or_peer_error(
-                    counters + Int64(src) * Int64(8), exp, peer_err, t0, timeout_ns)
+                    counters + Int64(src) * Int64(8), exp,
+                    P.peer_error_word(err_peers, src, err), t0, timeout_ns)
                 if st == Int32(1):
                     P.record_error(err, Int32(P.ERR_SCALE_TIMEOUT), rank, src, epoch, v, exp,
                                    el)

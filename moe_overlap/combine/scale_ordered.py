@@ -92,17 +92,6 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
             P.fence_acq_rel_sys()
 
     @cute.jit
-    def peer_error_word(err_peers: Int64, src: Int32, err: Int64):
-        """Source src's error word as mapped here; without a table (0) or a mapping of that rank
-        (entry 0) this rank's own word (the wait then ends on a local error only)."""
-        peer_err = err
-        if err_peers != Int64(0):
-            pe = P.ld_s64(err_peers + Int64(src) * Int64(8))
-            if pe != Int64(0):
-                peer_err = pe
-        return peer_err
-
-    @cute.jit
     def wait_dep(kind: Int32, src: Int32, idx: Int32, band_ready: Int64, flag_cap: Int32,
                  wait_bands: Int32, seg_arr: Int64, seg_exp: Int64, seg_cap: Int32,
                  world: Int32, epoch: Int32, t0: Int64, timeout_ns: Int64, err: Int64,
@@ -134,7 +123,7 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
                 off = (Int64(src) * Int64(seg_cap) + Int64(idx)) * Int64(8)
                 exp = P.ld_s64(seg_exp + off)
                 st, v, el, code = P.wait_ge_sys_s64_or_peer_error(
-                    seg_arr + off, exp, peer_error_word(err_peers, src, err), t0, timeout_ns)
+                    seg_arr + off, exp, P.peer_error_word(err_peers, src, err), t0, timeout_ns)
                 if st == Int32(1):
                     bad = Int32(1)
                     record_error_wide(err, Int32(ERR_TILE_SEGMENT_TIMEOUT), rank, tile,
@@ -167,7 +156,7 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
         if check_tags != Int32(0) and tidx == Int32(0) and bidx < world and failed == Int32(0):
             exp = P.ld_s64(expected + Int64(bidx) * Int64(8))
             st, v, el, code = P.wait_ge_sys_s64_or_peer_error(
-                counters + Int64(bidx) * Int64(8), exp, peer_error_word(err_peers, bidx, err),
+                counters + Int64(bidx) * Int64(8), exp, P.peer_error_word(err_peers, bidx, err),
                 t0, timeout_ns)
             if st == Int32(1):
                 P.record_error(err, Int32(ERR_SCALE_TIMEOUT), rank, bidx, epoch, v, exp, el)

@@ -564,6 +564,20 @@ PEER_POLL_NS = 20_000
 
 
 @cute.jit
+def peer_error_word(err_peers: Int64, src: Int32, err: Int64):
+    """The address of source ``src``'s error word as mapped here (``err_peers[src]``, an int64
+    table; ``CommBuffer.err_peers``); without a table (0) or a load/store mapping of that rank
+    (entry 0), this rank's own word ``err``: a wait then ends on a local error only, and a
+    peer's at the timeout."""
+    peer_err = err
+    if err_peers != Int64(0):
+        pe = ld_s64(err_peers + Int64(src) * Int64(8))
+        if pe != Int64(0):
+            peer_err = pe
+    return peer_err
+
+
+@cute.jit
 def wait_ge_sys_s64_or_peer_error(addr: Int64, expected: Int64, peer_err: Int64, t0: Int64,
                                   timeout_ns: Int64):
     """``wait_ge_sys_s64`` that also gives up once the code word (word 0) at ``peer_err`` is
