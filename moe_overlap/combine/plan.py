@@ -232,13 +232,13 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         raise ValueError(f"layout={layout!r}; choose from {LAYOUTS}")
     if order not in ORDERS:
         raise ValueError(f"order={order!r}; choose from {ORDERS}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}; choose from {IMPLS}")
     if order != "remote_first" and impl == "kernel":
         raise ValueError(f"impl='kernel' plans order='remote_first' only, got order={order!r}; "
                          "use impl='torch' (or 'auto')")
     requested, by_expert = impl, order == "expert"
-    impl = "torch" if by_expert else _resolve_impl(impl, expert_counts)
+    impl = _resolve_impl(impl, expert_counts)
+    if by_expert:  # the kernel planner builds remote_first only
+        impl = "torch"
     El = E // W
     dev = expert_counts.device
     # int64 counts: no copy; the kernel reads the counts as given and needs these only to validate
