@@ -106,8 +106,8 @@ def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
     if rows is None:
         rows = int(plan.total_rows.item())
     # placed as a gather (every plan row reads its received row or the zero row): a scatter of
-    # the rows into a zeroed buffer measured 3-4x the time of one permutation on an H200
-    # (bench/NOTES.md, session 12)
+    # the rows into a zeroed buffer is a zero fill plus an indexed write, several times one
+    # permutation's time on the GPU (bench/NOTES.md, the row placement)
     src = torch.full((int(rows),), n_recv, dtype=torch.long, device=x.device)
     src.index_copy_(0, dest, torch.arange(n_recv, device=x.device))
     return recv.index_select(0, src)

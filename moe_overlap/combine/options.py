@@ -114,10 +114,10 @@ class CombineOptions:
     order ("remote_first" | "expert"): the plan's schedule (``plan_combine(order=)``).
         "remote_first": bands holding remote rows first, so the transfers start as early as
         possible. "expert": expert by expert (remote rows first inside each), so the producer
-        reads each expert's weights about once: 1.04-1.10x torch._grouped_mm against
-        0.89-0.98x for remote_first on one H200 at W=2 on deepseek-v3 / qwen3-235b routings
-        (bench/NOTES.md, session 13), where much of each expert's rows are local; the remote
-        rows come later, so it suits shapes the GEMM bounds, not the transfer. The planner and
+        reads each expert's weights about once where remote_first reads them twice (much of
+        each expert's rows local, e.g. W=2; the timings: bench/NOTES.md, the producer in expert
+        order); the remote rows come later, so it suits shapes the GEMM bounds, not the
+        transfer. The planner and
         the reference backend are tested with it on CPU; the overlapped call with it has not run
         on a GPU yet. Planned by the torch planner (the kernel planner builds remote_first
         only).

@@ -220,9 +220,8 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         holding none (the transfers start as early as possible). "expert": the bands in stacked
         row order, i.e. expert by expert, each expert's remote rows first and its local-only band
         right after them: the producer reads each expert's weights about once, where
-        remote-first reads them twice when much of an expert's rows are local (measured on one
-        H200 at W=2: 1.04-1.10x torch._grouped_mm against 0.89-0.98x, bench/NOTES.md session 13),
-        at the price of later remote rows. The kernel planner builds "remote_first" only
+        remote-first reads them twice when much of an expert's rows are local (the timings:
+        bench/NOTES.md, the producer in expert order), at the price of later remote rows. The kernel planner builds "remote_first" only
         (impl="auto" plans "expert" with torch).
     """
     W, E, rank, tile_m, mgb = _check_counts(expert_counts, rank, tile_m, mgb)
