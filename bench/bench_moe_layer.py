@@ -481,6 +481,8 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
     base_ms = max_over_ranks(statistics.median(t_b), dev)
     side_end = max(tl_o[p]["end_ms"] for p in SIDE)
     exposed = max(0.0, side_end - tl_o["dispatch_a2a"]["end_ms"])
+    nb = int(ours.last_plan.num_bands)
+    schedule_sorted = ours.last_plan.schedule[:nb].tolist() == list(range(nb))
     return dict(shape=s, name=s.get("name", ""), backend=backend,
                 timing="cuda graph replays" if graph else "eager",
                 ours_ms=ours_ms, base_ms=base_ms, speedup=base_ms / ours_ms,
@@ -489,9 +491,7 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
                 plan_exposed_ms=exposed if dev.cuda else None,
                 plan_hidden=(exposed <= 0.0) if dev.cuda else None,
                 plan_rows=plan_rows, recv_rows=rt.recv_rows,
-                plan_order=ours.last_plan.order,
-                plan_schedule_sorted=ours.last_plan.schedule[:int(ours.last_plan.num_bands)]
-                .tolist() == list(range(int(ours.last_plan.num_bands))),
+                plan_order=ours.last_plan.order, plan_schedule_sorted=schedule_sorted,
                 rel_errs=errs, max_rel_err=max(errs), agree=max(errs) <= opts.tol)
 
 
