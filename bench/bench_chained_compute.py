@@ -62,7 +62,9 @@ def write(a, groups, rows_out, final=False):
     doc = dict(result_header("ffn_chained_compute"), world=a.world,
                complete=final, groups=groups,
                method=f"CUDA graphs of {a.reps} calls per path, replays interleaved over "
-                      f"{a.rounds} rounds (time_interleaved), median / {a.reps}; activation_mem "
+                      f"{a.rounds} rounds (time_interleaved"
+                      + (f", order shuffled per round, seed {a.shuffle}" if a.shuffle is not None
+                         else ", fixed order") + f"), median / {a.reps}; activation_mem "
                       f"= peak allocation of one eager call above the memory before it (output "
                       f"included); err = max abs error / max |truth| vs float64 on every "
                       f"(T // {a.check_rows})-th row",
@@ -100,6 +102,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="calls per CUDA graph")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--check-rows", type=int, default=1024)
+    ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                    help="call the paths in a random order each round (this seed): no path "
+                         "always last in a round of several multi-ms calls")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="h200")
     a = ap.parse_args()
@@ -147,7 +152,7 @@ def main():
                 r["activation_mem_baseline"] = peak_call_bytes(base)
                 graphs = {k: graph_of(fn, a.reps) for k, fn in fns.items()}
                 t = time_interleaved({k: gr.replay for k, gr in graphs.items()}, warmup=2,
-                                     rounds=a.rounds)
+                                     rounds=a.rounds, shuffle_seed=a.shuffle)
                 for comp in comps.values():
                     comp.check()
                 del graphs

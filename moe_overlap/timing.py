@@ -72,7 +72,7 @@ _CYCLES_PER_MS = None
 
 
 def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambda: None,
-                     lead_ms: float = 0.0) -> dict:
+                     lead_ms: float = 0.0, shuffle_seed: int | None = None) -> dict:
     """Times every fn once per round, rounds interleaved (clock and power drift hit all alike);
     `barrier()` before each timed call lines ranks up. Returns, per name,
     dict(median_ms, p10_ms, p90_ms, mean_ms, std_ms, rounds, times, host_ms) with `times` in
@@ -87,7 +87,13 @@ def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambd
     (700 W) stays near its boost clock instead of its power-limited steady state (bf16 GEMMs at
     ~770 instead of ~640 TFLOP/s, bench/NOTES.md); report which regime a number comes from.
     `host_ms` is each call's enqueue time; without a barrier the host runs far ahead and it
-    includes waiting for launch-queue space."""
+    includes waiting for launch-queue space.
+
+    shuffle_seed: each round calls the fns in a fresh random order (seeded, the same on every
+    rank) instead of dict order. Calls of several ms heat the part over a round, so a fixed
+    order makes the later ones slower (up to 16 % between identical configurations at the end
+    and the start of a round of six, bench/NOTES.md); shuffling spreads that over all of them."""
+    import random
     import time
     for _ in range(warmup):
         for fn in fns.values():
@@ -96,8 +102,13 @@ def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambd
     sleep = int(lead_ms * sleep_cycles_per_ms()) if lead_ms > 0 else 0
     ev = {k: [] for k in fns}
     host = {k: [] for k in fns}
+    rng = random.Random(shuffle_seed) if shuffle_seed is not None else None
+    names = list(fns)
     for _ in range(rounds):
-        for k, fn in fns.items():
+        if rng is not None:
+            rng.shuffle(names)
+        for k in names:
+            fn = fns[k]
             barrier()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if sleep:
