@@ -36,11 +36,12 @@ import torch
 GEMM1, GEMM2 = 0, 1
 TILE_K = 64  # the kernel's k tile (bf16: one 128-byte swizzle row)
 
-# error codes of the kernel's two dependency waits (its error word: int64[8], the layout of
-# kernels.primitives.record_error); here, beside the order they follow from, so that the host
-# wrapper (no cutlass) and the kernel module share them
+# error codes of the kernel's two dependency waits and of the grouped call's expert check (its
+# error word: int64[8], the layout of kernels.primitives.record_error); here, beside the order
+# they follow from, so that the host wrapper (no cutlass) and the kernel module share them
 ERR_SLOT_TIMEOUT = 21  # a GEMM1 tile waited too long for g2_done[blk - ring] (its ring slot)
 ERR_BLOCK_TIMEOUT = 22  # a GEMM2 tile waited too long for g1_done[blk] (its H row block)
+ERR_EXPERT_RANGE = 23  # grouped call: a row block's expert index is outside [0, E)
 
 
 @dataclass(frozen=True)

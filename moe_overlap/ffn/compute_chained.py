@@ -84,11 +84,11 @@ import torch
 from ..kernels.host_checks import chained_gemm_dims, check_tensors
 from ..runtime.device import num_sms
 from .activations import ACT2, activation
-from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_SLOT_TIMEOUT, TILE_K, ChainedSchedule,
-                               derive)
+from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_SLOT_TIMEOUT, TILE_K,
+                               ChainedSchedule, derive)
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
-           "ACT1_CHAINED", "L2_BYTES_SM90", "auto_group", "schedule_for"]
+           "chained_ffn_grouped_reference", "ACT1_CHAINED", "L2_BYTES_SM90", "auto_group", "schedule_for"]
 
 ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -100,6 +100,25 @@ def chained_ffn_reference(x, w1, b1, w2, act1="gelu"):
     if b1 is not None:
         h = h + b1.float()
     return activation(h, act1).to(torch.bfloat16).float() @ w2.float()
+
+
+def chained_ffn_grouped_reference(x, w1, b1, w2, block_expert, act1="gelu", tile_m=128):
+    """The grouped call's math (``ChainedFFNCompute.grouped``): row block b (rows
+    [b * tile_m, (b + 1) * tile_m) of x) through expert ``block_expert[b]``'s weights (w1 [E, P,
+    hidden], b1 [E, hidden] or None, w2 [E, hidden, N]), ``chained_ffn_reference`` per block;
+    returns fp32 [M, N]. Expert ids are read on the host (any device; a reference, not the call
+    path)."""
+    M = x.shape[0]
+    blocks = -(-M // tile_m)
+    experts = [int(e) for e in torch.as_tensor(block_expert)[:blocks].tolist()]
+    if len(experts) < blocks:
+        raise ValueError(f"block_expert has {len(experts)} entries, the {M} rows need {blocks}")
+    out = torch.empty(M, w2.shape[-1], dtype=torch.float32, device=x.device)
+    for b, e in enumerate(experts):
+        r0, r1 = b * tile_m, min((b + 1) * tile_m, M)
+        out[r0:r1] = chained_ffn_reference(x[r0:r1], w1[e], None if b1 is None else b1[e], w2[e],
+                                           act1)
+    return out
 
 
 def describe_chained_error(err) -> str | None:
@@ -117,6 +136,10 @@ def describe_chained_error(err) -> str | None:
         return (f"chained FFN: GEMM2 tile at list position {pos} (block {blk}) timed out after "
                 f"{el / 1e6:.1f} ms waiting for its H row block: g1_done[{blk}] = {obs}, "
                 f"expected {exp} (GEMM1 tiles of the block not done)")
+    if code == ERR_EXPERT_RANGE:
+        return (f"chained FFN (grouped): row block {blk} (tile at list position {pos}) names "
+                f"expert {obs}, outside [0, {exp}) (block_expert out of range; the block ran "
+                f"with expert 0's weights, its output is wrong)")
     return f"chained FFN: unknown device error code {code}: {list(int(v) for v in err)}"
 
 
@@ -292,8 +315,18 @@ class ChainedFFNCompute:
         P % 64 == 0, hidden % tile_h == 0, N % tile_n == 0, any M >= 1. Never synchronizes;
         all checks raise before any launch. Device errors (a timed-out wait) are sticky until
         ``check()``, which synchronizes and raises RuntimeError with the error text.
-    Compile cache key: (tiles, stages, epilogue buffers, act1, b1 given, P, hidden, N); M, the
-    tile table, the ring size, the flag capacity and the grid are runtime values.
+    grouped(x, w1, b1, w2, out=None, band_ready=None, epoch=None, block_expert=None, ccta=0,
+            act1="gelu", stream=None, h_ring=None, check_experts=False) -> out
+        The same kernel over E experts (``ShardedExperts``; the argument order of
+        ``FusedFFNCompute.grouped``): w1 [E, P, hidden], b1 [E, hidden] or None, w2 [E, hidden,
+        N]; x holds the experts' rows with every expert's group padded to a multiple of tile_m,
+        so that a row block belongs to one expert; block_expert int32 [>= ceil(M / tile_m)] on
+        x's device: the expert of each row block. Its values are device data: checked by the
+        kernel (out of range: the error word, raised by ``check()``), or on the host before
+        the launch with ``check_experts=True`` (synchronizes). The tile order, ring, counters
+        and band flags are the dense call's.
+    Compile cache key: (tiles, stages, epilogue buffers, act1, b1 given, grouped, P, hidden, N);
+    M, E, the tile table, the ring size, the flag capacity and the grid are runtime values.
     """
 
     _compiled = {}
@@ -441,22 +474,71 @@ class ChainedFFNCompute:
             raise ValueError(f"ccta must be a non-negative int, got {ccta!r}")
         return M, P, hidden, N
 
-    # ---------------------------------------------------------------- compilation
-    def _key(self, P, hidden, N, act1, has_b1):
-        return (self.tile_m, self.tile_n, self.stages, self.epi_n, self.epi_stages, act1,
-                bool(has_b1), self._test_skip_slot_wait, int(P), int(hidden), int(N))
+    def check_grouped_args(self, x, w1, b1, w2, out, band_ready, epoch, block_expert, act1,
+                           ccta, h_ring=None, need_cuda=True):
+        """The grouped call's argument checks (TypeError / ValueError): ``check_args`` on expert
+        0's slices, then the expert dimension and block_expert; returns (M, P, hidden, N, E)."""
+        for name, t in (("w1", w1), ("w2", w2)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError(f"{name} must be a 3-D tensor [E, ...], got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}")
+        E = w1.shape[0]
+        if E < 1 or w2.shape[0] != E:
+            raise ValueError(f"w1 has {E} experts, w2 {w2.shape[0]}")
+        if b1 is not None and (not isinstance(b1, torch.Tensor) or b1.dim() != 2
+                               or b1.shape[0] != E):
+            raise ValueError(f"b1 must be [E={E}, hidden], got "
+                             f"{tuple(b1.shape) if isinstance(b1, torch.Tensor) else b1!r}")
+        for name, t in (("w1", w1), ("w2", w2), ("b1", b1)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        M, P, hidden, N = self.check_args(x, w1[0], None if b1 is None else b1[0], w2[0], out,
+                                          band_ready, epoch, act1, ccta, h_ring, need_cuda)
+        blocks = -(-M // self.tile_m)
+        if not isinstance(block_expert, torch.Tensor):
+            raise TypeError(f"block_expert must be an int32 tensor, got "
+                            f"{type(block_expert).__name__}")
+        if block_expert.dtype != torch.int32:
+            raise TypeError(f"block_expert must be int32, got {block_expert.dtype}")
+        if block_expert.dim() != 1 or block_expert.numel() < blocks:
+            raise ValueError(f"block_expert must be 1-D with >= ceil(M / tile_m) = {blocks} "
+                             f"entries, got {tuple(block_expert.shape)}")
+        if block_expert.device != x.device:
+            raise ValueError(f"block_expert is on {block_expert.device}, x on {x.device}")
+        if not block_expert.is_contiguous():
+            raise ValueError("block_expert must be contiguous")
+        return M, P, hidden, N, E
 
-    def _kernel(self, P, hidden, act1, has_b1):
+    @staticmethod
+    def check_block_experts(block_expert, E, blocks):
+        """ValueError unless block_expert[:blocks] is in [0, E); reads the values on the host
+        (synchronizes with a CUDA tensor)."""
+        be = block_expert[:blocks]
+        lo, hi = (int(v) for v in torch.stack([be.min(), be.max()]).tolist())
+        if lo < 0 or hi >= E:
+            bad = be[(be < 0) | (be >= E)]
+            first = int((((be < 0) | (be >= E)).nonzero())[0])
+            raise ValueError(f"block_expert must be in [0, {E}): row block {first} names "
+                             f"expert {int(bad[0])} ({bad.numel()} of {blocks} blocks out of "
+                             f"range)")
+
+    # ---------------------------------------------------------------- compilation
+    def _key(self, P, hidden, N, act1, has_b1, grouped=False):
+        return (self.tile_m, self.tile_n, self.stages, self.epi_n, self.epi_stages, act1,
+                bool(has_b1), self._test_skip_slot_wait, bool(grouped), int(P), int(hidden),
+                int(N))
+
+    def _kernel(self, P, hidden, act1, has_b1, grouped=False):
         return _get_kernel_class()(self.tile_m, self.tile_n, TILE_K, act1, bool(has_b1),
                                    self.stages, self.epi_n, self.epi_stages, P // TILE_K,
-                                   hidden // TILE_K, self._test_skip_slot_wait)
+                                   hidden // TILE_K, self._test_skip_slot_wait, bool(grouped))
 
-    def compile(self, P, hidden, N, act1="gelu", has_b1=True, keep_ptx=False):
+    def compile(self, P, hidden, N, act1="gelu", has_b1=True, keep_ptx=False, grouped=False):
         """Compiles from symbolic tensors (M, the table, the ring and the flags are runtime
-        sizes); needs no GPU with CUTE_DSL_ARCH=sm_90a. keep_ptx: keep ``fn.__ptx__`` and
-        ``fn.__cubin__``."""
+        sizes; grouped: E too); needs no GPU with CUTE_DSL_ARCH=sm_90a. keep_ptx: keep
+        ``fn.__ptx__`` and ``fn.__cubin__``. grouped: the kernel of ``grouped()``."""
         self.check_shapes(P, hidden, N, act1, self.tile_m, self.tile_h, self.tile_n)
-        key = ("fake", bool(keep_ptx)) + self._key(P, hidden, N, act1, has_b1)
+        key = ("fake", bool(keep_ptx)) + self._key(P, hidden, N, act1, has_b1, grouped)
         fn = ChainedFFNCompute._compiled.get(key)
         if fn is not None:
             return fn
@@ -466,10 +548,19 @@ class ChainedFFNCompute:
         from cutlass.runtime import make_fake_stream
         M, R, T, S, B = (cute.sym_int() for _ in range(5))
         bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+        if grouped:  # (hidden, P, E), (E, hidden), (N, hidden, E): MN-major views of [E, ...]
+            E = cute.sym_int()
+            weights = (make_fake_tensor(bf16, (hidden, P, E), (1, hidden, P * hidden),
+                                        assumed_align=16),
+                       make_fake_tensor(f32, (E, hidden), (hidden, 1), assumed_align=16),
+                       make_fake_tensor(bf16, (N, hidden, E), (1, N, hidden * N),
+                                        assumed_align=16))
+        else:
+            weights = (make_fake_tensor(bf16, (hidden, P), (1, hidden), assumed_align=16),
+                       make_fake_tensor(f32, (hidden,), (1,), assumed_align=16),
+                       make_fake_tensor(bf16, (N, hidden), (1, N), assumed_align=16))
         args = (make_fake_tensor(bf16, (M, P), (P, 1), assumed_align=16),
-                make_fake_tensor(bf16, (hidden, P), (1, hidden), assumed_align=16),
-                make_fake_tensor(f32, (hidden,), (1,), assumed_align=16),
-                make_fake_tensor(bf16, (N, hidden), (1, N), assumed_align=16),
+                *weights,
                 make_fake_tensor(bf16, (R, hidden), (hidden, 1), assumed_align=16),
                 make_fake_tensor(bf16, (M, N), (N, 1), assumed_align=16),
                 make_fake_tensor(i32, (T,), (1,), assumed_align=4),
@@ -479,11 +570,12 @@ class ChainedFFNCompute:
                 make_fake_tensor(cutlass.Int64, (8,), (1,), assumed_align=8),
                 cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(1),
                 cutlass.Int32(1), make_fake_stream())
+        kernel = self._kernel(P, hidden, act1, has_b1, grouped)
         if keep_ptx:
             from ..kernels.compile import compile_keep
-            fn = compile_keep(self._kernel(P, hidden, act1, has_b1), *args)
+            fn = compile_keep(kernel, *args)
         else:
-            fn = cute.compile(self._kernel(P, hidden, act1, has_b1), *args)
+            fn = cute.compile(kernel, *args)
         ChainedFFNCompute._compiled[key] = fn
         return fn
 
@@ -504,57 +596,79 @@ class ChainedFFNCompute:
             self._bufs[dev] = b
         return b
 
-    def _table(self, s: ChainedSchedule, dev):
-        key = (dev, s)
+    def _table(self, s: ChainedSchedule, dev, grouped=False):
+        """The flat tile table (int32 [3 * tiles]); grouped: with ``s.blocks`` more entries
+        after it for the blocks' experts, written by each call before its launch (stream
+        order, like the sync words)."""
+        key = (dev, s, bool(grouped))
         t = self._tables.get(key)
         if t is None:
             t = s.tile_table(dev).reshape(-1).contiguous()
+            if grouped:
+                t = torch.cat([t, torch.zeros(s.blocks, dtype=torch.int32, device=dev)])
             self._tables[key] = t
         return t
 
+    def _zero_b1(self, dev, hidden):
+        """The zero fp32 b1 [hidden] a call without b1 passes (the kernel never reads it)."""
+        zk = ("b1zero", hidden)
+        b1f = self._bufs.get(zk)
+        if b1f is None or b1f.device != dev:
+            b1f = torch.zeros(hidden, dtype=torch.float32, device=dev)
+            self._bufs[zk] = b1f
+        return b1f
+
     def _cute_args(self, x, w1, b1f, w2, h_ring, out, table, sync, band_ready, epoch, err,
-                   blocks, ring, grid):
+                   blocks, ring, grid, grouped=False, num_tiles=None):
         """torch -> cute arguments of the launch: M, the table, the sync words, the ring rows and
-        the flag capacity are dynamic; P, hidden, N static (weights as MN-major views)."""
+        the flag capacity are dynamic; P, hidden, N static (weights as MN-major views).
+        grouped: w1 [E, P, hidden] / w2 [E, hidden, N] as (hidden, P, E) / (N, hidden, E) and
+        b1f [E, hidden], E dynamic; num_tiles: the tile rows of the table (its tail is the
+        blocks' experts)."""
         import cutlass
         from cutlass.cute.runtime import from_dlpack
 
-        def dyn(t, align):
+        def dyn(t, align, mode=0):
             return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(
-                mode=0, stride_order=t.dim_order())
+                mode=mode, stride_order=t.dim_order())
 
-        args = (dyn(x, 16), from_dlpack(w1.t(), assumed_align=16),
-                from_dlpack(b1f, assumed_align=16), from_dlpack(w2.t(), assumed_align=16),
+        if grouped:
+            weights = (dyn(w1.permute(2, 1, 0), 16, 2), dyn(b1f, 16),
+                       dyn(w2.permute(2, 1, 0), 16, 2))
+        else:
+            weights = (from_dlpack(w1.t(), assumed_align=16), from_dlpack(b1f, assumed_align=16),
+                       from_dlpack(w2.t(), assumed_align=16))
+        args = (dyn(x, 16), *weights,
                 dyn(h_ring, 16), dyn(out, 16), dyn(table, 4), dyn(sync, 4), dyn(band_ready, 4),
                 from_dlpack(epoch.reshape(1), assumed_align=4), from_dlpack(err, assumed_align=8))
-        ints = (cutlass.Int32(table.numel() // 3), cutlass.Int32(blocks), cutlass.Int32(ring),
+        nt = table.numel() // 3 if num_tiles is None else num_tiles
+        ints = (cutlass.Int32(nt), cutlass.Int32(blocks), cutlass.Int32(ring),
                 cutlass.Int64(int(self.timeout_ms * 1e6)), cutlass.Int32(grid))
         return args, ints
 
-    def _compiled_for(self, args, ints, stream, P, hidden, N, act1, has_b1):
+    def _compiled_for(self, args, ints, stream, P, hidden, N, act1, has_b1, grouped=False):
         import cutlass.cute as cute
-        key = ("dlpack",) + self._key(P, hidden, N, act1, has_b1)
+        key = ("dlpack",) + self._key(P, hidden, N, act1, has_b1, grouped)
         fn = ChainedFFNCompute._compiled.get(key)
         if fn is None:
-            fn = cute.compile(self._kernel(P, hidden, act1, has_b1), *args, *ints, stream)
+            fn = cute.compile(self._kernel(P, hidden, act1, has_b1, grouped), *args, *ints,
+                              stream)
             ChainedFFNCompute._compiled[key] = fn
         return fn
 
-    def prepare(self, M, P, hidden, N, device, ccta=0, has_b1=True) -> int:
+    def prepare(self, M, P, hidden, N, device, ccta=0, has_b1=True, grouped=False) -> int:
         """Makes everything a call for this shape would allocate on the host side (the tile
         table, the scratch words, the zero b1) so that the call itself allocates nothing but
         what it is not given (out, h_ring); returns the ring rows the call needs
-        (``ring_rows``). The fused layer calls it before the launches of an overlapped call."""
+        (``ring_rows``). The fused layer calls it before the launches of an overlapped call.
+        grouped: for ``grouped()`` (its table with the experts' tail)."""
         dev = torch.device(device)
         grid = self.grid(M, hidden, N, dev, ccta)
         s = self.schedule(M, P, hidden, N, grid)
         self._buffers(dev, s.blocks)
-        self._table(s, dev)
+        self._table(s, dev, grouped)
         if not has_b1:
-            zk = ("b1zero", hidden)
-            b1f = self._bufs.get(zk)
-            if b1f is None or b1f.device != dev:
-                self._bufs[zk] = torch.zeros(hidden, dtype=torch.float32, device=dev)
+            self._zero_b1(dev, hidden)
         return min(s.ring, s.blocks) * self.tile_m
 
     def error_word(self, device=None):
@@ -587,6 +701,28 @@ class ChainedFFNCompute:
                  ccta=0, stream=None, h_ring=None):
         M, P, hidden, N = self.check_args(x, w1, b1, w2, out, band_ready, epoch, act1, ccta,
                                           h_ring)
+        return self._launch(x, w1, b1, w2, out, band_ready, epoch, act1, ccta, stream, h_ring,
+                            M, P, hidden, N, None)
+
+    def grouped(self, x, w1, b1, w2, out=None, band_ready=None, epoch=None, block_expert=None,
+                ccta=0, act1="gelu", stream=None, h_ring=None, check_experts=False):
+        """One launch over E experts (class docstring): row block b of x runs through expert
+        ``block_expert[b]``'s w1 [E, P, hidden], b1 [E, hidden] (or None), w2 [E, hidden, N].
+        Returns out [M, N] bf16."""
+        if block_expert is None:
+            raise TypeError("grouped() needs block_expert (int32, the expert of each row "
+                            "block)")
+        M, P, hidden, N, E = self.check_grouped_args(x, w1, b1, w2, out, band_ready, epoch,
+                                                     block_expert, act1, ccta, h_ring)
+        if check_experts:
+            self.check_block_experts(block_expert, E, -(-M // self.tile_m))
+        return self._launch(x, w1, b1, w2, out, band_ready, epoch, act1, ccta, stream, h_ring,
+                            M, P, hidden, N, block_expert)
+
+    def _launch(self, x, w1, b1, w2, out, band_ready, epoch, act1, ccta, stream, h_ring,
+                M, P, hidden, N, block_expert):
+        """The launch of a checked call (block_expert None: dense; else grouped)."""
+        grouped = block_expert is not None
         dev = x.device
         grid = self.grid(M, hidden, N, dev, ccta)
         s = self.schedule(M, P, hidden, N, grid)
@@ -597,7 +733,8 @@ class ChainedFFNCompute:
                              f"{tuple(h_ring.shape)}")
         torch_stream = stream if stream is not None else torch.cuda.current_stream(dev)
         bufs = self._buffers(dev, blocks)
-        table = self._table(s, dev)
+        table = self._table(s, dev, grouped)
+        num_tiles = (table.numel() - blocks) // 3 if grouped else None
         with torch.cuda.stream(torch_stream):
             if out is None:
                 out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
@@ -610,18 +747,20 @@ class ChainedFFNCompute:
                     b1f = b1f.clone()
             sync = bufs["sync"][:1 + 2 * blocks]
             sync.zero_()  # one memset in stream order: graph-capturable
+            if grouped:  # the blocks' experts after the tile rows, in stream order too
+                table[3 * num_tiles:].copy_(block_expert[:blocks])
         if band_ready is None:
             band_ready, epoch = bufs["ready"], bufs["epoch"]
         if b1f is None:
-            zk = ("b1zero", hidden)
-            b1f = self._bufs.get(zk)
-            if b1f is None or b1f.device != dev:
-                b1f = torch.zeros(hidden, dtype=torch.float32, device=dev)
-                self._bufs[zk] = b1f
+            b1f = self._zero_b1(dev, hidden)
+            if grouped:
+                b1f = b1f.view(1, hidden)  # never read (has_b1 False); the rank the kernel takes
         args, ints = self._cute_args(x, w1, b1f, w2, h_ring, out, table, sync, band_ready,
-                                     epoch, bufs["err"], blocks, s.ring, grid)
+                                     epoch, bufs["err"], blocks, s.ring, grid, grouped,
+                                     num_tiles)
         import cuda.bindings.driver as cuda_drv
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
-        fn = self._compiled_for(args, ints, cu_stream, P, hidden, N, act1, b1 is not None)
+        fn = self._compiled_for(args, ints, cu_stream, P, hidden, N, act1, b1 is not None,
+                                grouped)
         fn(*args, *ints, cu_stream)
         return out

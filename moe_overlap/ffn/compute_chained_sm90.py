@@ -12,6 +12,13 @@ stages), the separate store warp (warp 1) with its FULL / EMPTY named-barrier ha
 ``store_epi_subtile`` has a consumer warp issue the store, which would put the bounded slot wait
 and the counter releases into a WGMMA warpgroup), and the bounded cross-CTA counter waits.
 
+``grouped=True`` (compile-time) is the same kernel over E experts (``ChainedFFNCompute.grouped``):
+the weights are 3-D TMA tensors with the expert as their last coordinate, b1 is [E, hidden], and
+the tile table carries each row block's expert after its tile rows (``mTable[3 * num_tiles +
+blk]``, written by the host before the launch), so the parameter list is the dense kernel's and
+its PTX is unchanged. The TMA warp checks the expert against [0, E) (out of range: the error
+word, ``ERR_EXPERT_RANGE``, and expert 0's weights so that every access stays in bounds).
+
 Imports cutlass (the host wrapper imports this module when it compiles).
 """
 from __future__ import annotations
@@ -30,7 +37,7 @@ from ..kernels.primitives import (fence_mbar_init, globaltimer, ld_acquire_gpu_s
                                   mbar_wait_parity_intra_cta, record_error,
                                   red_release_gpu_add_s32, st_shared_s32)
 from .band_allreduce import device_lib
-from .chained_schedule import ERR_BLOCK_TIMEOUT, ERR_SLOT_TIMEOUT
+from .chained_schedule import ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_SLOT_TIMEOUT
 
 __all__ = ["ChainedFFNKernel"]
 
@@ -71,15 +78,17 @@ def wait_count(addr: Int64, target: Int32, err: Int64, code: Int32, pos: Int32, 
 
 class ChainedFFNKernel(GemmSm90):
     """ChainedFFNKernel(tile_m, tile_n, tile_k, act1, has_b1, stages, epi_n, epi_stages, k1, k2,
-    skip_slot_wait): options as ``ChainedFFNCompute``, with ``stages`` already resolved by its
-    shared-memory plan; k1 = P / tile_k and k2 = hidden / tile_k are GEMM1's and GEMM2's k
-    tiles. ``__call__(mX, mW1, mB1, mW2, mH, mOut, mTable, mSync, mReady, mEpoch, mErr,
-    num_tiles, blocks, ring, timeout_ns, num_ctas, stream)`` traces and launches it."""
+    skip_slot_wait, grouped): options as ``ChainedFFNCompute``, with ``stages`` already resolved
+    by its shared-memory plan; k1 = P / tile_k and k2 = hidden / tile_k are GEMM1's and GEMM2's
+    k tiles; grouped: weights (hidden, P, E) / (N, hidden, E), b1 (E, hidden), the blocks'
+    experts after the tile table (module docstring). ``__call__(mX, mW1, mB1, mW2, mH, mOut,
+    mTable, mSync, mReady, mEpoch, mErr, num_tiles, blocks, ring, timeout_ns, num_ctas,
+    stream)`` traces and launches it."""
 
     store_warp_id = 1  # the epilogue's store warp (in the producer warpgroup, beside the TMA warp)
 
     def __init__(self, tile_m, tile_n, tile_k, act1, has_b1, stages, epi_n, epi_stages, k1, k2,
-                 skip_slot_wait=False):
+                 skip_slot_wait=False, grouped=False):
         super().__init__(num_mma_wg=tile_m // 64)  # one consumer warpgroup per 64 rows
         self.k1, self.k2 = k1, k2
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
@@ -89,6 +98,7 @@ class ChainedFFNKernel(GemmSm90):
         # private test switch: GEMM1 tiles overwrite their slot without waiting (wrong results
         # with a small ring: tests/test_chained_ffn_gpu.py shows the wait matters)
         self.skip_slot_wait = skip_slot_wait
+        self.grouped = bool(grouped)
         # store-warp handshake per epilogue sub-tile (consumer threads + the store warp):
         # FULL: consumers bar.arrive after writing the buffer, the store warp bar.sync;
         # EMPTY: the store warp bar.arrive once the buffer is free, consumers bar.sync before
@@ -215,7 +225,7 @@ class ChainedFFNKernel(GemmSm90):
         # ------------------------------------------------------------ consumer warpgroups
         if warp_group_idx > 0:
             self.consumer_warpgroup()
-            self.mma_role(tiled_mma, sA, sB, sC, pipe, mailbox, mB1, tidx)
+            self.mma_role(tiled_mma, sA, sB, sC, pipe, mailbox, mB1, tidx, mTable, num_tiles)
 
     # ---------------------------------------------------------------- tile scheduler
     @cute.jit
@@ -259,6 +269,27 @@ class ChainedFFNKernel(GemmSm90):
             mbar_arrive(mailbox + Int32(16) + s * Int32(8))
         return kind, blk, col, pos
 
+    # ---------------------------------------------------------------- grouped: the block's expert
+    @cute.jit
+    def block_expert(self, mTable: cute.Tensor, num_tiles: Int32, blk: Int32,
+                     num_experts: Int32, err: Int64, pos: Int32, report: cutlass.Constexpr):
+        """Expert of row block blk (the table's tail); outside [0, num_experts): expert 0, so
+        that every access stays in bounds, and with ``report`` lane 0 records the error word
+        (the launch goes on and ends; ``check()`` raises)."""
+        e = mTable[num_tiles * Int32(3) + blk]
+        bad = Int32(0)
+        if e < Int32(0):
+            bad = Int32(1)
+        if e >= num_experts:
+            bad = Int32(1)
+        if bad != Int32(0):
+            if cutlass.const_expr(report):
+                if cute.arch.lane_idx() == 0:
+                    record_error(err, Int32(ERR_EXPERT_RANGE), Int32(0), pos, blk, Int64(e),
+                                 Int64(num_experts), Int64(0))
+            e = Int32(0)
+        return e
+
     # ---------------------------------------------------------------- TMA warp
     @cute.jit
     def load_role(self, tma_atom_x, mX, tma_atom_ha, mHA, tma_atom_w1, mW1, tma_atom_w2,
@@ -268,8 +299,12 @@ class ChainedFFNKernel(GemmSm90):
         one = cute.make_layout(1)
         gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))
         gHA = cute.local_tile(mHA, (self.tile_m, self.tile_k), (None, None))
-        gW1 = cute.local_tile(mW1, (self.tile_n, self.tile_k), (None, None))
-        gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_k), (None, None))
+        if cutlass.const_expr(self.grouped):  # (bN, bK, RN, RK, E): the expert is the last mode
+            gW1 = cute.local_tile(mW1, (self.tile_n, self.tile_k), (None, None, None))
+            gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_k), (None, None, None))
+        else:
+            gW1 = cute.local_tile(mW1, (self.tile_n, self.tile_k), (None, None))
+            gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_k), (None, None))
         gsA, gsB = cute.group_modes(sA, 0, 2), cute.group_modes(sB, 0, 2)
         tXs, tXg = cute.nvgpu.cpasync.tma_partition(tma_atom_x, 0, one, gsA,
                                                     cute.group_modes(gX, 0, 2))
@@ -288,6 +323,9 @@ class ChainedFFNKernel(GemmSm90):
         while kind >= 0:
             k_cnt = Int32(k1)
             slot = blk % ring
+            if cutlass.const_expr(self.grouped):
+                e = self.block_expert(mTable, num_tiles, blk, cute.size(gW1, mode=[4]), err, pos,
+                                      True)
             if kind == 1:
                 k_cnt = Int32(k2)
                 # H of the block complete (all its GEMM1 tiles), then make the acquired
@@ -301,13 +339,21 @@ class ChainedFFNKernel(GemmSm90):
                 if kind == 0:
                     cute.copy(tma_atom_x, tXg[(None, blk, k)], tXs[(None, st.index)],
                               tma_bar_ptr=bar)
-                    cute.copy(tma_atom_w1, tW1g[(None, col, k)], tW1s[(None, st.index)],
-                              tma_bar_ptr=bar)
+                    if cutlass.const_expr(self.grouped):
+                        cute.copy(tma_atom_w1, tW1g[(None, col, k, e)], tW1s[(None, st.index)],
+                                  tma_bar_ptr=bar)
+                    else:
+                        cute.copy(tma_atom_w1, tW1g[(None, col, k)], tW1s[(None, st.index)],
+                                  tma_bar_ptr=bar)
                 else:
                     cute.copy(tma_atom_ha, tHg[(None, slot, k)], tHs[(None, st.index)],
                               tma_bar_ptr=bar)
-                    cute.copy(tma_atom_w2, tW2g[(None, col, k)], tW2s[(None, st.index)],
-                              tma_bar_ptr=bar)
+                    if cutlass.const_expr(self.grouped):
+                        cute.copy(tma_atom_w2, tW2g[(None, col, k, e)], tW2s[(None, st.index)],
+                                  tma_bar_ptr=bar)
+                    else:
+                        cute.copy(tma_atom_w2, tW2g[(None, col, k)], tW2s[(None, st.index)],
+                                  tma_bar_ptr=bar)
                 pipe.producer_commit(st)
                 st.advance()
             n = n + Int32(1)
@@ -350,7 +396,7 @@ class ChainedFFNKernel(GemmSm90):
 
     @cute.jit
     def mma_role(self, tiled_mma, sA, sB, sC, pipe, mailbox: Int32, mB1: cute.Tensor,
-                 tidx: Int32):
+                 tidx: Int32, mTable: cute.Tensor, num_tiles: Int32):
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         ctid = tidx - self.threads_per_wg
         mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
@@ -389,8 +435,15 @@ class ChainedFFNKernel(GemmSm90):
             k_cnt = Int32(self.k1)
             if kind == 0:
                 if cutlass.const_expr(self.has_b1):
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        acc[i] = mB1[col * self.tile_n + tCc_thr[i][1]]
+                    if cutlass.const_expr(self.grouped):
+                        # the TMA warp reports a bad expert; here it only stays in bounds
+                        e = self.block_expert(mTable, num_tiles, blk, cute.size(mB1, mode=[0]),
+                                              Int64(0), pos, False)
+                        for i in cutlass.range_constexpr(cute.size(acc)):
+                            acc[i] = mB1[(e, col * self.tile_n + tCc_thr[i][1])]
+                    else:
+                        for i in cutlass.range_constexpr(cute.size(acc)):
+                            acc[i] = mB1[col * self.tile_n + tCc_thr[i][1]]
                 else:
                     acc.fill(0.0)
             else:
