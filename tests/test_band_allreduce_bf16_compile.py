@@ -109,3 +109,26 @@ def test_fp32_mode_unchanged_by_the_option():
     a = B.compile_band_allreduce(2, "unicast", "none", unroll=2, keep=True)
     b = B.compile_band_allreduce(2, "unicast", "none", unroll=2, keep=True, partial="fp32")
     assert ptx_body(kept_ptx(a)) == ptx_body(kept_ptx(b))
+
+
+@pytest.mark.parametrize("world,backend", [(2, "unicast"), (1, "unicast"), (4, "switch")])
+def test_b2_per_band_variant(world, backend):
+    """b2 one row per ready flag (the grouped experts layer): a different kernel with the same
+    memory operations as the shared-b2 one (only b2's address moves per band), no spills."""
+    shared, _, _, _ = _compiled(world, backend)
+    per_band, cubin, threads, _ = _compiled(world, backend, b2_per_band=True)
+    assert per_band != shared
+    for op in ("ld.relaxed.sys.global.v4.u32", "st.relaxed.sys.global.v4.u32",
+               "red.release.sys.global.add.u32", "ld.acquire.gpu.global.s32",
+               "ld.acquire.sys.global.s32", "ld.global.cg.v4.u32",
+               "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2"):
+        assert per_band.count(op) == shared.count(op), op
+    s = sass(cubin)
+    assert "LDL" not in s and "STL" not in s, "local memory (register spills)"
+    (regs, smem), = cubin_resources(cubin).values()
+    assert ctas_per_sm(regs, threads, smem) >= 1, (regs, threads)
+
+
+def test_b2_per_band_needs_bf16():
+    with pytest.raises(ValueError, match="b2_per_band needs partial='bf16'"):
+        B.build_band_allreduce(2, b2_per_band=True)

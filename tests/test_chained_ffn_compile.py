@@ -7,7 +7,9 @@ both cross-CTA waits as ld.acquire.gpu spins followed by fence.proxy.async.globa
 async-proxy accesses they guard; the counter increments as release (gpu scope) RMWs, each after
 ``cp.async.bulk.wait_group 0`` (writes performed, not only read from shared memory) and a proxy
 fence; the band flag as st.release.gpu; the tile counter as a gpu-scope atomic. The SASS must have
-no local-memory spills.
+no local-memory spills. The grouped kernel (``grouped=True``, ChainedFFNCompute.grouped) must
+keep all of that and load its weights with 3-D TMA (the expert as the last coordinate), with one
+more error record (the expert range check).
 """
 import os
 import re
@@ -37,11 +39,11 @@ def mod():
     return compute_chained
 
 
-def _compiled(mod, P, hidden, N, act1, has_b1, **opts):
-    key = (P, hidden, N, act1, has_b1, tuple(sorted(opts.items())))
+def _compiled(mod, P, hidden, N, act1, has_b1, grouped=False, **opts):
+    key = (P, hidden, N, act1, has_b1, grouped, tuple(sorted(opts.items())))
     if key not in _CACHE:
         fn = mod.ChainedFFNCompute(**opts).compile(P, hidden, N, act1=act1, has_b1=has_b1,
-                                                   keep_ptx=True)
+                                                   keep_ptx=True, grouped=grouped)
         _CACHE[key] = (kept_ptx(fn), kept_cubin(fn))
     return _CACHE[key]
 
@@ -57,6 +59,31 @@ def _idx(lines, pattern):
 @pytest.mark.parametrize("P,hidden,N,act1,has_b1", CONFIGS)
 def test_ptx_mma_waits_and_release_order(mod, P, hidden, N, act1, has_b1):
     ptx, _ = _compiled(mod, P, hidden, N, act1, has_b1)
+    _check_protocol(ptx)
+
+
+@pytest.mark.parametrize("P,hidden,N,act1,has_b1", CONFIGS[:2])
+def test_grouped_ptx_keeps_the_protocol(mod, P, hidden, N, act1, has_b1):
+    """The grouped kernel: the dense kernel's MMA, waits, fences and releases, weights through
+    3-D TMA loads (x and the H ring stay 2-D), and three error records (the two waits and the
+    TMA warp's expert range check)."""
+    ptx, _ = _compiled(mod, P, hidden, N, act1, has_b1, grouped=True)
+    _check_protocol(ptx)
+    body = "\n".join(_lines(ptx))
+    loads3 = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", body)
+    loads2 = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", body)
+    assert loads3 and loads2, (len(loads3), len(loads2))
+    dense, _ = _compiled(mod, P, hidden, N, act1, has_b1)
+    dbody = "\n".join(_lines(dense))
+    assert not re.findall(r"cp\.async\.bulk\.tensor\.3d", dbody)
+    # the dense kernel's 2-D weight loads became the 3-D ones: as many TMA loads in all
+    assert len(loads3) + len(loads2) == len(re.findall(
+        r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", dbody))
+    n = len(_idx(_lines(ptx), r"atom\.relaxed\.gpu\.global\.cas\.b64"))
+    assert n == 3, f"expected 3 error records (two waits, the expert check), got {n}"
+
+
+def _check_protocol(ptx):
     lines = _lines(ptx)
     body = "\n".join(lines)
     # WGMMA 64 x 256 x 16, A (x / H ring) K-major from smem, B (weights) transposed = MN-major
@@ -122,9 +149,10 @@ def test_skip_slot_wait_switch_removes_one_wait(mod):
     assert n == 2 and n_skip == 1, (n, n_skip)  # one error record per bounded wait
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("P,hidden,N,act1,has_b1", CONFIGS[:2])
-def test_sass_no_spills(mod, P, hidden, N, act1, has_b1):
-    _, cubin = _compiled(mod, P, hidden, N, act1, has_b1)
+def test_sass_no_spills(mod, P, hidden, N, act1, has_b1, grouped):
+    _, cubin = _compiled(mod, P, hidden, N, act1, has_b1, grouped=grouped)
     sass = sass_of(cubin, require_nvdisasm())
     assert re.search(r"\bHGMMA\.64x256x16", sass), "no 64x256 HGMMA in the SASS"
     spills = re.findall(r"\b(STL|LDL)\b", sass)
@@ -214,3 +242,117 @@ def test_launch_path_compiles_from_torch_tensors(mod):
                               s.ring, s.grid)
     fn = c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)
     assert fn is c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)
+
+
+def test_grouped_launch_path_compiles_from_torch_tensors(mod):
+    """grouped(): w1 [E, P, hidden] / w2 [E, hidden, N] as (hidden, P, E) / (N, hidden, E) DLPack
+    views with E dynamic, b1 [E, hidden] (or the [1, hidden] zero stub), the table with the
+    blocks' experts after its tile rows."""
+    from cutlass.runtime import make_fake_stream
+    c = mod.ChainedFFNCompute()
+    M, P, hidden, N, E = 300, 256, 512, 512, 3
+    bf = dict(dtype=torch.bfloat16)
+    x = torch.zeros(M, P, **bf)
+    w1, w2 = torch.zeros(E, P, hidden, **bf), torch.zeros(E, hidden, N, **bf)
+    s = c.schedule(M, P, hidden, N, grid=c.grid(M, hidden, N, sms=132))
+    table = c._table(s, torch.device("cpu"), grouped=True)
+    assert table.numel() == 3 * len(s.tiles()) + s.blocks
+    assert torch.equal(table[:3 * len(s.tiles())], s.tile_table().reshape(-1))
+    ring = torch.zeros(c.ring_rows(M, P, hidden, N, s.grid), hidden, **bf)
+    i32 = dict(dtype=torch.int32)
+    for b1f, has_b1 in ((torch.zeros(E, hidden), True), (torch.zeros(1, hidden), False)):
+        args, ints = c._cute_args(x, w1, b1f, w2, ring, torch.zeros(M, N, **bf), table,
+                                  torch.zeros(1 + 2 * s.blocks, **i32),
+                                  torch.zeros(s.blocks, **i32), torch.ones(1, **i32),
+                                  torch.zeros(8, dtype=torch.int64), s.blocks, s.ring, s.grid,
+                                  grouped=True, num_tiles=len(s.tiles()))
+        fn = c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", has_b1,
+                             grouped=True)
+        assert fn is c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu",
+                                     has_b1, grouped=True)
+        assert fn is not c._compiled.get(("dlpack",) + c._key(P, hidden, N, "relu", has_b1))
+
+
+def test_grouped_argument_checks_before_launch():
+    from moe_overlap.ffn.compute_chained import ChainedFFNCompute
+    c = ChainedFFNCompute()
+    bf = dict(dtype=torch.bfloat16)
+    E, M, P, hidden, N = 3, 300, 256, 512, 256
+    x = torch.zeros(M, P, **bf)
+    w1, w2 = torch.zeros(E, P, hidden, **bf), torch.zeros(E, hidden, N, **bf)
+    b1 = torch.zeros(E, hidden)
+    be = torch.tensor([0, 2, 1], dtype=torch.int32)
+
+    def chk(x=x, w1=w1, b1=b1, w2=w2, be=be, out=None):
+        return c.check_grouped_args(x, w1, b1, w2, out, None, None, be, "gelu", 0,
+                                    need_cuda=False)
+
+    assert chk() == (M, P, hidden, N, E)
+    assert chk(b1=None) == (M, P, hidden, N, E)
+    with pytest.raises(ValueError, match="w1 must be a 3-D tensor"):
+        chk(w1=w1[0])
+    with pytest.raises(ValueError, match="w1 has 3 experts, w2 2"):
+        chk(w2=w2[:2].contiguous())
+    with pytest.raises(ValueError, match="b1 must be \\[E=3, hidden\\]"):
+        chk(b1=torch.zeros(hidden))
+    with pytest.raises(ValueError, match="b1 must be"):
+        chk(b1=torch.zeros(E, hidden + 1))
+    with pytest.raises(ValueError, match="hidden mismatch"):
+        chk(w2=torch.zeros(E, 256, N, **bf))
+    with pytest.raises(ValueError, match="w1 must be contiguous"):
+        chk(w1=torch.zeros(E, hidden, P, **bf).transpose(1, 2))
+    with pytest.raises(TypeError, match="block_expert must be int32"):
+        chk(be=be.long())
+    with pytest.raises(TypeError, match="block_expert must be an int32 tensor"):
+        chk(be=[0, 1, 2])
+    with pytest.raises(ValueError, match=">= ceil\\(M / tile_m\\) = 3"):
+        chk(be=be[:2])
+    with pytest.raises(ValueError, match="block_expert must be 1-D"):
+        chk(be=be.view(1, 3))
+    with pytest.raises(ValueError, match="out must be"):
+        chk(out=torch.zeros(M, N + 1, **bf))
+    with pytest.raises(ValueError, match="CUDA"):
+        c.check_grouped_args(x, w1, b1, w2, None, None, None, be, "gelu", 0)
+    with pytest.raises(TypeError, match="needs block_expert"):
+        c.grouped(x, w1, b1, w2)
+    # the host range check (check_experts=True) names the first bad block
+    c.check_block_experts(be, E, 3)
+    c.check_block_experts(torch.tensor([0, 2, 1, 7], dtype=torch.int32), E, 3)  # past blocks
+    with pytest.raises(ValueError, match="row block 1 names expert 3"):
+        c.check_block_experts(torch.tensor([0, 3, 1], dtype=torch.int32), E, 3)
+    with pytest.raises(ValueError, match="row block 0 names expert -1"):
+        c.check_block_experts(torch.tensor([-1, 0, 1], dtype=torch.int32), E, 3)
+
+
+def test_grouped_reference_is_the_per_block_reference():
+    from moe_overlap.ffn.compute_chained import (chained_ffn_grouped_reference,
+                                                 chained_ffn_reference)
+    g = torch.Generator().manual_seed(3)
+    E, M, P, hidden, N = 3, 300, 64, 256, 256
+    x = torch.randn(M, P, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(E, P, hidden, generator=g) / 8).to(torch.bfloat16)
+    b1 = torch.randn(E, hidden, generator=g)
+    w2 = (torch.randn(E, hidden, N, generator=g) / 16).to(torch.bfloat16)
+    be = torch.tensor([2, 0, 2], dtype=torch.int32)
+    for bias in (b1, None):
+        y = chained_ffn_grouped_reference(x, w1, bias, w2, be, "silu")
+        for blk, e in enumerate((2, 0, 2)):
+            r0, r1 = blk * 128, min(M, blk * 128 + 128)
+            want = chained_ffn_reference(x[r0:r1], w1[e], None if bias is None else bias[e],
+                                         w2[e], "silu")
+            assert torch.equal(y[r0:r1], want), blk
+    # a different expert for a block changes exactly that block
+    y2 = chained_ffn_grouped_reference(x, w1, b1, w2, torch.tensor([2, 1, 2],
+                                                                   dtype=torch.int32), "silu")
+    y1 = chained_ffn_grouped_reference(x, w1, b1, w2, be, "silu")
+    assert torch.equal(y1[:128], y2[:128]) and torch.equal(y1[256:], y2[256:])
+    assert not torch.equal(y1[128:256], y2[128:256])
+    with pytest.raises(ValueError, match="block_expert has 2 entries"):
+        chained_ffn_grouped_reference(x, w1, b1, w2, be[:2], "silu")
+
+
+def test_describe_expert_range_error():
+    from moe_overlap.ffn.chained_schedule import ERR_EXPERT_RANGE
+    from moe_overlap.ffn.compute_chained import describe_chained_error
+    msg = describe_chained_error([ERR_EXPERT_RANGE, 0, 17, 4, 9, 3, 0, 0])
+    assert "row block 4 (tile at list position 17)" in msg and "expert 9, outside [0, 3)" in msg

@@ -71,6 +71,11 @@ it. Step 3 waits for done[b] like the fp32 mode, then copies the band (``ld.glob
 by peers during this kernel) to ``out``; nothing is zeroed. Switch: ``multimem.ld_reduce ...
 acc::f32.v4.bf16x2`` (the switch's fp32 sum, rounded to bf16 before b2 / act2, order not
 fixed) and ``multimem.st`` of the final; compiled, refused at run time like the fp32 switch.
+``b2_per_band`` (bf16 mode, compile-time): b2 is bf16 ``[ceil(M / ready_rows), N]``, one row per
+ready flag (producer band), and band b adds row ``b * band_rows // ready_rows``: the grouped
+experts layer (``ShardedExperts(compute="chained")``), whose producer bands are row blocks of one
+expert each, passes ``b_out[expert of the block]`` per row (the layer gathers them before the
+launches), so the kernel's arguments are the same as the shared-b2 variant's.
 Slot protection (completion handshake, no second buffer): rank p's kernel ends only after
 done[b] == expected for every band it finishes, i.e. after every rank's step-2 loads from and
 stores into p's buffer completed (their release precedes done); the next call's producer on
@@ -256,7 +261,7 @@ def device_lib():
 
 
 # ---------------------------------------------------------------- band all-reduce kernel
-def _check_options(world, backend, act2, threads, unroll, partial="fp32"):
+def _check_options(world, backend, act2, threads, unroll, partial="fp32", b2_per_band=False):
     if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 16:
         raise ValueError(f"world={world!r} must be an int in [1, 16]")
     if backend not in BACKENDS:
@@ -269,14 +274,18 @@ def _check_options(world, backend, act2, threads, unroll, partial="fp32"):
         raise ValueError(f"threads={threads} must be a multiple of 32 in [32, 1024]")
     if unroll < 1 or unroll > 8:
         raise ValueError(f"unroll={unroll} must be in [1, 8]")
+    if b2_per_band and partial != "bf16":
+        raise ValueError("b2_per_band needs partial='bf16' (the fp32 mode's layers seed their "
+                         "accumulator with per-row biases instead)")
 
 
 def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none",
                          threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
                          zero_acc: bool = True, arrive_ahead: bool = True,
-                         partial: str = "fp32", _test_skip_ready_wait: bool = False):
+                         partial: str = "fp32", _test_skip_ready_wait: bool = False,
+                         b2_per_band: bool = False):
     """The @cute.jit launcher of one (world, backend, act2, threads, unroll, zero_acc,
-    arrive_ahead, partial) variant.
+    arrive_ahead, partial, b2_per_band) variant.
     Arguments: see ``ARG_NAMES`` (ints), then a ``CUstream``.
 
     ``partial="bf16"`` (the bf16-partial mode, module docstring): ``acc`` is the bf16 ``[M, N]``
@@ -284,8 +293,9 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
     copies; ``zero_acc`` does not apply (the producer overwrites a bf16 partial, it does not add
     into it). ``_test_skip_ready_wait``: private test switch, step 1 does not wait for
     band_ready (a deliberately broken ordering: tests/test_band_allreduce_bf16_gpu.py shows
-    it reads unfinished partials)."""
-    _check_options(world, backend, act2, threads, unroll, partial)
+    it reads unfinished partials). ``b2_per_band`` (bf16 only): b2 is ``[ceil(M / ready_rows),
+    N]``, one row per ready flag (module docstring)."""
+    _check_options(world, backend, act2, threads, unroll, partial, b2_per_band)
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -299,6 +309,7 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
     ZERO = bool(zero_acc) and not BF16
     AHEAD = bool(arrive_ahead)
     SKIP_READY = bool(_test_skip_ready_wait)
+    B2_ROWS = bool(b2_per_band)
 
     @cute.jit
     def reduce_chunk(acc_r: Int64, peers, v0: Int64, lo: Int64, hi: Int64, tidx: Int32):
@@ -592,9 +603,14 @@ def build_band_allreduce(world: int, backend: str = "unicast", act2: str = "none
                     arrived = try_arrive(b_next, band_ready, epoch, arrive_remote, arr_p,
                                          wait_ready, band_rows, ready_rows, tidx)
             if failed == Int32(0):
+                if cutlass.const_expr(B2_ROWS):
+                    # the b2 row of the ready flag (producer band) that band b belongs to
+                    b2_b = b2 + Int64((b * band_rows) // ready_rows) * ncols4 * Int64(16)
+                else:
+                    b2_b = b2
                 failed = reduce_band(b, arrive, expected, acc_remote, acc_p, done_remote,
                                      done_p, err, rank, t_start, timeout_ns, M, band_rows,
-                                     ncols4, tidx, b2)
+                                     ncols4, tidx, b2_b)
             if failed == Int32(0) and b_prev >= Int32(0):
                 failed = finish_band(b_prev, done, expected, acc, out, b2, err, rank, t_start,
                                      timeout_ns, M, band_rows, ncols4, tidx)
@@ -635,12 +651,12 @@ def compile_band_allreduce(world: int, backend: str = "unicast", act2: str = "no
                            threads: int = DEFAULT_THREADS, unroll: int = DEFAULT_UNROLL,
                            zero_acc: bool = True, keep: bool = False,
                            arrive_ahead: bool = True, partial: str = "fp32",
-                           _test_skip_ready_wait: bool = False):
+                           _test_skip_ready_wait: bool = False, b2_per_band: bool = False):
     """cute.compile one variant (``CUTE_DSL_ARCH=sm_90a`` compiles without a GPU). With
     ``keep=True`` the result carries ``__ptx__`` and ``__cubin__`` for inspection."""
     import cutlass.cute as cute
     launch = build_band_allreduce(world, backend, act2, threads, unroll, zero_acc, arrive_ahead,
-                                  partial, _test_skip_ready_wait)
+                                  partial, _test_skip_ready_wait, b2_per_band)
     if keep:
         return compile_keep(launch, *example_args())
     return cute.compile(launch, *example_args())
@@ -696,29 +712,46 @@ def emulate_band_allreduce(accs, M: int, band_rows: int, b2=None, act2: str = "n
     return outs, coverage
 
 
-def bf16_allreduce_reference(partials, b2=None, act2: str = "none"):
+def _b2_rows(b2, M: int, ready_rows):
+    """b2 as fp32 per row of [M, N]: b2 [N] for every row, or (``b2_per_band``) b2
+    [>= ceil(M / ready_rows), N] with row r * ready_rows + i taking b2[r]."""
+    if b2.dim() == 1:
+        return b2.float()
+    if ready_rows is None:
+        raise ValueError("a 2-D b2 (one row per ready flag) needs ready_rows")
+    nr = -(-M // ready_rows)
+    if b2.shape[0] < nr:
+        raise ValueError(f"b2 has {b2.shape[0]} rows, M={M} rows need {nr} (one per "
+                         f"{ready_rows} rows)")
+    return b2[:nr].float().repeat_interleave(ready_rows, 0)[:M]
+
+
+def bf16_allreduce_reference(partials, b2=None, act2: str = "none", ready_rows=None):
     """The bf16-partial mode's math in torch: ``act2(sum_q float(partial_q) + b2)`` with the fp32
     sum taken in rank order 0..G-1, rounded to bf16 once (what every rank's output must equal;
-    bitwise for act2 "none" / "relu", whose device and torch forms round alike)."""
+    bitwise for act2 "none" / "relu", whose device and torch forms round alike). b2 [N], or
+    [ceil(M / ready_rows), N] with ``ready_rows`` (the ``b2_per_band`` variant)."""
     import torch
     from .activations import activation
     s = partials[0].float()
     for p in partials[1:]:
         s = s + p.float()
     if b2 is not None:
-        s = s + b2.float()
+        s = s + _b2_rows(b2, s.shape[0], ready_rows)
     return activation(s, act2).to(torch.bfloat16)
 
 
 def emulate_band_allreduce_bf16(partials, M: int, band_rows: int, b2=None, act2: str = "none",
-                                grid: int = 1):
+                                grid: int = 1, ready_rows=None):
     """CPU model of the ``partial="bf16"`` kernel, rank by rank and phase by phase, with its
     index math (16-byte vectors of 8 bf16; band vectors cut into G chunks; rank r finalizes
     chunk r: loads it from every buffer, fp32 sum in rank order, + b2, act2, bf16, stores it
     into every buffer; then each rank copies the band to its out).
 
     ``partials``: one bf16 ``[>= M, N]`` tensor per rank, modified in place like the symmetric
-    buffers (rows [0, M) end holding the final output). Returns (outs: bf16 ``[M, N]`` per rank,
+    buffers (rows [0, M) end holding the final output). b2: bf16 [N], or with ``ready_rows`` the
+    ``b2_per_band`` variant's [ceil(M / ready_rows), N], band b adding row
+    ``b * band_rows // ready_rows`` as the kernel does. Returns (outs: bf16 ``[M, N]`` per rank,
     coverage: int ``[M * N / 8]``, how many (rank, vector) finalize steps touched each vector:
     must be all ones)."""
     import torch
@@ -731,11 +764,16 @@ def emulate_band_allreduce_bf16(partials, M: int, band_rows: int, b2=None, act2:
     flat = [p.view(-1, 8) for p in partials]
     nbands = (M + band_rows - 1) // band_rows
     coverage = torch.zeros(M * ncols8, dtype=torch.int64)
+    per_band = b2 is not None and b2.dim() == 2
+    if per_band and (ready_rows is None or ready_rows % band_rows):
+        raise ValueError(f"a 2-D b2 needs ready_rows, a multiple of band_rows={band_rows}")
     bias = torch.zeros(N) if b2 is None else b2.float()
     for bidx in range(grid):  # step 2 of every CTA of every rank
         for b in range(bidx, nbands, grid):
             row0 = b * band_rows
             rows = min(M - row0, band_rows)
+            if per_band:  # the row of the ready flag band b belongs to (kernel: b2_b)
+                bias = b2[(b * band_rows) // ready_rows].float()
             v0, nvec = row0 * ncols8, rows * ncols8
             per = (nvec + G - 1) // G
             for rank in range(G):
@@ -757,11 +795,12 @@ def emulate_band_allreduce_bf16(partials, M: int, band_rows: int, b2=None, act2:
 
 @functools.lru_cache(maxsize=None)
 def _compiled_variant(world, backend, act2, threads, unroll, zero_acc, arrive_ahead,
-                      partial="fp32", skip_ready_wait=False):
+                      partial="fp32", skip_ready_wait=False, b2_per_band=False):
     # kept cubin: its registers / shared memory bound the CTAs that can be co-resident
     return compile_band_allreduce(world, backend, act2, threads, unroll, zero_acc,
                                   arrive_ahead=arrive_ahead, keep=True, partial=partial,
-                                  _test_skip_ready_wait=skip_ready_wait)
+                                  _test_skip_ready_wait=skip_ready_wait,
+                                  b2_per_band=b2_per_band)
 
 
 def coresident_ctas_per_sm(compiled, threads: int) -> int:
@@ -810,7 +849,9 @@ class BandAllReduce:
     N % 8 == 0; ``self.acc`` is None): the producer stores (not adds) its partial there, the
     all-reduce sums the G partials in fp32 in rank order 0..G-1, adds b2, applies act2 and
     stores the final bf16 values over every rank's partial, which step 3 copies to ``out``.
-    Half the bytes of the fp32 accumulator; nothing is zeroed between calls. Defaults:
+    Half the bytes of the fp32 accumulator; nothing is zeroed between calls.
+    ``b2_per_band=True`` (bf16 only): b2 is bf16 ``[>= ceil(M / ready_rows), N]``, one row per
+    ready flag (the grouped experts layer: each producer band is one expert's). Defaults:
     ``default_threads_unroll``. Slot protection: a rank's next call cannot overwrite its
     partial before every rank is done with it, because this call ends on that rank only after
     its done[b] counters of every band reached G (every rank's loads from, and final stores
@@ -838,7 +879,8 @@ class BandAllReduce:
                  threads: int | None = None, unroll: int | None = None,
                  zero_acc: bool = True, timeout_ns: int = DEFAULT_TIMEOUT_NS,
                  arrive_ahead: bool = True, ready_rows: int | None = None,
-                 partial: str = "fp32", _test_skip_ready_wait: bool = False):
+                 partial: str = "fp32", _test_skip_ready_wait: bool = False,
+                 b2_per_band: bool = False):
         import torch
         import torch.distributed as dist
         if backend not in BACKENDS:
@@ -846,6 +888,11 @@ class BandAllReduce:
         if partial not in PARTIALS:
             raise ValueError(f"partial={partial!r}: choose from {PARTIALS}")
         bf16 = partial == "bf16"
+        if not isinstance(b2_per_band, bool):
+            raise TypeError(f"b2_per_band={b2_per_band!r} must be a bool")
+        if b2_per_band and not bf16:
+            raise ValueError("b2_per_band needs partial='bf16' (the fp32 mode's layers seed their "
+                             "accumulator with per-row biases instead)")
         if act2 is None:
             act2 = "none"
         if act2 not in ACT2:
@@ -873,7 +920,8 @@ class BandAllReduce:
         d_threads, d_unroll = default_threads_unroll(partial, dist.get_world_size(group))
         threads = d_threads if threads is None else threads
         unroll = d_unroll if unroll is None else unroll
-        _check_options(dist.get_world_size(group), backend, act2, threads, unroll, partial)
+        _check_options(dist.get_world_size(group), backend, act2, threads, unroll, partial,
+                       b2_per_band)
         # our own symmetric memory never asks for multicast (setdefault: only if unset)
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
@@ -885,6 +933,7 @@ class BandAllReduce:
         self.backend, self.act2, self.timeout_ns = backend, act2, int(timeout_ns)
         self.partial_dtype = partial
         self._skip_ready_wait = bool(_test_skip_ready_wait)
+        self.b2_per_band = b2_per_band
         # a bf16 partial is overwritten by the producer, never added into: nothing to zero
         self.threads, self.unroll, self.zero_acc = threads, unroll, bool(zero_acc) and not bf16
         self.arrive_ahead = bool(arrive_ahead)
@@ -930,7 +979,8 @@ class BandAllReduce:
         # one ready flag per ready_rows rows (the producer's bands)
         self.band_ready = torch.zeros(-(-max_rows // ready_rows), dtype=torch.int32, device=dev)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._zero_b2 = torch.zeros(N, dtype=torch.bfloat16, device=dev)
+        # b2 when the call has none: [N], or one row per ready flag (b2_per_band)
+        self._zero_b2 = torch.zeros(*self.b2_shape(max_rows), dtype=torch.bfloat16, device=dev)
         self.expected = torch.zeros(self.max_bands, dtype=torch.int32, device=dev)
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=dev)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -950,13 +1000,20 @@ class BandAllReduce:
             from ..runtime.device import require_coresident
             fn = _compiled_variant(self.world, self.backend, self.act2, self.threads,
                                    self.unroll, bool(self.zero_acc), self.arrive_ahead,
-                                   self.partial_dtype, self._skip_ready_wait)
+                                   self.partial_dtype, self._skip_ready_wait, self.b2_per_band)
             self.ctas_per_sm = coresident_ctas_per_sm(fn, self.threads)
             require_coresident(self.ccta, self.ccta, self.ctas_per_sm,
                                f"band all-reduce (threads={self.threads}, unroll={self.unroll}, "
                                f"world={self.world})")
             self._fn = fn
         return self._fn
+
+    def b2_shape(self, M: int) -> tuple:
+        """The b2 a call on M rows takes: (N,), or with b2_per_band (ceil(M / ready_rows), N)
+        (more rows are allowed; the first ones are read)."""
+        if self.b2_per_band:
+            return (-(-M // self.ready_rows), self.N)
+        return (self.N,)
 
     def __call__(self, M: int, b2=None, out=None, *, producer: bool = False, stream=None,
                  bump_epoch: bool = True):
@@ -983,9 +1040,18 @@ class BandAllReduce:
         align = 16 if self.partial is not None else 8  # bf16: 16-byte vectors of out and b2
         if out.data_ptr() % align:
             raise ValueError(f"out must be {align}-byte aligned")
-        if b2 is not None and (b2.dtype != torch.bfloat16 or tuple(b2.shape) != (self.N,)
-                               or not b2.is_contiguous() or b2.device != self.device
-                               or b2.data_ptr() % align):
+        if self.b2_per_band:
+            rows = self.b2_shape(M)[0]
+            if b2 is not None and (b2.dtype != torch.bfloat16 or b2.dim() != 2
+                                   or b2.shape[0] < rows or b2.shape[1] != self.N
+                                   or not b2.is_contiguous() or b2.device != self.device
+                                   or b2.data_ptr() % align):
+                raise ValueError(f"b2 must be a contiguous, {align}-byte aligned bf16 "
+                                 f"[>= {rows}, {self.N}] tensor on {self.device} (b2_per_band: "
+                                 f"one row per {self.ready_rows} rows)")
+        elif b2 is not None and (b2.dtype != torch.bfloat16 or tuple(b2.shape) != (self.N,)
+                                 or not b2.is_contiguous() or b2.device != self.device
+                                 or b2.data_ptr() % align):
             raise ValueError(f"b2 must be a contiguous, {align}-byte aligned bf16 [{self.N}] "
                              f"tensor on {self.device}")
         fn = self.compile()
