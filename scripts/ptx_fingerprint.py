@@ -110,8 +110,16 @@ def variants():
             P=256, hidden=512, N=512, act1="relu", keep_ptx=True).__ptx__,
         "chained_ffn_noslotwait": lambda: C(_test_skip_slot_wait=True).compile(
             P=256, hidden=512, N=256, act1="none", keep_ptx=True).__ptx__,
+        # the grouped call's kernel (3-D weights, experts after the tile table)
+        "chained_ffn_grouped": lambda: C().compile(
+            P=512, hidden=1024, N=512, act1="gelu", keep_ptx=True, grouped=True).__ptx__,
         "band_allreduce_unicast_g2": lambda: ar().compile_band_allreduce(
             2, "unicast", "none", keep=True).__ptx__,
+        # bf16 partials (the chained layers), b2 shared and one row per ready flag (experts)
+        "band_allreduce_bf16_unicast_g2": lambda: ar().compile_band_allreduce(
+            2, "unicast", "none", 512, 4, keep=True, partial="bf16").__ptx__,
+        "band_allreduce_bf16_b2_per_band_g2": lambda: ar().compile_band_allreduce(
+            2, "unicast", "none", 512, 4, keep=True, partial="bf16", b2_per_band=True).__ptx__,
         "band_allreduce_switch_g4_gelu": lambda: ar().compile_band_allreduce(
             4, "switch", "gelu", keep=True).__ptx__,
         "consumer_nvlink_tma": lambda: _keep(cons().build_consumer("nvlink", copy="tma",

@@ -5,7 +5,10 @@ Every case draws fresh random inputs, poisons out and the H ring with NaN, and c
 with the float64 truth (H not rounded) and with ``chained_schedule.execute_reference`` on the same
 schedule (<= 8e-3 relative to the largest |value|), and checks the band flags. Failures say which
 case, the largest error and where, the first NaN, and which row blocks are wrong (a ring or
-ordering bug shows as whole wrong blocks).
+ordering bug shows as whole wrong blocks). The grouped call (``ChainedFFNCompute.grouped``) runs
+the same checks on the padded expert layout (experts without rows, counts not multiples of 128,
+b1 or None, groups 1 / 2 / auto) against the per-block float64 truth and
+``chained_ffn_grouped_reference``, and refuses expert ids outside [0, E).
 
     python3 -m pytest -q -x tests/test_chained_ffn_gpu.py
 """
@@ -218,3 +221,122 @@ def test_cuda_graph_capture_and_replay(mod):
         msg = _report(f"graph replay {i}", out, _truth64(x, w1, b1, w2, "gelu"), "float64")
         assert msg is None, msg
         assert (ready == 5 + i).all(), f"graph replay {i}: band flags {ready.tolist()[:8]}"
+
+
+# ---------------------------------------------------------------- grouped over experts
+def _grouped_inputs(rows, P, hidden, N, seed, bias=True):
+    """x in the padded expert layout (each expert's rows padded to 128, padding rows zero, as
+    ShardedExperts lays them out), the expert of each row block, and E experts' weights."""
+    from moe_overlap.ffn.layers import padded_expert_layout
+    E = len(rows)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = dict(device="cuda", dtype=torch.bfloat16, generator=g)
+    dst, block_expert, _, R_pad = padded_expert_layout(rows, 128, torch.device("cuda"))
+    x = torch.zeros(R_pad, P, device="cuda", dtype=torch.bfloat16)
+    x.index_copy_(0, dst, torch.randn(sum(rows), P, **bf))
+    w1 = torch.randn(E, P, hidden, **bf) / P ** 0.5
+    b1 = torch.randn(E, hidden, **bf) * 0.5 if bias else None
+    w2 = torch.randn(E, hidden, N, **bf) / hidden ** 0.5
+    return x, w1, b1, w2, block_expert
+
+
+def _grouped_truth64(x, w1, b1, w2, block_expert, act1):
+    out = torch.empty(x.shape[0], w2.shape[2], dtype=torch.float64, device=x.device)
+    for blk, e in enumerate(block_expert.tolist()):
+        r = slice(blk * 128, (blk + 1) * 128)
+        out[r] = _truth64(x[r], w1[e], None if b1 is None else b1[e], w2[e], act1)
+    return out
+
+
+def _run_grouped_case(mod, rows, shape, act1, bias, seed, comp=None, ccta=0, epoch_val=9):
+    from moe_overlap.ffn.compute_chained import chained_ffn_grouped_reference
+    P, hidden, N = shape
+    comp = comp or mod.ChainedFFNCompute()
+    x, w1, b1, w2, be = _grouped_inputs(rows, P, hidden, N, seed, bias)
+    M = x.shape[0]
+    grid = comp.grid(M, hidden, N, x.device, ccta)
+    s = comp.schedule(M, P, hidden, N, grid)
+    assert be.numel() == s.blocks
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ring = torch.full((comp.ring_rows(M, P, hidden, N, grid), hidden), float("nan"),
+                      device="cuda", dtype=torch.bfloat16)
+    ready = torch.zeros(s.blocks + 3, device="cuda", dtype=torch.int32)
+    epoch = torch.tensor([epoch_val], device="cuda", dtype=torch.int32)
+    y = comp.grouped(x, w1, b1, w2, out=out, band_ready=ready, epoch=epoch, block_expert=be,
+                     ccta=ccta, act1=act1, h_ring=ring)
+    assert y is out
+    case = (f"grouped rows={rows} (blocks' experts {be.tolist()}) P,hidden,N={shape} "
+            f"act1={act1} b1={'yes' if bias else 'None'} ccta={ccta} group={comp.group} "
+            f"({comp.group_for(M, P, hidden, N, grid)}) grid={grid} ring={s.ring} "
+            f"blocks={s.blocks}")
+    comp.check()
+    msgs = [_report(case, out, _grouped_truth64(x, w1, b1, w2, be, act1), "float64 truth"),
+            _report(case, out, chained_ffn_grouped_reference(x, w1, b1, w2, be, act1),
+                    "chained_ffn_grouped_reference")]
+    msgs = [m for m in msgs if m]
+    assert not msgs, "\n".join(msgs)
+    flags = ready.tolist()
+    assert flags[:s.blocks] == [epoch_val] * s.blocks and flags[s.blocks:] == [0, 0, 0], \
+        f"{case}: band_ready {flags[:8]}..."
+    return comp
+
+
+GROUPED_CASES = [  # rows per expert (an expert without rows, counts not multiples of 128)
+    ([300, 0, 128, 77], SHAPE2, "gelu", True),
+    ([300, 0, 128, 77], SHAPE2, "silu", False),
+    ([1, 0, 0], SHAPE, "relu", True),  # one block
+    ([4000, 0, 1900, 2300], SHAPE, "gelu", True),  # 65 blocks: the ring wraps
+    ([2500, 3000, 0, 2700, 1], SHAPE, "gelu_tanh", False),
+]
+
+
+@pytest.mark.parametrize("rows,shape,act1,bias", GROUPED_CASES)
+def test_grouped_matches_truth_and_reference(mod, rows, shape, act1, bias):
+    _run_grouped_case(mod, rows, shape, act1, bias, seed=sum(rows) + len(act1) + bias)
+
+
+@pytest.mark.parametrize("group", [1, 2, "auto"])
+def test_grouped_experts_with_super_blocks(mod, group):
+    """Super-blocks of 2 / auto row blocks whose blocks belong to different experts."""
+    _run_grouped_case(mod, [130, 0, 250, 3100, 4000], SHAPE, "gelu", True,
+                      seed=60 + (0 if group == "auto" else group),
+                      comp=mod.ChainedFFNCompute(group=group))
+
+
+def test_grouped_repeated_calls_and_dense_on_one_instance(mod):
+    """One instance: grouped calls with new experts per call, a dense call in between (its own
+    table), counters and the experts' table tail rewritten before every launch."""
+    comp = mod.ChainedFFNCompute(group=2)
+    for i, rows in enumerate(([500, 0, 700], [0, 1200, 3], [500, 0, 700])):
+        _run_grouped_case(mod, rows, SHAPE2, "gelu", True, seed=90 + i, comp=comp,
+                          epoch_val=20 + i)
+        _run_case(mod, 1000, SHAPE2, "gelu", True, seed=95 + i, comp=comp, epoch_val=30 + i)
+
+
+def test_grouped_small_grid(mod):
+    _run_grouped_case(mod, [300, 0, 128, 77], SHAPE2, "gelu", True, seed=7,
+                      ccta=torch.cuda.get_device_properties(0).multi_processor_count - 32)
+
+
+def test_grouped_expert_out_of_range_refused(mod):
+    """An expert id outside [0, E): check_experts=True raises before the launch (out stays
+    poisoned); without it the kernel records the error (check() raises, naming the block) and
+    the launch ends; the next good call on the instance is right."""
+    P, hidden, N = SHAPE2
+    comp = mod.ChainedFFNCompute(timeout_ms=500)
+    x, w1, b1, w2, be = _grouped_inputs([300, 0, 128, 77], P, hidden, N, seed=41)
+    bad = be.clone()
+    bad[2] = 4  # E = 4
+    out = torch.full((x.shape[0], N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="row block 2 names expert 4"):
+        comp.grouped(x, w1, b1, w2, out=out, block_expert=bad, check_experts=True)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "check_experts=True must refuse before any launch"
+    for e in (4, -1):
+        bad[2] = e
+        comp.grouped(x, w1, b1, w2, out=out, block_expert=bad)
+        with pytest.raises(RuntimeError, match=f"row block 2 .* names expert {e}, outside "
+                                               r"\[0, 4\)"):
+            comp.check()
+    comp.check()  # cleared
+    _run_grouped_case(mod, [300, 0, 128, 77], SHAPE2, "gelu", True, seed=42, comp=comp)

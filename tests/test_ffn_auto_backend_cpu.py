@@ -191,3 +191,22 @@ def test_auto_layer_decides_for_the_compute_keyword(monkeypatch, tmp_path):
         m.backend_reason, m.backend_reason
     m = FusedFFN(P, O, N, backend="auto", dtype=torch.bfloat16, max_tokens=4096)
     assert "compute='reduce'" in m.backend_reason  # the reduce bucket has no entry: the model
+
+
+def test_auto_experts_layer_decides_for_chained(monkeypatch, tmp_path):
+    # ShardedExperts(compute="chained") as FusedFFN: its own bucket (experts, chained) is read,
+    # and a chained entry of the dense layer does not decide for the experts layer
+    made = []
+    _pretend_two_hopper_ranks(monkeypatch, made)
+    path = tmp_path / "ffn_tune.json"
+    monkeypatch.setenv("MOE_OVERLAP_FFN_TUNE_CACHE", str(path))
+    P, O, N = 256, 1024, 256
+    FFNTuneCache(str(path)).put(ffn_tune_key(H200, 2, P, O, N, False, 4096, "chained"),
+                                fused_ms=0.5, reference_ms=0.6)
+    e = ShardedExperts(4, P, O, N, backend="auto", max_tokens=4096, compute="chained")
+    assert e.backend == "reference" and "modelled" in e.backend_reason \
+        and "compute='chained'" in e.backend_reason and made == [], e.backend_reason
+    FFNTuneCache(str(path)).put(ffn_tune_key(H200, 2, P, O, N, True, 4096, "chained"),
+                                fused_ms=0.5, reference_ms=0.6)
+    e = ShardedExperts(4, P, O, N, backend="auto", max_tokens=4096, compute="chained")
+    assert e.backend == "fused" and "measured" in e.backend_reason and made == ["ShardedExperts"]

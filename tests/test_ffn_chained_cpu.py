@@ -39,8 +39,9 @@ def test_chained_resolve():
     r = FFNOptions(compute="chained", compute_options=dict(group=2, epi_n=64)).resolve(
         FFNFacts(local_hidden=512))
     assert dict(r.compute_options) == dict(group=2, epi_n=64)
-    with pytest.raises(ValueError, match="ShardedExperts runs compute='reduce'"):
-        FFNOptions(compute="chained").resolve(FFNFacts(local_hidden=1024, grouped=True))
+    # ShardedExperts: the grouped chained kernel, the same options
+    rg = FFNOptions(compute="chained").resolve(FFNFacts(local_hidden=1024, grouped=True))
+    assert rg.compute == "chained" and dict(rg.compute_options) == {}
     with pytest.raises(ValueError, match="multiple of 256"):
         FFNOptions(compute="chained").resolve(FFNFacts(local_hidden=384))
     with pytest.raises(ValueError, match="epi_n must be 32 or 64"):
@@ -186,8 +187,8 @@ class _FakeChained:
         self.log = log
         self.err = torch.zeros(8, dtype=torch.int64)
 
-    def prepare(self, M, P, hidden, N, device, ccta=0, has_b1=True):
-        self.log.append(("prepare", M))
+    def prepare(self, M, P, hidden, N, device, ccta=0, has_b1=True, grouped=False):
+        self.log.append(("prepare", M) if not grouped else ("prepare grouped", M))
         return 128
 
     def error_word(self, device=None):
@@ -238,3 +239,128 @@ def test_chained_call_host_order(monkeypatch):
         with pytest.raises(RuntimeError, match="FusedFFN compute: chained FFN: unknown device "
                                                "error code 7"):
             mod(x)
+
+
+# ---------------------------------------------------------------- ShardedExperts(compute="chained")
+def test_b2_per_band_refusals_before_cuda():
+    with pytest.raises(ValueError, match="b2_per_band needs partial='bf16'"):
+        B.BandAllReduce(128, 64, b2_per_band=True)
+    with pytest.raises(TypeError, match="b2_per_band"):
+        B.BandAllReduce(128, 64, partial="bf16", b2_per_band=1)
+
+
+@pytest.mark.parametrize("G,M,N,band_rows,ready_rows,grid,act2", [
+    (2, 300, 64, 32, 128, 3, "none"),  # 3 ready bands (ragged), 4 all-reduce bands each
+    (3, 256, 24, 64, 64, 2, "relu"),
+    (1, 129, 16, 128, 128, 1, "none"),  # one rank: a band of 1 row in the second ready band
+])
+def test_bf16_model_b2_per_band(G, M, N, band_rows, ready_rows, grid, act2):
+    """b2 one row per ready flag: band b adds row b * band_rows // ready_rows, the reference
+    adds row r to rows [r * ready_rows, (r + 1) * ready_rows)."""
+    parts = _partials(G, M, N, 31 + G + M)
+    g = torch.Generator().manual_seed(9)
+    nr = -(-M // ready_rows)
+    b2 = (torch.randn(nr + 1, N, generator=g)).to(torch.bfloat16)  # one row more than needed
+    outs, cov = B.emulate_band_allreduce_bf16([p.clone() for p in parts], M, band_rows, b2, act2,
+                                              grid, ready_rows=ready_rows)
+    assert bool((cov == 1).all())
+    ref = B.bf16_allreduce_reference([p[:M] for p in parts], b2, act2, ready_rows=ready_rows)
+    for r in range(G):
+        assert torch.equal(outs[r], ref), r
+    by_hand = sum(p[:M].float() for p in parts) + torch.cat(
+        [b2[i // ready_rows].float().view(1, N) for i in range(M)])
+    assert torch.equal(ref, activation(by_hand, act2).to(torch.bfloat16))
+    # the rows matter: a b2 with its rows swapped gives another result where they differ
+    swapped = b2.flip(0)[-(nr + 1):].contiguous()
+    other = B.bf16_allreduce_reference([p[:M] for p in parts], swapped, act2, ready_rows=ready_rows)
+    assert not torch.equal(other, ref)
+    with pytest.raises(ValueError, match="needs ready_rows"):
+        B.bf16_allreduce_reference([p[:M] for p in parts], b2, act2)
+    assert nr > 1  # every case has more than one ready band
+    with pytest.raises(ValueError, match="b2 has 1 rows"):
+        B.bf16_allreduce_reference([p[:M] for p in parts], b2[:1], act2, ready_rows=ready_rows)
+
+
+class _FakeGroupedChained(_FakeChained):
+    """The chained compute object on the CPU: ``grouped`` stores the grouped reference's bf16
+    partial (what the kernel writes) and logs its arguments."""
+
+    def grouped(self, x, w1, b1, w2, out=None, band_ready=None, epoch=None, block_expert=None,
+                ccta=0, act1="gelu", stream=None, h_ring=None, check_experts=False):
+        from moe_overlap.ffn.compute_chained import chained_ffn_grouped_reference
+        self.log.append(("grouped", stream.name, tuple(out.shape), block_expert.tolist(),
+                         b1 is not None, act1, tuple(h_ring.shape)))
+        out.copy_(chained_ffn_grouped_reference(x, w1, b1, w2, block_expert, act1)
+                  .to(torch.bfloat16))
+
+
+class _EmulatedAR(_FakeAR):
+    """The band all-reduce on one rank, through the bf16 emulator (b2 per ready band)."""
+
+    def __init__(self, log, M, N, band_rows, b2_per_band):
+        super().__init__(log, M, N)
+        self.band_rows, self.ready_rows, self.b2_per_band = band_rows, 128, b2_per_band
+
+    def __call__(self, M, b2=None, out=None, *, producer=False, stream=None, bump_epoch=True):
+        self.log.append(("allreduce", stream.name, None if b2 is None else tuple(b2.shape)))
+        if b2 is not None:
+            assert self.b2_per_band and b2.dim() == 2
+        outs, cov = B.emulate_band_allreduce_bf16([self.partial], M, self.band_rows, b2, "none",
+                                                  grid=2, ready_rows=self.ready_rows)
+        assert bool((cov == 1).all())
+        out.copy_(outs[0])
+        return out
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_sharded_experts_chained_emulated(bias):
+    """ShardedExperts(compute="chained")'s host path on one rank with the kernels replaced by
+    their CPU models (grouped reference, bf16 all-reduce emulator): padded layout, one expert
+    per 128-row block (expert 1 without rows, expert 2 with a non-multiple of 128), b_out of
+    each block's expert as the all-reduce's b2 rows; against the float64 truth within 8e-3,
+    two calls."""
+    from moe_overlap.diagnostics import FFNDebug
+    from moe_overlap.ffn.reference import experts_truth
+    from moe_overlap.runtime.error_watch import ErrorWatch
+    E, P, O, N, rows = 3, 128, 256, 256, [130, 0, 250]
+    g = torch.Generator().manual_seed(4)
+    W_in = (torch.randn(E, P, O, generator=g) / P ** 0.5).to(torch.bfloat16)
+    W_out = (torch.randn(E, O, N, generator=g) / O ** 0.5).to(torch.bfloat16)
+    b_in = (torch.randn(E, O, generator=g) * 0.5).to(torch.bfloat16) if bias else None
+    b_out = (torch.randn(E, N, generator=g) * 0.5).to(torch.bfloat16) if bias else None
+    mod = ShardedExperts.from_full_weights(W_in, W_out, b_in, b_out, activation="gelu")
+    log = []
+    mod.backend, mod.options = "fused", FFNOptions(compute="chained")
+    mod.ccta, mod.tile_m, mod.max_tokens = 4, 128, None
+    mod._debug, mod._chained = FFNDebug(), True
+    mod._compute = _FakeGroupedChained(log)
+    mod._allreduce = ar = _EmulatedAR(log, 768, N, 32, b2_per_band=mod._b2_per_band)
+    assert mod._b2_per_band == bias
+    mod._comm_stream = _Stream(log, "comm")
+    mod._warm, mod._b1_cache = True, None
+    mod._watch = ErrorWatch(ar.err, B.describe_error, "ShardedExperts (rank 0)")
+    from moe_overlap.ffn.compute_chained import describe_chained_error
+    mod._cwatch = ErrorWatch(mod._compute.err, describe_chained_error, "ShardedExperts compute")
+    cur = _Stream(log, "cur")
+    mod._streams = lambda device: (cur, mod._comm_stream)
+    mod._keep_for = lambda t, s: None
+    for call in range(2):
+        x = torch.randn(sum(rows) + 3, P, generator=g).to(torch.bfloat16)
+        with torch.no_grad():
+            y = mod(x, rows)
+        truth = experts_truth(x, rows, W_in, W_out, b_in, b_out, "gelu")
+        err = ((y.double() - truth).abs().max() / truth.abs().max()).item()
+        assert err <= 8e-3, (call, err)
+        assert bool((y[sum(rows):] == 0).all())
+    launches = [e for e in log if isinstance(e, tuple) and e[0] in ("grouped", "allreduce")]
+    # padded layout: expert 0 two blocks (130 rows), expert 2 two blocks (250), expert 1 none
+    want_c = ("grouped", "cur", (512, N), [0, 0, 2, 2], bias, "gelu", (128, O))
+    want_a = ("allreduce", "comm", (4, N) if bias else None)
+    assert launches == [want_c, want_a, want_c, want_a], launches
+    assert log.count(("prepare grouped", 512)) == 2  # the grouped table, before each call
+    if bias:
+        assert torch.equal(mod._block_b2_buf[:4], b_out[[0, 0, 2, 2]])
+    # bias=False with compute="chained" on the layer: acc_init stays refused (the reduce path's)
+    with pytest.raises(NotImplementedError, match="acc_init needs compute='reduce'"):
+        mod._fused_call(torch.zeros(128, P, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32),
+                        acc_init=lambda acc: None)

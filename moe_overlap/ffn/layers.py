@@ -32,7 +32,9 @@ Backends:
   the next call) on a high-priority stream and ``ccta`` SMs. Where CUDA / CuTe DSL are missing the
   constructor raises ``NotImplementedError`` (a ``RuntimeError``) saying why.
   ``ShardedExperts(backend="fused")`` runs the same kernel grouped over the experts (each
-  expert's rows padded to tile_m, one launch; b_out seeds rank 0's accumulator).
+  expert's rows padded to tile_m, one launch; b_out seeds rank 0's accumulator); with
+  ``compute="chained"`` the chained kernel's grouped form (``ChainedFFNCompute.grouped``) and the
+  bf16 all-reduce adding ``b_out`` of each row block's expert (``b2_per_band``).
   Its speed against the reference backend, and why: bench/NOTES.md.
   ``comm="unicast"`` (peer loads/stores over NVLink) or ``comm="switch"`` (NVLink multicast;
   refused unless multicast is explicitly allowed and available, see ``require_multicast``).
@@ -268,13 +270,15 @@ class _FusedBackend:
     ``_fused_b1_param`` (the first bias parameter or None) and
     ``_run_compute(x, acc, band_ready, epoch, m_tile_expert, stream, ccta=None, b1=None)``.
 
-    ``compute="chained"`` (FusedFFN): the compute object is ``ChainedFFNCompute``, the
+    ``compute="chained"``: the compute object is ``ChainedFFNCompute`` (ShardedExperts: its
+    ``grouped`` call), the
     all-reduce runs ``partial="bf16"`` on its symmetric bf16 ``partial`` buffer (the compute
     kernel's ``out``), the compute kernel's own error word is watched beside the all-reduce's,
     and its H ring is one layer-owned buffer allocated before the launches."""
     _chained = False  # compute="chained" (set by _init_fused)
     _cwatch = None  # ErrorWatch of the chained compute kernel's error word
     _ring_buf = None  # chained: the H ring's storage (grows, never per call)
+    _b2_per_band = False  # chained: b2 one row per row block (ShardedExperts' b_out)
 
     def _decide_backend(self, backend, P, O, N, G, dtype, device, options, **fused_kw) -> str:
         """The backend this layer runs (``backend``, or what "auto" decides: ``_resolve_backend``
@@ -396,7 +400,8 @@ class _FusedBackend:
             self._allreduce = ar = BandAllReduce(
                 rows, self.out_features, self.group, backend=self.comm, act2=self._fused_act2,
                 band_rows=self.allreduce_band_rows, ready_rows=self.tile_m, ccta=self.ccta,
-                partial="bf16" if self._chained else "fp32")
+                partial="bf16" if self._chained else "fp32",
+                b2_per_band=self._chained and self._b2_per_band)
             self._warm = False
             from .band_allreduce import describe_error
             self._watch = ErrorWatch(ar.err, describe_error,
@@ -450,7 +455,8 @@ class _FusedBackend:
         table and scratch, and the H ring's storage (grown here, never inside the call)."""
         dev = self._fused_device
         rows = self._compute.prepare(M, self.in_features, self.local_hidden, self.out_features,
-                                     dev, ccta=self.ccta, has_b1=self._fused_b1_param() is not None)
+                                     dev, ccta=self.ccta, has_b1=self._fused_b1_param() is not None,
+                                     grouped=self._grouped_compute)
         need = rows * self.local_hidden
         if self._ring_buf is None or self._ring_buf.numel() < need:
             self._ring_buf = torch.empty(need, dtype=torch.bfloat16, device=dev)
@@ -476,10 +482,12 @@ class _FusedBackend:
     def _keep_for(t, stream):
         t.record_stream(stream)
 
-    def _fused_call(self, x2: torch.Tensor, mte=None, acc_init=None) -> torch.Tensor:
+    def _fused_call(self, x2: torch.Tensor, mte=None, acc_init=None, b2=None) -> torch.Tensor:
         """One overlapped layer call on M = x2.shape[0] rows: compute blocks (current stream)
         || band all-reduce (comm stream) -> bf16 [M, N]. acc_init(acc) may write the
-        accumulator's starting value (zero otherwise) in the compute stream's order.
+        accumulator's starting value (zero otherwise) in the compute stream's order. b2: the
+        all-reduce's b2 in place of ``_fused_b2()`` (made by the caller before the call, e.g.
+        one row per row block with ``b2_per_band``).
 
         Host order: every allocation and conversion (output, fp32 b1, the compute kernel's
         scratch counter) is done before the first launch; the compute (the producer of the
@@ -509,7 +517,7 @@ class _FusedBackend:
             ring = None
             self._compute.counter_for(ar.band_ready)  # allocated (once) before any launch
             data = ar.acc[:M]
-        b2 = self._fused_b2()
+        b2 = self._fused_b2() if b2 is None else b2
         if acc_init is not None:
             if self._chained:
                 raise NotImplementedError("acc_init needs compute='reduce' (the chained kernel "
@@ -788,15 +796,19 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
     ``[R, P]`` with expert e's rows contiguous, expert-major (``rows_per_expert`` a list of E ints
     or an int tensor, sum <= R; rows past the sum are zero in the output) -> ``[R, N]``,
     identical on every rank. The fused options are FusedFFN's (``compute_options`` without
-    ``cluster_m``: the grouped call keeps one expert per m-tile), with ``compute="reduce"``
-    only: ``compute="chained"`` raises ValueError (no grouped chained kernel yet).
+    ``cluster_m``: the grouped call keeps one expert per m-tile). ``compute="chained"``: the
+    chained kernel's grouped call (``ChainedFFNCompute.grouped``: one expert per 128-row block)
+    into the bf16 all-reduce, which adds b_out of each block's expert (``b2_per_band``: the
+    layer gathers ``b_out[expert of block]`` before the launches); needs (O/G) % 256 == 0 and
+    N % 256 == 0.
 
     Autograd: as ``FusedFFN``. ``backend="reference"`` gives every rank the full ``x.grad`` and
     ``b_out.grad`` and the gradient of its ``w_in`` / ``b_in`` / ``w_out`` slices (zero for an
     expert without rows; rows past the experts' rows get zero gradient), assuming the same dY on
     every rank; ``backend="fused"`` refuses a forward that autograd would record.
     """
-    _grouped_compute = True  # FusedFFNCompute.grouped
+    _grouped_compute = True  # FusedFFNCompute.grouped / ChainedFFNCompute.grouped
+    _block_b2_buf = None  # chained with b_out: the per-block b2 rows (grow, reused per call)
 
     def __init__(self, num_experts: int, in_features: int, hidden_features: int,
                  out_features: int | None = None, *, activation: str = "silu", bias: bool = False,
@@ -845,11 +857,38 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
     def _fused_b1_param(self):
         return self.b_in
 
-    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None, b1=None):
-        self._compute.grouped(x, self.w_in.detach(), self._b1_fp32() if b1 is None else b1,
-                              self.w_out.detach(), acc, ready, epoch, mte,
-                              ccta=self.ccta if ccta is None else ccta, act1=self.activation,
-                              stream=stream)
+    @property
+    def _fused_act1(self):
+        return self.activation
+
+    @property
+    def _b2_per_band(self):
+        return self.b_out is not None  # chained: b_out[expert] per row block, in the all-reduce
+
+    def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None, b1=None, h_ring=None):
+        b1 = self._b1_fp32() if b1 is None else b1
+        ccta = self.ccta if ccta is None else ccta
+        if self._chained:  # acc: the bf16 partial [M, N] the kernel stores (its out)
+            self._compute.grouped(x, self.w_in.detach(), b1, self.w_out.detach(), acc, ready,
+                                  epoch, mte, ccta=ccta, act1=self.activation, stream=stream,
+                                  h_ring=h_ring)
+            return
+        self._compute.grouped(x, self.w_in.detach(), b1, self.w_out.detach(), acc, ready, epoch,
+                              mte, ccta=ccta, act1=self.activation, stream=stream)
+
+    def _block_b2(self, mte):
+        """compute="chained" with b_out: b_out of each row block's expert, bf16 [blocks, N]
+        (the all-reduce's ``b2_per_band`` b2), gathered on the current stream into a buffer
+        that grows and is reused (the previous call's all-reduce, which read it, is joined
+        into this stream before the call returns)."""
+        n = mte.numel()
+        buf = self._block_b2_buf
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty(max(n, 2 * (0 if buf is None else buf.shape[0])),
+                              self.out_features, dtype=torch.bfloat16, device=mte.device)
+            self._block_b2_buf = buf
+        torch.index_select(self.b_out.detach(), 0, mte, out=buf[:n])
+        return buf[:n]
 
     def _forward_fused(self, x, rows):
         """Experts' row groups padded to tile_m (an m-tile, hence a band, belongs to one
@@ -862,6 +901,11 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         dst_t, mte, row_e_t, R_pad = padded_expert_layout(rows, tm, dev)
         x_pad = torch.zeros(R_pad, self.in_features, dtype=x.dtype, device=dev)
         x_pad.index_copy_(0, dst_t, x[:total])
+        if self._chained:  # b_out[e] per row block, added once by the bf16 all-reduce
+            b2 = self._block_b2(mte) if self.b_out is not None else None
+            y_pad = self._fused_call(x_pad, mte, b2=b2)
+            out[:total] = y_pad.index_select(0, dst_t)
+            return out
         seed_acc = None
         if self.b_out is not None and self.rank == 0:  # b_out[e] added once, to the sum
             b_out32 = self.b_out.detach().float()

@@ -150,9 +150,10 @@ class FFNOptions:
         (ffn/compute_reduce.py), fp32 reduce-adds into the symmetric fp32 accumulator, fp32
         band all-reduce. "chained": ffn/compute_chained.py (GEMM1 -> bf16 H ring in L2 ->
         full-depth GEMM2, final bf16 partial tiles) into a symmetric bf16 buffer and the band
-        all-reduce's bf16-partial mode (half the bytes). FusedFFN only (ShardedExperts keeps
-        "reduce"); needs tile_m = 128, (O/G) % 256 == 0, N % 256 == 0; compute_options are then
-        ``CHAINED_COMPUTE_OPTIONS``.
+        all-reduce's bf16-partial mode (half the bytes). ShardedExperts runs its grouped form
+        (``ChainedFFNCompute.grouped``, b_out added per row block by the all-reduce's
+        ``b2_per_band`` variant). Needs tile_m = 128, (O/G) % 256 == 0, N % 256 == 0;
+        compute_options are then ``CHAINED_COMPUTE_OPTIONS``.
     """
     comm: str = "unicast"
     ccta: int | str = AUTO
@@ -228,9 +229,6 @@ class FFNOptions:
         kernel (see the module doc). ValueError if a value does not fit the facts."""
         O = facts.local_hidden
         chained = self.compute == "chained"
-        if chained and facts.grouped:
-            raise ValueError("compute='chained' applies to FusedFFN only: ShardedExperts runs "
-                             "compute='reduce' (the grouped chained kernel is not built yet)")
         if chained and O % 256:
             raise ValueError(f"compute='chained' needs hidden_features / world_size ({O}) to be "
                              f"a multiple of 256 (the kernel's hidden tile)")
