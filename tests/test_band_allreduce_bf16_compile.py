@@ -15,9 +15,10 @@ import pytest
 
 pytestmark = pytest.mark.compile
 
-cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-
+# before cutlass is imported: it reads the target arch once (sm_100a otherwise, without a GPU)
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from moe_overlap.ffn import band_allreduce as B  # noqa: E402
 from moe_overlap.kernels.compile import kept_cubin, kept_ptx  # noqa: E402

@@ -70,8 +70,15 @@ G = 1, about grid / (h_tiles + n_tiles) blocks share a panel in time: 1.5 on lla
 at G times the ring. The default ``group="auto"`` picks G per shape from the ring size against the L2
 (``auto_group``: the rule and the measurement it comes from).
 
+Grouped over experts (``ChainedFFNCompute.grouped``, ``ShardedExperts``): the same tile list,
+ring, counters and flags; w1 [E, P, hidden], b1 [E, hidden], w2 [E, hidden, N], and row block
+blk (one expert's rows: each expert's group padded to tile_m) uses expert ``block_expert[blk]``,
+which the host copies behind the tile table before the launch and the kernel range-checks. Blocks
+of one super-block may belong to different experts (they then share no panel, but stay correct).
+
 The tile order and its reference walk are ``chained_schedule.derive`` / ``execute_reference``;
-``chained_ffn_reference`` is the plain math. cutlass is imported lazily: this module imports with
+``chained_ffn_reference`` is the plain math, ``chained_ffn_grouped_reference`` the grouped
+call's. cutlass is imported lazily: this module imports with
 torch only, and ``ChainedFFNCompute.can_implement`` / ``ring_bytes`` run without a GPU.
 """
 
