@@ -4,13 +4,15 @@ and the closed forms the planner kernel implements against the torch planner, on
 The kernels compile for several host facts (counts / ids dtype, shared array length, sort length,
 y_src); the PTX carries the CTA scans (shuffles), the warp match of the stable counting sort, and
 no local-memory stack. `closed_form_plan` (the kernel's phases in plain Python) must equal
-`plan_combine(impl="torch")` field by field on random and adversarial counts.
+`plan_combine(impl="torch")` field by field on random and adversarial counts, in both orders.
 """
 import os
 import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (read at import)
 
@@ -73,26 +75,76 @@ def _random_counts(rng, W, El, mode):
         r = rng.randrange(W)
         c[:, :r * El] = 0
         c[:, (r + 1) * El:] = 0
+    elif mode == "empty_experts":  # every other expert receives nothing
+        c[:, rng.randrange(2)::2] = 0
     return c
 
 
+def _check_closed_form(counts, rank, tile_m, mgb, layout, order, max_rows):
+    ref = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, layout=layout, max_rows=max_rows,
+                       impl="torch", order=order)
+    assert ref.order == order
+    cf = closed_form_plan(counts, rank, tile_m, mgb, ref.band_capacity, layout, order)
+    assert set(cf) == set(ref.tensors())
+    for name, t in ref.tensors().items():
+        assert torch.equal(t, cf[name]), (name, tuple(counts.shape), tile_m, mgb, layout, order,
+                                          rank, counts.tolist())
+
+
+@pytest.mark.parametrize("order", ["remote_first", "expert"])
 @pytest.mark.parametrize("seed", range(4))
-def test_closed_forms_equal_the_torch_planner(seed):
+def test_closed_forms_equal_the_torch_planner(seed, order):
     rng = random.Random(seed)
     for _ in range(60):
         W, El = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 3, 7])
         tile_m, mgb = rng.choice([64, 128, 256]), rng.choice([1, 2, 3, 7])
         counts = _random_counts(rng, W, El, rng.choice(["random", "one_hot", "sparse", "zero",
-                                                        "to_one_rank"]))
+                                                        "to_one_rank", "empty_experts"]))
         rank = rng.randrange(W)
         for layout in ("aligned", "packed", "auto"):
             tight = int(counts[:, rank * El:(rank + 1) * El].sum())
-            ref = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, layout=layout,
-                               max_rows=tight + rng.choice([0, 0, 999]), impl="torch")
-            cf = closed_form_plan(counts, rank, tile_m, mgb, ref.band_capacity, layout)
-            for name, t in ref.tensors().items():
-                assert torch.equal(t, cf[name]), (name, W, El, tile_m, mgb, layout, rank,
-                                                  counts.tolist())
+            _check_closed_form(counts, rank, tile_m, mgb, layout, order,
+                               tight + rng.choice([0, 0, 999]))
+
+
+@st.composite
+def _plan_case(draw):
+    W = draw(st.integers(1, 16))
+    El = draw(st.integers(1, 12))
+    mode = draw(st.sampled_from(["random", "one_hot", "sparse", "zero", "to_one_rank",
+                                 "empty_experts"]))
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    counts = _random_counts(random.Random(seed), W, El, mode)
+    return (counts, draw(st.integers(0, W - 1)), draw(st.sampled_from([64, 128, 256])),
+            draw(st.integers(1, 7)), draw(st.sampled_from([0, 0, 1, 999])))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_plan_case())
+def test_closed_forms_equal_the_torch_planner_hypothesis(case):
+    counts, rank, tile_m, mgb, slack = case
+    El = counts.shape[1] // counts.shape[0]
+    tight = int(counts[:, rank * El:(rank + 1) * El].sum())
+    for layout in ("aligned", "packed", "auto"):
+        for order in ("remote_first", "expert"):
+            _check_closed_form(counts, rank, tile_m, mgb, layout, order, tight + slack)
+
+
+def test_closed_form_expert_order_differs_where_the_torch_planner_does():
+    """The two orders give different schedules, segments and local cells on a routing where
+    some expert has fewer remote bands than a later one (so the comparison above tests the
+    order, not two copies of one plan)."""
+    counts = torch.zeros(2, 4, dtype=torch.int64)
+    counts[0, 0:2] = torch.tensor([300, 50])  # rank 0's experts: 0 mostly local, 1 few rows
+    counts[1, 0:2] = torch.tensor([10, 400])  # from rank 1: expert 1 mostly remote
+    a = closed_form_plan(counts, 0, 64, 1, 40, "aligned", "remote_first")
+    b = closed_form_plan(counts, 0, 64, 1, 40, "aligned", "expert")
+    nb = int(a["num_bands"])
+    assert b["schedule"][:nb].tolist() == list(range(nb)) != a["schedule"][:nb].tolist()
+    assert not torch.equal(a["segment_start"], b["segment_start"])
+    assert not torch.equal(a["local_cell_band"], b["local_cell_band"])
+    with pytest.raises(ValueError, match="order"):
+        closed_form_plan(counts, 0, 64, 1, 40, "aligned", "fastest")
 
 
 def test_impl_switch_rejects_bad_values_and_cpu_kernel():
