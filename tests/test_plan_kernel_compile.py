@@ -42,6 +42,33 @@ def test_plan_kernels_compile(counts_64, NE, NPS):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("counts_64,NE,NPS", [(True, 512, 8), (False, 32, 2), (True, 1024, 1024)])
+def test_plan_kernel_expert_order_compiles_without_the_sort(counts_64, NE, NPS):
+    """order="expert": the same stores, scans and tails as remote_first, but no expert ranking
+    (the bitonic sort's 64-bit shared keys and its barriers are gone)."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    from moe_overlap.combine.plan_kernel import PlanKernel, build_plan_kernels, plan_example_args
+    ptx = _ptx(build_plan_kernels(counts_64, NE, NPS, by_expert=True), *plan_example_args())
+    rf = _ptx(build_plan_kernels(counts_64, NE, NPS), *plan_example_args())
+    assert "shfl.sync.up.b32" in ptx and "shfl.sync.idx.b32" in ptx
+    assert "ld.global.s32" in ptx and "ld.global.b64" not in ptx
+    assert "%ctaid.x" in ptx and "%nctaid.x" in ptx
+    assert ptx.count("st.global.s32") >= 29 + 17 + 6
+    assert ".local" not in ptx.split(".entry", 1)[1]
+    assert ".reqntid 1024" in ptx
+    # the sort is remote_first's only: its keys are the kernel's only 64-bit shared accesses
+    assert "st.shared.s64" in rf and "ld.shared.s64" in rf
+    assert "st.shared.s64" not in ptx and "ld.shared.s64" not in ptx
+    assert 18 <= ptx.count("bar.sync") < rf.count("bar.sync")
+    # a variant of its own in the compile cache, the sort length out of its key
+    key = PlanKernel.variant(counts_64, E=NE, El=NPS, order="expert")
+    assert key[-1] is True and key != PlanKernel.variant(counts_64, E=NE, El=NPS)
+    assert key == PlanKernel.variant(counts_64, E=NE, El=2, order="expert")
+    with pytest.raises(ValueError, match="order"):
+        PlanKernel.variant(counts_64, E=NE, El=NPS, order="fastest")
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("ids_64,NE,y_src", [(True, 512, False), (True, 512, True),
                                              (False, 32, True), (True, 1024, False)])
 def test_routes_kernels_compile(ids_64, NE, y_src):
@@ -156,6 +183,51 @@ def test_impl_switch_rejects_bad_values_and_cpu_kernel():
     a = plan_combine(counts, 0, impl="auto")  # CPU counts: the torch planner
     b = plan_combine(counts, 0, impl="torch")
     assert all(torch.equal(t, getattr(b, n)) for n, t in a.tensors().items())
+    # either order: the kernel is refused for the device only
+    for order in ("remote_first", "expert"):
+        with pytest.raises(ValueError, match="CUDA"):
+            plan_combine(counts, 0, impl="kernel", order=order)
+
+
+@pytest.mark.parametrize("impl", ["auto", "kernel"])
+def test_kernel_path_plans_both_orders(impl, monkeypatch):
+    """Where auto picks the kernel (CUDA counts, CuTe DSL importable; stood in for here by
+    _resolve_impl), it picks it in both orders and hands the order to the kernel; the plan is
+    the torch planner's in that order. The kernel is replaced by its closed forms (the same
+    algorithm in Python), so this runs on the host."""
+    import moe_overlap.combine.plan as plan_mod
+    import moe_overlap.combine.plan_kernel as pk
+    calls = []
+
+    def fake_kernel(counts, rank, tile_m, mgb, band_capacity, layout, order="remote_first"):
+        calls.append(order)
+        return closed_form_plan(counts, rank, tile_m, mgb, band_capacity, layout, order)
+
+    counts = _random_counts(random.Random(7), 4, 3, "random")
+    cases = [(o, lay) for o in ("remote_first", "expert") for lay in ("aligned", "packed", "auto")]
+    refs = {c: plan_combine(counts, 2, tile_m=64, mgb=2, layout=c[1], impl="torch", order=c[0])
+            for c in cases}
+    resolved = []
+
+    def fake_resolve(impl_, counts):
+        resolved.append(impl_)
+        return "kernel"
+    monkeypatch.setattr(plan_mod, "_resolve_impl", fake_resolve)
+    monkeypatch.setattr(pk, "plan_tensors_kernel", fake_kernel)
+    for order, layout in cases:
+        got = plan_combine(counts, 2, tile_m=64, mgb=2, layout=layout, impl=impl, order=order)
+        ref = refs[order, layout]
+        assert calls[-1] == order and got.order == ref.order == order
+        for n, t in ref.tensors().items():
+            assert torch.equal(getattr(got, n), t), (n, order, layout)
+    assert calls == [o for o in ("remote_first", "expert") for _ in range(3)]
+    assert resolved == [impl] * 6
+
+
+def test_planner_and_kernel_name_the_same_orders():
+    from moe_overlap.combine.plan import ORDERS
+    from moe_overlap.combine.plan_kernel import ORDERS as KERNEL_ORDERS
+    assert ORDERS == KERNEL_ORDERS == ("remote_first", "expert")
 
 
 def _emulate_routes_rows(ids, E):
