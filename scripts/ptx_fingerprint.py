@@ -131,6 +131,9 @@ def variants():
         "scale_top8_y": lambda: _keep(sc().build_scale(8, y_src=True), *sc().scale_example_args()),
         "plan_kernel_e512": lambda: _keep(pk().build_plan_kernels(True, 512, 8),
                                           *pk().plan_example_args()),
+        # order="expert": the variant without the expert ranking
+        "plan_kernel_e512_expert": lambda: _keep(pk().build_plan_kernels(
+            True, 512, 2, by_expert=True), *pk().plan_example_args()),
         "routes_rank_y": lambda: _keep(rt().build_routes_kernels(True, 512, True)[1],
                                        *rt().rank_example_args()),
     }

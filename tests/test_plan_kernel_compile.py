@@ -4,13 +4,15 @@ and the closed forms the planner kernel implements against the torch planner, on
 The kernels compile for several host facts (counts / ids dtype, shared array length, sort length,
 y_src); the PTX carries the CTA scans (shuffles), the warp match of the stable counting sort, and
 no local-memory stack. `closed_form_plan` (the kernel's phases in plain Python) must equal
-`plan_combine(impl="torch")` field by field on random and adversarial counts.
+`plan_combine(impl="torch")` field by field on random and adversarial counts, in both orders.
 """
 import os
 import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (read at import)
 
@@ -37,6 +39,33 @@ def test_plan_kernels_compile(counts_64, NE, NPS):
     assert ptx.count("st.global.s32") >= 29 + 17 + 6
     assert ".local" not in ptx.split(".entry", 1)[1]
     assert ".reqntid 1024" in ptx  # ptxas then keeps it within 64 registers (1024 threads fit)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("counts_64,NE,NPS", [(True, 512, 8), (False, 32, 2), (True, 1024, 1024)])
+def test_plan_kernel_expert_order_compiles_without_the_sort(counts_64, NE, NPS):
+    """order="expert": the same stores, scans and tails as remote_first, but no expert ranking
+    (the bitonic sort's 64-bit shared keys and its barriers are gone)."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    from moe_overlap.combine.plan_kernel import PlanKernel, build_plan_kernels, plan_example_args
+    ptx = _ptx(build_plan_kernels(counts_64, NE, NPS, by_expert=True), *plan_example_args())
+    rf = _ptx(build_plan_kernels(counts_64, NE, NPS), *plan_example_args())
+    assert "shfl.sync.up.b32" in ptx and "shfl.sync.idx.b32" in ptx
+    assert "ld.global.s32" in ptx and "ld.global.b64" not in ptx
+    assert "%ctaid.x" in ptx and "%nctaid.x" in ptx
+    assert ptx.count("st.global.s32") >= 29 + 17 + 6
+    assert ".local" not in ptx.split(".entry", 1)[1]
+    assert ".reqntid 1024" in ptx
+    # the sort is remote_first's only: its keys are the kernel's only 64-bit shared accesses
+    assert "st.shared.s64" in rf and "ld.shared.s64" in rf
+    assert "st.shared.s64" not in ptx and "ld.shared.s64" not in ptx
+    assert 18 <= ptx.count("bar.sync") < rf.count("bar.sync")
+    # a variant of its own in the compile cache, the sort length out of its key
+    key = PlanKernel.variant(counts_64, E=NE, El=NPS, order="expert")
+    assert key[-1] is True and key != PlanKernel.variant(counts_64, E=NE, El=NPS)
+    assert key == PlanKernel.variant(counts_64, E=NE, El=2, order="expert")
+    with pytest.raises(ValueError, match="order"):
+        PlanKernel.variant(counts_64, E=NE, El=NPS, order="fastest")
 
 
 @pytest.mark.compile
@@ -73,26 +102,76 @@ def _random_counts(rng, W, El, mode):
         r = rng.randrange(W)
         c[:, :r * El] = 0
         c[:, (r + 1) * El:] = 0
+    elif mode == "empty_experts":  # every other expert receives nothing
+        c[:, rng.randrange(2)::2] = 0
     return c
 
 
+def _check_closed_form(counts, rank, tile_m, mgb, layout, order, max_rows):
+    ref = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, layout=layout, max_rows=max_rows,
+                       impl="torch", order=order)
+    assert ref.order == order
+    cf = closed_form_plan(counts, rank, tile_m, mgb, ref.band_capacity, layout, order)
+    assert set(cf) == set(ref.tensors())
+    for name, t in ref.tensors().items():
+        assert torch.equal(t, cf[name]), (name, tuple(counts.shape), tile_m, mgb, layout, order,
+                                          rank, counts.tolist())
+
+
+@pytest.mark.parametrize("order", ["remote_first", "expert"])
 @pytest.mark.parametrize("seed", range(4))
-def test_closed_forms_equal_the_torch_planner(seed):
+def test_closed_forms_equal_the_torch_planner(seed, order):
     rng = random.Random(seed)
     for _ in range(60):
         W, El = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 3, 7])
         tile_m, mgb = rng.choice([64, 128, 256]), rng.choice([1, 2, 3, 7])
         counts = _random_counts(rng, W, El, rng.choice(["random", "one_hot", "sparse", "zero",
-                                                        "to_one_rank"]))
+                                                        "to_one_rank", "empty_experts"]))
         rank = rng.randrange(W)
         for layout in ("aligned", "packed", "auto"):
             tight = int(counts[:, rank * El:(rank + 1) * El].sum())
-            ref = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, layout=layout,
-                               max_rows=tight + rng.choice([0, 0, 999]), impl="torch")
-            cf = closed_form_plan(counts, rank, tile_m, mgb, ref.band_capacity, layout)
-            for name, t in ref.tensors().items():
-                assert torch.equal(t, cf[name]), (name, W, El, tile_m, mgb, layout, rank,
-                                                  counts.tolist())
+            _check_closed_form(counts, rank, tile_m, mgb, layout, order,
+                               tight + rng.choice([0, 0, 999]))
+
+
+@st.composite
+def _plan_case(draw):
+    W = draw(st.integers(1, 16))
+    El = draw(st.integers(1, 12))
+    mode = draw(st.sampled_from(["random", "one_hot", "sparse", "zero", "to_one_rank",
+                                 "empty_experts"]))
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    counts = _random_counts(random.Random(seed), W, El, mode)
+    return (counts, draw(st.integers(0, W - 1)), draw(st.sampled_from([64, 128, 256])),
+            draw(st.integers(1, 7)), draw(st.sampled_from([0, 0, 1, 999])))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_plan_case())
+def test_closed_forms_equal_the_torch_planner_hypothesis(case):
+    counts, rank, tile_m, mgb, slack = case
+    El = counts.shape[1] // counts.shape[0]
+    tight = int(counts[:, rank * El:(rank + 1) * El].sum())
+    for layout in ("aligned", "packed", "auto"):
+        for order in ("remote_first", "expert"):
+            _check_closed_form(counts, rank, tile_m, mgb, layout, order, tight + slack)
+
+
+def test_closed_form_expert_order_differs_where_the_torch_planner_does():
+    """The two orders give different schedules, segments and local cells on a routing where
+    some expert has fewer remote bands than a later one (so the comparison above tests the
+    order, not two copies of one plan)."""
+    counts = torch.zeros(2, 4, dtype=torch.int64)
+    counts[0, 0:2] = torch.tensor([300, 50])  # rank 0's experts: 0 mostly local, 1 few rows
+    counts[1, 0:2] = torch.tensor([10, 400])  # from rank 1: expert 1 mostly remote
+    a = closed_form_plan(counts, 0, 64, 1, 40, "aligned", "remote_first")
+    b = closed_form_plan(counts, 0, 64, 1, 40, "aligned", "expert")
+    nb = int(a["num_bands"])
+    assert b["schedule"][:nb].tolist() == list(range(nb)) != a["schedule"][:nb].tolist()
+    assert not torch.equal(a["segment_start"], b["segment_start"])
+    assert not torch.equal(a["local_cell_band"], b["local_cell_band"])
+    with pytest.raises(ValueError, match="order"):
+        closed_form_plan(counts, 0, 64, 1, 40, "aligned", "fastest")
 
 
 def test_impl_switch_rejects_bad_values_and_cpu_kernel():
@@ -104,6 +183,51 @@ def test_impl_switch_rejects_bad_values_and_cpu_kernel():
     a = plan_combine(counts, 0, impl="auto")  # CPU counts: the torch planner
     b = plan_combine(counts, 0, impl="torch")
     assert all(torch.equal(t, getattr(b, n)) for n, t in a.tensors().items())
+    # either order: the kernel is refused for the device only
+    for order in ("remote_first", "expert"):
+        with pytest.raises(ValueError, match="CUDA"):
+            plan_combine(counts, 0, impl="kernel", order=order)
+
+
+@pytest.mark.parametrize("impl", ["auto", "kernel"])
+def test_kernel_path_plans_both_orders(impl, monkeypatch):
+    """Where auto picks the kernel (CUDA counts, CuTe DSL importable; stood in for here by
+    _resolve_impl), it picks it in both orders and hands the order to the kernel; the plan is
+    the torch planner's in that order. The kernel is replaced by its closed forms (the same
+    algorithm in Python), so this runs on the host."""
+    import moe_overlap.combine.plan as plan_mod
+    import moe_overlap.combine.plan_kernel as pk
+    calls = []
+
+    def fake_kernel(counts, rank, tile_m, mgb, band_capacity, layout, order="remote_first"):
+        calls.append(order)
+        return closed_form_plan(counts, rank, tile_m, mgb, band_capacity, layout, order)
+
+    counts = _random_counts(random.Random(7), 4, 3, "random")
+    cases = [(o, lay) for o in ("remote_first", "expert") for lay in ("aligned", "packed", "auto")]
+    refs = {c: plan_combine(counts, 2, tile_m=64, mgb=2, layout=c[1], impl="torch", order=c[0])
+            for c in cases}
+    resolved = []
+
+    def fake_resolve(impl_, counts):
+        resolved.append(impl_)
+        return "kernel"
+    monkeypatch.setattr(plan_mod, "_resolve_impl", fake_resolve)
+    monkeypatch.setattr(pk, "plan_tensors_kernel", fake_kernel)
+    for order, layout in cases:
+        got = plan_combine(counts, 2, tile_m=64, mgb=2, layout=layout, impl=impl, order=order)
+        ref = refs[order, layout]
+        assert calls[-1] == order and got.order == ref.order == order
+        for n, t in ref.tensors().items():
+            assert torch.equal(getattr(got, n), t), (n, order, layout)
+    assert calls == [o for o in ("remote_first", "expert") for _ in range(3)]
+    assert resolved == [impl] * 6
+
+
+def test_planner_and_kernel_name_the_same_orders():
+    from moe_overlap.combine.plan import ORDERS
+    from moe_overlap.combine.plan_kernel import ORDERS as KERNEL_ORDERS
+    assert ORDERS == KERNEL_ORDERS == ("remote_first", "expert")
 
 
 def _emulate_routes_rows(ids, E):

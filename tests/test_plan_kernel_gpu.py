@@ -1,8 +1,8 @@
 """The planner kernel and the route-preparation kernels on CUDA against their torch references:
-every plan tensor bitwise equal on random and adversarial counts, prepare equal, and both
-captured in a CUDA graph and replayed with new counts / ids.
+every plan tensor bitwise equal on random and adversarial counts in both orders (remote_first,
+expert), prepare equal, and both captured in a CUDA graph and replayed with new counts / ids.
 
-A failure names the case (W, E, rank, tile_m, mgb, layout, capacity, counts seed / mode), the
+A failure names the case (W, E, rank, tile_m, mgb, layout, order, capacity, counts mode), the
 field, the first differing index and the values around it on both sides, so it can be replayed on
 the host with moe_overlap.combine.plan_closed_form.closed_form_plan (the kernel's phases in
 Python).
@@ -29,11 +29,12 @@ def _first_diff(name, got, ref, case):
             f"{g[lo:i + 5].tolist()} torch {r[lo:i + 5].tolist()} (from index {lo})")
 
 
-def _check_plan(counts, rank, tile_m, mgb, layout, max_rows, case):
+def _check_plan(counts, rank, tile_m, mgb, layout, max_rows, case, order="remote_first"):
     ref = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, max_rows=max_rows, validate=False,
-                       layout=layout, impl="torch")
+                       layout=layout, impl="torch", order=order)
     got = plan_combine(counts, rank, tile_m=tile_m, mgb=mgb, max_rows=max_rows, validate=False,
-                       layout=layout, impl="kernel")
+                       layout=layout, impl="kernel", order=order)
+    assert got.order == ref.order == order, case
     assert (got.band_capacity, got.segment_capacity) == (ref.band_capacity, ref.segment_capacity)
     bad = [_first_diff(n, getattr(got, n), t, case) for n, t in ref.tensors().items()
            if not (getattr(got, n).shape == t.shape and getattr(got, n).dtype == t.dtype
@@ -61,12 +62,14 @@ def _counts(W, El, mode, seed, dev):
 
 
 MODES = ["random", "empty_experts", "one_hot", "to_one_rank", "zero", "sparse", "tiny"]
+ORDERS = ["remote_first", "expert"]
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("W,El", [(1, 1), (1, 5), (2, 4), (3, 3), (4, 16), (8, 32), (16, 8),
                                   (64, 8), (1, 512), (2, 512)])
 @pytest.mark.parametrize("mode", MODES)
-def test_plan_kernel_equals_torch_planner(W, El, mode):
+def test_plan_kernel_equals_torch_planner(W, El, mode, order):
     dev = torch.device("cuda")
     rng = random.Random(W * 1000 + El * 10 + MODES.index(mode))
     counts = _counts(W, El, mode, rng.randrange(1 << 20), dev)
@@ -77,12 +80,13 @@ def test_plan_kernel_equals_torch_planner(W, El, mode):
             tight = int(counts[:, rank * El:(rank + 1) * El].sum())
             for cap_name, max_rows in (("tight", tight), ("worst", int(counts.sum()) + 1000)):
                 case = (f"W={W} E={W * El} rank={rank} tile_m={tile_m} mgb={mgb} layout={layout} "
-                        f"cap={cap_name}({max_rows}) mode={mode}")
-                _check_plan(counts, rank, tile_m, mgb, layout, max_rows, case)
+                        f"order={order} cap={cap_name}({max_rows}) mode={mode}")
+                _check_plan(counts, rank, tile_m, mgb, layout, max_rows, case, order)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("mgb", [1, 2, 3, 7])
-def test_plan_kernel_at_scale(mgb):
+def test_plan_kernel_at_scale(mgb, order):
     """W=64, E=512, 16384 tokens x top-8 per rank (balanced routing), every rank, worst case."""
     from moe_overlap.combine.plan import count_assignments
     from moe_overlap.routing import route
@@ -92,13 +96,15 @@ def test_plan_kernel_at_scale(mgb):
     for rank in (0, 17, 63):
         for tile_m in (64, 128, 256):
             for layout in ("aligned", "packed", "auto"):
-                case = f"W={W} E={E} T={T} k={k} rank={rank} tile_m={tile_m} mgb={mgb} {layout}"
-                _check_plan(counts, rank, tile_m, mgb, layout, W * T * k, case)
+                case = (f"W={W} E={E} T={T} k={k} rank={rank} tile_m={tile_m} mgb={mgb} "
+                        f"{layout} {order}")
+                _check_plan(counts, rank, tile_m, mgb, layout, W * T * k, case, order)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("W,El", [(1, 1), (3, 3), (8, 32), (64, 8), (2, 512)])
 @pytest.mark.parametrize("mode", ["random", "one_hot", "zero", "sparse"])
-def test_plan_kernel_writes_every_word_of_a_poisoned_buffer(W, El, mode, monkeypatch):
+def test_plan_kernel_writes_every_word_of_a_poisoned_buffer(W, El, mode, order, monkeypatch):
     """The -1 tails (tail CTAs from the valid lengths, CTA 0 between num_segments and the
     remote cells) leave no word unwritten: the buffer starts as 0x5A5A5A5A, not as whatever
     the caching allocator hands back (often the previous plan, tails included). The worst
@@ -115,32 +121,51 @@ def test_plan_kernel_writes_every_word_of_a_poisoned_buffer(W, El, mode, monkeyp
             tight = int(counts[:, rank * El:(rank + 1) * El].sum())
             for cap_name, max_rows in (("tight", tight), ("worst", int(counts.sum()) + 600_000)):
                 case = (f"poisoned W={W} E={W * El} rank={rank} tile_m={tile_m} mgb={mgb} "
-                        f"layout={layout} cap={cap_name}({max_rows}) mode={mode}")
-                _check_plan(counts, rank, tile_m, mgb, layout, max_rows, case)
+                        f"layout={layout} order={order} cap={cap_name}({max_rows}) mode={mode}")
+                _check_plan(counts, rank, tile_m, mgb, layout, max_rows, case, order)
 
 
-def test_plan_kernel_int32_counts_and_no_host_sync():
+@pytest.mark.parametrize("order", ORDERS)
+def test_plan_kernel_int32_counts_and_no_host_sync(order):
     counts = _counts(4, 8, "random", 5, "cuda")
-    ref = plan_combine(counts, 1, tile_m=128, mgb=2, max_rows=50_000, validate=False,
-                       impl="torch")
+    kw = dict(tile_m=128, mgb=2, max_rows=50_000, validate=False, order=order)
+    ref = plan_combine(counts, 1, impl="torch", **kw)
     c32 = counts.to(torch.int32)
-    plan_combine(c32, 1, tile_m=128, mgb=2, max_rows=50_000, validate=False, impl="kernel")
+    plan_combine(c32, 1, impl="kernel", **kw)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = plan_combine(c32, 1, tile_m=128, mgb=2, max_rows=50_000, validate=False,
-                           impl="kernel")
+        got = plan_combine(c32, 1, impl="kernel", **kw)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     for n, t in ref.tensors().items():
-        assert torch.equal(getattr(got, n), t), _first_diff(n, getattr(got, n), t, "int32")
+        assert torch.equal(getattr(got, n), t), _first_diff(n, getattr(got, n), t,
+                                                            f"int32 {order}")
 
 
-def test_plan_kernel_in_a_cuda_graph_replays_with_new_counts():
+@pytest.mark.parametrize("order", ORDERS)
+def test_auto_plans_either_order_with_the_kernel(order):
+    """impl="auto" on CUDA counts: the kernel in both orders (its tensors are views of one
+    buffer; the torch planner's are separate tensors), equal to the torch planner's."""
+    counts = _counts(4, 8, "random", 9, "cuda")
+    kw = dict(tile_m=128, mgb=2, max_rows=50_000, validate=False, order=order)
+    got = plan_combine(counts, 2, impl="auto", **kw)
+    ref = plan_combine(counts, 2, impl="torch", **kw)
+    base = {t.untyped_storage().data_ptr() for t in got.tensors().values()}
+    assert len(base) == 1, "impl='auto' did not plan with the kernel"
+    assert len({t.untyped_storage().data_ptr() for t in ref.tensors().values()}) > 1
+    assert got.order == order
+    for n, t in ref.tensors().items():
+        assert torch.equal(getattr(got, n), t), _first_diff(n, getattr(got, n), t,
+                                                            f"auto {order}")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_plan_kernel_in_a_cuda_graph_replays_with_new_counts(order):
     W, El, rank = 8, 16, 3
     static = _counts(W, El, "random", 1, "cuda")
     kw = dict(tile_m=128, mgb=2, max_rows=W * 700 * El, validate=False, layout="auto",
-              impl="kernel")
+              impl="kernel", order=order)
     plan_combine(static, rank, **kw)  # compile and load outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -151,7 +176,7 @@ def test_plan_kernel_in_a_cuda_graph_replays_with_new_counts():
         static.copy_(new)
         g.replay()
         ref = plan_combine(new, rank, **{**kw, "impl": "torch"})
-        bad = [_first_diff(n, getattr(plan, n), t, f"graph replay {i} ({mode})")
+        bad = [_first_diff(n, getattr(plan, n), t, f"graph replay {i} ({mode}, {order})")
                for n, t in ref.tensors().items() if not torch.equal(getattr(plan, n), t)]
         assert not bad, "\n".join(bad)
 

@@ -119,8 +119,7 @@ class CombineOptions:
         order); the remote rows come later, so it suits shapes the GEMM bounds, not the
         transfer. The planner and
         the reference backend are tested with it on CPU; the overlapped call with it has not run
-        on a GPU yet. Planned by the torch planner (the kernel planner builds remote_first
-        only).
+        on a GPU yet. Either planner builds it (``plan_combine(impl=)``).
     gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
         ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
     """

@@ -212,8 +212,8 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     layout: "aligned" (every (expert, source) group padded to tile_m), "packed" (only each
         expert's total padded) or "auto" (packed where it lays out fewer rows than aligned,
         decided on the device: `plan.packed` says which, without a host sync).
-    impl: "torch" (vectorized torch ops below: the reference, and the CPU path), "kernel" (two
-        CuTe DSL launches, moe_overlap/combine/plan_kernel.py: the same tensors bit for bit, a
+    impl: "torch" (vectorized torch ops below: the reference, and the CPU path), "kernel" (one
+        CuTe DSL launch, moe_overlap/combine/plan_kernel.py: the same tensors bit for bit, a
         few microseconds) or "auto" (the kernel on CUDA where CuTe DSL imports). The host checks
         here run before either.
     order: the schedule. "remote_first": every band holding a remote row before every band
@@ -221,8 +221,8 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         row order, i.e. expert by expert, each expert's remote rows first and its local-only band
         right after them: the producer reads each expert's weights about once, where
         remote-first reads them twice when much of an expert's rows are local (the timings:
-        bench/NOTES.md, the producer in expert order), at the price of later remote rows. The kernel planner builds "remote_first" only
-        (impl="auto" plans "expert" with torch).
+        bench/NOTES.md, the producer in expert order), at the price of later remote rows. Both
+        implementations build both orders (the kernel: a compiled variant each).
     """
     W, E, rank, tile_m, mgb = _check_counts(expert_counts, rank, tile_m, mgb)
     if max_rows is not None:
@@ -231,13 +231,8 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         raise ValueError(f"layout={layout!r}; choose from {LAYOUTS}")
     if order not in ORDERS:
         raise ValueError(f"order={order!r}; choose from {ORDERS}")
-    if order != "remote_first" and impl == "kernel":
-        raise ValueError(f"impl='kernel' plans order='remote_first' only, got order={order!r}; "
-                         "use impl='torch' (or 'auto')")
     requested, by_expert = impl, order == "expert"
     impl = _resolve_impl(impl, expert_counts)
-    if by_expert:  # the kernel planner builds remote_first only
-        impl = "torch"
     El = E // W
     dev = expert_counts.device
     # int64 counts: no copy; the kernel reads the counts as given and needs these only to validate
@@ -266,8 +261,9 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         if ok:
             return CombinePlan(world_size=W, rank=rank, num_experts=E, experts_per_rank=El,
                                tile_m=tile_m, mgb=mgb, band_capacity=B,
-                               segment_capacity=B + El * W, layout=layout,
-                               **plan_tensors_kernel(expert_counts, rank, tile_m, mgb, B, layout))
+                               segment_capacity=B + El * W, layout=layout, order=order,
+                               **plan_tensors_kernel(expert_counts, rank, tile_m, mgb, B, layout,
+                                                     order))
         counts = expert_counts.to(torch.int64)  # auto, beyond the kernel's limits: torch
         local = counts[:, rank * El:(rank + 1) * El].t()
     C = B + El * W  # cells (band, source) of either layout: at most one per band and group

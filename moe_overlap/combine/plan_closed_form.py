@@ -14,7 +14,9 @@ Phases (the kernel's, in order):
     of remote groups included).
  3. experts ranked by (-nrb_e, e); scans in rank order: remote-band base, local-band base, and the
     base of the local cells that sit in a remote band (packed: the band holding the end of the
-    remote rows and the start of the local group).
+    remote rows and the start of the local group). order="expert": no ranking (the rank order
+    is the expert order, the schedule the band order); an expert's first band sits at its band
+    base, its first local cell after the local cells of the experts before it.
  4. per band b (expert e by binary search over band bases, k its index inside e): band fields
     from the group that holds row k * tile_m (its first cell), schedule position, and the local
     cell of the band if it holds local rows.
@@ -41,8 +43,12 @@ def group_source(j: int, rank: int, W: int) -> int:
 
 
 def closed_form_plan(counts, rank: int, tile_m: int, mgb: int, band_capacity: int,
-                     layout: str) -> dict[str, torch.Tensor]:
-    """Plan tensors (int32, by CombinePlan field name) from the closed forms."""
+                     layout: str, order: str = "remote_first") -> dict[str, torch.Tensor]:
+    """Plan tensors (int32, by CombinePlan field name) from the closed forms; `order` is
+    plan_combine's ("remote_first" or "expert")."""
+    if order not in ("remote_first", "expert"):
+        raise ValueError(f"order={order!r}; choose from ('remote_first', 'expert')")
+    by_expert = order == "expert"
     cnt = [[int(v) for v in row] for row in torch.as_tensor(counts).tolist()]
     W, E = len(cnt), len(cnt[0])
     El, t = E // W, tile_m
@@ -85,16 +91,26 @@ def closed_form_plan(counts, rank: int, tile_m: int, mgb: int, band_capacity: in
     f = [int(lc[e] > 0 and ls[e] % t != 0) for e in range(El)]
     ncell = [((st[g] + c[g] - 1) // t - st[g] // t + 1) if c[g] > 0 else 0 for g in range(E)]
     # ---- phase 3: ranks and rank-order scans
-    srt = sorted(range(El), key=lambda e: (-nrb[e], e))  # expert at each rank
     rbase, lbase, fbase = [0] * El, [0] * El, [0] * El
-    acc_r = acc_l = acc_f = 0
-    for e in srt:
-        rbase[e], lbase[e], fbase[e] = acc_r, acc_l, acc_f
-        acc_r += nrb[e]
-        acc_l += ebands[e] - nrb[e]
-        acc_f += f[e]
-    num_remote, num_fcells = acc_r, acc_f
-    num_local = acc_f + acc_l
+    if by_expert:
+        # schedule = band order: expert e's first band at its band base; its local cells
+        # (f_e in its last remote band, then one per local band) after the earlier experts'
+        srt = list(range(El))
+        acc = 0
+        for e in srt:
+            rbase[e], fbase[e] = bbase[e], acc
+            acc += f[e] + ebands[e] - nrb[e]
+        num_remote, num_local = sum(nrb), acc
+    else:
+        srt = sorted(range(El), key=lambda e: (-nrb[e], e))  # expert at each rank
+        acc_r = acc_l = acc_f = 0
+        for e in srt:
+            rbase[e], lbase[e], fbase[e] = acc_r, acc_l, acc_f
+            acc_r += nrb[e]
+            acc_l += ebands[e] - nrb[e]
+            acc_f += f[e]
+        num_remote, num_fcells = acc_r, acc_f
+        num_local = acc_f + acc_l
     # ---- phase 4: per band
     m1 = lambda n: [-1] * n  # noqa: E731
     out = {k: m1(B) for k in ("band_expert", "band_row", "band_src_row", "band_dest",
@@ -113,12 +129,18 @@ def closed_form_plan(counts, rank: int, tile_m: int, mgb: int, band_capacity: in
         out["band_dest"][b] = group_source(j, rank, W)
         out["band_dest_row"][b] = dr[g] + kt - st[g]
         out["band_valid"][b] = min(t, (sum_c[e] if packed else st[g] + c[g]) - kt)
-        pos = rbase[e] + k if k < nrb[e] else num_remote + lbase[e] + k - nrb[e]
+        if by_expert:
+            pos = b
+        else:
+            pos = rbase[e] + k if k < nrb[e] else num_remote + lbase[e] + k - nrb[e]
         out["schedule"][pos] = b
         gl = e * W + W - 1
         lo, hi = max(ls[e], kt), min(ls[e] + lc[e], kt + t)
         if hi > lo:  # the band holds local rows: one local cell
-            q = fbase[e] if k < nrb[e] else num_fcells + lbase[e] + k - nrb[e]
+            if by_expert:  # the local group's bands from the one holding its first row
+                q = fbase[e] + k - ls[e] // t
+            else:
+                q = fbase[e] if k < nrb[e] else num_fcells + lbase[e] + k - nrb[e]
             out["local_cell_band"][q] = b
             out["local_cell_src_row"][q] = erstart[e] + lo
             out["local_cell_dest_row"][q] = dr[gl] + lo - ls[e]

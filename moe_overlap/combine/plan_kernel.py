@@ -4,7 +4,9 @@ reference) does, from the counts alone, without a host sync (CUDA-graph capturab
 
 CTA 0 (1024 threads, shared memory): every field has a closed form from prefix sums over the
 E = El * W groups (<= 1024, one per thread), so no sort is needed except ranking the El experts
-(a bitonic sort of El keys in shared memory). The phases are those of
+(a bitonic sort of El keys in shared memory) for order="remote_first"; order="expert" (a
+separately compiled variant) schedules the bands in their own order and ranks nothing. The
+phases are those of
 `moe_overlap.combine.plan_closed_form.closed_form_plan`, the same algorithm in plain Python that
 the CPU tests check against the torch planner; the per-band and per-remote-cell loops are
 strided over the threads, so the work follows the bands of this routing, not the capacity.
@@ -37,6 +39,7 @@ SEGMENT_FIELDS = ("segment_start", "segment_bands", "segment_dest", "segment_src
 SCALARS = ("packed", "num_bands", "num_remote_bands", "num_segments", "num_local_cells",
            "total_rows", "valid_rows")  # [1] each, at offsets 0..6 of the buffer
 _LAYOUT_CODE = {"aligned": 0, "packed": 1, "auto": 2}
+ORDERS = ("remote_first", "expert")  # plan_combine(order=); a compiled variant each
 
 
 def _pow2(n: int) -> int:
@@ -164,10 +167,12 @@ def simt_helpers():
         "SimpleNamespace", "Int32", "Int64")})
 
 
-def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
+def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = False):
     """The plan launcher (one kernel: CTA 0 plans, CTAs 1.. the row totals and the -1 tails).
     NE: shared array length (power of two >= E); NPS: sort length (power of two >= El);
-    counts_64: the counts are int64 (else int32)."""
+    counts_64: the counts are int64 (else int32); by_expert: the schedule of
+    plan_combine(order="expert"), the band order (no expert ranking: NPS unused), else that of
+    "remote_first"."""
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -350,56 +355,80 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
         P.block_sync()
 
         if bidx == Int32(0):
-            # ---- phase 3: experts ranked by (-remote bands, e): bitonic sort of El keys
-            if tid < Int32(NPS):
-                key = Int64(0x7FFFFFFFFFFFFFFF)
+            if cutlass.const_expr(by_expert):
+                # ---- phase 3, expert order: the rank order is the expert order and the
+                # schedule the band order, so expert e's first band sits at position
+                # ers_e / tile_m and its first local cell after those of the experts before it
+                # (f_e in its last remote band, then one per local band)
+                x_nrb = Int32(0)
+                x_lc = Int32(0)
                 if tid < El:
-                    key = (Int64(Int32(0x7FFFFFFF) - lds(E_NRB, tid)) << Int64(32)) | Int64(tid)
-                sts64(keys, tid, key)
-            P.block_sync()
-            for kk in cutlass.range_constexpr(LOG_NPS):
-                k = 2 << kk
-                for jj in cutlass.range_constexpr(kk + 1):
-                    j = k >> (jj + 1)
-                    if tid < Int32(NPS):
-                        ixj = tid ^ Int32(j)
-                        if ixj > tid:
-                            ka = lds64(keys, tid)
-                            kb = lds64(keys, ixj)
-                            if (tid & Int32(k)) == Int32(0):
-                                if ka > kb:
-                                    sts64(keys, tid, kb)
-                                    sts64(keys, ixj, ka)
-                            else:
-                                if ka < kb:
-                                    sts64(keys, tid, kb)
-                                    sts64(keys, ixj, ka)
-                    P.block_sync()
-            if tid < El:
-                sts(SRT, tid, Int32(lds64(keys, tid) & Int64(0xFFFFFFFF)))
-            P.block_sync()
-            # rank order: remote-band base, local-band base, base of local cells in remote bands
-            er = Int32(0)
-            v_nrb = Int32(0)
-            v_lb = Int32(0)
-            v_f = Int32(0)
-            if tid < El:
-                er = lds(SRT, tid)
-                v_nrb = lds(E_NRB, er)
-                nxt = total_rows
-                if er + Int32(1) < El:
-                    nxt = lds(E_RS, er + Int32(1))
-                v_lb = ((nxt - lds(E_RS, er)) >> lg) - v_nrb
-                v_f = lds(E_F, er)
-            (x_rb, x_lb, x_fb), (num_remote, num_lb, num_f) = block_scan([v_nrb, v_lb, v_f], SCR,
-                                                                         lane, warp)
-            if tid < El:
-                sts(E_RB, er, x_rb)
-                sts(E_LB, er, x_lb)
-                sts(E_FB, er, x_fb)
-            if tid == Int32(0):
-                stg(out, Int32(2), num_remote)
-                stg(out, Int32(4), num_f + num_lb)
+                    sts(SRT, tid, tid)
+                    x_nrb = lds(E_NRB, tid)
+                    x_nxt = total_rows
+                    if tid + Int32(1) < El:
+                        x_nxt = lds(E_RS, tid + Int32(1))
+                    x_lc = ((x_nxt - lds(E_RS, tid)) >> lg) - x_nrb + lds(E_F, tid)
+                (_, x_lcb), (num_remote, num_lc) = block_scan([x_nrb, x_lc], SCR, lane, warp)
+                if tid < El:
+                    sts(E_RB, tid, lds(E_RS, tid) >> lg)
+                    sts(E_FB, tid, x_lcb)
+                if tid == Int32(0):
+                    stg(out, Int32(2), num_remote)
+                    stg(out, Int32(4), num_lc)
+            else:
+                # ---- phase 3: experts ranked by (-remote bands, e): bitonic sort of El keys
+                if tid < Int32(NPS):
+                    key = Int64(0x7FFFFFFFFFFFFFFF)
+                    if tid < El:
+                        key = (Int64(Int32(0x7FFFFFFF) - lds(E_NRB, tid)) << Int64(32)) | \
+                            Int64(tid)
+                    sts64(keys, tid, key)
+                P.block_sync()
+                for kk in cutlass.range_constexpr(LOG_NPS):
+                    k = 2 << kk
+                    for jj in cutlass.range_constexpr(kk + 1):
+                        j = k >> (jj + 1)
+                        if tid < Int32(NPS):
+                            ixj = tid ^ Int32(j)
+                            if ixj > tid:
+                                ka = lds64(keys, tid)
+                                kb = lds64(keys, ixj)
+                                if (tid & Int32(k)) == Int32(0):
+                                    if ka > kb:
+                                        sts64(keys, tid, kb)
+                                        sts64(keys, ixj, ka)
+                                else:
+                                    if ka < kb:
+                                        sts64(keys, tid, kb)
+                                        sts64(keys, ixj, ka)
+                        P.block_sync()
+                if tid < El:
+                    sts(SRT, tid, Int32(lds64(keys, tid) & Int64(0xFFFFFFFF)))
+                P.block_sync()
+                # rank order: remote-band base, local-band base, base of local cells in remote
+                # bands
+                er = Int32(0)
+                v_nrb = Int32(0)
+                v_lb = Int32(0)
+                v_f = Int32(0)
+                if tid < El:
+                    er = lds(SRT, tid)
+                    v_nrb = lds(E_NRB, er)
+                    nxt = total_rows
+                    if er + Int32(1) < El:
+                        nxt = lds(E_RS, er + Int32(1))
+                    v_lb = ((nxt - lds(E_RS, er)) >> lg) - v_nrb
+                    v_f = lds(E_F, er)
+                (x_rb, x_lb, x_fb), (num_remote, num_lb, num_f) = block_scan(
+                    [v_nrb, v_lb, v_f], SCR, lane, warp)
+                if tid < El:
+                    sts(E_RB, er, x_rb)
+                    sts(E_LB, er, x_lb)
+                    sts(E_FB, er, x_fb)
+                if tid == Int32(0):
+                    stg(out, Int32(2), num_remote)
+                    stg(out, Int32(4), num_f + num_lb)
             # groups in rank order (i = r * W + j): first remote-cell index, segment base
             ri = tid // W
             ji = tid - ri * W
@@ -468,12 +497,17 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int):
                 stg(out, o_bands + Int32(3) * B + b, group_source(jp, rank, W))
                 stg(out, o_bands + Int32(4) * B + b, smin(t, endb - kt))
                 stg(out, o_bands + Int32(5) * B + b, lds(G_DR, gb) + kt - stb)
-                nrb_b = lds(E_NRB, eb)
-                pos = num_remote + lds(E_LB, eb) + kb_ - nrb_b
-                lq = num_f + lds(E_LB, eb) + kb_ - nrb_b
-                if kb_ < nrb_b:
-                    pos = lds(E_RB, eb) + kb_
-                    lq = lds(E_FB, eb)
+                if cutlass.const_expr(by_expert):
+                    pos = b
+                    # the local group's bands from the one holding its first row
+                    lq = lds(E_FB, eb) + kb_ - (lds(G_ST, base_g + W - Int32(1)) >> lg)
+                else:
+                    nrb_b = lds(E_NRB, eb)
+                    pos = num_remote + lds(E_LB, eb) + kb_ - nrb_b
+                    lq = num_f + lds(E_LB, eb) + kb_ - nrb_b
+                    if kb_ < nrb_b:
+                        pos = lds(E_RB, eb) + kb_
+                        lq = lds(E_FB, eb)
                 stg(out, o_bands + Int32(6) * B + pos, b)
                 gl = base_g + W - Int32(1)
                 lsb = lds(G_ST, gl)
@@ -608,8 +642,9 @@ def _plan_buffer(n: int, device) -> torch.Tensor:
 
 class PlanKernel:
     """The compiled planner kernel, cached by the host facts that size them (counts dtype, shared
-    array length pow2(E), sort length pow2(El)); rank, tile_m, mgb, layout and the capacities
-    are runtime arguments."""
+    array length pow2(E), sort length pow2(El)) and the order (a variant each: the expert order
+    has no sort, so its sort length is fixed); rank, tile_m, mgb, layout and the capacities are
+    runtime arguments."""
 
     _cache: dict = {}
 
@@ -627,18 +662,29 @@ class PlanKernel:
             return False, f"plan buffer of {total} int32 words exceeds int32 offsets"
         return True, ""
 
+    @staticmethod
+    def variant(counts_64: bool, E: int, El: int, order: str = "remote_first") -> tuple:
+        """build_plan_kernels' arguments (the compile cache key) for these host facts."""
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r}; choose from {ORDERS}")
+        by_expert = order == "expert"
+        return (bool(counts_64), max(32, _pow2(E)), 2 if by_expert else max(2, _pow2(El)),
+                by_expert)
+
     @classmethod
-    def compiled(cls, counts_64: bool, E: int, El: int):
-        key = (bool(counts_64), max(32, _pow2(E)), max(2, _pow2(El)))
+    def compiled(cls, counts_64: bool, E: int, El: int, order: str = "remote_first"):
+        key = cls.variant(counts_64, E, El, order)
         if key not in cls._cache:
             import cutlass.cute as cute
             cls._cache[key] = cute.compile(build_plan_kernels(*key), *plan_example_args())
         return cls._cache[key]
 
     def __call__(self, expert_counts: torch.Tensor, rank: int, tile_m: int, mgb: int,
-                 band_capacity: int, layout: str, stream=None) -> dict[str, torch.Tensor]:
-        """The plan tensors by CombinePlan field name (views of one int32 buffer). The host
-        checks (plan.py) have run; expert_counts is a CUDA [W, E] integer tensor."""
+                 band_capacity: int, layout: str, order: str = "remote_first",
+                 stream=None) -> dict[str, torch.Tensor]:
+        """The plan tensors by CombinePlan field name (views of one int32 buffer), scheduled in
+        `order` ("remote_first" or "expert"). The host checks (plan.py) have run; expert_counts
+        is a CUDA [W, E] integer tensor."""
         import cuda.bindings.driver as cuda
         W, E = expert_counts.shape
         El = E // W
@@ -653,7 +699,7 @@ class PlanKernel:
             raise ValueError(f"plan kernel cannot run this plan: {why}")
         lay = _Layout(W, E, El, B, S)
         buf = _plan_buffer(lay.total, counts.device)
-        fn_plan = self.compiled(counts.dtype == torch.int64, E, El)
+        fn_plan = self.compiled(counts.dtype == torch.int64, E, El, order)
         if stream is None:
             stream = torch.cuda.current_stream(counts.device)
         h = cuda.CUstream(stream.cuda_stream)
@@ -666,8 +712,9 @@ class PlanKernel:
 _KERNEL = PlanKernel()
 
 
-def plan_tensors_kernel(expert_counts, rank, tile_m, mgb, band_capacity, layout):
-    return _KERNEL(expert_counts, rank, tile_m, mgb, band_capacity, layout)
+def plan_tensors_kernel(expert_counts, rank, tile_m, mgb, band_capacity, layout,
+                        order="remote_first"):
+    return _KERNEL(expert_counts, rank, tile_m, mgb, band_capacity, layout, order)
 
 
 def kernel_available() -> bool:
