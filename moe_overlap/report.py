@@ -40,6 +40,11 @@ HEADLINE = {
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
 CURRENT_OTHER = {
+    "plan_kernel_orders_h200_5d8f208.json": "kernel planner in both orders, rank 0 (expert order "
+                                            "1-2.5 us faster; prepare the same)",
+    "plan_kernel_orders_last_h200_5d8f208.json": "kernel planner in both orders, the last rank",
+    "plan_kernel_orders_gpu_tests_5d8f208.log": "kernel planner GPU tests in both orders "
+                                                "(209 passed)",
     "combine_split_2xh200_pieces.json": "consumer rates of moe_overlap.combine.tuning.CostModel",
     "combine_split_2xh200_v7.json": "time split of one combine (gemm, overlap, scale, prepare)",
     "combine_split_2xh200_k14336_cluster2.json": "time split at K=14336, GEMM cluster 2",
