@@ -271,8 +271,8 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
 
     # ---- layout: groups in order (remote ranks ascending, local last) --------------------
     jw = torch.arange(W, device=dev)
-    order = torch.where(jw == W - 1, rank, torch.where(jw < rank, jw, jw + 1))  # group j -> source
-    local_o = local[:, order]  # [El, W] counts in group order
+    group_src = torch.where(jw == W - 1, rank, torch.where(jw < rank, jw, jw + 1))  # group j: source
+    local_o = local[:, group_src]  # [El, W] counts in group order
     aligned_o = (local_o + tile_m - 1) // tile_m * tile_m  # padded group heights
     start_aligned = torch.cumsum(aligned_o, 1) - aligned_o
     rows_aligned = aligned_o.sum(1)
@@ -287,7 +287,7 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     start_o = torch.where(packed, start_packed, start_aligned)  # group start in X_e
     expert_rows = torch.where(packed, rows_packed, rows_aligned)
     group_row_start = torch.empty_like(start_o)
-    group_row_start[:, order] = start_o
+    group_row_start[:, group_src] = start_o
     expert_row_start = torch.cumsum(expert_rows, 0) - expert_rows
     # receive buffer of rank d: rows ordered by global expert; recv_off[d, g] = first row of g
     recv_off = torch.cumsum(counts, 1) - counts  # [W, E]
@@ -315,7 +315,7 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     valid_c = i < num_cells
     grp = torch.searchsorted(cum_cells, i, right=True).clamp(max=c_flat.numel() - 1)
     ce, cj = grp // W, grp % W
-    cs = order[cj]  # the cell's source = its destination
+    cs = group_src[cj]  # the cell's source = its destination
     kb = k0[grp] + i - (cum_cells[grp] - n_cells[grp])  # band inside the expert
     g_lo, g_hi = st_flat[grp], st_flat[grp] + c_flat[grp]
     lo = torch.maximum(g_lo, kb * tile_m)
@@ -381,7 +381,7 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     return CombinePlan(
         world_size=W, rank=rank, num_experts=E, experts_per_rank=El, tile_m=tile_m, mgb=mgb,
         band_capacity=B, segment_capacity=S, layout=layout,
-        order="expert" if by_expert else "remote_first",
+        order=order,
         packed=packed.to(torch.int32),
         group_row_start=group_row_start.to(torch.int32),
         expert_rows=expert_rows.to(torch.int32),
