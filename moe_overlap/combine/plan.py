@@ -271,7 +271,7 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
 
     # ---- layout: groups in order (remote ranks ascending, local last) --------------------
     jw = torch.arange(W, device=dev)
-    group_src = torch.where(jw == W - 1, rank, torch.where(jw < rank, jw, jw + 1))  # group j: source
+    group_src = torch.where(jw == W - 1, rank, torch.where(jw < rank, jw, jw + 1))  # group j -> src
     local_o = local[:, group_src]  # [El, W] counts in group order
     aligned_o = (local_o + tile_m - 1) // tile_m * tile_m  # padded group heights
     start_aligned = torch.cumsum(aligned_o, 1) - aligned_o
