@@ -324,3 +324,66 @@ def test_ffn_layers_have_one_debug_object():
         assert m._debug.timeline is ev
     assert m._debug.timeline is None
     assert not [k for k in vars(m) if k.startswith("_diag")]
+
+
+class _FakeOrderImpl(_FakeImpl):
+    def forward(self, h, w_down, plan, topk_ids, topk_weights, routes=None, **kw):
+        assert routes == ("routes", plan)
+        self.calls.append((kw.get("ccta"), plan.mgb, plan.order))
+
+
+def _tune_inputs(layer):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4, (8, 2), generator=g)
+    counts = torch.bincount(ids.reshape(-1), minlength=4)[None]
+    h = torch.randn(int(layer.plan(counts).total_rows), 16, generator=g)
+    return (h, torch.randn(4, 16, 8, generator=g), counts, ids, torch.rand(8, 2, generator=g))
+
+
+def test_autotune_order_auto_times_both_orders_and_caches_the_faster(tmp_path, monkeypatch):
+    import moe_overlap.timing as timing
+    fake = _FakeOrderImpl()
+
+    def time_calls(fn, reps=1, replays=1, barrier=None, graph=True):
+        fn()
+        c, m, order = fake.calls[-1]
+        # expert order faster at its best pair (ccta 8, mgb 4) than remote_first anywhere
+        return ((abs(c - 8) + abs(m - 4) + 0.5) if order == "expert" else abs(c - 12) + m + 1.0,
+                "graph", [])
+
+    monkeypatch.setattr(timing, "time_calls", time_calls)
+    cache = TuneCache(str(tmp_path / "t.json"))
+    layer = MoECombine(4, 16, 8, 2, 8, tile_m=64, backend="reference", ccta=4, mgb=2,
+                       options=CombineOptions(order="auto"))
+    assert layer.options.order == "remote_first"  # nothing tuned yet: the default
+    assert "|order=auto|" in layer.tune_key  # the requested order keys the entry
+    monkeypatch.setattr(layer, "_overlap_impl", lambda device: fake)
+    assert layer.autotune(*_tune_inputs(layer), cache=cache) == (8, 4)
+    assert layer.options.order == "expert" and layer.plan(_tune_inputs(layer)[2]).order == "expert"
+    assert {o for _, _, o in fake.calls} == {"remote_first", "expert"}  # both searched
+    assert {c for c, _, o in fake.calls if o == "expert"} >= {4, 8, 12, 16}  # each its own scan
+    entry = json.load(open(cache.path))[layer.tune_key]
+    assert (entry["ccta"], entry["mgb"], entry["order"]) == (8, 4, "expert")
+    assert "|order=auto|" in layer.tune_key  # unchanged by the tuned copy of the options
+    # a new layer of the same bucket resolves order="auto" (and ccta / mgb) from the entry
+    resolved = CombineOptions(order="auto").resolve(layer.facts, cache=cache)
+    assert (resolved.ccta, resolved.mgb, resolved.order) == (8, 4, "expert")
+    # an explicit order is its own bucket and times only that order
+    fake.calls.clear()
+    fixed = MoECombine(4, 16, 8, 2, 8, tile_m=64, backend="reference", ccta=4, mgb=2,
+                       options=CombineOptions(order="remote_first"))
+    monkeypatch.setattr(fixed, "_overlap_impl", lambda device: fake)
+    assert fixed.autotune(*_tune_inputs(fixed), cache=cache) == (12, 1)
+    assert {o for _, _, o in fake.calls} == {"remote_first"} and fixed.options.order == "remote_first"
+    assert "order" not in json.load(open(cache.path))[fixed.tune_key]
+
+
+def test_order_auto_refuses_a_cache_entry_with_a_bad_order(tmp_path):
+    cache = TuneCache(str(tmp_path / "t.json"))
+    layer = MoECombine(4, 16, 8, 2, 8, tile_m=64, backend="reference",
+                       options=CombineOptions(order="auto"))
+    cache.put(layer.tune_key, 8, 2, order="sideways")
+    with pytest.raises(ValueError, match="order='sideways'"):
+        CombineOptions(order="auto").resolve(layer.facts, cache=cache)
+    with pytest.raises(ValueError, match="order='sideways'; choose from"):
+        CombineOptions(order="sideways")

@@ -14,7 +14,7 @@ import numbers
 import torch
 
 from .checks import agree_on_error, as_int, check_routing_matches, error_of
-from .options import CombineFacts, CombineOptions, options_from_kwargs
+from .options import ORDERS, CombineFacts, CombineOptions, options_from_kwargs
 from .plan import SUPPORTED_TILE_M, CombinePlan, count_assignments, plan_combine
 from .reference import reference_combine, world
 
@@ -51,7 +51,8 @@ class MoECombine(torch.nn.Module):
     transport, local_copy, copy, layout; a keyword given overrides the object's field): see
     moe_overlap/combine/options.py for each option, its allowed values and the one meaning of
     "auto". They are validated and resolved once here (``self.options``: no "auto" left but the
-    per-plan layout); ``autotune`` replaces them with the tuned ccta and mgb.
+    per-plan layout); ``autotune`` replaces them with the tuned ccta and mgb (and the order, for
+    ``order="auto"``).
 
     validate=True: `plan` and `forward` check their input, including its values (expert ids in
     range, topk_ids matching the counts the plan was made from, capacities), which reads data on
@@ -130,6 +131,7 @@ class MoECombine(torch.nn.Module):
             device_name=torch.cuda.get_device_name() if cuda else "cpu",
             num_sms=torch.cuda.get_device_properties(torch.cuda.current_device())
             .multi_processor_count if cuda else None)
+        self._requested = options  # as asked ("auto" kept): what the tune-cache key is made of
         self.options = options.resolve(self.facts)
         if self.options.gemm_options:  # checked now, not when the overlap backend starts
             self.options.check_gemm_options(tile_m)
@@ -163,7 +165,7 @@ class MoECombine(torch.nn.Module):
     layout = property(lambda self: self.options.layout)
     local_copy = property(lambda self: self.options.local_copy)
     copy = property(lambda self: self.options.copy)
-    tune_key = property(lambda self: self.options.tune_key(self.facts),
+    tune_key = property(lambda self: self._requested.tune_key(self.facts),
                         doc="The tune-cache key of this layer's shape bucket and path.")
 
     def plan(self, expert_counts: torch.Tensor, validate: bool | None = None) -> CombinePlan:
@@ -365,10 +367,12 @@ class MoECombine(torch.nn.Module):
         """Time (ccta, mgb) candidates (default: `tuning.coordinate_search` from the current
         choice) on this input with the overlap backend (CUDA-graph replays), keep the fastest
         (the slowest rank counts), cache it for this shape bucket (rank 0 writes) and use it from
-        now on (``self.options`` becomes a copy with the chosen ccta and mgb). Each candidate is
-        passed to the calls it times (``forward(..., ccta=)`` and a plan made with its mgb); no
-        attribute is written while timing. Collective: call on every rank. A bucket every rank
-        finds cached is not timed."""
+        now on (``self.options`` becomes a copy with the chosen ccta and mgb). With
+        ``order="auto"`` both orders are searched so, each with its own plans, and the fastest
+        (order, ccta, mgb) is kept and cached. Each candidate is passed to the calls it times
+        (``forward(..., ccta=)`` and a plan made with its mgb and order); no attribute is written
+        while timing. Collective: call on every rank. A bucket every rank finds cached is not
+        timed. Returns (ccta, mgb); the order is ``self.options.order``."""
         import torch.distributed as dist
 
         from ..timing import time_calls
@@ -377,6 +381,7 @@ class MoECombine(torch.nn.Module):
         impl = self._overlap_impl(h.device)
         cache = cache or TuneCache()
         dev = h.device
+        orders = ORDERS if self._requested.order == "auto" else (self.options.order,)
 
         def agree(x: float, op) -> float:
             t = torch.tensor([x], dtype=torch.float64, device=dev)
@@ -388,14 +393,15 @@ class MoECombine(torch.nn.Module):
             if self.world_size > 1:
                 dist.barrier(group=self.group)
 
-        hit = cache.get(self.tune_key)
+        hit = cache.entry(self.tune_key)
         if agree(0.0 if hit is None else 1.0, dist.ReduceOp.MIN) == 1.0:
-            choice = tuple(hit)
+            choice = (hit["ccta"], hit["mgb"])
+            order = hit.get("order", self.options.order) if len(orders) > 1 else orders[0]
         else:
-            def measure(c, m):
+            def measure(c, m, order):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
                                     max_rows=self.max_rows, validate=False, layout=self.layout,
-                                    order=self.options.order)
+                                    order=order)
                 routes = impl.prepare(plan, topk_ids, expert_counts) if getattr(
                     impl, "ordered", False) else impl.prepare(plan, topk_ids)
                 ms = time_calls(lambda: impl.forward(h, w_down, plan, topk_ids, topk_weights,
@@ -404,14 +410,22 @@ class MoECombine(torch.nn.Module):
                 impl.check_errors()
                 return agree(ms, dist.ReduceOp.MAX)
 
-            if candidates:
-                times = {cm: measure(*cm) for cm in candidates}
-                choice = min(times, key=times.get)
-            else:
-                choice, times = coordinate_search(measure, (self.ccta, self.mgb),
-                                                  num_sms=impl.num_sms)
+            times = {}
+            for o in orders:
+                if candidates:
+                    for cm in candidates:
+                        times[(*cm, o)] = measure(*cm, o)
+                else:
+                    _, t = coordinate_search(lambda c, m, o=o: measure(c, m, o),
+                                             (self.ccta, self.mgb), num_sms=impl.num_sms)
+                    times.update({(c, m, o): v for (c, m), v in t.items()})
+            best = min(times, key=times.get)
+            choice, order = best[:2], best[2]
             if self.rank == 0:
-                cache.put(self.tune_key, choice[0], choice[1], ms=times[choice],
-                          tried={f"{c},{m}": t for (c, m), t in times.items()})
-        self.options = self.options.replace(ccta=int(choice[0]), mgb=int(choice[1]))
+                extra = {"order": order} if len(orders) > 1 else {}
+                cache.put(self.tune_key, choice[0], choice[1], ms=times[best], **extra,
+                          tried={(f"{c},{m}" if len(orders) == 1 else f"{c},{m},{o}"): t
+                                 for (c, m, o), t in times.items()})
+        self.options = self.options.replace(ccta=int(choice[0]), mgb=int(choice[1]),
+                                            order=order)
         return self.ccta, self.mgb

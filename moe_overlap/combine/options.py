@@ -7,7 +7,7 @@ only the resolved object afterwards.
 
 ``"auto"`` has one meaning for every option that accepts it: *the library picks the value for this
 layer's shape bucket once, at construction*: the value tuned for the bucket where the tune cache
-(``moe_overlap.combine.tuning.TuneCache``) holds one (``ccta`` and ``mgb``, written by
+(``moe_overlap.combine.tuning.TuneCache``) holds one (``ccta``, ``mgb`` and ``order``, written by
 ``MoECombine.autotune``), else the library's choice for the shape given with each option below.
 The one exception is ``layout="auto"``, which depends on the routing rather than the shape: each
 plan picks packed where that lays out fewer rows than aligned (``plan_combine``).
@@ -32,6 +32,7 @@ PRODUCERS = ("auto", "torch", "grouped_gemm")
 ERROR_CHECKS = ("async", "off")  # error_check: see CombineOptions
 SCALES = ("plain", "ordered")  # scale: see CombineOptions
 ORDERS = ("remote_first", "expert")  # moe_overlap.combine.plan.ORDERS
+ORDER_DEFAULT = "remote_first"  # order="auto" without a tuned entry
 PRODUCER_ENV = "MOE_OVERLAP_PRODUCER"  # default of producer="auto" (tests select the stand-in)
 
 
@@ -111,15 +112,15 @@ class CombineOptions:
         on every SM (design A of bench/NOTES.md "Session 11"); bitwise equal to "plain". Needs
         transport="nvlink" and local_copy=False (local_copy="auto" resolves to False); its
         ``prepare`` builds the tile tables on the host (a host sync per routing).
-    order ("remote_first" | "expert"): the plan's schedule (``plan_combine(order=)``).
+    order ("remote_first" | "expert" | "auto"): the plan's schedule (``plan_combine(order=)``).
         "remote_first": bands holding remote rows first, so the transfers start as early as
         possible. "expert": expert by expert (remote rows first inside each), so the producer
         reads each expert's weights about once where remote_first reads them twice (much of
         each expert's rows local, e.g. W=2; the timings: bench/NOTES.md, the producer in expert
         order); the remote rows come later, so it suits shapes the GEMM bounds, not the
-        transfer. The planner and
-        the reference backend are tested with it on CPU; the overlapped call with it has not run
-        on a GPU yet. Either planner builds it (``plan_combine(impl=)``).
+        transfer. "auto": the order ``MoECombine.autotune`` measured faster for this bucket
+        (it times both), else "remote_first". Either planner builds both
+        (``plan_combine(impl=)``); the overlapped call in expert order has not run on two GPUs.
     gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
         ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
     """
@@ -172,8 +173,8 @@ class CombineOptions:
                                  "rows straight from the GEMM output; with the local copy they "
                                  "would come from this rank's own consumer), got "
                                  "local_copy=True")
-        if self.order not in ORDERS:
-            raise ValueError(f"order={self.order!r}; choose from {ORDERS}")
+        if self.order not in (AUTO,) + ORDERS:
+            raise ValueError(f"order={self.order!r}; choose from {(AUTO,) + ORDERS}")
         cp = AUTO if self.copy is None else self.copy
         if cp not in COPIES + (AUTO,) or (cp == "tma" and self.transport != "nvlink"):
             raise ValueError(f"copy={cp!r} with transport={self.transport!r}: use 'ldst', or "
@@ -226,15 +227,17 @@ class CombineOptions:
 
     def resolve(self, facts: CombineFacts, cache=None) -> "CombineOptions":
         """These options with every "auto" replaced (see the module doc for what auto means);
-        cache: the TuneCache to read (default: ``TuneCache()``, read only if ccta or mgb is auto).
+        cache: the TuneCache to read (default: ``TuneCache()``, read only if ccta, mgb or order is
+        auto).
         Raises ValueError if an explicit value does not fit the facts (ccta >= SM count)."""
         from .consumer import DEFAULT_CHUNK, DEFAULT_PIECE_BYTES, DEFAULT_STAGES, check_options
         ch = {}
-        if AUTO in (self.ccta, self.mgb):
+        if AUTO in (self.ccta, self.mgb, self.order):
             from .tuning import TuneCache, analytic_choice
             cache = TuneCache() if cache is None else cache
             W = facts.world_size
-            choice = cache.get(self.tune_key(facts)) or analytic_choice(
+            entry = cache.entry(self.tune_key(facts))
+            choice = (entry["ccta"], entry["mgb"]) if entry else analytic_choice(
                 facts.rows, facts.rows * (W - 1) // W, facts.out_features, facts.hidden_size,
                 facts.tile_m)
             if self.ccta == AUTO:
@@ -243,6 +246,11 @@ class CombineOptions:
                     ch["ccta"] = min(ch["ccta"], facts.num_sms - 1)
             if self.mgb == AUTO:
                 ch["mgb"] = int(choice[1])
+            if self.order == AUTO:
+                ch["order"] = (entry or {}).get("order", ORDER_DEFAULT)
+                if ch["order"] not in ORDERS:
+                    raise ValueError(f"tune cache {cache.path}: entry {self.tune_key(facts)!r} "
+                                     f"has order={ch['order']!r}; expected one of {ORDERS}")
         ch["local_copy"], ch["copy"] = self.consumer_variant()
         if self.consumer_stages == AUTO:
             ch["consumer_stages"] = DEFAULT_STAGES
@@ -271,7 +279,9 @@ class CombineOptions:
     def tune_key(self, facts: CombineFacts) -> str:
         """The tune-cache key of (ccta, mgb): the shape bucket (``facts.tune_key``) and every
         option that moves the best pair (transport, scale, layout, order, consumer variant,
-        producer), so that a pair tuned for one path is never read for another."""
+        producer), so that a pair tuned for one path is never read for another. Computed from
+        the options as requested (``order="auto"`` is its own key: its entry holds the order
+        too), not from their resolved copy."""
         local_copy, copy = self.consumer_variant()
         return (f"{facts.tune_key}|{self.transport}|scale={self.scale}|layout={self.layout}"
                 f"|order={self.order}|copy={copy}|local_copy={int(local_copy)}"

@@ -95,8 +95,8 @@ def shape_key(device_name: str, world_size: int, N: int, K: int, experts_per_ran
 
 
 class TuneCache:
-    """JSON file of tuned (ccta, mgb) per shape key. Default: ~/.cache/moe-overlap/tune.json,
-    or $MOE_OVERLAP_TUNE_CACHE."""
+    """JSON file of tuned (ccta, mgb[, order]) per shape key. Default:
+    ~/.cache/moe-overlap/tune.json, or $MOE_OVERLAP_TUNE_CACHE."""
 
     def __init__(self, path: str | None = None):
         self.path = path or os.environ.get(
@@ -110,6 +110,12 @@ class TuneCache:
     def get(self, key: str):
         e = self.entries.get(key)
         return (e["ccta"], e["mgb"]) if e else None
+
+    def entry(self, key: str) -> dict | None:
+        """The whole entry (ccta, mgb, and what autotune recorded beside them: ``order`` where
+        it tuned the order, ms, tried), or None."""
+        e = self.entries.get(key)
+        return dict(e) if e else None
 
     def put(self, key: str, ccta: int, mgb: int, **info):
         self.entries[key] = {"ccta": ccta, "mgb": mgb, **info}
