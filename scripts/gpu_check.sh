@@ -13,8 +13,9 @@
 #                 (bench_plan); one GPU
 #        ffn      fused FFN / band all-reduce tests + bench_ffn + the compute-kernel breakdown
 #                 (issue 5; "quick": 3 shapes, 10 rounds)
-#        chained  chained FFN compute kernel tests, the baseline compute and the kernel against
-#                 it (one GPU)
+#        chained  chained FFN compute kernel tests (dense, grouped, ShardedExperts on it), the
+#                 baseline compute, the kernel against it and the grouped call against torch's
+#                 grouped GEMMs (one GPU)
 #        layer    one MoE layer end to end, ours vs the same-scale sequential layer
 #                 (bench_moe_layer; 2 GPUs for the overlap backend; "expert": also with the
 #                 plans expert by expert)
@@ -103,9 +104,11 @@ ffn)
     run fused_compute 300 python bench/bench_fused_compute.py --out "$OUT"
     ;;
 chained)
-    run chained_tests 300 python -m pytest -q -p no:cacheprovider tests/test_chained_ffn_gpu.py
+    run chained_tests 300 python -m pytest -q -p no:cacheprovider tests/test_chained_ffn_gpu.py \
+        tests/test_sharded_experts_chained_gpu.py
     run ffn_baseline 200 python bench/bench_ffn_baseline.py --out "$OUT"
     run chained_bench 300 python bench/bench_chained_compute.py --groups auto --out "$OUT"
+    run chained_grouped_bench 300 python bench/bench_chained_grouped.py --out "$OUT"
     ;;
 layer)
     run layer_bench 590 torchrun --nproc-per-node "$ngpu" bench/bench_moe_layer.py \
