@@ -40,6 +40,21 @@ HEADLINE = {
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
 CURRENT_OTHER = {
+    "ffn_chained_compute_h200_groups70b_c294d29.json": "chained kernel on llama3-70b, groups auto "
+                                                       "(2), 3, 4, 8 in shuffled order",
+    "ffn_chained_compute_h200_groups_32768_c294d29.json": "chained kernel, groups 2, 4, 8 at "
+                                                          "32768 tokens, shuffled order",
+    "ffn_chained_compute_h200_groups_8192_c294d29.json": "chained kernel, groups 2-16 at 8192 "
+                                                         "tokens, shuffled order",
+    "ffn_chained_compute_h200_groups_rest_c294d29.json": "chained kernel, groups 2-16 at 32768 "
+                                                         "tokens (deepseek-v3-expert, mixtral)",
+    "ffn_chained_grouped_h200_c294d29.json": "chained kernel's grouped call (ShardedExperts) vs "
+                                             "torch._grouped_mm + act + torch._grouped_mm",
+    "grouped_chained_tests_c294d29.log": "chained kernel GPU tests incl. the grouped call and "
+                                         "ShardedExperts(compute='chained') on one rank (33 "
+                                         "passed, the 2-GPU case skipped)",
+    "packed_gemm_h200_w8_16_c294d29.json": "producer on packed plans at W = 8, 16, both orders "
+                                           "(deepseek-v3, qwen3-235b, balanced)",
     "plan_kernel_orders_h200_5d8f208.json": "kernel planner in both orders, rank 0 (expert order "
                                             "1-2.5 us faster; prepare the same)",
     "plan_kernel_orders_last_h200_5d8f208.json": "kernel planner in both orders, the last rank",
