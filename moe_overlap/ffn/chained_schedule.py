@@ -80,7 +80,7 @@ class ChainedSchedule:
 
     @property
     def ring_bytes(self) -> int:
-        """Bytes of the bf16 H ring (what stays in L2 instead of an [M, hidden] H)."""
+        """Bytes of the bf16 H ring (held instead of an [M, hidden] H)."""
         return min(self.ring, self.blocks) * self.tile_m * self.hidden * 2
 
     def tiles(self) -> list[tuple[int, int, int]]:

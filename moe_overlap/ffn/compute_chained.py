@@ -1,4 +1,4 @@
-"""Chained FFN compute kernel (issue 17): ``out = act1(x W1 + b1) W2`` through a bf16 H ring in L2.
+"""Chained FFN compute kernel (issue 17): ``out = act1(x W1 + b1) W2`` through a bf16 H ring.
 
 One persistent Hopper (sm_90a) CuTe DSL launch with two tile kinds (``chained_schedule``):
 
@@ -67,7 +67,7 @@ blocks (``GroupedChainedSchedule``): G consecutive blocks take the same column t
 other in the list, so the CTAs reading one weight panel (P x 256 of W1, hidden x 256 of W2) run
 G times as many blocks side by side and the panel comes from DRAM about G times less often (with
 G = 1, about grid / (h_tiles + n_tiles) blocks share a panel in time: 1.5 on llama3-70b's slice),
-at G times the ring. The default ``group="auto"`` picks G per shape from the ring size against the L2
+at G times the ring. The default ``group="auto"`` picks G per shape from the ring's share of H
 (``auto_group``: the rule and the measurement it comes from).
 
 Grouped over experts (``ChainedFFNCompute.grouped``, ``ShardedExperts``): the same tile list,
@@ -95,7 +95,7 @@ from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_SLOT_TIM
                                ChainedSchedule, derive)
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
-           "chained_ffn_grouped_reference", "ACT1_CHAINED", "L2_BYTES_SM90", "auto_group", "schedule_for"]
+           "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "schedule_for"]
 
 ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -246,34 +246,36 @@ def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, grou
     return GroupedChainedSchedule(base, group, M, tile_m, grid)
 
 
-L2_BYTES_SM90 = 50 * 2 ** 20  # L2 of the sm_90 parts the kernel targets (H100, H200)
-AUTO_GROUPS = (4, 2)  # group="auto" picks from these (largest first), else 1
+AUTO_GROUPS = (8, 4, 2)  # group="auto" picks from these (largest first), else 1
 
 
-def auto_group(M, P, hidden, N, grid, l2_bytes=L2_BYTES_SM90, tile_m=128, tile_h=256,
-               tile_n=256):
-    """The group ``group="auto"`` runs: the largest G in (4, 2) whose H ring (``ring_bytes`` of
-    its tile order) fits in half the L2, else the largest whose ring fits in 0.8 of it, else 1.
+def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256):
+    """The group ``group="auto"`` runs: the largest G in (8, 4, 2) whose H ring holds at most
+    half of H's row blocks (``min(ring, blocks) <= blocks // 2``); where none does (few rows, or
+    a narrow hidden slice whose lookahead spans many blocks), the largest whose ring holds at
+    most 1.25x the fewest blocks any group's does (group 1 included: with every ring covering
+    all of H, group 8), else 1.
 
-    Why (bench/results/archive/ffn_chained_compute_h200_2bc5fa0.json, one H200, 50 MiB L2, seven shapes
-    at 8192 and 32768 tokens): the better of groups 2 and 4 ran 1.15-1.27x group 1 on every
-    shape but deepseek-v3-expert (ring 9-11 MiB, all three within 1 %), so auto never takes 1
-    while a grouped ring fits. Between 2 and 4 the gap is 0.96-1.05x: where group 4's ring is
-    32-36 MiB (llama3-8b, mixtral, deepseek-v3-dense, llama4-scout-shared) it loses 1-4 % to
-    group 2 at 32768 tokens and gains at most 1 % at 8192 (a larger ring starts to evict the
-    weight panels the grouping is there to share), hence half the L2 first; with both rings
-    <= 25 MiB the two are within 1.3 %. The second threshold (0.8 L2) admits llama3-70b's
-    group 2 (35 MiB; group 1 ran 0.75-0.82x torch there). A ring above the L2 (70b's group 4,
-    56 MiB) is never chosen although it measured 3-5 % faster than group 2 alone on the GPU:
-    its H round trip goes partly to DRAM, which is what the chained kernel exists to avoid, and
-    an all-reduce running beside it (the layers' use) competes for the same L2.
-    Depends on M only through min(ring, blocks), so few tokens (small rings) take group 4."""
-    rings = {g: schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=g).ring_bytes
-             for g in AUTO_GROUPS}
-    for limit in (l2_bytes // 2, l2_bytes * 4 // 5):
-        for g in AUTO_GROUPS:
-            if rings[g] <= limit:
-                return g
+    Why (one H200, the seven FFN slices at G = 2, groups in a shuffled order per round:
+    bench/results/ffn_chained_compute_h200_groups_*_c294d29.json): group 8 ran at or above the
+    group the previous rule took (2 or 4) on 12 of 14 points and within 1.7 % on the other two;
+    at 32768 tokens by 3-8 % on deepseek-v3-dense and llama3-70b, at 8192 tokens all groups
+    were within ~3 % of each other. Its ring (32 blocks, up to 112 MiB on llama3-70b's slice)
+    is far above the 50 MiB L2 and that did not cost: the H round trip is a few % of the DRAM
+    traffic, while the weight panels shared by G blocks side by side are what the grouping
+    saves. The cap is memory: H ring <= half of H keeps the call's activation memory (out +
+    ring) at or below 0.6x the baseline's (H, the activation's copy, out) where hidden >= N,
+    issue 17's bound. Depends on M only through min(ring, blocks)."""
+    blocks = -(-M // tile_m)
+    held = {g: min(schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=g).ring,
+                   blocks) for g in AUTO_GROUPS + (1,)}
+    for g in AUTO_GROUPS:
+        if held[g] <= blocks // 2:
+            return g
+    fewest = min(held.values())
+    for g in AUTO_GROUPS:  # group 1 reads the weights ~G times as often: only if much smaller
+        if held[g] * 4 <= fewest * 5:
+            return g
     return 1
 
 
@@ -302,15 +304,13 @@ class ChainedFFNCompute:
     """The chained FFN compute kernel (module docstring).
 
     ChainedFFNCompute(tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
-                      timeout_ms=2000, group="auto", l2_bytes=L2_BYTES_SM90)
+                      timeout_ms=2000, group="auto")
         tile_m = 128 (two consumer warpgroups); tile_h = tile_n = 256 (GEMM1 and GEMM2 tiles
         share the tiled MMA and the smem ring); stages: operand ring depth (None: as many as
         fit, 4); epi_n x epi_stages: epilogue sub-tile width and buffers; timeout_ms: bound of
         every cross-CTA wait; group: tile order on super-blocks of this many row blocks (module
         docstring; 1 = ``chained_schedule.derive``'s order), "auto" = ``auto_group`` per shape
-        (its docstring has the rule and the measurement behind it) with ``l2_bytes`` the L2
-        size it plans for (a fixed number, not queried, so that ``ring_bytes`` on the host and
-        the call agree).
+        (its docstring has the rule and the measurement behind it).
 
     __call__(x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu", ccta=0,
              stream=None, h_ring=None) -> out
@@ -339,7 +339,7 @@ class ChainedFFNCompute:
     _compiled = {}
 
     def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
-                 timeout_ms=2000, group="auto", l2_bytes=L2_BYTES_SM90, _test_ring=None,
+                 timeout_ms=2000, group="auto", _test_ring=None,
                  _test_skip_slot_wait=False):
         self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms)
         if group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
@@ -348,10 +348,7 @@ class ChainedFFNCompute:
         if group == "auto" and _test_ring is not None:
             raise ValueError("_test_ring needs an explicit group (it is in row blocks of that "
                              "group's order)")
-        if isinstance(l2_bytes, bool) or not isinstance(l2_bytes, int) or l2_bytes < 1:
-            raise ValueError(f"l2_bytes must be an int >= 1, got {l2_bytes!r}")
         self.group = group
-        self.l2_bytes = l2_bytes
         self.tile_m, self.tile_h, self.tile_n = tile_m, tile_h, tile_n
         self.stages, _ = _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages)
         self.epi_n, self.epi_stages = epi_n, epi_stages
@@ -416,8 +413,7 @@ class ChainedFFNCompute:
         """The group this instance runs for the shape (``auto_group`` when group="auto")."""
         if self.group != "auto":
             return self.group
-        return auto_group(M, P, hidden, N, grid, self.l2_bytes, self.tile_m, self.tile_h,
-                          self.tile_n)
+        return auto_group(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n)
 
     def schedule(self, M, P, hidden, N, grid):
         """The tile list this instance runs for M rows on ``grid`` CTAs (``schedule_for``)."""

@@ -148,7 +148,7 @@ class FFNOptions:
         an explicit ``check_errors()`` reads it (README, "Failures and recovery").
     compute ("reduce" | "chained"): the compute kernel. "reduce" (default): the seed's kernel
         (ffn/compute_reduce.py), fp32 reduce-adds into the symmetric fp32 accumulator, fp32
-        band all-reduce. "chained": ffn/compute_chained.py (GEMM1 -> bf16 H ring in L2 ->
+        band all-reduce. "chained": ffn/compute_chained.py (GEMM1 -> bf16 H ring ->
         full-depth GEMM2, final bf16 partial tiles) into a symmetric bf16 buffer and the band
         all-reduce's bf16-partial mode (half the bytes). ShardedExperts runs its grouped form
         (``ChainedFFNCompute.grouped``, b_out added per row block by the all-reduce's
