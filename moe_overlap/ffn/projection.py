@@ -20,12 +20,12 @@ projected, not measured. Per GPU of G, for T tokens and a shape (P, O, N), O/G t
   assumption: optimistic where the slice gets short, flagged where it falls below the smallest
   slice measured, 1024).
 - rel_path: the fused compute kernel's rate relative to torch's, measured on all SMs of one GPU:
-  "chained" (`ffn_chained_compute_h200_auto_13e73a1.json`, same rounds as torch, per shape and
+  "chained" (`ffn_chained_compute_h200_auto_606aafd.json`, same rounds as torch, per shape and
   token count), "reduce" (the seed's kernel, compute="reduce": `fused_compute` against `compute`
   in the same run of `ffn_fused_v7_final_2xh200.json`, T = 8192 only, used for every T).
 - b: bytes per element of the band all-reduce: 4 for "reduce" (fp32 partials), 2 for "chained"
-  (bf16 partial bands, as the issue designs them; not built yet: its per-SM rate is assumed equal
-  to the fp32 band all-reduce's in bus bytes per second).
+  (bf16 partial bands, as the issue designs them; built, not yet timed on two GPUs: its per-SM
+  rate is assumed equal to the fp32 band all-reduce's in bus bytes per second).
 - r_sm: the band all-reduce's bus bytes per second per SM, the median of its 16-SM runs alone
   (`fused_ar_layer_sms` in the v7 file); cap_ratio: the band all-reduce on every SM against NCCL
   on the same fp32 bytes (`band_ar` / `nccl_fp32`, median over shapes), applied to NCCL's bus
@@ -61,7 +61,7 @@ MIN_MEASURED_SLICE = 1024  # the narrowest hidden slice R_torch / rel_path were 
 # the files every rate below comes from (bench/results/)
 SOURCES = {
     "torch_tflops": "ffn_baseline_h200.json (rows[].tflops: addmm + act + mm, G = 2 slices)",
-    "chained_rel": "ffn_chained_compute_h200_auto_13e73a1.json (rows[].speedup: chained kernel "
+    "chained_rel": "ffn_chained_compute_h200_auto_606aafd.json (rows[].speedup: chained kernel "
                    "/ torch in the same rounds, all 132 SMs)",
     "reduce_rel": "ffn_fused_v7_final_2xh200.json (compute / fused_compute, max-rank medians, "
                   "T = 8192)",
@@ -72,7 +72,7 @@ SOURCES = {
     "ar_cap_ratio": "ffn_fused_v7_final_2xh200.json (busbw_band_ar_GBs / busbw_nccl_fp32_GBs, "
                     "all SMs, median over shapes)",
 }
-FILES = ("ffn_baseline_h200.json", "ffn_chained_compute_h200_auto_13e73a1.json",
+FILES = ("ffn_baseline_h200.json", "ffn_chained_compute_h200_auto_606aafd.json",
          "ffn_fused_v7_final_2xh200.json")
 
 
@@ -99,13 +99,13 @@ class FFNRates:
         "llama4-scout-shared@32768": 641.2, "mixtral-8x7b-expert@8192": 645.6,
         "mixtral-8x7b-expert@32768": 615.8})
     chained_rel: dict = field(default_factory=lambda: {
-        "llama3-8b@8192": 0.9963, "llama3-8b@32768": 1.0717, "llama3-70b@8192": 0.9858,
-        "llama3-70b@32768": 0.895, "deepseek-v3-dense@8192": 0.9972,
-        "deepseek-v3-dense@32768": 1.0186, "deepseek-v3-expert@8192": 0.9543,
-        "deepseek-v3-expert@32768": 0.9973, "llama4-scout-expert@8192": 1.0077,
-        "llama4-scout-expert@32768": 1.0283, "llama4-scout-shared@8192": 1.0035,
-        "llama4-scout-shared@32768": 1.0511, "mixtral-8x7b-expert@8192": 0.9928,
-        "mixtral-8x7b-expert@32768": 1.069})
+        "llama3-8b@8192": 1.0095, "llama3-8b@32768": 1.0596, "llama3-70b@8192": 1.063,
+        "llama3-70b@32768": 0.9462, "deepseek-v3-dense@8192": 1.0283,
+        "deepseek-v3-dense@32768": 1.0155, "deepseek-v3-expert@8192": 0.961,
+        "deepseek-v3-expert@32768": 0.9992, "llama4-scout-expert@8192": 1.0346,
+        "llama4-scout-expert@32768": 1.0368, "llama4-scout-shared@8192": 1.0136,
+        "llama4-scout-shared@32768": 1.034, "mixtral-8x7b-expert@8192": 1.0063,
+        "mixtral-8x7b-expert@32768": 1.0717})
     reduce_rel: dict = field(default_factory=lambda: {
         "llama3-8b": 0.7683, "llama3-70b": 0.7615, "deepseek-v3-dense": 0.7732,
         "deepseek-v3-expert": 0.6836, "llama4-scout-expert": 0.7763,

@@ -14,7 +14,9 @@ In this order:
    compute kernel (``compute``, "reduce" unless the layer asks for "chained") at the layer's
    ccta; ShardedExperts: the dense model on all its rows):
    fused if it projects at least ``AUTO_MIN_SPEEDUP`` x the reference's speed, else reference.
-   With today's measured rates that is the reference on every seed shape at G = 2, 4 and 8.
+   With today's measured rates that is the reference on every seed shape at G = 2, 4 and 8
+   for compute="reduce"; for compute="chained" (no 2-GPU measurement yet: the model only) the
+   fused backend on most seed shapes at G = 4 and 8 and on two at G = 2.
 
 The reason is a sentence kept on the layer (``backend_reason``, shown by ``repr``).
 """
