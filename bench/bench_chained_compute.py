@@ -64,7 +64,9 @@ def write(a, groups, rows_out, final=False):
                method=f"CUDA graphs of {a.reps} calls per path, replays interleaved over "
                       f"{a.rounds} rounds (time_interleaved"
                       + (f", order shuffled per round, seed {a.shuffle}" if a.shuffle is not None
-                         else ", fixed order") + f"), median / {a.reps}; activation_mem "
+                         else ", fixed order")
+                      + (f", a {a.lead_ms} ms GPU sleep before each replay" if a.lead_ms else "")
+                      + f"), median / {a.reps}; activation_mem "
                       f"= peak allocation of one eager call above the memory before it (output "
                       f"included); err = max abs error / max |truth| vs float64 on every "
                       f"(T // {a.check_rows})-th row",
@@ -102,6 +104,11 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="calls per CUDA graph")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--check-rows", type=int, default=1024)
+    ap.add_argument("--lead-ms", type=float, default=0.0,
+                    help="a GPU sleep of this length before each timed replay "
+                         "(time_interleaved(lead_ms=)): the part idles between calls and stays "
+                         "near its boost clock; 0: replays back to back (the power-limited "
+                         "steady state)")
     ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                     help="call the paths in a random order each round (this seed): no path "
                          "always last in a round of several multi-ms calls")
@@ -152,7 +159,8 @@ def main():
                 r["activation_mem_baseline"] = peak_call_bytes(base)
                 graphs = {k: graph_of(fn, a.reps) for k, fn in fns.items()}
                 t = time_interleaved({k: gr.replay for k, gr in graphs.items()}, warmup=2,
-                                     rounds=a.rounds, shuffle_seed=a.shuffle)
+                                     rounds=a.rounds, shuffle_seed=a.shuffle,
+                                     lead_ms=a.lead_ms)
                 for comp in comps.values():
                     comp.check()
                 del graphs
