@@ -9,14 +9,22 @@ import torch
 
 
 def git_commit() -> str:
-    """GIT_COMMIT when set (the device machine's copy of the tree can report a stale HEAD), else
-    `git rev-parse --short HEAD`, else "unknown"."""
+    """GIT_COMMIT when set, else `git rev-parse --short HEAD` of this checkout, else "unknown".
+    "unknown" also where the nearest git repository is not this tree's own (its root is not
+    the folder above bench/): the device machine's copy of the tree has no .git, and a
+    repository above it reports some other commit."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=here,
+                              timeout=10).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                              timeout=10).stdout.strip() or "unknown"
+        top = git("rev-parse", "--show-toplevel")
+        if not top or os.path.realpath(top) != os.path.realpath(os.path.dirname(here)):
+            return "unknown"
+        return git("rev-parse", "--short", "HEAD") or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
