@@ -318,3 +318,15 @@ def test_exchange_counts_unvalidated_counts_like_the_checked_path():
     want[0, ids[1, 1]] -= 1
     assert torch.equal(got, want)
     assert exchange_counts(torch.zeros(0, 4, dtype=torch.int64), 12, validate=False).sum() == 0
+
+
+def test_dispatch_rows_pads_with_zero_rows_and_refuses_too_few():
+    _, _, plan, ids, _ = _one_rank()
+    counts = torch.bincount(ids.reshape(-1), minlength=4).unsqueeze(0)
+    x = torch.randn(ids.shape[0], 3)
+    exact = dispatch_to_plan(x, ids, plan, counts)
+    assert exact.shape[0] == int(plan.total_rows)
+    more = dispatch_to_plan(x, ids, plan, counts, rows=exact.shape[0] + 7)
+    assert torch.equal(more[:exact.shape[0]], exact) and not more[exact.shape[0]:].any()
+    with pytest.raises(ValueError, match="< the plan's"):
+        dispatch_to_plan(x, ids, plan, counts, rows=exact.shape[0] - 1)

@@ -88,7 +88,10 @@ def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
     order = torch.argsort(flat, stable=True)  # by expert, then token, then k
     send = x.index_select(0, order // k)
     counts = expert_counts.to(torch.int64)
-    counts_h = counts.tolist()
+    # the split sizes (and, without rows, the plan's row count) in one device-to-host copy
+    host = torch.cat([counts.reshape(-1), plan.total_rows.to(counts.device, torch.int64)]
+                     if rows is None else [counts.reshape(-1)]).tolist()
+    counts_h = [host[i * counts.shape[1]:(i + 1) * counts.shape[1]] for i in range(W)]
     in_splits = [sum(counts_h[rank][r * El:(r + 1) * El]) for r in range(W)]
     out_splits = [sum(counts_h[s][rank * El:(rank + 1) * El]) for s in range(W)]
     n_recv = sum(out_splits)
@@ -104,7 +107,7 @@ def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
     s, e = blk // El, blk % El
     dest = (plan.expert_row_start.long()[e] + plan.group_row_start.long()[e, s] + j)
     if rows is None:
-        rows = int(plan.total_rows.item())
+        rows = host[-1]
     # placed as a gather (every plan row reads its received row or the zero row): a scatter of
     # the rows into a zeroed buffer is a zero fill plus an indexed write, several times one
     # permutation's time on the GPU (bench/NOTES.md, the row placement)
