@@ -176,15 +176,23 @@ def test_the_decision_is_for_the_compute_kernel_asked_for(tmp_path):
         choose_backend(P, O, P, 2, device_name=H200, cache=cache, compute="split")
 
 
-def test_auto_layer_decides_for_the_compute_keyword(monkeypatch, tmp_path):
-    # compute= as a keyword reaches the decision as it does through options=
+def _two_ranks_with_a_dense_chained_entry(monkeypatch, tmp_path, P, O, N):
+    """Two pretended Hopper ranks and a tune cache whose one entry measures the dense chained
+    layer of (P, O, N) at 4096 tokens faster than the reference; returns (the layers' record of
+    fused backends made, the cache path)."""
     made = []
     _pretend_two_hopper_ranks(monkeypatch, made)
     path = tmp_path / "ffn_tune.json"
     monkeypatch.setenv("MOE_OVERLAP_FFN_TUNE_CACHE", str(path))
-    P, O, N = 256, 1024, 256
     FFNTuneCache(str(path)).put(ffn_tune_key(H200, 2, P, O, N, False, 4096, "chained"),
                                 fused_ms=0.5, reference_ms=0.6)
+    return made, path
+
+
+def test_auto_layer_decides_for_the_compute_keyword(monkeypatch, tmp_path):
+    # compute= as a keyword reaches the decision as it does through options=
+    P, O, N = 256, 1024, 256
+    made, path = _two_ranks_with_a_dense_chained_entry(monkeypatch, tmp_path, P, O, N)
     m = FusedFFN(P, O, N, backend="auto", dtype=torch.bfloat16, max_tokens=4096,
                  compute="chained")
     assert m.backend == "fused" and "measured" in m.backend_reason and "chained" in \
@@ -196,13 +204,8 @@ def test_auto_layer_decides_for_the_compute_keyword(monkeypatch, tmp_path):
 def test_auto_experts_layer_decides_for_chained(monkeypatch, tmp_path):
     # ShardedExperts(compute="chained") as FusedFFN: its own bucket (experts, chained) is read,
     # and a chained entry of the dense layer does not decide for the experts layer
-    made = []
-    _pretend_two_hopper_ranks(monkeypatch, made)
-    path = tmp_path / "ffn_tune.json"
-    monkeypatch.setenv("MOE_OVERLAP_FFN_TUNE_CACHE", str(path))
     P, O, N = 256, 1024, 256
-    FFNTuneCache(str(path)).put(ffn_tune_key(H200, 2, P, O, N, False, 4096, "chained"),
-                                fused_ms=0.5, reference_ms=0.6)
+    made, path = _two_ranks_with_a_dense_chained_entry(monkeypatch, tmp_path, P, O, N)
     e = ShardedExperts(4, P, O, N, backend="auto", max_tokens=4096, compute="chained")
     assert e.backend == "reference" and "modelled" in e.backend_reason \
         and "compute='chained'" in e.backend_reason and made == [], e.backend_reason

@@ -200,24 +200,32 @@ class _FakeChained:
                          tuple(h_ring.shape), int(epoch)))
 
 
-def test_chained_call_host_order(monkeypatch):
+def _wire_fake_chained(mod, compute, allreduce, log, keep_for):
+    """mod (a FusedFFN or ShardedExperts built on the reference backend) as the fused backend
+    with compute="chained" on fakes: the compute object, the all-reduce, both error watches and
+    two logging streams ("cur", the compute's, and "comm")."""
     from moe_overlap.diagnostics import FFNDebug
+    from moe_overlap.ffn.compute_chained import describe_chained_error
     from moe_overlap.runtime.error_watch import ErrorWatch
-    log = []
-    mod = FusedFFN(256, 512, 256, act1="gelu", bias=True)
+    name = type(mod).__name__
     mod.backend, mod.options = "fused", FFNOptions(compute="chained")
     mod.ccta, mod.tile_m, mod.max_tokens = 4, 128, None
     mod._debug, mod._chained = FFNDebug(), True
-    mod._compute = _FakeChained(log)
-    mod._allreduce = ar = _FakeAR(log, 256, 256)
+    mod._compute, mod._allreduce = compute, allreduce
     mod._comm_stream = _Stream(log, "comm")
     mod._warm, mod._b1_cache = True, None
-    mod._watch = ErrorWatch(ar.err, B.describe_error, "FusedFFN (rank 0)")
-    from moe_overlap.ffn.compute_chained import describe_chained_error
-    mod._cwatch = ErrorWatch(mod._compute.err, describe_chained_error, "FusedFFN compute")
+    mod._watch = ErrorWatch(allreduce.err, B.describe_error, f"{name} (rank 0)")
+    mod._cwatch = ErrorWatch(compute.err, describe_chained_error, f"{name} compute")
     cur = _Stream(log, "cur")
     mod._streams = lambda device: (cur, mod._comm_stream)
-    mod._keep_for = lambda t, s: log.append("keep")
+    mod._keep_for = keep_for
+
+
+def test_chained_call_host_order(monkeypatch):
+    log = []
+    mod = FusedFFN(256, 512, 256, act1="gelu", bias=True)
+    _wire_fake_chained(mod, _FakeChained(log), _FakeAR(log, 256, 256), log,
+                       keep_for=lambda t, s: log.append("keep"))
     x = torch.zeros(200, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         mod(x)
@@ -319,9 +327,7 @@ def test_sharded_experts_chained_emulated(bias):
     per 128-row block (expert 1 without rows, expert 2 with a non-multiple of 128), b_out of
     each block's expert as the all-reduce's b2 rows; against the float64 truth within 8e-3,
     two calls."""
-    from moe_overlap.diagnostics import FFNDebug
     from moe_overlap.ffn.reference import experts_truth
-    from moe_overlap.runtime.error_watch import ErrorWatch
     E, P, O, N, rows = 3, 128, 256, 256, [130, 0, 250]
     g = torch.Generator().manual_seed(4)
     W_in = (torch.randn(E, P, O, generator=g) / P ** 0.5).to(torch.bfloat16)
@@ -330,20 +336,10 @@ def test_sharded_experts_chained_emulated(bias):
     b_out = (torch.randn(E, N, generator=g) * 0.5).to(torch.bfloat16) if bias else None
     mod = ShardedExperts.from_full_weights(W_in, W_out, b_in, b_out, activation="gelu")
     log = []
-    mod.backend, mod.options = "fused", FFNOptions(compute="chained")
-    mod.ccta, mod.tile_m, mod.max_tokens = 4, 128, None
-    mod._debug, mod._chained = FFNDebug(), True
-    mod._compute = _FakeGroupedChained(log)
-    mod._allreduce = ar = _EmulatedAR(log, 768, N, 32, b2_per_band=mod._b2_per_band)
     assert mod._b2_per_band == bias
-    mod._comm_stream = _Stream(log, "comm")
-    mod._warm, mod._b1_cache = True, None
-    mod._watch = ErrorWatch(ar.err, B.describe_error, "ShardedExperts (rank 0)")
-    from moe_overlap.ffn.compute_chained import describe_chained_error
-    mod._cwatch = ErrorWatch(mod._compute.err, describe_chained_error, "ShardedExperts compute")
-    cur = _Stream(log, "cur")
-    mod._streams = lambda device: (cur, mod._comm_stream)
-    mod._keep_for = lambda t, s: None
+    _wire_fake_chained(mod, _FakeGroupedChained(log),
+                       _EmulatedAR(log, 768, N, 32, b2_per_band=mod._b2_per_band), log,
+                       keep_for=lambda t, s: None)
     for call in range(2):
         x = torch.randn(sum(rows) + 3, P, generator=g).to(torch.bfloat16)
         with torch.no_grad():
