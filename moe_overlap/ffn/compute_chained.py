@@ -258,9 +258,9 @@ def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256):
 
     Why (one H200, the seven FFN slices at G = 2, groups in a shuffled order per round:
     bench/results/ffn_chained_compute_h200_groups_*_c294d29.json): group 8 ran at or above the
-    group the previous rule took (2 or 4) on 12 of 14 points and within 1.7 % on the other two;
-    at 32768 tokens by 3-8 % on deepseek-v3-dense and llama3-70b, at 8192 tokens all groups
-    were within ~3 % of each other. Its ring (32 blocks, up to 112 MiB on llama3-70b's slice)
+    group that fitting the ring in the L2 picks (2 or 4) on 12 of 14 points and within 1.7 % on
+    the other two, ahead by 3-8 % on deepseek-v3-dense and llama3-70b at 32768 tokens; at 8192
+    tokens all groups were within ~3 % of each other. Its ring (32 blocks, up to 112 MiB on llama3-70b's slice)
     is far above the 50 MiB L2 and that did not cost: the H round trip is a few % of the DRAM
     traffic, while the weight panels shared by G blocks side by side are what the grouping
     saves. The cap is memory: H ring <= half of H keeps the call's activation memory (out +
