@@ -14,8 +14,10 @@ largest |value|; the schedule (lookahead, ring). JSON `ffn_chained_compute_<tag>
 with device, date and commit. A shape that fails records its error and the run goes on.
 """
 import argparse
+import math
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -44,6 +46,21 @@ def graph_of(fn, reps):
             fn()
     torch.cuda.synchronize()
     return g
+
+
+def hold(graph, seconds, replay_ms, reps):
+    """Replay `graph` back to back for about `seconds` (the count from its measured replay time):
+    host wall-clock start / end (time.time, to match a clock trace) and ms per call."""
+    n = max(1, math.ceil(seconds * 1e3 / replay_ms))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return dict(t0=t0, t1=time.time(), replays=n, ms=start.elapsed_time(end) / (n * reps))
 
 
 def rel_err(y, x, w1, b1, w2, act, rows):
@@ -112,6 +129,11 @@ def main():
     ap.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                     help="call the paths in a random order each round (this seed): no path "
                          "always last in a round of several multi-ms calls")
+    ap.add_argument("--hold-s", type=float, default=0.0,
+                    help="after the interleaved rounds, each path's graph replayed alone back to "
+                         "back for about this many seconds, its host start / end times and "
+                         "rate recorded per row (`holds`): lets a clock / power trace taken beside "
+                         "the run (nvidia-smi) be split by path")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="h200")
     a = ap.parse_args()
@@ -161,6 +183,9 @@ def main():
                 t = time_interleaved({k: gr.replay for k, gr in graphs.items()}, warmup=2,
                                      rounds=a.rounds, shuffle_seed=a.shuffle,
                                      lead_ms=a.lead_ms)
+                if a.hold_s > 0:
+                    r["holds"] = {k: hold(gr, a.hold_s, t[k]["median_ms"], a.reps)
+                                  for k, gr in graphs.items()}
                 for comp in comps.values():
                     comp.check()
                 del graphs
@@ -186,6 +211,9 @@ def main():
                           f"{v['activation_mem'] / 2**20:6.0f} MiB err {v['err']:.1e} "
                           f"L={v['lookahead']} ring={v['ring']}" for k, v in variants.items()),
                       flush=True)
+                for k, h in r.get("holds", {}).items():
+                    print(f"{'':22s} hold {k}: {h['replays']} replays back to back, "
+                          f"{h['ms']:7.3f} ms per call ({flops / h['ms'] / 1e9:4.0f} TF/s)", flush=True)
                 x = w1 = b1 = w2 = None  # free before the next shape
             except Exception as e:  # noqa: BLE001 - record and go on to the next shape
                 r["error"] = f"{type(e).__name__}: {e}"
