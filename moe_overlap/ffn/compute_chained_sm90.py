@@ -290,6 +290,19 @@ class ChainedFFNKernel(GemmSm90):
             e = Int32(0)
         return e
 
+    def weight_expert(self, mTable, num_tiles, blk, gW1, err, pos):
+        """The weights' expert coordinate of row block blk: its checked expert (grouped, the
+        TMA warp reports a bad id) or None (dense: the weight tensors have no expert mode)."""
+        if self.grouped:
+            return self.block_expert(mTable, num_tiles, blk, cute.size(gW1, mode=[4]), err, pos,
+                                     True)
+        return None
+
+    @staticmethod
+    def weight_coord(col, k, e):
+        """Coordinate of a weight tile in the TMA partition: (col, k) plus the expert if any."""
+        return (None, col, k) if e is None else (None, col, k, e)
+
     # ---------------------------------------------------------------- TMA warp
     @cute.jit
     def load_role(self, tma_atom_x, mX, tma_atom_ha, mHA, tma_atom_w1, mW1, tma_atom_w2,
@@ -299,12 +312,10 @@ class ChainedFFNKernel(GemmSm90):
         one = cute.make_layout(1)
         gX = cute.local_tile(mX, (self.tile_m, self.tile_k), (None, None))
         gHA = cute.local_tile(mHA, (self.tile_m, self.tile_k), (None, None))
-        if cutlass.const_expr(self.grouped):  # (bN, bK, RN, RK, E): the expert is the last mode
-            gW1 = cute.local_tile(mW1, (self.tile_n, self.tile_k), (None, None, None))
-            gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_k), (None, None, None))
-        else:
-            gW1 = cute.local_tile(mW1, (self.tile_n, self.tile_k), (None, None))
-            gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_k), (None, None))
+        # grouped: (bN, bK, RN, RK, E), the expert is the last mode
+        w_modes = (None,) * (3 if self.grouped else 2)
+        gW1 = cute.local_tile(mW1, (self.tile_n, self.tile_k), w_modes)
+        gW2 = cute.local_tile(mW2, (self.tile_n, self.tile_k), w_modes)
         gsA, gsB = cute.group_modes(sA, 0, 2), cute.group_modes(sB, 0, 2)
         tXs, tXg = cute.nvgpu.cpasync.tma_partition(tma_atom_x, 0, one, gsA,
                                                     cute.group_modes(gX, 0, 2))
@@ -323,9 +334,7 @@ class ChainedFFNKernel(GemmSm90):
         while kind >= 0:
             k_cnt = Int32(k1)
             slot = blk % ring
-            if cutlass.const_expr(self.grouped):
-                e = self.block_expert(mTable, num_tiles, blk, cute.size(gW1, mode=[4]), err, pos,
-                                      True)
+            e = self.weight_expert(mTable, num_tiles, blk, gW1, err, pos)
             if kind == 1:
                 k_cnt = Int32(k2)
                 # H of the block complete (all its GEMM1 tiles), then make the acquired
@@ -339,21 +348,13 @@ class ChainedFFNKernel(GemmSm90):
                 if kind == 0:
                     cute.copy(tma_atom_x, tXg[(None, blk, k)], tXs[(None, st.index)],
                               tma_bar_ptr=bar)
-                    if cutlass.const_expr(self.grouped):
-                        cute.copy(tma_atom_w1, tW1g[(None, col, k, e)], tW1s[(None, st.index)],
-                                  tma_bar_ptr=bar)
-                    else:
-                        cute.copy(tma_atom_w1, tW1g[(None, col, k)], tW1s[(None, st.index)],
-                                  tma_bar_ptr=bar)
+                    cute.copy(tma_atom_w1, tW1g[self.weight_coord(col, k, e)],
+                              tW1s[(None, st.index)], tma_bar_ptr=bar)
                 else:
                     cute.copy(tma_atom_ha, tHg[(None, slot, k)], tHs[(None, st.index)],
                               tma_bar_ptr=bar)
-                    if cutlass.const_expr(self.grouped):
-                        cute.copy(tma_atom_w2, tW2g[(None, col, k, e)], tW2s[(None, st.index)],
-                                  tma_bar_ptr=bar)
-                    else:
-                        cute.copy(tma_atom_w2, tW2g[(None, col, k)], tW2s[(None, st.index)],
-                                  tma_bar_ptr=bar)
+                    cute.copy(tma_atom_w2, tW2g[self.weight_coord(col, k, e)],
+                              tW2s[(None, st.index)], tma_bar_ptr=bar)
                 pipe.producer_commit(st)
                 st.advance()
             n = n + Int32(1)
