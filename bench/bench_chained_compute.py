@@ -99,10 +99,14 @@ def write(a, groups, rows_out, final=False):
 
 
 def make_comp(spec):
-    """ChainedFFNCompute for a --groups entry: an int, "auto", or "GrR" (group G, ring R blocks)."""
+    """ChainedFFNCompute for a --groups entry: an int, "auto", "GrR" (group G, ring R blocks) or
+    "GpC" (group G, patches of C column tiles: GroupedChainedSchedule.patch)."""
     if isinstance(spec, str) and "r" in spec:
         g, r = (int(v) for v in spec.split("r"))
         return ChainedFFNCompute(group=g, _test_ring=r)
+    if isinstance(spec, str) and "p" in spec:
+        g, c = (int(v) for v in spec.split("p"))
+        return ChainedFFNCompute(group=g, _test_patch=c)
     return ChainedFFNCompute(group=spec)
 
 
@@ -139,7 +143,7 @@ def main():
     a = ap.parse_args()
     names = list(SHAPES) if a.shapes == "all" else a.shapes.split(",")
     dev = torch.device("cuda")
-    groups = [g if g == "auto" or "r" in g else int(g) for g in a.groups.split(",")]
+    groups = [g if g == "auto" or "r" in g or "p" in g else int(g) for g in a.groups.split(",")]
     comps = {g: make_comp(g) for g in groups}
     rows_out = []
     for name in names:

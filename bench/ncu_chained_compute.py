@@ -56,7 +56,8 @@ def main():
     P, O = SHAPES[a.shape]
     dev = torch.device("cuda")
     x, w1, b1, w2 = ffn_slice(a.tokens, P, O // a.world, dev, seed=a.tokens + P)
-    comps = {g: make_comp(g if g == "auto" or "r" in g else int(g)) for g in a.groups.split(",")}
+    comps = {g: make_comp(g if g == "auto" or "r" in g or "p" in g else int(g))
+             for g in a.groups.split(",")}
     paths = {"baseline": baseline_call(x, w1, b1, w2, a.act)}
     for g, comp in comps.items():
         paths[f"ours_g{g}"] = lambda comp=comp: comp(x, w1, b1, w2, act1=a.act)

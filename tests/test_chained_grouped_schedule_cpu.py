@@ -14,10 +14,10 @@ SLICES = {"llama3-8b": (4096, 7168), "llama3-70b": (8192, 14336),
 
 @pytest.mark.parametrize("name", list(SLICES))
 @pytest.mark.parametrize("T", [8192, 1000])
-@pytest.mark.parametrize("group", [1, 2, 4])
-def test_every_tile_once_dependencies_earlier(name, T, group):
+@pytest.mark.parametrize("group,patch", [(1, 1), (2, 1), (4, 1), (8, 2), (4, 4), (8, 4)])
+def test_every_tile_once_dependencies_earlier(name, T, group, patch):
     P, hidden = SLICES[name]
-    s = schedule_for(T, P, hidden, P, grid=132, group=group)
+    s = schedule_for(T, P, hidden, P, grid=132, group=group, patch=patch)
     tiles = s.tiles()
     want = {(GEMM1, b, j) for b in range(s.blocks) for j in range(s.h_tiles)} | \
         {(GEMM2, b, n) for b in range(s.blocks) for n in range(s.n_tiles)}
@@ -41,15 +41,29 @@ def test_group_puts_blocks_side_by_side_on_a_panel():
         assert [b for _, b, _ in run] == list(range(run[0][1], run[0][1] + 4))
 
 
-@pytest.mark.parametrize("group", [1, 2, 3])
-def test_reference_walk_matches_math(group):
+def test_patch_puts_a_blocks_column_tiles_side_by_side():
+    """patch C: each block's C column tiles of a run are adjacent, the G blocks of the run
+    follow each other; patch 1 is the side-by-side order above."""
+    G, C = 4, 3
+    s = schedule_for(8192, 4096, 7168, 4096, grid=132, group=G, patch=C)
+    tiles = s.tiles()
+    run = tiles[:G * C]  # the prologue: GEMM1 of super-block 0, column tiles 0..C-1
+    assert run == [(GEMM1, b, c) for b in range(G) for c in range(C)]
+    plain = schedule_for(8192, 4096, 7168, 4096, grid=132, group=G)
+    assert sorted(tiles) == sorted(plain.tiles()) and tiles != plain.tiles()
+    with pytest.raises(ValueError, match="patch"):
+        schedule_for(8192, 4096, 7168, 4096, grid=132, group=G, patch=0)
+
+
+@pytest.mark.parametrize("group,patch", [(1, 1), (2, 1), (3, 1), (3, 4)])
+def test_reference_walk_matches_math(group, patch):
     torch.manual_seed(group)
     M, P, hidden, N = 4000, 128, 512, 512
     x = torch.randn(M, P, dtype=torch.bfloat16)
     w1 = torch.randn(P, hidden, dtype=torch.bfloat16) / P ** 0.5
     b1 = torch.randn(hidden, dtype=torch.bfloat16)
     w2 = torch.randn(hidden, N, dtype=torch.bfloat16) / hidden ** 0.5
-    s = schedule_for(M, P, hidden, N, grid=6, group=group)
+    s = schedule_for(M, P, hidden, N, grid=6, group=group, patch=patch)
     assert s.ring < s.blocks  # the ring wraps, so a slot reused too early would show
     y = execute_reference(s, x, w1, b1, w2, lambda h: activation(h, "silu"))
     ref = chained_ffn_reference(x, w1, b1, w2, "silu")

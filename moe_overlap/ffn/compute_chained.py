@@ -91,8 +91,8 @@ import torch
 from ..kernels.host_checks import chained_gemm_dims, check_tensors
 from ..runtime.device import num_sms
 from .activations import ACT2, activation
-from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_SLOT_TIMEOUT, TILE_K,
-                               ChainedSchedule, derive)
+from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_SLOT_TIMEOUT, GEMM2,
+                               TILE_K, ChainedSchedule, derive)
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
            "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "schedule_for"]
@@ -166,6 +166,7 @@ class GroupedChainedSchedule:
     rows: int
     tile_m: int
     grid: int
+    patch: int = 1  # super-tiles of one kind and super-block expanded together (``tiles``)
 
     @property
     def hidden(self):
@@ -212,16 +213,47 @@ class GroupedChainedSchedule:
         return min(self.ring, self.blocks) * self.tile_m * self.hidden * 2
 
     def tiles(self):
-        nb = self.blocks
-        return [(k, sb * self.group + g, c) for k, sb, c in self.base.tiles()
-                for g in range(self.group) if sb * self.group + g < nb]
+        """patch 1: each super-tile's ``group`` tiles side by side (the weight tile's readers
+        adjacent in the list; a row block's readers ``group`` entries apart). patch C: runs of up
+        to C super-tiles of one kind and super-block (C column tiles) expanded block by block,
+        each block's C tiles adjacent, so both operands' readers lie within group x C entries.
+        A run is emitted where its last super-tile was, or earlier: before a tile of its kind
+        on another super-block and before any tile that depends on it (GEMM2 of its super-block
+        for a GEMM1 run, GEMM1 of its super-block + ring for a GEMM2 run), so every dependency
+        stays earlier in the list."""
+        nb, G = self.blocks, self.group
+        out, runs = [], {}
+
+        def flush(kind):
+            run = runs.pop(kind, [])
+            out.extend((kind, sb * G + g, c) for g in range(G) for _, sb, c in run
+                       if sb * G + g < nb)
+
+        def needs(t, run):  # does tile t depend on a tile of the other kind's run?
+            if t[0] == GEMM2:
+                return run[0][1] == t[1]
+            return run[0][1] <= t[1] - self.base.ring
+
+        for t in self.base.tiles():
+            run = runs.get(t[0], [])
+            if run and run[0][1] != t[1]:
+                flush(t[0])
+            other = 1 - t[0]
+            if runs.get(other) and needs(t, runs[other]):
+                flush(other)
+            runs.setdefault(t[0], []).append(t)
+            if len(runs[t[0]]) == self.patch:
+                flush(t[0])
+        for kind in sorted(runs):
+            flush(kind)
+        return out
 
     def tile_table(self, device=None):
         return torch.tensor(self.tiles(), dtype=torch.int32, device=device).reshape(-1, 3)
 
 
 def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, group=1,
-                 ring=None):
+                 ring=None, patch=1):
     """The tile list the kernel runs: ``derive`` (group 1) or its super-block form (group G);
     ring (row blocks) overrides the derived ring size (tests and the bench only): unchecked with
     group 1 (the GPU tests run invalid rings on purpose); with group G a multiple of G whose
@@ -243,7 +275,9 @@ def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, grou
         base = ChainedSchedule(base.rows, base.hidden, base.out, base.tile_m, base.tile_h,
                                base.tile_n, base.grid, base.lookahead, ring // group,
                                base.inputs)
-    return GroupedChainedSchedule(base, group, M, tile_m, grid)
+    if isinstance(patch, bool) or not isinstance(patch, int) or patch < 1:
+        raise ValueError(f"patch must be an int >= 1, got {patch!r}")
+    return GroupedChainedSchedule(base, group, M, tile_m, grid, patch)
 
 
 AUTO_GROUPS = (8, 4, 2)  # group="auto" picks from these (largest first), else 1
@@ -340,7 +374,7 @@ class ChainedFFNCompute:
 
     def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
                  timeout_ms=2000, group="auto", _test_ring=None,
-                 _test_skip_slot_wait=False):
+                 _test_skip_slot_wait=False, _test_patch=1):
         self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms)
         if group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
                                 or group < 1):
@@ -358,6 +392,7 @@ class ChainedFFNCompute:
         if _test_ring is not None and (not isinstance(_test_ring, int) or _test_ring < 1):
             raise ValueError(f"_test_ring must be an int >= 1, got {_test_ring!r}")
         self._test_ring = _test_ring
+        self._test_patch = _test_patch  # GroupedChainedSchedule.patch (the bench's "GpC")
         self._test_skip_slot_wait = bool(_test_skip_slot_wait)
         self._bufs = {}
         self._tables = {}
@@ -418,7 +453,8 @@ class ChainedFFNCompute:
     def schedule(self, M, P, hidden, N, grid):
         """The tile list this instance runs for M rows on ``grid`` CTAs (``schedule_for``)."""
         return schedule_for(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
-                            self.group_for(M, P, hidden, N, grid), self._test_ring)
+                            self.group_for(M, P, hidden, N, grid), self._test_ring,
+                            self._test_patch)
 
     def grid(self, M, hidden, N, device=None, ccta=0, sms=None):
         sms = num_sms(device) if sms is None else sms
