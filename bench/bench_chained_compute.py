@@ -106,13 +106,14 @@ def write(a, groups, rows_out, final=False):
 
 def make_comp(spec):
     """ChainedFFNCompute for a --groups entry: an int, "auto", "GrR" (group G, ring R blocks) or
-    "GpC" (group G, patches of C column tiles: GroupedChainedSchedule.patch)."""
+    "GpC" (group G, patches of C column tiles: GroupedChainedSchedule.patch); without "p" the
+    patch is "auto" (auto_patch of the group)."""
     if isinstance(spec, str) and "r" in spec:
         g, r = (int(v) for v in spec.split("r"))
         return ChainedFFNCompute(group=g, _test_ring=r)
     if isinstance(spec, str) and "p" in spec:
         g, c = (int(v) for v in spec.split("p"))
-        return ChainedFFNCompute(group=g, _test_patch=c)
+        return ChainedFFNCompute(group=g, patch=c)
     return ChainedFFNCompute(group=spec)
 
 

@@ -95,7 +95,8 @@ from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_SLOT_TIM
                                TILE_K, ChainedSchedule, derive)
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
-           "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "schedule_for"]
+           "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "auto_patch",
+           "schedule_for"]
 
 ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -280,26 +281,36 @@ def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, grou
     return GroupedChainedSchedule(base, group, M, tile_m, grid, patch)
 
 
-AUTO_GROUPS = (8, 4, 2)  # group="auto" picks from these (largest first), else 1
+AUTO_GROUPS = (16, 8, 4, 2)  # group="auto" picks from these (largest first), else 1
+AUTO_PATCH, AUTO_PATCH_FROM_GROUP = 4, 8  # patch="auto": 4 column tiles per run from group 8 up
+
+
+def auto_patch(group: int) -> int:
+    """The patch ``patch="auto"`` runs with ``group``: AUTO_PATCH from AUTO_PATCH_FROM_GROUP up,
+    else 1 (smaller groups were not measured with a patch; on llama3-70b's slice 4p4 moved more
+    DRAM bytes than group 8 unpatched: bench/NOTES.md, session 15)."""
+    return AUTO_PATCH if group >= AUTO_PATCH_FROM_GROUP else 1
 
 
 def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256):
-    """The group ``group="auto"`` runs: the largest G in (8, 4, 2) whose H ring holds at most
+    """The group ``group="auto"`` runs: the largest G in (16, 8, 4, 2) whose H ring holds at most
     half of H's row blocks (``min(ring, blocks) <= blocks // 2``); where none does (few rows, or
     a narrow hidden slice whose lookahead spans many blocks), the largest whose ring holds at
-    most 1.25x the fewest blocks any group's does (group 1 included: with every ring covering
-    all of H, group 8), else 1.
+    most 1.25x the fewest blocks any group's does (group 1 included), else 1.
 
-    Why (one H200, the seven FFN slices at G = 2, groups in a shuffled order per round:
-    bench/results/ffn_chained_compute_h200_groups_*_c294d29.json): group 8 ran at or above the
-    group that fitting the ring in the L2 picks (2 or 4) on 12 of 14 points and within 1.7 % on
-    the other two, ahead by 3-8 % on deepseek-v3-dense and llama3-70b at 32768 tokens; at 8192
-    tokens all groups were within ~3 % of each other. Its ring (32 blocks, up to 112 MiB on llama3-70b's slice)
-    is far above the 50 MiB L2 and that did not cost: the H round trip is a few % of the DRAM
-    traffic, while the weight panels shared by G blocks side by side are what the grouping
-    saves. The cap is memory: H ring <= half of H keeps the call's activation memory (out +
-    ring) at or below 0.6x the baseline's (H, the activation's copy, out) where hidden >= N,
-    issue 17's bound. Depends on M only through min(ring, blocks)."""
+    Why (one H200, the seven FFN slices at G = 2, 8192 and 32768 tokens; bench/NOTES.md,
+    session 15; ``ffn_chained_compute_h200_holds_patch_606dff6.json``): what limits these calls
+    is energy per FLOP at the 700 W cap, and DRAM traffic is where ours spent more than the
+    library (ncu on llama3-70b at 8192 tokens: 12.4 GB against 4.5 for group 8). The group
+    shares each weight panel between its blocks side by side; the patch (``auto_patch``) puts a
+    row block's column tiles side by side too, so both operands are read while the other
+    readers still hold them in L2 (16p4: 7.0 GB). Sustained (each path alone at the cap), group
+    16 with patch 4 was the fastest variant on all 14 points (0.950-1.003x the library), 8p4
+    0.939-0.983x, the previous rule's choice (group 8 unpatched but on one point) 0.886-0.980x. The cap is memory: H ring <= half of H keeps
+    the call's activation memory (out + ring) at or below 0.6x the baseline's (H, the
+    activation's copy, out) where hidden >= N, issue 17's bound; at 8192 tokens that rules out
+    group 16 (its ring is all 64 blocks) and costs 1-4 % sustained. Depends on M only through
+    min(ring, blocks)."""
     blocks = -(-M // tile_m)
     held = {g: min(schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=g).ring,
                    blocks) for g in AUTO_GROUPS + (1,)}
@@ -338,13 +349,15 @@ class ChainedFFNCompute:
     """The chained FFN compute kernel (module docstring).
 
     ChainedFFNCompute(tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
-                      timeout_ms=2000, group="auto")
+                      timeout_ms=2000, group="auto", patch="auto")
         tile_m = 128 (two consumer warpgroups); tile_h = tile_n = 256 (GEMM1 and GEMM2 tiles
         share the tiled MMA and the smem ring); stages: operand ring depth (None: as many as
         fit, 4); epi_n x epi_stages: epilogue sub-tile width and buffers; timeout_ms: bound of
         every cross-CTA wait; group: tile order on super-blocks of this many row blocks (module
         docstring; 1 = ``chained_schedule.derive``'s order), "auto" = ``auto_group`` per shape
-        (its docstring has the rule and the measurement behind it).
+        (its docstring has the rule and the measurement behind it); patch: column tiles per run
+        of the super-block order (``GroupedChainedSchedule.tiles``; 1 = each super-tile's blocks
+        side by side only), "auto" = ``auto_patch`` of the group run.
 
     __call__(x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu", ccta=0,
              stream=None, h_ring=None) -> out
@@ -374,7 +387,7 @@ class ChainedFFNCompute:
 
     def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
                  timeout_ms=2000, group="auto", _test_ring=None,
-                 _test_skip_slot_wait=False, _test_patch=1):
+                 _test_skip_slot_wait=False, patch="auto"):
         self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms)
         if group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
                                 or group < 1):
@@ -382,7 +395,10 @@ class ChainedFFNCompute:
         if group == "auto" and _test_ring is not None:
             raise ValueError("_test_ring needs an explicit group (it is in row blocks of that "
                              "group's order)")
-        self.group = group
+        if patch != "auto" and (isinstance(patch, bool) or not isinstance(patch, int)
+                                or patch < 1):
+            raise ValueError(f"patch must be \"auto\" or an int >= 1, got {patch!r}")
+        self.group, self.patch = group, patch
         self.tile_m, self.tile_h, self.tile_n = tile_m, tile_h, tile_n
         self.stages, _ = _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages)
         self.epi_n, self.epi_stages = epi_n, epi_stages
@@ -392,7 +408,6 @@ class ChainedFFNCompute:
         if _test_ring is not None and (not isinstance(_test_ring, int) or _test_ring < 1):
             raise ValueError(f"_test_ring must be an int >= 1, got {_test_ring!r}")
         self._test_ring = _test_ring
-        self._test_patch = _test_patch  # GroupedChainedSchedule.patch (the bench's "GpC")
         self._test_skip_slot_wait = bool(_test_skip_slot_wait)
         self._bufs = {}
         self._tables = {}
@@ -450,11 +465,18 @@ class ChainedFFNCompute:
             return self.group
         return auto_group(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n)
 
+    def patch_for(self, M, P, hidden, N, grid) -> int:
+        """The patch this instance runs for the shape (``auto_patch`` of its group when
+        patch="auto")."""
+        if self.patch != "auto":
+            return self.patch
+        return auto_patch(self.group_for(M, P, hidden, N, grid))
+
     def schedule(self, M, P, hidden, N, grid):
         """The tile list this instance runs for M rows on ``grid`` CTAs (``schedule_for``)."""
         return schedule_for(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
                             self.group_for(M, P, hidden, N, grid), self._test_ring,
-                            self._test_patch)
+                            self.patch_for(M, P, hidden, N, grid))
 
     def grid(self, M, hidden, N, device=None, ccta=0, sms=None):
         sms = num_sms(device) if sms is None else sms
