@@ -21,8 +21,8 @@
 #                 plans expert by expert)
 #        scale    the token-ordered scale alone (tests + bench_ordered_scale; one GPU) and,
 #                 with 2 GPUs, scale="ordered" in the combine (tests/test_ordered_wire_gpu.py)
-# The combine area also runs the fault, recovery, producer-bounds and shared-buffer tests (one
-# GPU for the W=1 ones).
+# The combine area also runs the fault, recovery, producer-bounds and shared-buffer tests and
+# the autotune test (one GPU for the W=1 ones).
 # Logs and JSON go to $OUT (the device tool brings them back); a short summary is printed last.
 # NVLink multicast stays off whatever the caller's environment says.
 set -uo pipefail
@@ -75,6 +75,8 @@ combine)
     run fault_tests 590 python -m pytest -q -p no:cacheprovider tests/test_faults_gpu.py \
         tests/test_recover_gpu.py tests/test_producer_bounds_gpu.py tests/test_comm_buffer_gpu.py \
         tests/test_peer_error_gpu.py
+    # MoECombine.autotune on the overlap backend at W=1 (order="auto" included; one GPU)
+    run autotune_tests 400 python -m pytest -q -p no:cacheprovider tests/test_autotune_gpu.py
     if [ "$ngpu" -ge 2 ]; then
         if [ "$quick" = models ]; then
             run sweep_models 590 python scripts/sweep.py --shapes models --ccta 8,16 --mgb 2 \
