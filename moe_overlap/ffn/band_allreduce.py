@@ -98,6 +98,12 @@ shared memory (read from its cubin) and refuses a grid that cannot all be reside
 All pointers are 64-bit ints (``tensor.data_ptr()``); ``acc_remote`` / ``arrive_remote`` /
 ``done_remote`` are multicast addresses (switch) or device pointers to ``int64[G]`` tables of every
 rank's address (unicast, own rank included). CuTe DSL is imported lazily.
+
+Because the kernel only sees addresses, ``EmulatedRanks`` runs G unicast ranks on ONE GPU (G
+buffer sets on that device, rank r's launch on stream r, all concurrent, world * ccta <= SMs):
+the one-GPU test (tests/test_band_allreduce_onegpu_gpu.py) and bench
+(bench/bench_band_allreduce_onegpu.py, local memory: the per-SM limit, not NVLink) use it.
+``band_allreduce_traffic`` counts the bytes each rank's call moves.
 """
 
 import functools
@@ -1268,7 +1274,15 @@ class EmulatedRanks:
             require_coresident(world * ccta, sms, self.ranks[0].ctas_per_sm,
                                f"{world} emulated ranks of the band all-reduce on one GPU "
                                f"(ccta={ccta} each, threads={self.ranks[0].threads})")
-            self.streams = [torch.cuda.Stream(device=dev) for _ in range(world)]
+            # high priority, like the layer's communication stream; also a pool apart from the
+            # default-priority streams (torch.cuda.graph's capture stream, a caller's producer
+            # stream), so a rank's stream is never one of those when the pool wraps around
+            try:
+                lo, hi = torch.cuda.Stream.priority_range()
+                prio = min(lo, hi)
+            except Exception:  # noqa: BLE001 - older torch
+                prio = -1
+            self.streams = [torch.cuda.Stream(device=dev, priority=prio) for _ in range(world)]
             torch.cuda.synchronize(dev)
         self.world, self.device, self.sms, self.ccta = world, dev, sms, ccta
         self.max_rows, self.N, self.band_rows = max_rows, N, band_rows
@@ -1316,6 +1330,9 @@ class EmulatedRanks:
                         or o.data_ptr() % 16):
                     raise ValueError(f"outs[{r}] must be a contiguous, 16-byte aligned bf16 "
                                      f"[{M}, {self.N}] tensor on {self.device}")
+            if any(self.streams[r] == cur for r in ranks):
+                raise ValueError("the caller's stream is one of the ranks' streams (their "
+                                 "launches would be serialized behind each other)")
             for r in ranks:
                 self.streams[r].wait_stream(cur)
             for r in ranks:
