@@ -12,7 +12,9 @@
 #                 against torch._grouped_mm on the unpadded rows) and the planner's device time
 #                 (bench_plan); one GPU
 #        ffn      fused FFN / band all-reduce tests + bench_ffn + the compute-kernel breakdown
-#                 (issue 5; "quick": 3 shapes, 10 rounds)
+#                 (issue 5; "quick": 3 shapes, 10 rounds); also on one GPU: the band all-reduce
+#                 with G ranks emulated on that GPU (tests + bench_band_allreduce_onegpu, a
+#                 local-HBM emulation: the kernel's per-SM limit, not NVLink)
 #        chained  chained FFN compute kernel tests (dense, grouped, ShardedExperts on it), the
 #                 baseline compute, the kernel against it and the grouped call against torch's
 #                 grouped GEMMs (one GPU)
@@ -97,6 +99,13 @@ combine)
 ffn)
     run ffn_tests 500 python -m pytest -q -p no:cacheprovider tests/test_fused_ffn_gpu.py \
         tests/test_ffn_gpu.py tests/test_band_allreduce_gpu.py tests/test_band_allreduce_bf16_gpu.py
+    # G ranks emulated on one GPU: runs with ngpu == 1 too
+    run ar_onegpu_tests 300 python -m pytest -q -p no:cacheprovider \
+        tests/test_band_allreduce_onegpu_gpu.py
+    ar_args=()
+    [ "$quick" = quick ] && ar_args=(--quick)
+    run ar_onegpu_bench 300 python bench/bench_band_allreduce_onegpu.py "${ar_args[@]}" \
+        --tag h200 --out "$OUT"
     if [ "$ngpu" -ge 2 ]; then
         args=(--rounds 100)
         [ "$quick" = quick ] && args=(--quick)

@@ -77,9 +77,11 @@ def spawn_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float |
                  join_timeout_s=join_timeout_s, hard_exit=hard_exit)
 
 
-def require_module(gpus: int):
+def require_module(gpus: int, nvshmem: bool = True):
     """Module-level skip of a GPU test file of the combine, called at import: fewer than
-    ``gpus`` CUDA GPUs, nvidia-cutlass-dsl missing or nvshmem4py missing, each with its reason."""
+    ``gpus`` CUDA GPUs, nvidia-cutlass-dsl missing or (``nvshmem``, default) nvshmem4py missing,
+    each with its reason. ``nvshmem=False``: files that never touch NVSHMEM (the band
+    all-reduce's) do not skip without it."""
     import sys
     # pytest reports this line as the skip's place: the reason names the calling file
     where = sys._getframe(1).f_globals.get("__name__", "?")
@@ -87,7 +89,8 @@ def require_module(gpus: int):
         need = "a CUDA GPU" if gpus == 1 else f"{gpus} CUDA GPUs"
         pytest.skip(f"{where}: needs {need}", allow_module_level=True)
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
-    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+    if nvshmem:
+        pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
 
 
 def single_rank_json(worker, join_timeout_s: float = 540) -> dict:

@@ -98,6 +98,12 @@ shared memory (read from its cubin) and refuses a grid that cannot all be reside
 All pointers are 64-bit ints (``tensor.data_ptr()``); ``acc_remote`` / ``arrive_remote`` /
 ``done_remote`` are multicast addresses (switch) or device pointers to ``int64[G]`` tables of every
 rank's address (unicast, own rank included). CuTe DSL is imported lazily.
+
+Because the kernel only sees addresses, ``EmulatedRanks`` runs G unicast ranks on ONE GPU (G
+buffer sets on that device, rank r's launch on stream r, all concurrent, world * ccta <= SMs):
+the one-GPU test (tests/test_band_allreduce_onegpu_gpu.py) and bench
+(bench/bench_band_allreduce_onegpu.py, local memory: the per-SM limit, not NVLink) use it.
+``band_allreduce_traffic`` counts the bytes each rank's call moves.
 """
 
 import functools
@@ -826,6 +832,40 @@ def describe_error(err_host) -> str | None:
 
 
 # ---------------------------------------------------------------- host side
+def _check_host_options(max_rows, N, backend, act2, band_rows, ready_rows, partial,
+                        b2_per_band):
+    """The checks a BandAllReduce makes before touching CUDA (ValueError / TypeError); returns
+    (act2, ready_rows) with their defaults filled in ("none", band_rows)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: choose from {BACKENDS}")
+    if partial not in PARTIALS:
+        raise ValueError(f"partial={partial!r}: choose from {PARTIALS}")
+    bf16 = partial == "bf16"
+    if not isinstance(b2_per_band, bool):
+        raise TypeError(f"b2_per_band={b2_per_band!r} must be a bool")
+    if b2_per_band and not bf16:
+        raise ValueError("b2_per_band needs partial='bf16' (the fp32 mode's layers seed their "
+                         "accumulator with per-row biases instead)")
+    if act2 is None:
+        act2 = "none"
+    if act2 not in ACT2:
+        raise ValueError(f"act2={act2!r}: choose from {ACT2}")
+    for name, v in (("max_rows", max_rows), ("N", N), ("band_rows", band_rows)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    if N % 4:
+        raise ValueError(f"N={N} must be a multiple of 4 (16-byte fp32 vectors)")
+    if bf16 and N % 8:
+        raise ValueError(f"N={N} must be a multiple of 8 with partial='bf16' (16-byte "
+                         f"vectors of 8 bf16)")
+    ready_rows = band_rows if ready_rows is None else ready_rows
+    if isinstance(ready_rows, bool) or not isinstance(ready_rows, int) or ready_rows < 1 \
+            or ready_rows % band_rows:
+        raise ValueError(f"ready_rows={ready_rows!r} must be a positive multiple of "
+                         f"band_rows={band_rows}")
+    return act2, ready_rows
+
+
 def symmetric_layout(max_rows: int, N: int, band_rows: int, partial: str = "fp32"):
     """Bytes of one rank's symmetric allocation: (data bytes, offset of ``arrive``, bytes per
     flag array, total). Data: ``[max_rows, N]`` fp32 (4 bytes) or bf16 (2 bytes, half the fp32
@@ -883,33 +923,8 @@ class BandAllReduce:
                  b2_per_band: bool = False):
         import torch
         import torch.distributed as dist
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}: choose from {BACKENDS}")
-        if partial not in PARTIALS:
-            raise ValueError(f"partial={partial!r}: choose from {PARTIALS}")
-        bf16 = partial == "bf16"
-        if not isinstance(b2_per_band, bool):
-            raise TypeError(f"b2_per_band={b2_per_band!r} must be a bool")
-        if b2_per_band and not bf16:
-            raise ValueError("b2_per_band needs partial='bf16' (the fp32 mode's layers seed their "
-                             "accumulator with per-row biases instead)")
-        if act2 is None:
-            act2 = "none"
-        if act2 not in ACT2:
-            raise ValueError(f"act2={act2!r}: choose from {ACT2}")
-        for name, v in (("max_rows", max_rows), ("N", N), ("band_rows", band_rows)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
-        if N % 4:
-            raise ValueError(f"N={N} must be a multiple of 4 (16-byte fp32 vectors)")
-        if bf16 and N % 8:
-            raise ValueError(f"N={N} must be a multiple of 8 with partial='bf16' (16-byte "
-                             f"vectors of 8 bf16)")
-        ready_rows = band_rows if ready_rows is None else ready_rows
-        if isinstance(ready_rows, bool) or not isinstance(ready_rows, int) or ready_rows < 1 \
-                or ready_rows % band_rows:
-            raise ValueError(f"ready_rows={ready_rows!r} must be a positive multiple of "
-                             f"band_rows={band_rows}")
+        act2, ready_rows = _check_host_options(max_rows, N, backend, act2, band_rows, ready_rows,
+                                               partial, b2_per_band)
         if backend == "switch":
             require_multicast()
         if not torch.cuda.is_available():
@@ -917,34 +932,78 @@ class BandAllReduce:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("BandAllReduce needs an initialized torch.distributed process "
                                "group (NCCL)")
-        d_threads, d_unroll = default_threads_unroll(partial, dist.get_world_size(group))
-        threads = d_threads if threads is None else threads
-        unroll = d_unroll if unroll is None else unroll
-        _check_options(dist.get_world_size(group), backend, act2, threads, unroll, partial,
-                       b2_per_band)
+        grp = group if group is not None else dist.group.WORLD
+        self._configure(dist.get_rank(grp), dist.get_world_size(grp), max_rows, N, backend,
+                        act2, band_rows, ready_rows, threads, unroll, zero_acc, timeout_ns,
+                        arrive_ahead, partial, _test_skip_ready_wait, b2_per_band)
         # our own symmetric memory never asks for multicast (setdefault: only if unset)
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.group = grp
+        dev = torch.device("cuda", torch.cuda.current_device())
+        _, _, _, total = symmetric_layout(max_rows, N, band_rows, partial)
+        buf = symm_mem.empty(total, dtype=torch.uint8, device=dev)
+        buf.zero_()
+        self._hdl = symm_mem.rendezvous(buf, self.group)
+        ptrs = [int(p) for p in self._hdl.buffer_ptrs]
+        # the tensor may sit at an offset inside the symmetric segment (mempool allocations);
+        # allocations are made in the same order on every rank, so the offset is the same
+        seg_off = buf.data_ptr() - ptrs[self.rank]
+        seg_size = getattr(self._hdl, "buffer_size", None)
+        if seg_off < 0 or (seg_size is not None and seg_off + total > int(seg_size)):
+            raise RuntimeError(f"symmetric buffer at offset {seg_off} outside its segment")
+        ptrs = [p + seg_off for p in ptrs]
+        mc = None
+        if backend == "switch":
+            mc = int(self._hdl.multicast_ptr)
+            if mc == 0:
+                raise RuntimeError("the symmetric buffer has no multicast address (multicast "
+                                   "was not set up by torch symmetric memory)")
+            mc += seg_off
+        self._attach(buf, ptrs, dev, torch.cuda.get_device_properties(dev).multi_processor_count,
+                     ccta, multicast=mc)
+        torch.cuda.synchronize(dev)
+        dist.barrier(group=self.group)  # every rank's counters are zero before anyone signals
+
+    def _configure(self, rank, world, max_rows, N, backend, act2, band_rows, ready_rows, threads,
+                   unroll, zero_acc, timeout_ns, arrive_ahead, partial, skip_ready_wait,
+                   b2_per_band):
+        """The options of rank ``rank`` of ``world`` (checked by ``_check_host_options`` first):
+        defaults of threads / unroll, ``_check_options``, the attributes every call reads."""
+        bf16 = partial == "bf16"
+        d_threads, d_unroll = default_threads_unroll(partial, world)
+        threads = d_threads if threads is None else threads
+        unroll = d_unroll if unroll is None else unroll
+        _check_options(world, backend, act2, threads, unroll, partial, b2_per_band)
+        self.rank, self.world = rank, world
         self.max_rows, self.N, self.band_rows = max_rows, N, band_rows
         self.ready_rows = ready_rows
         self.backend, self.act2, self.timeout_ns = backend, act2, int(timeout_ns)
         self.partial_dtype = partial
-        self._skip_ready_wait = bool(_test_skip_ready_wait)
+        self._skip_ready_wait = bool(skip_ready_wait)
         self.b2_per_band = b2_per_band
         # a bf16 partial is overwritten by the producer, never added into: nothing to zero
         self.threads, self.unroll, self.zero_acc = threads, unroll, bool(zero_acc) and not bf16
         self.arrive_ahead = bool(arrive_ahead)
-        dev = torch.device("cuda", torch.cuda.current_device())
+
+    def _attach(self, buf, ptrs, dev, sms: int, ccta, multicast=None):
+        """This rank's state on ``dev`` around its symmetric buffer ``buf`` (uint8, laid out as
+        ``symmetric_layout`` says, zeroed): the data / ``arrive`` / ``done`` views, the peer
+        tables (unicast: every rank's address of its buffer, ``ptrs``, in rank order; switch:
+        the buffer's ``multicast`` address), the local flags, epoch, expectations and error
+        word; ``ccta`` checked against the device's ``sms``."""
+        import torch
+        bf16 = self.partial_dtype == "bf16"
+        max_rows, N = self.max_rows, self.N
         self.device = dev
-        self.max_bands = -(-max_rows // band_rows)
-        acc_bytes, flag_off, flag_bytes, total = symmetric_layout(max_rows, N, band_rows,
-                                                                  partial)
-        self._buf = symm_mem.empty(total, dtype=torch.uint8, device=dev)
-        self._buf.zero_()
-        self._hdl = symm_mem.rendezvous(self._buf, self.group)
+        self.max_bands = -(-max_rows // self.band_rows)
+        acc_bytes, flag_off, flag_bytes, total = symmetric_layout(max_rows, N, self.band_rows,
+                                                                  self.partial_dtype)
+        if buf.dtype != torch.uint8 or buf.numel() < total or len(ptrs) != self.world:
+            raise ValueError(f"the symmetric buffer must be uint8 of >= {total} bytes and ptrs "
+                             f"one address per rank ({self.world})")
+        self._buf = buf
         if bf16:
             self.acc = None
             self.partial = self._buf[:acc_bytes].view(torch.bfloat16).view(max_rows, N)
@@ -955,20 +1014,8 @@ class BandAllReduce:
         self.arrive = self._buf[flag_off:flag_off + self.max_bands * 4].view(torch.int32)
         self.done = self._buf[flag_off + flag_bytes:
                               flag_off + flag_bytes + self.max_bands * 4].view(torch.int32)
-        ptrs = [int(p) for p in self._hdl.buffer_ptrs]
-        # the tensor may sit at an offset inside the symmetric segment (mempool allocations);
-        # allocations are made in the same order on every rank, so the offset is the same
-        seg_off = self._buf.data_ptr() - ptrs[self.rank]
-        seg_size = getattr(self._hdl, "buffer_size", None)
-        if seg_off < 0 or (seg_size is not None and seg_off + total > int(seg_size)):
-            raise RuntimeError(f"symmetric buffer at offset {seg_off} outside its segment")
-        ptrs = [p + seg_off for p in ptrs]
-        if backend == "switch":
-            mc = int(self._hdl.multicast_ptr)
-            if mc == 0:
-                raise RuntimeError("the symmetric buffer has no multicast address (multicast "
-                                   "was not set up by torch symmetric memory)")
-            mc += seg_off
+        if self.backend == "switch":
+            mc = int(multicast)
             self._remote = (mc, mc + flag_off, mc + flag_off + flag_bytes)
             self._tables = None
         else:
@@ -977,20 +1024,41 @@ class BandAllReduce:
                 dtype=torch.int64, device=dev)
             self._remote = tuple(int(self._tables[i].data_ptr()) for i in range(3))
         # one ready flag per ready_rows rows (the producer's bands)
-        self.band_ready = torch.zeros(-(-max_rows // ready_rows), dtype=torch.int32, device=dev)
+        self.band_ready = torch.zeros(-(-max_rows // self.ready_rows), dtype=torch.int32,
+                                      device=dev)
         self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
         # b2 when the call has none: [N], or one row per ready flag (b2_per_band)
         self._zero_b2 = torch.zeros(*self.b2_shape(max_rows), dtype=torch.bfloat16, device=dev)
         self.expected = torch.zeros(self.max_bands, dtype=torch.int32, device=dev)
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=dev)
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.ccta = int(ccta) if ccta is not None else sms
         if not 1 <= self.ccta <= sms:
             raise ValueError(f"ccta={self.ccta} must be in [1, {sms}] (CTAs must be co-resident)")
         self._fn = None
         self.ctas_per_sm = None  # set by compile() from the cubin
-        torch.cuda.synchronize(dev)
-        dist.barrier(group=self.group)  # every rank's counters are zero before anyone signals
+
+    @classmethod
+    def _emulated_rank(cls, rank: int, bufs, dev, sms: int, max_rows: int, N: int, *,
+                       act2: str = "none", band_rows: int = DEFAULT_BAND_ROWS, ccta=None,
+                       threads=None, unroll=None, zero_acc: bool = True,
+                       timeout_ns: int = DEFAULT_TIMEOUT_NS, arrive_ahead: bool = True,
+                       ready_rows=None, partial: str = "fp32",
+                       _test_skip_ready_wait: bool = False, b2_per_band: bool = False):
+        """Rank ``rank`` of ``len(bufs)`` ranks emulated in ONE process on ONE device (unicast
+        only; ``EmulatedRanks`` builds all of them): ``bufs[q]`` is rank q's buffer (uint8,
+        ``symmetric_layout`` bytes, zeroed, on ``dev``); the peer tables list every rank's
+        ``data_ptr()`` in rank order, as a real rank's list the symmetric-memory addresses. The
+        calls, checks and kernel are the ones of a real rank; no process group, no symmetric
+        memory. ``dev`` may be the CPU for host-side tests (no launch there)."""
+        act2, ready_rows = _check_host_options(max_rows, N, "unicast", act2, band_rows,
+                                               ready_rows, partial, b2_per_band)
+        self = cls.__new__(cls)
+        self.group, self._hdl = None, None
+        self._configure(rank, len(bufs), max_rows, N, "unicast", act2, band_rows, ready_rows,
+                        threads, unroll, zero_acc, timeout_ns, arrive_ahead, partial,
+                        _test_skip_ready_wait, b2_per_band)
+        self._attach(bufs[rank], [int(b.data_ptr()) for b in bufs], dev, sms, ccta)
+        return self
 
     def compile(self):
         """Compiles (once per variant) and checks co-residency: CTA c waits on CTA c of every
@@ -1079,3 +1147,214 @@ class BandAllReduce:
         msg = describe_error(self.err.tolist())
         if msg:
             raise RuntimeError(msg)
+
+
+# ---------------------------------------------------------------- G ranks on one GPU
+def band_allreduce_traffic(M: int, N: int, band_rows: int, world: int, partial: str = "fp32",
+                           zero_acc: bool = True) -> list:
+    """Bytes each rank's kernel moves in one call on rows [0, M), counted band by band with the
+    kernel's own arithmetic (16-byte vectors, the band's vectors cut into ``world`` chunks of
+    ceil(nvec / world), rank r taking chunk r). Per rank a dict:
+
+    - ``step2_read`` / ``step2_write``: chunk r of every band loaded from all G buffers and
+      stored into all G buffers (its own included): G x 16 bytes per vector of the chunk;
+      ``step2_peer_read`` / ``step2_peer_write``: the (G - 1) / G of it in peers' buffers (the
+      NVLink bytes on a real group);
+    - ``step3_read`` / ``step3_write``: the epilogue reads the whole band from the own buffer
+      (16 bytes per vector) and writes ``out`` (bf16: 16 bytes per vector of 8; fp32: 8 bytes per
+      vector of 4) and, fp32 with ``zero_acc``, zeroes the band (16 more bytes written);
+    - ``b2_read``: b2 loads (bf16: 16 bytes per vector finalized in step 2; fp32: 8 bytes per
+      vector in step 3), mostly cache hits (b2 is one row of N), kept out of ``total``;
+    - ``total``: step 2 + step 3 reads and writes. Flags (2 G 4-byte reds and a few polls per
+      band) are not counted."""
+    if partial not in PARTIALS:
+        raise ValueError(f"partial={partial!r}: choose from {PARTIALS}")
+    bf16 = partial == "bf16"
+    per_row = N // (8 if bf16 else 4)
+    G = world
+    keys = ("step2_read", "step2_write", "step2_peer_read", "step2_peer_write", "step3_read",
+            "step3_write", "b2_read")
+    out = [dict.fromkeys(keys, 0) for _ in range(G)]
+    for b in range(-(-M // band_rows)):
+        nvec = min(M - b * band_rows, band_rows) * per_row
+        per = -(-nvec // G)
+        for r in range(G):
+            c = max(0, min(per, nvec - r * per))
+            t = out[r]
+            t["step2_read"] += G * c * 16
+            t["step2_write"] += G * c * 16
+            t["step2_peer_read"] += (G - 1) * c * 16
+            t["step2_peer_write"] += (G - 1) * c * 16
+            t["step3_read"] += nvec * 16
+            if bf16:
+                t["step3_write"] += nvec * 16
+                t["b2_read"] += c * 16
+            else:
+                t["step3_write"] += nvec * 8 + (nvec * 16 if zero_acc else 0)
+                t["b2_read"] += nvec * 8
+    for t in out:
+        t["total"] = t["step2_read"] + t["step2_write"] + t["step3_read"] + t["step3_write"]
+    return out
+
+
+class EmulatedRanks:
+    """G ranks of the band all-reduce emulated on ONE GPU (tests and benches). The kernel only
+    sees addresses, so G sets of buffers on one device, each rank's data / ``arrive`` / ``done``
+    in one ``symmetric_layout`` allocation plus its own ``band_ready``, ``epoch``, ``expected``
+    and error word, with peer tables that list all G data buffers in rank order, are G ranks to
+    it. Each rank is a real ``BandAllReduce`` (``BandAllReduce._emulated_rank``: the same
+    buffer views, tables, argument checks, compiled variant and launch as on a group of GPUs,
+    without a process group or symmetric memory); a call launches rank r's kernel on its own
+    CUDA stream (``streams[r]``, forked from the caller's stream and joined back into it), all
+    G concurrently.
+
+    Co-residency: the G grids share the GPU and CTA c of every rank waits on CTA c of every
+    other, so ``world * ccta`` CTAs must be resident at once: refused unless
+    ``world * ccta <= SMs`` (default ccta: SMs // world) and the kernel's CTAs-per-SM bound
+    (from its cubin, ``require_coresident``) holds. The G launches must reach separate hardware
+    queues: refused when ``CUDA_DEVICE_MAX_CONNECTIONS`` is set below world + 1. A rank waiting
+    for one that was not launched (or was serialized behind it) ends at ``timeout_ns`` (counted
+    from its CTA's start) with the timeout in its error word; nothing hangs.
+
+    Not emulated: NVLink (every "peer" access is local HBM, so timings measure the kernel's
+    per-SM issue / local-memory limits, not the link) and separate GPUs' caches (all ranks share
+    one L2: an ordering bug that needs two GPUs to show, e.g. gpu scope where sys scope is
+    needed, passes here).
+
+        er = EmulatedRanks(2, 1024, 4096, partial="bf16", ccta=8, band_rows=32)
+        for r, ar in enumerate(er):
+            ar.partial[:M].copy_(parts[r])
+        outs = er(M, b2=b2)          # one bf16 [M, N] per rank, bitwise equal
+        er.check()                   # syncs; raises naming rank / band / flag on a timeout
+    """
+
+    def __init__(self, world: int, max_rows: int, N: int, *, ccta: int | None = None,
+                 device=None, act2: str = "none", band_rows: int = DEFAULT_BAND_ROWS,
+                 threads: int | None = None, unroll: int | None = None, zero_acc: bool = True,
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS, arrive_ahead: bool = True,
+                 ready_rows: int | None = None, partial: str = "fp32",
+                 _test_skip_ready_wait: bool = False, b2_per_band: bool = False):
+        import torch
+        from ..runtime.device import require_coresident
+        if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= 16:
+            raise ValueError(f"world={world!r} must be an int in [1, 16]")
+        _check_host_options(max_rows, N, "unicast", act2, band_rows, ready_rows, partial,
+                            b2_per_band)
+        conn = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+        if conn.isdigit() and int(conn) < world + 1:
+            raise RuntimeError(f"CUDA_DEVICE_MAX_CONNECTIONS={conn}: the {world} emulated ranks' "
+                               f"kernels wait on each other from {world} streams (plus the "
+                               f"caller's); fewer hardware queues can serialize them (unset it "
+                               f"or set >= {world + 1})")
+        if not torch.cuda.is_available():
+            raise RuntimeError("EmulatedRanks needs a CUDA GPU")
+        dev = torch.device("cuda") if device is None else torch.device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"device={device!r} must be a CUDA device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        ccta = max(1, sms // world) if ccta is None else ccta
+        if isinstance(ccta, bool) or not isinstance(ccta, int) or ccta < 1 \
+                or world * ccta > sms:
+            raise ValueError(f"ccta={ccta!r}: the {world} emulated ranks' grids share one GPU of "
+                             f"{sms} SMs and wait on each other, so world * ccta CTAs must all "
+                             f"be resident, one per SM: ccta in [1, {sms // world}]")
+        total = symmetric_layout(max_rows, N, band_rows, partial)[3]
+        with torch.cuda.device(dev):
+            bufs = [torch.zeros(total, dtype=torch.uint8, device=dev) for _ in range(world)]
+            opts = dict(act2=act2, band_rows=band_rows, ccta=ccta, threads=threads,
+                        unroll=unroll, zero_acc=zero_acc, timeout_ns=timeout_ns,
+                        arrive_ahead=arrive_ahead, ready_rows=ready_rows, partial=partial,
+                        _test_skip_ready_wait=_test_skip_ready_wait, b2_per_band=b2_per_band)
+            self.ranks = [BandAllReduce._emulated_rank(r, bufs, dev, sms, max_rows, N, **opts)
+                          for r in range(world)]
+            for ar in self.ranks:  # one variant (cached): compiled, its CTAs per SM read
+                ar.compile()
+            require_coresident(world * ccta, sms, self.ranks[0].ctas_per_sm,
+                               f"{world} emulated ranks of the band all-reduce on one GPU "
+                               f"(ccta={ccta} each, threads={self.ranks[0].threads})")
+            # high priority, like the layer's communication stream; also a pool apart from the
+            # default-priority streams (torch.cuda.graph's capture stream, a caller's producer
+            # stream), so a rank's stream is never one of those when the pool wraps around
+            try:
+                lo, hi = torch.cuda.Stream.priority_range()
+                prio = min(lo, hi)
+            except Exception:  # noqa: BLE001 - older torch
+                prio = -1
+            self.streams = [torch.cuda.Stream(device=dev, priority=prio) for _ in range(world)]
+            torch.cuda.synchronize(dev)
+        self.world, self.device, self.sms, self.ccta = world, dev, sms, ccta
+        self.max_rows, self.N, self.band_rows = max_rows, N, band_rows
+        self.partial_dtype = partial
+
+    def __len__(self):
+        return self.world
+
+    def __getitem__(self, r):
+        return self.ranks[r]
+
+    def __iter__(self):
+        return iter(self.ranks)
+
+    @property
+    def data(self) -> list:
+        """Every rank's symmetric ``[max_rows, N]`` buffer (bf16 ``partial`` or fp32 ``acc``)."""
+        return [ar._data for ar in self.ranks]
+
+    def __call__(self, M: int, b2=None, outs=None, *, ranks=None, producer: bool = False,
+                 bump_epoch: bool = True, stream=None) -> list:
+        """One all-reduce of rows [0, M) over the emulated ranks: ``streams[r]`` waits for
+        ``stream`` (default: the current one), rank r's ``BandAllReduce.__call__`` launches on
+        it, ``stream`` waits for all of them. ``outs``: one bf16 ``[M, N]`` per rank (allocated
+        when None); ``ranks``: launch only these (a rank left out never arrives: the others end
+        at their timeout); b2 / producer / bump_epoch: as ``BandAllReduce.__call__``, the same
+        for every rank. Returns ``outs``. Never synchronizes (CUDA-graph capturable)."""
+        import torch
+        ranks = list(range(self.world)) if ranks is None else [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world for r in ranks):
+            raise ValueError(f"ranks={ranks!r} must be distinct ranks in [0, {self.world})")
+        if isinstance(M, bool) or not isinstance(M, int) or not 0 <= M <= self.max_rows:
+            raise ValueError(f"M={M!r} must be an int in [0, max_rows={self.max_rows}]")
+        with torch.cuda.device(self.device):
+            cur = torch.cuda.current_stream(self.device) if stream is None else stream
+            if outs is None:
+                outs = [torch.empty(M, self.N, dtype=torch.bfloat16, device=self.device)
+                        for _ in range(self.world)]
+            if len(outs) != self.world:
+                raise ValueError(f"outs must hold one tensor per rank ({self.world})")
+            for r in ranks:  # every check before the first launch (a rank that raises after
+                o = outs[r]  # another launched would leave that one waiting)
+                if (o.dtype != torch.bfloat16 or tuple(o.shape) != (M, self.N)
+                        or not o.is_contiguous() or o.device != self.device
+                        or o.data_ptr() % 16):
+                    raise ValueError(f"outs[{r}] must be a contiguous, 16-byte aligned bf16 "
+                                     f"[{M}, {self.N}] tensor on {self.device}")
+            if any(self.streams[r] == cur for r in ranks):
+                raise ValueError("the caller's stream is one of the ranks' streams (their "
+                                 "launches would be serialized behind each other)")
+            for r in ranks:
+                self.streams[r].wait_stream(cur)
+            for r in ranks:
+                self.ranks[r](M, b2=b2, out=outs[r], producer=producer, stream=self.streams[r],
+                              bump_epoch=bump_epoch)
+            for r in ranks:
+                cur.wait_stream(self.streams[r])
+        return outs
+
+    def error_words(self) -> list:
+        """Synchronizes; every rank's error buffer (``ERR_WORDS`` ints: code, rank, band, flag,
+        observed, expected, elapsed ns, 0)."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        return [ar.err.tolist() for ar in self.ranks]
+
+    def errors(self) -> list:
+        """Synchronizes; ``describe_error`` of every rank's error buffer (None when clear)."""
+        return [describe_error(w) for w in self.error_words()]
+
+    def check(self):
+        """Synchronizes; RuntimeError naming every rank whose kernel recorded a timeout."""
+        bad = [f"emulated rank {r}: {m}" for r, m in enumerate(self.errors()) if m]
+        if bad:
+            raise RuntimeError("; ".join(bad))
