@@ -33,7 +33,7 @@ HEADLINE = {
     "packed": ("Producer on fine-grained MoE plans (aligned vs packed layout)",
                ("packed_gemm_h200_d98035d.json",)),
     "chained": ("Chained FFN compute kernel alone (GEMM1 -> bf16 H ring -> full-depth GEMM2)",
-                ("ffn_chained_compute_h200_auto_606aafd.json",)),
+                ("ffn_chained_compute_h200_auto_patch_7dea59e.json",)),
     "plan": ("Planner and prepare (device time)", ("plan_kernel2_h200_1622057.json",
                                                     "plan_kernel2_last_h200_1622057.json")),
 }
@@ -48,6 +48,34 @@ CURRENT_OTHER = {
                                                          "tokens, shuffled order",
     "ffn_chained_compute_h200_groups_rest_c294d29.json": "chained kernel, groups 2-16 at 32768 "
                                                          "tokens (deepseek-v3-expert, mixtral)",
+    "ffn_chained_compute_h200_auto_606aafd.json": "chained kernel, the previous auto rule "
+                                                  "(group 8, unpatched), interleaved only: the "
+                                                  "runs below show that interleaving favoured it",
+    "ffn_chained_compute_h200_70b_hold_aec2584.json": "llama3-70b, interleaved then each path "
+                                                      "alone for ~4 s (the clock trace beside it)",
+    "ffn_chained_compute_h200_70b_lead20_aec2584.json": "llama3-70b with a 20 ms GPU sleep "
+                                                        "before each call (still power-capped)",
+    "ffn_70b_clock_trace_aec2584.csv": "nvidia-smi SM clock / power / throttle reasons during "
+                                       "the two llama3-70b runs above",
+    "ncu_chained_70b_8192_aec2584.csv": "ncu: baseline kernels and ours (group 8), llama3-70b, "
+                                        "8192 tokens",
+    "ncu_chained_70b_groups_8192_ef6ac23.csv": "ncu: ours at groups auto, 1, 2, 4, 8, 16 "
+                                               "(DRAM / L2 bytes by group)",
+    "ncu_chained_70b_32768_ef6ac23.csv": "ncu: baseline and ours (group 8), 32768 tokens",
+    "ncu_chained_70b_patch_8192_7df8f19.csv": "ncu: ours with patched orders (8p2 .. 16p4)",
+    "ffn_chained_compute_h200_70b_patch_7df8f19.json": "llama3-70b, patched orders, "
+                                                       "interleaved + sustained",
+    "ffn_chained_compute_h200_holds_patch_606dff6.json": "every slice: the previous rule, 8p4, "
+                                                         "8p8, 16p4, interleaved + sustained "
+                                                         "(what the new rule was chosen from)",
+    "gpu_chained_tests_7dea59e.log": "chained kernel GPU tests with the new rule (32 passed)",
+    "gpu_bar1_7dea59e.log": "band all-reduce emulated on one GPU, GPU tests (19 passed)",
+    "gpu_autotune_7dea59e.log": "MoECombine.autotune at W=1 incl. order='auto' (10 passed)",
+    "band_allreduce_onegpu_h200_7dea59e.json": "bf16 band all-reduce, G=2 emulated on one GPU "
+                                               "(local HBM: the kernel's per-SM issue limit, "
+                                               "not NVLink)",
+    "packed_gemm_h200_w8_16_all_aec2584.json": "producer on packed plans at W = 8, 16, all "
+                                               "three routings, both modes, both orders",
     "ffn_chained_grouped_h200_c294d29.json": "chained kernel's grouped call (ShardedExperts) vs "
                                              "torch._grouped_mm + act + torch._grouped_mm",
     "grouped_chained_tests_c294d29.log": "chained kernel GPU tests incl. the grouped call and "
@@ -376,24 +404,35 @@ def chained(root):
     (name,) = HEADLINE["chained"][1]
     d = _load(root, name)
     groups = [str(g) for g in d["groups"]]
+    held = all("hold_speedup" in r["variants"][g] for r in d["rows"] for g in groups)
     rows = []
     for r in d["rows"]:
         v = r["variants"]
         rows.append((r["shape"], str(r["tokens"]), f"{r['ms_baseline']:.3f}")
                     + tuple(f"{v[g]['ms']:.3f} ({v[g]['speedup']:.3f}x)" for g in groups)
+                    + ((f"{r['hold_ms_baseline']:.3f}",) if held else ())
+                    + (tuple(f"{v[g]['hold_ms']:.3f} ({v[g]['hold_speedup']:.3f}x)"
+                             for g in groups) if held else ())
                     + (f"{r['activation_mem_baseline'] / 2**20:.0f}",
                        f"{v[groups[0]]['activation_mem'] / 2**20:.0f}",
                        f"{max(v[g]['err'] for g in groups):.1e}"))
     lines = [_src(name, d), "", f"{d['method']}.", ""]
     lines += _table(("shape", "tokens", "torch ms") + tuple(f"group {g} ms" for g in groups)
+                    + (("torch ms sustained",) + tuple(f"group {g} ms sustained"
+                                                      for g in groups) if held else ())
                     + ("torch MiB", f"ours MiB (group {groups[0]})", "max rel err"), rows) + [""]
-    per = {g: [r["variants"][g]["speedup"] for r in d["rows"]] for g in groups}
-    first = per[groups[0]]
+
+    def ratios(key):
+        per = {g: [r["variants"][g][key] for r in d["rows"]] for g in groups}
+        return (", ".join(f"group {g} {_rng(per[g], '{:.3f}', 'x')}" for g in groups)
+                + f" (>= 0.95x on {sum(b >= 0.95 for b in per[groups[0]])} of "
+                  f"{len(per[groups[0]])}; goal: all)")
     ratio = [r["variants"][groups[0]]["activation_ratio"] for r in d["rows"]]
     cell = (f"one H200, against torch addmm + act + mm timed in the same rounds: "
-            + ", ".join(f"group {g} {_rng(per[g], '{:.3f}', 'x')}" for g in groups)
-            + f" (>= 0.95x on {sum(b >= 0.95 for b in first)} of {len(first)}; goal: all); "
-            f"activation memory {_rng(ratio, '{:.2f}', 'x')} the baseline's; in FusedFFN and "
+            + ratios("speedup")
+            + (f"; sustained (each path alone at the power cap) {ratios('hold_speedup')}"
+               if held else "")
+            + f"; activation memory {_rng(ratio, '{:.2f}', 'x')} the baseline's; in FusedFFN and "
             f"ShardedExperts as compute='chained' (not the default before its 2-GPU run)")
     return lines, cell
 
