@@ -67,8 +67,12 @@ blocks (``GroupedChainedSchedule``): G consecutive blocks take the same column t
 other in the list, so the CTAs reading one weight panel (P x 256 of W1, hidden x 256 of W2) run
 G times as many blocks side by side and the panel comes from DRAM about G times less often (with
 G = 1, about grid / (h_tiles + n_tiles) blocks share a panel in time: 1.5 on llama3-70b's slice),
-at G times the ring. The default ``group="auto"`` picks G per shape from the ring's share of H
-(``auto_group``: the rule and the measurement it comes from).
+at G times the ring. ``patch`` C > 1 also puts each block's C column tiles next to each other,
+so the CTAs reading one block's operand (its x rows, its H block) run side by side too, while
+their k-slabs are still in L2 (with patch 1 they are ``group`` entries apart, spread over a
+whole tile's duration, and on llama3-70b's slice x and H came from DRAM again for most column
+tiles). The defaults ``group="auto"`` / ``patch="auto"`` pick G per shape from the ring's share
+of H and C from G (``auto_group``, ``auto_patch``: the rule and the measurement it comes from).
 
 Grouped over experts (``ChainedFFNCompute.grouped``, ``ShardedExperts``): the same tile list,
 ring, counters and flags; w1 [E, P, hidden], b1 [E, hidden], w2 [E, hidden, N], and row block
