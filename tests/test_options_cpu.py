@@ -13,6 +13,7 @@ from moe_overlap.combine import MoECombine
 from moe_overlap.combine.options import CombineFacts, CombineOptions
 from moe_overlap.combine.overlap import OverlapCombine
 from moe_overlap.combine.tuning import TuneCache, analytic_choice
+from conftest import spawn_ranks
 from moe_overlap.diagnostics import CombineDebug, debug_scope
 from moe_overlap.ffn import FusedFFN, ShardedExperts
 from moe_overlap.ffn.options import FFNFacts, FFNOptions
@@ -387,3 +388,47 @@ def test_order_auto_refuses_a_cache_entry_with_a_bad_order(tmp_path):
         CombineOptions(order="auto").resolve(layer.facts, cache=cache)
     with pytest.raises(ValueError, match="order='sideways'; choose from"):
         CombineOptions(order="sideways")
+
+
+def _autotune_two_ranks(rank, W, folder):
+    """Each rank reads its own tune cache (as on two nodes), holding different entries for the
+    layer's key: autotune makes every rank run rank 0's entry (a hit: nothing timed)."""
+    import os
+    from moe_overlap.combine import exchange_counts
+    os.environ["MOE_OVERLAP_TUNE_CACHE"] = os.path.join(folder, f"rank{rank}.json")
+    layer = MoECombine(4, 16, 8, 2, 8, tile_m=64, backend="reference", ccta=4, mgb=2,
+                       options=CombineOptions(order="auto"))
+    cache = TuneCache(os.path.join(folder, f"rank{rank}.json"))
+    mine = {0: (8, 2, "expert"), 1: (16, 4, "remote_first")}[rank]
+    cache.put(layer.tune_key, mine[0], mine[1], order=mine[2])
+    fake = _FakeOrderImpl()
+    object.__setattr__(layer, "_overlap_impl", lambda device: fake)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 4, (8, 2), generator=g)
+    counts = exchange_counts(ids, 4)
+    h = torch.randn(int(layer.plan(counts).total_rows), 16, generator=g)
+    got = layer.autotune(h, torch.randn(2, 16, 8, generator=g), counts, ids,
+                         torch.rand(8, 2, generator=g), cache=cache)
+    return got, layer.options.order, len(fake.calls)
+
+
+def test_autotune_ranks_run_rank0s_entry():
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        res = spawn_ranks(_autotune_two_ranks, 2, folder)
+    assert res == [((8, 2), "expert", 0)] * 2
+
+
+def test_autotune_reads_a_cached_entry_as_construction_does(tmp_path, monkeypatch):
+    """A hit is capped at the GPU's SM count - 1 and its order checked, as options.resolve does."""
+    layer = MoECombine(4, 16, 8, 2, 8, tile_m=64, backend="reference", ccta=4, mgb=2,
+                       options=CombineOptions(order="auto"))
+    fake = _FakeOrderImpl()
+    monkeypatch.setattr(layer, "_overlap_impl", lambda device: fake)
+    cache = TuneCache(str(tmp_path / "t.json"))
+    cache.put(layer.tune_key, 500, 2, order="expert")  # tuned on a part with more SMs
+    assert layer.autotune(*_tune_inputs(layer), cache=cache) == (131, 2)
+    assert layer.options.order == "expert" and not fake.calls
+    cache.put(layer.tune_key, 8, 2, order="sideways")
+    with pytest.raises(ValueError, match="sideways"):
+        layer.autotune(*_tune_inputs(layer), cache=cache)

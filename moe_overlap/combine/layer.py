@@ -14,7 +14,7 @@ import numbers
 import torch
 
 from .checks import agree_on_error, as_int, check_routing_matches, error_of
-from .options import ORDERS, CombineFacts, CombineOptions, options_from_kwargs
+from .options import ORDER_DEFAULT, ORDERS, CombineFacts, CombineOptions, options_from_kwargs
 from .plan import SUPPORTED_TILE_M, CombinePlan, count_assignments, plan_combine
 from .reference import reference_combine, world
 
@@ -394,10 +394,13 @@ class MoECombine(torch.nn.Module):
                 dist.barrier(group=self.group)
 
         hit = cache.entry(self.tune_key)
-        if agree(0.0 if hit is None else 1.0, dist.ReduceOp.MIN) == 1.0:
-            choice = (hit["ccta"], hit["mgb"])
-            order = hit.get("order", self.options.order) if len(orders) > 1 else orders[0]
-        else:
+        if hit is not None:  # read as a layer's construction reads it (options.resolve)
+            order = hit.get("order", ORDER_DEFAULT) if len(orders) > 1 else orders[0]
+            if order not in ORDERS:
+                raise ValueError(f"tune cache {cache.path}: entry {self.tune_key!r} has "
+                                 f"order={order!r}; expected one of {ORDERS}")
+            choice = (min(int(hit["ccta"]), impl.num_sms - 1), int(hit["mgb"]))
+        if agree(0.0 if hit is None else 1.0, dist.ReduceOp.MIN) != 1.0:
             def measure(c, m, order):
                 plan = plan_combine(expert_counts, self.rank, tile_m=self.tile_m, mgb=m,
                                     max_rows=self.max_rows, validate=False, layout=self.layout,
@@ -426,6 +429,15 @@ class MoECombine(torch.nn.Module):
                 cache.put(self.tune_key, choice[0], choice[1], ms=times[best], **extra,
                           tried={(f"{c},{m}" if len(orders) == 1 else f"{c},{m},{o}"): t
                                  for (c, m, o), t in times.items()})
+        # every rank runs rank 0's choice (each read its own cache file, which may differ, e.g.
+        # one per node), and no rank goes on to build a layer from the file before rank 0 wrote
+        if self.world_size > 1:
+            t = torch.tensor([choice[0], choice[1], ORDERS.index(order)], dtype=torch.int64,
+                             device=dev)
+            dist.broadcast(t, src=dist.get_global_rank(self.group or dist.group.WORLD, 0),
+                           group=self.group)
+            choice, order = (int(t[0]), int(t[1])), ORDERS[int(t[2])]
+        barrier()
         self.options = self.options.replace(ccta=int(choice[0]), mgb=int(choice[1]),
                                             order=order)
         return self.ccta, self.mgb
