@@ -14,10 +14,8 @@ largest |value|; the schedule (lookahead, ring). JSON `ffn_chained_compute_<tag>
 with device, date and commit. A shape that fails records its error and the run goes on.
 """
 import argparse
-import math
 import os
 import sys
-import time
 import traceback
 
 import torch
@@ -29,7 +27,7 @@ from bench_results import result_header, write_result  # noqa: E402
 from moe_overlap.ffn.activations import activation  # noqa: E402
 from moe_overlap.ffn.chained_schedule import simulate  # noqa: E402
 from moe_overlap.ffn.compute_chained import ChainedFFNCompute  # noqa: E402
-from moe_overlap.timing import time_interleaved  # noqa: E402
+from moe_overlap.timing import time_held, time_interleaved  # noqa: E402
 
 
 def graph_of(fn, reps):
@@ -46,21 +44,6 @@ def graph_of(fn, reps):
             fn()
     torch.cuda.synchronize()
     return g
-
-
-def hold(graph, seconds, replay_ms, reps):
-    """Replay `graph` back to back for about `seconds` (the count from its measured replay time):
-    host wall-clock start / end (time.time, to match a clock trace) and ms per call."""
-    n = max(1, math.ceil(seconds * 1e3 / replay_ms))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0 = time.time()
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return dict(t0=t0, t1=time.time(), replays=n, ms=start.elapsed_time(end) / (n * reps))
 
 
 def rel_err(y, x, w1, b1, w2, act, rows):
@@ -195,8 +178,10 @@ def main():
                                      rounds=a.rounds, shuffle_seed=a.shuffle,
                                      lead_ms=a.lead_ms)
                 if a.hold_s > 0:
-                    r["holds"] = {k: hold(gr, a.hold_s, t[k]["median_ms"], a.reps)
+                    r["holds"] = {k: time_held(gr.replay, a.hold_s, t[k]["median_ms"])
                                   for k, gr in graphs.items()}
+                    for h in r["holds"].values():  # per FFN call: a replay holds a.reps
+                        h["ms"] /= a.reps
                 for comp in comps.values():
                     comp.check()
                 del graphs
@@ -231,7 +216,7 @@ def main():
                           f"L={v['lookahead']} ring={v['ring']}" for k, v in variants.items()),
                       flush=True)
                 for k, h in r.get("holds", {}).items():
-                    print(f"{'':22s} hold {k}: {h['replays']} replays back to back, "
+                    print(f"{'':22s} hold {k}: {h['calls']} replays back to back, "
                           f"{h['ms']:7.3f} ms per call ({flops / h['ms'] / 1e9:4.0f} TF/s)", flush=True)
                 x = w1 = b1 = w2 = None  # free before the next shape
             except Exception as e:  # noqa: BLE001 - record and go on to the next shape

@@ -77,6 +77,11 @@ def parse_args(argv=None):
                     help="GPU sleep before each timed call so that the events time GPU work, "
                          "not the host's launch path (0: time from the host's first "
                          "instruction after the barrier, as before 2026-11-30)")
+    ap.add_argument("--hold-s", type=float, default=0.0,
+                    help="after the interleaved rounds, each path called alone back to back for "
+                         "about this many seconds (timing.time_held; the same call count on "
+                         "every rank): the sustained, power-capped rate, row['holds'] and "
+                         "hold_speedup_vs_baseline")
     ap.add_argument("--quick", action="store_true", help="3 shapes, 10 rounds")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan (shapes, FLOPs, bytes) and exit; no GPU needed")
@@ -242,6 +247,17 @@ def bench_shape(a, name, rank, world, dev):
         res[k]["max_rank_median_ms"] = v
     bus = 2 * (world - 1) / world
     m = {k: res[k]["max_rank_median_ms"] for k in keys}
+    held = {}
+    if a.hold_s > 0:  # each path alone, back to back (the sustained rate; slowest rank)
+        from moe_overlap.timing import time_held
+        with torch.inference_mode():
+            for k in keys:  # the same call count on every rank: from the agreed median
+                held[k] = time_held(fns[k], a.hold_s, m[k], dist.barrier)
+        for ar in ars:
+            ar.check()
+        hm = torch.tensor([held[k]["ms"] for k in keys], dtype=torch.float64, device=dev)
+        dist.all_reduce(hm, op=dist.ReduceOp.MAX)
+        held = {k: dict(held[k], max_rank_ms=v) for k, v in zip(keys, hm.tolist())}
     flops = 2 * T * P * Ol + 2 * T * Ol * N
     row = dict(shape=name, P=P, O=O, N=N, T=T, O_local=Ol, world=world, times=res,
                baseline_ms=m["baseline"], compute_ms=m["compute"],
@@ -263,6 +279,11 @@ def bench_shape(a, name, rank, world, dev):
                                      ms=m[f"fused_{n}"], compute_ms=m[f"fused_compute_{n}"],
                                      x_fused=m["fused"] / m[f"fused_{n}"])
                              for n, v in fused_info["variants"].items()})
+    if held:
+        row["holds"] = held
+        if "fused" in held:
+            row["hold_speedup_vs_baseline"] = (held["baseline"]["max_rank_ms"]
+                                               / held["fused"]["max_rank_ms"])
     row["band_ar_variants_ms"] = {k: v for k, v in m.items() if k.startswith("band_ar_c")}
     if "band_ar" in m:
         row["busbw_band_ar_GBs"] = bus * T * N * 4 / (m["band_ar"] * 1e-3) / 1e9

@@ -134,3 +134,29 @@ def time_interleaved(fns: dict, warmup: int = 3, rounds: int = 40, barrier=lambd
                       rounds=rounds, times=raw, host_ms=statistics.median(host[k]),
                       lead_ms=lead_ms)
     return out
+
+
+def time_held(fn, seconds: float, call_ms: float, barrier=lambda: None) -> dict:
+    """Calls fn back to back for about `seconds` (the count from its measured time `call_ms`),
+    the ranks lined up once before (`barrier()`), timed with two events around all the calls:
+    the sustained rate, which on a power-capped part is the steady state a training step runs
+    in. Returns dict(t0, t1, calls, ms): host wall-clock start and end (time.time, to match a
+    clock trace taken beside the run) and ms per call.
+
+    Why beside ``time_interleaved``: when paths of different power per FLOP alternate in calls of
+    tens of ms, the power controller lags, so the one drawing more runs on part of the clock the
+    other left (bench/NOTES.md, session 15: +10 % for the chained FFN at 8192 tokens, -4 % for
+    its baseline); held alone, each path sets its own clock."""
+    import math
+    import time
+    n = max(1, math.ceil(seconds * 1e3 / max(call_ms, 1e-6)))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    barrier()
+    torch.cuda.synchronize()
+    t0 = time.time()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return dict(t0=t0, t1=time.time(), calls=n, ms=start.elapsed_time(end) / n)

@@ -109,8 +109,9 @@ ffn)
     if [ "$ngpu" -ge 2 ]; then
         args=(--rounds 100)
         [ "$quick" = quick ] && args=(--quick)
+        # --hold-s: the sustained rate beside the interleaved one (bench/NOTES.md, session 15)
         run ffn_bench 550 torchrun --nproc-per-node "$ngpu" bench/bench_ffn.py "${args[@]}" \
-            --fused-variants "chained:compute=chained" --out "$OUT"
+            --fused-variants "chained:compute=chained" --hold-s 1 --out "$OUT"
     fi
     run fused_compute 300 python bench/bench_fused_compute.py --out "$OUT"
     ;;
@@ -118,7 +119,8 @@ chained)
     run chained_tests 300 python -m pytest -q -p no:cacheprovider tests/test_chained_ffn_gpu.py \
         tests/test_sharded_experts_chained_gpu.py
     run ffn_baseline 200 python bench/bench_ffn_baseline.py --out "$OUT"
-    run chained_bench 300 python bench/bench_chained_compute.py --groups auto --out "$OUT"
+    run chained_bench 300 python bench/bench_chained_compute.py --groups auto --shuffle 5 \
+        --rounds 5 --hold-s 1.5 --out "$OUT"
     run chained_grouped_bench 300 python bench/bench_chained_grouped.py --out "$OUT"
     ;;
 layer)
