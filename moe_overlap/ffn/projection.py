@@ -20,8 +20,9 @@ projected, not measured. Per GPU of G, for T tokens and a shape (P, O, N), O/G t
   assumption: optimistic where the slice gets short, flagged where it falls below the smallest
   slice measured, 1024).
 - rel_path: the fused compute kernel's rate relative to torch's, measured on all SMs of one GPU:
-  "chained" (`ffn_chained_compute_h200_auto_606aafd.json`, same rounds as torch, per shape and
-  token count), "reduce" (the seed's kernel, compute="reduce": `fused_compute` against `compute`
+  "chained" (`ffn_chained_compute_h200_auto_patch_7dea59e.json`: the sustained ratio, each path
+  alone back to back at the power cap, per shape and token count; the interleaved ratio favours
+  the path drawing more power, bench/NOTES.md, session 15), "reduce" (the seed's kernel, compute="reduce": `fused_compute` against `compute`
   in the same run of `ffn_fused_v7_final_2xh200.json`, T = 8192 only, used for every T).
 - b: bytes per element of the band all-reduce: 4 for "reduce" (fp32 partials), 2 for "chained"
   (bf16 partial bands, as the issue designs them; built, not yet timed on two GPUs: its per-SM
@@ -61,8 +62,8 @@ MIN_MEASURED_SLICE = 1024  # the narrowest hidden slice R_torch / rel_path were 
 # the files every rate below comes from (bench/results/)
 SOURCES = {
     "torch_tflops": "ffn_baseline_h200.json (rows[].tflops: addmm + act + mm, G = 2 slices)",
-    "chained_rel": "ffn_chained_compute_h200_auto_606aafd.json (rows[].speedup: chained kernel "
-                   "/ torch in the same rounds, all 132 SMs)",
+    "chained_rel": "ffn_chained_compute_h200_auto_patch_7dea59e.json (rows[].hold_speedup: "
+                   "chained kernel / torch, each held alone back to back, all 132 SMs)",
     "reduce_rel": "ffn_fused_v7_final_2xh200.json (compute / fused_compute, max-rank medians, "
                   "T = 8192)",
     "nccl_busbw_gbps": "ffn_fused_v7_final_2xh200.json (busbw_bf16_GBs: NCCL bf16 all-reduce, "
@@ -72,7 +73,7 @@ SOURCES = {
     "ar_cap_ratio": "ffn_fused_v7_final_2xh200.json (busbw_band_ar_GBs / busbw_nccl_fp32_GBs, "
                     "all SMs, median over shapes)",
 }
-FILES = ("ffn_baseline_h200.json", "ffn_chained_compute_h200_auto_606aafd.json",
+FILES = ("ffn_baseline_h200.json", "ffn_chained_compute_h200_auto_patch_7dea59e.json",
          "ffn_fused_v7_final_2xh200.json")
 
 
@@ -99,13 +100,13 @@ class FFNRates:
         "llama4-scout-shared@32768": 641.2, "mixtral-8x7b-expert@8192": 645.6,
         "mixtral-8x7b-expert@32768": 615.8})
     chained_rel: dict = field(default_factory=lambda: {
-        "llama3-8b@8192": 1.0095, "llama3-8b@32768": 1.0596, "llama3-70b@8192": 1.063,
-        "llama3-70b@32768": 0.9462, "deepseek-v3-dense@8192": 1.0283,
-        "deepseek-v3-dense@32768": 1.0155, "deepseek-v3-expert@8192": 0.961,
-        "deepseek-v3-expert@32768": 0.9992, "llama4-scout-expert@8192": 1.0346,
-        "llama4-scout-expert@32768": 1.0368, "llama4-scout-shared@8192": 1.0136,
-        "llama4-scout-shared@32768": 1.034, "mixtral-8x7b-expert@8192": 1.0063,
-        "mixtral-8x7b-expert@32768": 1.0717})
+        "llama3-8b@8192": 0.9415, "llama3-8b@32768": 1.0019, "llama3-70b@8192": 0.9596,
+        "llama3-70b@32768": 0.9587, "deepseek-v3-dense@8192": 0.9317,
+        "deepseek-v3-dense@32768": 0.9651, "deepseek-v3-expert@8192": 0.9324,
+        "deepseek-v3-expert@32768": 0.9474, "llama4-scout-expert@8192": 0.9519,
+        "llama4-scout-expert@32768": 0.9792, "llama4-scout-shared@8192": 0.9381,
+        "llama4-scout-shared@32768": 0.978, "mixtral-8x7b-expert@8192": 0.9463,
+        "mixtral-8x7b-expert@32768": 1.0093})
     reduce_rel: dict = field(default_factory=lambda: {
         "llama3-8b": 0.7683, "llama3-70b": 0.7615, "deepseek-v3-dense": 0.7732,
         "deepseek-v3-expert": 0.6836, "llama4-scout-expert": 0.7763,
@@ -156,7 +157,8 @@ class FFNRates:
                  for r in res if fused_default_ccta(r["O_local"]) == 16]
         return cls(
             torch_tflops={_k(r["shape"], r["tokens"]): r["tflops"] for r in base["rows"]},
-            chained_rel={_k(r["shape"], r["tokens"]): r["speedup"] for r in chained["rows"]},
+            chained_rel={_k(r["shape"], r["tokens"]): r["hold_speedup"]
+                         for r in chained["rows"]},
             reduce_rel={r["shape"]: r["compute_ms"]
                         / r["times"]["fused_compute"]["max_rank_median_ms"] for r in res},
             nccl_busbw_gbps={r["shape"]: r["busbw_bf16_GBs"] for r in res},
