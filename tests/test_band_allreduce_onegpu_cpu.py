@@ -142,3 +142,21 @@ def test_traffic_totals(partial, G, M, N, band_rows):
     assert sum(x["step2_read"] for x in t) == sum(x["step2_write"] for x in t) == G * M * N * elt
     assert sum(x["step2_peer_read"] for x in t) == (G - 1) * M * N * elt
     assert all(x["step3_read"] == M * N * elt for x in t)
+
+
+def _geometry_rank(rank, W, differ):
+    from moe_overlap.ffn.band_allreduce import agree_on_geometry
+    geo = dict(ccta=8 + (8 * rank if differ else 0), max_rows=1024, N=512, band_rows=32)
+    try:
+        agree_on_geometry(geo, None, "cpu")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_different_launch_settings_all_refuse():
+    from conftest import spawn_ranks
+    assert spawn_ranks(_geometry_rank, 2, False) == [None, None]
+    msgs = spawn_ranks(_geometry_rank, 3, True)
+    assert len(set(msgs)) == 1 and "ccta from 8 to 24" in msgs[0], msgs
+    assert "max_rows" not in msgs[0]  # only the fields that differ are named

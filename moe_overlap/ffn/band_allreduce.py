@@ -879,6 +879,25 @@ def symmetric_layout(max_rows: int, N: int, band_rows: int, partial: str = "fp32
     return data, flag_off, flag_bytes, flag_off + 2 * flag_bytes
 
 
+def agree_on_geometry(geometry: dict, group, device) -> None:
+    """Collective (every rank, before any rank-local check can raise): the same ValueError on
+    every rank when the ranks' launch geometries differ (e.g. ccta=None on GPUs of different SM
+    counts), naming each field's range, instead of a launch whose CTAs wait on peers that never
+    come."""
+    import torch
+    import torch.distributed as dist
+    keys = sorted(geometry)
+    v = torch.tensor([int(geometry[k]) for k in keys], dtype=torch.int64, device=device)
+    lo, hi = v.clone(), v.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    bad = {k: (int(a), int(b)) for k, a, b in zip(keys, lo.tolist(), hi.tolist()) if a != b}
+    if bad:
+        raise ValueError("BandAllReduce: the ranks' launch settings differ (every rank must "
+                         "launch the same grid over the same bands): "
+                         + ", ".join(f"{k} from {a} to {b}" for k, (a, b) in bad.items()))
+
+
 class BandAllReduce:
     """Band all-reduce of an fp32 ``[M, N]`` accumulator (``partial="fp32"``) or of bf16
     ``[M, N]`` partials (``partial="bf16"``) over a process group of G CUDA ranks, then
@@ -942,6 +961,9 @@ class BandAllReduce:
 
         self.group = grp
         dev = torch.device("cuda", torch.cuda.current_device())
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        agree_on_geometry(self.launch_geometry(int(ccta) if ccta is not None else sms), grp,
+                          dev)
         _, _, _, total = symmetric_layout(max_rows, N, band_rows, partial)
         buf = symm_mem.empty(total, dtype=torch.uint8, device=dev)
         buf.zero_()
@@ -961,8 +983,7 @@ class BandAllReduce:
                 raise RuntimeError("the symmetric buffer has no multicast address (multicast "
                                    "was not set up by torch symmetric memory)")
             mc += seg_off
-        self._attach(buf, ptrs, dev, torch.cuda.get_device_properties(dev).multi_processor_count,
-                     ccta, multicast=mc)
+        self._attach(buf, ptrs, dev, sms, ccta, multicast=mc)
         torch.cuda.synchronize(dev)
         dist.barrier(group=self.group)  # every rank's counters are zero before anyone signals
 
@@ -986,6 +1007,15 @@ class BandAllReduce:
         # a bf16 partial is overwritten by the producer, never added into: nothing to zero
         self.threads, self.unroll, self.zero_acc = threads, unroll, bool(zero_acc) and not bf16
         self.arrive_ahead = bool(arrive_ahead)
+
+    def launch_geometry(self, ccta: int) -> dict:
+        """What every rank's launch must share (CTA c of one rank waits on CTA c of every peer,
+        and both must walk the same bands with the same chunks): the grid, the buffer's and
+        bands' shape, the vector work per thread and the compiled variant's mode."""
+        return dict(ccta=ccta, max_rows=self.max_rows, N=self.N, band_rows=self.band_rows,
+                    ready_rows=self.ready_rows, threads=self.threads, unroll=self.unroll,
+                    bf16=int(self.partial_dtype == "bf16"), zero_acc=int(self.zero_acc),
+                    arrive_ahead=int(self.arrive_ahead), b2_per_band=int(self.b2_per_band))
 
     def _attach(self, buf, ptrs, dev, sms: int, ccta, multicast=None):
         """This rank's state on ``dev`` around its symmetric buffer ``buf`` (uint8, laid out as
