@@ -50,6 +50,12 @@ def test_chained_resolve():
     with pytest.raises(ValueError, match="group=0"):
         FFNOptions(compute="chained", compute_options=dict(group=0)).resolve(
             FFNFacts(local_hidden=512))
+    r = FFNOptions(compute="chained", compute_options=dict(group=8, patch=2)).resolve(
+        FFNFacts(local_hidden=512))
+    assert dict(r.compute_options) == dict(group=8, patch=2)
+    with pytest.raises(ValueError, match="patch=0"):
+        FFNOptions(compute="chained", compute_options=dict(patch=0)).resolve(
+            FFNFacts(local_hidden=512))
 
 
 def test_reference_backend_refuses_compute():

@@ -55,12 +55,12 @@ def fused_tile_o(local_hidden: int) -> int:
 COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "cluster_m", "h_pair")
 # compute="chained": keyword options of ffn.compute_chained.ChainedFFNCompute (tile sizes are
 # the kernel's fixed 128 x 256 x 256)
-CHAINED_COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "group")
+CHAINED_COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "group", "patch")
 
 
 def check_chained_compute_options(options) -> dict:
     """Validated copy of ``compute_options`` for compute="chained" (``CHAINED_COMPUTE_OPTIONS``,
-    checked by ``ChainedFFNCompute.check_options``; group: "auto" or an int >= 1). Raises
+    checked by ``ChainedFFNCompute.check_options``; group, patch: "auto" or an int >= 1). Raises
     ValueError / TypeError on any machine, before CUDA is touched."""
     options = {} if options is None else options
     if not isinstance(options, dict):
@@ -69,11 +69,14 @@ def check_chained_compute_options(options) -> dict:
     reject_unknown_options("compute_options (compute='chained')", options,
                            CHAINED_COMPUTE_OPTIONS)
     options = dict(options)
-    g = options.get("group", "auto")
-    if g != "auto" and (isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1):
-        raise ValueError(f"compute_options: group={g!r} must be 'auto' or an int >= 1")
+    for name in ("group", "patch"):
+        g = options.get(name, "auto")
+        if g != "auto" and (isinstance(g, bool) or not isinstance(g, numbers.Integral)
+                            or g < 1):
+            raise ValueError(f"compute_options: {name}={g!r} must be 'auto' or an int >= 1")
     from .compute_chained import ChainedFFNCompute
-    ChainedFFNCompute.check_options(**{k: v for k, v in options.items() if k != "group"})
+    ChainedFFNCompute.check_options(**{k: v for k, v in options.items()
+                                       if k not in ("group", "patch")})
     return options
 
 
