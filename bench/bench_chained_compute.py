@@ -15,6 +15,7 @@ with device, date and commit. A shape that fails records its error and the run g
 """
 import argparse
 import os
+import re
 import sys
 import traceback
 
@@ -88,16 +89,18 @@ def write(a, groups, rows_out, final=False):
 
 
 def make_comp(spec):
-    """ChainedFFNCompute for a --groups entry: an int, "auto", "GrR" (group G, ring R blocks) or
-    "GpC" (group G, patches of C column tiles: GroupedChainedSchedule.patch); without "p" the
-    patch is "auto" (auto_patch of the group)."""
-    if isinstance(spec, str) and "r" in spec:
-        g, r = (int(v) for v in spec.split("r"))
-        return ChainedFFNCompute(group=g, _test_ring=r)
-    if isinstance(spec, str) and "p" in spec:
-        g, c = (int(v) for v in spec.split("p"))
-        return ChainedFFNCompute(group=g, patch=c)
-    return ChainedFFNCompute(group=spec)
+    """ChainedFFNCompute for a --groups entry: "auto", an int G, or G followed by any of pC
+    (patches of C column tiles: GroupedChainedSchedule.patch), rR (a ring of R row blocks
+    instead of the derived one) and lL (a lookahead of L row blocks), e.g. "16p4r32l16";
+    without p the patch is "auto" (auto_patch of the group)."""
+    if spec == "auto" or isinstance(spec, int):
+        return ChainedFFNCompute(group=spec)
+    m = re.fullmatch(r"(\d+)((?:[prl]\d+)*)", spec)
+    if not m:
+        raise ValueError(f"--groups entry {spec!r}: auto, G, or G with pC / rR / lL")
+    kw = {k: int(v) for k, v in re.findall(r"([prl])(\d+)", m.group(2))}
+    return ChainedFFNCompute(group=int(m.group(1)), patch=kw.get("p", "auto"),
+                             _test_ring=kw.get("r"), _test_lookahead=kw.get("l"))
 
 
 def main():
@@ -108,9 +111,10 @@ def main():
     ap.add_argument("--act", default="gelu")
     ap.add_argument("--groups", default="auto,1,2,4",
                     help="tile orders timed in the same rounds: ChainedFFNCompute(group=G), G an "
-                         "int or auto (the default rule, auto_group), or GrR: group G with a ring "
-                         "of R row blocks instead of the derived one (a multiple of G; a shape "
-                         "where it is invalid records the variant's error); the "
+                         "int or auto (the default rules, auto_group / auto_patch), or G with "
+                         "pC (patch C), rR (a ring of R row blocks), lL (a lookahead of L row "
+                         "blocks), e.g. 16p4r32l16 (multiples of G; a shape where one is "
+                         "invalid records the variant's error); the "
                          "first is the row's headline (speedup, ms, err, activation_mem)")
     ap.add_argument("--reps", type=int, default=5, help="calls per CUDA graph")
     ap.add_argument("--rounds", type=int, default=20)
@@ -133,7 +137,7 @@ def main():
     a = ap.parse_args()
     names = list(SHAPES) if a.shapes == "all" else a.shapes.split(",")
     dev = torch.device("cuda")
-    groups = [g if g == "auto" or "r" in g or "p" in g else int(g) for g in a.groups.split(",")]
+    groups = [g if g == "auto" or not g.isdigit() else int(g) for g in a.groups.split(",")]
     comps = {g: make_comp(g) for g in groups}
     rows_out = []
     for name in names:

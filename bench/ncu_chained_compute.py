@@ -56,7 +56,7 @@ def main():
     P, O = SHAPES[a.shape]
     dev = torch.device("cuda")
     x, w1, b1, w2 = ffn_slice(a.tokens, P, O // a.world, dev, seed=a.tokens + P)
-    comps = {g: make_comp(g if g == "auto" or "r" in g or "p" in g else int(g))
+    comps = {g: make_comp(g if g == "auto" or not g.isdigit() else int(g))
              for g in a.groups.split(",")}
     paths = {"baseline": baseline_call(x, w1, b1, w2, a.act)}
     for g, comp in comps.items():

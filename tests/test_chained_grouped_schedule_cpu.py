@@ -82,3 +82,15 @@ def test_ring_override():
     for bad in (7, 4, 3):  # not a multiple of the group, or not above the lookahead
         with pytest.raises(ValueError, match="multiple of the group"):
             schedule_for(8192, 8192, 14336, 8192, grid=132, group=2, ring=bad)
+
+
+def test_lookahead_override():
+    """A shorter lookahead lets group 16 run in a ring of 32 blocks at 8192 tokens (half of H):
+    the list stays valid (simulate), and the overrides are checked."""
+    s = schedule_for(8192, 8192, 14336, 8192, grid=132, group=16, patch=4, ring=32, lookahead=16)
+    assert (s.lookahead, s.ring, s.patch) == (16, 32, 4)
+    assert simulate(s).efficiency > 0.95
+    for kw in (dict(lookahead=8), dict(lookahead=24), dict(lookahead=64),
+               dict(lookahead=16, ring=16)):
+        with pytest.raises(ValueError):
+            schedule_for(8192, 8192, 14336, 8192, grid=132, group=16, **kw)

@@ -258,13 +258,15 @@ class GroupedChainedSchedule:
 
 
 def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, group=1,
-                 ring=None, patch=1):
+                 ring=None, patch=1, lookahead=None):
     """The tile list the kernel runs: ``derive`` (group 1) or its super-block form (group G);
     ring (row blocks) overrides the derived ring size (tests and the bench only): unchecked with
     group 1 (the GPU tests run invalid rings on purpose); with group G a multiple of G whose
     super-block count exceeds the lookahead's, so that the list stays valid (the grouped ring is
     derived in whole super-blocks, and on llama3-70b's slice the simulated efficiency is the same
-    with one super-block less: ``simulate``)."""
+    with one super-block less: ``simulate``). lookahead (row blocks, group G > 1 only, the bench's
+    experiments): a multiple of G overriding the derived one, checked the same way (a shorter
+    lookahead lets a smaller ring hold the order: group 16 in 32 blocks at 8192 tokens)."""
     if group == 1:
         s = derive(M, hidden, N, tile_m, tile_h, tile_n, grid=grid, inputs=P)
         if ring is not None:
@@ -273,6 +275,17 @@ def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, grou
         return s
     base = derive(M, hidden, N, tile_m * group, tile_h, tile_n, grid=max(1, grid // group),
                   inputs=P)
+    if lookahead is not None:
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < group \
+                or lookahead % group:
+            raise ValueError(f"lookahead={lookahead!r} with group={group}: must be a positive "
+                             f"multiple of the group")
+        base = ChainedSchedule(base.rows, base.hidden, base.out, base.tile_m, base.tile_h,
+                               base.tile_n, base.grid, lookahead // group, base.ring,
+                               base.inputs)
+        if ring is None and base.ring <= base.lookahead:
+            raise ValueError(f"lookahead={lookahead} with group={group}: the derived ring "
+                             f"({base.ring * group} blocks) must exceed it; pass a ring")
     if ring is not None:
         if ring % group or ring // group <= base.lookahead:
             raise ValueError(f"ring={ring} with group={group}: must be a multiple of the group "
@@ -391,7 +404,7 @@ class ChainedFFNCompute:
 
     def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
                  timeout_ms=2000, group="auto", _test_ring=None,
-                 _test_skip_slot_wait=False, patch="auto"):
+                 _test_skip_slot_wait=False, patch="auto", _test_lookahead=None):
         self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms)
         if group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
                                 or group < 1):
@@ -412,6 +425,7 @@ class ChainedFFNCompute:
         if _test_ring is not None and (not isinstance(_test_ring, int) or _test_ring < 1):
             raise ValueError(f"_test_ring must be an int >= 1, got {_test_ring!r}")
         self._test_ring = _test_ring
+        self._test_lookahead = _test_lookahead  # schedule_for(lookahead=), the bench's "lL"
         self._test_skip_slot_wait = bool(_test_skip_slot_wait)
         self._bufs = {}
         self._tables = {}
@@ -480,7 +494,7 @@ class ChainedFFNCompute:
         """The tile list this instance runs for M rows on ``grid`` CTAs (``schedule_for``)."""
         return schedule_for(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
                             self.group_for(M, P, hidden, N, grid), self._test_ring,
-                            self.patch_for(M, P, hidden, N, grid))
+                            self.patch_for(M, P, hidden, N, grid), self._test_lookahead)
 
     def grid(self, M, hidden, N, device=None, ccta=0, sms=None):
         sms = num_sms(device) if sms is None else sms
