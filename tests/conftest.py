@@ -93,6 +93,13 @@ def require_module(gpus: int, nvshmem: bool = True):
         pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
 
 
+def worker_error(e: BaseException) -> str:
+    """What a spawned rank records for an exception it caught (type, message and the tail of the
+    traceback), so that the test reading its JSON fails with the rank's own reason."""
+    import traceback
+    return f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+
+
 def single_rank_json(worker, join_timeout_s: float = 540) -> dict:
     """Runs ``worker(0, 1, port, outdir)`` in one spawned process (a rank that records its checks
     in ``outdir/rank0.json`` and leaves with ``os._exit``, skipping the NCCL / NVSHMEM teardown)

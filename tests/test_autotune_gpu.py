@@ -47,7 +47,7 @@ import os
 import pytest
 import torch
 
-from conftest import require_module, single_rank_json
+from conftest import require_module, single_rank_json, worker_error
 
 pytestmark = pytest.mark.gpu
 
@@ -216,8 +216,7 @@ def _run(dev, res):
         try:
             _config(tag, cfg, dev, res, cache)
         except Exception as e:
-            import traceback
-            res[f"{tag}_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+            res[f"{tag}_error"] = worker_error(e)
             try:  # the buffer is shared: a sticky device error would fail the next config too
                 from moe_overlap.combine import CommBuffer
                 CommBuffer.shared(None, "nvlink", torch.bfloat16).reset()
@@ -237,8 +236,7 @@ def _worker(rank, world, port, outdir):
         os.environ["MOE_OVERLAP_TUNE_CACHE"] = os.path.join(tempfile.mkdtemp(), "tune.json")
         _run(torch.device("cuda", rank), res)
     except Exception as e:
-        import traceback
-        res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        res["error"] = worker_error(e)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f, indent=1)
     os._exit(0)  # skip NCCL / NVSHMEM teardown ordering issues

@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 
-from conftest import require_module, single_rank_json
+from conftest import require_module, single_rank_json, worker_error
 
 pytestmark = pytest.mark.gpu
 
@@ -206,11 +206,9 @@ def _worker(rank, world, port, outdir):
                                     transport="nvlink", timeout_s=10.0, **opts)
                 _checks(ov, res, tag)
             except Exception as e:
-                import traceback
-                res[f"{tag}_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+                res[f"{tag}_error"] = worker_error(e)
     except Exception as e:
-        import traceback
-        res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        res["error"] = worker_error(e)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f, indent=1)
     os._exit(0)  # skip NCCL / NVSHMEM teardown ordering issues

@@ -31,7 +31,7 @@ import os
 import pytest
 import torch
 
-from conftest import require_module, spawn_ranks
+from conftest import require_module, spawn_ranks, worker_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
@@ -287,8 +287,7 @@ def _worker(rank, world):
                 if tag in ("nvshmem", "nvlink_v2"):
                     timeout_ov[tag] = ov
             except Exception as e:  # record and go on to the next config
-                import traceback
-                res[f"{tag}_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+                res[f"{tag}_error"] = worker_error(e)
                 continue  # separate buffers per config: the next one starts clean
         # timeout checks on the configs that passed without an exception (timeout_ov); v1 keeps
         # the historical key names (timeout_raised / timeout_msg)
@@ -298,8 +297,7 @@ def _worker(rank, world):
                 _timeout_check(tov, res, "timeout" if tag == "nvshmem" else f"timeout_{tag}")
                 tov.rt.barrier()
     except Exception as e:
-        import traceback
-        res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        res["error"] = worker_error(e)
     return res
 
 

@@ -28,7 +28,7 @@ import time
 import pytest
 import torch
 
-from conftest import require_module, single_rank_json
+from conftest import require_module, single_rank_json, worker_error
 
 pytestmark = pytest.mark.gpu
 
@@ -232,8 +232,7 @@ def _worker(rank, world, port, outdir):
     try:
         _gemm_checks(res)
     except Exception as e:
-        import traceback
-        res["gemm_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        res["gemm_error"] = worker_error(e)
     try:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
@@ -245,11 +244,9 @@ def _worker(rank, world, port, outdir):
                                     transport="nvlink", timeout_s=TIMEOUT_S, **opts)
                 _combine_checks(ov, res, tag)
             except Exception as e:
-                import traceback
-                res[f"{tag}_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+                res[f"{tag}_error"] = worker_error(e)
     except Exception as e:
-        import traceback
-        res["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        res["error"] = worker_error(e)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f, indent=1)
     os._exit(0)  # skip NCCL / NVSHMEM teardown ordering issues

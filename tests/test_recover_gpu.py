@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from conftest import require_module, spawn_ranks
+from conftest import require_module, spawn_ranks, worker_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
@@ -145,8 +145,7 @@ def _guard(res, tag, fn, *args):
     try:
         fn(*args)
     except Exception as e:  # noqa: BLE001 - recorded, the other parts still run
-        import traceback
-        res[f"{tag}_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        res[f"{tag}_error"] = worker_error(e)
 
 
 def _skip_worker(rank, world):
