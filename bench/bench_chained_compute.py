@@ -15,6 +15,7 @@ with device, date and commit. A shape that fails records its error and the run g
 """
 import argparse
 import os
+import random
 import re
 import sys
 import traceback
@@ -181,9 +182,12 @@ def main():
                 t = time_interleaved({k: gr.replay for k, gr in graphs.items()}, warmup=2,
                                      rounds=a.rounds, shuffle_seed=a.shuffle,
                                      lead_ms=a.lead_ms)
-                if a.hold_s > 0:
-                    r["holds"] = {k: time_held(gr.replay, a.hold_s, t[k]["median_ms"])
-                                  for k, gr in graphs.items()}
+                if a.hold_s > 0:  # in a shuffled order with --shuffle (no path always first)
+                    names = list(graphs)
+                    if a.shuffle is not None:
+                        random.Random(a.shuffle + T).shuffle(names)
+                    r["holds"] = {k: time_held(graphs[k].replay, a.hold_s, t[k]["median_ms"])
+                                  for k in names}
                     for h in r["holds"].values():  # per FFN call: a replay holds a.reps
                         h["ms"] /= a.reps
                 for comp in comps.values():
