@@ -95,8 +95,8 @@ import torch
 from ..kernels.host_checks import chained_gemm_dims, check_tensors
 from ..runtime.device import num_sms
 from .activations import ACT2, activation
-from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_SLOT_TIMEOUT, GEMM2,
-                               TILE_K, ChainedSchedule, derive)
+from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_MAILBOX_TIMEOUT,
+                               ERR_SLOT_TIMEOUT, GEMM2, TILE_K, ChainedSchedule, derive)
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
            "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "auto_patch",
@@ -138,7 +138,7 @@ def describe_chained_error(err) -> str | None:
     code = int(err[0])
     if code == 0:
         return None
-    _, pos, blk, obs, exp, el = (int(v) for v in err[1:7])
+    rank, pos, blk, obs, exp, el = (int(v) for v in err[1:7])
     if code == ERR_SLOT_TIMEOUT:
         return (f"chained FFN: GEMM1 tile at list position {pos} (block {blk}) timed out after "
                 f"{el / 1e6:.1f} ms waiting for its ring slot: g2_done[{blk} - ring] = {obs}, "
@@ -152,6 +152,13 @@ def describe_chained_error(err) -> str | None:
         return (f"chained FFN (grouped): row block {blk} (tile at list position {pos}) names "
                 f"expert {obs}, outside [0, {exp}) (block_expert out of range; the block ran "
                 f"with expert 0's weights, its output is wrong)")
+    if code == ERR_MAILBOX_TIMEOUT:
+        side = ("the peer to free the slot (its TMA warp's forward)" if rank == 0 else
+                "the leader to post the tile")
+        return (f"chained FFN (cluster=2): the CTA of cluster rank {rank} timed out after "
+                f"{el / 1e6:.1f} ms at its tile {pos} waiting on mailbox slot {blk} (phase "
+                f"parity {exp}) for {side}: a stalled CTA of the cluster; the CTA stopped "
+                f"taking tiles, its peer may not end")
     return f"chained FFN: unknown device error code {code}: {list(int(v) for v in err)}"
 
 
