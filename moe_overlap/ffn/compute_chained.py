@@ -74,6 +74,24 @@ whole tile's duration, and on llama3-70b's slice x and H came from DRAM again fo
 tiles). The defaults ``group="auto"`` / ``patch="auto"`` pick G per shape from the ring's share
 of H and C from G (``auto_group``, ``auto_patch``: the rule and the measurement it comes from).
 
+2-CTA clusters (``ChainedFFNCompute(cluster=2)``, compile-time, dense calls only): the CTAs of a
+cluster along M run the same tile (kind, column) on adjacent row blocks 2 q and 2 q + 1 and load
+each weight k-slab once, half each, multicast into both CTAs' rings (half the weight traffic from
+L2; the x rows and the H block, the A tiles, stay per CTA). The table is the order on pair blocks
+of 2 * tile_m rows over grid / 2 clusters (``PairedChainedSchedule``; ring and lookahead in row
+blocks, even), so every per-block wait above still only waits on tiles earlier in the list. A ring
+stage is free once the consumers of both CTAs released it (the base pipeline's cluster-aware
+empty barriers). Mailbox: the leader (rank 0) takes the list position and writes the tile into
+its own slot and, through distributed shared memory (``st.shared::cluster``, then a
+``release.cluster`` remote arrive on the peer's full barrier), into the peer's; the peer's TMA
+warp forwards its readers' release of a slot to the leader's empty barrier with a remote arrive,
+so the leader never overwrites a slot the peer still reads. Both mailbox waits that have the other
+CTA on their far side are bounded (``ERR_MAILBOX_TIMEOUT``). With an odd block count the last
+pair's second block lies past M: that CTA still takes part in the loads, the multicast and the
+barriers (its x / H rows past the tensors load as zeros), but skips the counter waits, stores
+nothing and raises no counter or band flag. Clusters are co-scheduled, so the deadlock argument
+is the one above with a cluster in place of a CTA.
+
 Grouped over experts (``ChainedFFNCompute.grouped``, ``ShardedExperts``): the same tile list,
 ring, counters and flags; w1 [E, P, hidden], b1 [E, hidden], w2 [E, hidden, N], and row block
 blk (one expert's rows: each expert's group padded to tile_m) uses expert ``block_expert[blk]``,

@@ -19,6 +19,14 @@ blk]``, written by the host before the launch), so the parameter list is the den
 its PTX is unchanged. The TMA warp checks the expert against [0, E) (out of range: the error
 word, ``ERR_EXPERT_RANGE``, and expert 0's weights so that every access stays in bounds).
 
+``cluster=2`` (compile-time, dense only): 2-CTA clusters along M on the pair table
+(``PairedChainedSchedule``): the weight TMA atoms multicast (each CTA loads its half of the
+tile into both), the operand ring is the base's cluster-aware pipeline, the TMA warps run the
+cluster mailbox (``fetch_tile_pair``: the leader takes the tile and posts it to both CTAs
+through distributed shared memory; ``read_tile_pair``: acquire.cluster waits), a CTA whose row
+block lies past M stores and counts nothing, and the CTAs end with a cluster barrier. With
+cluster=1 nothing of this is traced (the dense PTX is unchanged).
+
 Imports cutlass (the host wrapper imports this module when it compiles).
 """
 from __future__ import annotations
