@@ -123,7 +123,7 @@ CASES = [  # M, shape, act1, b1 given
 ]
 
 
-@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("cluster", [1, 2], ids=["cluster1", "cluster2"])
 @pytest.mark.parametrize("M,shape,act1,bias", CASES)
 def test_matches_truth_and_reference(mod, M, shape, act1, bias, cluster):
     """cluster 2: pairs of adjacent row blocks share each weight tile by TMA multicast; the
