@@ -93,15 +93,21 @@ def make_comp(spec):
     """ChainedFFNCompute for a --groups entry: "auto", an int G, or G followed by any of pC
     (patches of C column tiles: GroupedChainedSchedule.patch), rR (a ring of R row blocks
     instead of the derived one) and lL (a lookahead of L row blocks), e.g. "16p4r32l16";
-    without p the patch is "auto" (auto_patch of the group)."""
+    without p the patch is "auto" (auto_patch of the group). A trailing c2 (e.g. "16p4c2",
+    "autoc2") runs the 2-CTA cluster kernel (cluster=2: pairs of row blocks share each weight
+    tile by multicast; G, R and L even, in row blocks)."""
     if spec == "auto" or isinstance(spec, int):
         return ChainedFFNCompute(group=spec)
-    m = re.fullmatch(r"(\d+)((?:[prl]\d+)*)", spec)
+    if spec == "autoc2":
+        return ChainedFFNCompute(group="auto", cluster=2)
+    m = re.fullmatch(r"(\d+)((?:[prl]\d+)*)(c2)?", spec)
     if not m:
-        raise ValueError(f"--groups entry {spec!r}: auto, G, or G with pC / rR / lL")
+        raise ValueError(f"--groups entry {spec!r}: auto, G, or G with pC / rR / lL, then "
+                         f"optionally c2")
     kw = {k: int(v) for k, v in re.findall(r"([prl])(\d+)", m.group(2))}
     return ChainedFFNCompute(group=int(m.group(1)), patch=kw.get("p", "auto"),
-                             _test_ring=kw.get("r"), _test_lookahead=kw.get("l"))
+                             _test_ring=kw.get("r"), _test_lookahead=kw.get("l"),
+                             cluster=2 if m.group(3) else 1)
 
 
 def main():
@@ -115,8 +121,10 @@ def main():
                          "int or auto (the default rules, auto_group / auto_patch), or G with "
                          "pC (patch C), rR (a ring of R row blocks), lL (a lookahead of L row "
                          "blocks), e.g. 16p4r32l16 (multiples of G; a shape where one is "
-                         "invalid records the variant's error); the "
-                         "first is the row's headline (speedup, ms, err, activation_mem)")
+                         "invalid records the variant's error), then optionally c2 for the "
+                         "2-CTA cluster kernel (cluster=2, e.g. 16p4c2 or autoc2; G, R and L "
+                         "even); the first is the row's headline (speedup, ms, err, "
+                         "activation_mem)")
     ap.add_argument("--reps", type=int, default=5, help="calls per CUDA graph")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--check-rows", type=int, default=1024)

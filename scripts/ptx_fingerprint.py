@@ -113,6 +113,9 @@ def variants():
         # the grouped call's kernel (3-D weights, experts after the tile table)
         "chained_ffn_grouped": lambda: C().compile(
             P=512, hidden=1024, N=512, act1="gelu", keep_ptx=True, grouped=True).__ptx__,
+        # 2-CTA clusters along M: weight tiles multicast, the cluster mailbox
+        "chained_ffn_cluster2": lambda: C(cluster=2).compile(
+            P=512, hidden=1024, N=512, act1="gelu", keep_ptx=True).__ptx__,
         "band_allreduce_unicast_g2": lambda: ar().compile_band_allreduce(
             2, "unicast", "none", keep=True).__ptx__,
         # bf16 partials (the chained layers), b2 shared and one row per ready flag (experts)

@@ -90,6 +90,7 @@ def _run_case(mod, M, shape, act1, bias, seed, comp=None, ccta=0, epoch_val=7):
              h_ring=ring)
     assert y is out
     case = (f"M={M} P,hidden,N={shape} act1={act1} b1={'yes' if bias else 'None'} ccta={ccta} "
+            f"cluster={comp.cluster} "
             f"group={comp.group} ({comp.group_for(M, P, hidden, N, grid)}) grid={grid} "
             f"lookahead={s.lookahead} ring={s.ring} blocks={s.blocks}")
     comp.check()  # raises with the device error text (a timed-out wait)
@@ -116,12 +117,52 @@ CASES = [  # M, shape, act1, b1 given
     (8192, SHAPE, "relu", False),
     (1000, SHAPE2, "gelu", True),
     (8192, SHAPE2, "gelu_tanh", True),
+    # odd block counts (cluster 2: the last pair's second block lies past M)
+    (1100, SHAPE2, "relu", True),
+    (8059, SHAPE, "gelu", True),
 ]
 
 
+@pytest.mark.parametrize("cluster", [1, 2], ids=["cluster1", "cluster2"])
 @pytest.mark.parametrize("M,shape,act1,bias", CASES)
-def test_matches_truth_and_reference(mod, M, shape, act1, bias):
-    _run_case(mod, M, shape, act1, bias, seed=1000 * M + len(act1) + bias)
+def test_matches_truth_and_reference(mod, M, shape, act1, bias, cluster):
+    """cluster 2: pairs of adjacent row blocks share each weight tile by TMA multicast; the
+    result, the ring's use and the band flags (none for the block past M) are the same."""
+    _run_case(mod, M, shape, act1, bias, seed=1000 * M + len(act1) + bias,
+              comp=mod.ChainedFFNCompute(cluster=cluster))
+
+
+@pytest.mark.parametrize("group,patch,M,ring", [(2, 1, 8192, None), (8, 4, 8192, None),
+                                                (16, 4, 8192, None), (4, 1, 1100, None),
+                                                (2, 1, 8192, "min"), (8, 4, 8059, "min")])
+def test_cluster_orders(mod, group, patch, M, ring):
+    """cluster 2 with the super-block orders on pair blocks, and with the smallest valid ring
+    (one pair super-block above the lookahead: GEMM1 tiles wait for their slot often)."""
+    if ring == "min":
+        base = mod.ChainedFFNCompute(cluster=2, group=group, patch=patch).schedule(
+            M, *SHAPE, grid=torch.cuda.get_device_properties(0).multi_processor_count // 2 * 2)
+        ring = base.lookahead + max(2, group)
+    comp = mod.ChainedFFNCompute(cluster=2, group=group, patch=patch, _test_ring=ring)
+    _run_case(mod, M, SHAPE, "gelu", True, seed=500 + group + M, comp=comp)
+
+
+def test_cluster_small_grid_and_repeated_calls(mod):
+    """cluster 2 on an odd number of free SMs (the grid rounds down to whole clusters), then
+    repeated calls of one instance (counters and both mailboxes start fresh each launch)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    comp = mod.ChainedFFNCompute(cluster=2)
+    _run_case(mod, 1100, SHAPE, "gelu", True, seed=6, comp=comp, ccta=sms - 33)
+    for i in range(3):
+        _run_case(mod, 8059, SHAPE, "silu", False, seed=88 + i, comp=comp, epoch_val=20 + i)
+
+
+def test_cluster_refuses_grouped(mod):
+    comp = mod.ChainedFFNCompute(cluster=2)
+    x = torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.zeros(2, 256, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dense calls only"):
+        comp.grouped(x, w, None, w, block_expert=torch.zeros(2, device="cuda",
+                                                             dtype=torch.int32))
 
 
 @pytest.mark.parametrize("group,M", [(1, 8192), (2, 8192), (4, 8192), (4, 1000)])

@@ -42,6 +42,7 @@ TILE_K = 64  # the kernel's k tile (bf16: one 128-byte swizzle row)
 ERR_SLOT_TIMEOUT = 21  # a GEMM1 tile waited too long for g2_done[blk - ring] (its ring slot)
 ERR_BLOCK_TIMEOUT = 22  # a GEMM2 tile waited too long for g1_done[blk] (its H row block)
 ERR_EXPERT_RANGE = 23  # grouped call: a row block's expert index is outside [0, E)
+ERR_MAILBOX_TIMEOUT = 24  # cluster=2: a CTA waited too long for its cluster peer's mailbox side
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,24 @@ whole tile's duration, and on llama3-70b's slice x and H came from DRAM again fo
 tiles). The defaults ``group="auto"`` / ``patch="auto"`` pick G per shape from the ring's share
 of H and C from G (``auto_group``, ``auto_patch``: the rule and the measurement it comes from).
 
+2-CTA clusters (``ChainedFFNCompute(cluster=2)``, compile-time, dense calls only): the CTAs of a
+cluster along M run the same tile (kind, column) on adjacent row blocks 2 q and 2 q + 1 and load
+each weight k-slab once, half each, multicast into both CTAs' rings (half the weight traffic from
+L2; the x rows and the H block, the A tiles, stay per CTA). The table is the order on pair blocks
+of 2 * tile_m rows over grid / 2 clusters (``PairedChainedSchedule``; ring and lookahead in row
+blocks, even), so every per-block wait above still only waits on tiles earlier in the list. A ring
+stage is free once the consumers of both CTAs released it (the base pipeline's cluster-aware
+empty barriers). Mailbox: the leader (rank 0) takes the list position and writes the tile into
+its own slot and, through distributed shared memory (``st.shared::cluster``, then a
+``release.cluster`` remote arrive on the peer's full barrier), into the peer's; the peer's TMA
+warp forwards its readers' release of a slot to the leader's empty barrier with a remote arrive,
+so the leader never overwrites a slot the peer still reads. Both mailbox waits that have the other
+CTA on their far side are bounded (``ERR_MAILBOX_TIMEOUT``). With an odd block count the last
+pair's second block lies past M: that CTA still takes part in the loads, the multicast and the
+barriers (its x / H rows past the tensors load as zeros), but skips the counter waits, stores
+nothing and raises no counter or band flag. Clusters are co-scheduled, so the deadlock argument
+is the one above with a cluster in place of a CTA.
+
 Grouped over experts (``ChainedFFNCompute.grouped``, ``ShardedExperts``): the same tile list,
 ring, counters and flags; w1 [E, P, hidden], b1 [E, hidden], w2 [E, hidden, N], and row block
 blk (one expert's rows: each expert's group padded to tile_m) uses expert ``block_expert[blk]``,
@@ -95,12 +113,12 @@ import torch
 from ..kernels.host_checks import chained_gemm_dims, check_tensors
 from ..runtime.device import num_sms
 from .activations import ACT2, activation
-from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_SLOT_TIMEOUT, GEMM2,
-                               TILE_K, ChainedSchedule, derive)
+from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_MAILBOX_TIMEOUT,
+                               ERR_SLOT_TIMEOUT, GEMM2, TILE_K, ChainedSchedule, derive)
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
            "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "auto_patch",
-           "schedule_for"]
+           "schedule_for", "PairedChainedSchedule"]
 
 ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -138,7 +156,7 @@ def describe_chained_error(err) -> str | None:
     code = int(err[0])
     if code == 0:
         return None
-    _, pos, blk, obs, exp, el = (int(v) for v in err[1:7])
+    rank, pos, blk, obs, exp, el = (int(v) for v in err[1:7])
     if code == ERR_SLOT_TIMEOUT:
         return (f"chained FFN: GEMM1 tile at list position {pos} (block {blk}) timed out after "
                 f"{el / 1e6:.1f} ms waiting for its ring slot: g2_done[{blk} - ring] = {obs}, "
@@ -152,6 +170,13 @@ def describe_chained_error(err) -> str | None:
         return (f"chained FFN (grouped): row block {blk} (tile at list position {pos}) names "
                 f"expert {obs}, outside [0, {exp}) (block_expert out of range; the block ran "
                 f"with expert 0's weights, its output is wrong)")
+    if code == ERR_MAILBOX_TIMEOUT:
+        side = ("the peer to free the slot (its TMA warp's forward)" if rank == 0 else
+                "the leader to post the tile")
+        return (f"chained FFN (cluster=2): the CTA of cluster rank {rank} timed out after "
+                f"{el / 1e6:.1f} ms at its tile {pos} waiting on mailbox slot {blk} (phase "
+                f"parity {exp}) for {side}: a stalled CTA of the cluster; the CTA stopped "
+                f"taking tiles, its peer may not end")
     return f"chained FFN: unknown device error code {code}: {list(int(v) for v in err)}"
 
 
@@ -257,8 +282,88 @@ class GroupedChainedSchedule:
         return torch.tensor(self.tiles(), dtype=torch.int32, device=device).reshape(-1, 3)
 
 
+@dataclass(frozen=True)
+class PairedChainedSchedule:
+    """The tile order of the 2-CTA cluster kernel (``ChainedFFNCompute(cluster=2)``): ``base`` is
+    the order (``derive`` or ``GroupedChainedSchedule``) on pair blocks of 2 * tile_m rows and on
+    grid / 2 clusters; its entry (kind, pair block q, column) is one tile of each CTA of a
+    cluster, rank r taking row block 2 q + r (the two tiles share the weight tile, loaded once by
+    multicast). ``tile_table`` is the pair list the kernel walks; ``tiles`` the row-block list
+    (2 q, 2 q + 1 adjacent, the block past M of an odd count left out) that ``simulate`` and
+    ``execute_reference`` check. ring and lookahead are in row blocks (twice the base's, so
+    even): block 2 q + r uses slot (2 q + r) % ring = 2 (q % base.ring) + r, and GEMM1 of block b
+    >= ring waits for GEMM2 of b - ring, in pair q - base.ring, which the base order puts
+    earlier."""
+
+    base: object
+    rows: int
+    tile_m: int
+    grid: int  # CTAs (two per cluster)
+
+    @property
+    def hidden(self):
+        return self.base.hidden
+
+    @property
+    def out(self):
+        return self.base.out
+
+    @property
+    def inputs(self):
+        return self.base.inputs
+
+    @property
+    def tile_h(self):
+        return self.base.tile_h
+
+    @property
+    def tile_n(self):
+        return self.base.tile_n
+
+    @property
+    def h_tiles(self):
+        return self.base.h_tiles
+
+    @property
+    def n_tiles(self):
+        return self.base.n_tiles
+
+    @property
+    def blocks(self):
+        return math.ceil(self.rows / self.tile_m)
+
+    @property
+    def pair_blocks(self):
+        return self.base.blocks
+
+    @property
+    def lookahead(self):
+        return self.base.lookahead * 2
+
+    @property
+    def ring(self):
+        return self.base.ring * 2
+
+    @property
+    def ring_bytes(self):
+        return min(self.ring, self.blocks) * self.tile_m * self.hidden * 2
+
+    def pair_tiles(self):
+        """(kind, pair block, column tile) in list order: the kernel's table."""
+        return self.base.tiles()
+
+    def tiles(self):
+        nb = self.blocks
+        return [(k, 2 * q + r, c) for k, q, c in self.base.tiles() for r in range(2)
+                if 2 * q + r < nb]
+
+    def tile_table(self, device=None):
+        return torch.tensor(self.pair_tiles(), dtype=torch.int32,
+                            device=device).reshape(-1, 3)
+
+
 def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, group=1,
-                 ring=None, patch=1, lookahead=None):
+                 ring=None, patch=1, lookahead=None, cluster=1):
     """The tile list the kernel runs: ``derive`` (group 1) or its super-block form (group G);
     ring (row blocks) overrides the derived ring size (tests and the bench only): unchecked with
     group 1 (the GPU tests run invalid rings on purpose); with group G a multiple of G whose
@@ -266,7 +371,22 @@ def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, grou
     derived in whole super-blocks, and on llama3-70b's slice the simulated efficiency is the same
     with one super-block less: ``simulate``). lookahead (row blocks, group G > 1 only, the bench's
     experiments): a multiple of G overriding the derived one, checked the same way (a shorter
-    lookahead lets a smaller ring hold the order: group 16 in 32 blocks at 8192 tokens)."""
+    lookahead lets a smaller ring hold the order: group 16 in 32 blocks at 8192 tokens).
+    cluster 2: ``PairedChainedSchedule``, this order on pair blocks of 2 * tile_m rows over
+    grid // 2 clusters; group, ring and lookahead stay in row blocks and must be even (group 1
+    runs as 2: a pair is two blocks side by side already)."""
+    if cluster == 2:
+        for name, v in (("group", group), ("ring", ring), ("lookahead", lookahead)):
+            if v is not None and not (name == "group" and v == 1) and (
+                    isinstance(v, bool) or not isinstance(v, int) or v < 2 or v % 2):
+                raise ValueError(f"{name}={v!r} with cluster=2: must be an even int >= 2 (row "
+                                 f"blocks, taken in pairs)")
+        base = schedule_for(M, P, hidden, N, max(1, grid // 2), tile_m * 2, tile_h, tile_n,
+                            max(1, group // 2), None if ring is None else ring // 2, patch,
+                            None if lookahead is None else lookahead // 2)
+        return PairedChainedSchedule(base, M, tile_m, grid)
+    if cluster != 1:
+        raise ValueError(f"cluster must be 1 or 2, got {cluster!r}")
     if group == 1:
         s = derive(M, hidden, N, tile_m, tile_h, tile_n, grid=grid, inputs=P)
         if ring is not None:
@@ -309,7 +429,7 @@ def auto_patch(group: int) -> int:
     return AUTO_PATCH if group >= AUTO_PATCH_FROM_GROUP else 1
 
 
-def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256):
+def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, cluster=1):
     """The group ``group="auto"`` runs: the largest G in (16, 8, 4, 2) whose H ring holds at most
     half of H's row blocks (``min(ring, blocks) <= blocks // 2``); where none does (few rows, or
     a narrow hidden slice whose lookahead spans many blocks), the largest whose ring holds at
@@ -327,10 +447,11 @@ def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256):
     the call's activation memory (out + ring) at or below 0.6x the baseline's (H, the
     activation's copy, out) where hidden >= N, issue 17's bound; at 8192 tokens that rules out
     group 16 (its ring is all 64 blocks) and costs 1-4 % sustained. Depends on M only through
-    min(ring, blocks)."""
+    min(ring, blocks). cluster 2: the same rule on the pair orders (``schedule_for(cluster=2)``).
+    """
     blocks = -(-M // tile_m)
-    held = {g: min(schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=g).ring,
-                   blocks) for g in AUTO_GROUPS + (1,)}
+    held = {g: min(schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=g,
+                                cluster=cluster).ring, blocks) for g in AUTO_GROUPS + (1,)}
     for g in AUTO_GROUPS:
         if held[g] <= blocks // 2:
             return g
@@ -366,7 +487,7 @@ class ChainedFFNCompute:
     """The chained FFN compute kernel (module docstring).
 
     ChainedFFNCompute(tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
-                      timeout_ms=2000, group="auto", patch="auto")
+                      timeout_ms=2000, group="auto", patch="auto", cluster=1)
         tile_m = 128 (two consumer warpgroups); tile_h = tile_n = 256 (GEMM1 and GEMM2 tiles
         share the tiled MMA and the smem ring); stages: operand ring depth (None: as many as
         fit, 4); epi_n x epi_stages: epilogue sub-tile width and buffers; timeout_ms: bound of
@@ -374,7 +495,11 @@ class ChainedFFNCompute:
         docstring; 1 = ``chained_schedule.derive``'s order), "auto" = ``auto_group`` per shape
         (its docstring has the rule and the measurement behind it); patch: column tiles per run
         of the super-block order (``GroupedChainedSchedule.tiles``; 1 = each super-tile's blocks
-        side by side only), "auto" = ``auto_patch`` of the group run.
+        side by side only), "auto" = ``auto_patch`` of the group run. cluster: 1, or 2 for
+        2-CTA clusters along M (``PairedChainedSchedule``): the two CTAs of a cluster run the
+        same tile (kind, column) on adjacent row blocks 2 q, 2 q + 1 and load each weight tile
+        once, half each, multicast to both (half the weight traffic from L2); dense calls only,
+        group even (or 1 / "auto"); the grid is a whole number of clusters.
 
     __call__(x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu", ccta=0,
              stream=None, h_ring=None) -> out
@@ -396,7 +521,8 @@ class ChainedFFNCompute:
         kernel (out of range: the error word, raised by ``check()``), or on the host before
         the launch with ``check_experts=True`` (synchronizes). The tile order, ring, counters
         and band flags are the dense call's.
-    Compile cache key: (tiles, stages, epilogue buffers, act1, b1 given, grouped, P, hidden, N);
+    Compile cache key: (tiles, stages, epilogue buffers, act1, b1 given, grouped, P, hidden, N,
+    cluster);
     M, E, the tile table, the ring size, the flag capacity and the grid are runtime values.
     """
 
@@ -404,8 +530,13 @@ class ChainedFFNCompute:
 
     def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
                  timeout_ms=2000, group="auto", _test_ring=None,
-                 _test_skip_slot_wait=False, patch="auto", _test_lookahead=None):
-        self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms)
+                 _test_skip_slot_wait=False, patch="auto", _test_lookahead=None, cluster=1):
+        self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms,
+                           cluster)
+        if cluster == 2 and group != "auto" and group != 1 and group % 2:
+            raise ValueError(f"group={group} with cluster=2: must be 1, \"auto\" or even (row "
+                             f"blocks, taken in pairs)")
+        self.cluster = cluster
         if group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
                                 or group < 1):
             raise ValueError(f"group must be \"auto\" or an int >= 1, got {group!r}")
@@ -433,8 +564,11 @@ class ChainedFFNCompute:
     # ---------------------------------------------------------------- static checks
     @staticmethod
     def check_options(tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
-                      timeout_ms=2000):
+                      timeout_ms=2000, cluster=1):
         """Raises ValueError for an unsupported configuration (no GPU, no cutlass needed)."""
+        if isinstance(cluster, bool) or cluster not in (1, 2):
+            raise ValueError(f"cluster must be 1 or 2 (CTAs per cluster along M), got "
+                             f"{cluster!r}")
         if tile_m != 128:
             raise ValueError(f"tile_m must be 128 (two consumer warpgroups), got {tile_m!r}")
         if tile_n != 256 or tile_h != tile_n:
@@ -467,21 +601,24 @@ class ChainedFFNCompute:
 
     @staticmethod
     def can_implement(P, hidden, N, act1="gelu", tile_m=128, tile_h=256, tile_n=256,
-                      stages=None) -> bool:
-        """True when the configuration and shapes are supported (CUTLASS-style, no GPU)."""
+                      stages=None, cluster=1, grouped=False) -> bool:
+        """True when the configuration and shapes are supported (CUTLASS-style, no GPU);
+        cluster=2 runs dense calls only (grouped=True is refused: the two blocks of a pair may
+        belong to different experts, whose weight tiles cannot be one multicast)."""
         try:
-            ChainedFFNCompute.check_options(tile_m, tile_h, tile_n, stages)
+            ChainedFFNCompute.check_options(tile_m, tile_h, tile_n, stages, cluster=cluster)
             ChainedFFNCompute.check_shapes(P, hidden, N, act1, tile_m, tile_h, tile_n)
         except ValueError:
             return False
-        return True
+        return not (grouped and cluster != 1)
 
     # ---------------------------------------------------------------- schedule, memory
     def group_for(self, M, P, hidden, N, grid) -> int:
         """The group this instance runs for the shape (``auto_group`` when group="auto")."""
         if self.group != "auto":
             return self.group
-        return auto_group(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n)
+        return auto_group(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
+                          self.cluster)
 
     def patch_for(self, M, P, hidden, N, grid) -> int:
         """The patch this instance runs for the shape (``auto_patch`` of its group when
@@ -494,11 +631,19 @@ class ChainedFFNCompute:
         """The tile list this instance runs for M rows on ``grid`` CTAs (``schedule_for``)."""
         return schedule_for(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
                             self.group_for(M, P, hidden, N, grid), self._test_ring,
-                            self.patch_for(M, P, hidden, N, grid), self._test_lookahead)
+                            self.patch_for(M, P, hidden, N, grid), self._test_lookahead,
+                            self.cluster)
 
     def grid(self, M, hidden, N, device=None, ccta=0, sms=None):
         sms = num_sms(device) if sms is None else sms
         blocks = -(-M // self.tile_m)
+        if self.cluster == 2:  # whole clusters, at most one per pair tile
+            pair_tiles = -(-blocks // 2) * (hidden // self.tile_h + N // self.tile_n)
+            g = 2 * min((sms - ccta) // 2, pair_tiles)
+            if g < 2:
+                raise ValueError(f"ccta={ccta} leaves no SM pair for the chained FFN kernel's "
+                                 f"2-CTA clusters")
+            return g
         tiles = blocks * (hidden // self.tile_h + N // self.tile_n)
         g = min(sms - ccta, tiles)
         if g < 1:
@@ -557,6 +702,7 @@ class ChainedFFNCompute:
                            ccta, h_ring=None, need_cuda=True):
         """The grouped call's argument checks (TypeError / ValueError): ``check_args`` on expert
         0's slices, then the expert dimension and block_expert; returns (M, P, hidden, N, E)."""
+        self._refuse_grouped_cluster(True)
         for name, t in (("w1", w1), ("w2", w2)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
                 raise ValueError(f"{name} must be a 3-D tensor [E, ...], got "
@@ -605,18 +751,27 @@ class ChainedFFNCompute:
     def _key(self, P, hidden, N, act1, has_b1, grouped=False):
         return (self.tile_m, self.tile_n, self.stages, self.epi_n, self.epi_stages, act1,
                 bool(has_b1), self._test_skip_slot_wait, bool(grouped), int(P), int(hidden),
-                int(N))
+                int(N), self.cluster)
 
     def _kernel(self, P, hidden, act1, has_b1, grouped=False):
+        self._refuse_grouped_cluster(grouped)
         return _get_kernel_class()(self.tile_m, self.tile_n, TILE_K, act1, bool(has_b1),
                                    self.stages, self.epi_n, self.epi_stages, P // TILE_K,
-                                   hidden // TILE_K, self._test_skip_slot_wait, bool(grouped))
+                                   hidden // TILE_K, self._test_skip_slot_wait, bool(grouped),
+                                   self.cluster)
+
+    def _refuse_grouped_cluster(self, grouped):
+        if grouped and self.cluster != 1:
+            raise ValueError("cluster=2 runs dense calls only: the two row blocks of a pair may "
+                             "belong to different experts, whose weight tiles cannot be one "
+                             "multicast (use cluster=1 for grouped())")
 
     def compile(self, P, hidden, N, act1="gelu", has_b1=True, keep_ptx=False, grouped=False):
         """Compiles from symbolic tensors (M, the table, the ring and the flags are runtime
         sizes; grouped: E too); needs no GPU with CUTE_DSL_ARCH=sm_90a. keep_ptx: keep
         ``fn.__ptx__`` and ``fn.__cubin__``. grouped: the kernel of ``grouped()``."""
         self.check_shapes(P, hidden, N, act1, self.tile_m, self.tile_h, self.tile_n)
+        self._refuse_grouped_cluster(grouped)
         key = ("fake", bool(keep_ptx)) + self._key(P, hidden, N, act1, has_b1, grouped)
         fn = ChainedFFNCompute._compiled.get(key)
         if fn is not None:
@@ -741,6 +896,7 @@ class ChainedFFNCompute:
         what it is not given (out, h_ring); returns the ring rows the call needs
         (``ring_rows``). The fused layer calls it before the launches of an overlapped call.
         grouped: for ``grouped()`` (its table with the experts' tail)."""
+        self._refuse_grouped_cluster(grouped)
         dev = torch.device(device)
         grid = self.grid(M, hidden, N, dev, ccta)
         s = self.schedule(M, P, hidden, N, grid)

@@ -19,6 +19,14 @@ blk]``, written by the host before the launch), so the parameter list is the den
 its PTX is unchanged. The TMA warp checks the expert against [0, E) (out of range: the error
 word, ``ERR_EXPERT_RANGE``, and expert 0's weights so that every access stays in bounds).
 
+``cluster=2`` (compile-time, dense only): 2-CTA clusters along M on the pair table
+(``PairedChainedSchedule``): the weight TMA atoms multicast (each CTA loads its half of the
+tile into both), the operand ring is the base's cluster-aware pipeline, the TMA warps run the
+cluster mailbox (``fetch_tile_pair``: the leader takes the tile and posts it to both CTAs
+through distributed shared memory; ``read_tile_pair``: acquire.cluster waits), a CTA whose row
+block lies past M stores and counts nothing, and the CTAs end with a cluster barrier. With
+cluster=1 nothing of this is traced (the dense PTX is unchanged).
+
 Imports cutlass (the host wrapper imports this module when it compiles).
 """
 from __future__ import annotations
@@ -34,10 +42,11 @@ from cutlass.tensor_utils import LayoutEnum
 from ..kernels.gemm_sm90 import GemmSm90, smem_layout_staged
 from ..kernels.primitives import (fence_mbar_init, globaltimer, ld_acquire_gpu_s32,
                                   ld_shared_s32, mbar_arrive, mbar_init,
-                                  mbar_wait_parity_intra_cta, record_error,
-                                  red_release_gpu_add_s32, st_shared_s32)
+                                  mbar_wait_parity_intra_cta, multicast_rank_and_mask,
+                                  record_error, red_release_gpu_add_s32, st_shared_s32)
 from .band_allreduce import device_lib
-from .chained_schedule import ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_SLOT_TIMEOUT
+from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_MAILBOX_TIMEOUT,
+                               ERR_SLOT_TIMEOUT)
 
 __all__ = ["ChainedFFNKernel"]
 
@@ -56,6 +65,66 @@ def atom_add_relaxed_gpu_s32(addr, v):
 def atom_add_acq_rel_gpu_s32(addr, v):
     return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
                                 write_only_types=[Int32], read_only_args=[addr, Int32(v)])
+
+
+# ---- distributed shared memory of a 2-CTA cluster (the cluster mailbox) ----------------------
+def mapa_shared(addr, rank):
+    """The shared::cluster address of this CTA's shared::cta address ``addr`` in CTA ``rank``
+    of the cluster."""
+    return cute.arch.inline_ptx("mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};",
+                                write_only_types=[Int32],
+                                read_only_args=[Int32(addr), Int32(rank)])
+
+
+def st_shared_cluster_s32(addr, v):
+    cute.arch.inline_ptx("st.shared::cluster.s32 [{$r0}], {$r1};",
+                         read_only_args=[Int32(addr), Int32(v)])
+
+
+def mbar_arrive_remote(addr):
+    """mbarrier.arrive on a shared::cluster address (another CTA's barrier), release at cluster
+    scope: this thread's earlier writes (its st.shared::cluster included) and what it observed
+    are visible to a thread whose acquire.cluster wait on the completed phase succeeds."""
+    cute.arch.inline_ptx("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [{$r0}];",
+                         read_only_args=[Int32(addr)])
+
+
+def mbar_try_wait_parity_cluster(mbar, parity):
+    """Int32 1 once the phase with this parity has completed, acquire at cluster scope (the
+    phase may have been completed by another CTA's release.cluster arrive)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [{$r0}], "
+        "{$r1}; selp.s32 {$w0}, 1, 0, p; }",
+        write_only_types=[Int32], read_only_args=[Int32(mbar), Int32(parity)])
+
+
+@cute.jit
+def mbar_wait_parity_cluster(mbar: Int32, parity: Int32):
+    """Unbounded acquire.cluster wait, for phases whose other side is bounded (the mailbox's
+    readers: their slot is always posted, by the leader or on a timeout by their own TMA warp)."""
+    done = mbar_try_wait_parity_cluster(mbar, parity)
+    while done == Int32(0):
+        done = mbar_try_wait_parity_cluster(mbar, parity)
+
+
+@cute.jit
+def mbar_wait_parity_cluster_bounded(mbar: Int32, parity: Int32, err: Int64, rank: Int32,
+                                     n: Int32, slot: Int32, timeout_ns: Int64):
+    """acquire.cluster wait on a phase the other CTA of the cluster completes; on timeout records
+    ERR_MAILBOX_TIMEOUT (this CTA's cluster rank, its tile count n, the mailbox slot) and
+    returns 0, else 1."""
+    t0 = globaltimer()
+    done = mbar_try_wait_parity_cluster(mbar, parity)
+    go = Int32(1)
+    while done == Int32(0) and go == Int32(1):
+        el = globaltimer() - t0
+        if el > timeout_ns:
+            record_error(err, Int32(ERR_MAILBOX_TIMEOUT), rank, n, slot, Int64(0),
+                         Int64(parity), el)
+            go = Int32(0)
+        else:
+            done = mbar_try_wait_parity_cluster(mbar, parity)
+    return done
 
 
 @cute.jit
@@ -88,7 +157,7 @@ class ChainedFFNKernel(GemmSm90):
     store_warp_id = 1  # the epilogue's store warp (in the producer warpgroup, beside the TMA warp)
 
     def __init__(self, tile_m, tile_n, tile_k, act1, has_b1, stages, epi_n, epi_stages, k1, k2,
-                 skip_slot_wait=False, grouped=False):
+                 skip_slot_wait=False, grouped=False, cluster=1):
         super().__init__(num_mma_wg=tile_m // 64)  # one consumer warpgroup per 64 rows
         self.k1, self.k2 = k1, k2
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
@@ -110,6 +179,16 @@ class ChainedFFNKernel(GemmSm90):
         # tile mailbox: 2 slots; "empty" is arrived once per consumer warp and by the store
         # warp
         self.mailbox_readers = self.num_mma_wg * 4 + 1
+        # cluster 2 (dense only): the CTAs of rank 0 / 1 run row blocks 2 q / 2 q + 1 of pair
+        # tile q, loading the weight tiles once (half each, multicast to both). Mailbox: the
+        # leader (rank 0) takes the tile and posts it to both CTAs' slots; each empty barrier
+        # has one more arrival: on the leader, the peer's TMA warp forwarding that the peer's
+        # readers are done with the slot; on the peer, its own TMA warp (a reader there)
+        if cluster not in (1, 2):
+            raise ValueError(f"cluster must be 1 or 2, got {cluster!r}")
+        if cluster == 2 and grouped:
+            raise ValueError("cluster=2 runs dense calls only")
+        self.cluster = cluster
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -144,8 +223,10 @@ class ChainedFFNKernel(GemmSm90):
         # (epilogue sub-tiles): one load and one store atom on the same tensor
         tma_atom_x, tma_x = self.make_tma_load(mX, self.a_smem_layout, tk)
         tma_atom_ha, tma_ha = self.make_tma_load(mH, self.a_smem_layout, tk)
-        tma_atom_w1, tma_w1 = self.make_tma_load(mW1, self.b_smem_layout, bk)
-        tma_atom_w2, tma_w2 = self.make_tma_load(mW2, self.b_smem_layout, bk)
+        tma_atom_w1, tma_w1 = self.make_tma_load(mW1, self.b_smem_layout, bk,
+                                                 num_multicast=self.cluster)
+        tma_atom_w2, tma_w2 = self.make_tma_load(mW2, self.b_smem_layout, bk,
+                                                 num_multicast=self.cluster)
         tma_atom_hs, tma_hs = self.make_tma_store(mH, self.c_smem_layout, self.epi_tile)
         tma_atom_o, tma_o = self.make_tma_store(mOut, self.c_smem_layout, self.epi_tile)
 
@@ -163,13 +244,15 @@ class ChainedFFNKernel(GemmSm90):
                                   self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
+        # num_ctas: a multiple of the cluster size (the host wrapper's grid)
+        launch = dict(cluster=[self.cluster, 1, 1]) if self.cluster > 1 else {}
         self.kernel(tma_atom_x, tma_x, tma_atom_ha, tma_ha, tma_atom_w1, tma_w1, tma_atom_w2,
                     tma_w2, tma_atom_hs, tma_hs, tma_atom_o, tma_o, self.tiled_mma,
                     self.a_smem_layout, self.b_smem_layout, self.c_smem_layout, mB1, mTable,
                     mSync, mReady, mEpoch, mErr, num_tiles, blocks, ring,
                     timeout_ns).launch(
             grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
-            min_blocks_per_mp=1, stream=stream)
+            min_blocks_per_mp=1, stream=stream, **launch)
 
     # ---------------------------------------------------------------- device kernel
     @cute.kernel
@@ -192,15 +275,20 @@ class ChainedFFNKernel(GemmSm90):
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        cl = self.cluster
+        # a weight stage is written into both CTAs of a cluster: free once the consumers of
+        # both released it (the base pipeline's cluster-aware empty arrivals)
         pipe = self.make_mainloop_pipeline(storage.mbar.data_ptr(), self.stages,
-                                           self.tx_bytes, cute.make_layout((1, 1, 1, 1)), 1)
+                                           self.tx_bytes, cute.make_layout((1, cl, 1, 1)), cl)
         mailbox = Int32(storage.mailbox.data_ptr().toint())
+        readers = self.mailbox_readers + (1 if cl > 1 else 0)
         if tidx == 0:
             for s in range(2):
-                mbar_init(mailbox + Int32(8 * s), 1)  # full[s]: the TMA warp's lane 0
-                mbar_init(mailbox + Int32(16 + 8 * s), self.mailbox_readers)  # empty[s]
+                # full[s]: the TMA warp's lane 0 (cluster: the leader's, local or remote)
+                mbar_init(mailbox + Int32(8 * s), 1)
+                mbar_init(mailbox + Int32(16 + 8 * s), readers)  # empty[s]
             fence_mbar_init()
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline_init_arrive(cluster_shape_mn=(cl, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
@@ -209,7 +297,7 @@ class ChainedFFNKernel(GemmSm90):
         sync_base = Int64(mSync.iterator.toint())  # [0] tile counter, g1_done, g2_done
         err = Int64(mErr.iterator.toint())
 
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline_init_wait(cluster_shape_mn=(cl, 1))
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         if warp_group_idx == 0:
             self.producer_warpgroup()
@@ -226,6 +314,10 @@ class ChainedFFNKernel(GemmSm90):
         if warp_group_idx > 0:
             self.consumer_warpgroup()
             self.mma_role(tiled_mma, sA, sB, sC, pipe, mailbox, mB1, tidx, mTable, num_tiles)
+        if cutlass.const_expr(cl > 1):
+            # no CTA exits while its peer may still arrive on its barriers or write its smem
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     # ---------------------------------------------------------------- tile scheduler
     @cute.jit
@@ -268,6 +360,99 @@ class ChainedFFNKernel(GemmSm90):
         if cute.arch.lane_idx() == 0:
             mbar_arrive(mailbox + Int32(16) + s * Int32(8))
         return kind, blk, col, pos
+
+    # ---------------------------------------------------------------- cluster mailbox
+    @cute.jit
+    def fetch_tile_pair(self, n: Int32, mailbox: Int32, mTable: cute.Tensor, sync_base: Int64,
+                        num_tiles: Int32, err: Int64, timeout_ns: Int64):
+        """TMA warp, cluster 2: this CTA's n-th tile (kind, row block, column, list position).
+        The leader (rank 0) waits until slot n % 2 is free in both CTAs (its own readers
+        arrived, and the peer's TMA warp forwarded that the peer's did), takes list position p
+        and posts pair block q as row block 2 q to its own slot (st.shared, arrive) and as
+        2 q + 1 to the peer's (st.shared::cluster, then a release.cluster arrive on the peer's
+        full barrier). The peer waits until its own readers are done with the slot, forwards
+        that to the leader's empty barrier (from its third tile on: the leader's first wait on
+        each slot is on a fresh barrier), then waits (bounded) for the leader's post; on a
+        timeout it posts kind -1 itself, so that its readers stop. The peer's TMA warp reads its
+        slot like a reader and arrives on its own empty barrier."""
+        s = n % Int32(2)
+        info = mailbox + Int32(32) + s * Int32(16)
+        full = mailbox + s * Int32(8)
+        empty = mailbox + Int32(16) + s * Int32(8)
+        ph = (n // Int32(2)) % Int32(2)
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        if cute.arch.lane_idx() == 0:
+            if rank == Int32(0):
+                ok = mbar_wait_parity_cluster_bounded(empty, ph ^ Int32(1), err, rank, n, s,
+                                                      timeout_ns)
+                p = Int32(num_tiles)
+                if ok != Int32(0):
+                    p = atom_add_relaxed_gpu_s32(sync_base, Int32(1))
+                kind, q, col = Int32(-1), Int32(0), Int32(0)
+                if p < num_tiles:
+                    kind = mTable[p * 3]
+                    q = mTable[p * 3 + 1]
+                    col = mTable[p * 3 + 2]
+                peer = mapa_shared(info, Int32(1))
+                st_shared_cluster_s32(peer, kind)
+                st_shared_cluster_s32(peer + Int32(4), q * Int32(2) + Int32(1))
+                st_shared_cluster_s32(peer + Int32(8), col)
+                st_shared_cluster_s32(peer + Int32(12), p)
+                st_shared_s32(info, kind)
+                st_shared_s32(info + Int32(4), q * Int32(2))
+                st_shared_s32(info + Int32(8), col)
+                st_shared_s32(info + Int32(12), p)
+                mbar_arrive(full)  # release (CTA): this CTA's slot words
+                mbar_arrive_remote(mapa_shared(full, Int32(1)))  # release (cluster): the peer's
+            else:
+                # the slot's previous tile (n - 2) was read by every reader of this CTA
+                mbar_wait_parity_intra_cta(empty, ph ^ Int32(1))
+                if n >= Int32(2):
+                    mbar_arrive_remote(mapa_shared(empty, Int32(0)))
+                ok = mbar_wait_parity_cluster_bounded(full, ph, err, rank, n, s, timeout_ns)
+                if ok == Int32(0):
+                    st_shared_s32(info, Int32(-1))
+                    mbar_arrive(full)
+        cute.arch.sync_warp()
+        if rank != Int32(0):
+            mbar_wait_parity_cluster(full, ph)  # each lane's own acquire of the leader's post
+        kind = ld_shared_s32(info)
+        blk = ld_shared_s32(info + Int32(4))
+        col = ld_shared_s32(info + Int32(8))
+        pos = ld_shared_s32(info + Int32(12))
+        if rank != Int32(0):
+            cute.arch.sync_warp()
+            if cute.arch.lane_idx() == 0:
+                mbar_arrive(empty)
+        return kind, blk, col, pos
+
+    @cute.jit
+    def read_tile_pair(self, n: Int32, mailbox: Int32):
+        """Consumer / store warps, cluster 2: ``read_tile`` with an acquire.cluster wait (on the
+        peer the slot's full phase is completed by the leader's remote arrive)."""
+        s = n % Int32(2)
+        info = mailbox + Int32(32) + s * Int32(16)
+        mbar_wait_parity_cluster(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
+        kind = ld_shared_s32(info)
+        blk = ld_shared_s32(info + Int32(4))
+        col = ld_shared_s32(info + Int32(8))
+        pos = ld_shared_s32(info + Int32(12))
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            mbar_arrive(mailbox + Int32(16) + s * Int32(8))
+        return kind, blk, col, pos
+
+    def fetch(self, n, mailbox, mTable, sync_base, num_tiles, err, timeout_ns):
+        """The TMA warp's next tile: ``fetch_tile`` (one CTA) or ``fetch_tile_pair``."""
+        if self.cluster == 1:
+            return self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
+        return self.fetch_tile_pair(n, mailbox, mTable, sync_base, num_tiles, err, timeout_ns)
+
+    def read(self, n, mailbox):
+        """A reader's next tile: ``read_tile`` (one CTA) or ``read_tile_pair``."""
+        if self.cluster == 1:
+            return self.read_tile(n, mailbox)
+        return self.read_tile_pair(n, mailbox)
 
     # ---------------------------------------------------------------- grouped: the block's expert
     @cute.jit
@@ -321,27 +506,43 @@ class ChainedFFNKernel(GemmSm90):
                                                     cute.group_modes(gX, 0, 2))
         tHs, tHg = cute.nvgpu.cpasync.tma_partition(tma_atom_ha, 0, one, gsA,
                                                     cute.group_modes(gHA, 0, 2))
-        tW1s, tW1g = cute.nvgpu.cpasync.tma_partition(tma_atom_w1, 0, one, gsB,
+        # cluster 2: each CTA loads its half of the weight tile and multicasts it to both (the
+        # A tiles, x rows or the H block, are the CTA's own)
+        cl = self.cluster
+        w_rank, w_mask = multicast_rank_and_mask(cute.make_layout((cl, 1, 1)), mode=0)
+        mc = dict(mcast_mask=w_mask) if cl > 1 else {}
+        tW1s, tW1g = cute.nvgpu.cpasync.tma_partition(tma_atom_w1, w_rank,
+                                                      cute.make_layout(cl), gsB,
                                                       cute.group_modes(gW1, 0, 2))
-        tW2s, tW2g = cute.nvgpu.cpasync.tma_partition(tma_atom_w2, 0, one, gsB,
+        tW2s, tW2g = cute.nvgpu.cpasync.tma_partition(tma_atom_w2, w_rank,
+                                                      cute.make_layout(cl), gsB,
                                                       cute.group_modes(gW2, 0, 2))
         k1 = cute.size(gX, mode=[3])  # P / 64
         k2 = cute.size(gHA, mode=[3])  # hidden / 64
         h_tiles = cute.size(gW1, mode=[2])  # hidden / tile_n
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         n = Int32(0)
-        kind, blk, col, pos = self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
+        kind, blk, col, pos = self.fetch(n, mailbox, mTable, sync_base, num_tiles, err,
+                                         timeout_ns)
         while kind >= 0:
             k_cnt = Int32(k1)
             slot = blk % ring
             e = self.weight_expert(mTable, num_tiles, blk, gW1, err, pos)
             if kind == 1:
                 k_cnt = Int32(k2)
-                # H of the block complete (all its GEMM1 tiles), then make the acquired
-                # generic-proxy view order this thread's async-proxy (TMA) reads after it
-                wait_count(sync_base + Int64(4) * Int64(1 + blk), Int32(h_tiles), err,
-                           Int32(ERR_BLOCK_TIMEOUT), pos, blk, timeout_ns)
-                cute.arch.fence_proxy("async.global")
+                if cutlass.const_expr(cl == 1):
+                    # H of the block complete (all its GEMM1 tiles), then make the acquired
+                    # generic-proxy view order this thread's async-proxy (TMA) reads after it
+                    wait_count(sync_base + Int64(4) * Int64(1 + blk), Int32(h_tiles), err,
+                               Int32(ERR_BLOCK_TIMEOUT), pos, blk, timeout_ns)
+                    cute.arch.fence_proxy("async.global")
+                else:
+                    # the same; a block past M (the odd block of the last pair) has no
+                    # counter and no H: it loads what is there and stores nothing
+                    if blk < blocks:
+                        wait_count(sync_base + Int64(4) * Int64(1 + blk), Int32(h_tiles), err,
+                                   Int32(ERR_BLOCK_TIMEOUT), pos, blk, timeout_ns)
+                        cute.arch.fence_proxy("async.global")
             for k in range(k_cnt):
                 pipe.producer_acquire(st)
                 bar = pipe.producer_get_barrier(st)
@@ -349,16 +550,17 @@ class ChainedFFNKernel(GemmSm90):
                     cute.copy(tma_atom_x, tXg[(None, blk, k)], tXs[(None, st.index)],
                               tma_bar_ptr=bar)
                     cute.copy(tma_atom_w1, tW1g[self.weight_coord(col, k, e)],
-                              tW1s[(None, st.index)], tma_bar_ptr=bar)
+                              tW1s[(None, st.index)], tma_bar_ptr=bar, **mc)
                 else:
                     cute.copy(tma_atom_ha, tHg[(None, slot, k)], tHs[(None, st.index)],
                               tma_bar_ptr=bar)
                     cute.copy(tma_atom_w2, tW2g[self.weight_coord(col, k, e)],
-                              tW2s[(None, st.index)], tma_bar_ptr=bar)
+                              tW2s[(None, st.index)], tma_bar_ptr=bar, **mc)
                 pipe.producer_commit(st)
                 st.advance()
             n = n + Int32(1)
-            kind, blk, col, pos = self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
+            kind, blk, col, pos = self.fetch(n, mailbox, mTable, sync_base, num_tiles, err,
+                                             timeout_ns)
         pipe.producer_tail(st)
 
     # ---------------------------------------------------------------- consumers
@@ -431,7 +633,7 @@ class ChainedFFNKernel(GemmSm90):
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         n = Int32(0)
-        kind, blk, col, pos = self.read_tile(n, mailbox)
+        kind, blk, col, pos = self.read(n, mailbox)
         while kind >= 0:
             k_cnt = Int32(self.k1)
             if kind == 0:
@@ -465,9 +667,21 @@ class ChainedFFNKernel(GemmSm90):
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self.epi_full.arrive()
             n = n + Int32(1)
-            kind, blk, col, pos = self.read_tile(n, mailbox)
+            kind, blk, col, pos = self.read(n, mailbox)
 
     # ---------------------------------------------------------------- store warp
+    @cute.jit
+    def count_tile(self, kind: Int32, blk: Int32, g1_base: Int64, g2_base: Int64,
+                   n_tiles: Int32, mReady: cute.Tensor, epoch: Int32):
+        """One lane: the tile's counter update, and the band flag after a block's last GEMM2."""
+        if kind == 0:
+            red_release_gpu_add_s32(g1_base + Int64(4) * Int64(blk), Int32(1))
+        else:
+            old = atom_add_acq_rel_gpu_s32(g2_base + Int64(4) * Int64(blk), Int32(1))
+            if old == n_tiles - 1:
+                # acquired every tile of the block (one release sequence): publish
+                cute.arch.store(mReady.iterator + blk, epoch, sem="release", scope="gpu")
+
     @cute.jit
     def store_role(self, tma_atom_hs, mHS, tma_atom_o, mOut, sC, mailbox: Int32,
                    sync_base: Int64, mReady: cute.Tensor, mEpoch: cute.Tensor, err: Int64,
@@ -481,17 +695,24 @@ class ChainedFFNKernel(GemmSm90):
         g1_base = sync_base + Int64(4)
         g2_base = sync_base + Int64(4) * Int64(1 + blocks)
         n = Int32(0)
-        kind, blk, col, pos = self.read_tile(n, mailbox)
+        kind, blk, col, pos = self.read(n, mailbox)
         while kind >= 0:
             slot = blk % ring
             if kind == 0:
                 if cutlass.const_expr(not self.skip_slot_wait):
-                    if blk >= ring:
-                        # every GEMM2 tile that reads this slot (block blk - ring) is done;
-                        # then order the acquire before this thread's async-proxy writes
-                        wait_count(g2_base + Int64(4) * Int64(blk - ring), n_tiles, err,
-                                   Int32(ERR_SLOT_TIMEOUT), pos, blk, timeout_ns)
-                        cute.arch.fence_proxy("async.global")
+                    if cutlass.const_expr(self.cluster == 1):
+                        if blk >= ring:
+                            # every GEMM2 tile that reads this slot (block blk - ring) is done;
+                            # then order the acquire before this thread's async-proxy writes
+                            wait_count(g2_base + Int64(4) * Int64(blk - ring), n_tiles, err,
+                                       Int32(ERR_SLOT_TIMEOUT), pos, blk, timeout_ns)
+                            cute.arch.fence_proxy("async.global")
+                    else:
+                        # the same, but a block past M stores nothing, so it does not wait
+                        if blk >= ring and blk < blocks:
+                            wait_count(g2_base + Int64(4) * Int64(blk - ring), n_tiles, err,
+                                       Int32(ERR_SLOT_TIMEOUT), pos, blk, timeout_ns)
+                            cute.arch.fence_proxy("async.global")
             gH_epi = cute.zipped_divide(gH[(None, None, slot, col)], self.epi_tile)
             gO_epi = cute.zipped_divide(gO[(None, None, blk, col)], self.epi_tile)
             sH_p, gH_p = cute.nvgpu.cpasync.tma_partition(
@@ -504,10 +725,18 @@ class ChainedFFNKernel(GemmSm90):
                 # groups old (wait_group.read below)
                 self.epi_empty.arrive()
                 self.epi_full.arrive_and_wait()
-                if kind == 0:
-                    cute.copy(tma_atom_hs, sH_p[(None, buf)], gH_p[(None, (0, e))])
+                if cutlass.const_expr(self.cluster == 1):
+                    if kind == 0:
+                        cute.copy(tma_atom_hs, sH_p[(None, buf)], gH_p[(None, (0, e))])
+                    else:
+                        cute.copy(tma_atom_o, sO_p[(None, buf)], gO_p[(None, (0, e))])
                 else:
-                    cute.copy(tma_atom_o, sO_p[(None, buf)], gO_p[(None, (0, e))])
+                    # a block past M: the handshake only (its slot may be a live block's)
+                    if blk < blocks:
+                        if kind == 0:
+                            cute.copy(tma_atom_hs, sH_p[(None, buf)], gH_p[(None, (0, e))])
+                        else:
+                            cute.copy(tma_atom_o, sO_p[(None, buf)], gO_p[(None, (0, e))])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(self.epi_stage - 1, read=True)
             # the tile's writes performed (not only read from smem), ordered before the
@@ -515,16 +744,14 @@ class ChainedFFNKernel(GemmSm90):
             cute.arch.cp_async_bulk_wait_group(0, read=False)
             cute.arch.fence_proxy("async.global")
             cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                if kind == 0:
-                    red_release_gpu_add_s32(g1_base + Int64(4) * Int64(blk), Int32(1))
-                else:
-                    old = atom_add_acq_rel_gpu_s32(g2_base + Int64(4) * Int64(blk), Int32(1))
-                    if old == n_tiles - 1:
-                        # acquired every tile of the block (one release sequence): publish
-                        cute.arch.store(mReady.iterator + blk, epoch, sem="release",
-                                        scope="gpu")
+            if cutlass.const_expr(self.cluster == 1):
+                if cute.arch.lane_idx() == 0:
+                    self.count_tile(kind, blk, g1_base, g2_base, n_tiles, mReady, epoch)
+            else:
+                if cute.arch.lane_idx() == 0:
+                    if blk < blocks:  # no counter or flag for a block past M
+                        self.count_tile(kind, blk, g1_base, g2_base, n_tiles, mReady, epoch)
             n = n + Int32(1)
-            kind, blk, col, pos = self.read_tile(n, mailbox)
+            kind, blk, col, pos = self.read(n, mailbox)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
