@@ -90,7 +90,10 @@ CTA on their far side are bounded (``ERR_MAILBOX_TIMEOUT``). With an odd block c
 pair's second block lies past M: that CTA still takes part in the loads, the multicast and the
 barriers (its x / H rows past the tensors load as zeros), but skips the counter waits, stores
 nothing and raises no counter or band flag. Clusters are co-scheduled, so the deadlock argument
-is the one above with a cluster in place of a CTA.
+is the one above with a cluster in place of a CTA. Not yet bounded: the operand ring's mbarrier
+waits now have the other CTA of the cluster on their far side (as in compute_reduce's
+cluster_m=2), so a CTA that stops after a mailbox timeout can leave its partner waiting there;
+the variant is compiled and CPU-modelled only, not yet run on a GPU (bench/NOTES.md, session 15).
 
 Grouped over experts (``ChainedFFNCompute.grouped``, ``ShardedExperts``): the same tile list,
 ring, counters and flags; w1 [E, P, hidden], b1 [E, hidden], w2 [E, hidden, N], and row block
