@@ -117,11 +117,17 @@ ffn)
     ;;
 chained)
     run chained_tests 300 python -m pytest -q -p no:cacheprovider tests/test_chained_ffn_gpu.py \
-        tests/test_sharded_experts_chained_gpu.py
+        tests/test_sharded_experts_chained_gpu.py -k "not cluster2 and not test_cluster_"
     run ffn_baseline 200 python bench/bench_ffn_baseline.py --out "$OUT"
     run chained_bench 300 python bench/bench_chained_compute.py --groups auto --shuffle 5 \
         --rounds 5 --hold-s 1.5 --out "$OUT"
     run chained_grouped_bench 300 python bench/bench_chained_grouped.py --out "$OUT"
+    # the 2-CTA cluster variant (compiled, never yet run): last, with its own bound
+    run chained_cluster_tests 200 python -m pytest -q -x -p no:cacheprovider \
+        tests/test_chained_ffn_gpu.py -k "cluster2 or test_cluster_"
+    run chained_cluster_bench 200 python bench/bench_chained_compute.py --shapes llama3-70b \
+        --groups auto,16p4c2,8p4c2 --shuffle 3 --rounds 5 --hold-s 2 --tag h200_cluster \
+        --out "$OUT"
     ;;
 layer)
     run layer_bench 590 torchrun --nproc-per-node "$ngpu" bench/bench_moe_layer.py \
