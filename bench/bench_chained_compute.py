@@ -233,7 +233,8 @@ def main():
                       flush=True)
                 for k, h in r.get("holds", {}).items():
                     print(f"{'':22s} hold {k}: {h['calls']} replays back to back, "
-                          f"{h['ms']:7.3f} ms per call ({flops / h['ms'] / 1e9:4.0f} TF/s)", flush=True)
+                          f"{h['ms']:7.3f} ms per call ({flops / h['ms'] / 1e9:4.0f} TF/s)",
+                          flush=True)
                 x = w1 = b1 = w2 = None  # free before the next shape
             except Exception as e:  # noqa: BLE001 - record and go on to the next shape
                 r["error"] = f"{type(e).__name__}: {e}"

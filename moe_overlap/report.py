@@ -48,9 +48,9 @@ CURRENT_OTHER = {
                                                          "tokens, shuffled order",
     "ffn_chained_compute_h200_groups_rest_c294d29.json": "chained kernel, groups 2-16 at 32768 "
                                                          "tokens (deepseek-v3-expert, mixtral)",
-    "ffn_chained_compute_h200_auto_606aafd.json": "chained kernel, the previous auto rule "
-                                                  "(group 8, unpatched), interleaved only: the "
-                                                  "runs below show that interleaving favoured it",
+    "ffn_chained_compute_h200_auto_606aafd.json": "chained kernel, the auto rule over groups "
+                                                  "8, 4, 2 unpatched, interleaved only: the runs "
+                                                  "below show that interleaving favoured it",
     "ffn_chained_compute_h200_70b_hold_aec2584.json": "llama3-70b, interleaved then each path "
                                                       "alone for ~4 s (the clock trace beside it)",
     "ffn_chained_compute_h200_70b_lead20_aec2584.json": "llama3-70b with a 20 ms GPU sleep "
@@ -65,7 +65,8 @@ CURRENT_OTHER = {
     "ncu_chained_70b_patch_8192_7df8f19.csv": "ncu: ours with patched orders (8p2 .. 16p4)",
     "ffn_chained_compute_h200_70b_patch_7df8f19.json": "llama3-70b, patched orders, "
                                                        "interleaved + sustained",
-    "ffn_chained_compute_h200_holds_patch_606dff6.json": "every slice: the previous rule, 8p4, "
+    "ffn_chained_compute_h200_holds_patch_606dff6.json": "every slice: groups 8/4/2 unpatched, "
+                                                         "8p4, "
                                                          "8p8, 16p4, interleaved + sustained "
                                                          "(what the new rule was chosen from)",
     "gpu_chained_tests_7dea59e.log": "chained kernel GPU tests with the new rule (32 passed)",

@@ -91,7 +91,7 @@ pair's second block lies past M: that CTA still takes part in the loads, the mul
 barriers (its x / H rows past the tensors load as zeros), but skips the counter waits, stores
 nothing and raises no counter or band flag. Clusters are co-scheduled, so the deadlock argument
 is the one above with a cluster in place of a CTA. Not yet bounded: the operand ring's mbarrier
-waits now have the other CTA of the cluster on their far side (as in compute_reduce's
+waits have the other CTA of the cluster on their far side (as in compute_reduce's
 cluster_m=2), so a CTA that stops after a mailbox timeout can leave its partner waiting there;
 the variant is compiled and CPU-modelled only, not yet run on a GPU (bench/NOTES.md, session 15).
 
@@ -446,7 +446,8 @@ def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, cluste
     row block's column tiles side by side too, so both operands are read while the other
     readers still hold them in L2 (16p4: 7.0 GB). Sustained (each path alone at the cap), group
     16 with patch 4 was the fastest variant on all 14 points (0.950-1.003x the library), 8p4
-    0.939-0.983x, the previous rule's choice (group 8 unpatched but on one point) 0.886-0.980x. The cap is memory: H ring <= half of H keeps
+    0.939-0.983x, the same ring rule over (8, 4, 2) unpatched (group 8 but on one point)
+    0.886-0.980x. The cap is memory: H ring <= half of H keeps
     the call's activation memory (out + ring) at or below 0.6x the baseline's (H, the
     activation's copy, out) where hidden >= N, issue 17's bound; at 8192 tokens that rules out
     group 16 (its ring is all 64 blocks) and costs 1-4 % sustained. Depends on M only through
