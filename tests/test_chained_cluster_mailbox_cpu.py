@@ -1,5 +1,5 @@
 """A model of the cluster mailbox of the chained kernel's cluster=2 variant
-(compute_chained_sm90.ChainedFFNKernel.fetch_tile_pair / read_tile_pair), run under random
+(compute_chained_sm90.ChainedFFNKernel.fetch_tile_pair / read_tile), run under random
 interleavings: the barrier counts and phase parities of the kernel (full[s]: 1 arrival; empty[s]:
 the CTA's readers + 1, on the leader the peer's forward, on the peer its own TMA warp; waits by
 parity, a fresh barrier's previous phase counting as complete), the leader posting each tile to

@@ -183,23 +183,9 @@ def describe_chained_error(err) -> str | None:
     return f"chained FFN: unknown device error code {code}: {list(int(v) for v in err)}"
 
 
-@dataclass(frozen=True)
-class GroupedChainedSchedule:
-    """The derived tile order on super-blocks of ``group`` row blocks, expanded to row blocks.
-
-    ``base`` is ``derive`` for rows in super-blocks (tile_m * group rows) on grid / group CTAs
-    (each super-tile is ``group`` tiles side by side); a super-tile (kind, sb, c) becomes the tiles
-    (kind, sb * group + g, c), g < group, of the blocks that exist. Every dependency stays earlier
-    in the list: GEMM2 of block b needs the GEMM1 tiles of its super-block, GEMM1 of b >= ring
-    (= base.ring * group blocks) needs GEMM2 of b - ring, in super-block sb - base.ring. Duck-types
-    ChainedSchedule for ``simulate`` and ``execute_reference``."""
-
-    base: ChainedSchedule
-    group: int
-    rows: int
-    tile_m: int
-    grid: int
-    patch: int = 1  # super-tiles of one kind and super-block expanded together (``tiles``)
+class _ExpandedSchedule:
+    """What a schedule expanded from a coarser ``base`` order shares: the shape and tiles are
+    the base's, the row blocks are counted in ``tile_m`` rows of ``rows``."""
 
     @property
     def hidden(self):
@@ -232,6 +218,25 @@ class GroupedChainedSchedule:
     @property
     def blocks(self):
         return math.ceil(self.rows / self.tile_m)
+
+
+@dataclass(frozen=True)
+class GroupedChainedSchedule(_ExpandedSchedule):
+    """The derived tile order on super-blocks of ``group`` row blocks, expanded to row blocks.
+
+    ``base`` is ``derive`` for rows in super-blocks (tile_m * group rows) on grid / group CTAs
+    (each super-tile is ``group`` tiles side by side); a super-tile (kind, sb, c) becomes the tiles
+    (kind, sb * group + g, c), g < group, of the blocks that exist. Every dependency stays earlier
+    in the list: GEMM2 of block b needs the GEMM1 tiles of its super-block, GEMM1 of b >= ring
+    (= base.ring * group blocks) needs GEMM2 of b - ring, in super-block sb - base.ring. Duck-types
+    ChainedSchedule for ``simulate`` and ``execute_reference``."""
+
+    base: ChainedSchedule
+    group: int
+    rows: int
+    tile_m: int
+    grid: int
+    patch: int = 1  # super-tiles of one kind and super-block expanded together (``tiles``)
 
     @property
     def lookahead(self):
@@ -286,7 +291,7 @@ class GroupedChainedSchedule:
 
 
 @dataclass(frozen=True)
-class PairedChainedSchedule:
+class PairedChainedSchedule(_ExpandedSchedule):
     """The tile order of the 2-CTA cluster kernel (``ChainedFFNCompute(cluster=2)``): ``base`` is
     the order (``derive`` or ``GroupedChainedSchedule``) on pair blocks of 2 * tile_m rows and on
     grid / 2 clusters; its entry (kind, pair block q, column) is one tile of each CTA of a
@@ -302,38 +307,6 @@ class PairedChainedSchedule:
     rows: int
     tile_m: int
     grid: int  # CTAs (two per cluster)
-
-    @property
-    def hidden(self):
-        return self.base.hidden
-
-    @property
-    def out(self):
-        return self.base.out
-
-    @property
-    def inputs(self):
-        return self.base.inputs
-
-    @property
-    def tile_h(self):
-        return self.base.tile_h
-
-    @property
-    def tile_n(self):
-        return self.base.tile_n
-
-    @property
-    def h_tiles(self):
-        return self.base.h_tiles
-
-    @property
-    def n_tiles(self):
-        return self.base.n_tiles
-
-    @property
-    def blocks(self):
-        return math.ceil(self.rows / self.tile_m)
 
     @property
     def pair_blocks(self):

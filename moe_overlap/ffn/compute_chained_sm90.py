@@ -23,7 +23,7 @@ word, ``ERR_EXPERT_RANGE``, and expert 0's weights so that every access stays in
 (``PairedChainedSchedule``): the weight TMA atoms multicast (each CTA loads its half of the
 tile into both), the operand ring is the base's cluster-aware pipeline, the TMA warps run the
 cluster mailbox (``fetch_tile_pair``: the leader takes the tile and posts it to both CTAs
-through distributed shared memory; ``read_tile_pair``: acquire.cluster waits), a CTA whose row
+through distributed shared memory; ``read_tile``: acquire.cluster waits), a CTA whose row
 block lies past M stores and counts nothing, and the CTAs end with a cluster barrier. With
 cluster=1 nothing of this is traced (the dense PTX is unchanged).
 
@@ -348,10 +348,15 @@ class ChainedFFNKernel(GemmSm90):
     @cute.jit
     def read_tile(self, n: Int32, mailbox: Int32):
         """Consumer / store warps: this CTA's n-th tile from the mailbox (waits for it), then
-        hands the slot back (lane 0 arrives on empty[n % 2] after the warp's reads)."""
+        hands the slot back (lane 0 arrives on empty[n % 2] after the warp's reads). Cluster 2:
+        an acquire.cluster wait (on the peer the slot's full phase is completed by the leader's
+        remote arrive)."""
         s = n % Int32(2)
         info = mailbox + Int32(32) + s * Int32(16)
-        mbar_wait_parity_intra_cta(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
+        if cutlass.const_expr(self.cluster == 1):
+            mbar_wait_parity_intra_cta(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
+        else:
+            mbar_wait_parity_cluster(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
         kind = ld_shared_s32(info)
         blk = ld_shared_s32(info + Int32(4))
         col = ld_shared_s32(info + Int32(8))
@@ -426,33 +431,11 @@ class ChainedFFNKernel(GemmSm90):
                 mbar_arrive(empty)
         return kind, blk, col, pos
 
-    @cute.jit
-    def read_tile_pair(self, n: Int32, mailbox: Int32):
-        """Consumer / store warps, cluster 2: ``read_tile`` with an acquire.cluster wait (on the
-        peer the slot's full phase is completed by the leader's remote arrive)."""
-        s = n % Int32(2)
-        info = mailbox + Int32(32) + s * Int32(16)
-        mbar_wait_parity_cluster(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
-        kind = ld_shared_s32(info)
-        blk = ld_shared_s32(info + Int32(4))
-        col = ld_shared_s32(info + Int32(8))
-        pos = ld_shared_s32(info + Int32(12))
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            mbar_arrive(mailbox + Int32(16) + s * Int32(8))
-        return kind, blk, col, pos
-
     def fetch(self, n, mailbox, mTable, sync_base, num_tiles, err, timeout_ns):
         """The TMA warp's next tile: ``fetch_tile`` (one CTA) or ``fetch_tile_pair``."""
         if self.cluster == 1:
             return self.fetch_tile(n, mailbox, mTable, sync_base, num_tiles)
         return self.fetch_tile_pair(n, mailbox, mTable, sync_base, num_tiles, err, timeout_ns)
-
-    def read(self, n, mailbox):
-        """A reader's next tile: ``read_tile`` (one CTA) or ``read_tile_pair``."""
-        if self.cluster == 1:
-            return self.read_tile(n, mailbox)
-        return self.read_tile_pair(n, mailbox)
 
     # ---------------------------------------------------------------- grouped: the block's expert
     @cute.jit
@@ -633,7 +616,7 @@ class ChainedFFNKernel(GemmSm90):
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         n = Int32(0)
-        kind, blk, col, pos = self.read(n, mailbox)
+        kind, blk, col, pos = self.read_tile(n, mailbox)
         while kind >= 0:
             k_cnt = Int32(self.k1)
             if kind == 0:
@@ -667,7 +650,7 @@ class ChainedFFNKernel(GemmSm90):
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self.epi_full.arrive()
             n = n + Int32(1)
-            kind, blk, col, pos = self.read(n, mailbox)
+            kind, blk, col, pos = self.read_tile(n, mailbox)
 
     # ---------------------------------------------------------------- store warp
     @cute.jit
@@ -695,7 +678,7 @@ class ChainedFFNKernel(GemmSm90):
         g1_base = sync_base + Int64(4)
         g2_base = sync_base + Int64(4) * Int64(1 + blocks)
         n = Int32(0)
-        kind, blk, col, pos = self.read(n, mailbox)
+        kind, blk, col, pos = self.read_tile(n, mailbox)
         while kind >= 0:
             slot = blk % ring
             if kind == 0:
@@ -752,6 +735,6 @@ class ChainedFFNKernel(GemmSm90):
                     if blk < blocks:  # no counter or flag for a block past M
                         self.count_tile(kind, blk, g1_base, g2_base, n_tiles, mReady, epoch)
             n = n + Int32(1)
-            kind, blk, col, pos = self.read(n, mailbox)
+            kind, blk, col, pos = self.read_tile(n, mailbox)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
