@@ -11,8 +11,8 @@ import os
 import re
 
 import pytest
-import torch
 
+from conftest import chained_launch_args
 from moe_overlap.kernels.compile import kept_cubin, kept_ptx, require_nvdisasm, sass_of
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -97,20 +97,12 @@ def test_cluster_launch_path_compiles_from_torch_tensors(mod):
     from cutlass.runtime import make_fake_stream
     c = mod.ChainedFFNCompute(cluster=2, group=2)
     M, P, hidden, N = 300, 256, 512, 512
-    bf = dict(dtype=torch.bfloat16)
-    x, w1, w2 = torch.zeros(M, P, **bf), torch.zeros(P, hidden, **bf), torch.zeros(hidden, N, **bf)
     grid = c.grid(M, hidden, N, sms=132)
     assert grid % 2 == 0
     s = c.schedule(M, P, hidden, N, grid)
     assert isinstance(s, mod.PairedChainedSchedule) and s.blocks == 3 and s.pair_blocks == 2
-    ring = torch.zeros(c.ring_rows(M, P, hidden, N, grid), hidden, **bf)
-    out = torch.zeros(M, N, **bf)
-    i32 = dict(dtype=torch.int32)
-    args, ints = c._cute_args(x, w1, torch.zeros(hidden), w2, ring, out,
-                              s.tile_table().reshape(-1).contiguous(),
-                              torch.zeros(1 + 2 * s.blocks, **i32), torch.zeros(s.blocks, **i32),
-                              torch.ones(1, **i32), torch.zeros(8, dtype=torch.int64), s.blocks,
-                              s.ring, grid)
+    assert s.grid == grid
+    args, ints = chained_launch_args(c, s, M, P, hidden, N)
     fn = c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)
     assert fn is c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)
     dense = mod.ChainedFFNCompute(group=2)

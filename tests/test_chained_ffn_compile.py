@@ -17,6 +17,7 @@ import re
 import pytest
 import torch
 
+from conftest import chained_launch_args
 from moe_overlap.kernels.compile import kept_cubin, kept_ptx, require_nvdisasm, sass_of
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -229,17 +230,8 @@ def test_launch_path_compiles_from_torch_tensors(mod):
     from cutlass.runtime import make_fake_stream
     c = mod.ChainedFFNCompute()
     M, P, hidden, N = 300, 256, 512, 512
-    bf = dict(dtype=torch.bfloat16)
-    x, w1, w2 = torch.zeros(M, P, **bf), torch.zeros(P, hidden, **bf), torch.zeros(hidden, N, **bf)
     s = c.schedule(M, P, hidden, N, grid=c.grid(M, hidden, N, sms=132))
-    ring = torch.zeros(c.ring_rows(M, P, hidden, N, s.grid), hidden, **bf)
-    out = torch.zeros(M, N, **bf)
-    i32 = dict(dtype=torch.int32)
-    args, ints = c._cute_args(x, w1, torch.zeros(hidden), w2, ring, out,
-                              s.tile_table().reshape(-1).contiguous(),
-                              torch.zeros(1 + 2 * s.blocks, **i32), torch.zeros(s.blocks, **i32),
-                              torch.ones(1, **i32), torch.zeros(8, dtype=torch.int64), s.blocks,
-                              s.ring, s.grid)
+    args, ints = chained_launch_args(c, s, M, P, hidden, N)
     fn = c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)
     assert fn is c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)
 
