@@ -17,7 +17,8 @@
 #                 local-HBM emulation: the kernel's per-SM limit, not NVLink)
 #        chained  chained FFN compute kernel tests (dense, grouped, ShardedExperts on it), the
 #                 baseline compute, the kernel against it and the grouped call against torch's
-#                 grouped GEMMs (one GPU)
+#                 grouped GEMMs (one GPU; "t8192": only the 8192-token orders under the
+#                 activation cap, sustained: bench/NOTES.md, session 16)
 #        layer    one MoE layer end to end, ours vs the same-scale sequential layer
 #                 (bench_moe_layer; 2 GPUs for the overlap backend; "expert": also with the
 #                 plans expert by expert)
@@ -116,18 +117,28 @@ ffn)
     run fused_compute 300 python bench/bench_fused_compute.py --out "$OUT"
     ;;
 chained)
-    run chained_tests 300 python -m pytest -q -p no:cacheprovider tests/test_chained_ffn_gpu.py \
-        tests/test_sharded_experts_chained_gpu.py -k "not cluster2 and not test_cluster_"
-    run ffn_baseline 200 python bench/bench_ffn_baseline.py --out "$OUT"
-    run chained_bench 300 python bench/bench_chained_compute.py --groups auto --shuffle 5 \
-        --rounds 5 --hold-s 1.5 --out "$OUT"
-    run chained_grouped_bench 300 python bench/bench_chained_grouped.py --out "$OUT"
-    # the 2-CTA cluster variant (compiled, never yet run): last, with its own bound
-    run chained_cluster_tests 200 python -m pytest -q -x -p no:cacheprovider \
-        tests/test_chained_ffn_gpu.py -k "cluster2 or test_cluster_"
-    run chained_cluster_bench 200 python bench/bench_chained_compute.py --shapes llama3-70b \
-        --groups auto,16p4c2,8p4c2 --shuffle 3 --rounds 5 --hold-s 2 --tag h200_cluster \
-        --out "$OUT"
+    if [ "$quick" = t8192 ]; then
+        run chained_cap_dense 280 python bench/bench_chained_compute.py \
+            --shapes deepseek-v3-dense --tokens 8192 --groups auto,4p4,8p4,8p4r24l8 \
+            --shuffle 3 --rounds 5 --hold-s 2 --tag h200_cap --out "$OUT"
+        run chained_cap_lookahead 300 python bench/bench_chained_compute.py --tokens 8192 \
+            --groups auto,16p4r32l16,16p4 --shuffle 3 --rounds 5 --hold-s 2 \
+            --tag h200_lookahead --out "$OUT"
+    else
+        run chained_tests 300 python -m pytest -q -p no:cacheprovider \
+            tests/test_chained_ffn_gpu.py tests/test_sharded_experts_chained_gpu.py \
+            -k "not cluster2 and not test_cluster_"
+        run ffn_baseline 200 python bench/bench_ffn_baseline.py --out "$OUT"
+        run chained_bench 300 python bench/bench_chained_compute.py --groups auto --shuffle 5 \
+            --rounds 5 --hold-s 1.5 --out "$OUT"
+        run chained_grouped_bench 300 python bench/bench_chained_grouped.py --out "$OUT"
+        # the 2-CTA cluster variant (compiled, never yet run): last, with its own bound
+        run chained_cluster_tests 200 python -m pytest -q -x -p no:cacheprovider \
+            tests/test_chained_ffn_gpu.py -k "cluster2 or test_cluster_"
+        run chained_cluster_bench 200 python bench/bench_chained_compute.py \
+            --shapes llama3-70b --groups auto,16p4c2,8p4c2 --shuffle 3 --rounds 5 --hold-s 2 \
+            --tag h200_cluster --out "$OUT"
+    fi
     ;;
 layer)
     run layer_bench 590 torchrun --nproc-per-node "$ngpu" bench/bench_moe_layer.py \

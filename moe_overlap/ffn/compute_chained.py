@@ -121,7 +121,8 @@ from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_MAILBOX_
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
            "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "auto_patch",
-           "schedule_for", "PairedChainedSchedule"]
+           "schedule_for", "PairedChainedSchedule", "ring_cap_blocks", "activation_bytes",
+           "baseline_activation_bytes"]
 
 ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -396,6 +397,7 @@ def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, grou
 
 AUTO_GROUPS = (16, 8, 4, 2)  # group="auto" picks from these (largest first), else 1
 AUTO_PATCH, AUTO_PATCH_FROM_GROUP = 4, 8  # patch="auto": 4 column tiles per run from group 8 up
+ACTIVATION_CAP = 0.6  # issue 17: out + H ring <= 0.6x the baseline's peak where hidden >= N
 
 
 def auto_patch(group: int) -> int:
@@ -405,11 +407,42 @@ def auto_patch(group: int) -> int:
     return AUTO_PATCH if group >= AUTO_PATCH_FROM_GROUP else 1
 
 
+def baseline_activation_bytes(M: int, hidden: int, N: int) -> int:
+    """Peak bytes one call of the library baseline (addmm + act + addmm, bf16) allocates above
+    its inputs: H [M, hidden] and its activated copy, or H beside out [M, N], whichever is
+    larger (``peak_call_bytes`` measures this within a few KiB)."""
+    return 2 * M * max(2 * hidden, hidden + N)
+
+
+def activation_bytes(M: int, hidden: int, N: int, ring_rows: int) -> int:
+    """Bytes one chained call allocates above its inputs: out [M, N] and the H ring
+    [ring_rows, hidden], bf16, and the bias in fp32 [hidden] (the tile table and counters are
+    kept between calls)."""
+    return 2 * (M * N + ring_rows * hidden) + 4 * hidden
+
+
+def ring_cap_blocks(M: int, hidden: int, N: int, tile_m: int = 128) -> int:
+    """The most H row blocks ``group="auto"`` lets a ring hold: half of H's blocks, and where the
+    hidden slice is at least as wide as the output (issue 17's activation bound applies there)
+    as many as keep ``activation_bytes`` <= ACTIVATION_CAP x ``baseline_activation_bytes``.
+    Half of H meets the bound only while N <= 0.7 hidden (out + H / 2 against 2 H): on
+    deepseek-v3-dense's slice (9216 wide, N = 7168) at 8192 tokens half of H is 0.64x and the
+    bound allows 27 of its 64 blocks."""
+    blocks = -(-M // tile_m)
+    cap = blocks // 2
+    if hidden >= N:
+        spare = int(ACTIVATION_CAP * baseline_activation_bytes(M, hidden, N)) \
+            - activation_bytes(M, hidden, N, 0)
+        cap = min(cap, max(0, spare // (2 * hidden * tile_m)))
+    return cap
+
+
 def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, cluster=1):
     """The group ``group="auto"`` runs: the largest G in (16, 8, 4, 2) whose H ring holds at most
-    half of H's row blocks (``min(ring, blocks) <= blocks // 2``); where none does (few rows, or
-    a narrow hidden slice whose lookahead spans many blocks), the largest whose ring holds at
-    most 1.25x the fewest blocks any group's does (group 1 included), else 1.
+    ``ring_cap_blocks`` row blocks (half of H's, fewer where the activation bound needs it);
+    where none does (few rows, or a narrow hidden slice whose lookahead spans many blocks), the
+    largest whose ring holds at most 1.25x the fewest blocks any group's does (group 1
+    included), else 1.
 
     Why (one H200, the seven FFN slices at G = 2, 8192 and 32768 tokens; bench/NOTES.md,
     session 15; ``ffn_chained_compute_h200_holds_patch_606dff6.json``): what limits these calls
@@ -420,17 +453,17 @@ def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, cluste
     readers still hold them in L2 (16p4: 7.0 GB). Sustained (each path alone at the cap), group
     16 with patch 4 was the fastest variant on all 14 points (0.950-1.003x the library), 8p4
     0.939-0.983x, the same ring rule over (8, 4, 2) unpatched (group 8 but on one point)
-    0.886-0.980x. The cap is memory: H ring <= half of H keeps
-    the call's activation memory (out + ring) at or below 0.6x the baseline's (H, the
-    activation's copy, out) where hidden >= N, issue 17's bound; at 8192 tokens that rules out
-    group 16 (its ring is all 64 blocks) and costs 1-4 % sustained. Depends on M only through
-    min(ring, blocks). cluster 2: the same rule on the pair orders (``schedule_for(cluster=2)``).
+    0.886-0.980x. The cap is memory (issue 17's activation bound): at 8192 tokens it rules out
+    group 16 (its ring is all 64 blocks) and costs 1-4 % sustained, and on deepseek-v3-dense's
+    slice it leaves group 4. Depends on M only through min(ring, blocks). cluster 2: the same
+    rule on the pair orders (``schedule_for(cluster=2)``).
     """
     blocks = -(-M // tile_m)
+    cap = ring_cap_blocks(M, hidden, N, tile_m)
     held = {g: min(schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=g,
                                 cluster=cluster).ring, blocks) for g in AUTO_GROUPS + (1,)}
     for g in AUTO_GROUPS:
-        if held[g] <= blocks // 2:
+        if held[g] <= cap:
             return g
     fewest = min(held.values())
     for g in AUTO_GROUPS:  # group 1 reads the weights ~G times as often: only if much smaller
