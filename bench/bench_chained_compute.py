@@ -63,6 +63,7 @@ def write(a, groups, rows_out, final=False):
     ok = [r for r in rows_out if "speedup" in r]
     doc = dict(result_header("ffn_chained_compute"), world=a.world,
                complete=final, groups=groups,
+               baseline_act_in_place=True,  # activations.activation_: H once, beside out
                method=f"CUDA graphs of {a.reps} calls per path, replays interleaved over "
                       f"{a.rounds} rounds (time_interleaved"
                       + (f", order shuffled per round, seed {a.shuffle}" if a.shuffle is not None

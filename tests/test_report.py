@@ -74,3 +74,10 @@ def test_cli_report_check_and_script_agree():
                 [sys.executable, os.path.join(ROOT, "scripts", "report.py"), "--check"]):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert r.returncode == 0 and "up to date" in r.stdout, r.stdout + r.stderr
+
+
+def test_in_place_baseline_figure_is_the_ffn_model():
+    from moe_overlap.ffn.compute_chained import baseline_activation_bytes
+    from moe_overlap.report import in_place_baseline_bytes
+    for M, hidden, N in ((8192, 7168, 4096), (32768, 9216, 7168), (4096, 1024, 7168)):
+        assert in_place_baseline_bytes(M, hidden, N) == baseline_activation_bytes(M, hidden, N)

@@ -34,11 +34,18 @@ def activation(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def activation_(x: torch.Tensor, name: str) -> torch.Tensor:
-    """In place where torch has an in-place kernel (relu, silu); returns the result."""
+    """In place (``x`` is overwritten and returned): the same elementwise kernels as
+    ``activation`` writing into their input, so the results are bitwise the same and a
+    baseline's peak memory holds H once, not H and its activated copy. Not for tensors that
+    autograd saves (the callers use ``activation`` while it records)."""
     if name == "none":
         return x
     if name == "relu":
         return F.relu_(x)
     if name == "silu":
         return F.silu(x, inplace=True)
-    return activation(x, name)  # gelu has no in-place form
+    if name == "gelu":  # F.gelu has no inplace flag; aten's in-place overload is the same kernel
+        return torch.ops.aten.gelu_(x)
+    if name == "gelu_tanh":
+        return torch.ops.aten.gelu_(x, approximate="tanh")
+    raise ValueError(f"unknown activation {name!r}")

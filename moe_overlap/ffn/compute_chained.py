@@ -407,10 +407,13 @@ def auto_patch(group: int) -> int:
     return AUTO_PATCH if group >= AUTO_PATCH_FROM_GROUP else 1
 
 
-def baseline_activation_bytes(M: int, hidden: int, N: int) -> int:
-    """Peak bytes one call of the library baseline (addmm + act + addmm, bf16) allocates above
-    its inputs: H [M, hidden] and its activated copy, or H beside out [M, N], whichever is
-    larger (``peak_call_bytes`` measures this within a few KiB)."""
+def baseline_activation_bytes(M: int, hidden: int, N: int, act_in_place: bool = True) -> int:
+    """Peak bytes one call of the library baseline (addmm + act + mm, bf16) allocates above its
+    inputs (``peak_call_bytes`` measures this to the byte): H [M, hidden] beside out [M, N]
+    with the activation in place (``activations.activation_``), or without it the larger of
+    that and H beside its activated copy."""
+    if act_in_place:
+        return 2 * M * (hidden + N)
     return 2 * M * max(2 * hidden, hidden + N)
 
 
@@ -424,10 +427,9 @@ def activation_bytes(M: int, hidden: int, N: int, ring_rows: int) -> int:
 def ring_cap_blocks(M: int, hidden: int, N: int, tile_m: int = 128) -> int:
     """The most H row blocks ``group="auto"`` lets a ring hold: half of H's blocks, and where the
     hidden slice is at least as wide as the output (issue 17's activation bound applies there)
-    as many as keep ``activation_bytes`` <= ACTIVATION_CAP x ``baseline_activation_bytes``.
-    Half of H meets the bound only while N <= 0.7 hidden (out + H / 2 against 2 H): on
-    deepseek-v3-dense's slice (9216 wide, N = 7168) at 8192 tokens half of H is 0.64x and the
-    bound allows 27 of its 64 blocks."""
+    as many as keep ``activation_bytes`` <= ACTIVATION_CAP x ``baseline_activation_bytes``
+    (H + out: the baseline's activation in place). That leaves a fraction 0.6 - 0.4 N / hidden
+    of H: 0.31-0.37 on the seed's wide slices, e.g. 20-23 of 64 blocks at 8192 tokens."""
     blocks = -(-M // tile_m)
     cap = blocks // 2
     if hidden >= N:
@@ -438,33 +440,35 @@ def ring_cap_blocks(M: int, hidden: int, N: int, tile_m: int = 128) -> int:
 
 
 def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, cluster=1):
-    """The group ``group="auto"`` runs: the largest G in (16, 8, 4, 2) whose H ring holds at most
-    ``ring_cap_blocks`` row blocks (half of H's, fewer where the activation bound needs it);
-    where none does (few rows, or a narrow hidden slice whose lookahead spans many blocks), the
+    """The group ``group="auto"`` runs, the first that exists of: the largest G in (16, 8, 4, 2)
+    whose H ring holds at most ``ring_cap_blocks`` row blocks (issue 17's activation bound); the
+    largest whose ring holds at most half of H's blocks (where no group meets the bound: few
+    rows, e.g. 4096 tokens, where group 1 would cost more time than the bound saves memory); the
     largest whose ring holds at most 1.25x the fewest blocks any group's does (group 1
-    included), else 1.
+    included: narrow hidden slices whose lookahead spans many blocks); 1.
 
     Why (one H200, the seven FFN slices at G = 2, 8192 and 32768 tokens; bench/NOTES.md,
-    session 15; ``ffn_chained_compute_h200_holds_patch_606dff6.json``): what limits these calls
-    is energy per FLOP at the 700 W cap, and DRAM traffic is where ours spent more than the
-    library (ncu on llama3-70b at 8192 tokens: 12.4 GB against 4.5 for group 8). The group
+    sessions 15-16; ``ffn_chained_compute_h200_holds_patch_606dff6.json``): what limits these
+    calls is energy per FLOP at the 700 W cap, and DRAM traffic is where ours spent more than
+    the library (ncu on llama3-70b at 8192 tokens: 12.4 GB against 4.5 for group 8). The group
     shares each weight panel between its blocks side by side; the patch (``auto_patch``) puts a
     row block's column tiles side by side too, so both operands are read while the other
     readers still hold them in L2 (16p4: 7.0 GB). Sustained (each path alone at the cap), group
     16 with patch 4 was the fastest variant on all 14 points (0.950-1.003x the library), 8p4
-    0.939-0.983x, the same ring rule over (8, 4, 2) unpatched (group 8 but on one point)
-    0.886-0.980x. The cap is memory (issue 17's activation bound): at 8192 tokens it rules out
-    group 16 (its ring is all 64 blocks) and costs 1-4 % sustained, and on deepseek-v3-dense's
-    slice it leaves group 4. Depends on M only through min(ring, blocks). cluster 2: the same
-    rule on the pair orders (``schedule_for(cluster=2)``).
+    0.939-0.983x, the same rule over (8, 4, 2) unpatched with half of H as the only cap 0.886-
+    0.980x. The bound takes group 16 at 32768 tokens everywhere, but group 4 at 8192 tokens on
+    the wide slices (group 8's ring of 32 blocks is 0.68-0.72x the baseline's H + out there);
+    group 4's sustained rate there is not yet measured (ncu: 12.8 GB DRAM against 8p4's 9.3 on
+    llama3-70b). Depends on M only through min(ring, blocks). cluster 2: the same rule on the
+    pair orders (``schedule_for(cluster=2)``).
     """
     blocks = -(-M // tile_m)
-    cap = ring_cap_blocks(M, hidden, N, tile_m)
     held = {g: min(schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=g,
                                 cluster=cluster).ring, blocks) for g in AUTO_GROUPS + (1,)}
-    for g in AUTO_GROUPS:
-        if held[g] <= cap:
-            return g
+    for cap in (ring_cap_blocks(M, hidden, N, tile_m), blocks // 2):
+        for g in AUTO_GROUPS:
+            if held[g] <= cap:
+                return g
     fewest = min(held.values())
     for g in AUTO_GROUPS:  # group 1 reads the weights ~G times as often: only if much smaller
         if held[g] * 4 <= fewest * 5:
