@@ -23,6 +23,9 @@ needs and of what it should gain:
   ordered scale launched after the producer) and design B (A plus the consumer's CTAs as scale
   workers once their pieces are shipped), and each over the bound max(T_gemm, T_comm).
 
+``OverlapCombine`` builds the tables with ``ordered_routes.ordered_routes_device`` (the same
+values on the device, no host sync); ``ordered_routes`` here is its reference.
+
 The order only affects speed: a tile waits for its own dependencies, so any order is correct.
 """
 from __future__ import annotations
@@ -347,13 +350,16 @@ def simulate(topk_ids_all: list, expert_counts: torch.Tensor, N: int, K: int, cc
     return res
 
 
-# ---- the host tables of OverlapCombine(scale="ordered") --------------------------------------
+# ---- the host reference of OverlapCombine(scale="ordered")'s tables --------------------------
+# (the device path, which OverlapCombine uses: combine/ordered_routes.py, bit for bit the same)
 @dataclass
 class OrderedRoutes:
-    """What one routing needs for the ordered scale on the owner (``ordered_routes``): the
-    tiles (``token_tiles``), their kernel tables (``tile_tables``, on the host) and ``seg_inc``
-    [W, Sc] (``seg_expected_inc``: what ``begin_call`` adds to the cumulative expectation)."""
-    tiles: TokenTiles
+    """What one routing needs for the ordered scale on the owner: the tiles (``token_tiles``;
+    None from ``ordered_routes.ordered_routes_device``, which builds only the kernel's tables),
+    their kernel tables (int32; ``tile_tables``, exact, on the host here; padded on the device
+    path, see combine/ordered_routes.py) and ``seg_inc`` int64 [W, Sc] (``seg_expected_inc``:
+    what ``begin_call`` adds to the cumulative expectation)."""
+    tiles: TokenTiles | None
     tables: dict
     seg_inc: torch.Tensor
 
@@ -380,11 +386,13 @@ def completion_keys(deps: RowDeps, plans: list, rank: int) -> torch.Tensor:
 def ordered_routes(topk_ids: torch.Tensor, expert_counts: torch.Tensor, rank: int, tile_m: int,
                    mgb: int, layout: str, seg_cap: int, tile_tokens: int = DEFAULT_TILE_TOKENS,
                    order: str = "remote_first") -> OrderedRoutes:
-    """The owner's ordered-scale inputs for one routing, on the host (CPU tensors): every
-    sender's plan rebuilt from the all-gathered ``expert_counts`` [W, E] (as each rank builds
-    it: same tile_m, mgb, layout, order), each row's signal, tiles in completion order and the
-    per-segment increment of the expectation, with Sc = ``seg_cap`` (ValueError if a sender's
-    plan has more segments)."""
+    """The owner's ordered-scale inputs for one routing, on the host (CPU tensors; the
+    reference of ``ordered_routes.ordered_routes_device``): every sender's plan rebuilt from the
+    all-gathered ``expert_counts`` [W, E] (as each rank builds it: same tile_m, mgb, layout,
+    order), each row's signal, tiles in completion order and the per-segment increment of the
+    expectation, with Sc = ``seg_cap`` (ValueError if a sender's plan has more segments).
+    topk_ids: int [T, topk] this rank's routing; rank: this rank; tile_m, mgb, layout, order:
+    the plans' (``plan_combine``); tile_tokens: tokens per tile."""
     counts = expert_counts.detach().to("cpu", torch.int64)
     ids = topk_ids.detach().to("cpu", torch.int64)
     plans = sender_plans(counts, tile_m=tile_m, mgb=mgb, layout=layout, order=order)

@@ -1,0 +1,276 @@
+"""The ordered scale's per-routing tables, on the device, without host synchronization.
+
+``OverlapCombine.prepare`` with ``scale="ordered"`` needs, per routing, the tile tables of the
+ordered scale (combine/scale_ordered.py) and the per-segment increment of the owner's expectation.
+``ordered_scale.ordered_routes`` is their reference: on the host, every sender's plan rebuilt
+exactly, Python loops over senders and tiles and data-dependent sizes (``torch.unique``, boolean
+masks, ``.item()``). ``ordered_routes_device`` computes the same values with torch ops on the
+inputs' device: a number of launches fixed by (W, T, topk, tile_tokens), no host read, no output
+whose size depends on data, so it can run inside a CUDA graph:
+
+1. the senders' segments: ``plan_combine(counts, s, max_rows=M, validate=False, impl=)`` for every
+   s != rank, where M gives the owner's plan's capacities (every rank plans at the same max_rows,
+   ``MoECombine.plan``), so each rebuilt plan is the sender's own plan; plan_combine's valid
+   prefix does not depend on max_rows, so its segments are the reference's exact plans' too.
+   Only each plan's segment count and (dest, dest row, rows) per segment are kept ([W, 1 + 3 Sc],
+   one copy per sender); the owner's plan is the one passed in (its bands and layout).
+2. row -> signal: the receive row r of each (t, k) (``plan.recv_rows``). A remote row's segment
+   is the segment to this rank with the largest first row <= r: the segments to one owner cover
+   disjoint row ranges (one sender's cells are disjoint, senders' experts are), so one scatter-amax
+   of (first row, segment id) keys over the owner's R = T * topk receive rows and a cummax find it
+   for every row at once. A local row's band: its y row // tile_m (as ``row_dependencies``).
+3. order: the reference's completion key (``completion_keys``, the same float64 expressions) and
+   its stable sort of every token's largest key; tiles are the fixed cuts of ``tile_tokens``.
+4. each tile's distinct (kind, source, index), ascending (``torch.unique(dim=0)``'s order): one
+   sort of (tile, kind, source, index) keys over all R assignments; a tile's keys occupy a fixed
+   range of the sorted array (its tokens x topk), so its first distinct entry is the number of
+   distinct keys before that range (an inclusive cumsum read at fixed places), and the distinct
+   keys are gathered into a fixed capacity by a searchsorted on that cumsum.
+5. ``seg_inc[s, i]`` = rows of sender s's segment i if it goes to this rank, else 0.
+
+Padded-table contract (what ``OrderedScale`` may be given): ``order [T]``, ``tile_start`` and
+``dep_start`` ``[n_tiles + 1]`` are exact (n_tiles = ceil(T / tile_tokens): the tiles are fixed
+cuts, so ``tile_start`` is the same on both paths); ``dep_kind``, ``dep_source`` and ``dep_index``
+have the capacity T * topk (a tile has at most tile_tokens * topk distinct signals), their valid
+prefix is ``dep_start[n_tiles]`` long and the rest is -1. The kernel takes n_tiles from
+``tile_start``'s length and reads tile j's entries ``dep_start[j] .. dep_start[j + 1]`` only, so it
+never reads the padding (and an entry of -1 would be a remote signal of source -1, which it reports
+as ERR_PLAN_BOUNDS instead of waiting). ``OrderedScale.check`` checks the lengths that are host
+facts (dep_start as long as tile_start, the three dependency arrays equally long).
+
+Errors: the reference raises ValueError for inconsistent inputs (topk_ids not matching
+expert_counts[rank], a sender's plan not shipping a row, segments beyond the capacity). Raising
+needs a host read, so here they are checked with ``validate=True`` only (a host sync, as
+``plan_combine(validate=)``); with ``validate=False`` the caller vouches for the inputs, bad ones
+give wrong tables (never an out-of-bounds access: every gathered index is clamped). Segments beyond
+the capacity cannot happen on this path: the rebuilt plans have the owner's segment capacity.
+"""
+from __future__ import annotations
+
+import torch
+
+from .checks import as_int, check_expert_ids
+from .ordered_scale import DEFAULT_TILE_TOKENS, LOCAL, REMOTE, OrderedRoutes, RowDeps
+from .plan import CombinePlan, IMPLS, plan_combine, recv_rows
+
+# OverlapCombine.prepare(ordered_impl=): "device" (this module: sync-free, CUDA-graph
+# capturable) or "host" (ordered_scale.ordered_routes: the reference, which checks its inputs)
+ORDERED_IMPLS = ("device", "host")
+
+TABLE_NAMES = ("order", "tile_start", "dep_start", "dep_kind", "dep_source", "dep_index")
+
+
+def sender_max_rows(plan: CombinePlan) -> int:
+    """The largest max_rows whose plans have ``plan``'s capacities (band_capacity_for: max_rows //
+    tile_m + El * W bands): the senders' plans rebuilt with it are sized as the owner's."""
+    return (plan.band_capacity - plan.experts_per_rank * plan.world_size + 1) * plan.tile_m - 1
+
+
+def _check_host_facts(topk_ids, expert_counts, plan, tile_tokens):
+    """Shapes, dtypes, devices and sizes (no data read). Returns (W, E, T, k, tile_tokens)."""
+    if not isinstance(plan, CombinePlan):
+        raise TypeError(f"plan must be a CombinePlan, got {type(plan).__name__}")
+    for name, t in (("topk_ids", topk_ids), ("expert_counts", expert_counts)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must have an integer dtype, got {t.dtype}")
+    W, E = plan.world_size, plan.num_experts
+    if tuple(expert_counts.shape) != (W, E):
+        raise ValueError(f"expert_counts must be [W={W}, E={E}] (the plan's), got "
+                         f"{tuple(expert_counts.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be [tokens, topk >= 1], got {tuple(topk_ids.shape)}")
+    devs = {topk_ids.device, expert_counts.device, plan.device}
+    if len(devs) != 1:
+        raise ValueError(f"topk_ids, expert_counts and the plan must be on one device, got "
+                         f"{sorted(map(str, devs))}")
+    try:
+        tile_tokens = as_int("tile_tokens", tile_tokens, minimum=1)
+    except ValueError:
+        raise ValueError(f"tile_tokens must be an int >= 1, got {tile_tokens!r}") from None
+    T, k = topk_ids.shape
+    # every table entry (tokens, receive rows, segment / band ids, dependency counts) < 2^31
+    if T * k >= 2 ** 31 or plan.segment_capacity >= 2 ** 31:
+        raise ValueError(f"T * topk = {T * k} or segment capacity {plan.segment_capacity} does "
+                         f"not fit the int32 tables")
+    return W, E, T, k, tile_tokens
+
+
+def _validate_inputs(topk_ids, expert_counts, plan, max_rows, plan_impl):
+    """The reference's checks of the inputs the tables are made from (reads data: a host sync
+    on CUDA): ids in range and counted by expert_counts[rank], the owner's plan made from these
+    counts at these capacities."""
+    W, E = expert_counts.shape
+    check_expert_ids(topk_ids, E)
+    mine = torch.zeros(E, dtype=torch.int64, device=topk_ids.device).index_add_(
+        0, topk_ids.reshape(-1).long(), torch.ones(topk_ids.numel(), dtype=torch.int64,
+                                                   device=topk_ids.device))
+    if not torch.equal(mine, expert_counts[plan.rank].long()):
+        raise ValueError("topk_ids do not match expert_counts[rank]")
+    own = plan_combine(expert_counts, plan.rank, tile_m=plan.tile_m, mgb=plan.mgb,
+                       max_rows=max_rows, validate=True, layout=plan.layout, impl=plan_impl,
+                       order=plan.order)
+    for name, t in own.tensors().items():
+        if not torch.equal(t, getattr(plan, name)):
+            raise ValueError(f"the plan is not rank {plan.rank}'s plan of expert_counts (its "
+                             f"{name} differs): pass the plan made from these counts")
+
+
+def _sender_segments(expert_counts, plan, max_rows, plan_impl, validate):
+    """int32 [W, 1 + 3 Sc]: per rank s != plan.rank its plan's num_segments, then segment_dest,
+    segment_dest_row and segment_rows (Sc each; -1 past num_segments, as the plan); the owner's
+    row is -1 (its own segments never go to itself)."""
+    W, Sc, rank = plan.world_size, plan.segment_capacity, plan.rank
+    segs = torch.full((W, 1 + 3 * Sc), -1, dtype=torch.int32, device=expert_counts.device)
+    for s in range(W):
+        if s == rank:
+            continue
+        p = plan_combine(expert_counts, s, tile_m=plan.tile_m, mgb=plan.mgb, max_rows=max_rows,
+                         validate=validate, layout=plan.layout, impl=plan_impl, order=plan.order)
+        # one copy per sender; the plan (one buffer on the kernel path) is freed right after
+        torch.cat([p.num_segments, p.segment_dest, p.segment_dest_row, p.segment_rows],
+                  out=segs[s])
+    return segs
+
+
+def _row_dependencies(ids, expert_counts, plan, segs, validate):
+    """RowDeps of the owner's (t, k) (``ordered_scale.row_dependencies``) from its plan and the
+    senders' segment tables (``_sender_segments``)."""
+    W, E = expert_counts.shape
+    El, rank, Sc, B, tile_m = E // W, plan.rank, plan.segment_capacity, plan.band_capacity, \
+        plan.tile_m
+    dev = ids.device
+    R = ids.numel()  # the owner's receive rows: one per (t, k) assignment
+    idc = ids.clamp(0, E - 1)  # in range for the gathers below (validate checks the ids)
+    r = recv_rows(ids, E)
+    dest = idc // El
+    local = dest == rank
+    # remote: the segment to this rank whose first row is the largest <= r, as one int64 key
+    # (first row, segment id) per segment, scatter-max'ed at its first row, forward-filled
+    sdst, slo, srows = (segs[:, 1 + f * Sc:1 + (f + 1) * Sc].long() for f in range(3))
+    to_me = (sdst == rank) & (slo >= 0) & (slo < R)
+    sid = torch.arange(W * Sc, dtype=torch.int64, device=dev)
+    mark = torch.full((R + 1,), -1, dtype=torch.int64, device=dev).scatter_reduce_(
+        0, torch.where(to_me, slo, R).reshape(-1),
+        torch.where(to_me.reshape(-1), slo.reshape(-1) * (W * Sc) + sid, -1), reduce="amax")
+    hit = torch.cummax(mark[:R], 0).values[r.reshape(-1)].view(ids.shape)  # -1: no segment <= r
+    seg = (hit % (W * Sc)).clamp(min=0)  # s * Sc + i (0 where hit < 0)
+    remote_index = torch.where(hit >= 0, seg % Sc, -1)
+    if validate:  # every remote row inside a segment of its expert's rank to this rank
+        lo, n = slo.reshape(-1)[seg], srows.reshape(-1)[seg]
+        covered = (hit >= 0) & (seg // Sc == dest) & (r >= lo) & (r < lo + n)
+        bad = ~local & ~covered
+        if bool(bad.any()):
+            s = int(dest[bad][0])
+            raise ValueError(f"rank {s}'s plan ships no segment holding some row of rank {rank}")
+    # local: the y row (routes.source_rows_torch) and its band
+    cnt = expert_counts[rank].long()
+    first = torch.cumsum(cnt, 0) - cnt
+    el = (idc - rank * El).clamp(0, El - 1)
+    yrow = (plan.expert_row_start.long()[el] + plan.group_row_start.long()[el, rank] + r
+            - first[idc])
+    band = (yrow // tile_m).clamp(0, B - 1)
+    return RowDeps(kind=torch.where(local, LOCAL, REMOTE), source=dest,
+                   index=torch.where(local, band, remote_index), row=torch.where(local, yrow, r))
+
+
+def _completion_keys(deps, plan, segs):
+    """[T, k] float64: ``ordered_scale.completion_keys`` (the same expressions, bit for bit): a
+    local band's schedule position / num_bands, a remote segment's index / its sender's
+    num_segments (at least 1)."""
+    B = plan.band_capacity
+    dev = deps.kind.device
+    pos_b = torch.arange(B, dtype=torch.int64, device=dev)
+    nb = plan.num_bands.long()
+    sched = plan.schedule.long()
+    valid = (pos_b < nb) & (sched >= 0) & (sched < B)
+    # position / nb at each scheduled band (distinct bands: amax over one value; invalid
+    # schedule slots go to the extra entry B)
+    pos = torch.zeros(B + 1, dtype=torch.float64, device=dev).scatter_reduce_(
+        0, torch.where(valid, sched, B), pos_b.double() / nb.clamp(min=1).double(),
+        reduce="amax")
+    nseg = segs[:, 0].long().clamp(min=1).double()
+    local_key = pos[deps.index.clamp(0, B)]
+    remote_key = deps.index.double() / nseg[deps.source]
+    return torch.where(deps.kind == LOCAL, local_key, remote_key)
+
+
+def _tile_tables(deps, key, tile_tokens, W, Sc):
+    """The kernel's tables (int32, padded as the module doc says) from the row signals and their
+    completion keys."""
+    T, k = deps.kind.shape
+    dev = deps.kind.device
+    R = T * k
+    n = -(-T // tile_tokens)
+    # tokens by completion, ties by token id (token_tiles: a stable sort of the same keys)
+    order = torch.sort(key.max(1).values, stable=True).indices
+    j = torch.arange(n + 1, dtype=torch.int64, device=dev)
+    tile_start = (j * tile_tokens).clamp(max=T)
+    # one int64 key per (t, k) in processing order: tile, then (kind, source, index + 1)
+    span = Sc + 1  # index in [-1, Sc)
+    per_tile = 2 * W * span
+    code = ((deps.kind * W + deps.source) * span + deps.index.clamp(-1, Sc - 1) + 1)[order]
+    tile_of = torch.arange(T, dtype=torch.int64, device=dev) // tile_tokens
+    sk = torch.sort((tile_of[:, None] * per_tile + code).reshape(-1)).values
+    new = torch.ones(R, dtype=torch.bool, device=dev)
+    new[1:] = sk[1:] != sk[:-1]
+    distinct = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
+                          torch.cumsum(new.long(), 0)])  # [R + 1]: distinct keys before i
+    dep_start = distinct[(j * tile_tokens * k).clamp(max=R)]
+    # slot d of the dependency arrays: the (d + 1)-th distinct key (first i with distinct[i + 1]
+    # >= d + 1); slots from distinct[R] on are padding
+    d = torch.arange(R, dtype=torch.int64, device=dev)
+    at = torch.searchsorted(distinct[1:], d + 1).clamp(max=max(R - 1, 0))
+    valid = d < distinct[R:]
+    c = sk[at] % per_tile if R else sk
+    kind, src, idx = c // (W * span), (c // span) % W, c % span - 1
+
+    def pad(t):
+        return torch.where(valid, t, -1).to(torch.int32)
+    return {"order": order.to(torch.int32), "tile_start": tile_start.to(torch.int32),
+            "dep_start": dep_start.to(torch.int32), "dep_kind": pad(kind),
+            "dep_source": pad(src), "dep_index": pad(idx)}
+
+
+def ordered_routes_device(topk_ids: torch.Tensor, expert_counts: torch.Tensor, plan: CombinePlan,
+                          tile_tokens: int = DEFAULT_TILE_TOKENS, plan_impl: str = "auto",
+                          validate: bool = True, return_deps: bool = False) -> OrderedRoutes:
+    """The owner's ordered-scale inputs for one routing (``ordered_scale.ordered_routes``'s
+    values) on the device of the inputs; no host sync with ``validate=False``.
+
+    topk_ids: int [T, topk] this rank's routing (int32 or int64).
+    expert_counts: int [W, E] the all-gathered counts the plans of every rank were made from.
+    plan: this rank's ``CombinePlan`` of those counts, made with the max_rows every rank plans
+        with (``MoECombine.plan``: W x max_tokens_per_rank x topk); its tile_m, mgb, layout, order
+        and capacities are the senders' too. Sc = ``plan.segment_capacity``.
+    tile_tokens: tokens per tile (int >= 1).
+    plan_impl: ``plan_combine(impl=)`` of the senders' rebuilt plans ("auto": the planner kernel
+        on CUDA where CuTe DSL imports, torch otherwise; all give the same tensors).
+    validate: run the reference's input checks first (ValueError for ids out of range or not
+        matching expert_counts[rank], a plan not made from these counts, a sender receiving more
+        rows than the capacity, a remote row no segment ships): reads data, a host sync on CUDA.
+        False: sync-free (CUDA graphs); the caller vouches for the inputs.
+    return_deps: also return the row signals (``RowDeps``, int64 [T, topk] each) for tests.
+
+    Returns ``OrderedRoutes`` with ``tiles=None`` (the kernel needs only the tables), ``tables``:
+    int32 on the device, padded as the module doc says (order [T], tile_start / dep_start
+    [n_tiles + 1], dep_kind / dep_source / dep_index [T * topk]), ``seg_inc``: int64 [W, Sc]
+    (what ``begin_call`` adds to the cumulative per-segment expectation); with return_deps,
+    (that, RowDeps)."""
+    W, E, T, k, tile_tokens = _check_host_facts(topk_ids, expert_counts, plan, tile_tokens)
+    if plan_impl not in IMPLS:
+        raise ValueError(f"plan_impl={plan_impl!r}; choose from {IMPLS}")
+    max_rows = sender_max_rows(plan)
+    if validate:
+        _validate_inputs(topk_ids, expert_counts, plan, max_rows, plan_impl)
+    segs = _sender_segments(expert_counts, plan, max_rows, plan_impl, validate)
+    deps = _row_dependencies(topk_ids.long(), expert_counts, plan, segs, validate)
+    key = _completion_keys(deps, plan, segs)
+    Sc = plan.segment_capacity
+    tables = _tile_tables(deps, key, tile_tokens, W, Sc)
+    sdst = segs[:, 1:1 + Sc]
+    srows = segs[:, 1 + 2 * Sc:]
+    seg_inc = torch.where(sdst == plan.rank, srows.long(), 0)
+    out = OrderedRoutes(tiles=None, tables=tables, seg_inc=seg_inc)
+    return (out, deps) if return_deps else out
