@@ -333,15 +333,27 @@ class OrderedScale:
         if tables["order"].numel() != T or tables["tile_start"].numel() < 1:
             raise ValueError(f"the tile tables are for {tables['order'].numel()} tokens, out "
                              f"has {T}")
+        # the dependency arrays may be longer than the tiles' lists (padded to a capacity by
+        # the device preparation, combine/ordered_routes.py): the kernel reads tile j's entries
+        # dep_start[j] .. dep_start[j + 1] only, and takes n_tiles from tile_start's length
+        if tables["dep_start"].numel() != tables["tile_start"].numel():
+            raise ValueError(f"dep_start has {tables['dep_start'].numel()} entries, tile_start "
+                             f"{tables['tile_start'].numel()} (n_tiles + 1 each)")
+        lens = {n: tables[n].numel() for n in ("dep_kind", "dep_source", "dep_index")}
+        if len(set(lens.values())) != 1:
+            raise ValueError(f"dep_kind, dep_source and dep_index must be equally long, got "
+                             f"{lens}")
 
     def launch(self, *, recv, rows, weights, out, y, tables, band_ready, seg_arrivals,
                seg_expected, queue, counters, expected, rank, err, epoch, slot_bytes,
                grid: int, wait_bands: bool, check_tags: bool, stream=None, err_peers=None):
         """recv: receive buffer base (slot 0; slot_bytes > 0: two slots of that size); rows:
         int32 [T, topk] (y_src encoding: r < 0 is y row -r - 1); weights fp32 [T, topk]; out
-        bf16 [T, N]; y: the producer's output [rows, N]; tables: ``ordered_scale.tile_tables``
-        on the device; band_ready: the producer's flags; seg_arrivals / seg_expected: int64
-        [W, Sc] (this rank's per-segment arrival counters and their cumulative expectation);
+        bf16 [T, N]; y: the producer's output [rows, N]; tables: int32 on the device,
+        ``ordered_routes.ordered_routes_device``'s (dependency arrays padded) or
+        ``ordered_scale.tile_tables``' (exact); band_ready: the producer's flags;
+        seg_arrivals / seg_expected: int64 [W, Sc] (this rank's per-segment arrival counters
+        and their cumulative expectation);
         queue: int32 [1], zeroed on the stream before the call; counters / expected: int64 [W]
         (markers and, with check_tags, the epoch tags after them, as Scale.launch).
         wait_bands: wait on the local bands' flags (a launch beside the producer); False after
