@@ -60,7 +60,8 @@ construction). The consumer variants they select:
   wait), each tile waits for its own segments. Why no deadlock and why the slots stay safe:
   docs/CONTRACTS.md "Ordered scale" (the launch on s0 e ends before this rank's consumer e+1,
   which waits s0 after begin_call e+1). ``prepare(plan, topk_ids, expert_counts)`` needs every
-  rank's counts (the plan holds only this rank's) and builds the tile tables on the host.
+  rank's counts (the plan holds only this rank's) and builds the tile tables on the device, no
+  host sync (combine/ordered_routes.py; ``ordered_impl="host"``: the host reference).
 
 Producer: ``moe_overlap.combine.grouped_gemm.GroupedGemm`` (clusters of 1 beside the consumer,
 see ``_gemm_for``); without CuTe DSL (or with ``producer="torch"``) a torch stand-in: all-expert
@@ -92,7 +93,8 @@ class CombineRoutes:
     def __init__(self, rows, expected_inc, plan, num_tokens, ordered=None):
         self.rows, self.expected_inc = rows, expected_inc
         self.plan, self.num_tokens = plan, num_tokens
-        # scale="ordered": {"tables": the tile tables, "seg_inc": int64 [W, Sc]} on the device
+        # scale="ordered": {"tables": the tile tables (int32; the dependency arrays padded to
+        # T * topk, combine/ordered_routes.py), "seg_inc": int64 [W, Sc]} on the device
         self.ordered = ordered
 
 
@@ -462,7 +464,8 @@ class OverlapCombine:
         torch.cuda.synchronize(dev)
         self._warm = True
 
-    def prepare(self, plan, topk_ids, expert_counts=None) -> CombineRoutes:
+    def prepare(self, plan, topk_ids, expert_counts=None,
+                ordered_impl: str = "device") -> CombineRoutes:
         """What a call needs from the routing, computed once per routing and off the call's
         critical path (device only, no host sync): each (t, k) assignment's row for the scale and
         the per-source increment of the expected arrival counts. The sequential baseline prepares
@@ -475,19 +478,28 @@ class OverlapCombine:
         local_copy=False the own rank's rows are not counted (they are read from y).
         scale="ordered": ``expert_counts`` [W, E] (the all-gathered counts the plans of every
         rank were made from) is required; the counters carry only the call markers (expected_inc
-        = 1 per source) and ``ordered`` holds the tile tables and the per-segment increment,
-        built on the host (``ordered_scale.ordered_routes``: a host sync)."""
+        = 1 per source) and ``ordered`` holds the tile tables and the per-segment increment
+        (``_prepare_ordered``). ``ordered_impl``: "device" (``ordered_routes.
+        ordered_routes_device``: on the device, no host sync, capturable; the caller vouches for
+        the inputs as with validate=False) or "host" (``ordered_scale.ordered_routes``: the
+        reference, on the host, a host sync; it raises ValueError for inconsistent inputs)."""
         from .routes import prepare_routes  # two CuTe DSL kernels on CUDA, torch reference
         rows, inc = prepare_routes(topk_ids, self.num_experts, self.world_size, self.rank,
                                    self.local_copy, plan)
         ordered = None
         if self.ordered:
-            ordered, inc = self._prepare_ordered(plan, topk_ids, expert_counts), \
-                torch.ones_like(inc)
+            ordered, inc = self._prepare_ordered(plan, topk_ids, expert_counts,
+                                                 impl=ordered_impl), torch.ones_like(inc)
         return CombineRoutes(rows=rows, expected_inc=inc, plan=plan, num_tokens=topk_ids.shape[0],
                              ordered=ordered)
 
-    def _prepare_ordered(self, plan, topk_ids, expert_counts):
+    def _prepare_ordered(self, plan, topk_ids, expert_counts, impl="device"):
+        """{"tables": the ordered scale's tile tables (int32), "seg_inc": int64 [W, Sc]} on this
+        layer's device for one routing. plan: this rank's plan of ``expert_counts`` (int [W, E]);
+        topk_ids: int [T, topk]; impl: see ``prepare``'s ordered_impl."""
+        from .ordered_routes import ORDERED_IMPLS
+        if impl not in ORDERED_IMPLS:
+            raise ValueError(f"ordered_impl={impl!r}; choose from {ORDERED_IMPLS}")
         W, E = self.world_size, self.num_experts
         if expert_counts is None:
             raise ValueError("scale='ordered' needs every rank's counts: prepare(plan, topk_ids, "
@@ -500,6 +512,11 @@ class OverlapCombine:
                              f"max_tokens_per_rank x topk (MoECombine.plan): their segment "
                              f"capacity {self.seg_cap} is the arrival table's row stride on "
                              f"every rank; this plan has {plan.segment_capacity}")
+        if impl == "device":
+            from .ordered_routes import ordered_routes_device
+            o = ordered_routes_device(topk_ids.to(self.device), expert_counts.to(self.device),
+                                      plan, validate=False)
+            return {"tables": o.tables, "seg_inc": o.seg_inc}
         from .ordered_scale import ordered_routes
         o = ordered_routes(topk_ids, expert_counts, self.rank, plan.tile_m, plan.mgb,
                            plan.layout, self.seg_cap, order=plan.order)
