@@ -9,8 +9,8 @@
 #                 test, the validation grid and the ccta x mgb sweep (issue 4; "quick": one
 #                 shape, no sweep; "models": the sweep on the model shapes + a 1000-replay soak)
 #        plan     planner GPU tests, the producer on packed plans (tests + bench_packed_gemm
-#                 against torch._grouped_mm on the unpadded rows) and the planner's device time
-#                 (bench_plan); one GPU
+#                 against torch._grouped_mm on the unpadded rows) and the planner's, prepare's
+#                 and the ordered scale's per-routing tables' device time (bench_plan); one GPU
 #        ffn      fused FFN / band all-reduce tests + bench_ffn + the compute-kernel breakdown
 #                 (issue 5; "quick": 3 shapes, 10 rounds); also on one GPU: the band all-reduce
 #                 with G ranks emulated on that GPU (tests + bench_band_allreduce_onegpu, a
@@ -67,7 +67,7 @@ plan)
     args=()
     [ "$quick" = quick ] && args=(--models deepseek-v3 --worlds 2 --modes balanced --rounds 5)
     run packed_gemm_bench 450 python bench/bench_packed_gemm.py "${args[@]}" --out "$OUT"
-    run plan_bench 200 python bench/bench_plan.py --out "$OUT"
+    run plan_bench 400 python bench/bench_plan.py --out "$OUT"
     ;;
 combine)
     heap=6G  # the synthetic shapes; the model shapes' receive buffers need far more
