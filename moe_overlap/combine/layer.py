@@ -284,7 +284,8 @@ class MoECombine(torch.nn.Module):
         expected arrival counts; the reference backend needs nothing and gets None). Pass it to
         `forward(..., routes=...)` to keep this work out of the combine's critical path.
         expert_counts: the [W, E] counts the plan was made from; default: those of the last
-        `plan()` call if it made this plan (only scale="ordered" reads them)."""
+        `plan()` call if it made this plan (only scale="ordered" reads them; with the layer's
+        validate=True they are checked against topk_ids and the plan, a host sync)."""
         if not isinstance(plan, CombinePlan):
             raise TypeError(f"plan must be a CombinePlan, got {type(plan).__name__}")
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 \
@@ -295,7 +296,8 @@ class MoECombine(torch.nn.Module):
         impl = self._overlap_impl(topk_ids.device)
         if not getattr(impl, "ordered", False):  # only the ordered scale reads the counts
             return impl.prepare(plan, topk_ids)
-        return impl.prepare(plan, topk_ids, self._counts_of(plan, expert_counts))
+        return impl.prepare(plan, topk_ids, self._counts_of(plan, expert_counts),
+                            validate=self.validate)
 
     def forward(self, h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -464,8 +464,8 @@ class OverlapCombine:
         torch.cuda.synchronize(dev)
         self._warm = True
 
-    def prepare(self, plan, topk_ids, expert_counts=None,
-                ordered_impl: str = "device") -> CombineRoutes:
+    def prepare(self, plan, topk_ids, expert_counts=None, ordered_impl: str = "device",
+                validate: bool = False) -> CombineRoutes:
         """What a call needs from the routing, computed once per routing and off the call's
         critical path (device only, no host sync): each (t, k) assignment's row for the scale and
         the per-source increment of the expected arrival counts. The sequential baseline prepares
@@ -480,20 +480,22 @@ class OverlapCombine:
         rank were made from) is required; the counters carry only the call markers (expected_inc
         = 1 per source) and ``ordered`` holds the tile tables and the per-segment increment
         (``_prepare_ordered``). ``ordered_impl``: "device" (``ordered_routes.
-        ordered_routes_device``: on the device, no host sync, capturable; the caller vouches for
-        the inputs as with validate=False) or "host" (``ordered_scale.ordered_routes``: the
-        reference, on the host, a host sync; it raises ValueError for inconsistent inputs)."""
+        ordered_routes_device``: on the device, no host sync, capturable, the caller vouching
+        for the inputs; with ``validate=True`` it also runs the reference's checks, a host sync)
+        or "host" (``ordered_scale.ordered_routes``: the reference, on the host, a host sync; it
+        raises ValueError for inconsistent inputs)."""
         from .routes import prepare_routes  # two CuTe DSL kernels on CUDA, torch reference
         rows, inc = prepare_routes(topk_ids, self.num_experts, self.world_size, self.rank,
                                    self.local_copy, plan)
         ordered = None
         if self.ordered:
             ordered, inc = self._prepare_ordered(plan, topk_ids, expert_counts,
-                                                 impl=ordered_impl), torch.ones_like(inc)
+                                                 impl=ordered_impl, validate=validate), \
+                torch.ones_like(inc)
         return CombineRoutes(rows=rows, expected_inc=inc, plan=plan, num_tokens=topk_ids.shape[0],
                              ordered=ordered)
 
-    def _prepare_ordered(self, plan, topk_ids, expert_counts, impl="device"):
+    def _prepare_ordered(self, plan, topk_ids, expert_counts, impl="device", validate=False):
         """{"tables": the ordered scale's tile tables (int32), "seg_inc": int64 [W, Sc]} on this
         layer's device for one routing. plan: this rank's plan of ``expert_counts`` (int [W, E]);
         topk_ids: int [T, topk]; impl: see ``prepare``'s ordered_impl."""
@@ -515,7 +517,7 @@ class OverlapCombine:
         if impl == "device":
             from .ordered_routes import ordered_routes_device
             o = ordered_routes_device(topk_ids.to(self.device), expert_counts.to(self.device),
-                                      plan, validate=False)
+                                      plan, validate=validate)
             return {"tables": o.tables, "seg_inc": o.seg_inc}
         from .ordered_scale import ordered_routes
         o = ordered_routes(topk_ids, expert_counts, self.rank, plan.tile_m, plan.mgb,
