@@ -254,6 +254,14 @@ def mbar_try_wait_parity(mbar, parity):
         write_only_types=[Int32], read_only_args=[Int32(mbar), Int32(parity)])
 
 
+def mbar_test_wait_parity(mbar, parity):
+    """Int32 1 if the phase with this parity has completed (test_wait: never suspends)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; "
+        "selp.s32 {$w0}, 1, 0, p; }",
+        write_only_types=[Int32], read_only_args=[Int32(mbar), Int32(parity)])
+
+
 def bulk_load_g2s(smem, gaddr, nbytes, mbar):
     """cp.async.bulk global -> shared (this CTA), completion as tx bytes on ``mbar``."""
     cute.arch.inline_ptx(
@@ -346,6 +354,24 @@ def multicast_rank_and_mask(cta_layout_mnk, mode: int):
     mask = cute.make_layout_image_mask(cta_layout_mnk, cta_layout_mnk.get_flat_coord(rank),
                                        mode=mode)
     return rank, mask
+
+
+def mbar_try_wait_parity_cluster(mbar, parity):
+    """Int32 1 once the phase with this parity has completed, acquire at cluster scope (the
+    phase may have been completed by another CTA's release.cluster arrive)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [{$r0}], "
+        "{$r1}; selp.s32 {$w0}, 1, 0, p; }",
+        write_only_types=[Int32], read_only_args=[Int32(mbar), Int32(parity)])
+
+
+def warp_all(pred):
+    """Int32 1 if ``pred`` (Int32) is non-zero on every lane of the warp (vote.sync.all: all 32
+    lanes call it), so that a warp-wide decision taken after a per-lane wait is one decision."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p, q; setp.ne.s32 p, {$r0}, 0; vote.sync.all.pred q, p, 0xffffffff; "
+        "selp.s32 {$w0}, 1, 0, q; }",
+        write_only_types=[Int32], read_only_args=[Int32(pred)])
 
 
 # ---- band-flag relay (grouped GEMM, flag_warp=True) -------------------------------------------
@@ -622,6 +648,43 @@ def wait_mbar_parity(mbar: Int32, parity: Int32, t0: Int64, timeout_ns: Int64):
     if done != Int32(0):
         timed_out = Int32(0)
     return timed_out, elapsed
+
+
+def _mbar_wait_or_error(try_wait):
+    """A spin on an mbarrier phase through ``try_wait(mbar, parity)`` (one try, no spin) that
+    also ends when ``timeout_ns`` passes or the error word's code (word 0) is set."""
+    @cute.jit
+    def wait(mbar: Int32, parity: Int32, err: Int64, timeout_ns: Int64):
+        done = try_wait(mbar, parity)
+        status = Int32(0)
+        elapsed = Int64(0)
+        # a phase that has completed costs one try, as in an unbounded wait: the timer and the
+        # error word are read only once the wait would block
+        if done == Int32(0):
+            t0 = globaltimer()
+            while done == Int32(0) and status == Int32(0):
+                if ld_relaxed_gpu_s64(err) != Int64(0):
+                    status = Int32(2)
+                else:
+                    elapsed = globaltimer() - t0
+                    if elapsed > timeout_ns:
+                        status = Int32(1)
+                    else:
+                        done = try_wait(mbar, parity)
+        return status, elapsed
+    return wait
+
+
+# Spin on an mbarrier phase until it completes, ``timeout_ns`` has passed since the wait began, or
+# the error word's code is set (another wait recorded an error: the launch must end). Returns
+# (status: Int32 0 = completed, 1 = timed out, 2 = error word set; ns waited: Int64); the caller
+# records its own error on a timeout. ``mbar_wait_parity_or_error``: try_wait.parity with the
+# default acquire at CTA scope (the wait of cutlass.pipeline's ring barriers, whose other CTA
+# arrives through ``mbarrier.arrive.shared::cluster`` or TMA complete_tx);
+# ``mbar_wait_parity_cluster_or_error``: acquire at cluster scope (phases completed by another
+# CTA's release.cluster arrive, after its st.shared::cluster writes).
+mbar_wait_parity_or_error = _mbar_wait_or_error(mbar_try_wait_parity)
+mbar_wait_parity_cluster_or_error = _mbar_wait_or_error(mbar_try_wait_parity_cluster)
 
 
 class LaunchCache:
