@@ -43,6 +43,9 @@ ERR_SLOT_TIMEOUT = 21  # a GEMM1 tile waited too long for g2_done[blk - ring] (i
 ERR_BLOCK_TIMEOUT = 22  # a GEMM2 tile waited too long for g1_done[blk] (its H row block)
 ERR_EXPERT_RANGE = 23  # grouped call: a row block's expert index is outside [0, E)
 ERR_MAILBOX_TIMEOUT = 24  # cluster=2: a CTA waited too long for its cluster peer's mailbox side
+ERR_RING_TIMEOUT = 25  # cluster=2: a wait of the operand ring (both CTAs fill / free a stage)
+# which wait of the operand ring timed out (word 3 of ERR_RING_TIMEOUT)
+RING_ACQUIRE, RING_FULL, RING_TAIL = 0, 1, 2
 
 
 @dataclass(frozen=True)

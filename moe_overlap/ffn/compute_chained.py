@@ -83,17 +83,19 @@ blocks, even), so every per-block wait above still only waits on tiles earlier i
 stage is free once the consumers of both CTAs released it (the base pipeline's cluster-aware
 empty barriers). Mailbox: the leader (rank 0) takes the list position and writes the tile into
 its own slot and, through distributed shared memory (``st.shared::cluster``, then a
-``release.cluster`` remote arrive on the peer's full barrier), into the peer's; the peer's TMA
-warp forwards its readers' release of a slot to the leader's empty barrier with a remote arrive,
-so the leader never overwrites a slot the peer still reads. Both mailbox waits that have the other
-CTA on their far side are bounded (``ERR_MAILBOX_TIMEOUT``). With an odd block count the last
-pair's second block lies past M: that CTA still takes part in the loads, the multicast and the
-barriers (its x / H rows past the tensors load as zeros), but skips the counter waits, stores
-nothing and raises no counter or band flag. Clusters are co-scheduled, so the deadlock argument
-is the one above with a cluster in place of a CTA. Not yet bounded: the operand ring's mbarrier
-waits have the other CTA of the cluster on their far side (as in compute_reduce's
-cluster_m=2), so a CTA that stops after a mailbox timeout can leave its partner waiting there;
-the variant is compiled and CPU-modelled only, not yet run on a GPU (bench/NOTES.md, session 15).
+``release.cluster`` remote arrive), into the peer's inbox; the peer's TMA warp reads the inbox,
+forwards that to the leader with a remote arrive (the leader never overwrites an inbox slot the
+peer has not read) and writes the tile into its own slot, so each slot has one writer, its
+CTA's TMA warp. The waits that have the other CTA on their far side are bounded and give up on
+an error word already set: the two mailbox waits (``ERR_MAILBOX_TIMEOUT``; the CTA then posts
+kind -1 to its own roles) and the operand ring's waits (``ERR_RING_TIMEOUT``, naming the side,
+stage and phase), so a CTA whose partner stopped ends too and both reach the closing cluster
+barrier (the argument, wait by wait: ``compute_chained_sm90``'s module docstring). With an odd
+block count the last pair's second block lies past M: that CTA still takes part in the loads,
+the multicast and the barriers (its x / H rows past the tensors load as zeros), but skips the
+counter waits, stores nothing and raises no counter or band flag. Clusters are co-scheduled, so
+the deadlock argument is the one above with a cluster in place of a CTA. The variant is compiled
+and CPU-modelled only, not yet run on a GPU (bench/NOTES.md, session 15).
 
 Grouped over experts (``ChainedFFNCompute.grouped``, ``ShardedExperts``): the same tile list,
 ring, counters and flags; w1 [E, P, hidden], b1 [E, hidden], w2 [E, hidden, N], and row block
@@ -117,7 +119,8 @@ from ..kernels.host_checks import chained_gemm_dims, check_tensors
 from ..runtime.device import num_sms
 from .activations import ACT2, activation
 from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_MAILBOX_TIMEOUT,
-                               ERR_SLOT_TIMEOUT, GEMM2, TILE_K, ChainedSchedule, derive)
+                               ERR_RING_TIMEOUT, ERR_SLOT_TIMEOUT, GEMM2, RING_ACQUIRE,
+                               RING_FULL, RING_TAIL, TILE_K, ChainedSchedule, derive)
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
            "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "auto_patch",
@@ -155,6 +158,15 @@ def chained_ffn_grouped_reference(x, w1, b1, w2, block_expert, act1="gelu", tile
     return out
 
 
+# what word 3 of ERR_RING_TIMEOUT names: which side of the operand ring waited
+RING_WAITS = {RING_ACQUIRE: "producer side (TMA warp, producer_acquire: the stage freed by the "
+                            "consumers of both CTAs)",
+              RING_FULL: "consumer side (consumer_wait: the stage filled by both CTAs' loads, "
+                         "the weight half multicast by the other CTA included)",
+              RING_TAIL: "producer side at its end (TMA warp, producer_tail: every stage freed "
+                         "by the consumers of both CTAs)"}
+
+
 def describe_chained_error(err) -> str | None:
     """Text of the chained kernel's error word (None when clear)."""
     code = int(err[0])
@@ -175,12 +187,19 @@ def describe_chained_error(err) -> str | None:
                 f"expert {obs}, outside [0, {exp}) (block_expert out of range; the block ran "
                 f"with expert 0's weights, its output is wrong)")
     if code == ERR_MAILBOX_TIMEOUT:
-        side = ("the peer to free the slot (its TMA warp's forward)" if rank == 0 else
-                "the leader to post the tile")
+        side = ("the peer's TMA warp to read the inbox slot's previous tile (its forward)"
+                if rank == 0 else "the leader to post the tile to the inbox")
         return (f"chained FFN (cluster=2): the CTA of cluster rank {rank} timed out after "
                 f"{el / 1e6:.1f} ms at its tile {pos} waiting on mailbox slot {blk} (phase "
-                f"parity {exp}) for {side}: a stalled CTA of the cluster; the CTA stopped "
-                f"taking tiles, its peer may not end")
+                f"parity {exp}) for {side}: the other CTA of the cluster stalled; this CTA "
+                f"stopped taking tiles (kind -1 to its roles), its partner's waits on it gave up")
+    if code == ERR_RING_TIMEOUT:
+        stage, side, parity, bidx = pos, blk, obs, exp
+        what = RING_WAITS.get(side, f"ring wait {side}")
+        return (f"chained FFN (cluster=2): operand ring wait timed out after {el / 1e6:.1f} ms: "
+                f"the CTA of cluster rank {rank} (block {bidx}, cluster {bidx // 2}), "
+                f"{what}, stage {stage}, phase parity {parity}: the other CTA of the cluster "
+                f"stopped filling or freeing that stage (it stalled, or took other tiles)")
     return f"chained FFN: unknown device error code {code}: {list(int(v) for v in err)}"
 
 
@@ -544,7 +563,8 @@ class ChainedFFNCompute:
 
     def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
                  timeout_ms=2000, group="auto", _test_ring=None,
-                 _test_skip_slot_wait=False, patch="auto", _test_lookahead=None, cluster=1):
+                 _test_skip_slot_wait=False, patch="auto", _test_lookahead=None, cluster=1,
+                 _test_cluster_fault=None):
         self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms,
                            cluster)
         if cluster == 2 and group != "auto" and group != 1 and group % 2:
@@ -572,6 +592,18 @@ class ChainedFFNCompute:
         self._test_ring = _test_ring
         self._test_lookahead = _test_lookahead  # schedule_for(lookahead=), the bench's "lL"
         self._test_skip_slot_wait = bool(_test_skip_slot_wait)
+        # a fault of the first cluster (tests/test_chained_cluster_faults_gpu.py): ("stall_leader"
+        # | "stop_peer", tile), compute_chained_sm90.ChainedFFNKernel.TEST_FAULTS
+        if _test_cluster_fault is not None:
+            if cluster != 2 or not isinstance(_test_cluster_fault, tuple) \
+                    or len(_test_cluster_fault) != 2 \
+                    or _test_cluster_fault[0] not in ("stall_leader", "stop_peer") \
+                    or isinstance(_test_cluster_fault[1], bool) \
+                    or not isinstance(_test_cluster_fault[1], int) or _test_cluster_fault[1] < 1:
+                raise ValueError(f"_test_cluster_fault must be None or (\"stall_leader\" | "
+                                 f"\"stop_peer\", tile >= 1) with cluster=2, got "
+                                 f"{_test_cluster_fault!r}")
+        self._test_cluster_fault = _test_cluster_fault
         self._bufs = {}
         self._tables = {}
 
@@ -765,14 +797,14 @@ class ChainedFFNCompute:
     def _key(self, P, hidden, N, act1, has_b1, grouped=False):
         return (self.tile_m, self.tile_n, self.stages, self.epi_n, self.epi_stages, act1,
                 bool(has_b1), self._test_skip_slot_wait, bool(grouped), int(P), int(hidden),
-                int(N), self.cluster)
+                int(N), self.cluster, self._test_cluster_fault)
 
     def _kernel(self, P, hidden, act1, has_b1, grouped=False):
         self._refuse_grouped_cluster(grouped)
         return _get_kernel_class()(self.tile_m, self.tile_n, TILE_K, act1, bool(has_b1),
                                    self.stages, self.epi_n, self.epi_stages, P // TILE_K,
                                    hidden // TILE_K, self._test_skip_slot_wait, bool(grouped),
-                                   self.cluster)
+                                   self.cluster, self._test_cluster_fault)
 
     def _refuse_grouped_cluster(self, grouped):
         if grouped and self.cluster != 1:

@@ -21,11 +21,46 @@ word, ``ERR_EXPERT_RANGE``, and expert 0's weights so that every access stays in
 
 ``cluster=2`` (compile-time, dense only): 2-CTA clusters along M on the pair table
 (``PairedChainedSchedule``): the weight TMA atoms multicast (each CTA loads its half of the
-tile into both), the operand ring is the base's cluster-aware pipeline, the TMA warps run the
-cluster mailbox (``fetch_tile_pair``: the leader takes the tile and posts it to both CTAs
-through distributed shared memory; ``read_tile``: acquire.cluster waits), a CTA whose row
-block lies past M stores and counts nothing, and the CTAs end with a cluster barrier. With
-cluster=1 nothing of this is traced (the dense PTX is unchanged).
+tile into both), the operand ring is the base's cluster-aware pipeline with bounded waits
+(``ring_wait``), the TMA warps run the cluster mailbox (``fetch_tile_pair``: the leader takes
+the tile and posts it to the peer's inbox through distributed shared memory, each TMA warp
+posts it to its own CTA's readers), a CTA whose row block lies past M stores and counts
+nothing, and the CTAs end with a cluster barrier. With cluster=1 nothing of this is traced
+(the dense PTX is unchanged).
+
+Termination of cluster=2: every role of both CTAs reaches the closing cluster barrier in
+bounded time, also after a wait gave up (tests/test_chained_cluster_mailbox_cpu.py models it).
+
+* Every wait that has the other CTA of the cluster on its far side is bounded and gives up at
+  ``timeout_ns`` (recording its error) or as soon as the error word is set: the operand ring's
+  three (``ring_wait``: ``RING_ACQUIRE``, a stage freed by the consumers of both CTAs;
+  ``RING_FULL``, a stage filled by both CTAs' loads; ``RING_TAIL``, the TMA warp's last look
+  at every stage) and the mailbox's two (the leader's wait for the peer's forward, the peer's
+  wait for the leader's post). The counter waits (``wait_count``) are bounded the same way.
+* A give-up changes no loop count: the caller goes on to its next stage (the TMA warp neither
+  arms nor loads a stage it could not acquire, or whose previous fill never completed: no
+  barrier phase is armed twice), the mailbox posts kind -1 to its own CTA. So the roles of one CTA walk the same tiles with the same k counts,
+  and once the error word is set every later wait that would block gives up at its first spin.
+* The waits inside one CTA are exact, as with cluster=1: a reader's wait for its slot (its own
+  TMA warp posts every tile the reader waits for: the TMA warp saw the same previous tile, and
+  its own waits are all bounded), the TMA warp's wait for its readers (they hand a slot back
+  right after reading it), the epilogue's named barriers (consumers and store warp walk the
+  same tiles). Each has a role of its own CTA on the far side whose waits are all bounded.
+* Why the peer's tile goes through an inbox: each slot has one writer, its CTA's TMA warp,
+  which writes it only after every reader of its CTA read the slot's previous tile. A kind -1
+  after a give-up therefore reaches all readers of a CTA alike and never overwrites words a
+  reader has not read; the roles of one CTA never disagree on a tile (a disagreement would
+  leave the consumers or the store warp in a named barrier that the other never reaches). The
+  leader writes the inbox only after the peer's forward, which the peer sends once it has read
+  the inbox's previous tile; a post that comes after the peer gave up is never read.
+* Divergence: when one CTA stops taking tiles while the other goes on (the peer gave up on a
+  post that the leader makes later, or the leader on a forward), the CTA that goes on waits for
+  stages its partner never fills or frees: those ring waits give up (the partner's record set
+  the error word; else at their own timeout, naming the ring), the leader's next mailbox wait
+  gives up on the missing forward, and both CTAs end their tiles; the tail gives up likewise.
+  After a give-up no wait proves that the copies a TMA warp issued (into both CTAs' shared
+  memory) have landed, and the partner may exit right after the closing barrier: a TMA warp
+  that sees the error word set waits ``ERROR_SETTLE_NS`` before it.
 
 Imports cutlass (the host wrapper imports this module when it compiles).
 """
@@ -42,11 +77,15 @@ from cutlass.tensor_utils import LayoutEnum
 from ..kernels.gemm_sm90 import GemmSm90, smem_layout_staged
 from ..kernels.primitives import (fence_mbar_init, globaltimer, ld_acquire_gpu_s32,
                                   ld_shared_s32, mbar_arrive, mbar_init,
-                                  mbar_wait_parity_intra_cta, multicast_rank_and_mask,
-                                  record_error, red_release_gpu_add_s32, st_shared_s32)
+                                  mbar_wait_parity_cluster_or_error,
+                                  mbar_test_wait_parity, mbar_wait_parity_intra_cta,
+                                  mbar_wait_parity_or_error,
+                                  multicast_rank_and_mask, record_error,
+                                  red_release_gpu_add_s32, st_shared_s32, warp_all)
 from .band_allreduce import device_lib
 from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_MAILBOX_TIMEOUT,
-                               ERR_SLOT_TIMEOUT)
+                               ERR_RING_TIMEOUT, ERR_SLOT_TIMEOUT, RING_ACQUIRE, RING_FULL,
+                               RING_TAIL)
 
 __all__ = ["ChainedFFNKernel"]
 
@@ -89,42 +128,52 @@ def mbar_arrive_remote(addr):
                          read_only_args=[Int32(addr)])
 
 
-def mbar_try_wait_parity_cluster(mbar, parity):
-    """Int32 1 once the phase with this parity has completed, acquire at cluster scope (the
-    phase may have been completed by another CTA's release.cluster arrive)."""
-    return cute.arch.inline_ptx(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [{$r0}], "
-        "{$r1}; selp.s32 {$w0}, 1, 0, p; }",
-        write_only_types=[Int32], read_only_args=[Int32(mbar), Int32(parity)])
+# after an error, what a TMA warp of a cluster waits before the closing cluster barrier: its
+# bulk copies into both CTAs' shared memory land within microseconds, and no wait proves it
+# once one gave up (module docstring, "Divergence")
+ERROR_SETTLE_NS = 1_000_000
+
+# cluster mailbox layout (bytes from its base): full[s] at 8 s, empty[s] at 16 + 8 s, slot s's
+# words (kind, block, column tile, list position) at 32 + 16 s; cluster 2 adds the peer's inbox:
+# inbox_full[s] at 64 + 8 s (the leader's remote arrive), inbox_free[s] at 80 + 8 s (on the
+# leader: the peer's forward), the inbox words at 96 + 16 s (written by the leader)
+MAILBOX_BYTES = (64, 128)  # cluster 1, cluster 2
 
 
 @cute.jit
-def mbar_wait_parity_cluster(mbar: Int32, parity: Int32):
-    """Unbounded acquire.cluster wait, for phases whose other side is bounded (the mailbox's
-    readers: their slot is always posted, by the leader or on a timeout by their own TMA warp)."""
-    done = mbar_try_wait_parity_cluster(mbar, parity)
-    while done == Int32(0):
-        done = mbar_try_wait_parity_cluster(mbar, parity)
+def mailbox_wait(mbar: Int32, parity: Int32, err: Int64, rank: Int32, n: Int32, slot: Int32,
+                 timeout_ns: Int64):
+    """acquire.cluster wait on a mailbox phase that the other CTA of the cluster completes,
+    bounded: on timeout records ERR_MAILBOX_TIMEOUT (this CTA's cluster rank, its tile count n,
+    the slot, the parity); gives up at once when the error word is set. Returns 1 when the
+    phase completed, else 0 (one lane calls it)."""
+    status, el = mbar_wait_parity_cluster_or_error(mbar, parity, err, timeout_ns)
+    if status == Int32(1):
+        record_error(err, Int32(ERR_MAILBOX_TIMEOUT), rank, n, slot, Int64(0), Int64(parity),
+                     el)
+    ok = Int32(1)
+    if status != Int32(0):
+        ok = Int32(0)
+    return ok
 
 
 @cute.jit
-def mbar_wait_parity_cluster_bounded(mbar: Int32, parity: Int32, err: Int64, rank: Int32,
-                                     n: Int32, slot: Int32, timeout_ns: Int64):
-    """acquire.cluster wait on a phase the other CTA of the cluster completes; on timeout records
-    ERR_MAILBOX_TIMEOUT (this CTA's cluster rank, its tile count n, the mailbox slot) and
-    returns 0, else 1."""
-    t0 = globaltimer()
-    done = mbar_try_wait_parity_cluster(mbar, parity)
-    go = Int32(1)
-    while done == Int32(0) and go == Int32(1):
-        el = globaltimer() - t0
-        if el > timeout_ns:
-            record_error(err, Int32(ERR_MAILBOX_TIMEOUT), rank, n, slot, Int64(0),
-                         Int64(parity), el)
-            go = Int32(0)
-        else:
-            done = mbar_try_wait_parity_cluster(mbar, parity)
-    return done
+def ring_wait(mbar: Int32, parity: Int32, stage: Int32, side: Int32, err: Int64,
+              timeout_ns: Int64):
+    """A wait of the operand ring of a cluster (the base pipeline's barrier ``mbar``, the parity
+    of its pipeline state), bounded: on timeout records ERR_RING_TIMEOUT (this CTA's cluster
+    rank, the stage, ``side``: RING_ACQUIRE / RING_FULL / RING_TAIL, the parity, the CTA's block
+    index); gives up at once when the error word is set. Returns 1 when the phase completed,
+    else 0 (every thread of the waiting group calls it, as the pipeline's waits)."""
+    status, el = mbar_wait_parity_or_error(mbar, parity, err, timeout_ns)
+    if status == Int32(1):
+        bidx, _, _ = cute.arch.block_idx()
+        record_error(err, Int32(ERR_RING_TIMEOUT), cute.arch.block_idx_in_cluster(), stage,
+                     side, Int64(parity), Int64(bidx), el)
+    ok = Int32(1)
+    if status != Int32(0):
+        ok = Int32(0)
+    return ok
 
 
 @cute.jit
@@ -147,17 +196,25 @@ def wait_count(addr: Int64, target: Int32, err: Int64, code: Int32, pos: Int32, 
 
 class ChainedFFNKernel(GemmSm90):
     """ChainedFFNKernel(tile_m, tile_n, tile_k, act1, has_b1, stages, epi_n, epi_stages, k1, k2,
-    skip_slot_wait, grouped): options as ``ChainedFFNCompute``, with ``stages`` already resolved
-    by its shared-memory plan; k1 = P / tile_k and k2 = hidden / tile_k are GEMM1's and GEMM2's
-    k tiles; grouped: weights (hidden, P, E) / (N, hidden, E), b1 (E, hidden), the blocks'
-    experts after the tile table (module docstring). ``__call__(mX, mW1, mB1, mW2, mH, mOut,
+    skip_slot_wait, grouped, cluster, test_fault): options as ``ChainedFFNCompute``, with
+    ``stages`` already resolved by its shared-memory plan; k1 = P / tile_k and k2 = hidden /
+    tile_k are GEMM1's and GEMM2's k tiles; grouped: weights (hidden, P, E) / (N, hidden, E), b1
+    (E, hidden), the blocks' experts after the tile table (module docstring); test_fault: a
+    private fault of cluster 0 (``TEST_FAULTS``). ``__call__(mX, mW1, mB1, mW2, mH, mOut,
     mTable, mSync, mReady, mEpoch, mErr, num_tiles, blocks, ring, timeout_ns, num_ctas,
     stream)`` traces and launches it."""
 
     store_warp_id = 1  # the epilogue's store warp (in the producer warpgroup, beside the TMA warp)
 
+    # private faults of the cluster variant for the GPU tests (tests/test_chained_cluster_faults_
+    # gpu.py), on the first cluster (CTAs 0, 1) at its tile n: ("stall_leader", n): the leader's
+    # TMA warp stops for 2 timeouts before it takes tile n (the peer gives up waiting for the
+    # post, the leader goes on later); ("stop_peer", n): the peer's TMA warp posts kind -1 to its
+    # CTA at tile n without waiting or recording (only the leader's ring waits can notice)
+    TEST_FAULTS = ("stall_leader", "stop_peer")
+
     def __init__(self, tile_m, tile_n, tile_k, act1, has_b1, stages, epi_n, epi_stages, k1, k2,
-                 skip_slot_wait=False, grouped=False, cluster=1):
+                 skip_slot_wait=False, grouped=False, cluster=1, test_fault=None):
         super().__init__(num_mma_wg=tile_m // 64)  # one consumer warpgroup per 64 rows
         self.k1, self.k2 = k1, k2
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
@@ -181,14 +238,21 @@ class ChainedFFNKernel(GemmSm90):
         self.mailbox_readers = self.num_mma_wg * 4 + 1
         # cluster 2 (dense only): the CTAs of rank 0 / 1 run row blocks 2 q / 2 q + 1 of pair
         # tile q, loading the weight tiles once (half each, multicast to both). Mailbox: the
-        # leader (rank 0) takes the tile and posts it to both CTAs' slots; each empty barrier
-        # has one more arrival: on the leader, the peer's TMA warp forwarding that the peer's
-        # readers are done with the slot; on the peer, its own TMA warp (a reader there)
+        # leader (rank 0) takes the tile and posts it to its own slot and to the peer's inbox;
+        # the peer's TMA warp forwards that it has read the inbox and posts the tile to its own
+        # slot (``fetch_tile_pair``), so each CTA's slots have the same readers as with cluster 1
         if cluster not in (1, 2):
             raise ValueError(f"cluster must be 1 or 2, got {cluster!r}")
         if cluster == 2 and grouped:
             raise ValueError("cluster=2 runs dense calls only")
         self.cluster = cluster
+        if test_fault is not None and (cluster != 2 or len(test_fault) != 2
+                                       or test_fault[0] not in self.TEST_FAULTS
+                                       or not isinstance(test_fault[1], int)
+                                       or test_fault[1] < 1):
+            raise ValueError(f"test_fault must be None or (one of {self.TEST_FAULTS}, tile >= 1) "
+                             f"with cluster=2, got {test_fault!r}")
+        self.test_fault = test_fault
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -234,8 +298,8 @@ class ChainedFFNKernel(GemmSm90):
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             # tile mailbox: full[0..1], empty[0..1] mbarriers, then 2 slots of 4 int32
-            # (kind, block, column tile, list position)
-            mailbox: cute.struct.MemRange[cutlass.Int64, 8]
+            # (kind, block, column tile, list position); cluster 2: the inbox after them
+            mailbox: cute.struct.MemRange[cutlass.Int64, MAILBOX_BYTES[self.cluster - 1] // 8]
             sA: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.a_smem_layout)],
                                   self.buffer_align_bytes]
             sB: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.b_smem_layout)],
@@ -281,12 +345,14 @@ class ChainedFFNKernel(GemmSm90):
         pipe = self.make_mainloop_pipeline(storage.mbar.data_ptr(), self.stages,
                                            self.tx_bytes, cute.make_layout((1, cl, 1, 1)), cl)
         mailbox = Int32(storage.mailbox.data_ptr().toint())
-        readers = self.mailbox_readers + (1 if cl > 1 else 0)
+        readers = self.mailbox_readers
         if tidx == 0:
             for s in range(2):
-                # full[s]: the TMA warp's lane 0 (cluster: the leader's, local or remote)
-                mbar_init(mailbox + Int32(8 * s), 1)
+                mbar_init(mailbox + Int32(8 * s), 1)  # full[s]: the TMA warp's lane 0
                 mbar_init(mailbox + Int32(16 + 8 * s), readers)  # empty[s]
+                if cutlass.const_expr(cl > 1):
+                    mbar_init(mailbox + Int32(64 + 8 * s), 1)  # inbox_full[s]: the leader
+                    mbar_init(mailbox + Int32(80 + 8 * s), 1)  # inbox_free[s]: the peer
             fence_mbar_init()
         pipeline_init_arrive(cluster_shape_mn=(cl, 1), is_relaxed=True)
 
@@ -313,7 +379,8 @@ class ChainedFFNKernel(GemmSm90):
         # ------------------------------------------------------------ consumer warpgroups
         if warp_group_idx > 0:
             self.consumer_warpgroup()
-            self.mma_role(tiled_mma, sA, sB, sC, pipe, mailbox, mB1, tidx, mTable, num_tiles)
+            self.mma_role(tiled_mma, sA, sB, sC, pipe, mailbox, mB1, tidx, mTable, num_tiles,
+                          err, timeout_ns)
         if cutlass.const_expr(cl > 1):
             # no CTA exits while its peer may still arrive on its barriers or write its smem
             cute.arch.cluster_arrive()
@@ -348,15 +415,12 @@ class ChainedFFNKernel(GemmSm90):
     @cute.jit
     def read_tile(self, n: Int32, mailbox: Int32):
         """Consumer / store warps: this CTA's n-th tile from the mailbox (waits for it), then
-        hands the slot back (lane 0 arrives on empty[n % 2] after the warp's reads). Cluster 2:
-        an acquire.cluster wait (on the peer the slot's full phase is completed by the leader's
-        remote arrive)."""
+        hands the slot back (lane 0 arrives on empty[n % 2] after the warp's reads). The slot's
+        only writer is this CTA's TMA warp (also with cluster 2), which posts every tile that a
+        reader waits for: the wait is exact."""
         s = n % Int32(2)
         info = mailbox + Int32(32) + s * Int32(16)
-        if cutlass.const_expr(self.cluster == 1):
-            mbar_wait_parity_intra_cta(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
-        else:
-            mbar_wait_parity_cluster(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
+        mbar_wait_parity_intra_cta(mailbox + s * Int32(8), (n // Int32(2)) % Int32(2))
         kind = ld_shared_s32(info)
         blk = ld_shared_s32(info + Int32(4))
         col = ld_shared_s32(info + Int32(8))
@@ -370,66 +434,90 @@ class ChainedFFNKernel(GemmSm90):
     @cute.jit
     def fetch_tile_pair(self, n: Int32, mailbox: Int32, mTable: cute.Tensor, sync_base: Int64,
                         num_tiles: Int32, err: Int64, timeout_ns: Int64):
-        """TMA warp, cluster 2: this CTA's n-th tile (kind, row block, column, list position).
-        The leader (rank 0) waits until slot n % 2 is free in both CTAs (its own readers
-        arrived, and the peer's TMA warp forwarded that the peer's did), takes list position p
-        and posts pair block q as row block 2 q to its own slot (st.shared, arrive) and as
-        2 q + 1 to the peer's (st.shared::cluster, then a release.cluster arrive on the peer's
-        full barrier). The peer waits until its own readers are done with the slot, forwards
-        that to the leader's empty barrier (from its third tile on: the leader's first wait on
-        each slot is on a fresh barrier), then waits (bounded) for the leader's post; on a
-        timeout it posts kind -1 itself, so that its readers stop. The peer's TMA warp reads its
-        slot like a reader and arrives on its own empty barrier."""
+        """TMA warp, cluster 2: this CTA's n-th tile (kind, row block, column, list position),
+        posted to its own slot n % 2 as ``fetch_tile`` does (after every reader of this CTA read
+        the slot's previous tile). The leader (rank 0) also waits (bounded) until the peer's TMA
+        warp has read its inbox slot's previous tile (the peer's forward; the first wait on
+        each slot is on a fresh barrier), takes list position p and posts pair block q as row
+        block 2 q to its own slot and as 2 q + 1 to the peer's inbox (st.shared::cluster, then
+        a release.cluster arrive on the peer's inbox_full). The peer waits (bounded) for that
+        post, reads the inbox, forwards (a release.cluster arrive on the leader's inbox_free)
+        and posts the tile to its own slot. A wait that gives up (timeout: the error word; or
+        the error word already set) posts kind -1 to its own CTA instead, and the leader then
+        writes nothing into the inbox (module docstring, "Termination")."""
         s = n % Int32(2)
         info = mailbox + Int32(32) + s * Int32(16)
         full = mailbox + s * Int32(8)
         empty = mailbox + Int32(16) + s * Int32(8)
+        inbox_full = mailbox + Int32(64) + s * Int32(8)
+        inbox_free = mailbox + Int32(80) + s * Int32(8)
+        inbox = mailbox + Int32(96) + s * Int32(16)
         ph = (n // Int32(2)) % Int32(2)
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         if cute.arch.lane_idx() == 0:
+            # the slot's previous tile (n - 2) was read by every reader of this CTA
+            mbar_wait_parity_intra_cta(empty, ph ^ Int32(1))
+            kind, blk, col, p = Int32(-1), Int32(0), Int32(0), Int32(num_tiles)
             if rank == Int32(0):
-                ok = mbar_wait_parity_cluster_bounded(empty, ph ^ Int32(1), err, rank, n, s,
-                                                      timeout_ns)
-                p = Int32(num_tiles)
+                ok = mailbox_wait(inbox_free, ph ^ Int32(1), err, rank, n, s, timeout_ns)
                 if ok != Int32(0):
                     p = atom_add_relaxed_gpu_s32(sync_base, Int32(1))
-                kind, q, col = Int32(-1), Int32(0), Int32(0)
-                if p < num_tiles:
-                    kind = mTable[p * 3]
-                    q = mTable[p * 3 + 1]
-                    col = mTable[p * 3 + 2]
-                peer = mapa_shared(info, Int32(1))
-                st_shared_cluster_s32(peer, kind)
-                st_shared_cluster_s32(peer + Int32(4), q * Int32(2) + Int32(1))
-                st_shared_cluster_s32(peer + Int32(8), col)
-                st_shared_cluster_s32(peer + Int32(12), p)
-                st_shared_s32(info, kind)
-                st_shared_s32(info + Int32(4), q * Int32(2))
-                st_shared_s32(info + Int32(8), col)
-                st_shared_s32(info + Int32(12), p)
-                mbar_arrive(full)  # release (CTA): this CTA's slot words
-                mbar_arrive_remote(mapa_shared(full, Int32(1)))  # release (cluster): the peer's
+                    q = Int32(0)
+                    if p < num_tiles:
+                        kind = mTable[p * 3]
+                        q = mTable[p * 3 + 1]
+                        col = mTable[p * 3 + 2]
+                    peer = mapa_shared(inbox, Int32(1))
+                    st_shared_cluster_s32(peer, kind)
+                    st_shared_cluster_s32(peer + Int32(4), q * Int32(2) + Int32(1))
+                    st_shared_cluster_s32(peer + Int32(8), col)
+                    st_shared_cluster_s32(peer + Int32(12), p)
+                    # release (cluster): the inbox words
+                    mbar_arrive_remote(mapa_shared(inbox_full, Int32(1)))
+                    blk = q * Int32(2)
             else:
-                # the slot's previous tile (n - 2) was read by every reader of this CTA
-                mbar_wait_parity_intra_cta(empty, ph ^ Int32(1))
-                if n >= Int32(2):
-                    mbar_arrive_remote(mapa_shared(empty, Int32(0)))
-                ok = mbar_wait_parity_cluster_bounded(full, ph, err, rank, n, s, timeout_ns)
-                if ok == Int32(0):
-                    st_shared_s32(info, Int32(-1))
-                    mbar_arrive(full)
+                ok = self.peer_inbox_wait(inbox_full, ph, err, rank, n, s, timeout_ns)
+                if ok != Int32(0):
+                    kind = ld_shared_s32(inbox)
+                    blk = ld_shared_s32(inbox + Int32(4))
+                    col = ld_shared_s32(inbox + Int32(8))
+                    p = ld_shared_s32(inbox + Int32(12))
+                    # release (cluster): the inbox reads, before the leader's next writes
+                    mbar_arrive_remote(mapa_shared(inbox_free, Int32(0)))
+            st_shared_s32(info, kind)
+            st_shared_s32(info + Int32(4), blk)
+            st_shared_s32(info + Int32(8), col)
+            st_shared_s32(info + Int32(12), p)
+            mbar_arrive(full)  # release (CTA): the slot's words
         cute.arch.sync_warp()
-        if rank != Int32(0):
-            mbar_wait_parity_cluster(full, ph)  # each lane's own acquire of the leader's post
-        kind = ld_shared_s32(info)
-        blk = ld_shared_s32(info + Int32(4))
-        col = ld_shared_s32(info + Int32(8))
-        pos = ld_shared_s32(info + Int32(12))
-        if rank != Int32(0):
-            cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                mbar_arrive(empty)
-        return kind, blk, col, pos
+        return (ld_shared_s32(info), ld_shared_s32(info + Int32(4)),
+                ld_shared_s32(info + Int32(8)), ld_shared_s32(info + Int32(12)))
+
+    @cute.jit
+    def peer_inbox_wait(self, inbox_full: Int32, ph: Int32, err: Int64, rank: Int32, n: Int32,
+                        s: Int32, timeout_ns: Int64):
+        """The peer's bounded wait for the leader's post of its tile n (``mailbox_wait``);
+        ``test_fault`` ("stop_peer", m): on cluster 0 it gives up at tile m without waiting or
+        recording."""
+        if cutlass.const_expr(self.test_fault is not None and self.test_fault[0] == "stop_peer"):
+            ok = Int32(0)
+            bidx, _, _ = cute.arch.block_idx()
+            if n != Int32(self.test_fault[1]) or bidx >= Int32(2):
+                ok = mailbox_wait(inbox_full, ph, err, rank, n, s, timeout_ns)
+        else:
+            ok = mailbox_wait(inbox_full, ph, err, rank, n, s, timeout_ns)
+        return ok
+
+    @cute.jit
+    def test_stall(self, n: Int32, timeout_ns: Int64):
+        """``test_fault`` ("stall_leader", m): the leader of cluster 0 spins for two timeouts
+        before its TMA warp takes tile m."""
+        bidx, _, _ = cute.arch.block_idx()
+        if n == Int32(self.test_fault[1]) and bidx == Int32(0):
+            t0 = globaltimer()
+            el = Int64(0)
+            while el < timeout_ns * Int64(2):
+                el = globaltimer() - t0
 
     def fetch(self, n, mailbox, mTable, sync_base, num_tiles, err, timeout_ns):
         """The TMA warp's next tile: ``fetch_tile`` (one CTA) or ``fetch_tile_pair``."""
@@ -493,7 +581,6 @@ class ChainedFFNKernel(GemmSm90):
         # A tiles, x rows or the H block, are the CTA's own)
         cl = self.cluster
         w_rank, w_mask = multicast_rank_and_mask(cute.make_layout((cl, 1, 1)), mode=0)
-        mc = dict(mcast_mask=w_mask) if cl > 1 else {}
         tW1s, tW1g = cute.nvgpu.cpasync.tma_partition(tma_atom_w1, w_rank,
                                                       cute.make_layout(cl), gsB,
                                                       cute.group_modes(gW1, 0, 2))
@@ -527,37 +614,112 @@ class ChainedFFNKernel(GemmSm90):
                                    Int32(ERR_BLOCK_TIMEOUT), pos, blk, timeout_ns)
                         cute.arch.fence_proxy("async.global")
             for k in range(k_cnt):
-                pipe.producer_acquire(st)
-                bar = pipe.producer_get_barrier(st)
-                if kind == 0:
-                    cute.copy(tma_atom_x, tXg[(None, blk, k)], tXs[(None, st.index)],
-                              tma_bar_ptr=bar)
-                    cute.copy(tma_atom_w1, tW1g[self.weight_coord(col, k, e)],
-                              tW1s[(None, st.index)], tma_bar_ptr=bar, **mc)
+                if cutlass.const_expr(cl == 1):
+                    pipe.producer_acquire(st)
+                    self.load_stage(tma_atom_x, tXg, tXs, tma_atom_ha, tHg, tHs, tma_atom_w1,
+                                    tW1g, tW1s, tma_atom_w2, tW2g, tW2s, w_mask, pipe, st, kind,
+                                    blk, slot, col, k, e)
+                    pipe.producer_commit(st)
                 else:
-                    cute.copy(tma_atom_ha, tHg[(None, slot, k)], tHs[(None, st.index)],
-                              tma_bar_ptr=bar)
-                    cute.copy(tma_atom_w2, tW2g[self.weight_coord(col, k, e)],
-                              tW2s[(None, st.index)], tma_bar_ptr=bar, **mc)
-                pipe.producer_commit(st)
+                    # a stage the wait gave up on is not armed or loaded: its consumers' bounded
+                    # waits give up too (the error word is set)
+                    if self.ring_acquire(pipe, st, err, timeout_ns) != Int32(0):
+                        self.load_stage(tma_atom_x, tXg, tXs, tma_atom_ha, tHg, tHs,
+                                        tma_atom_w1, tW1g, tW1s, tma_atom_w2, tW2g, tW2s,
+                                        w_mask, pipe, st, kind, blk, slot, col, k, e)
                 st.advance()
             n = n + Int32(1)
+            if cutlass.const_expr(self.test_fault is not None
+                                  and self.test_fault[0] == "stall_leader"):
+                self.test_stall(n, timeout_ns)
             kind, blk, col, pos = self.fetch(n, mailbox, mTable, sync_base, num_tiles, err,
                                              timeout_ns)
-        pipe.producer_tail(st)
+        if cutlass.const_expr(cl == 1):
+            pipe.producer_tail(st)
+        else:
+            self.ring_tail(pipe, st, err, timeout_ns)
+
+    @cute.jit
+    def load_stage(self, tma_atom_x, tXg, tXs, tma_atom_ha, tHg, tHs, tma_atom_w1, tW1g, tW1s,
+                   tma_atom_w2, tW2g, tW2s, w_mask, pipe, st, kind: Int32, blk: Int32,
+                   slot: Int32, col: Int32, k: Int32, e):
+        """The TMA loads of ring stage ``st`` (acquired and armed): the A tile (x rows of block
+        blk, or the H block of its slot) and the weight tile (col, k), multicast over a
+        cluster (each CTA its half, ``w_mask``)."""
+        mc = dict(mcast_mask=w_mask) if self.cluster > 1 else {}
+        bar = pipe.producer_get_barrier(st)
+        if kind == 0:
+            cute.copy(tma_atom_x, tXg[(None, blk, k)], tXs[(None, st.index)], tma_bar_ptr=bar)
+            cute.copy(tma_atom_w1, tW1g[self.weight_coord(col, k, e)], tW1s[(None, st.index)],
+                      tma_bar_ptr=bar, **mc)
+        else:
+            cute.copy(tma_atom_ha, tHg[(None, slot, k)], tHs[(None, st.index)],
+                      tma_bar_ptr=bar)
+            cute.copy(tma_atom_w2, tW2g[self.weight_coord(col, k, e)], tW2s[(None, st.index)],
+                      tma_bar_ptr=bar, **mc)
+
+    # ---------------------------------------------------------------- cluster operand ring
+    @cute.jit
+    def ring_acquire(self, pipe, st, err: Int64, timeout_ns: Int64):
+        """TMA warp, cluster 2: ``pipe.producer_acquire(st)`` with the bounded ``ring_wait`` for
+        the stage (freed by the consumers of both CTAs). Returns 1 and arms the stage's full
+        barrier when every lane saw it free, else 0 (one decision per warp: the loads are
+        issued by an elected lane). A stage whose previous fill never completed here (a
+        consumer gave up on it and freed it anyway) is not armed again: an arrive on a phase
+        whose arrival is already in would take its pending count below zero. Without a
+        give-up that fill has always completed (consumers free a stage after their wait on
+        it), so the test never refuses a stage then."""
+        full = Int32(pipe.sync_object_full.get_barrier(st.index).toint())
+        free = ring_wait(Int32(pipe.sync_object_empty.get_barrier(st.index).toint()), st.phase,
+                         st.index, Int32(RING_ACQUIRE), err, timeout_ns)
+        if free != Int32(0):
+            # the previous fill's phase has the parity of this producer state's phase
+            free = mbar_test_wait_parity(full, st.phase)
+        free = warp_all(free)
+        if free != Int32(0):
+            pipe.sync_object_full.arrive(st.index, pipe.producer_mask)
+        return free
+
+    @cute.jit
+    def ring_full(self, pipe, read, err: Int64, timeout_ns: Int64):
+        """Consumers: ``pipe.consumer_wait(read)``; cluster 2: the bounded ``ring_wait`` for the
+        stage (filled by the loads of both CTAs). A consumer that gave up goes on with the
+        stage as it is (its results are wrong; the error word says so)."""
+        if cutlass.const_expr(self.cluster == 1):
+            pipe.consumer_wait(read)
+        else:
+            ring_wait(Int32(pipe.sync_object_full.get_barrier(read.index).toint()), read.phase,
+                      read.index, Int32(RING_FULL), err, timeout_ns)
+
+    @cute.jit
+    def ring_tail(self, pipe, st, err: Int64, timeout_ns: Int64):
+        """TMA warp, cluster 2: ``pipe.producer_tail(st)`` (every stage freed by the consumers of
+        both CTAs, so that no arrive of the other CTA is still due) with bounded waits; then,
+        if the error word is set, ``ERROR_SETTLE_NS`` for the copies issued into both CTAs to
+        land (module docstring, "Divergence")."""
+        for _ in cutlass.range_constexpr(self.stages):
+            ring_wait(Int32(pipe.sync_object_empty.get_barrier(st.index).toint()), st.phase,
+                      st.index, Int32(RING_TAIL), err, timeout_ns)
+            st.advance()
+        if ld_relaxed_gpu_s64(err) != Int64(0):
+            t0 = globaltimer()
+            el = Int64(0)
+            while el < Int64(ERROR_SETTLE_NS):
+                el = globaltimer() - t0
 
     # ---------------------------------------------------------------- consumers
     @cute.jit
-    def mma_tile(self, tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt: Int32):
+    def mma_tile(self, tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt: Int32, err: Int64,
+                 timeout_ns: Int64):
         """WGMMA mainloop over k_cnt stages (one WGMMA group in flight); returns the states."""
         num_kb = cute.size(tCrA, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         cute.nvgpu.warpgroup.fence()
-        pipe.consumer_wait(read)
+        self.ring_full(pipe, read, err, timeout_ns)
         self.mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_kb)
         read.advance()
         for _k in range(1, k_cnt):
-            pipe.consumer_wait(read)
+            self.ring_full(pipe, read, err, timeout_ns)
             self.mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_kb)
             cute.nvgpu.warpgroup.wait_group(1)
             pipe.consumer_release(rel)
@@ -582,7 +744,8 @@ class ChainedFFNKernel(GemmSm90):
 
     @cute.jit
     def mma_role(self, tiled_mma, sA, sB, sC, pipe, mailbox: Int32, mB1: cute.Tensor,
-                 tidx: Int32, mTable: cute.Tensor, num_tiles: Int32):
+                 tidx: Int32, mTable: cute.Tensor, num_tiles: Int32, err: Int64,
+                 timeout_ns: Int64):
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         ctid = tidx - self.threads_per_wg
         mma_wg_layout = cute.make_layout(self.num_mma_wg, stride=self.threads_per_wg)
@@ -635,7 +798,8 @@ class ChainedFFNKernel(GemmSm90):
             else:
                 k_cnt = Int32(self.k2)
                 acc.fill(0.0)
-            read, rel = self.mma_tile(tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt)
+            read, rel = self.mma_tile(tiled_mma, acc, tCrA, tCrB, pipe, read, rel, k_cnt, err,
+                                      timeout_ns)
             # ---- epilogue: acc -> bf16 sub-tiles -> sC (stmatrix) -> the store warp
             for e in cutlass.range_constexpr(epi_num):
                 if kind == 0:
