@@ -37,9 +37,9 @@ bounded time, also after a wait gave up (tests/test_chained_cluster_mailbox_cpu.
   ``RING_FULL``, a stage filled by both CTAs' loads; ``RING_TAIL``, the TMA warp's last look
   at every stage) and the mailbox's two (the leader's wait for the peer's forward, the peer's
   wait for the leader's post). The counter waits (``wait_count``) are bounded the same way.
-* A give-up changes no loop count: the caller goes on to its next stage (the TMA warp neither
-  arms nor loads a stage it could not acquire, or whose previous fill never completed: no
-  barrier phase is armed twice), the mailbox posts kind -1 to its own CTA. So the roles of one CTA walk the same tiles with the same k counts,
+* A give-up changes no loop count: the caller goes on to its next stage (a TMA warp that could
+  not acquire a stage, or found its previous fill incomplete, arms and loads no stage from
+  then on: no barrier phase is armed twice), the mailbox posts kind -1 to its own CTA. So the roles of one CTA walk the same tiles with the same k counts,
   and once the error word is set every later wait that would block gives up at its first spin.
 * The waits inside one CTA are exact, as with cluster=1: a reader's wait for its slot (its own
   TMA warp posts every tile the reader waits for: the TMA warp saw the same previous tile, and
@@ -591,6 +591,7 @@ class ChainedFFNKernel(GemmSm90):
         k2 = cute.size(gHA, mode=[3])  # hidden / 64
         h_tiles = cute.size(gW1, mode=[2])  # hidden / tile_n
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        stopped = Int32(0)  # cluster 2: 1 once a stage was not armed (``ring_acquire``)
         n = Int32(0)
         kind, blk, col, pos = self.fetch(n, mailbox, mTable, sync_base, num_tiles, err,
                                          timeout_ns)
@@ -621,12 +622,15 @@ class ChainedFFNKernel(GemmSm90):
                                     blk, slot, col, k, e)
                     pipe.producer_commit(st)
                 else:
-                    # a stage the wait gave up on is not armed or loaded: its consumers' bounded
-                    # waits give up too (the error word is set)
-                    if self.ring_acquire(pipe, st, err, timeout_ns) != Int32(0):
+                    # a stage not armed is not loaded: its consumers' bounded waits give up too
+                    # (the error word is set), and so does every later stage
+                    free = self.ring_acquire(pipe, st, stopped, err, timeout_ns)
+                    if free != Int32(0):
                         self.load_stage(tma_atom_x, tXg, tXs, tma_atom_ha, tHg, tHs,
                                         tma_atom_w1, tW1g, tW1s, tma_atom_w2, tW2g, tW2s,
                                         w_mask, pipe, st, kind, blk, slot, col, k, e)
+                    else:
+                        stopped = Int32(1)
                 st.advance()
             n = n + Int32(1)
             if cutlass.const_expr(self.test_fault is not None
@@ -660,24 +664,28 @@ class ChainedFFNKernel(GemmSm90):
 
     # ---------------------------------------------------------------- cluster operand ring
     @cute.jit
-    def ring_acquire(self, pipe, st, err: Int64, timeout_ns: Int64):
+    def ring_acquire(self, pipe, st, stopped: Int32, err: Int64, timeout_ns: Int64):
         """TMA warp, cluster 2: ``pipe.producer_acquire(st)`` with the bounded ``ring_wait`` for
         the stage (freed by the consumers of both CTAs). Returns 1 and arms the stage's full
         barrier when every lane saw it free, else 0 (one decision per warp: the loads are
-        issued by an elected lane). A stage whose previous fill never completed here (a
-        consumer gave up on it and freed it anyway) is not armed again: an arrive on a phase
-        whose arrival is already in would take its pending count below zero. Without a
+        issued by an elected lane); after one 0 (``stopped``) it arms nothing more. A stage
+        whose previous fill never completed here (a consumer gave up on it and freed it anyway)
+        is not armed: an arrive on a phase whose arrival is already in would take its pending
+        count below zero. Before the first refusal the parity test is exact (every earlier fill
+        of the stage was armed, so its barrier is at most one phase behind), and without a
         give-up that fill has always completed (consumers free a stage after their wait on
-        it), so the test never refuses a stage then."""
-        full = Int32(pipe.sync_object_full.get_barrier(st.index).toint())
-        free = ring_wait(Int32(pipe.sync_object_empty.get_barrier(st.index).toint()), st.phase,
-                         st.index, Int32(RING_ACQUIRE), err, timeout_ns)
-        if free != Int32(0):
-            # the previous fill's phase has the parity of this producer state's phase
-            free = mbar_test_wait_parity(full, st.phase)
-        free = warp_all(free)
-        if free != Int32(0):
-            pipe.sync_object_full.arrive(st.index, pipe.producer_mask)
+        it): the test never refuses a stage then."""
+        free = Int32(0)
+        if stopped == Int32(0):
+            free = ring_wait(Int32(pipe.sync_object_empty.get_barrier(st.index).toint()),
+                             st.phase, st.index, Int32(RING_ACQUIRE), err, timeout_ns)
+            if free != Int32(0):
+                # the previous fill's phase has the parity of this producer state's phase
+                free = mbar_test_wait_parity(
+                    Int32(pipe.sync_object_full.get_barrier(st.index).toint()), st.phase)
+            free = warp_all(free)
+            if free != Int32(0):
+                pipe.sync_object_full.arrive(st.index, pipe.producer_mask)
         return free
 
     @cute.jit
