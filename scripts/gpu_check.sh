@@ -138,6 +138,11 @@ chained)
         run chained_cluster_bench 200 python bench/bench_chained_compute.py \
             --shapes llama3-70b --groups auto,16p4c2,8p4c2 --shuffle 3 --rounds 5 --hold-s 2 \
             --tag h200_cluster --out "$OUT"
+        # its two CTAs made to diverge (each case in a process of its own, killed if it
+        # hangs): after the bench, so that a launch that misbehaves cannot disturb the
+        # measurements
+        MOE_TEST_OUT="$OUT" run chained_cluster_faults 300 python -m pytest -q \
+            -p no:cacheprovider tests/test_chained_cluster_faults_gpu.py
     fi
     ;;
 layer)
