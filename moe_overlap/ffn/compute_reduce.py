@@ -62,7 +62,16 @@ limit (its throughput depends on the sub-tile row width and buffering). Timings 
 and of those tried and dropped: bench/NOTES.md.
 Limits: tile_n = 128 only; one consumer warpgroup per 64 rows of tile_m (tile_m 64 or 128).
 The pipeline mbarrier waits are the usual unbounded ones (TMA completion); the kernel never waits
-on another CTA or on the communication blocks (one-way dependency).
+on the communication blocks (one-way dependency). With ``cluster_m=2`` the ring's waits have the
+other CTA of the cluster on their far side (its TMA warp fills half of every stage, its consumers
+free each stage in both CTAs) and stay unbounded, because nothing can make the two CTAs diverge:
+the kernel has no bounded wait that could give up (no error word, no timeout), and both CTAs of
+a cluster walk the same static units (cluster c takes u = c, c + C, ...; k and n counts from the
+shapes; the CTA past M of an odd m-tile count runs them too), so every stage one waits for the
+other fills and frees. Bounding them as the chained kernel does (``ring_wait``) would need an
+error word and a timeout in the launch, a kernel signature of its own for cluster_m=2 (else the
+default PTX changes) and a ``check()``; its W2 chunk stages, armed by hand with their own byte
+count, would take the bounded acquire with that count.
 """
 
 import torch
