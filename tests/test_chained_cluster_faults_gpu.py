@@ -1,7 +1,7 @@
-"""GPU fault tests of the chained FFN kernel's 2-CTA cluster variant (``ChainedFFNCompute(cluster=2)``):
-the two CTAs of the first cluster are made to diverge by the private switch ``_test_cluster_fault``
-(``compute_chained_sm90.ChainedFFNKernel.TEST_FAULTS``), and every launch must still end, with
-``check()`` naming the wait that noticed:
+"""GPU fault tests of the chained FFN kernel's 2-CTA cluster variant
+(``ChainedFFNCompute(cluster=2)``): the two CTAs of the first cluster are made to diverge by the
+private switch ``_test_cluster_fault`` (``compute_chained_sm90.ChainedFFNKernel.TEST_FAULTS``),
+and every launch must still end, with ``check()`` naming the wait that noticed:
 
 - ``stop_peer``: the peer's TMA warp stops taking tiles at its tile 2 without a record (its roles
   end), while the leader takes the tile and waits for the peer's weight halves and for stages the

@@ -39,8 +39,9 @@ bounded time, also after a wait gave up (tests/test_chained_cluster_mailbox_cpu.
   wait for the leader's post). The counter waits (``wait_count``) are bounded the same way.
 * A give-up changes no loop count: the caller goes on to its next stage (a TMA warp that could
   not acquire a stage, or found its previous fill incomplete, arms and loads no stage from
-  then on: no barrier phase is armed twice), the mailbox posts kind -1 to its own CTA. So the roles of one CTA walk the same tiles with the same k counts,
-  and once the error word is set every later wait that would block gives up at its first spin.
+  then on: no barrier phase is armed twice), the mailbox posts kind -1 to its own CTA. So the
+  roles of one CTA walk the same tiles with the same k counts, and once the error word is set
+  every later wait that would block gives up at its first spin.
 * The waits inside one CTA are exact, as with cluster=1: a reader's wait for its slot (its own
   TMA warp posts every tile the reader waits for: the TMA warp saw the same previous tile, and
   its own waits are all bounded), the TMA warp's wait for its readers (they hand a slot back
@@ -49,8 +50,10 @@ bounded time, also after a wait gave up (tests/test_chained_cluster_mailbox_cpu.
 * Why the peer's tile goes through an inbox: each slot has one writer, its CTA's TMA warp,
   which writes it only after every reader of its CTA read the slot's previous tile. A kind -1
   after a give-up therefore reaches all readers of a CTA alike and never overwrites words a
-  reader has not read; the roles of one CTA never disagree on a tile (a disagreement would
-  leave the consumers or the store warp in a named barrier that the other never reaches). The
+  reader has not read, nor completes a second phase of its full barrier; the roles of one CTA
+  never disagree on a tile (a disagreement would leave the consumers or the store warp in a
+  named barrier that the other never reaches, a second phase a reader that waits for the
+  next one that never comes). The
   leader writes the inbox only after the peer's forward, which the peer sends once it has read
   the inbox's previous tile; a post that comes after the peer gave up is never read.
 * Divergence: when one CTA stops taking tiles while the other goes on (the peer gave up on a
