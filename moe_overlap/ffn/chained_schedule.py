@@ -159,14 +159,10 @@ class Simulation:
         return self.ideal / self.makespan if self.makespan else 1.0
 
 
-def simulate(s: ChainedSchedule, t_gemm1: float | None = None, t_gemm2: float | None = None,
-             policy: str = "dynamic") -> Simulation:
-    """Run the list on `grid` persistent CTAs; a CTA that holds a tile spins until its
-    dependencies are done. policy "dynamic": the earliest free CTA takes the next tile (a global
-    atomic tile counter); "static": CTA c takes tiles c, c + grid, ... (no counter; with tiles of
-    two durations the CTAs drift apart and wait: 0.46-0.98 efficiency on the FFN shapes against
-    0.96-1.00, which is why the kernel takes tiles from a counter). Tile durations default to
-    their depth (inputs, hidden) times their width."""
+def _replay(s, t_gemm1=None, t_gemm2=None, policy="dynamic", scale=None):
+    """Yields (kind, block, column, cta, start, begin, end) per tile in list order: the CTA
+    that took it, when it took it and when it ran (``simulate``'s model); scale: a factor per
+    list position on the tile's duration."""
     if policy not in ("dynamic", "static"):
         raise ValueError(f"policy={policy!r}; choose 'dynamic' or 'static'")
     d1, d2 = _durations(s.inputs, s.hidden, s.tile_h, s.tile_n)
@@ -176,11 +172,14 @@ def simulate(s: ChainedSchedule, t_gemm1: float | None = None, t_gemm2: float | 
     g1_done = [0.0] * nb  # end time of the block's last GEMM1 tile (once all are assigned)
     g2_done = [0.0] * nb
     g1_left, g2_left = [n1] * nb, [n2] * nb
-    free = [0.0] * s.grid  # a heap of free times (dynamic) or each CTA's free time (static)
-    busy = wait = 0.0
-    end_max = 0.0
-    for p, (kind, b, _) in enumerate(s.tiles()):
-        start = heapq.heappop(free) if policy == "dynamic" else free[p % s.grid]
+    # (free time, CTA): a heap (dynamic) or indexed by CTA (static); equal times go to the
+    # lower CTA, which changes no time
+    free = [(0.0, c) for c in range(s.grid)]
+    tiles = s.tiles()
+    if scale is not None and len(scale) != len(tiles):
+        raise ValueError(f"scale has {len(scale)} entries for {len(tiles)} tiles")
+    for p, (kind, b, col) in enumerate(tiles):
+        start, cta = heapq.heappop(free) if policy == "dynamic" else free[p % s.grid]
         if kind == GEMM1:
             ready = g2_done[b - s.ring] if b >= s.ring else 0.0
             if b >= s.ring and g2_left[b - s.ring]:
@@ -192,10 +191,7 @@ def simulate(s: ChainedSchedule, t_gemm1: float | None = None, t_gemm2: float | 
                 raise AssertionError(f"GEMM2 of block {b} before all its GEMM1 tiles")
             dur = t2
         begin = max(start, ready)
-        end = begin + dur
-        wait += begin - start
-        busy += dur
-        end_max = max(end_max, end)
+        end = begin + (dur if scale is None else dur * scale[p])
         if kind == GEMM1:
             g1_done[b] = max(g1_done[b], end)
             g1_left[b] -= 1
@@ -203,10 +199,37 @@ def simulate(s: ChainedSchedule, t_gemm1: float | None = None, t_gemm2: float | 
             g2_done[b] = max(g2_done[b], end)
             g2_left[b] -= 1
         if policy == "dynamic":
-            heapq.heappush(free, end)
+            heapq.heappush(free, (end, cta))
         else:
-            free[p % s.grid] = end
+            free[p % s.grid] = (end, cta)
+        yield kind, b, col, cta, start, begin, end
+
+
+def simulate(s: ChainedSchedule, t_gemm1: float | None = None, t_gemm2: float | None = None,
+             policy: str = "dynamic") -> Simulation:
+    """Run the list on `grid` persistent CTAs; a CTA that holds a tile spins until its
+    dependencies are done. policy "dynamic": the earliest free CTA takes the next tile (a global
+    atomic tile counter); "static": CTA c takes tiles c, c + grid, ... (no counter; with tiles of
+    two durations the CTAs drift apart and wait: 0.46-0.98 efficiency on the FFN shapes against
+    0.96-1.00, which is why the kernel takes tiles from a counter). Tile durations default to
+    their depth (inputs, hidden) times their width."""
+    busy = wait = end_max = 0.0
+    for *_, start, begin, end in _replay(s, t_gemm1, t_gemm2, policy):
+        wait += begin - start
+        busy += end - begin
+        end_max = max(end_max, end)
     return Simulation(makespan=end_max, busy=busy, wait=wait, ideal=busy / s.grid)
+
+
+def timeline(s: ChainedSchedule, t_gemm1: float | None = None, t_gemm2: float | None = None,
+             policy: str = "dynamic", scale=None) -> list[tuple]:
+    """``simulate``'s replay tile by tile: (kind, block, column tile, cta, begin, end) in list
+    order, the CTA that ran the tile and when (what a model of the memory traffic replays).
+    scale: a factor per list position on that tile's duration (None: all 1, ``simulate``'s
+    times): tiles that take the same time start in lock step on many CTAs at once, which a GPU's
+    tiles, a few percent apart, do not."""
+    return [(k, b, c, cta, begin, end)
+            for k, b, c, cta, _, begin, end in _replay(s, t_gemm1, t_gemm2, policy, scale)]
 
 
 def execute_reference(s: ChainedSchedule, x: torch.Tensor, w1: torch.Tensor, b1, w2: torch.Tensor,
