@@ -90,25 +90,39 @@ def write(a, groups, rows_out, final=False):
               f"failed: {doc['failed']}; wrote {path}")
 
 
+SPEC = re.compile(r"(\d+)((?:[prl]\d+|s\d*)*)(c2)?")
+
+
+def parse_spec(spec):
+    """A --groups entry other than "auto" / "autoc2" -> ChainedFFNCompute keywords (make_comp)."""
+    m = SPEC.fullmatch(spec)
+    if not m:
+        raise ValueError(f"--groups entry {spec!r}: auto, G, or G with pC / rR / lL / s[K], "
+                         f"then optionally c2")
+    kw, split = {}, None
+    for k, v, s_digits in re.findall(r"([prl])(\d+)|s(\d*)", m.group(2)):
+        if k:
+            kw[k] = int(v)
+        else:
+            split = int(s_digits) if s_digits else "auto"
+    return dict(group=int(m.group(1)), patch=kw.get("p", "auto"), _test_ring=kw.get("r"),
+                _test_lookahead=kw.get("l"), cluster=2 if m.group(3) else 1, split=split)
+
+
 def make_comp(spec):
     """ChainedFFNCompute for a --groups entry: "auto", an int G, or G followed by any of pC
     (patches of C column tiles: GroupedChainedSchedule.patch), rR (a ring of R row blocks
-    instead of the derived one) and lL (a lookahead of L row blocks), e.g. "16p4r32l16";
-    without p the patch is "auto" (auto_patch of the group). A trailing c2 (e.g. "16p4c2",
-    "autoc2") runs the 2-CTA cluster kernel (cluster=2: pairs of row blocks share each weight
-    tile by multicast; G, R and L even, in row blocks)."""
+    instead of the derived one), lL (a lookahead of L row blocks) and sK (the phased step:
+    K GEMM1 column tiles, the step's GEMM2 tiles, the rest; a bare s: split="auto", the K that
+    simulate runs best), e.g. "16p4r32l16", "8p1r16l8s"; without p the patch is "auto"
+    (auto_patch of the group). A trailing c2 (e.g. "16p4c2", "autoc2") runs the 2-CTA cluster
+    kernel (cluster=2: pairs of row blocks share each weight tile by multicast; G, R and L
+    even, in row blocks)."""
     if spec == "auto" or isinstance(spec, int):
         return ChainedFFNCompute(group=spec)
     if spec == "autoc2":
         return ChainedFFNCompute(group="auto", cluster=2)
-    m = re.fullmatch(r"(\d+)((?:[prl]\d+)*)(c2)?", spec)
-    if not m:
-        raise ValueError(f"--groups entry {spec!r}: auto, G, or G with pC / rR / lL, then "
-                         f"optionally c2")
-    kw = {k: int(v) for k, v in re.findall(r"([prl])(\d+)", m.group(2))}
-    return ChainedFFNCompute(group=int(m.group(1)), patch=kw.get("p", "auto"),
-                             _test_ring=kw.get("r"), _test_lookahead=kw.get("l"),
-                             cluster=2 if m.group(3) else 1)
+    return ChainedFFNCompute(**parse_spec(spec))
 
 
 def main():
@@ -121,7 +135,9 @@ def main():
                     help="tile orders timed in the same rounds: ChainedFFNCompute(group=G), G an "
                          "int or auto (the default rules, auto_group / auto_patch), or G with "
                          "pC (patch C), rR (a ring of R row blocks), lL (a lookahead of L row "
-                         "blocks), e.g. 16p4r32l16 (multiples of G; a shape where one is "
+                         "blocks), sK / s (the phased step: K GEMM1 column tiles before the "
+                         "GEMM2 tiles of each step; s alone: the K simulate runs best), e.g. "
+                         "16p4r32l16, 8p1r16l8s (multiples of G; a shape where one is "
                          "invalid records the variant's error), then optionally c2 for the "
                          "2-CTA cluster kernel (cluster=2, e.g. 16p4c2 or autoc2; G, R and L "
                          "even); the first is the row's headline (speedup, ms, err, "
@@ -181,6 +197,7 @@ def main():
                     variants[grp] = dict(err=rel_err(y, x, w1, b1, w2, a.act, rows),
                                          group_run=comp.group_for(T, P, Og, P, grid),
                                          lookahead=s.lookahead, ring=s.ring, grid=grid,
+                                         split=getattr(getattr(s, "base", s), "split", None),
                                          ring_bytes=comp.ring_bytes(T, P, Og, P, grid),
                                          sim_efficiency=simulate(s).efficiency,
                                          activation_mem=peak_call_bytes(ours))

@@ -22,6 +22,18 @@ Hence lookahead = w(t1) + 1 (at least grid / h_tiles, so that the prologue alone
 grid) and ring = lookahead + w(t2) + 1 (`derive`; one step of slack each);
 `simulate` checks it (tests/test_chained_schedule_cpu.py).
 
+``split`` k phases a step instead: its first k GEMM1 tiles, then all its GEMM2 tiles, then the
+rest of its GEMM1 tiles. Any order within a step keeps every dependency earlier in the list (a
+GEMM2 tile's GEMM1 tiles are `lookahead` steps back, a GEMM1 tile's slot was freed by GEMM2 tiles
+`ring - lookahead` steps back). Why: the CTAs then run one kind on one super-block at a time
+for long stretches, so fewer operands stream through L2 at once and those that are shared stay
+there between their readers (bench/predict_chained_dram.py models the DRAM bytes). And the
+GEMM1 tiles on both sides of the GEMM2 run are the slack the proportional order buys with whole
+steps of lookahead and ring: the first k cover the tail of the previous step's GEMM1 tiles
+before this step's GEMM2 tiles need them, the rest cover the GEMM2 tail before the next step's
+GEMM1 tiles reuse its slots, so one step of lookahead and a ring of two steps can keep the CTAs
+busy where h_tiles is large enough (``simulate`` says where).
+
 This module is the reference of the order: the kernel walks `tile_table()` and its tests compare
 against `execute_reference`.
 """
@@ -65,10 +77,16 @@ class ChainedSchedule:
     lookahead: int
     ring: int
     inputs: int = 0  # GEMM1's depth P; 0: equal to out (the tensor-parallel FFN)
+    split: int | None = None  # None: the kinds interleaved over each step; k: phased (module doc)
 
     def __post_init__(self):
         if not self.inputs:
             object.__setattr__(self, "inputs", self.out)
+        if self.split is not None and (isinstance(self.split, bool)
+                                       or not isinstance(self.split, int)
+                                       or not 0 <= self.split <= self.h_tiles):
+            raise ValueError(f"split must be None or an int in [0, h_tiles={self.h_tiles}], got "
+                             f"{self.split!r}")
 
     @property
     def blocks(self) -> int:
@@ -95,6 +113,9 @@ class ChainedSchedule:
         for i in range(nb):
             g1 = [(GEMM1, i + L, j) for j in range(n1)] if i + L < nb else []
             g2 = [(GEMM2, i, n) for n in range(n2)]
+            if self.split is not None:
+                out.extend(g1[:self.split] + g2 + g1[self.split:])
+                continue
             # interleave proportionally so both kinds are spread over the step
             merged = sorted([((k + 0.5) / len(g1), 0, t) for k, t in enumerate(g1)]
                             + [((k + 0.5) / len(g2), 1, t) for k, t in enumerate(g2)])
@@ -119,11 +140,13 @@ def _check_positive(**kw):
 
 def derive(rows: int, hidden: int, out: int, tile_m: int = 128, tile_h: int = 256,
            tile_n: int = 256, grid: int = 132, lookahead: int | None = None,
-           ring: int | None = None, inputs: int | None = None) -> ChainedSchedule:
+           ring: int | None = None, inputs: int | None = None,
+           split: int | None = None) -> ChainedSchedule:
     """The schedule with lookahead and ring derived from the tiles per step and the grid
     (module docstring). inputs: GEMM1's depth P (x's width; the tensor-parallel FFN has P = out,
     the default). Explicit values are checked: ring > lookahead is needed for the slot of
-    block i + lookahead to be freed by tiles that come earlier in the list."""
+    block i + lookahead to be freed by tiles that come earlier in the list. split: the phased
+    step (module docstring); the derived lookahead and ring are the interleaved order's."""
     _check_positive(rows=rows, hidden=hidden, out=out, tile_m=tile_m, tile_h=tile_h,
                     tile_n=tile_n, grid=grid)
     if hidden % tile_h:
@@ -144,7 +167,7 @@ def derive(rows: int, hidden: int, out: int, tile_m: int = 128, tile_h: int = 25
                          f"reuses the slot of block i + lookahead - ring, whose GEMM2 tiles must "
                          f"come earlier in the list")
     return ChainedSchedule(rows, hidden, out, tile_m, tile_h, tile_n, grid, L, S,
-                           inputs or out)
+                           inputs or out, split)
 
 
 @dataclass

@@ -73,6 +73,12 @@ their k-slabs are still in L2 (with patch 1 they are ``group`` entries apart, sp
 whole tile's duration, and on llama3-70b's slice x and H came from DRAM again for most column
 tiles). The defaults ``group="auto"`` / ``patch="auto"`` pick G per shape from the ring's share
 of H and C from G (``auto_group``, ``auto_patch``: the rule and the measurement it comes from).
+``split`` k phases each step of the super-block order (``chained_schedule``): k GEMM1
+super-tiles, the step's GEMM2 super-tiles, the other GEMM1 super-tiles, so the CTAs run one kind
+of one super-block at a time; with it one super-block of lookahead and a ring of two hold the
+order (group 8 in 16 blocks, inside the activation bound at 8192 tokens), and the model of
+bench/predict_chained_dram.py puts its DRAM reads below the interleaved order's at the same
+ring. Only the list changes: the kernel walks any valid list.
 
 2-CTA clusters (``ChainedFFNCompute(cluster=2)``, compile-time, dense calls only): the CTAs of a
 cluster along M run the same tile (kind, column) on adjacent row blocks 2 q and 2 q + 1 and load
@@ -110,8 +116,9 @@ torch only, and ``ChainedFFNCompute.can_implement`` / ``ring_bytes`` run without
 """
 
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -120,12 +127,13 @@ from ..runtime.device import num_sms
 from .activations import ACT2, activation
 from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_MAILBOX_TIMEOUT,
                                ERR_RING_TIMEOUT, ERR_SLOT_TIMEOUT, GEMM2, RING_ACQUIRE,
-                               RING_FULL, RING_TAIL, TILE_K, ChainedSchedule, derive)
+                               RING_FULL, RING_TAIL, TILE_K, ChainedSchedule, derive,
+                               simulate)
 
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
            "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "auto_patch",
            "schedule_for", "PairedChainedSchedule", "ring_cap_blocks", "activation_bytes",
-           "baseline_activation_bytes"]
+           "baseline_activation_bytes", "auto_split"]
 
 ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -359,7 +367,7 @@ class PairedChainedSchedule(_ExpandedSchedule):
 
 
 def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, group=1,
-                 ring=None, patch=1, lookahead=None, cluster=1):
+                 ring=None, patch=1, lookahead=None, cluster=1, split=None):
     """The tile list the kernel runs: ``derive`` (group 1) or its super-block form (group G);
     ring (row blocks) overrides the derived ring size (tests and the bench only): unchecked with
     group 1 (the GPU tests run invalid rings on purpose); with group G a multiple of G whose
@@ -368,6 +376,10 @@ def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, grou
     with one super-block less: ``simulate``). lookahead (row blocks, group G > 1 only, the bench's
     experiments): a multiple of G overriding the derived one, checked the same way (a shorter
     lookahead lets a smaller ring hold the order: group 16 in 32 blocks at 8192 tokens).
+    split: None (each step's two kinds interleaved), k (the phased step of
+    ``chained_schedule``: k GEMM1 super-tiles, the step's GEMM2 super-tiles, the rest; 0 <= k <=
+    hidden / tile_h) or "auto" (``auto_split``: the k that ``simulate`` runs best). With a split
+    one super-block of lookahead and a ring of two can hold the order (group 8 in 16 blocks).
     cluster 2: ``PairedChainedSchedule``, this order on pair blocks of 2 * tile_m rows over
     grid // 2 clusters; group, ring and lookahead stay in row blocks and must be even (group 1
     runs as 2: a pair is two blocks side by side already)."""
@@ -379,26 +391,26 @@ def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, grou
                                  f"blocks, taken in pairs)")
         base = schedule_for(M, P, hidden, N, max(1, grid // 2), tile_m * 2, tile_h, tile_n,
                             max(1, group // 2), None if ring is None else ring // 2, patch,
-                            None if lookahead is None else lookahead // 2)
+                            None if lookahead is None else lookahead // 2, split=split)
         return PairedChainedSchedule(base, M, tile_m, grid)
     if cluster != 1:
         raise ValueError(f"cluster must be 1 or 2, got {cluster!r}")
+    if split == "auto":
+        return auto_split(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group, ring, patch,
+                          lookahead)
     if group == 1:
-        s = derive(M, hidden, N, tile_m, tile_h, tile_n, grid=grid, inputs=P)
+        s = derive(M, hidden, N, tile_m, tile_h, tile_n, grid=grid, inputs=P, split=split)
         if ring is not None:
-            s = ChainedSchedule(s.rows, s.hidden, s.out, s.tile_m, s.tile_h, s.tile_n, s.grid,
-                                s.lookahead, ring, s.inputs)
+            s = replace(s, ring=ring)
         return s
     base = derive(M, hidden, N, tile_m * group, tile_h, tile_n, grid=max(1, grid // group),
-                  inputs=P)
+                  inputs=P, split=split)
     if lookahead is not None:
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < group \
                 or lookahead % group:
             raise ValueError(f"lookahead={lookahead!r} with group={group}: must be a positive "
                              f"multiple of the group")
-        base = ChainedSchedule(base.rows, base.hidden, base.out, base.tile_m, base.tile_h,
-                               base.tile_n, base.grid, lookahead // group, base.ring,
-                               base.inputs)
+        base = replace(base, lookahead=lookahead // group)
         if ring is None and base.ring <= base.lookahead:
             raise ValueError(f"lookahead={lookahead} with group={group}: the derived ring "
                              f"({base.ring * group} blocks) must exceed it; pass a ring")
@@ -406,12 +418,33 @@ def schedule_for(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, grou
         if ring % group or ring // group <= base.lookahead:
             raise ValueError(f"ring={ring} with group={group}: must be a multiple of the group "
                              f"above lookahead={base.lookahead * group} blocks")
-        base = ChainedSchedule(base.rows, base.hidden, base.out, base.tile_m, base.tile_h,
-                               base.tile_n, base.grid, base.lookahead, ring // group,
-                               base.inputs)
+        base = replace(base, ring=ring // group)
     if isinstance(patch, bool) or not isinstance(patch, int) or patch < 1:
         raise ValueError(f"patch must be an int >= 1, got {patch!r}")
     return GroupedChainedSchedule(base, group, M, tile_m, grid, patch)
+
+
+SPLIT_TOLERANCE = 0.002  # auto_split: efficiencies this close to the best count as the best
+
+
+@functools.lru_cache(maxsize=64)
+def auto_split(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, group=1, ring=None,
+               patch=1, lookahead=None):
+    """``schedule_for(..., split=k)`` for the k that ``simulate`` runs best: of the splits
+    within SPLIT_TOLERANCE of the best efficiency, the middle one (the simulated durations are
+    depth x width; a GPU's differ, and the middle of the plateau leaves slack on both sides).
+    At most 17 splits are tried (0, h_tiles and evenly between), so the choice costs a few
+    simulations once per shape (cached)."""
+    n1 = hidden // tile_h
+    cands = sorted({round(i * n1 / 16) for i in range(17)})
+    sims = []
+    for k in cands:
+        s = schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group, ring, patch,
+                         lookahead, split=k)
+        sims.append((simulate(s).efficiency, s))
+    best = max(e for e, _ in sims)
+    good = [s for e, s in sims if e >= best - SPLIT_TOLERANCE]
+    return good[(len(good) - 1) // 2]
 
 
 AUTO_GROUPS = (16, 8, 4, 2)  # group="auto" picks from these (largest first), else 1
@@ -532,7 +565,9 @@ class ChainedFFNCompute:
         2-CTA clusters along M (``PairedChainedSchedule``): the two CTAs of a cluster run the
         same tile (kind, column) on adjacent row blocks 2 q, 2 q + 1 and load each weight tile
         once, half each, multicast to both (half the weight traffic from L2); dense calls only,
-        group even (or 1 / "auto"); the grid is a whole number of clusters.
+        group even (or 1 / "auto"); the grid is a whole number of clusters. split: None (each
+        step's kinds interleaved), an int k or "auto": the phased step (``schedule_for``; only
+        the host's tile list changes, the kernel is the same).
 
     __call__(x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu", ccta=0,
              stream=None, h_ring=None) -> out
@@ -564,7 +599,7 @@ class ChainedFFNCompute:
     def __init__(self, tile_m=128, tile_h=256, tile_n=256, stages=None, epi_n=32, epi_stages=4,
                  timeout_ms=2000, group="auto", _test_ring=None,
                  _test_skip_slot_wait=False, patch="auto", _test_lookahead=None, cluster=1,
-                 _test_cluster_fault=None):
+                 _test_cluster_fault=None, split=None):
         self.check_options(tile_m, tile_h, tile_n, stages, epi_n, epi_stages, timeout_ms,
                            cluster)
         if cluster == 2 and group != "auto" and group != 1 and group % 2:
@@ -580,7 +615,10 @@ class ChainedFFNCompute:
         if patch != "auto" and (isinstance(patch, bool) or not isinstance(patch, int)
                                 or patch < 1):
             raise ValueError(f"patch must be \"auto\" or an int >= 1, got {patch!r}")
-        self.group, self.patch = group, patch
+        if split is not None and split != "auto" and (isinstance(split, bool)
+                                                      or not isinstance(split, int) or split < 0):
+            raise ValueError(f"split must be None, \"auto\" or an int >= 0, got {split!r}")
+        self.group, self.patch, self.split = group, patch, split
         self.tile_m, self.tile_h, self.tile_n = tile_m, tile_h, tile_n
         self.stages, _ = _smem_plan(tile_m, tile_n, stages, epi_n, epi_stages)
         self.epi_n, self.epi_stages = epi_n, epi_stages
@@ -678,7 +716,7 @@ class ChainedFFNCompute:
         return schedule_for(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
                             self.group_for(M, P, hidden, N, grid), self._test_ring,
                             self.patch_for(M, P, hidden, N, grid), self._test_lookahead,
-                            self.cluster)
+                            self.cluster, self.split)
 
     def grid(self, M, hidden, N, device=None, ccta=0, sms=None):
         sms = num_sms(device) if sms is None else sms
