@@ -352,7 +352,7 @@ def main(argv=None):
     ap.add_argument("--jitter", type=float, default=JITTER)
     ap.add_argument("--calibrate", action="store_true",
                     help="fit (partitions, capacity, jitter) on the grid below to the ncu files")
-    ap.add_argument("--jitters", default="0.01,0.02,0.03,0.04,0.05")
+    ap.add_argument("--jitters", default="0.01,0.02,0.025,0.03,0.035,0.04,0.05")
     ap.add_argument("--capacities-mb", default="50")
     ap.add_argument("--partitions-grid", default="2")
     ap.add_argument("--search", action="store_true",
