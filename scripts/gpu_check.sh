@@ -124,6 +124,10 @@ chained)
         run chained_cap_lookahead 300 python bench/bench_chained_compute.py --tokens 8192 \
             --groups auto,16p4r32l16,16p4 --shuffle 3 --rounds 5 --hold-s 2 \
             --tag h200_lookahead --out "$OUT"
+        # the phased step under the bound (bench/NOTES.md, session 16: the DRAM model's search)
+        run chained_cap_phased 300 python bench/bench_chained_compute.py --tokens 8192 \
+            --groups auto,8p1r16l8s,6p1r18l6s,4p1s,8p4,16p4 --shuffle 3 --rounds 5 --hold-s 2 \
+            --tag h200_phased --out "$OUT"
     else
         run chained_tests 300 python -m pytest -q -p no:cacheprovider \
             tests/test_chained_ffn_gpu.py tests/test_sharded_experts_chained_gpu.py \
