@@ -17,8 +17,8 @@
 #                 local-HBM emulation: the kernel's per-SM limit, not NVLink)
 #        chained  chained FFN compute kernel tests (dense, grouped, ShardedExperts on it), the
 #                 baseline compute, the kernel against it and the grouped call against torch's
-#                 grouped GEMMs (one GPU; "t8192": only the 8192-token orders under the
-#                 activation cap, sustained: bench/NOTES.md, session 16)
+#                 grouped GEMMs (one GPU; "t8192" / "t8192b": only the 8192-token orders
+#                 under the activation cap, sustained: bench/NOTES.md, session 16)
 #        layer    one MoE layer end to end, ours vs the same-scale sequential layer
 #                 (bench_moe_layer; 2 GPUs for the overlap backend; "expert": also with the
 #                 plans expert by expert)
@@ -117,17 +117,18 @@ ffn)
     run fused_compute 300 python bench/bench_fused_compute.py --out "$OUT"
     ;;
 chained)
-    if [ "$quick" = t8192 ]; then
-        run chained_cap_dense 280 python bench/bench_chained_compute.py \
-            --shapes deepseek-v3-dense --tokens 8192 --groups auto,4p4,8p4,8p4r24l8 \
-            --shuffle 3 --rounds 5 --hold-s 2 --tag h200_cap --out "$OUT"
-        run chained_cap_lookahead 300 python bench/bench_chained_compute.py --tokens 8192 \
-            --groups auto,16p4r32l16,16p4 --shuffle 3 --rounds 5 --hold-s 2 \
-            --tag h200_lookahead --out "$OUT"
+    if [ "$quick" = t8192 ]; then  # two steps, under one device call's 600 s
         # the phased step under the bound (bench/NOTES.md, session 16: the DRAM model's search)
         run chained_cap_phased 300 python bench/bench_chained_compute.py --tokens 8192 \
             --groups auto,8p1r16l8s,6p1r18l6s,4p1s,8p4,16p4 --shuffle 3 --rounds 5 --hold-s 2 \
             --tag h200_phased --out "$OUT"
+        run chained_cap_dense 250 python bench/bench_chained_compute.py \
+            --shapes deepseek-v3-dense --tokens 8192 --groups auto,4p4,8p4,8p4r24l8 \
+            --shuffle 3 --rounds 5 --hold-s 2 --tag h200_cap --out "$OUT"
+    elif [ "$quick" = t8192b ]; then
+        run chained_cap_lookahead 300 python bench/bench_chained_compute.py --tokens 8192 \
+            --groups auto,16p4r32l16,16p4 --shuffle 3 --rounds 5 --hold-s 2 \
+            --tag h200_lookahead --out "$OUT"
     else
         run chained_tests 300 python -m pytest -q -p no:cacheprovider \
             tests/test_chained_ffn_gpu.py tests/test_sharded_experts_chained_gpu.py \
