@@ -19,6 +19,8 @@ skip of the combine's GPU test files.
 from __future__ import annotations
 
 import importlib.util
+import pathlib
+import sys
 
 import pytest
 
@@ -106,6 +108,20 @@ def chained_launch_args(comp, s, M: int, P: int, hidden: int, N: int):
                            torch.zeros(1 + 2 * s.blocks, **i32), torch.zeros(s.blocks, **i32),
                            torch.ones(1, **i32), torch.zeros(8, dtype=torch.int64), s.blocks,
                            s.ring, s.grid)
+
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(name: str):
+    """bench/<name>.py as a module (the benches are scripts, not a package); bench/ goes on
+    sys.path first, since benches import their siblings (bench_ffn's SHAPES, make_comp)."""
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def worker_error(e: BaseException) -> str:

@@ -6,27 +6,20 @@ measured (the unpatched groups 4, 8 and 16, 12.2-12.9 GB, are closer than that a
 does not resolve them: it puts 16 below 8, the GPU 3 % above); the same model without the
 tiles' spread (every tile exactly simulate's duration, lock step) misses that error, so the
 check can fail."""
-import importlib.util
 import itertools
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+from conftest import load_bench
+
 MAX_ERROR = 0.08  # the calibrated model's reported bound (5.8 % at its fit)
 RANK_TOL = 0.06  # rows closer than the model's largest error (5.8 %) may swap
 
 
 @pytest.fixture(scope="module")
 def model():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("predict_chained_dram",
-                                                  BENCH / "predict_chained_dram.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("predict_chained_dram")
 
 
 def test_stream_reads_every_slab_once_per_tile(model):

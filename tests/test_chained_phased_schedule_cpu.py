@@ -3,9 +3,6 @@ compute_chained.schedule_for / auto_split, the bench's sK entries): every tile o
 dependency earlier in the list (simulate asserts it), the reference walk equal to the plain
 math with a ring that wraps, and the short ring it allows keeping the CTAs busy where the
 interleaved order with the same ring does not."""
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 import torch
@@ -18,7 +15,7 @@ from moe_overlap.ffn.compute_chained import (ChainedFFNCompute, auto_split,
                                              schedule_for)
 from moe_overlap.ffn.shapes import FFN_SHAPES
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+from conftest import load_bench
 
 
 def _tile_set(s):
@@ -162,12 +159,7 @@ def test_derive_keeps_the_split():
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_chained_compute",
-                                                  BENCH / "bench_chained_compute.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_chained_compute")
 
 
 def test_bench_spec_grammar(bench):
