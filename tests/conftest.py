@@ -95,15 +95,17 @@ def require_module(gpus: int, nvshmem: bool = True):
         pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
 
 
-def chained_launch_args(comp, s, M: int, P: int, hidden: int, N: int):
+def chained_launch_args(comp, s, M: int, P: int, hidden: int, N: int, b1_dtype=None):
     """``ChainedFFNCompute._cute_args`` on zero CPU tensors for schedule ``s`` of an M x P
-    call (zero weights, b1 given, a private flag pair): (args, ints), what the compile
-    tests pass to ``_compiled_for`` so that __call__'s conversion compiles without a GPU."""
+    call (zero weights, b1 given in ``b1_dtype``, fp32 if None, a private flag pair): (args,
+    ints), what the compile tests pass to ``_compiled_for`` so that __call__'s conversion
+    compiles without a GPU."""
     import torch
     bf, i32 = dict(dtype=torch.bfloat16), dict(dtype=torch.int32)
     x, w1, w2 = torch.zeros(M, P, **bf), torch.zeros(P, hidden, **bf), torch.zeros(hidden, N, **bf)
     ring = torch.zeros(comp.ring_rows(M, P, hidden, N, s.grid), hidden, **bf)
-    return comp._cute_args(x, w1, torch.zeros(hidden), w2, ring, torch.zeros(M, N, **bf),
+    b1 = torch.zeros(hidden, dtype=b1_dtype or torch.float32)
+    return comp._cute_args(x, w1, b1, w2, ring, torch.zeros(M, N, **bf),
                            s.tile_table().reshape(-1).contiguous(),
                            torch.zeros(1 + 2 * s.blocks, **i32), torch.zeros(s.blocks, **i32),
                            torch.ones(1, **i32), torch.zeros(8, dtype=torch.int64), s.blocks,

@@ -11,6 +11,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 
 from moe_overlap.ffn.compute_chained import (ACTIVATION_CAP, ChainedFFNCompute,
                                              activation_bytes, auto_group, auto_patch,
@@ -95,7 +96,10 @@ def test_activation_model_matches_the_measured_peaks():
         assert r["act"] == "gelu"
         assert baseline_activation_bytes(M, hidden, N, act_in_place=False) \
             == r["activation_mem_baseline"], (f, r)
-        model = activation_bytes(M, hidden, N, min(v["ring"], -(-M // 128)) * 128)
+        # these files were measured while the kernel read b1 only in fp32: the bench's bf16
+        # b1 was copied per call (the model's term for a b1 of a dtype read as a copy)
+        model = activation_bytes(M, hidden, N, min(v["ring"], -(-M // 128)) * 128,
+                                 b1_dtype=torch.float16)
         # equal on all but two rows (group 4 on the 7168-wide slices: 1 MiB above, under 1 % of
         # the call's; the caching allocator's, not a tensor of the call's)
         assert v["activation_mem"] - model in (0, 1 << 20), (f, r["shape"], M, name)
@@ -131,8 +135,8 @@ SEED_WIDE = [(7168, 4096), (14336, 8192), (9216, 7168), (8192, 5120)]
                                                   (4096, 5120)])
 def test_rule_keeps_the_activation_bound(M, hidden, N):
     """Wherever the bound leaves a group (the first clause), out + ring <= 0.6x the baseline's
-    peak on slices with hidden >= N, and never above the baseline's anywhere but by the fp32
-    bias (4 x hidden bytes, where the ring holds all of H: few rows); on the seed's wide
+    peak on slices with hidden >= N, and never above the baseline's (a bf16 b1 is read as it
+    is, so no per-call bias copy is added where the ring holds all of H); on the seed's wide
     slices from 8192 tokens up the first clause always applies (at 4096 it does not: the bound
     leaves 9-11 of 32 blocks, below group 2's ring on most)."""
     P = N
@@ -141,9 +145,7 @@ def test_rule_keeps_the_activation_bound(M, hidden, N):
     ring = min(schedule_for(M, P, hidden, N, 132, group=g).ring, blocks)
     ours = activation_bytes(M, hidden, N, ring * 128)
     base = baseline_activation_bytes(M, hidden, N)
-    assert ours <= base + 4 * hidden
-    if ring < blocks:
-        assert ours <= base
+    assert ours <= base
     if hidden >= N and ring <= ring_cap_blocks(M, hidden, N):
         assert ours <= ACTIVATION_CAP * base
     if (hidden, N) in SEED_WIDE and M >= 8192:

@@ -40,11 +40,12 @@ def mod():
     return compute_chained
 
 
-def _compiled(mod, P, hidden, N, act1, has_b1, grouped=False, **opts):
-    key = (P, hidden, N, act1, has_b1, grouped, tuple(sorted(opts.items())))
+def _compiled(mod, P, hidden, N, act1, has_b1, grouped=False, b1_dtype=torch.float32, **opts):
+    key = (P, hidden, N, act1, has_b1, grouped, b1_dtype, tuple(sorted(opts.items())))
     if key not in _CACHE:
         fn = mod.ChainedFFNCompute(**opts).compile(P, hidden, N, act1=act1, has_b1=has_b1,
-                                                   keep_ptx=True, grouped=grouped)
+                                                   keep_ptx=True, grouped=grouped,
+                                                   b1_dtype=b1_dtype)
         _CACHE[key] = (kept_ptx(fn), kept_cubin(fn))
     return _CACHE[key]
 
@@ -141,6 +142,29 @@ def _check_protocol(ptx):
     assert "stmatrix.sync.aligned" in body
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_bf16_b1_is_read_as_it_is(mod, grouped):
+    """A bf16 b1 (the layers' and the baseline's bias) is read in bf16 and widened in registers,
+    with no per-call fp32 copy: 16-bit loads, each converted to fp32, where the fp32 kernel
+    has 32-bit loads and no conversion; the protocol and the no-spill property are kept."""
+    P, hidden, N = 256, 512, 512
+    p32, _ = _compiled(mod, P, hidden, N, "gelu", True, grouped=grouped)
+    p16, cubin = _compiled(mod, P, hidden, N, "gelu", True, grouped=grouped,
+                           b1_dtype=torch.bfloat16)
+    _check_protocol(p16)
+    b16 = lambda p: len(re.findall(r"ld\.global\.b16", p))
+    b32 = lambda p: len(re.findall(r"ld\.global\.b32", p))
+    cvt = lambda p: len(re.findall(r"cvt\.f32\.bf16", p))
+    assert b16(p32) == 0 and cvt(p32) == 0
+    assert b16(p16) > 0 and cvt(p16) == b16(p16)
+    assert b32(p32) - b32(p16) == b16(p16)  # the bias loads, and only they, narrowed
+    sass = sass_of(cubin, require_nvdisasm())
+    assert not re.findall(r"\b(STL|LDL)\b", sass)
+    # any other float dtype is read through its fp32 copy: the same kernel as fp32's
+    assert mod.b1_read_dtype(torch.float16) == torch.float32
+    assert mod.b1_read_dtype(torch.bfloat16) == torch.bfloat16
+
+
 def test_skip_slot_wait_switch_removes_one_wait(mod):
     """The private test switch must remove exactly the slot wait (the GPU test relies on it)."""
     ptx, _ = _compiled(mod, 256, 512, 512, "gelu", True)
@@ -234,6 +258,11 @@ def test_launch_path_compiles_from_torch_tensors(mod):
     args, ints = chained_launch_args(c, s, M, P, hidden, N)
     fn = c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)
     assert fn is c._compiled_for(args, ints, make_fake_stream(), P, hidden, N, "relu", True)
+    # a bf16 b1 (read as it is): its own kernel
+    args16, ints16 = chained_launch_args(c, s, M, P, hidden, N, b1_dtype=torch.bfloat16)
+    fn16 = c._compiled_for(args16, ints16, make_fake_stream(), P, hidden, N, "relu", True,
+                           b1_dtype=torch.bfloat16)
+    assert fn16 is not fn
 
 
 def test_grouped_launch_path_compiles_from_torch_tensors(mod):

@@ -195,6 +195,42 @@ def test_repeated_calls_reset_counters(mod):
         _run_case(mod, 8192, SHAPE, "gelu", True, seed=77 + i, comp=comp, epoch_val=10 + i)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+def test_bf16_b1_bitwise_as_its_fp32_copy(mod, grouped):
+    """A bf16 b1 is read as it is (no per-call fp32 copy): the output is bitwise the one from
+    its fp32 copy (fp32 holds every bf16 value exactly), into outputs poisoned with NaN; an
+    fp16 b1 goes through its fp32 copy; a b1 that differs in one element changes the output
+    (the check can fail)."""
+    comp = mod.ChainedFFNCompute()
+    if grouped:
+        P, hidden, N = SHAPE2
+        x, w1, b1, w2, be = _grouped_inputs([300, 0, 128, 77], P, hidden, N, seed=31, bias=True)
+        call = lambda b, o: comp.grouped(x, w1, b, w2, out=o, block_expert=be, act1="gelu")
+    else:
+        P, hidden, N = SHAPE2
+        x, w1, b1, w2 = _inputs(1000, P, hidden, N, seed=31)
+        call = lambda b, o: comp(x, w1, b, w2, out=o, act1="gelu")
+    outs = {}
+    for name, b in (("bf16", b1), ("fp32", b1.float()), ("fp16", b1.half())):
+        o = torch.full((x.shape[0], N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        outs[name] = call(b, o)
+        comp.check()
+    assert not torch.isnan(outs["bf16"]).any()
+    assert torch.equal(outs["bf16"], outs["fp32"]), "bf16 b1 differs from its fp32 copy"
+    ref = (_grouped_truth64(x, w1, b1, w2, be, "gelu") if grouped
+           else _truth64(x, w1, b1, w2, "gelu"))
+    msg = _report(f"bf16 b1 ({'grouped' if grouped else 'dense'})", outs["bf16"], ref,
+                  "float64 truth")
+    assert msg is None, msg
+    # fp16 (not bf16's exponent range: tiny values lose bits) through the copy: within tolerance
+    assert _report("fp16 b1", outs["fp16"], ref, "float64 truth") is None
+    b2 = b1.clone()
+    b2.view(-1)[5] += 1.0
+    o = torch.full_like(outs["bf16"], float("nan"))
+    assert not torch.equal(call(b2, o), outs["bf16"]), "a changed b1 left the output unchanged"
+    comp.check()
+
+
 def test_too_small_ring_without_slot_wait_is_wrong(mod):
     """Ordering matters: a 2-block ring whose GEMM1 tiles do not wait for their slot overwrites H
     that GEMM2 tiles still read, so the result must be wrong (or the check must fail)."""

@@ -469,11 +469,21 @@ def baseline_activation_bytes(M: int, hidden: int, N: int, act_in_place: bool = 
     return 2 * M * max(2 * hidden, hidden + N)
 
 
-def activation_bytes(M: int, hidden: int, N: int, ring_rows: int) -> int:
+def b1_read_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernel reads b1 in: bf16 as it is (the layers' and the baseline's bias, so
+    no per-call copy; fp32 of a bf16 value is exact, so the output is bitwise the same as from
+    its fp32 copy), every other float dtype as fp32 (a copy per call)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
+def activation_bytes(M: int, hidden: int, N: int, ring_rows: int,
+                     b1_dtype: torch.dtype | None = torch.bfloat16) -> int:
     """Bytes one chained call allocates above its inputs: out [M, N] and the H ring
-    [ring_rows, hidden], bf16, and the bias in fp32 [hidden] (the tile table and counters are
-    kept between calls)."""
-    return 2 * (M * N + ring_rows * hidden) + 4 * hidden
+    [ring_rows, hidden], bf16, and, where b1 (of dtype ``b1_dtype``, None: no bias) is neither
+    bf16 nor fp32, its fp32 copy [hidden] (the tile table and counters are kept between
+    calls)."""
+    converted = b1_dtype is not None and b1_dtype not in (torch.bfloat16, torch.float32)
+    return 2 * (M * N + ring_rows * hidden) + (4 * hidden if converted else 0)
 
 
 def ring_cap_blocks(M: int, hidden: int, N: int, tile_m: int = 128) -> int:
@@ -832,10 +842,10 @@ class ChainedFFNCompute:
                              f"range)")
 
     # ---------------------------------------------------------------- compilation
-    def _key(self, P, hidden, N, act1, has_b1, grouped=False):
+    def _key(self, P, hidden, N, act1, has_b1, grouped=False, b1_dtype=torch.float32):
         return (self.tile_m, self.tile_n, self.stages, self.epi_n, self.epi_stages, act1,
                 bool(has_b1), self._test_skip_slot_wait, bool(grouped), int(P), int(hidden),
-                int(N), self.cluster, self._test_cluster_fault)
+                int(N), self.cluster, self._test_cluster_fault, b1_read_dtype(b1_dtype))
 
     def _kernel(self, P, hidden, act1, has_b1, grouped=False):
         self._refuse_grouped_cluster(grouped)
@@ -850,13 +860,17 @@ class ChainedFFNCompute:
                              "belong to different experts, whose weight tiles cannot be one "
                              "multicast (use cluster=1 for grouped())")
 
-    def compile(self, P, hidden, N, act1="gelu", has_b1=True, keep_ptx=False, grouped=False):
+    def compile(self, P, hidden, N, act1="gelu", has_b1=True, keep_ptx=False, grouped=False,
+                b1_dtype=torch.float32):
         """Compiles from symbolic tensors (M, the table, the ring and the flags are runtime
         sizes; grouped: E too); needs no GPU with CUTE_DSL_ARCH=sm_90a. keep_ptx: keep
-        ``fn.__ptx__`` and ``fn.__cubin__``. grouped: the kernel of ``grouped()``."""
+        ``fn.__ptx__`` and ``fn.__cubin__``. grouped: the kernel of ``grouped()``. b1_dtype:
+        the dtype of the b1 a call passes (``b1_read_dtype``: bf16 is read as it is, anything
+        else as fp32)."""
         self.check_shapes(P, hidden, N, act1, self.tile_m, self.tile_h, self.tile_n)
         self._refuse_grouped_cluster(grouped)
-        key = ("fake", bool(keep_ptx)) + self._key(P, hidden, N, act1, has_b1, grouped)
+        key = ("fake", bool(keep_ptx)) + self._key(P, hidden, N, act1, has_b1, grouped,
+                                                   b1_dtype)
         fn = ChainedFFNCompute._compiled.get(key)
         if fn is not None:
             return fn
@@ -866,16 +880,17 @@ class ChainedFFNCompute:
         from cutlass.runtime import make_fake_stream
         M, R, T, S, B = (cute.sym_int() for _ in range(5))
         bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+        fb1 = bf16 if b1_read_dtype(b1_dtype) == torch.bfloat16 else f32
         if grouped:  # (hidden, P, E), (E, hidden), (N, hidden, E): MN-major views of [E, ...]
             E = cute.sym_int()
             weights = (make_fake_tensor(bf16, (hidden, P, E), (1, hidden, P * hidden),
                                         assumed_align=16),
-                       make_fake_tensor(f32, (E, hidden), (hidden, 1), assumed_align=16),
+                       make_fake_tensor(fb1, (E, hidden), (hidden, 1), assumed_align=16),
                        make_fake_tensor(bf16, (N, hidden, E), (1, N, hidden * N),
                                         assumed_align=16))
         else:
             weights = (make_fake_tensor(bf16, (hidden, P), (1, hidden), assumed_align=16),
-                       make_fake_tensor(f32, (hidden,), (1,), assumed_align=16),
+                       make_fake_tensor(fb1, (hidden,), (1,), assumed_align=16),
                        make_fake_tensor(bf16, (N, hidden), (1, N), assumed_align=16))
         args = (make_fake_tensor(bf16, (M, P), (P, 1), assumed_align=16),
                 *weights,
@@ -964,9 +979,10 @@ class ChainedFFNCompute:
                 cutlass.Int64(int(self.timeout_ms * 1e6)), cutlass.Int32(grid))
         return args, ints
 
-    def _compiled_for(self, args, ints, stream, P, hidden, N, act1, has_b1, grouped=False):
+    def _compiled_for(self, args, ints, stream, P, hidden, N, act1, has_b1, grouped=False,
+                      b1_dtype=torch.float32):
         import cutlass.cute as cute
-        key = ("dlpack",) + self._key(P, hidden, N, act1, has_b1, grouped)
+        key = ("dlpack",) + self._key(P, hidden, N, act1, has_b1, grouped, b1_dtype)
         fn = ChainedFFNCompute._compiled.get(key)
         if fn is None:
             fn = cute.compile(self._kernel(P, hidden, act1, has_b1, grouped), *args, *ints,
@@ -1061,7 +1077,8 @@ class ChainedFFNCompute:
                 h_ring = torch.empty(R * self.tile_m, hidden, dtype=torch.bfloat16, device=dev)
             b1f = None
             if b1 is not None:
-                b1f = b1 if b1.dtype == torch.float32 else b1.float()
+                # bf16 and fp32 are read as they are (no copy per call); others as fp32
+                b1f = b1 if b1.dtype == b1_read_dtype(b1.dtype) else b1.float()
                 if b1f.data_ptr() % 16:
                     b1f = b1f.clone()
             sync = bufs["sync"][:1 + 2 * blocks]
@@ -1080,6 +1097,6 @@ class ChainedFFNCompute:
         import cuda.bindings.driver as cuda_drv
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
         fn = self._compiled_for(args, ints, cu_stream, P, hidden, N, act1, b1 is not None,
-                                grouped)
+                                grouped, b1f.dtype)
         fn(*args, *ints, cu_stream)
         return out

@@ -800,10 +800,12 @@ class ChainedFFNKernel(GemmSm90):
                         e = self.block_expert(mTable, num_tiles, blk, cute.size(mB1, mode=[0]),
                                               Int64(0), pos, False)
                         for i in cutlass.range_constexpr(cute.size(acc)):
-                            acc[i] = mB1[(e, col * self.tile_n + tCc_thr[i][1])]
+                            b = mB1[(e, col * self.tile_n + tCc_thr[i][1])]
+                            acc[i] = b.to(self.acc_dtype)
                     else:
                         for i in cutlass.range_constexpr(cute.size(acc)):
-                            acc[i] = mB1[col * self.tile_n + tCc_thr[i][1]]
+                            # b1 is bf16 or fp32 (b1_read_dtype); the sum is fp32 either way
+                            acc[i] = mB1[col * self.tile_n + tCc_thr[i][1]].to(self.acc_dtype)
                 else:
                     acc.fill(0.0)
             else:
