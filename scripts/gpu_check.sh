@@ -38,6 +38,8 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 mkdir -p "$OUT"
 ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
+# the card in the JSON names the chained benches write (the nvidia-h200 kind may run on H100s)
+gpu_tag=$(python -c "import torch; n = torch.cuda.get_device_name(); print('h200' if 'H200' in n else 'h100' if 'H100' in n else 'gpu')")
 summary=()
 
 run() {  # run <name> <timeout s> <command...>: log to $OUT/<name>.log, keep its last line
@@ -121,14 +123,14 @@ chained)
         # the phased step under the bound (bench/NOTES.md, session 16: the DRAM model's search)
         run chained_cap_phased 300 python bench/bench_chained_compute.py --tokens 8192 \
             --groups auto,8p1r16l8s,6p1r18l6s,4p1s,8p4,16p4 --shuffle 3 --rounds 5 --hold-s 2 \
-            --tag h200_phased --out "$OUT"
+            --tag ${gpu_tag}_phased --out "$OUT"
         run chained_cap_dense 250 python bench/bench_chained_compute.py \
             --shapes deepseek-v3-dense --tokens 8192 --groups auto,4p4,8p4,8p4r24l8 \
-            --shuffle 3 --rounds 5 --hold-s 2 --tag h200_cap --out "$OUT"
+            --shuffle 3 --rounds 5 --hold-s 2 --tag ${gpu_tag}_cap --out "$OUT"
     elif [ "$quick" = t8192b ]; then
         run chained_cap_lookahead 300 python bench/bench_chained_compute.py --tokens 8192 \
             --groups auto,16p4r32l16,16p4 --shuffle 3 --rounds 5 --hold-s 2 \
-            --tag h200_lookahead --out "$OUT"
+            --tag ${gpu_tag}_lookahead --out "$OUT"
     else
         run chained_tests 300 python -m pytest -q -p no:cacheprovider \
             tests/test_chained_ffn_gpu.py tests/test_sharded_experts_chained_gpu.py \
@@ -142,7 +144,7 @@ chained)
             tests/test_chained_ffn_gpu.py -k "cluster2 or test_cluster_"
         run chained_cluster_bench 200 python bench/bench_chained_compute.py \
             --shapes llama3-70b --groups auto,16p4c2,8p4c2 --shuffle 3 --rounds 5 --hold-s 2 \
-            --tag h200_cluster --out "$OUT"
+            --tag ${gpu_tag}_cluster --out "$OUT"
         # its two CTAs made to diverge (each case in a process of its own, killed if it
         # hangs): after the bench, so that a launch that misbehaves cannot disturb the
         # measurements
