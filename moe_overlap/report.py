@@ -40,6 +40,17 @@ HEADLINE = {
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
 CURRENT_OTHER = {
+    "ffn_chained_compute_h100_phased_73897e1.json": "chained kernel at 8192 tokens on an H100: the "
+                                                    "phased orders (8p1r16l8s, 6p1r18l6s, 4p1s) "
+                                                    "against auto, 8p4, 16p4, sustained",
+    "ffn_chained_compute_h100_cap_73897e1.json": "chained kernel, deepseek-v3-dense at 8192 tokens "
+                                                 "on an H100: orders under the activation cap",
+    "ffn_chained_compute_h100_lookahead_73897e1.json": "chained kernel at 8192 tokens on an H100: "
+                                                       "16p4r32l16 against 16p4 and auto",
+    "ffn_chained_compute_h100_cluster_73897e1.json": "chained kernel's 2-CTA cluster variant, "
+                                                     "first run (llama3-70b, H100)",
+    "plan_h100_73897e1.json": "the ordered scale's per-routing device tables (bench_plan --what "
+                              "ordered, H100)",
     "ffn_chained_compute_h200_groups70b_c294d29.json": "chained kernel on llama3-70b, groups auto "
                                                        "(2), 3, 4, 8 in shuffled order",
     "ffn_chained_compute_h200_groups_32768_c294d29.json": "chained kernel, groups 2, 4, 8 at "
