@@ -40,6 +40,11 @@ HEADLINE = {
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
 CURRENT_OTHER = {
+    "ffn_chained_compute_h100_t32768_2631ea0.json": "chained kernel at 32768 tokens on an H100: "
+                                                    "the phased orders and 16p4c2 against the "
+                                                    "auto_group rule, sustained",
+    "ffn_chained_compute_h100_c2phased_2631ea0.json": "chained kernel at 8192 tokens on an H100: "
+                                                      "the phased orders on 2-CTA clusters",
     "ffn_chained_compute_h100_phased_73897e1.json": "chained kernel at 8192 tokens on an H100: the "
                                                     "phased orders (8p1r16l8s, 6p1r18l6s, 4p1s) "
                                                     "against auto, 8p4, 16p4, sustained",

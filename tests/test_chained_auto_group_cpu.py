@@ -5,7 +5,8 @@ one within 1.5 % of the best sustained one on every point where one keeps it, an
 its written rule (largest of 16, 8, 4, 2 whose ring holds at most ``ring_cap_blocks``: issue
 17's activation bound; else at most half of H's row blocks; else the largest within 1.25x the
 fewest blocks; else 1; patch 4 from group 8 up). The activation model behind the bound is
-checked against the measured peaks."""
+checked against the measured peaks. The instance's group="auto" tries ``auto_phased`` first:
+tests/test_chained_auto_phased_cpu.py."""
 import glob
 import json
 import pathlib
@@ -180,10 +181,16 @@ def test_few_rows_take_the_largest_group():
 
 def test_patch_rule():
     assert [auto_patch(g) for g in (1, 2, 4, 8, 16)] == [1, 1, 1, 4, 4]
+    M, P, hidden, N = 32768, 8192, 14336, 8192
+    # where no phased order is chosen (deepseek-v3-expert's slice: 4 hidden column tiles)
     c = ChainedFFNCompute()
     assert c.patch == "auto"
-    M, P, hidden, N = 32768, 8192, 14336, 8192
-    s = c.schedule(M, P, hidden, N, 132)
+    Pe, he, Ne = 7168, 1024, 7168
+    assert c.phased_for(M, Pe, he, Ne, 132) is None
+    s = c.schedule(M, Pe, he, Ne, 132)
+    assert (s.group, s.patch) == (16, 4)
+    # group="auto" with an explicit split leaves the phased rule out: auto_group, auto_patch
+    s = ChainedFFNCompute(split="auto").schedule(M, P, hidden, N, 132)
     assert (s.group, s.patch) == (16, 4)
     assert ChainedFFNCompute(group=8, patch=1).schedule(M, P, hidden, N, 132).patch == 1
 
@@ -191,7 +198,7 @@ def test_patch_rule():
 def test_instance_default_is_auto_and_consistent():
     c = ChainedFFNCompute()
     assert c.group == "auto"
-    M, P, hidden, N = 32768, 8192, 14336, 8192
+    M, P, hidden, N = 32768, 7168, 1024, 7168  # no phased order: auto_group's
     g = c.group_for(M, P, hidden, N, 132)
     assert g == auto_group(M, P, hidden, N, 132) == 16
     s = c.schedule(M, P, hidden, N, 132)

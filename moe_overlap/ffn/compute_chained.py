@@ -133,7 +133,7 @@ from .chained_schedule import (ERR_BLOCK_TIMEOUT, ERR_EXPERT_RANGE, ERR_MAILBOX_
 __all__ = ["ChainedFFNCompute", "GroupedChainedSchedule", "chained_ffn_reference",
            "chained_ffn_grouped_reference", "ACT1_CHAINED", "auto_group", "auto_patch",
            "schedule_for", "PairedChainedSchedule", "ring_cap_blocks", "activation_bytes",
-           "baseline_activation_bytes", "auto_split"]
+           "baseline_activation_bytes", "auto_split", "auto_phased"]
 
 ACT1_CHAINED = ACT2  # "none", relu, gelu, gelu_tanh, silu
 _SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic shared memory per CTA on sm_90
@@ -559,6 +559,44 @@ def _get_kernel_class():
     return ChainedFFNKernel
 
 
+# the phased orders group="auto" considers first, as (group, ring in row blocks): lookahead one
+# super-block, patch 1, split auto (bench/NOTES.md, session 17)
+PHASED_ORDERS = ((8, 16), (6, 18))
+PHASED_MIN_EFFICIENCY = 0.96  # simulate's efficiency a phased order must reach to be chosen
+
+
+@functools.lru_cache(maxsize=256)
+def auto_phased(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256):
+    """The phased order ``group="auto"`` runs where one fits, else None (then ``auto_group``):
+    of PHASED_ORDERS whose ring is within ``ring_cap_blocks`` (the activation bound, or half of
+    H), those that ``simulate`` runs at PHASED_MIN_EFFICIENCY or better, the most efficient
+    (within SPLIT_TOLERANCE: the larger group, fewer weight reads). The split is ``auto_split``'s.
+
+    Why (one H100 at the 700 W cap, the seven FFN slices at G = 2, 8192 and 32768 tokens, each
+    path alone for 2 s; bench/NOTES.md, session 17): each step of the phased order runs its
+    first GEMM1 super-tiles, then its GEMM2 super-tiles while the step's H and weight panels
+    are still in L2, so a ring of two or three super-blocks keeps group 8's or 6's weight
+    sharing: sustained 0.96-1.01x the library where ``auto_group``'s orders ran 0.82-0.96x
+    (group 4 at 8192 tokens, within the bound: 0.82-0.91x), at 0.40-0.60x the in-place
+    baseline's activation memory. Group 8 in 16 blocks loses where its steps leave CTAs idle
+    (llama4-scout: simulate 0.84-0.94, measured 0.90-0.94x; group 6 in 18: 0.98x), which
+    simulate's efficiency sees. Where the hidden slice has few column tiles (deepseek-v3-expert:
+    4) a step has nothing to phase (simulate 0.57-0.68, measured 0.68-0.84x): ``auto_group``.
+    At 4096 tokens no phased ring fits the bound on the wide slices; a cached choice (about a
+    second of simulation per new shape and grid)."""
+    cap = ring_cap_blocks(M, hidden, N, tile_m)
+    best = None
+    for group, ring in PHASED_ORDERS:
+        if ring > cap:
+            continue
+        s = schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=group, ring=ring,
+                         patch=1, lookahead=group, split="auto")
+        e = simulate(s).efficiency
+        if e >= PHASED_MIN_EFFICIENCY and (best is None or e > best[0] + SPLIT_TOLERANCE):
+            best = (e, s)
+    return None if best is None else best[1]
+
+
 class ChainedFFNCompute:
     """The chained FFN compute kernel (module docstring).
 
@@ -707,22 +745,41 @@ class ChainedFFNCompute:
         return not (grouped and cluster != 1)
 
     # ---------------------------------------------------------------- schedule, memory
+    def phased_for(self, M, P, hidden, N, grid):
+        """``auto_phased``'s order where this instance leaves the whole order to the rule
+        (group and patch "auto", split None, cluster 1, no test ring or lookahead), else None."""
+        if self.group != "auto" or self.patch != "auto" or self.split is not None \
+                or self.cluster != 1 or self._test_lookahead is not None:
+            return None
+        return auto_phased(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n)
+
     def group_for(self, M, P, hidden, N, grid) -> int:
-        """The group this instance runs for the shape (``auto_group`` when group="auto")."""
+        """The group this instance runs for the shape (when group="auto": the phased order's,
+        ``phased_for``, else ``auto_group``)."""
         if self.group != "auto":
             return self.group
+        phased = self.phased_for(M, P, hidden, N, grid)
+        if phased is not None:
+            return phased.group
         return auto_group(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
                           self.cluster)
 
     def patch_for(self, M, P, hidden, N, grid) -> int:
-        """The patch this instance runs for the shape (``auto_patch`` of its group when
-        patch="auto")."""
+        """The patch this instance runs for the shape (when patch="auto": the phased order's,
+        else ``auto_patch`` of its group)."""
         if self.patch != "auto":
             return self.patch
+        phased = self.phased_for(M, P, hidden, N, grid)
+        if phased is not None:
+            return phased.patch
         return auto_patch(self.group_for(M, P, hidden, N, grid))
 
     def schedule(self, M, P, hidden, N, grid):
-        """The tile list this instance runs for M rows on ``grid`` CTAs (``schedule_for``)."""
+        """The tile list this instance runs for M rows on ``grid`` CTAs (``phased_for``'s
+        order, else ``schedule_for`` of the instance's options)."""
+        phased = self.phased_for(M, P, hidden, N, grid)
+        if phased is not None:
+            return phased
         return schedule_for(M, P, hidden, N, grid, self.tile_m, self.tile_h, self.tile_n,
                             self.group_for(M, P, hidden, N, grid), self._test_ring,
                             self.patch_for(M, P, hidden, N, grid), self._test_lookahead,
