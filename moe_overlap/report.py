@@ -33,13 +33,16 @@ HEADLINE = {
     "packed": ("Producer on fine-grained MoE plans (aligned vs packed layout)",
                ("packed_gemm_h200_d98035d.json",)),
     "chained": ("Chained FFN compute kernel alone (GEMM1 -> bf16 H ring -> full-depth GEMM2)",
-                ("ffn_chained_compute_h200_auto_patch_7dea59e.json",)),
+                ("ffn_chained_compute_h100_auto_phased_0792106.json",)),
     "plan": ("Planner and prepare (device time)", ("plan_kernel2_h200_1622057.json",
                                                     "plan_kernel2_last_h200_1622057.json")),
 }
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
 CURRENT_OTHER = {
+    "ffn_chained_compute_h200_auto_patch_7dea59e.json": "chained kernel on an H200, the previous "
+                                                        "auto rule (auto_group only); the FFN "
+                                                        "projection's sustained ratios",
     "ffn_chained_compute_h100_t32768_2631ea0.json": "chained kernel at 32768 tokens on an H100: "
                                                     "the phased orders and 16p4c2 against the "
                                                     "auto_group rule, sustained",
@@ -453,7 +456,12 @@ def chained(root):
                   f"{len(per[groups[0]])}; goal: all)")
     ratio = [r["variants"][groups[0]]["activation_ratio"] for r in d["rows"]]
     mem = f"activation memory {_rng(ratio, '{:.2f}', 'x')} the baseline's"
-    if not d.get("baseline_act_in_place"):
+    if d.get("baseline_act_in_place"):
+        wide = [q for q, r in zip(ratio, d["rows"]) if r["hidden_slice"] >= r["N"]]
+        mem += (f" (gelu in place: H + out), <= 0.6x on {sum(q <= 0.6 for q in wide)} of the "
+                f"{len(wide)} points with hidden >= N (goal: all), above it on "
+                f"{sum(q > 1 for q in ratio)} (goal: none)")
+    else:
         inplace = [r["variants"][groups[0]]["activation_mem"]
                    / in_place_baseline_bytes(r["tokens"], r["hidden_slice"], r["N"])
                    for r in d["rows"]]
@@ -461,7 +469,8 @@ def chained(root):
         mem += (f" (its gelu out of place); against the baseline with gelu in place (H + out) "
                 f"{_rng(inplace, '{:.2f}', 'x')}, <= 0.6x on {sum(q <= 0.6 for q in wide)} of "
                 f"the {len(wide)} points with hidden >= N (goal: all)")
-    cell = (f"one H200, against torch addmm + act + mm timed in the same rounds: "
+    card = d["device"].replace("NVIDIA ", "").split()[0]
+    cell = (f"one {card}, against torch addmm + act + mm timed in the same rounds: "
             + ratios("speedup")
             + (f"; sustained (each path alone at the power cap) {ratios('hold_speedup')}"
                if held else "")
