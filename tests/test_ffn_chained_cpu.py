@@ -366,3 +366,24 @@ def test_sharded_experts_chained_emulated(bias):
     with pytest.raises(NotImplementedError, match="acc_init needs compute='reduce'"):
         mod._fused_call(torch.zeros(128, P, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32),
                         acc_init=lambda acc: None)
+
+
+def test_chained_reads_the_bf16_bias_parameter_itself():
+    """compute="chained" hands the kernel the bf16 b1 parameter (no fp32 copy, per call or
+    cached); the reduce kernel gets one fp32 copy per weight version."""
+    log = []
+    mod = FusedFFN(256, 512, 256, act1="gelu", bias=True)
+    _wire_fake_chained(mod, _FakeChained(log), _FakeAR(log, 256, 256), log,
+                       keep_for=lambda t, s: None)
+    b1 = mod._fused_b1_param()
+    assert b1.dtype == torch.bfloat16
+    got = mod._b1_for_compute()
+    assert got.dtype == torch.bfloat16 and got.data_ptr() == b1.data_ptr()
+    assert mod._b1_cache is None
+    mod._chained = False
+    f = mod._b1_for_compute()
+    assert f.dtype == torch.float32 and torch.equal(f, b1.float())
+    assert mod._b1_for_compute() is f  # converted once
+    with torch.no_grad():
+        b1.add_(1)  # a new weight version: converted again
+    assert torch.equal(mod._b1_for_compute(), b1.float())

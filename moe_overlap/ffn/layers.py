@@ -462,13 +462,17 @@ class _FusedBackend:
             self._ring_buf = torch.empty(need, dtype=torch.bfloat16, device=dev)
         return self._ring_buf[:need].view(rows, self.local_hidden)
 
-    def _b1_fp32(self):
-        """The first-layer bias as the contiguous fp32 tensor the compute kernel reads (None
-        without bias), converted once per weight version (``_version`` moves with every
-        in-place update, e.g. ``load_full_weights``), so that no call converts it."""
+    def _b1_for_compute(self):
+        """The first-layer bias as the compute kernel reads it (None without bias): the chained
+        kernel reads a contiguous bf16 bias as it is (``compute_chained.b1_read_dtype``), so the
+        parameter itself, with no copy; otherwise a contiguous fp32 copy, converted once per
+        weight version (``_version`` moves with every in-place update, e.g.
+        ``load_full_weights``), so that no call converts it."""
         b1 = self._fused_b1_param()
         if b1 is None:
             return None
+        if self._chained and b1.dtype == torch.bfloat16 and b1.is_contiguous():
+            return b1.detach()
         key = (b1.data_ptr(), b1._version, b1.dtype)
         if self._b1_cache is None or self._b1_cache[0] != key:
             self._b1_cache = (key, b1.detach().float().contiguous().clone())
@@ -489,8 +493,8 @@ class _FusedBackend:
         all-reduce's b2 in place of ``_fused_b2()`` (made by the caller before the call, e.g.
         one row per row block with ``b2_per_band``).
 
-        Host order: every allocation and conversion (output, fp32 b1, the compute kernel's
-        scratch counter) is done before the first launch; the compute (the producer of the
+        Host order: every allocation and conversion (output, b1 as the kernel reads it, the
+        compute kernel's scratch counter) is done before the first launch; the compute (the producer of the
         ready flags) is launched before the all-reduce that waits on them, so that the waiting
         kernel never waits on one not launched yet (with CUDA_LAUNCH_BLOCKING=1 the compute runs
         to completion first). An earlier call's device error raises here, before any work."""
@@ -509,7 +513,7 @@ class _FusedBackend:
         if not self._warm:
             self._fused_warmup(ar)
         cur, comm = self._streams(x2.device)
-        b1f = self._b1_fp32()
+        b1f = self._b1_for_compute()
         if self._chained:
             ring = self._prepare_chained(M)  # allocated before any launch
             data = ar.partial[:M]  # the compute kernel's out: stored, not added into
@@ -694,7 +698,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         return self.act1
 
     def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None, b1=None, h_ring=None):
-        b1 = self._b1_fp32() if b1 is None else b1
+        b1 = self._b1_for_compute() if b1 is None else b1
         ccta = self.ccta if ccta is None else ccta
         if self._chained:  # acc: the bf16 partial [M, N] the kernel stores (its out)
             self._compute(x, self.w1.detach(), b1, self.w2.detach(), out=acc, band_ready=ready,
@@ -866,7 +870,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         return self.b_out is not None  # chained: b_out[expert] per row block, in the all-reduce
 
     def _run_compute(self, x, acc, ready, epoch, mte, stream, ccta=None, b1=None, h_ring=None):
-        b1 = self._b1_fp32() if b1 is None else b1
+        b1 = self._b1_for_compute() if b1 is None else b1
         ccta = self.ccta if ccta is None else ccta
         if self._chained:  # acc: the bf16 partial [M, N] the kernel stores (its out)
             self._compute.grouped(x, self.w_in.detach(), b1, self.w_out.detach(), acc, ready,
