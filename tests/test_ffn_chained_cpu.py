@@ -56,6 +56,13 @@ def test_chained_resolve():
     with pytest.raises(ValueError, match="patch=0"):
         FFNOptions(compute="chained", compute_options=dict(patch=0)).resolve(
             FFNFacts(local_hidden=512))
+    r = FFNOptions(compute="chained", compute_options=dict(group=8, split="auto")).resolve(
+        FFNFacts(local_hidden=512))
+    assert dict(r.compute_options) == dict(group=8, split="auto")
+    for bad in (-1, "early", True, 1.5):
+        with pytest.raises(ValueError, match="split="):
+            FFNOptions(compute="chained", compute_options=dict(split=bad)).resolve(
+                FFNFacts(local_hidden=512))
 
 
 def test_reference_backend_refuses_compute():

@@ -71,8 +71,10 @@ at G times the ring. ``patch`` C > 1 also puts each block's C column tiles next 
 so the CTAs reading one block's operand (its x rows, its H block) run side by side too, while
 their k-slabs are still in L2 (with patch 1 they are ``group`` entries apart, spread over a
 whole tile's duration, and on llama3-70b's slice x and H came from DRAM again for most column
-tiles). The defaults ``group="auto"`` / ``patch="auto"`` pick G per shape from the ring's share
-of H and C from G (``auto_group``, ``auto_patch``: the rule and the measurement it comes from).
+tiles). The defaults ``group="auto"`` / ``patch="auto"`` pick the order per shape: a phased
+order (below) where one fits the activation bound and simulate runs it well (``auto_phased``),
+else G from the ring's share of H and C from G (``auto_group``, ``auto_patch``; each docstring
+has its rule and the measurement it comes from).
 ``split`` k phases each step of the super-block order (``chained_schedule``): k GEMM1
 super-tiles, the step's GEMM2 super-tiles, the other GEMM1 super-tiles, so the CTAs run one kind
 of one super-block at a time; with it one super-block of lookahead and a ring of two hold the
@@ -520,9 +522,9 @@ def auto_group(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256, cluste
     0.939-0.983x, the same rule over (8, 4, 2) unpatched with half of H as the only cap 0.886-
     0.980x. The bound takes group 16 at 32768 tokens everywhere, but group 4 at 8192 tokens on
     the wide slices (group 8's ring of 32 blocks is 0.68-0.72x the baseline's H + out there);
-    group 4's sustained rate there is not yet measured (ncu: 12.8 GB DRAM against 8p4's 9.3 on
-    llama3-70b). Depends on M only through min(ring, blocks). cluster 2: the same rule on the
-    pair orders (``schedule_for(cluster=2)``).
+    group 4's sustained rate there, measured later on an H100, was 0.82-0.91x, which is why
+    ``group="auto"`` tries ``auto_phased`` first. Depends on M only through min(ring, blocks).
+    cluster 2: the same rule on the pair orders (``schedule_for(cluster=2)``).
     """
     blocks = -(-M // tile_m)
     held = {g: min(schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=g,
@@ -606,10 +608,12 @@ class ChainedFFNCompute:
         share the tiled MMA and the smem ring); stages: operand ring depth (None: as many as
         fit, 4); epi_n x epi_stages: epilogue sub-tile width and buffers; timeout_ms: bound of
         every cross-CTA wait; group: tile order on super-blocks of this many row blocks (module
-        docstring; 1 = ``chained_schedule.derive``'s order), "auto" = ``auto_group`` per shape
-        (its docstring has the rule and the measurement behind it); patch: column tiles per run
-        of the super-block order (``GroupedChainedSchedule.tiles``; 1 = each super-tile's blocks
-        side by side only), "auto" = ``auto_patch`` of the group run. cluster: 1, or 2 for
+        docstring; 1 = ``chained_schedule.derive``'s order), "auto" = ``auto_phased``'s order
+        per shape where it gives one (with patch "auto", split None, cluster 1), else
+        ``auto_group`` (their docstrings have the rules and the measurements behind them);
+        patch: column tiles per run of the super-block order (``GroupedChainedSchedule.tiles``;
+        1 = each super-tile's blocks side by side only), "auto" = the phased order's (1) or
+        ``auto_patch`` of the group run. cluster: 1, or 2 for
         2-CTA clusters along M (``PairedChainedSchedule``): the two CTAs of a cluster run the
         same tile (kind, column) on adjacent row blocks 2 q, 2 q + 1 and load each weight tile
         once, half each, multicast to both (half the weight traffic from L2); dense calls only,
@@ -619,7 +623,8 @@ class ChainedFFNCompute:
 
     __call__(x, w1, b1, w2, out=None, band_ready=None, epoch=None, act1="gelu", ccta=0,
              stream=None, h_ring=None) -> out
-        x [M, P] bf16, w1 [P, hidden] bf16, b1 [hidden] float or None, w2 [hidden, N] bf16,
+        x [M, P] bf16, w1 [P, hidden] bf16, b1 [hidden] float or None (bf16 read as it is,
+        any other float through an fp32 copy per call: ``b1_read_dtype``), w2 [hidden, N] bf16,
         out [M, N] bf16 (allocated when None); band_ready int32 [>= ceil(M / tile_m)] and
         epoch int32 [1] (band flags for a following band all-reduce; a private pair when None);
         act1 in ACT1_CHAINED; ccta: SMs left free (grid = SMs - ccta); h_ring: the H ring

@@ -55,13 +55,14 @@ def fused_tile_o(local_hidden: int) -> int:
 COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "cluster_m", "h_pair")
 # compute="chained": keyword options of ffn.compute_chained.ChainedFFNCompute (tile sizes are
 # the kernel's fixed 128 x 256 x 256)
-CHAINED_COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "group", "patch")
+CHAINED_COMPUTE_OPTIONS = ("stages", "epi_n", "epi_stages", "group", "patch", "split")
 
 
 def check_chained_compute_options(options) -> dict:
     """Validated copy of ``compute_options`` for compute="chained" (``CHAINED_COMPUTE_OPTIONS``,
-    checked by ``ChainedFFNCompute.check_options``; group, patch: "auto" or an int >= 1). Raises
-    ValueError / TypeError on any machine, before CUDA is touched."""
+    checked by ``ChainedFFNCompute.check_options``; group, patch: "auto" or an int >= 1; split:
+    None, "auto" or an int >= 0). Raises ValueError / TypeError on any machine, before CUDA is
+    touched."""
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise TypeError(f"compute_options must be a dict, got {type(options).__name__}")
@@ -74,9 +75,13 @@ def check_chained_compute_options(options) -> dict:
         if g != "auto" and (isinstance(g, bool) or not isinstance(g, numbers.Integral)
                             or g < 1):
             raise ValueError(f"compute_options: {name}={g!r} must be 'auto' or an int >= 1")
+    sp = options.get("split")
+    if sp is not None and sp != "auto" and (isinstance(sp, bool)
+                                            or not isinstance(sp, numbers.Integral) or sp < 0):
+        raise ValueError(f"compute_options: split={sp!r} must be None, 'auto' or an int >= 0")
     from .compute_chained import ChainedFFNCompute
     ChainedFFNCompute.check_options(**{k: v for k, v in options.items()
-                                       if k not in ("group", "patch")})
+                                       if k not in ("group", "patch", "split")})
     return options
 
 

@@ -23,8 +23,9 @@ projected, not measured. Per GPU of G, for T tokens and a shape (P, O, N), O/G t
   "chained" (`ffn_chained_compute_h200_auto_patch_7dea59e.json`: the sustained ratio, each path
   alone back to back at the power cap, per shape and token count; the interleaved ratio favours
   the path drawing more power, bench/NOTES.md, session 15; at 8192 tokens on the wide slices it
-  ran group 8, where group="auto" now takes group 4 for the activation bound, not yet timed:
-  session 16), "reduce" (the seed's kernel,
+  ran group 8, where group="auto" now runs a phased order, measured on an H100 only: session
+  17; the H200 rates stay, so that the kernel's and the baseline's come from one card),
+  "reduce" (the seed's kernel,
   compute="reduce": `fused_compute` against `compute`
   in the same run of `ffn_fused_v7_final_2xh200.json`, T = 8192 only, used for every T).
 - b: bytes per element of the band all-reduce: 4 for "reduce" (fp32 partials), 2 for "chained"
