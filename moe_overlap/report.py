@@ -33,13 +33,17 @@ HEADLINE = {
     "packed": ("Producer on fine-grained MoE plans (aligned vs packed layout)",
                ("packed_gemm_h200_d98035d.json",)),
     "chained": ("Chained FFN compute kernel alone (GEMM1 -> bf16 H ring -> full-depth GEMM2)",
-                ("ffn_chained_compute_h100_auto_phased_0792106.json",)),
+                ("ffn_chained_compute_h200_auto_phased_918b75d.json",)),
     "plan": ("Planner and prepare (device time)", ("plan_kernel2_h200_1622057.json",
                                                     "plan_kernel2_last_h200_1622057.json")),
 }
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
 CURRENT_OTHER = {
+    "ffn_chained_compute_h100_auto_phased_0792106.json": "chained kernel, group auto with the "
+                                                         "phased orders, the 14 points on an H100",
+    "profile_ordered_routes_h200_918b75d.log": "the ordered scale's device tables by stage "
+                                               "(bench/profile_ordered_routes.py, H200)",
     "ffn_chained_compute_h200_auto_patch_7dea59e.json": "chained kernel on an H200, the previous "
                                                         "auto rule (auto_group only); the FFN "
                                                         "projection's sustained ratios",

@@ -167,3 +167,31 @@ def test_phased_choice_is_a_valid_order():
         assert g1_last[b] < g2_first[b]
         if b >= s.ring:
             assert g2_last[b - s.ring] < g1_first[b]
+
+
+HEADLINES = [RESULTS / n for n in ("ffn_chained_compute_h100_auto_phased_0792106.json",
+                                   "ffn_chained_compute_h200_auto_phased_918b75d.json")]
+
+
+@pytest.mark.parametrize("path", HEADLINES, ids=lambda p: p.name)
+def test_headline_ran_the_rule_as_committed(path):
+    """The headline files (the rule's sustained rate on both cards) ran the order the rule
+    picks today at every point (group, ring, split), and that order kept the compute goal
+    (>= 0.95x sustained) and the activation bound (<= 0.6x the in-place baseline where
+    hidden >= N, never above it)."""
+    doc = json.loads(path.read_text())
+    assert doc["groups"] == ["auto"] and doc["baseline_act_in_place"]
+    assert len({(r["shape"], r["tokens"]) for r in doc["rows"]}) == 14
+    for r in doc["rows"]:
+        M, P, hidden, N = r["tokens"], r["P"], r["hidden_slice"], r["N"]
+        v = r["variants"]["auto"]
+        c = ChainedFFNCompute()
+        s = c.schedule(M, P, hidden, N, v["grid"])
+        split = getattr(getattr(s, "base", s), "split", None)
+        assert (c.group_for(M, P, hidden, N, v["grid"]), s.ring, split) == \
+            (v["group_run"], v["ring"], v["split"]), (r["shape"], M)
+        assert v["hold_speedup"] >= 0.95, (r["shape"], M)
+        base = baseline_activation_bytes(M, hidden, N)
+        assert v["activation_mem"] <= base, (r["shape"], M)
+        if hidden >= N:
+            assert v["activation_mem"] <= ACTIVATION_CAP * base, (r["shape"], M)
