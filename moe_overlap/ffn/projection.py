@@ -20,12 +20,10 @@ projected, not measured. Per GPU of G, for T tokens and a shape (P, O, N), O/G t
   assumption: optimistic where the slice gets short, flagged where it falls below the smallest
   slice measured, 1024).
 - rel_path: the fused compute kernel's rate relative to torch's, measured on all SMs of one GPU:
-  "chained" (`ffn_chained_compute_h200_auto_patch_7dea59e.json`: the sustained ratio, each path
+  "chained" (`ffn_chained_compute_h200_auto_phased_918b75d.json`: the sustained ratio, each path
   alone back to back at the power cap, per shape and token count; the interleaved ratio favours
-  the path drawing more power, bench/NOTES.md, session 15; at 8192 tokens on the wide slices it
-  ran group 8, where group="auto" now runs a phased order, measured on an H100 only: session
-  17; the H200 rates stay, so that the kernel's and the baseline's come from one card),
-  "reduce" (the seed's kernel,
+  the path drawing more power, bench/NOTES.md, session 15; the order group="auto" runs,
+  phased where one fits: session 17), "reduce" (the seed's kernel,
   compute="reduce": `fused_compute` against `compute`
   in the same run of `ffn_fused_v7_final_2xh200.json`, T = 8192 only, used for every T).
 - b: bytes per element of the band all-reduce: 4 for "reduce" (fp32 partials), 2 for "chained"
@@ -66,7 +64,7 @@ MIN_MEASURED_SLICE = 1024  # the narrowest hidden slice R_torch / rel_path were 
 # the files every rate below comes from (bench/results/)
 SOURCES = {
     "torch_tflops": "ffn_baseline_h200.json (rows[].tflops: addmm + act + mm, G = 2 slices)",
-    "chained_rel": "ffn_chained_compute_h200_auto_patch_7dea59e.json (rows[].hold_speedup: "
+    "chained_rel": "ffn_chained_compute_h200_auto_phased_918b75d.json (rows[].hold_speedup: "
                    "chained kernel / torch, each held alone back to back, all 132 SMs)",
     "reduce_rel": "ffn_fused_v7_final_2xh200.json (compute / fused_compute, max-rank medians, "
                   "T = 8192)",
@@ -77,7 +75,7 @@ SOURCES = {
     "ar_cap_ratio": "ffn_fused_v7_final_2xh200.json (busbw_band_ar_GBs / busbw_nccl_fp32_GBs, "
                     "all SMs, median over shapes)",
 }
-FILES = ("ffn_baseline_h200.json", "ffn_chained_compute_h200_auto_patch_7dea59e.json",
+FILES = ("ffn_baseline_h200.json", "ffn_chained_compute_h200_auto_phased_918b75d.json",
          "ffn_fused_v7_final_2xh200.json")
 
 
@@ -104,13 +102,13 @@ class FFNRates:
         "llama4-scout-shared@32768": 641.2, "mixtral-8x7b-expert@8192": 645.6,
         "mixtral-8x7b-expert@32768": 615.8})
     chained_rel: dict = field(default_factory=lambda: {
-        "llama3-8b@8192": 0.9415, "llama3-8b@32768": 1.0019, "llama3-70b@8192": 0.9596,
-        "llama3-70b@32768": 0.9587, "deepseek-v3-dense@8192": 0.9317,
-        "deepseek-v3-dense@32768": 0.9651, "deepseek-v3-expert@8192": 0.9324,
-        "deepseek-v3-expert@32768": 0.9474, "llama4-scout-expert@8192": 0.9519,
-        "llama4-scout-expert@32768": 0.9792, "llama4-scout-shared@8192": 0.9381,
-        "llama4-scout-shared@32768": 0.978, "mixtral-8x7b-expert@8192": 0.9463,
-        "mixtral-8x7b-expert@32768": 1.0093})
+        "llama3-8b@8192": 0.9607, "llama3-8b@32768": 1.0047, "llama3-70b@8192": 0.9861,
+        "llama3-70b@32768": 0.9815, "deepseek-v3-dense@8192": 0.9694,
+        "deepseek-v3-dense@32768": 0.9824, "deepseek-v3-expert@8192": 0.9588,
+        "deepseek-v3-expert@32768": 0.9596, "llama4-scout-expert@8192": 0.9782,
+        "llama4-scout-expert@32768": 0.9824, "llama4-scout-shared@8192": 0.971,
+        "llama4-scout-shared@32768": 0.968, "mixtral-8x7b-expert@8192": 0.9679,
+        "mixtral-8x7b-expert@32768": 1.0102})
     reduce_rel: dict = field(default_factory=lambda: {
         "llama3-8b": 0.7683, "llama3-70b": 0.7615, "deepseek-v3-dense": 0.7732,
         "deepseek-v3-expert": 0.6836, "llama4-scout-expert": 0.7763,
