@@ -570,9 +570,12 @@ PHASED_MIN_EFFICIENCY = 0.96  # simulate's efficiency a phased order must reach 
 @functools.lru_cache(maxsize=256)
 def auto_phased(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256):
     """The phased order ``group="auto"`` runs where one fits, else None (then ``auto_group``):
-    of PHASED_ORDERS whose ring is within ``ring_cap_blocks`` (the activation bound, or half of
-    H), those that ``simulate`` runs at PHASED_MIN_EFFICIENCY or better, the most efficient
-    (within SPLIT_TOLERANCE: the larger group, fewer weight reads). The split is ``auto_split``'s.
+    of PHASED_ORDERS whose ring is within ``ring_cap_blocks`` of M rows (the activation bound,
+    or half of H), those that ``simulate`` runs at PHASED_MIN_EFFICIENCY or better, the most
+    efficient (within SPLIT_TOLERANCE: the larger group, fewer weight reads), with
+    ``auto_split``'s split. The simulations (~0.2-0.7 s) run once per bucket of row blocks, at
+    the next power of two (``_phased_choice``), so that a call of a new M (the experts' rows
+    change every step) costs only its tile list; at a power of two the bucket is M itself.
 
     Why (one H100 at the 700 W cap, the seven FFN slices at G = 2, 8192 and 32768 tokens, each
     path alone for 2 s; bench/NOTES.md, session 17): each step of the phased order runs its
@@ -584,18 +587,32 @@ def auto_phased(M, P, hidden, N, grid, tile_m=128, tile_h=256, tile_n=256):
     (llama4-scout: simulate 0.84-0.94, measured 0.90-0.94x; group 6 in 18: 0.98x), which
     simulate's efficiency sees. Where the hidden slice has few column tiles (deepseek-v3-expert:
     4) a step has nothing to phase (simulate 0.57-0.68, measured 0.68-0.84x): ``auto_group``.
-    At 4096 tokens no phased ring fits the bound on the wide slices; a cached choice (about a
-    second of simulation per new shape and grid)."""
+    At 4096 tokens no phased ring fits the bound on the wide slices."""
     cap = ring_cap_blocks(M, hidden, N, tile_m)
+    candidates = tuple((g, r) for g, r in PHASED_ORDERS if r <= cap)
+    if not candidates:
+        return None
+    blocks = -(-M // tile_m)
+    choice = _phased_choice(1 << (blocks - 1).bit_length(), P, hidden, N, grid, tile_m, tile_h,
+                            tile_n, candidates)
+    if choice is None:
+        return None
+    group, ring, split = choice
+    return schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=group, ring=ring,
+                        patch=1, lookahead=group, split=split)
+
+
+@functools.lru_cache(maxsize=256)
+def _phased_choice(blocks, P, hidden, N, grid, tile_m, tile_h, tile_n, candidates):
+    """(group, ring, split) of ``auto_phased``'s rule over ``candidates`` ((group, ring) pairs)
+    simulated at ``blocks`` row blocks, or None where none reaches PHASED_MIN_EFFICIENCY."""
     best = None
-    for group, ring in PHASED_ORDERS:
-        if ring > cap:
-            continue
-        s = schedule_for(M, P, hidden, N, grid, tile_m, tile_h, tile_n, group=group, ring=ring,
-                         patch=1, lookahead=group, split="auto")
+    for group, ring in candidates:
+        s = schedule_for(blocks * tile_m, P, hidden, N, grid, tile_m, tile_h, tile_n,
+                         group=group, ring=ring, patch=1, lookahead=group, split="auto")
         e = simulate(s).efficiency
         if e >= PHASED_MIN_EFFICIENCY and (best is None or e > best[0] + SPLIT_TOLERANCE):
-            best = (e, s)
+            best = (e, (group, ring, s.base.split))
     return None if best is None else best[1]
 
 
