@@ -494,10 +494,11 @@ class _FusedBackend:
         one row per row block with ``b2_per_band``).
 
         Host order: every allocation and conversion (output, b1 as the kernel reads it, the
-        compute kernel's scratch counter) is done before the first launch; the compute (the producer of the
-        ready flags) is launched before the all-reduce that waits on them, so that the waiting
-        kernel never waits on one not launched yet (with CUDA_LAUNCH_BLOCKING=1 the compute runs
-        to completion first). An earlier call's device error raises here, before any work."""
+        compute kernel's scratch counter) is done before the first launch; the compute (the
+        producer of the ready flags) is launched before the all-reduce that waits on them, so
+        that the waiting kernel never waits on one not launched yet (with
+        CUDA_LAUNCH_BLOCKING=1 the compute runs to completion first). An earlier call's device
+        error raises here, before any work."""
         M = x2.shape[0]
         out = torch.empty(M, self.out_features, dtype=torch.bfloat16, device=x2.device)
         if M == 0:
