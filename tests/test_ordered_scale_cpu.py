@@ -207,3 +207,29 @@ def test_simulate_orders_the_designs(ccta):
                      model=fast)
     assert f["A"] == pytest.approx(max(f["gemm_end"] + 5e-3, f["last_arrival"]), rel=1e-6,
                                    abs=1e-6)
+
+
+def test_completion_keys_are_integer_buckets_in_schedule_order():
+    """The tile order's key: (position * KEY_BUCKETS) // count, an int64 in [0, KEY_BUCKETS),
+    non-decreasing along the owner's schedule and along each sender's segments."""
+    from moe_overlap.combine.ordered_scale import (KEY_BUCKETS, completion_keys,
+                                                   row_dependencies, sender_plans)
+    W, E, T, k = 4, 16, 400, 4
+    ids = [route(T, E, k, "moderate_skew", seed=3, rank=r)[0] for r in range(W)]
+    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids])
+    plans = sender_plans(counts, tile_m=64, mgb=2)
+    rank = 1
+    deps = row_dependencies(ids[rank], counts, rank, plans)
+    key = completion_keys(deps, plans, rank)
+    assert key.dtype == torch.int64
+    assert bool((key >= 0).all()) and bool((key < KEY_BUCKETS).all())
+    p = plans[rank]
+    nb = int(p.num_bands)
+    pos = {int(b): i for i, b in enumerate(p.schedule[:nb])}
+    loc = deps.kind == LOCAL
+    for b, kk in zip(deps.index[loc].tolist(), key[loc].tolist()):
+        assert kk == pos[b] * KEY_BUCKETS // nb
+    rem = deps.kind == REMOTE
+    for s, i, kk in zip(deps.source[rem].tolist(), deps.index[rem].tolist(), key[rem].tolist()):
+        assert kk == i * KEY_BUCKETS // int(plans[s].num_segments)
+    assert bool(loc.any()) and bool(rem.any())

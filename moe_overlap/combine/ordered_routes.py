@@ -19,7 +19,7 @@ whose size depends on data, so it can run inside a CUDA graph:
    disjoint row ranges (one sender's cells are disjoint, senders' experts are), so one scatter-amax
    of (first row, segment id) keys over the owner's R = T * topk receive rows and a cummax find it
    for every row at once. A local row's band: its y row // tile_m (as ``row_dependencies``).
-3. order: the reference's completion key (``completion_keys``, the same float64 expressions) and
+3. order: the reference's completion key (``completion_keys``, the same integer expressions) and
    its stable sort of every token's largest key; tiles are the fixed cuts of ``tile_tokens``.
 4. each tile's distinct (kind, source, index), ascending (``torch.unique(dim=0)``'s order): one
    sort of (tile, kind, source, index) keys over all R assignments; a tile's keys occupy a fixed
@@ -50,7 +50,8 @@ from __future__ import annotations
 import torch
 
 from .checks import as_int, check_expert_ids
-from .ordered_scale import DEFAULT_TILE_TOKENS, LOCAL, REMOTE, OrderedRoutes, RowDeps
+from .ordered_scale import (DEFAULT_TILE_TOKENS, KEY_BUCKETS, LOCAL, REMOTE, OrderedRoutes,
+                            RowDeps)
 from .plan import CombinePlan, IMPLS, plan_combine, recv_rows
 
 # OverlapCombine.prepare(ordered_impl=): "device" (this module: sync-free, CUDA-graph
@@ -176,23 +177,22 @@ def _row_dependencies(ids, expert_counts, plan, segs, validate):
 
 
 def _completion_keys(deps, plan, segs):
-    """[T, k] float64: ``ordered_scale.completion_keys`` (the same expressions, bit for bit): a
-    local band's schedule position / num_bands, a remote segment's index / its sender's
-    num_segments (at least 1)."""
+    """[T, k] int64: ``ordered_scale.completion_keys`` (the same integer expressions): a local
+    band's (schedule position * KEY_BUCKETS) // num_bands, a remote segment's (index *
+    KEY_BUCKETS) // its sender's num_segments (at least 1)."""
     B = plan.band_capacity
     dev = deps.kind.device
     pos_b = torch.arange(B, dtype=torch.int64, device=dev)
     nb = plan.num_bands.long()
     sched = plan.schedule.long()
     valid = (pos_b < nb) & (sched >= 0) & (sched < B)
-    # position / nb at each scheduled band (distinct bands: amax over one value; invalid
-    # schedule slots go to the extra entry B)
-    pos = torch.zeros(B + 1, dtype=torch.float64, device=dev).scatter_reduce_(
-        0, torch.where(valid, sched, B), pos_b.double() / nb.clamp(min=1).double(),
-        reduce="amax")
-    nseg = segs[:, 0].long().clamp(min=1).double()
+    # the key of each scheduled band (distinct bands: amax over one value; invalid schedule
+    # slots go to the extra entry B)
+    pos = torch.zeros(B + 1, dtype=torch.int64, device=dev).scatter_reduce_(
+        0, torch.where(valid, sched, B), pos_b * KEY_BUCKETS // nb.clamp(min=1), reduce="amax")
+    nseg = segs[:, 0].long().clamp(min=1)
     local_key = pos[deps.index.clamp(0, B)]
-    remote_key = deps.index.double() / nseg[deps.source]
+    remote_key = deps.index.clamp(min=0) * KEY_BUCKETS // nseg[deps.source]
     return torch.where(deps.kind == LOCAL, local_key, remote_key)
 
 

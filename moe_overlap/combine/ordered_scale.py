@@ -40,6 +40,8 @@ from .tuning import CostModel
 # tokens per tile: 4096 tokens make 256 tiles, about one per CTA of the ordered scale's grid
 # (bench/NOTES.md, session 12: 32-token tiles left most of the grid idle)
 DEFAULT_TILE_TOKENS = 16
+# completion_keys' integer range: one bucket per thread of the device sort's CTA
+KEY_BUCKETS = 1024
 
 LOCAL, REMOTE = 0, 1
 
@@ -365,21 +367,25 @@ class OrderedRoutes:
 
 
 def completion_keys(deps: RowDeps, plans: list, rank: int) -> torch.Tensor:
-    """[T, k] float64: a cheap stand-in of each row's availability time for the tile order (the
-    order only affects speed): a local band's schedule position over the owner's bands, a remote
-    segment's index over its sender's segments (both complete roughly in schedule order)."""
-    key = torch.zeros(deps.kind.shape, dtype=torch.float64)
+    """[T, k] int64: a cheap stand-in of each row's availability time for the tile order (the
+    order only affects speed), an integer in [0, KEY_BUCKETS): a local band's schedule position
+    p over the owner's nb bands as (p * KEY_BUCKETS) // nb, a remote segment's index i over its
+    sender's ns segments as (i * KEY_BUCKETS) // ns (both complete roughly in schedule order).
+    Integers, so the device's stable sort of the tokens is a counting sort over KEY_BUCKETS
+    values (combine/ordered_routes_kernel.py); keys closer than 1 / KEY_BUCKETS of a schedule
+    share a bucket and keep token order."""
+    key = torch.zeros(deps.kind.shape, dtype=torch.int64)
     p = plans[rank]
     nb = int(p.num_bands.item())
-    pos = torch.zeros(max(p.band_capacity, 1), dtype=torch.float64)
+    pos = torch.zeros(max(p.band_capacity, 1), dtype=torch.int64)
     if nb:
-        pos[p.schedule[:nb].long()] = torch.arange(nb, dtype=torch.float64) / nb
+        pos[p.schedule[:nb].long()] = torch.arange(nb, dtype=torch.int64) * KEY_BUCKETS // nb
     loc = deps.kind == LOCAL
     key[loc] = pos[deps.index[loc]]
     for s, q in enumerate(plans):
         m = (deps.kind == REMOTE) & (deps.source == s)
         if bool(m.any()):
-            key[m] = deps.index[m].double() / max(1, int(q.num_segments.item()))
+            key[m] = deps.index[m] * KEY_BUCKETS // max(1, int(q.num_segments.item()))
     return key
 
 
