@@ -12,10 +12,12 @@ cost of unused capacity shows; `prepare` (receive rows, source rows, expected co
 rank's routing. Both captured in a CUDA graph of 5 calls; the median replay / 5. --order: the
 plan's schedules to time (plan_combine(order=); prepare does not depend on it).
 --what ordered: the ordered scale's per-routing tables (`ordered_routes.ordered_routes_device`,
-validate=False: every other rank's plan rebuilt with plan_combine(impl=), the row signals, the
-tile order and dependency lists, seg_inc) of the planned rank at W in ORDERED_WORLDS, layout
-auto, the layer's capacity (max_rows = W * T * k), in the same CUDA graph timing; checked
-bitwise against the host reference (`ordered_scale.ordered_routes`) before timing.
+validate=False: every other rank's plan rebuilt, the row signals, the tile order and dependency
+lists, seg_inc) of the planned rank at W in ORDERED_WORLDS, layout auto, the layer's capacity
+(max_rows = W * T * k), in the same CUDA graph timing: the torch path, the kernels given
+prepare's rows, the kernels with prepare_routes, and the whole plan + prepare of
+scale="ordered" against plan + prepare alone; checked bitwise against the host reference
+(`ordered_scale.ordered_routes`) before timing.
 --device cpu: a smoke run (SMOKE_CASES, torch only, wall-clock medians of eager calls) of the
 same code and checks. JSON to --out.
 """
@@ -59,11 +61,18 @@ def prepare_fn(plan, ids, E, W, rank, impl):
     return lambda: prepare_routes(ids, E, W, rank, False, plan, impl=impl)
 
 
-def ordered_fn(ids, counts, plan, impl):
+def ordered_fn(ids, counts, plan, impl, rows=None):
     """OverlapCombine.prepare's scale="ordered" device work (ordered_routes_device,
-    validate=False), the senders' plans with plan_combine(impl=impl)."""
+    validate=False). impl "torch": the torch path, the senders' plans by the planner kernel on
+    CUDA; "kernel": the kernels (combine/ordered_routes_kernel.py) given prepare's ``rows``
+    (what scale="ordered" adds to prepare); "kernel_rows": the kernels and prepare_routes."""
     from moe_overlap.combine.ordered_routes import ordered_routes_device
-    return lambda: ordered_routes_device(ids, counts, plan, plan_impl=impl, validate=False)
+    plan_impl = "kernel" if ids.is_cuda else "torch"
+    if impl == "torch":
+        return lambda: ordered_routes_device(ids, counts, plan, plan_impl=plan_impl,
+                                             validate=False, impl="torch")
+    return lambda: ordered_routes_device(ids, counts, plan, validate=False, impl="kernel",
+                                         rows=rows if impl == "kernel" else None)
 
 
 def ordered_reference(ids, counts, plan):
@@ -162,24 +171,51 @@ def main(argv=None):
 
 
 def time_ordered(ids, counts, W, E, T, k, rank, impls, orders, dev):
-    """Rows of the ordered tables' timing (layout auto, the layer's capacity) per impl and
-    order; every impl's result checked against the host reference first."""
+    """Rows of the ordered tables' timing (layout auto, the layer's capacity) per path and
+    order, every path's result checked against the host reference first. On CUDA also the
+    whole of scale="ordered"'s plan + prepare in one graph: the plan, prepare_routes and the
+    tables' kernels (``plan_prepare_ordered_us``), beside plan + prepare_routes alone."""
     out = []
+    paths = (["torch"] if "torch" in impls else []) + \
+        (["kernel", "kernel_rows"] if "kernel" in impls and dev.type == "cuda" else [])
     for order in orders:
+        plan_impl = "kernel" if dev.type == "cuda" else "torch"
         plan = plan_combine(counts, rank, tile_m=128, mgb=2, max_rows=W * T * k,
-                            validate=False, layout="auto", impl=impls[0], order=order)
+                            validate=False, layout="auto", impl=plan_impl, order=order)
         ref = ordered_reference(ids, counts, plan)
-        for impl in impls:
-            fn = ordered_fn(ids, counts, plan, impl)
+        rows = prepare_fn(plan, ids, E, W, rank, plan_impl)()[0]
+        for impl in paths:
+            fn = ordered_fn(ids, counts, plan, impl, rows)
             equal = ordered_matches_reference(fn(), ref)
             us = time_us(fn, dev)
             r = dict(impl=impl, order=order, world_size=W, rank=rank, experts=E,
                      tokens_per_rank=T, topk=k, layout="auto", max_rows=W * T * k,
                      segment_capacity=plan.segment_capacity, ordered_us=us,
                      equal_to_reference=equal)
+            if impl == "kernel":
+                from moe_overlap.combine.ordered_routes import ordered_routes_device
+                from moe_overlap.combine.routes import prepare_routes
+
+                def plain():
+                    p = plan_combine(counts, rank, tile_m=128, mgb=2, max_rows=W * T * k,
+                                     validate=False, layout="auto", impl="kernel", order=order)
+                    return p, prepare_routes(ids, E, W, rank, False, p, impl="kernel")[0]
+
+                def whole():
+                    p, rw = plain()
+                    return ordered_routes_device(ids, counts, p, validate=False, impl="kernel",
+                                                 rows=rw)
+                r["plan_prepare_plain_us"] = time_us(plain, dev)
+                r["plan_prepare_ordered_us"] = time_us(whole, dev)
+                r["whole_equal_to_reference"] = ordered_matches_reference(whole(), ref)
+                equal = equal and r["whole_equal_to_reference"]
+                r["equal_to_reference"] = equal
             out.append(r)
-            print(f"ordered {impl:<6} {order:<12} W={W:<3} r={rank:<3} E={E:<4} T={T:<6} "
-                  f"tables {us:8.1f} us  equal to the host reference: {equal}", flush=True)
+            extra = (f"  plan+prepare plain {r['plan_prepare_plain_us']:6.1f} us, ordered "
+                     f"{r['plan_prepare_ordered_us']:6.1f} us" if impl == "kernel" else "")
+            print(f"ordered {impl:<11} {order:<12} W={W:<3} r={rank:<3} E={E:<4} T={T:<6} "
+                  f"tables {us:8.1f} us  equal to the host reference: {equal}{extra}",
+                  flush=True)
     return out
 
 

@@ -58,7 +58,30 @@ from .plan import CombinePlan, IMPLS, plan_combine, recv_rows
 # capturable) or "host" (ordered_scale.ordered_routes: the reference, which checks its inputs)
 ORDERED_IMPLS = ("device", "host")
 
+# ordered_routes_device(impl=): the torch ops of this module, the kernels of
+# combine/ordered_routes_kernel.py, or "auto" (the kernels where they can run)
+TABLES_IMPLS = ("auto", "torch", "kernel")
+
 TABLE_NAMES = ("order", "tile_start", "dep_start", "dep_kind", "dep_source", "dep_index")
+
+
+def _use_kernel(impl, topk_ids, expert_counts, k, tile_tokens, return_deps) -> bool:
+    """Whether ordered_routes_device takes the kernel path (impl resolved, once per call)."""
+    if impl == "torch":
+        return False
+    from .ordered_routes_kernel import OrderedRoutesKernel
+    from .plan_kernel import kernel_available
+    ok, why = OrderedRoutesKernel.can_implement(expert_counts.shape[1], k, tile_tokens,
+                                                topk_ids.dtype, expert_counts.dtype)
+    if impl == "auto":
+        return topk_ids.is_cuda and not return_deps and ok and kernel_available()
+    if return_deps:
+        raise ValueError("return_deps=True needs impl='torch' (the kernel keeps no row signals)")
+    if not topk_ids.is_cuda:
+        raise ValueError(f"impl='kernel' needs CUDA tensors, got {topk_ids.device}")
+    if not ok:
+        raise ValueError(f"impl='kernel' cannot run this: {why}")
+    return True
 
 
 def sender_max_rows(plan: CombinePlan) -> int:
@@ -235,7 +258,8 @@ def _tile_tables(deps, key, tile_tokens, W, Sc):
 
 def ordered_routes_device(topk_ids: torch.Tensor, expert_counts: torch.Tensor, plan: CombinePlan,
                           tile_tokens: int = DEFAULT_TILE_TOKENS, plan_impl: str = "auto",
-                          validate: bool = True, return_deps: bool = False) -> OrderedRoutes:
+                          validate: bool = True, return_deps: bool = False, impl: str = "auto",
+                          rows: torch.Tensor | None = None) -> OrderedRoutes:
     """The owner's ordered-scale inputs for one routing (``ordered_scale.ordered_routes``'s
     values) on the device of the inputs; no host sync with ``validate=False``.
 
@@ -251,7 +275,14 @@ def ordered_routes_device(topk_ids: torch.Tensor, expert_counts: torch.Tensor, p
         matching expert_counts[rank], a plan not made from these counts, a sender receiving more
         rows than the capacity, a remote row no segment ships): reads data, a host sync on CUDA.
         False: sync-free (CUDA graphs); the caller vouches for the inputs.
-    return_deps: also return the row signals (``RowDeps``, int64 [T, topk] each) for tests.
+    return_deps: also return the row signals (``RowDeps``, int64 [T, topk] each) for tests
+        (the torch path only: impl="kernel" is refused with it).
+    impl: "torch" (the steps of the module doc as torch ops, ~200 launches), "kernel"
+        (combine/ordered_routes_kernel.py: six launches plus prepare_routes' two when ``rows``
+        is None; CUDA and CuTe DSL) or "auto" (the kernel where it can run, else torch).
+    rows: int32 [T, topk], optional: ``prepare_routes(topk_ids, E, W, rank, local_copy=False,
+        plan)`` of this routing, which ``OverlapCombine.prepare`` has already computed (the
+        kernel path reads its rows instead of recomputing them).
 
     Returns ``OrderedRoutes`` with ``tiles=None`` (the kernel needs only the tables), ``tables``:
     int32 on the device, padded as the module doc says (order [T], tile_start / dep_start
@@ -261,9 +292,23 @@ def ordered_routes_device(topk_ids: torch.Tensor, expert_counts: torch.Tensor, p
     W, E, T, k, tile_tokens = _check_host_facts(topk_ids, expert_counts, plan, tile_tokens)
     if plan_impl not in IMPLS:
         raise ValueError(f"plan_impl={plan_impl!r}; choose from {IMPLS}")
+    if impl not in TABLES_IMPLS:
+        raise ValueError(f"impl={impl!r}; choose from {TABLES_IMPLS}")
     max_rows = sender_max_rows(plan)
     if validate:
         _validate_inputs(topk_ids, expert_counts, plan, max_rows, plan_impl)
+    use_kernel = _use_kernel(impl, topk_ids, expert_counts, k, tile_tokens, return_deps)
+    if use_kernel:
+        from .ordered_routes_kernel import ordered_tables_kernel
+        if rows is None:
+            from .routes import prepare_routes
+            rows, _ = prepare_routes(topk_ids, E, W, plan.rank, False, plan, impl="kernel")
+        elif tuple(rows.shape) != (T, k) or rows.device != topk_ids.device:
+            raise ValueError(f"rows must be [T={T}, topk={k}] on {topk_ids.device} (prepare_"
+                             f"routes' rows of this routing), got {tuple(rows.shape)} on "
+                             f"{rows.device}")
+        tables, seg_inc = ordered_tables_kernel(topk_ids, expert_counts, plan, rows, tile_tokens)
+        return OrderedRoutes(tiles=None, tables=tables, seg_inc=seg_inc)
     segs = _sender_segments(expert_counts, plan, max_rows, plan_impl, validate)
     deps = _row_dependencies(topk_ids.long(), expert_counts, plan, segs, validate)
     key = _completion_keys(deps, plan, segs)

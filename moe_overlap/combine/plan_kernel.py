@@ -167,12 +167,20 @@ def simt_helpers():
         "SimpleNamespace", "Int32", "Int64")})
 
 
-def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = False):
+def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = False,
+                       senders: bool = False):
     """The plan launcher (one kernel: CTA 0 plans, CTAs 1.. the row totals and the -1 tails).
     NE: shared array length (power of two >= E); NPS: sort length (power of two >= El);
     counts_64: the counts are int64 (else int32); by_expert: the schedule of
     plan_combine(order="expert"), the band order (no expert ranking: NPS unused), else that of
-    "remote_first"."""
+    "remote_first".
+
+    senders: the variant of the ordered scale's tables (combine/ordered_routes_kernel.py): CTA
+    (0, s) of a (1, W) grid plans rank s (``rank`` is the owner) and writes, instead of a plan,
+    what the owner needs of it (`SendersLayout`): the number of segments, each segment's
+    receive row on its destination, the rows it ships to the owner (seg_inc, into a zeroed
+    int64 table) and, per expert of s, the first segment and segment count of its group to
+    the owner; the owner's own CTA writes its num_bands and each band's schedule position."""
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -199,10 +207,22 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
         """Source rank of group j: remote ranks ascending, the local rank last."""
         return sel_eq(j, W - Int32(1), rank, sel_lt(j, rank, j, j + Int32(1)))
 
+    PLAN_OUT = not senders  # the plan's fields (else the senders' tables)
+
     @cute.kernel
     def plan_kernel(counts: Int64, out: Int64, W: Int32, E: Int32, El: Int32, rank: Int32,
                     lg: Int32, mgb: Int32, layout: Int32, B: Int32, S: Int32):
         tid, bidx, nblk = P.thread_block_grid()
+        owner = rank
+        if cutlass.const_expr(senders):
+            _, bidy, _ = cute.arch.block_idx()
+            rank = Int32(bidy)  # the rank planned here; owner: the ordered scale's rank
+            so_nseg = Int32(1)
+            so_first = so_nseg + W
+            so_cnt = so_first + E
+            so_pos = so_cnt + E
+            so_dr = so_pos + B
+            so_inc = ((so_dr + W * S + Int32(1)) >> Int32(1)) << Int32(1)  # 8-byte aligned
         lane = tid & Int32(31)
         warp = tid >> Int32(5)
         t = Int32(1) << lg
@@ -235,8 +255,9 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
             # per source and lane in flight (a loop of one load each would pay the global
             # latency once per 32 entries)
             rcv = Int32(0)
-            if tid < E:  # E <= NT
-                rcv = ldc(counts, rank * E + tid)
+            if cutlass.const_expr(PLAN_OUT):
+                if tid < E:  # E <= NT
+                    rcv = ldc(counts, rank * E + tid)
             nbef = rank * El
             s = warp
             while s < W:
@@ -260,8 +281,9 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     if s2 < W:
                         sts(SRC_BEFORE, s2, bef2)
                 s = s + Int32(64)
-            if tid < E:
-                stg(out, o_rc + tid, rcv)
+            if cutlass.const_expr(PLAN_OUT):
+                if tid < E:
+                    stg(out, o_rc + tid, rcv)
         else:
             # the tail CTAs: rows each source receives back (row totals of the counts), a warp
             # per source; outputs only, so CTA 0 does not wait for them
@@ -331,20 +353,26 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
         nb = total_rows >> lg
         if tid < El:
             sts(E_RS, tid, ers)
-            if bidx == Int32(0):
-                stg(out, o_er + tid, erows)
-                stg(out, o_ers + tid, ers)
+            if cutlass.const_expr(PLAN_OUT):
+                if bidx == Int32(0):
+                    stg(out, o_er + tid, erows)
+                    stg(out, o_ers + tid, ers)
         if tid == Int32(0):
             if bidx == Int32(0):
-                stg(out, Int32(0), packed)
-                stg(out, Int32(1), nb)
-                stg(out, Int32(5), total_rows)
-                stg(out, Int32(6), tot_sc)
+                if cutlass.const_expr(PLAN_OUT):
+                    stg(out, Int32(0), packed)
+                    stg(out, Int32(1), nb)
+                    stg(out, Int32(5), total_rows)
+                    stg(out, Int32(6), tot_sc)
+                else:
+                    if rank == owner:
+                        stg(out, Int32(0), nb)
         if g < E:
             st = sel_eq(packed, 1, sp, sa)
             sts(G_ST, g, st)
-            if bidx == Int32(0):
-                stg(out, o_grs + eg * W + group_source(jg, rank, W), st)
+            if cutlass.const_expr(PLAN_OUT):
+                if bidx == Int32(0):
+                    stg(out, o_grs + eg * W + group_source(jg, rank, W), st)
             if jg == W - Int32(1):
                 sts(E_NRB, eg, (st + tm1) >> lg)
                 f = Int32(0)
@@ -373,9 +401,10 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                 if tid < El:
                     sts(E_RB, tid, lds(E_RS, tid) >> lg)
                     sts(E_FB, tid, x_lcb)
-                if tid == Int32(0):
-                    stg(out, Int32(2), num_remote)
-                    stg(out, Int32(4), num_lc)
+                if cutlass.const_expr(PLAN_OUT):
+                    if tid == Int32(0):
+                        stg(out, Int32(2), num_remote)
+                        stg(out, Int32(4), num_lc)
             else:
                 # ---- phase 3: experts ranked by (-remote bands, e): bitonic sort of El keys
                 if tid < Int32(NPS):
@@ -426,9 +455,10 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     sts(E_RB, er, x_rb)
                     sts(E_LB, er, x_lb)
                     sts(E_FB, er, x_fb)
-                if tid == Int32(0):
-                    stg(out, Int32(2), num_remote)
-                    stg(out, Int32(4), num_f + num_lb)
+                if cutlass.const_expr(PLAN_OUT):
+                    if tid == Int32(0):
+                        stg(out, Int32(2), num_remote)
+                        stg(out, Int32(4), num_f + num_lb)
             # groups in rank order (i = r * W + j): first remote-cell index, segment base
             ri = tid // W
             ji = tid - ri * W
@@ -463,12 +493,26 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                 sts(RO_A, tid, a0)
                 sts(RO_SB, tid, sb)
             if tid == Int32(0):
-                stg(out, Int32(3), nseg)
+                if cutlass.const_expr(PLAN_OUT):
+                    stg(out, Int32(3), nseg)
+                else:
+                    stg(out, so_nseg + rank, nseg)
+            n_band_loop = nb
+            if cutlass.const_expr(senders):
+                # the owner's groups at this rank: first segment and count per expert of rank
+                if tid < E:
+                    if ji < W - Int32(1):
+                        if group_source(ji, rank, W) == owner:
+                            e_own = rank * El + lds(SRT, ri)
+                            stg(out, so_first + e_own, sb)
+                            stg(out, so_cnt + e_own, nst)
+                if rank != owner:
+                    n_band_loop = Int32(0)  # only the owner's band positions are needed
             P.block_sync()
 
             # ---- phase 4: bands (stacked row order), strided over the threads
             b = tid
-            while b < nb:
+            while b < n_band_loop:
                 ep = Int32(0)  # the last expert whose first band is <= b
                 for st_ in cutlass.range_constexpr(LOG_NE):
                     cand = ep + Int32(NE >> (st_ + 1))
@@ -491,12 +535,13 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                 endb = stb + lds(G_C, gb)
                 if packed == Int32(1):
                     endb = lds(E_SC, eb)
-                stg(out, o_bands + b, eb)
-                stg(out, o_bands + B + b, kt)
-                stg(out, o_bands + Int32(2) * B + b, ers_b + kt)
-                stg(out, o_bands + Int32(3) * B + b, group_source(jp, rank, W))
-                stg(out, o_bands + Int32(4) * B + b, smin(t, endb - kt))
-                stg(out, o_bands + Int32(5) * B + b, lds(G_DR, gb) + kt - stb)
+                if cutlass.const_expr(PLAN_OUT):
+                    stg(out, o_bands + b, eb)
+                    stg(out, o_bands + B + b, kt)
+                    stg(out, o_bands + Int32(2) * B + b, ers_b + kt)
+                    stg(out, o_bands + Int32(3) * B + b, group_source(jp, rank, W))
+                    stg(out, o_bands + Int32(4) * B + b, smin(t, endb - kt))
+                    stg(out, o_bands + Int32(5) * B + b, lds(G_DR, gb) + kt - stb)
                 if cutlass.const_expr(by_expert):
                     pos = b
                     # the local group's bands from the one holding its first row
@@ -508,16 +553,19 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     if kb_ < nrb_b:
                         pos = lds(E_RB, eb) + kb_
                         lq = lds(E_FB, eb)
-                stg(out, o_bands + Int32(6) * B + pos, b)
-                gl = base_g + W - Int32(1)
-                lsb = lds(G_ST, gl)
-                lo = smax(lsb, kt)
-                hi = smin(lsb + lds(G_C, gl), kt + t)
-                if hi > lo:  # the band holds local rows: its local cell
-                    stg(out, o_bands + Int32(7) * B + lq, b)
-                    stg(out, o_bands + Int32(8) * B + lq, ers_b + lo)
-                    stg(out, o_bands + Int32(9) * B + lq, lds(G_DR, gl) + lo - lsb)
-                    stg(out, o_bands + Int32(10) * B + lq, hi - lo)
+                if cutlass.const_expr(PLAN_OUT):
+                    stg(out, o_bands + Int32(6) * B + pos, b)
+                    gl = base_g + W - Int32(1)
+                    lsb = lds(G_ST, gl)
+                    lo = smax(lsb, kt)
+                    hi = smin(lsb + lds(G_C, gl), kt + t)
+                    if hi > lo:  # the band holds local rows: its local cell
+                        stg(out, o_bands + Int32(7) * B + lq, b)
+                        stg(out, o_bands + Int32(8) * B + lq, ers_b + lo)
+                        stg(out, o_bands + Int32(9) * B + lq, lds(G_DR, gl) + lo - lsb)
+                        stg(out, o_bands + Int32(10) * B + lq, hi - lo)
+                else:
+                    stg(out, so_pos + b, pos)
                 b = b + Int32(NT)
 
             # ---- phase 5: remote cells in schedule order; a segment start writes its segment
@@ -568,17 +616,26 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     lo_f = smax(stq, kf << lg)
                     hi_l = smin(stq + cq, (kl + Int32(1)) << lg)
                     si = lds(RO_SB, ip) + idx
-                    stg(out, o_segs + si, lds(E_RB, eq) + kf)
-                    stg(out, o_segs + S + si, kl - kf + Int32(1))
-                    stg(out, o_segs + Int32(2) * S + si, group_source(jq, rank, W))
-                    stg(out, o_segs + Int32(3) * S + si, lds(E_RS, eq) + lo_f)
-                    stg(out, o_segs + Int32(4) * S + si, lds(G_DR, gq) + lo_f - stq)
-                    stg(out, o_segs + Int32(5) * S + si, hi_l - lo_f)
+                    if cutlass.const_expr(PLAN_OUT):
+                        stg(out, o_segs + si, lds(E_RB, eq) + kf)
+                        stg(out, o_segs + S + si, kl - kf + Int32(1))
+                        stg(out, o_segs + Int32(2) * S + si, group_source(jq, rank, W))
+                        stg(out, o_segs + Int32(3) * S + si, lds(E_RS, eq) + lo_f)
+                        stg(out, o_segs + Int32(4) * S + si, lds(G_DR, gq) + lo_f - stq)
+                        stg(out, o_segs + Int32(5) * S + si, hi_l - lo_f)
+                    else:
+                        stg(out, so_dr + rank * S + si, lds(G_DR, gq) + lo_f - stq)
+                        if group_source(jq, rank, W) == owner:
+                            P.st_s64(out + (Int64(so_inc) + Int64(2) * (Int64(rank) * Int64(S)
+                                                                        + Int64(si))) * Int64(4),
+                                     Int64(hi_l - lo_f))
                 q = q + Int32(NT)
             # segment fields from num_segments up to the remote cells R (one start cell per
             # segment, so R >= num_segments); the tail CTAs fill from R on
             q = nseg + tid
             r_cap = smin(R, S)
+            if cutlass.const_expr(senders):
+                r_cap = Int32(0)  # seg_inc is zeroed before the launch; nothing reads past nseg
             while q < r_cap:
                 for fi in cutlass.range_constexpr(N_SEG_F):
                     stg(out, o_segs + Int32(fi) * S + q, Int32(-1))
@@ -622,8 +679,13 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
     def launch_plan(counts: Int64, out: Int64, W: Int32, E: Int32, El: Int32, rank: Int32,
                     lg: Int32, mgb: Int32, layout: Int32, B: Int32, S: Int32, grid: Int32,
                     stream: cuda.CUstream):
-        plan_kernel(counts, out, W, E, El, rank, lg, mgb, layout, B, S).launch(
-            grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+        if cutlass.const_expr(senders):
+            # one planning CTA per rank; no tail CTA (nothing past the valid lengths is read)
+            plan_kernel(counts, out, W, E, El, rank, lg, mgb, layout, B, S).launch(
+                grid=[1, W, 1], block=[NT, 1, 1], stream=stream)
+        else:
+            plan_kernel(counts, out, W, E, El, rank, lg, mgb, layout, B, S).launch(
+                grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch_plan
 

@@ -67,9 +67,11 @@ def prepare_routes_torch(topk_ids, num_experts, world_size, rank, local_copy, pl
 
 
 # ---- kernels -----------------------------------------------------------------------------------
-def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
+def build_routes_kernels(ids_64: bool, NE: int, y_src: bool, inverse: bool = False):
     """(histogram launcher, rank launcher). NE: power of two >= E (shared arrays); ids_64: the
-    ids are int64 (else int32); y_src: local experts' rows become y rows (-(y row) - 1)."""
+    ids are int64 (else int32); y_src: local experts' rows become y rows (-(y row) - 1);
+    inverse: the rank kernel writes the permutation's inverse, rows[row of i] = i (the stable
+    order of a counting sort: combine/ordered_routes_kernel.py sorts tokens by key with it)."""
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -241,7 +243,10 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool):
                     if el >= Int32(0):
                         if el < El:
                             out = Int32(-1) - (lds(YOFF, e) + r)
-                P.st_s32(rows + Int64(i) * Int64(4), out)
+                if cutlass.const_expr(inverse):
+                    P.st_s32(rows + Int64(out) * Int64(4), i)
+                else:
+                    P.st_s32(rows + Int64(i) * Int64(4), out)
             P.block_sync()
             if lead == Int32(1):
                 atom_add_shared(RUN + e * Int32(4), cnt)
