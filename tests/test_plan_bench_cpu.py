@@ -42,8 +42,8 @@ def test_ordered_only_and_the_last_rank(tmp_path):
 def test_a_wrong_ordered_table_fails_the_run(tmp_path, monkeypatch):
     good = BP.ordered_fn
 
-    def broken(ids, counts, plan, impl):
-        fn = good(ids, counts, plan, impl)
+    def broken(ids, counts, plan, impl, rows=None):
+        fn = good(ids, counts, plan, impl, rows)
 
         def run():
             o = fn()
