@@ -35,11 +35,15 @@ def kernels(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--w64", action="store_true")
+    ap.add_argument("--kernels", action="store_true",
+                    help="the kernel path (impl='kernel'): each launch's device time")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke run of the code path (wall clock, no kernel count)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     worlds = (2, 8, 64) if a.w64 else (2, 8)
+    if a.kernels:
+        return kernel_launches(worlds, dev)
     for W, E, T, k in CASES:
         if W not in worlds:
             continue
@@ -69,6 +73,38 @@ def main():
             n = kernels(fn) if dev.type == "cuda" else 0
             print(f"W={W:<3} E={E:<4} T={T:<6} {name:<17} {time_us(fn, dev):8.1f} us  "
                   f"{n:4d} kernels", flush=True)
+
+
+def kernel_launches(worlds, dev):
+    """Per launch of ordered_routes_device(impl="kernel", rows=prepare's): its device time
+    (torch.profiler, median of 5 eager calls), by kernel name in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+    from moe_overlap.combine.routes import prepare_routes
+    for W, E, T, k in CASES:
+        if W not in worlds:
+            continue
+        ids, counts = routing(W, E, T, k, 0, dev)
+        plan = plan_combine(counts, 0, tile_m=128, mgb=2, max_rows=W * T * k, validate=False,
+                            layout="auto", impl="kernel", order="remote_first")
+        rows, _ = prepare_routes(ids, E, W, 0, False, plan, impl="kernel")
+
+        def fn():
+            return orr.ordered_routes_device(ids, counts, plan, validate=False, impl="kernel",
+                                             rows=rows)
+        fn()
+        torch.cuda.synchronize()
+        per = {}
+        for _ in range(5):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            evs = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            for i, e in enumerate(evs):
+                t = getattr(e, "device_time", None)
+                per.setdefault((i, e.name[:60]), []).append(t if t is not None else e.cuda_time)
+        for (i, name), ts in sorted(per.items()):
+            ts.sort()
+            print(f"W={W:<3} T={T:<6} {i:2d} {name:<60} {ts[len(ts) // 2]:7.1f} us", flush=True)
 
 
 if __name__ == "__main__":
