@@ -64,8 +64,9 @@ def prepare_fn(plan, ids, E, W, rank, impl):
 def ordered_fn(ids, counts, plan, impl, rows=None):
     """OverlapCombine.prepare's scale="ordered" device work (ordered_routes_device,
     validate=False). impl "torch": the torch path, the senders' plans by the planner kernel on
-    CUDA; "kernel": the kernels (combine/ordered_routes_kernel.py) given prepare's ``rows``
-    (what scale="ordered" adds to prepare); "kernel_rows": the kernels and prepare_routes."""
+    CUDA; "kernel": the kernels (combine/ordered_routes_kernel.py) given prepare's ``rows``;
+    "kernel_rows": the kernels making the rows (prepare_routes, the senders' plans on a side
+    stream under it), as OverlapCombine.prepare calls them."""
     from moe_overlap.combine.ordered_routes import ordered_routes_device
     plan_impl = "kernel" if ids.is_cuda else "torch"
     if impl == "torch":
@@ -201,10 +202,10 @@ def time_ordered(ids, counts, W, E, T, k, rank, impls, orders, dev):
                                      validate=False, layout="auto", impl="kernel", order=order)
                     return p, prepare_routes(ids, E, W, rank, False, p, impl="kernel")[0]
 
-                def whole():
-                    p, rw = plain()
-                    return ordered_routes_device(ids, counts, p, validate=False, impl="kernel",
-                                                 rows=rw)
+                def whole():  # as OverlapCombine.prepare: rows made by the tables' path
+                    p = plan_combine(counts, rank, tile_m=128, mgb=2, max_rows=W * T * k,
+                                     validate=False, layout="auto", impl="kernel", order=order)
+                    return ordered_routes_device(ids, counts, p, validate=False, impl="kernel")
                 r["plan_prepare_plain_us"] = time_us(plain, dev)
                 r["plan_prepare_ordered_us"] = time_us(whole, dev)
                 r["whole_equal_to_reference"] = ordered_matches_reference(whole(), ref)

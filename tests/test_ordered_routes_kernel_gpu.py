@@ -84,6 +84,9 @@ def _check(W, E, T, k, mode, seed, rank, layout="auto", order="remote_first", ti
                                 impl="kernel", rows=rows)
     want = ordered_routes_device(mine, cd, plan, tile_tokens=tile_tokens, validate=True,
                                  impl="torch")
+    if not with_rows:  # the kernel path computed prepare's rows (under the senders' plans)
+        ref_rows, _ = prepare_routes(mine, E, W, rank, False, plan, impl="torch")
+        assert torch.equal(got.rows, ref_rows), case
     bad = [_diff(n, got.tables[n], want.tables[n], case) for n in want.tables]
     bad.append(_diff("seg_inc", got.seg_inc, want.seg_inc, case))
     bad = [b for b in bad if b]
@@ -142,9 +145,8 @@ def test_kernel_tables_in_a_cuda_graph_on_a_new_routing():
     def step():
         plan = plan_combine(s_counts, rank, tile_m=128, mgb=2, max_rows=W * T * k,
                             validate=False, layout="auto", impl="kernel")
-        rows, _ = prepare_routes(s_ids, E, W, rank, False, plan, impl="kernel")
-        return ordered_routes_device(s_ids, s_counts, plan, validate=False, impl="kernel",
-                                     rows=rows)
+        # rows=None: prepare_routes inside, the senders' plans forked onto a side stream
+        return ordered_routes_device(s_ids, s_counts, plan, validate=False, impl="kernel")
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -281,8 +281,9 @@ def ordered_routes_device(topk_ids: torch.Tensor, expert_counts: torch.Tensor, p
         (combine/ordered_routes_kernel.py: six launches plus prepare_routes' two when ``rows``
         is None; CUDA and CuTe DSL) or "auto" (the kernel where it can run, else torch).
     rows: int32 [T, topk], optional: ``prepare_routes(topk_ids, E, W, rank, local_copy=False,
-        plan)`` of this routing, which ``OverlapCombine.prepare`` has already computed (the
-        kernel path reads its rows instead of recomputing them).
+        plan)`` of this routing, if already computed. The kernel path needs them: None makes
+        it compute them (on the current stream, the senders' plans on a side stream under
+        them) and return them as ``OrderedRoutes.rows`` (None on the torch path).
 
     Returns ``OrderedRoutes`` with ``tiles=None`` (the kernel needs only the tables), ``tables``:
     int32 on the device, padded as the module doc says (order [T], tile_start / dep_start
@@ -300,15 +301,13 @@ def ordered_routes_device(topk_ids: torch.Tensor, expert_counts: torch.Tensor, p
     use_kernel = _use_kernel(impl, topk_ids, expert_counts, k, tile_tokens, return_deps)
     if use_kernel:
         from .ordered_routes_kernel import ordered_tables_kernel
-        if rows is None:
-            from .routes import prepare_routes
-            rows, _ = prepare_routes(topk_ids, E, W, plan.rank, False, plan, impl="kernel")
-        elif tuple(rows.shape) != (T, k) or rows.device != topk_ids.device:
+        if rows is not None and (tuple(rows.shape) != (T, k) or rows.device != topk_ids.device):
             raise ValueError(f"rows must be [T={T}, topk={k}] on {topk_ids.device} (prepare_"
                              f"routes' rows of this routing), got {tuple(rows.shape)} on "
                              f"{rows.device}")
-        tables, seg_inc = ordered_tables_kernel(topk_ids, expert_counts, plan, rows, tile_tokens)
-        return OrderedRoutes(tiles=None, tables=tables, seg_inc=seg_inc)
+        tables, seg_inc, rows = ordered_tables_kernel(topk_ids, expert_counts, plan,
+                                                      tile_tokens, rows)
+        return OrderedRoutes(tiles=None, tables=tables, seg_inc=seg_inc, rows=rows)
     segs = _sender_segments(expert_counts, plan, max_rows, plan_impl, validate)
     deps = _row_dependencies(topk_ids.long(), expert_counts, plan, segs, validate)
     key = _completion_keys(deps, plan, segs)

@@ -19,12 +19,14 @@ On the stream, in order (no host sync, CUDA-graph capturable):
    of segments. Its code (kind << 56 | source << 32 | index + 1: ascending codes are
    ``torch.unique(dim=0)``'s (kind, source, index) order) and its integer completion key
    (``ordered_scale.completion_keys``); the token's key is the largest of its k, counted per
-   4096-token chunk into the histogram (the workspace of the routes rank kernel).
-4. sort: the routes rank kernel (combine/routes.py, ``inverse=True``) with the token keys as ids
-   and KEY_BUCKETS as experts: the stable counting sort's inverse is the token order.
-5. tiles (a CTA per tile): its tile_tokens x k codes gathered in processing order, a bitonic
-   sort in shared memory, the distinct ones (a CTA scan of "differs from the previous") written
-   to a per-tile staging row, their count.
+   SORT_CHUNK-token chunk into the histogram (the workspace of the routes rank kernel).
+4. sort: the routes rank kernel (combine/routes.py, ``inverse=True``, one round per CTA) with
+   the token keys as ids and KEY_BUCKETS as experts: the stable counting sort's inverse is the
+   token order.
+5. tiles (a CTA per tile): its tile_tokens x k codes gathered in processing order, each
+   distinct code (the first of its value) placed at the number of distinct codes below it
+   (counting in shared memory; above COUNT_RANK_MAX codes a bitonic sort and a CTA scan of
+   "differs from the previous"), written to a per-tile staging row, their count.
 6. compact: every CTA scans the tile counts (dep_start), copies its tiles' distinct codes to
    the CSR arrays decoded into (kind, source, index), and fills the padding with -1.
 
@@ -40,10 +42,16 @@ import torch
 
 from .ordered_scale import KEY_BUCKETS
 from .plan_kernel import NT, _LAYOUT_CODE, _pow2
-from .routes import CHUNK
+
+# the counting sort's chunk: one round of NT tokens per CTA of the routes rank kernel (its
+# CTAs run their rounds one after another: 8192 tokens in 4-round chunks measured 10-11 us on
+# an H100, bench/NOTES.md session 18)
+SORT_ROUNDS = 1
+SORT_CHUNK = SORT_ROUNDS * NT
 
 CODE_KIND_SHIFT, CODE_SOURCE_SHIFT = 56, 32
 MAX_TILE_CODES = 1024  # tile_tokens x topk: one code per thread of a tile CTA
+COUNT_RANK_MAX = 256  # tile CTAs up to this many threads place codes by counting, not sorting
 assert KEY_BUCKETS == NT  # the keys kernel's histogram: two buckets per thread
 
 
@@ -70,7 +78,7 @@ class SendersLayout:
         self.dest_row = self.pos + B
         self.seg_inc = (self.dest_row + W * S + 1) // 2 * 2
         self.hist = self.seg_inc + 2 * W * S
-        self.groups = max(1, -(-T // CHUNK))
+        self.groups = max(1, -(-T // SORT_CHUNK))
         self.spare = self.hist + self.groups * KEY_BUCKETS
         self.total = self.spare + 2
 
@@ -104,7 +112,7 @@ def build_keys_kernel(ids_64: bool):
         alloc = cutlass.memory.SmemAllocator()
         arr = alloc.allocate_array(cutlass.Int32, NT + 2 * Q, byte_alignment=16).toint()
         KEY = arr  # per token of this CTA: the largest key of its rows
-        HIST = arr + Int32(4 * NT)  # [2, Q]: the (at most two) 4096-token chunks of this CTA
+        HIST = arr + Int32(4 * NT)  # [2, Q]: the (at most two) sort chunks of this CTA
         o_first = Int32(1) + W
         o_cnt = o_first + E
         o_pos = o_cnt + E
@@ -158,11 +166,11 @@ def build_keys_kernel(ids_64: bool):
             if tt_ < T:
                 kt = lds(KEY, tid)
                 P.st_s32(bucket + Int64(tt_) * Int64(4), kt)
-                slot = tt_ // Int32(CHUNK) - t0 // Int32(CHUNK)
+                slot = tt_ // Int32(SORT_CHUNK) - t0 // Int32(SORT_CHUNK)
                 cute.arch.inline_ptx("red.shared.add.s32 [{$r0}], 1;",
                                      read_only_args=[HIST + (slot * Int32(Q) + kt) * Int32(4)])
         P.block_sync()
-        g0 = t0 // Int32(CHUNK)
+        g0 = t0 // Int32(SORT_CHUNK)
         for h in cutlass.range_constexpr(2 * Q // NT):
             q = tid + Int32(h * NT)
             v = lds(HIST, q)
@@ -207,16 +215,17 @@ def build_tiles_kernels(NTT: int):
     @cute.kernel
     def tiles_kernel(order: Int64, codes: Int64, stage: Int64, cnt: Int64, T: Int32, k: Int32,
                      tt: Int32):
-        tid, j, _ = P.thread_block_grid()
+        tid, j_tile, _ = P.thread_block_grid()
         lane = tid & Int32(31)
         warp = tid >> Int32(5)
         alloc = cutlass.memory.SmemAllocator()
         SK = alloc.allocate_array(cutlass.Int64, NTT, byte_alignment=16).toint()
         SCR = alloc.allocate_array(cutlass.Int32, 32, byte_alignment=16).toint()
+        FIRST = alloc.allocate_array(cutlass.Int32, NTT, byte_alignment=16).toint()
         cap = tt * k
         if tid < Int32(32):
             sts(SCR, tid, Int32(0))  # the scan reads 32 warp totals; fewer warps run here
-        p = j * tt + tid // k
+        p = j_tile * tt + tid // k
         code = Int64(NONE)
         if tid < cap:
             if p < T:
@@ -224,35 +233,63 @@ def build_tiles_kernels(NTT: int):
                 code = P.ld_s64(codes + (Int64(tok) * Int64(k) + Int64(tid % k)) * Int64(8))
         sts64(SK, tid, code)
         P.block_sync()
-        for kk in cutlass.range_constexpr(LOG):
-            kb = 2 << kk
-            for jj in cutlass.range_constexpr(kk + 1):
-                jb = kb >> (jj + 1)
-                ixj = tid ^ Int32(jb)
-                if ixj > tid:
-                    ka = lds64(SK, tid)
-                    kc = lds64(SK, ixj)
-                    if (tid & Int32(kb)) == Int32(0):
-                        if ka > kc:
-                            sts64(SK, tid, kc)
-                            sts64(SK, ixj, ka)
-                    else:
-                        if ka < kc:
-                            sts64(SK, tid, kc)
-                            sts64(SK, ixj, ka)
-                P.block_sync()
-        d = lds64(SK, tid)
-        new = Int32(0)
-        if d != Int64(NONE):
-            new = Int32(1)
-            if tid > Int32(0):
-                if lds64(SK, tid - Int32(1)) == d:
-                    new = Int32(0)
-        (ex,), (tot,) = block_scan([new], SCR, lane, warp)
-        if new == Int32(1):
-            P.st_s64(stage + (Int64(j) * Int64(cap) + Int64(ex)) * Int64(8), d)
-        if tid == Int32(0):
-            P.st_s32(cnt + Int64(j) * Int64(4), tot)
+        if cutlass.const_expr(NTT <= COUNT_RANK_MAX):
+            # small tiles: each code's place by counting (two passes over the tile's codes in
+            # shared memory, one barrier), shorter than a bitonic sort's log^2 barrier stages
+            first = Int32(0)
+            if code != Int64(NONE):
+                first = Int32(1)
+            j = Int32(0)
+            while j < tid:
+                if lds64(SK, j) == code:
+                    first = Int32(0)
+                j = j + Int32(1)
+            sts(FIRST, tid, first)
+            P.block_sync()
+            below = Int32(0)
+            tot = Int32(0)
+            j = Int32(0)
+            while j < Int32(NTT):
+                f = lds(FIRST, j)
+                tot = tot + f
+                if f == Int32(1):
+                    if lds64(SK, j) < code:
+                        below = below + Int32(1)
+                j = j + Int32(1)
+            if first == Int32(1):
+                P.st_s64(stage + (Int64(j_tile) * Int64(cap) + Int64(below)) * Int64(8), code)
+            if tid == Int32(0):
+                P.st_s32(cnt + Int64(j_tile) * Int64(4), tot)
+        else:
+            for kk in cutlass.range_constexpr(LOG):
+                kb = 2 << kk
+                for jj in cutlass.range_constexpr(kk + 1):
+                    jb = kb >> (jj + 1)
+                    ixj = tid ^ Int32(jb)
+                    if ixj > tid:
+                        ka = lds64(SK, tid)
+                        kc = lds64(SK, ixj)
+                        if (tid & Int32(kb)) == Int32(0):
+                            if ka > kc:
+                                sts64(SK, tid, kc)
+                                sts64(SK, ixj, ka)
+                        else:
+                            if ka < kc:
+                                sts64(SK, tid, kc)
+                                sts64(SK, ixj, ka)
+                    P.block_sync()
+            d = lds64(SK, tid)
+            new = Int32(0)
+            if d != Int64(NONE):
+                new = Int32(1)
+                if tid > Int32(0):
+                    if lds64(SK, tid - Int32(1)) == d:
+                        new = Int32(0)
+            (ex,), (tot,) = block_scan([new], SCR, lane, warp)
+            if new == Int32(1):
+                P.st_s64(stage + (Int64(j_tile) * Int64(cap) + Int64(ex)) * Int64(8), d)
+            if tid == Int32(0):
+                P.st_s32(cnt + Int64(j_tile) * Int64(4), tot)
 
     @cute.kernel
     def compact_kernel(stage: Int64, cnt: Int64, tile_start: Int64, dep_start: Int64,
@@ -383,18 +420,16 @@ class OrderedRoutesKernel:
 
     def sort(self):
         from .routes import build_routes_kernels, rank_example_args
-        return self._compiled(("sort",), lambda: build_routes_kernels(False, KEY_BUCKETS, False,
-                                                                      inverse=True)[1],
-                              rank_example_args())
+        return self._compiled(("sort",), lambda: build_routes_kernels(
+            False, KEY_BUCKETS, False, inverse=True, rounds=SORT_ROUNDS)[1], rank_example_args())
 
     def tiles(self, NTT):
         return self._compiled(("tiles", NTT), lambda: build_tiles_kernels(NTT),
                               (tiles_example_args(), compact_example_args()))
 
-    def __call__(self, topk_ids, expert_counts, plan, rows, tile_tokens, stream=None):
-        """(tables, seg_inc) as ``ordered_routes_device`` returns them. rows: int32 [T, topk]
-        (``prepare_routes(..., local_copy=False, plan)``: remote receive rows, -(y row) - 1 for
-        local ones). The caller has checked the host facts."""
+    def start(self, topk_ids, expert_counts, plan, tile_tokens, stream):
+        """Steps 1 and 2 (they need the counts only) on ``stream``; returns the state that
+        ``finish`` continues from. The caller has checked the host facts."""
         import cuda.bindings.driver as cuda
         W, E = expert_counts.shape
         El = E // W
@@ -402,61 +437,103 @@ class OrderedRoutesKernel:
         R = T * k
         B, S = plan.band_capacity, plan.segment_capacity
         dev = topk_ids.device
-        ids = topk_ids.contiguous()
         counts = expert_counts
         if counts.dtype not in (torch.int32, torch.int64):
             counts = counts.to(torch.int32)
         counts = counts.contiguous()
-        rows = rows.to(torch.int32).contiguous()
         lay = SendersLayout(W, E, B, S, T)
         n_tiles = -(-T // tile_tokens)
         cap = tile_tokens * k
-        so = _empty(lay.total, torch.int32, dev)
-        so[lay.seg_inc:].zero_()
-        seg_inc = so[lay.seg_inc:lay.hist].view(torch.int64).view(W, S)
-        tables = {"order": _empty(T, torch.int32, dev),
-                  "tile_start": _empty(n_tiles + 1, torch.int32, dev),
-                  "dep_start": _empty(n_tiles + 1, torch.int32, dev)}
+        # allocated on the caller's stream, which waits for ``stream`` before it reads them
+        st = dict(lay=lay, n_tiles=n_tiles, cap=cap, T=T, k=k, R=R, W=W, E=E, El=El, B=B, S=S,
+                  dev=dev, so=_empty(lay.total, torch.int32, dev))
+        st["tables"] = {"order": _empty(T, torch.int32, dev),
+                        "tile_start": _empty(n_tiles + 1, torch.int32, dev),
+                        "dep_start": _empty(n_tiles + 1, torch.int32, dev)}
         for n in ("dep_kind", "dep_source", "dep_index"):
-            tables[n] = _empty(R, torch.int32, dev)
-        if T == 0:
-            tables["tile_start"].zero_()
-            tables["dep_start"].zero_()
-        codes = _empty(R, torch.int64, dev)
-        bucket = _empty(T, torch.int32, dev)
-        stage = _empty(max(n_tiles * cap, 1), torch.int64, dev)
-        cnt = _empty(max(n_tiles, 1), torch.int32, dev)
-        if stream is None:
-            stream = torch.cuda.current_stream(dev)
+            st["tables"][n] = _empty(R, torch.int32, dev)
+        st["codes"] = _empty(R, torch.int64, dev)
+        st["bucket"] = _empty(T, torch.int32, dev)
+        st["stage"] = _empty(max(n_tiles * cap, 1), torch.int64, dev)
+        st["cnt"] = _empty(max(n_tiles, 1), torch.int32, dev)
+        with torch.cuda.stream(stream):
+            st["so"][lay.seg_inc:].zero_()
+            if T == 0:
+                st["tables"]["tile_start"].zero_()
+                st["tables"]["dep_start"].zero_()
         h = cuda.CUstream(stream.cuda_stream)
         lg = int(plan.tile_m).bit_length() - 1
+        st["lg"] = lg
         f_senders = self.senders(counts.dtype == torch.int64, E, El, plan.order)
-        f_senders(counts.data_ptr(), so.data_ptr(), W, E, El, plan.rank, lg, plan.mgb,
+        f_senders(counts.data_ptr(), st["so"].data_ptr(), W, E, El, plan.rank, lg, plan.mgb,
                   _LAYOUT_CODE[plan.layout], B, S, 1, h)
+        return st
+
+    def finish(self, st, topk_ids, plan, rows, tile_tokens, stream):
+        """Steps 3 to 6 on ``stream`` (after ``start``'s): (tables, seg_inc) as
+        ``ordered_routes_device`` returns them. rows: int32 [T, topk] (``prepare_routes(...,
+        local_copy=False, plan)``: remote receive rows, -(y row) - 1 for local ones)."""
+        import cuda.bindings.driver as cuda
+        lay, T, k, R, W, E, El, B, S = (st[n] for n in ("lay", "T", "k", "R", "W", "E", "El",
+                                                         "B", "S"))
+        tables, so = st["tables"], st["so"]
+        seg_inc = so[lay.seg_inc:lay.hist].view(torch.int64).view(W, S)
         if T == 0:
             return tables, seg_inc
+        ids = topk_ids.contiguous()
+        rows = rows.to(torch.int32).contiguous()
+        h = cuda.CUstream(stream.cuda_stream)
         base = so.data_ptr()
         tpc = NT // k
         self.keys(ids.dtype == torch.int64)(
-            rows.data_ptr(), ids.data_ptr(), base, codes.data_ptr(), bucket.data_ptr(), T, k, W,
-            E, El, plan.rank, lg, B, S, -(-T // tpc), h)
-        self.sort()(bucket.data_ptr(), base + 4 * lay.hist, tables["order"].data_ptr(),
+            rows.data_ptr(), ids.data_ptr(), base, st["codes"].data_ptr(),
+            st["bucket"].data_ptr(), T, k, W, E, El, plan.rank, st["lg"], B, S, -(-T // tpc), h)
+        self.sort()(st["bucket"].data_ptr(), base + 4 * lay.hist, tables["order"].data_ptr(),
                     base + 4 * lay.spare, T, KEY_BUCKETS, KEY_BUCKETS, 1, 0, 0, 0, 0,
                     lay.groups, h)
-        NTT = max(32, _pow2(cap))
-        f_tiles, f_compact = self.tiles(NTT)
-        f_tiles(tables["order"].data_ptr(), codes.data_ptr(), stage.data_ptr(), cnt.data_ptr(),
-                T, k, tile_tokens, n_tiles, h)
+        n_tiles, cap = st["n_tiles"], st["cap"]
+        f_tiles, f_compact = self.tiles(max(32, _pow2(cap)))
+        f_tiles(tables["order"].data_ptr(), st["codes"].data_ptr(), st["stage"].data_ptr(),
+                st["cnt"].data_ptr(), T, k, tile_tokens, n_tiles, h)
         tpb = max(1, NT // cap)
-        f_compact(stage.data_ptr(), cnt.data_ptr(), tables["tile_start"].data_ptr(),
+        f_compact(st["stage"].data_ptr(), st["cnt"].data_ptr(), tables["tile_start"].data_ptr(),
                   tables["dep_start"].data_ptr(), tables["dep_kind"].data_ptr(),
                   tables["dep_source"].data_ptr(), tables["dep_index"].data_ptr(), n_tiles, tpb,
                   T, k, tile_tokens, R, -(-n_tiles // tpb), h)
         return tables, seg_inc
 
+    def __call__(self, topk_ids, expert_counts, plan, tile_tokens, rows=None):
+        """(tables, seg_inc, rows) on the current stream. rows None: ``prepare_routes`` computes
+        them on the current stream while steps 1 and 2 run on a side stream (both only read
+        their inputs; joined before step 3), so the senders' plans hide under prepare."""
+        main = torch.cuda.current_stream(topk_ids.device)
+        if rows is not None:
+            st = self.start(topk_ids, expert_counts, plan, tile_tokens, main)
+        else:
+            from .routes import prepare_routes
+            side = _side_stream(topk_ids.device)
+            side.wait_stream(main)
+            st = self.start(topk_ids, expert_counts, plan, tile_tokens, side)
+            W, E = expert_counts.shape
+            rows, _ = prepare_routes(topk_ids, E, W, plan.rank, False, plan, impl="kernel")
+            main.wait_stream(side)
+        tables, seg_inc = self.finish(st, topk_ids, plan, rows, tile_tokens, main)
+        return tables, seg_inc, rows
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    """One side stream per device for the senders' plans (created once, outside any capture)."""
+    d = torch.device(device).index
+    if d not in _SIDE:
+        _SIDE[d] = torch.cuda.Stream(device)
+    return _SIDE[d]
+
 
 _KERNEL = OrderedRoutesKernel()
 
 
-def ordered_tables_kernel(topk_ids, expert_counts, plan, rows, tile_tokens):
-    return _KERNEL(topk_ids, expert_counts, plan, rows, tile_tokens)
+def ordered_tables_kernel(topk_ids, expert_counts, plan, tile_tokens, rows=None):
+    return _KERNEL(topk_ids, expert_counts, plan, tile_tokens, rows)

@@ -364,6 +364,7 @@ class OrderedRoutes:
     tiles: TokenTiles | None
     tables: dict
     seg_inc: torch.Tensor
+    rows: torch.Tensor | None = None  # prepare_routes' rows where the kernel path made them
 
 
 def completion_keys(deps: RowDeps, plans: list, rank: int) -> torch.Tensor:

@@ -485,19 +485,25 @@ class OverlapCombine:
         or "host" (``ordered_scale.ordered_routes``: the reference, on the host, a host sync; it
         raises ValueError for inconsistent inputs)."""
         from .routes import prepare_routes  # two CuTe DSL kernels on CUDA, torch reference
-        rows, inc = prepare_routes(topk_ids, self.num_experts, self.world_size, self.rank,
-                                   self.local_copy, plan)
-        ordered = None
+        ordered, rows = None, None
         if self.ordered:
-            ordered, inc = self._prepare_ordered(plan, topk_ids, expert_counts,
-                                                 impl=ordered_impl, validate=validate), \
-                torch.ones_like(inc)
+            # the tables' kernels compute prepare's rows themselves (the senders' plans on a
+            # side stream under them) and hand them back; other paths leave them to us
+            ordered = self._prepare_ordered(plan, topk_ids, expert_counts, impl=ordered_impl,
+                                            validate=validate)
+            rows = ordered.pop("rows")
+        if rows is None:
+            rows, inc = prepare_routes(topk_ids, self.num_experts, self.world_size, self.rank,
+                                       self.local_copy, plan)
+        if self.ordered:
+            inc = torch.ones(self.world_size, dtype=torch.int64, device=rows.device)
         return CombineRoutes(rows=rows, expected_inc=inc, plan=plan, num_tokens=topk_ids.shape[0],
                              ordered=ordered)
 
     def _prepare_ordered(self, plan, topk_ids, expert_counts, impl="device", validate=False):
-        """{"tables": the ordered scale's tile tables (int32), "seg_inc": int64 [W, Sc]} on this
-        layer's device for one routing. plan: this rank's plan of ``expert_counts`` (int [W, E]);
+        """{"tables": the ordered scale's tile tables (int32), "seg_inc": int64 [W, Sc], "rows":
+        prepare_routes' rows where the tables' kernels made them, else None} on this layer's
+        device for one routing. plan: this rank's plan of ``expert_counts`` (int [W, E]);
         topk_ids: int [T, topk]; impl: see ``prepare``'s ordered_impl."""
         from .ordered_routes import ORDERED_IMPLS
         if impl not in ORDERED_IMPLS:
@@ -518,12 +524,12 @@ class OverlapCombine:
             from .ordered_routes import ordered_routes_device
             o = ordered_routes_device(topk_ids.to(self.device), expert_counts.to(self.device),
                                       plan, validate=validate)
-            return {"tables": o.tables, "seg_inc": o.seg_inc}
+            return {"tables": o.tables, "seg_inc": o.seg_inc, "rows": o.rows}
         from .ordered_scale import ordered_routes
         o = ordered_routes(topk_ids, expert_counts, self.rank, plan.tile_m, plan.mgb,
                            plan.layout, self.seg_cap, order=plan.order)
         return {"tables": {n: t.to(self.device) for n, t in o.tables.items()},
-                "seg_inc": o.seg_inc.to(self.device)}
+                "seg_inc": o.seg_inc.to(self.device), "rows": None}
 
     def begin_call(self, topk_ids, topk_weights, plan=None, routes=None):
         """Per-call device bookkeeping on the current stream (no host ints): epoch += 1,

@@ -67,11 +67,15 @@ def prepare_routes_torch(topk_ids, num_experts, world_size, rank, local_copy, pl
 
 
 # ---- kernels -----------------------------------------------------------------------------------
-def build_routes_kernels(ids_64: bool, NE: int, y_src: bool, inverse: bool = False):
+def build_routes_kernels(ids_64: bool, NE: int, y_src: bool, inverse: bool = False,
+                         rounds: int = ROUNDS):
     """(histogram launcher, rank launcher). NE: power of two >= E (shared arrays); ids_64: the
     ids are int64 (else int32); y_src: local experts' rows become y rows (-(y row) - 1);
     inverse: the rank kernel writes the permutation's inverse, rows[row of i] = i (the stable
-    order of a counting sort: combine/ordered_routes_kernel.py sorts tokens by key with it)."""
+    order of a counting sort: combine/ordered_routes_kernel.py sorts tokens by key with it);
+    rounds: rounds of NT assignments per CTA (its chunk: rounds x NT; the workspace is per
+    chunk)."""
+    n_rounds, chunk = int(rounds), int(rounds) * NT
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -130,9 +134,9 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool, inverse: bool = Fal
         tid, bidx, _ = P.thread_block_grid()
         alloc = cutlass.memory.SmemAllocator()
         hist = alloc.allocate_array(cutlass.Int32, NE, byte_alignment=16).toint()
-        c0 = bidx * Int32(CHUNK)
-        end = smin(N, c0 + Int32(CHUNK))
-        ii = [c0 + Int32(u * NT) + tid for u in range(ROUNDS)]
+        c0 = bidx * Int32(chunk)
+        end = smin(N, c0 + Int32(chunk))
+        ii = [c0 + Int32(u * NT) + tid for u in range(n_rounds)]
         raw = [ld_id_raw(ids, smin(i, smax(end - Int32(1), Int32(0)))) for i in ii]  # in flight
         e = tid  # while the ids load
         while e < E:
@@ -166,9 +170,9 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool, inverse: bool = Fal
         YOFF = BASE + Int32(4 * NE)  # y_src: y row of local expert e = YOFF[e] + receive row
         ACC = YOFF + Int32(4 * NE)  # expected_inc accumulation (CTA 0), per owner rank
         SCR = ACC + Int32(4 * NE)
-        c0 = bidx * Int32(CHUNK)
-        end = smin(N, c0 + Int32(CHUNK))
-        ii = [c0 + Int32(u * NT) + tid for u in range(ROUNDS)]
+        c0 = bidx * Int32(chunk)
+        end = smin(N, c0 + Int32(chunk))
+        ii = [c0 + Int32(u * NT) + tid for u in range(n_rounds)]
         # every round's id loaded first (in flight together and with the workspace loads)
         raw = [ld_id_raw(ids, smin(i, smax(end - Int32(1), Int32(0)))) for i in ii]
         # local expert tid: its y-row offset parts (one global round, in flight with the
@@ -222,7 +226,7 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool, inverse: bool = Fal
         lt_mask = (Int32(1) << lane) - Int32(1)  # lanes below this one
         # past the end: -1, which matches no expert and writes nothing
         es = [sel_lt(i, end, clamp_id(v, E), Int32(-1)) for i, v in zip(ii, raw)]
-        for u in cutlass.range_constexpr(ROUNDS):
+        for u in cutlass.range_constexpr(n_rounds):
             i = ii[u]
             e = es[u]
             m = ptx1("match.any.sync.b32 {$w0}, {$r0}, -1;", e)
@@ -254,7 +258,7 @@ def build_routes_kernels(ids_64: bool, NE: int, y_src: bool, inverse: bool = Fal
             # no CTA barrier here: a warp zeroes only its own bytes of WC, and the next round's
             # barrier orders these RUN adds and zeros before any read; the warp barrier orders
             # a lane's zero before another lane's write of the same entry in the next round
-            if cutlass.const_expr(u + 1 < ROUNDS):
+            if cutlass.const_expr(u + 1 < n_rounds):
                 cute.arch.inline_ptx("bar.warp.sync -1;")
 
     @cute.jit
