@@ -23,10 +23,10 @@ On the stream, in order (no host sync, CUDA-graph capturable):
 4. sort: the routes rank kernel (combine/routes.py, ``inverse=True``, one round per CTA) with
    the token keys as ids and KEY_BUCKETS as experts: the stable counting sort's inverse is the
    token order.
-5. tiles (a CTA per tile): its tile_tokens x k codes gathered in processing order, each
-   distinct code (the first of its value) placed at the number of distinct codes below it
-   (counting in shared memory; above COUNT_RANK_MAX codes a bitonic sort and a CTA scan of
-   "differs from the previous"), written to a per-tile staging row, their count.
+5. tiles (a CTA per tile): its tile_tokens x k codes gathered in processing order, a bitonic
+   sort in shared memory (placing each code by counting the smaller ones measured slower: 6.7
+   against 5.4 us at 8192 tokens, bench/NOTES.md session 18), the distinct ones (a CTA scan of
+   "differs from the previous") written to a per-tile staging row, their count.
 6. compact: every CTA scans the tile counts (dep_start), copies its tiles' distinct codes to
    the CSR arrays decoded into (kind, source, index), and fills the padding with -1.
 
@@ -51,7 +51,6 @@ SORT_CHUNK = SORT_ROUNDS * NT
 
 CODE_KIND_SHIFT, CODE_SOURCE_SHIFT = 56, 32
 MAX_TILE_CODES = 1024  # tile_tokens x topk: one code per thread of a tile CTA
-COUNT_RANK_MAX = 256  # tile CTAs up to this many threads place codes by counting, not sorting
 assert KEY_BUCKETS == NT  # the keys kernel's histogram: two buckets per thread
 
 
@@ -221,7 +220,6 @@ def build_tiles_kernels(NTT: int):
         alloc = cutlass.memory.SmemAllocator()
         SK = alloc.allocate_array(cutlass.Int64, NTT, byte_alignment=16).toint()
         SCR = alloc.allocate_array(cutlass.Int32, 32, byte_alignment=16).toint()
-        FIRST = alloc.allocate_array(cutlass.Int32, NTT, byte_alignment=16).toint()
         cap = tt * k
         if tid < Int32(32):
             sts(SCR, tid, Int32(0))  # the scan reads 32 warp totals; fewer warps run here
@@ -233,63 +231,35 @@ def build_tiles_kernels(NTT: int):
                 code = P.ld_s64(codes + (Int64(tok) * Int64(k) + Int64(tid % k)) * Int64(8))
         sts64(SK, tid, code)
         P.block_sync()
-        if cutlass.const_expr(NTT <= COUNT_RANK_MAX):
-            # small tiles: each code's place by counting (two passes over the tile's codes in
-            # shared memory, one barrier), shorter than a bitonic sort's log^2 barrier stages
-            first = Int32(0)
-            if code != Int64(NONE):
-                first = Int32(1)
-            j = Int32(0)
-            while j < tid:
-                if lds64(SK, j) == code:
-                    first = Int32(0)
-                j = j + Int32(1)
-            sts(FIRST, tid, first)
-            P.block_sync()
-            below = Int32(0)
-            tot = Int32(0)
-            j = Int32(0)
-            while j < Int32(NTT):
-                f = lds(FIRST, j)
-                tot = tot + f
-                if f == Int32(1):
-                    if lds64(SK, j) < code:
-                        below = below + Int32(1)
-                j = j + Int32(1)
-            if first == Int32(1):
-                P.st_s64(stage + (Int64(j_tile) * Int64(cap) + Int64(below)) * Int64(8), code)
-            if tid == Int32(0):
-                P.st_s32(cnt + Int64(j_tile) * Int64(4), tot)
-        else:
-            for kk in cutlass.range_constexpr(LOG):
-                kb = 2 << kk
-                for jj in cutlass.range_constexpr(kk + 1):
-                    jb = kb >> (jj + 1)
-                    ixj = tid ^ Int32(jb)
-                    if ixj > tid:
-                        ka = lds64(SK, tid)
-                        kc = lds64(SK, ixj)
-                        if (tid & Int32(kb)) == Int32(0):
-                            if ka > kc:
-                                sts64(SK, tid, kc)
-                                sts64(SK, ixj, ka)
-                        else:
-                            if ka < kc:
-                                sts64(SK, tid, kc)
-                                sts64(SK, ixj, ka)
-                    P.block_sync()
-            d = lds64(SK, tid)
-            new = Int32(0)
-            if d != Int64(NONE):
-                new = Int32(1)
-                if tid > Int32(0):
-                    if lds64(SK, tid - Int32(1)) == d:
-                        new = Int32(0)
-            (ex,), (tot,) = block_scan([new], SCR, lane, warp)
-            if new == Int32(1):
-                P.st_s64(stage + (Int64(j_tile) * Int64(cap) + Int64(ex)) * Int64(8), d)
-            if tid == Int32(0):
-                P.st_s32(cnt + Int64(j_tile) * Int64(4), tot)
+        for kk in cutlass.range_constexpr(LOG):
+            kb = 2 << kk
+            for jj in cutlass.range_constexpr(kk + 1):
+                jb = kb >> (jj + 1)
+                ixj = tid ^ Int32(jb)
+                if ixj > tid:
+                    ka = lds64(SK, tid)
+                    kc = lds64(SK, ixj)
+                    if (tid & Int32(kb)) == Int32(0):
+                        if ka > kc:
+                            sts64(SK, tid, kc)
+                            sts64(SK, ixj, ka)
+                    else:
+                        if ka < kc:
+                            sts64(SK, tid, kc)
+                            sts64(SK, ixj, ka)
+                P.block_sync()
+        d = lds64(SK, tid)
+        new = Int32(0)
+        if d != Int64(NONE):
+            new = Int32(1)
+            if tid > Int32(0):
+                if lds64(SK, tid - Int32(1)) == d:
+                    new = Int32(0)
+        (ex,), (tot,) = block_scan([new], SCR, lane, warp)
+        if new == Int32(1):
+            P.st_s64(stage + (Int64(j_tile) * Int64(cap) + Int64(ex)) * Int64(8), d)
+        if tid == Int32(0):
+            P.st_s32(cnt + Int64(j_tile) * Int64(4), tot)
 
     @cute.kernel
     def compact_kernel(stage: Int64, cnt: Int64, tile_start: Int64, dep_start: Int64,
