@@ -9,7 +9,9 @@ and, on part of the cases, against the host reference directly:
   to one rank);
 - with every output and workspace poisoned before the call (each word read is written);
 - captured in a CUDA graph with the planner and prepare, replayed on a new routing;
-- impl="kernel" refused where it cannot run, with the reason.
+- impl="kernel" refused where it cannot run, with the reason;
+- OverlapCombine.prepare(scale="ordered") on a one-rank group: the rows the tables' path hands
+  back, its tables, and the ordered layer's output bitwise the plain layer's.
 """
 import pytest
 import torch
@@ -184,3 +186,58 @@ def test_kernel_impl_refusals():
                               rows=torch.zeros(T, k + 1, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="impl="):
         ordered_routes_device(mine, cd, plan, validate=False, impl="cuda")
+
+
+def _one_rank_worker(rank, world):
+    """OverlapCombine.prepare(scale="ordered") on a one-rank group: the rows the tables' path
+    hands back equal prepare_routes', the tables the torch path's; then the ordered layer's
+    output equals the plain layer's bit for bit on fresh NaN-poisoned calls."""
+    from moe_overlap import MoECombine
+    from moe_overlap.combine.comm_buffer import CommBuffer
+    from moe_overlap.combine.dispatch import exchange_counts
+    E1, K1, N1, TOPK1, TMAX1 = 8, 256, 512, 2, 256
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layers = {s: MoECombine(E1, K1, N1, TOPK1, TMAX1, tile_m=128, backend="overlap", ccta=8,
+                            transport="nvlink", validate=False, scale=s,
+                            comm_buffer=CommBuffer(None, "nvlink")) for s in ("plain", "ordered")}
+    res = {"rows": [], "tables": [], "inc": [], "bitwise": []}
+    for i in range(4):
+        T = 64 + 37 * i
+        ids, w = route(T, E1, TOPK1, mode="moderate_skew" if i % 2 else "balanced",
+                       seed=900 + i, rank=rank, device=dev)
+        counts = exchange_counts(ids, E1)
+        plan = layers["ordered"].plan(counts)
+        ro = layers["ordered"].prepare(plan, ids, counts)
+        rp = layers["plain"].prepare(plan, ids)
+        want_rows, _ = prepare_routes(ids, E1, 1, 0, False, plan, impl="torch")
+        res["rows"].append(bool(torch.equal(ro.rows, want_rows)) and
+                           bool(torch.equal(rp.rows, want_rows)))
+        want = ordered_routes_device(ids, counts, plan, validate=True, impl="torch")
+        res["tables"].append(all(torch.equal(ro.ordered["tables"][n], t)
+                                 for n, t in want.tables.items())
+                             and bool(torch.equal(ro.ordered["seg_inc"], want.seg_inc)))
+        res["inc"].append(bool(torch.equal(ro.expected_inc.cpu(),
+                                           torch.ones(1, dtype=torch.int64))))
+        g = torch.Generator(device=dev).manual_seed(40 + i)
+        h = torch.randn(plan.row_capacity, K1, device=dev, generator=g).to(torch.bfloat16)
+        wd = (torch.randn(E1, K1, N1, device=dev, generator=g) / K1 ** 0.5).to(torch.bfloat16)
+        outs = []
+        for s, r in (("plain", rp), ("ordered", ro)):
+            impl = layers[s]._impl
+            impl.buffers.recv.fill_(float("nan"))
+            if impl._y is not None:
+                impl._y.fill_(float("nan"))
+            outs.append(layers[s](h, wd, plan, ids, w, routes=r))
+        torch.cuda.synchronize()
+        res["bitwise"].append(bool(torch.equal(outs[0], outs[1]))
+                              and not bool(torch.isnan(outs[1].float()).any()))
+    for layer in layers.values():
+        layer.check_errors()
+    return res
+
+
+def test_overlap_prepare_ordered_on_one_rank():
+    from conftest import spawn_ranks
+    res = spawn_ranks(_one_rank_worker, 1, backend="nccl", join_timeout_s=300)[0]
+    assert all(res["rows"]) and all(res["tables"]) and all(res["inc"]), res
+    assert all(res["bitwise"]), res
