@@ -5,15 +5,14 @@ reference (``ordered_scale.ordered_routes``), with a launch count fixed by nothi
 
 On the stream, in order (no host sync, CUDA-graph capturable):
 
-1. zero: one memset of the key histogram [G, KEY_BUCKETS] (a few KB).
+1. zero: one memset of seg_inc [W, Sc] int64 and the bucket histogram [G, KEY_BUCKETS].
 2. senders (``build_plan_kernels(senders=True)``): CTA s of a (1, W) grid plans rank s from the
    counts (the planner kernel's phases, so exactly its plan) and keeps what the owner needs
    (`SendersLayout`): per rank its segment count and each segment's receive row on the
-   destination, its row of seg_inc (rows of each segment to the owner, 0 up to the capacity:
-   a memset of the whole table measured 11 us at W = 64, 16384 tokens), and per remote expert e
-   the first segment and the segment count of its group to the owner (a group's segments are
-   consecutive and ascend in receive rows); the owner's CTA writes its num_bands and every
-   band's schedule position.
+   destination, seg_inc (rows of each segment to the owner), and per remote expert e the first
+   segment and the segment count of its group to the owner (a group's segments are consecutive
+   and ascend in receive rows); the owner's CTA writes its num_bands and every band's schedule
+   position.
 3. keys (a thread per (t, k), whole tokens per CTA): the row's signal from its prepared row
    (``prepare_routes``: remote receive row, or -(y row) - 1 for local rows): a local row's band
    is y row >> lg; a remote row's segment is found by a binary search over its expert's group
@@ -65,9 +64,9 @@ class SendersLayout:
     """Word offsets (int32) of the senders kernel's output buffer; the kernel computes the same.
     nb: the owner's num_bands [1]; nseg [W]: every rank's num_segments; first / count [E]: per
     remote expert its group's first segment and segment count at its rank; pos [B]: the owner's
-    schedule position of each band; dest_row [W, Sc]: each segment's receive row; seg_inc
-    int64 [W, Sc] (written whole by the senders kernel); then (zeroed by one memset) the key
-    histogram [G, KEY_BUCKETS] and 2 spare words (the sort kernel's unused count output)."""
+    schedule position of each band; dest_row [W, Sc]: each segment's receive row; then (zeroed
+    by one memset) seg_inc int64 [W, Sc], the key histogram [G, KEY_BUCKETS] and 2 spare
+    words (the sort kernel's unused count output)."""
 
     def __init__(self, W, E, B, S, T):
         self.nb = 0
@@ -428,7 +427,7 @@ class OrderedRoutesKernel:
         st["stage"] = _empty(max(n_tiles * cap, 1), torch.int64, dev)
         st["cnt"] = _empty(max(n_tiles, 1), torch.int32, dev)
         with torch.cuda.stream(stream):
-            st["so"][lay.hist:].zero_()  # the key histogram (seg_inc: the senders kernel)
+            st["so"][lay.seg_inc:].zero_()
             if T == 0:
                 st["tables"]["tile_start"].zero_()
                 st["tables"]["dep_start"].zero_()

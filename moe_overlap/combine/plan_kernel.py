@@ -178,10 +178,9 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
     senders: the variant of the ordered scale's tables (combine/ordered_routes_kernel.py): CTA
     (0, s) of a (1, W) grid plans rank s (``rank`` is the owner) and writes, instead of a plan,
     what the owner needs of it (`SendersLayout`): the number of segments, each segment's
-    receive row on its destination, the rows it ships to the owner (its row of the int64
-    seg_inc table, 0 for other destinations and past its segments) and, per expert of s, the
-    first segment and segment count of its group to the owner; the owner's own CTA writes its
-    num_bands and each band's schedule position."""
+    receive row on its destination, the rows it ships to the owner (seg_inc, into a zeroed
+    int64 table) and, per expert of s, the first segment and segment count of its group to
+    the owner; the owner's own CTA writes its num_bands and each band's schedule position."""
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -626,27 +625,17 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                         stg(out, o_segs + Int32(5) * S + si, hi_l - lo_f)
                     else:
                         stg(out, so_dr + rank * S + si, lds(G_DR, gq) + lo_f - stq)
-                        inc = Int64(0)
                         if group_source(jq, rank, W) == owner:
-                            inc = Int64(hi_l - lo_f)
-                        P.st_s64(out + (Int64(so_inc) + Int64(2) * (Int64(rank) * Int64(S)
-                                                                    + Int64(si))) * Int64(4), inc)
+                            P.st_s64(out + (Int64(so_inc) + Int64(2) * (Int64(rank) * Int64(S)
+                                                                        + Int64(si))) * Int64(4),
+                                     Int64(hi_l - lo_f))
                 q = q + Int32(NT)
             # segment fields from num_segments up to the remote cells R (one start cell per
             # segment, so R >= num_segments); the tail CTAs fill from R on
             q = nseg + tid
             r_cap = smin(R, S)
             if cutlass.const_expr(senders):
-                # seg_inc: 0 past the valid segments, up to the capacity (the rows of a later
-                # routing's segments add to the same cumulative expectation); the other fields
-                # are not read past nseg
-                r_cap = Int32(0)
-                qz = nseg + tid
-                while qz < S:
-                    P.st_s64(out + (Int64(so_inc) + Int64(2) * (Int64(rank) * Int64(S)
-                                                                + Int64(qz))) * Int64(4),
-                             Int64(0))
-                    qz = qz + Int32(NT)
+                r_cap = Int32(0)  # seg_inc is zeroed before the launch; nothing reads past nseg
             while q < r_cap:
                 for fi in cutlass.range_constexpr(N_SEG_F):
                     stg(out, o_segs + Int32(fi) * S + q, Int32(-1))
