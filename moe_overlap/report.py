@@ -36,10 +36,16 @@ HEADLINE = {
                 ("ffn_chained_compute_h200_auto_phased_918b75d.json",)),
     "plan": ("Planner and prepare (device time)", ("plan_kernel2_h200_1622057.json",
                                                     "plan_kernel2_last_h200_1622057.json")),
+    "ordered_tables": ("The ordered scale's per-routing tables (device time)",
+                       ("plan_h100_ordered_kernel_d457261.json",)),
 }
 
 # result files kept in bench/results/ that are not headline numbers (each with why)
 CURRENT_OTHER = {
+    "plan_h100_ordered_kernel_4a2e90b.json": "the ordered tables' kernels, first run (4-round "
+                                             "sort chunks, tables after prepare, H100)",
+    "plan_h100_ordered_kernel_003ba4c.json": "the ordered tables with seg_inc zeroed by the "
+                                             "senders kernel (reverted: slower at W = 64, H100)",
     "ffn_chained_compute_h100_auto_phased_0792106.json": "chained kernel, group auto with the "
                                                          "phased orders, the 14 points on an H100",
     "profile_ordered_routes_h200_918b75d.log": "the ordered scale's device tables by stage "
@@ -424,6 +430,37 @@ def plan(root):
     return lines, cell
 
 
+def ordered_tables(root):
+    (name,) = HEADLINE["ordered_tables"][1]
+    d = _load(root, name)
+    rs = d["ordered_rows"]
+    def us(r, key):
+        return f"{r[key]:.1f}" if key in r else ""
+    rows = [(r["impl"], str(r["world_size"]), str(r["experts"]), str(r["tokens_per_rank"]),
+             us(r, "ordered_us"), us(r, "plan_prepare_plain_us"),
+             us(r, "plan_prepare_ordered_us"), str(r["equal_to_reference"])) for r in rs]
+    lines = [_src(name, d), "", f"{d['method']}. impl: torch = the torch ops (the senders' "
+             "plans by the planner kernel), kernel = the six launches of "
+             "combine/ordered_routes_kernel.py given prepare's rows, kernel_rows = the same "
+             "making the rows (prepare_routes, the senders' plans on a side stream under it). "
+             "plan + prepare: the whole per-routing work of scale=\"plain\" and of "
+             "scale=\"ordered\" in one graph.", ""]
+    lines += _table(("impl", "W", "experts", "tokens/rank", "tables us", "plan + prepare plain us",
+                     "plan + prepare ordered us", "equal to host reference"), rows) + [""]
+    k = [r for r in rs if r["impl"] == "kernel"]
+    t = [r for r in rs if r["impl"] == "torch"]
+    ws = sorted({r["world_size"] for r in rs})
+    cell = (f"scale=\"ordered\": plan + prepare "
+            f"{_rng([r['plan_prepare_ordered_us'] for r in k], '{:.1f}', ' us')} (plain "
+            f"{_rng([r['plan_prepare_plain_us'] for r in k], '{:.1f}', ' us')}; goal <= 30 us: "
+            f"not met), its tables "
+            f"{_rng([r['ordered_us'] for r in k], '{:.1f}', ' us')} in six launches, torch ops "
+            f"{_rng([r['ordered_us'] for r in t], '{:.0f}', ' us')} (W = "
+            f"{', '.join(map(str, ws))}; {_meta(d)[0]}); bitwise equal to the host reference: "
+            f"{all(r['equal_to_reference'] for r in rs)}")
+    return lines, cell
+
+
 def in_place_baseline_bytes(M: int, hidden: int, N: int) -> int:
     """The FFN baseline's peak bytes with its activation in place: H [M, hidden] beside out
     [M, N], bf16 (ffn.compute_chained.baseline_activation_bytes, which this package layer may
@@ -484,7 +521,8 @@ def chained(root):
 
 
 AREAS = {"producer": producer, "consumer": consumer, "combine": combine, "ffn": ffn,
-         "scale": scale, "packed": packed, "chained": chained, "plan": plan}
+         "scale": scale, "packed": packed, "chained": chained, "plan": plan,
+         "ordered_tables": ordered_tables}
 
 
 def _src(name, doc):
@@ -504,7 +542,9 @@ ROW_OF = {"producer": "producer grouped GEMM (CuTe DSL, WGMMA + TMA, band flags)
           "ffn": "fused TP FFN (`backend=\"fused\"`)",
           "packed": "producer on fine-grained MoE plans (`layout=\"packed\"`)",
           "chained": "chained FFN compute kernel (`ffn/compute_chained.py`)",
-          "plan": "planner + prepare (CuTe DSL kernels; torch reference)"}
+          "plan": "planner + prepare (CuTe DSL kernels; torch reference)",
+          "ordered_tables": "scale=\"ordered\" per-routing tables (CuTe DSL kernels; torch "
+                            "and host references)"}
 
 
 def build(root="."):
