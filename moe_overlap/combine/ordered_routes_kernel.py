@@ -24,9 +24,8 @@ On the stream, in order (no host sync, CUDA-graph capturable):
    the token keys as ids and KEY_BUCKETS as experts: the stable counting sort's inverse is the
    token order.
 5. tiles (a CTA per tile): its tile_tokens x k codes gathered in processing order, a bitonic
-   sort in shared memory (placing each code by counting the smaller ones measured slower: 6.7
-   against 5.4 us at 8192 tokens, bench/NOTES.md session 18), the distinct ones (a CTA scan of
-   "differs from the previous") written to a per-tile staging row, their count.
+   sort in shared memory (the planner's, ``simt_helpers().bitonic_sort64``), the distinct ones
+   (a CTA scan of "differs from the previous") written to a per-tile staging row, their count.
 6. compact: every CTA scans the tile counts (dep_start), copies its tiles' distinct codes to
    the CSR arrays decoded into (kind, source, index), and fills the padding with -1.
 
@@ -36,16 +35,13 @@ Inputs are vouched for by the caller (``validate=False``): bad ones give wrong t
 index is clamped so no access leaves its array.
 """
 
-import math
-
 import torch
 
 from .ordered_scale import KEY_BUCKETS
 from .plan_kernel import NT, _LAYOUT_CODE, _pow2
 
-# the counting sort's chunk: one round of NT tokens per CTA of the routes rank kernel (its
-# CTAs run their rounds one after another: 8192 tokens in 4-round chunks measured 10-11 us on
-# an H100, bench/NOTES.md session 18)
+# the counting sort's chunk: one round of NT tokens per CTA of the routes rank kernel (a CTA
+# runs its rounds one after another, so more and shorter chunks finish sooner)
 SORT_ROUNDS = 1
 SORT_CHUNK = SORT_ROUNDS * NT
 
@@ -208,7 +204,7 @@ def build_tiles_kernels(NTT: int):
     H = simt_helpers()
     lds, sts, lds64, sts64, smin, block_scan = H.lds, H.sts, H.lds64, H.sts64, H.smin, \
         H.block_scan
-    LOG = int(math.log2(NTT))
+    bitonic_sort64 = H.bitonic_sort64
     NONE = 0x7FFFFFFFFFFFFFFF  # sorts after every code
 
     @cute.kernel
@@ -231,23 +227,7 @@ def build_tiles_kernels(NTT: int):
                 code = P.ld_s64(codes + (Int64(tok) * Int64(k) + Int64(tid % k)) * Int64(8))
         sts64(SK, tid, code)
         P.block_sync()
-        for kk in cutlass.range_constexpr(LOG):
-            kb = 2 << kk
-            for jj in cutlass.range_constexpr(kk + 1):
-                jb = kb >> (jj + 1)
-                ixj = tid ^ Int32(jb)
-                if ixj > tid:
-                    ka = lds64(SK, tid)
-                    kc = lds64(SK, ixj)
-                    if (tid & Int32(kb)) == Int32(0):
-                        if ka > kc:
-                            sts64(SK, tid, kc)
-                            sts64(SK, ixj, ka)
-                    else:
-                        if ka < kc:
-                            sts64(SK, tid, kc)
-                            sts64(SK, ixj, ka)
-                P.block_sync()
+        bitonic_sort64(SK, tid, NTT)
         d = lds64(SK, tid)
         new = Int32(0)
         if d != Int64(NONE):

@@ -79,6 +79,7 @@ def simt_helpers():
     predicated stores in PTX, warp scans by shuffles and a CTA-wide exclusive scan."""
     from types import SimpleNamespace
 
+    import cutlass
     import cutlass.cute as cute
     from cutlass import Int32, Int64
     from ..kernels import primitives as P
@@ -163,8 +164,31 @@ def simt_helpers():
         P.block_sync()  # scratch is reused by the next scan
         return ex, tot
 
+    @cute.jit
+    def bitonic_sort64(keys, tid, n: cutlass.Constexpr):
+        """Ascending sort of the n (a power of two) 64-bit keys at shared address ``keys``, a
+        key per thread tid < n; every thread of the CTA calls it (a barrier per stage)."""
+        for kk in cutlass.range_constexpr(int(math.log2(n))):
+            k = 2 << kk
+            for jj in cutlass.range_constexpr(kk + 1):
+                j = k >> (jj + 1)
+                if tid < Int32(n):
+                    ixj = tid ^ Int32(j)
+                    if ixj > tid:
+                        ka = lds64(keys, tid)
+                        kb = lds64(keys, ixj)
+                        if (tid & Int32(k)) == Int32(0):
+                            if ka > kb:
+                                sts64(keys, tid, kb)
+                                sts64(keys, ixj, ka)
+                        else:
+                            if ka < kb:
+                                sts64(keys, tid, kb)
+                                sts64(keys, ixj, ka)
+                P.block_sync()
+
     return SimpleNamespace(**{k: v for k, v in locals().items() if callable(v) and k not in (
-        "SimpleNamespace", "Int32", "Int64")})
+        "SimpleNamespace", "cutlass", "Int32", "Int64")})
 
 
 def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = False,
@@ -188,7 +212,6 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
     from ..kernels import primitives as P
 
     LOG_NE = int(math.log2(NE))
-    LOG_NPS = int(math.log2(NPS))
     N_BAND_F, N_SEG_F = len(BAND_FIELDS), len(SEGMENT_FIELDS)
 
     H = simt_helpers()
@@ -414,24 +437,7 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                             Int64(tid)
                     sts64(keys, tid, key)
                 P.block_sync()
-                for kk in cutlass.range_constexpr(LOG_NPS):
-                    k = 2 << kk
-                    for jj in cutlass.range_constexpr(kk + 1):
-                        j = k >> (jj + 1)
-                        if tid < Int32(NPS):
-                            ixj = tid ^ Int32(j)
-                            if ixj > tid:
-                                ka = lds64(keys, tid)
-                                kb = lds64(keys, ixj)
-                                if (tid & Int32(k)) == Int32(0):
-                                    if ka > kb:
-                                        sts64(keys, tid, kb)
-                                        sts64(keys, ixj, ka)
-                                else:
-                                    if ka < kb:
-                                        sts64(keys, tid, kb)
-                                        sts64(keys, ixj, ka)
-                        P.block_sync()
+                H.bitonic_sort64(keys, tid, NPS)
                 if tid < El:
                     sts(SRT, tid, Int32(lds64(keys, tid) & Int64(0xFFFFFFFF)))
                 P.block_sync()
