@@ -3,11 +3,12 @@ their device time: each stage of it captured and replayed alone in a CUDA graph 
 timing as bench_plan), for the CASES of bench_plan at W = 2 and 8 (and 64 with --w64), plus the
 number of kernels each stage launches (torch.profiler, one eager call).
 
-    PYTHONPATH=$PWD python bench/profile_ordered_routes.py [--w64]
+    PYTHONPATH=$PWD python bench/profile_ordered_routes.py [--w64] [--kernels]
 
-Stages: segments (every other rank's plan rebuilt, `_sender_segments`), deps (the row signals,
-`_row_dependencies`), keys (`_completion_keys`), tables (`_tile_tables`), and the whole call.
-Printed only: a diagnosis for bench/NOTES.md, not a headline.
+Stages of the torch path (impl="torch"): segments (every other rank's plan rebuilt,
+`_sender_segments`), deps (the row signals, `_row_dependencies`), keys (`_completion_keys`),
+tables (`_tile_tables`), and the whole call. --kernels: the kernel path's launches instead, each
+one's device time. Printed only: a diagnosis for bench/NOTES.md, not a headline.
 """
 import argparse
 import os
@@ -44,13 +45,9 @@ def main():
     worlds = (2, 8, 64) if a.w64 else (2, 8)
     if a.kernels:
         return kernel_launches(worlds, dev)
-    for W, E, T, k in CASES:
-        if W not in worlds:
-            continue
-        ids, counts = routing(W, E, T, k, 0, dev)
-        plan = plan_combine(counts, 0, tile_m=128, mgb=2, max_rows=W * T * k, validate=False,
-                            layout="auto", impl="auto", order="remote_first")
-        assert orr.ordered_routes_device(ids, counts, plan, validate=True) is not None
+    for W, E, T, k, ids, counts, plan in cases(worlds, dev, "auto"):
+        assert orr.ordered_routes_device(ids, counts, plan, validate=True,
+                                         impl="torch") is not None
         max_rows = orr.sender_max_rows(plan)
         idl = ids.long()
         segs = orr._sender_segments(counts, plan, max_rows, "auto", False)
@@ -67,7 +64,7 @@ def main():
             "keys": lambda: orr._completion_keys(deps, plan, segs),
             "tables": lambda: orr._tile_tables(deps, key, DEFAULT_TILE_TOKENS, W, Sc),
             "whole": lambda: orr.ordered_routes_device(ids, counts, plan, plan_impl="auto",
-                                                       validate=False),
+                                                       validate=False, impl="torch"),
         }
         for name, fn in stages.items():
             n = kernels(fn) if dev.type == "cuda" else 0
@@ -75,17 +72,22 @@ def main():
                   f"{n:4d} kernels", flush=True)
 
 
+def cases(worlds, dev, plan_impl):
+    """(W, E, T, k, ids, counts, rank 0's plan) of the CASES at these world sizes."""
+    for W, E, T, k in CASES:
+        if W in worlds:
+            ids, counts = routing(W, E, T, k, 0, dev)
+            yield W, E, T, k, ids, counts, plan_combine(
+                counts, 0, tile_m=128, mgb=2, max_rows=W * T * k, validate=False,
+                layout="auto", impl=plan_impl, order="remote_first")
+
+
 def kernel_launches(worlds, dev):
     """Per launch of ordered_routes_device(impl="kernel", rows=prepare's): its device time
     (torch.profiler, median of 5 eager calls), by kernel name in launch order."""
     from torch.profiler import ProfilerActivity, profile
     from moe_overlap.combine.routes import prepare_routes
-    for W, E, T, k in CASES:
-        if W not in worlds:
-            continue
-        ids, counts = routing(W, E, T, k, 0, dev)
-        plan = plan_combine(counts, 0, tile_m=128, mgb=2, max_rows=W * T * k, validate=False,
-                            layout="auto", impl="kernel", order="remote_first")
+    for W, E, T, k, ids, counts, plan in cases(worlds, dev, "kernel"):
         rows, _ = prepare_routes(ids, E, W, 0, False, plan, impl="kernel")
 
         def fn():
