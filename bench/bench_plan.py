@@ -16,8 +16,9 @@ validate=False: every other rank's plan rebuilt, the row signals, the tile order
 lists, seg_inc) of the planned rank at W in ORDERED_WORLDS, layout auto, the layer's capacity
 (max_rows = W * T * k), in the same CUDA graph timing: the torch path, the kernels given
 prepare's rows, the kernels with prepare_routes, and the whole plan + prepare of
-scale="ordered" against plan + prepare alone; checked bitwise against the host reference
-(`ordered_scale.ordered_routes`) before timing.
+scale="ordered" against plan + prepare alone, and that whole again for a layer made for
+CAPACITY_FACTOR x the tokens (a larger arrival table, the same routing); checked bitwise against
+the host reference (`ordered_scale.ordered_routes`) before timing.
 --device cpu: a smoke run (SMOKE_CASES, torch only, wall-clock medians of eager calls) of the
 same code and checks. JSON to --out.
 """
@@ -37,6 +38,7 @@ from moe_overlap.timing import time_calls  # noqa: E402
 
 CASES = [(2, 64, 8192, 8), (8, 256, 8192, 8), (32, 256, 8192, 8), (64, 512, 16384, 8)]
 ORDERED_WORLDS = (2, 8, 64)  # --what ordered: the CASES of these world sizes
+CAPACITY_FACTOR = 4  # --what ordered: also a layer made for 4x the tokens per rank
 SMOKE_CASES = [(2, 16, 256, 4), (8, 32, 96, 2)]  # --device cpu
 
 
@@ -85,10 +87,13 @@ def ordered_reference(ids, counts, plan):
 
 def ordered_matches_reference(got, ref) -> bool:
     """got (ordered_routes_device's) == ref (ordered_reference's) on every table's valid part,
-    the padding -1, seg_inc equal."""
+    the padding -1, seg_count and each sender's prefix of seg_inc equal (the kernel path writes
+    nothing past it)."""
     t = {n: v.cpu() for n, v in got.tables.items()}
     nd = int(t["dep_start"][-1])
-    same = torch.equal(got.seg_inc.cpu(), ref.seg_inc)
+    cnt, inc = got.seg_count.cpu(), got.seg_inc.cpu()
+    same = torch.equal(cnt, ref.seg_count) and all(
+        torch.equal(inc[s, :n], ref.seg_inc[s, :n]) for s, n in enumerate(cnt.tolist()))
     for n, want in ref.tables.items():
         if n in ("dep_kind", "dep_source", "dep_index"):
             same = same and bool((t[n][nd:] == -1).all())
@@ -202,18 +207,32 @@ def time_ordered(ids, counts, W, E, T, k, rank, impls, orders, dev):
                                      validate=False, layout="auto", impl="kernel", order=order)
                     return p, prepare_routes(ids, E, W, rank, False, p, impl="kernel")[0]
 
-                def whole():  # as OverlapCombine.prepare: rows made by the tables' path
-                    p = plan_combine(counts, rank, tile_m=128, mgb=2, max_rows=W * T * k,
-                                     validate=False, layout="auto", impl="kernel", order=order)
+                def whole(cap=1):  # as OverlapCombine.prepare: rows made by the tables' path
+                    p = plan_combine(counts, rank, tile_m=128, mgb=2,
+                                     max_rows=cap * W * T * k, validate=False, layout="auto",
+                                     impl="kernel", order=order)
                     return ordered_routes_device(ids, counts, p, validate=False, impl="kernel")
                 r["plan_prepare_plain_us"] = time_us(plain, dev)
                 r["plan_prepare_ordered_us"] = time_us(whole, dev)
                 r["whole_equal_to_reference"] = ordered_matches_reference(whole(), ref)
-                equal = equal and r["whole_equal_to_reference"]
+                # a layer made for CAPACITY_FACTOR x these tokens per rank: its arrival table
+                # is that much larger, the routing the same (no work may follow the capacity)
+                big = lambda: whole(CAPACITY_FACTOR)  # noqa: E731
+                plan_big = plan_combine(counts, rank, tile_m=128, mgb=2,
+                                        max_rows=CAPACITY_FACTOR * W * T * k, validate=False,
+                                        layout="auto", impl=plan_impl, order=order)
+                r["capacity_factor"] = CAPACITY_FACTOR
+                r["plan_prepare_ordered_big_capacity_us"] = time_us(big, dev)
+                r["big_capacity_equal_to_reference"] = ordered_matches_reference(
+                    big(), ordered_reference(ids, counts, plan_big))
+                equal = equal and r["whole_equal_to_reference"] and \
+                    r["big_capacity_equal_to_reference"]
                 r["equal_to_reference"] = equal
             out.append(r)
             extra = (f"  plan+prepare plain {r['plan_prepare_plain_us']:6.1f} us, ordered "
-                     f"{r['plan_prepare_ordered_us']:6.1f} us" if impl == "kernel" else "")
+                     f"{r['plan_prepare_ordered_us']:6.1f} us ({CAPACITY_FACTOR}x capacity "
+                     f"{r['plan_prepare_ordered_big_capacity_us']:6.1f} us)"
+                     if impl == "kernel" else "")
             print(f"ordered {impl:<11} {order:<12} W={W:<3} r={rank:<3} E={E:<4} T={T:<6} "
                   f"tables {us:8.1f} us  equal to the host reference: {equal}{extra}",
                   flush=True)

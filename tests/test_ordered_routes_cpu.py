@@ -58,6 +58,11 @@ def assert_same_as_reference(ids, counts, rank, plan, tile_tokens):
         assert torch.equal(t[n][:nd], ref.tables[n]), n
         assert bool((t[n][nd:] == -1).all()), n
     assert got.seg_inc.dtype == torch.int64 and torch.equal(got.seg_inc, ref.seg_inc)
+    assert got.seg_count.dtype == torch.int32 and torch.equal(got.seg_count, ref.seg_count)
+    assert int(got.seg_count[rank]) == 0 and bool((got.seg_count >= 0).all())
+    # past each sender's prefix the torch path is zero (the kernel path leaves it unwritten)
+    past = torch.arange(plan.segment_capacity)[None, :] >= got.seg_count.long()[:, None]
+    assert int(got.seg_inc[past].abs().sum()) == 0
     want = osc.row_dependencies(ids, counts, rank, osc.sender_plans(
         counts, plan.tile_m, plan.mgb, plan.layout, order=plan.order))
     for f in ("kind", "source", "index", "row"):
@@ -184,7 +189,7 @@ def test_device_path_runs_on_the_meta_device():
     T, k = ids.shape
     assert all(t.device == m for t in got.tables.values()) and got.seg_inc.device == m
     assert got.tables["dep_kind"].shape == (T * k,)
-    assert got.seg_inc.shape == (4, plan.segment_capacity)
+    assert got.seg_inc.shape == (4, plan.segment_capacity) and got.seg_count.shape == (4,)
     with pytest.raises((RuntimeError, NotImplementedError)):  # the reference reads values
         osc.ordered_routes(ids.to(m), counts.to(m), 1, 64, 2, "auto", plan.segment_capacity)
 
@@ -390,8 +395,44 @@ def test_prepare_ordered_uses_the_device_path_and_keeps_the_reference(monkeypatc
         dev = OverlapCombine._prepare_ordered(me, plan, ids[1], counts)
     host = OverlapCombine._prepare_ordered(me, plan, ids[1], counts, impl="host")
     assert torch.equal(dev["seg_inc"], host["seg_inc"])
+    assert torch.equal(dev["seg_count"], host["seg_count"])
     nd = int(dev["tables"]["dep_start"][-1])
     for n, t in host["tables"].items():
         assert torch.equal(dev["tables"][n][:nd] if n in DEP_ARRAYS else dev["tables"][n], t), n
     with pytest.raises(ValueError, match="ordered_impl"):
         OverlapCombine._prepare_ordered(me, plan, ids[1], counts, impl="torch")
+
+
+# ------------------------------------------------------------------------ add_seg_inc
+def test_add_seg_inc_adds_each_senders_prefix_only():
+    """What begin_call does per call: only seg_count[s] words of row s, whatever lies past them
+    in seg_inc (the kernel path leaves that unwritten), the rest of seg_expected untouched."""
+    from moe_overlap.combine.ordered_routes import add_seg_inc
+    W, Sc = 4, 9
+    g = torch.Generator().manual_seed(3)
+    exp = torch.randint(0, 50, (W, Sc), generator=g)
+    inc = torch.randint(0, 9, (W, Sc), generator=g)
+    cnt = torch.tensor([0, 9, 3, 12], dtype=torch.int32)  # 12 > Sc: clamped
+    want = exp.clone()
+    for s, n in enumerate(cnt.tolist()):
+        want[s, :min(n, Sc)] += inc[s, :min(n, Sc)]
+    poisoned = inc.clone()
+    for s, n in enumerate(cnt.tolist()):
+        poisoned[s, min(n, Sc):] = -(1 << 40)  # never read
+    add_seg_inc(exp, poisoned, cnt)
+    assert torch.equal(exp, want)
+    assert not torch.equal(want, exp.clone().add_(inc))  # the full add differs here
+
+
+def test_add_seg_inc_refuses_mismatched_tables():
+    from moe_overlap.combine.ordered_routes import add_seg_inc
+    exp = torch.zeros(2, 5, dtype=torch.int64)
+    cnt = torch.zeros(2, dtype=torch.int32)
+    for bad in (dict(seg_inc=torch.zeros(2, 4, dtype=torch.int64)),
+                dict(seg_inc=torch.zeros(2, 5, dtype=torch.int32)),
+                dict(seg_count=torch.zeros(3, dtype=torch.int32)),
+                dict(seg_expected=torch.zeros(5, 2, dtype=torch.int64).t())):
+        args = dict(seg_expected=exp, seg_inc=torch.zeros(2, 5, dtype=torch.int64),
+                    seg_count=cnt) | bad
+        with pytest.raises(ValueError, match="add_seg_inc"):
+            add_seg_inc(**args)

@@ -3,7 +3,8 @@
 (``impl="torch"``, itself bitwise the host reference on the CPU: tests/test_ordered_routes_cpu.py)
 and, on part of the cases, against the host reference directly:
 
-- every table bitwise, the dependency arrays' padding included, and seg_inc, for W in
+- every table bitwise, the dependency arrays' padding included, seg_count and each sender's
+  prefix of seg_inc (nothing past it is written: the poison stays there), for W in
   {1, 2, 4, 8, 64}, both orders, every layout, tile_tokens 1 / 16 / 64, int32 and int64 ids,
   balanced and skewed routings and adversarial ones (empty experts, one hot expert, every token
   to one rank);
@@ -13,6 +14,8 @@ and, on part of the cases, against the host reference directly:
 - OverlapCombine.prepare(scale="ordered") on a one-rank group: the rows the tables' path hands
   back, its tables, and the ordered layer's output bitwise the plain layer's.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -64,6 +67,21 @@ def _diff(name, got, want, case):
             f"{g[lo:i + 4].tolist()} torch {w[lo:i + 4].tolist()}")
 
 
+def _seg_diff(got, want, case):
+    """seg_count equal, and each sender's prefix of seg_inc (past it the kernel path writes
+    nothing, so the poison stays there)."""
+    gc, wc = got.seg_count.cpu(), want.seg_count.cpu()
+    if gc.dtype != torch.int32 or not torch.equal(gc, wc):
+        return f"{case}: seg_count {gc.dtype} {gc.tolist()} vs {wc.tolist()}"
+    gi, wi = got.seg_inc.cpu(), want.seg_inc.cpu()
+    if gi.shape != wi.shape or gi.dtype != torch.int64:
+        return f"{case}: seg_inc {gi.dtype} {tuple(gi.shape)} vs {tuple(wi.shape)}"
+    for s, n in enumerate(wc.tolist()):
+        if not torch.equal(gi[s, :n], wi[s, :n]):
+            return _diff(f"seg_inc[{s}, :{n}]", gi[s, :n], wi[s, :n], case)
+    return None
+
+
 def _poisoned(monkeypatch):
     def empty(n, dtype, device):
         return torch.full((n,), -0x5A5A5A5B if dtype == torch.int32 else -0x5A5A5A5A5A5A5A5B,
@@ -90,7 +108,7 @@ def _check(W, E, T, k, mode, seed, rank, layout="auto", order="remote_first", ti
         ref_rows, _ = prepare_routes(mine, E, W, rank, False, plan, impl="torch")
         assert torch.equal(got.rows, ref_rows), case
     bad = [_diff(n, got.tables[n], want.tables[n], case) for n in want.tables]
-    bad.append(_diff("seg_inc", got.seg_inc, want.seg_inc, case))
+    bad.append(_seg_diff(got, want, case))
     bad = [b for b in bad if b]
     assert not bad, "\n".join(bad)
     if host:
@@ -101,7 +119,7 @@ def _check(W, E, T, k, mode, seed, rank, layout="auto", order="remote_first", ti
             g = got.tables[n].cpu()
             assert torch.equal(g[:nd] if n.startswith("dep_") and n != "dep_start" else g, t), \
                 (case, n)
-        assert torch.equal(got.seg_inc.cpu(), ref.seg_inc), case
+        assert _seg_diff(got, ref, case) is None
     return got
 
 
@@ -168,7 +186,7 @@ def test_kernel_tables_in_a_cuda_graph_on_a_new_routing():
                                  impl="torch")
     for n, t in want.tables.items():
         assert torch.equal(out.tables[n], t), n
-    assert torch.equal(out.seg_inc, want.seg_inc)
+    assert _seg_diff(out, want, "graph") is None
 
 
 def test_kernel_impl_refusals():
@@ -215,7 +233,9 @@ def _one_rank_worker(rank, world):
         want = ordered_routes_device(ids, counts, plan, validate=True, impl="torch")
         res["tables"].append(all(torch.equal(ro.ordered["tables"][n], t)
                                  for n, t in want.tables.items())
-                             and bool(torch.equal(ro.ordered["seg_inc"], want.seg_inc)))
+                             and _seg_diff(SimpleNamespace(seg_inc=ro.ordered["seg_inc"],
+                                                           seg_count=ro.ordered["seg_count"]),
+                                           want, i) is None)
         res["inc"].append(bool(torch.equal(ro.expected_inc.cpu(),
                                            torch.ones(1, dtype=torch.int64))))
         g = torch.Generator(device=dev).manual_seed(40 + i)
@@ -241,3 +261,28 @@ def test_overlap_prepare_ordered_on_one_rank():
     res = spawn_ranks(_one_rank_worker, 1, backend="nccl", join_timeout_s=300)[0]
     assert all(res["rows"]) and all(res["tables"]) and all(res["inc"]), res
     assert all(res["bitwise"]), res
+
+
+@pytest.mark.parametrize("W,Sc", [(1, 5), (2, 1152), (8, 8704), (64, 66560)])
+def test_seg_add_kernel_adds_each_senders_prefix_only(W, Sc):
+    """begin_call's advance of seg_expected (``add_seg_inc``, one kernel on CUDA) against the
+    CPU path: only seg_count[s] words of row s (clamped to [0, Sc]) are read and written; the
+    poison past the prefix never reaches seg_expected, whose other words keep their values."""
+    from moe_overlap.combine.ordered_routes import add_seg_inc
+    g = torch.Generator().manual_seed(W)
+    exp = torch.randint(0, 1 << 20, (W, Sc), generator=g)
+    inc = torch.randint(0, 300, (W, Sc), generator=g)
+    cnt = torch.randint(0, min(Sc, 3000) + 1, (W,), generator=g).to(torch.int32)
+    cnt[0] = Sc
+    if W > 2:
+        cnt[1], cnt[2] = -4, Sc + 7  # clamped
+    for s, n in enumerate(cnt.tolist()):
+        inc[s, max(0, min(n, Sc)):] = -0x5A5A5A5A5A5A5A5B
+    want = exp.clone()
+    add_seg_inc(want, inc, cnt)
+    got = exp.to(DEV)
+    add_seg_inc(got, inc.to(DEV), cnt.to(DEV))
+    add_seg_inc(want, inc, cnt)
+    add_seg_inc(got, inc.to(DEV), cnt.to(DEV))  # twice: it accumulates
+    assert torch.equal(got.cpu(), want)
+    assert bool((want >= 0).all())  # no poison added anywhere

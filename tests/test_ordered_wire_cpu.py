@@ -169,7 +169,8 @@ def test_begin_call_advances_seg_expected_by_each_calls_rows(monkeypatch, broken
             want[s] += torch.bincount(deps.index[m], minlength=Sc)
             per_source[s] += int(((ids[rank] // (E // W)) == s).sum()) if s != rank else 0
         routes = CombineRoutes(rows=None, expected_inc=torch.ones(W, dtype=torch.int64),
-                               plan=None, num_tokens=T, ordered={"seg_inc": o.seg_inc})
+                               plan=None, num_tokens=T,
+                               ordered={"seg_inc": o.seg_inc, "seg_count": o.seg_count})
         OverlapCombine.begin_call(me, ids[rank], torch.rand(T, k), routes=routes)
         assert int(me.queue) == 0  # the tile queue restarts every call
         me.queue.fill_(3)
@@ -312,7 +313,8 @@ def test_ordered_call_runs_on_s0_after_the_producer(monkeypatch):
     order = torch.arange(ids.shape[0], dtype=torch.int32)
     routes = CombineRoutes(rows=ids.int(), expected_inc=torch.ones(W, dtype=torch.int64),
                            plan=plan, num_tokens=ids.shape[0],
-                           ordered={"tables": {"order": order}, "seg_inc": inc})
+                           ordered={"tables": {"order": order}, "seg_inc": inc,
+                                    "seg_count": torch.tensor([0, Sc], dtype=torch.int32)})
     with pytest.raises(ValueError, match="routes=prepare"):
         ov.forward(h, w, plan, ids, tw)  # refused before any launch
     assert not any(x in log for x in ("begin", "produce", "ship"))

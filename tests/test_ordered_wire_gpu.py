@@ -116,7 +116,9 @@ def _worker(rank, world):
     res["worst_rel"] = rel
     _, exp = ordered._impl.comm.seg_tables(ordered._impl.seg_cap)
     res["seg_expected_total"] = int(exp.sum())
-    res["seg_expected_want"] = int(sum(int(r.ordered["seg_inc"].sum()) for r in ro))
+    # each call adds every sender's valid prefix of its routing's seg_inc (OrderedRoutes)
+    res["seg_expected_want"] = sum(int(r.ordered["seg_inc"][s, :n].sum()) for r in ro
+                                   for s, n in enumerate(r.ordered["seg_count"].tolist()))
 
     # the broken variant: seg_expected never advanced
     dist.barrier()

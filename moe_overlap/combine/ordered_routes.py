@@ -26,7 +26,9 @@ whose size depends on data, so it can run inside a CUDA graph:
    range of the sorted array (its tokens x topk), so its first distinct entry is the number of
    distinct keys before that range (an inclusive cumsum read at fixed places), and the distinct
    keys are gathered into a fixed capacity by a searchsorted on that cumsum.
-5. ``seg_inc[s, i]`` = rows of sender s's segment i if it goes to this rank, else 0.
+5. ``seg_inc[s, i]`` = rows of sender s's segment i if it goes to this rank, else 0, and
+   ``seg_count[s]`` = sender s's num_segments (0 for this rank): the valid prefix of row s
+   (``add_seg_inc`` reads nothing past it; the kernel path writes nothing past it).
 
 Padded-table contract (what ``OrderedScale`` may be given): ``order [T]``, ``tile_start`` and
 ``dep_start`` ``[n_tiles + 1]`` are exact (n_tiles = ceil(T / tile_tokens): the tiles are fixed
@@ -288,8 +290,9 @@ def ordered_routes_device(topk_ids: torch.Tensor, expert_counts: torch.Tensor, p
     Returns ``OrderedRoutes`` with ``tiles=None`` (the kernel needs only the tables), ``tables``:
     int32 on the device, padded as the module doc says (order [T], tile_start / dep_start
     [n_tiles + 1], dep_kind / dep_source / dep_index [T * topk]), ``seg_inc``: int64 [W, Sc]
-    (what ``begin_call`` adds to the cumulative per-segment expectation); with return_deps,
-    (that, RowDeps)."""
+    (what ``begin_call`` adds to the cumulative per-segment expectation, ``add_seg_inc``) valid
+    up to ``seg_count`` int32 [W] per row (0 past it on the torch path, unwritten on the
+    kernel path); with return_deps, (that, RowDeps)."""
     W, E, T, k, tile_tokens = _check_host_facts(topk_ids, expert_counts, plan, tile_tokens)
     if plan_impl not in IMPLS:
         raise ValueError(f"plan_impl={plan_impl!r}; choose from {IMPLS}")
@@ -305,9 +308,10 @@ def ordered_routes_device(topk_ids: torch.Tensor, expert_counts: torch.Tensor, p
             raise ValueError(f"rows must be [T={T}, topk={k}] on {topk_ids.device} (prepare_"
                              f"routes' rows of this routing), got {tuple(rows.shape)} on "
                              f"{rows.device}")
-        tables, seg_inc, rows = ordered_tables_kernel(topk_ids, expert_counts, plan,
-                                                      tile_tokens, rows)
-        return OrderedRoutes(tiles=None, tables=tables, seg_inc=seg_inc, rows=rows)
+        tables, seg_inc, seg_count, rows = ordered_tables_kernel(topk_ids, expert_counts, plan,
+                                                                 tile_tokens, rows)
+        return OrderedRoutes(tiles=None, tables=tables, seg_inc=seg_inc, seg_count=seg_count,
+                             rows=rows)
     segs = _sender_segments(expert_counts, plan, max_rows, plan_impl, validate)
     deps = _row_dependencies(topk_ids.long(), expert_counts, plan, segs, validate)
     key = _completion_keys(deps, plan, segs)
@@ -316,5 +320,34 @@ def ordered_routes_device(topk_ids: torch.Tensor, expert_counts: torch.Tensor, p
     sdst = segs[:, 1:1 + Sc]
     srows = segs[:, 1 + 2 * Sc:]
     seg_inc = torch.where(sdst == plan.rank, srows.long(), 0)
-    out = OrderedRoutes(tiles=None, tables=tables, seg_inc=seg_inc)
+    out = OrderedRoutes(tiles=None, tables=tables, seg_inc=seg_inc,
+                        seg_count=segs[:, 0].clamp(min=0))
     return (out, deps) if return_deps else out
+
+
+def add_seg_inc(seg_expected: torch.Tensor, seg_inc: torch.Tensor,
+                seg_count: torch.Tensor) -> None:
+    """``seg_expected[s, :seg_count[s]] += seg_inc[s, :seg_count[s]]`` in place, on the current
+    stream, no host sync: the owner's per-call advance of its cumulative per-segment expectation
+    (``OverlapCombine.begin_call``). Only the routing's segments are read and written (one
+    kernel on CUDA, ``ordered_routes_kernel``), not the table's capacity; the rest of
+    ``seg_expected`` is left as it is (no sender's consumer counts arrivals there this call).
+
+    seg_expected: int64 [W, Sc], contiguous; seg_inc: int64 [W, Sc] (``OrderedRoutes.seg_inc``,
+    anything past the prefix); seg_count: int [W] (``OrderedRoutes.seg_count``, clamped to
+    [0, Sc]). All on one device."""
+    W, Sc = seg_expected.shape
+    if (seg_expected.dtype != torch.int64 or seg_inc.dtype != torch.int64
+            or tuple(seg_inc.shape) != (W, Sc) or tuple(seg_count.shape) != (W,)
+            or not seg_expected.is_contiguous()
+            or len({seg_expected.device, seg_inc.device, seg_count.device}) != 1):
+        raise ValueError(f"add_seg_inc: seg_expected and seg_inc int64 [W={W}, Sc={Sc}] (the "
+                         f"first contiguous) and seg_count [W] on one device; got "
+                         f"{seg_inc.dtype} {tuple(seg_inc.shape)}, seg_count "
+                         f"{tuple(seg_count.shape)}")
+    if seg_expected.is_cuda:
+        from .ordered_routes_kernel import seg_add
+        seg_add(seg_expected, seg_inc.contiguous(), seg_count.to(torch.int32).contiguous())
+        return
+    valid = torch.arange(Sc, device=seg_count.device)[None, :] < seg_count.long()[:, None]
+    seg_expected.add_(torch.where(valid, seg_inc, 0))

@@ -5,11 +5,13 @@ reference (``ordered_scale.ordered_routes``), with a launch count fixed by nothi
 
 On the stream, in order (no host sync, CUDA-graph capturable):
 
-1. zero: one memset of seg_inc [W, Sc] int64 and the bucket histogram [G, KEY_BUCKETS].
+1. zero: one memset of the bucket histogram [G, KEY_BUCKETS] (T words, whatever the capacity).
 2. senders (``build_plan_kernels(senders=True)``): CTA s of a (1, W) grid plans rank s from the
    counts (the planner kernel's phases, so exactly its plan) and keeps what the owner needs
    (`SendersLayout`): per rank its segment count and each segment's receive row on the
-   destination, seg_inc (rows of each segment to the owner), and per remote expert e the first
+   destination, seg_inc (rows of each segment to the owner, 0 for a segment to another rank:
+   row s's first num_segments words, the rest of the [W, Sc] table unwritten, so nothing
+   scales with the arrival table's capacity), and per remote expert e the first
    segment and the segment count of its group to the owner (a group's segments are consecutive
    and ascend in receive rows); the owner's CTA writes its num_bands and every band's schedule
    position.
@@ -58,11 +60,12 @@ def _empty(n: int, dtype, device) -> torch.Tensor:
 
 class SendersLayout:
     """Word offsets (int32) of the senders kernel's output buffer; the kernel computes the same.
-    nb: the owner's num_bands [1]; nseg [W]: every rank's num_segments; first / count [E]: per
+    nb: the owner's num_bands [1]; nseg [W]: every rank's num_segments (0 for the owner: the
+    valid prefix of its seg_inc row, as ``OrderedRoutes.seg_count``); first / count [E]: per
     remote expert its group's first segment and segment count at its rank; pos [B]: the owner's
-    schedule position of each band; dest_row [W, Sc]: each segment's receive row; then (zeroed
-    by one memset) seg_inc int64 [W, Sc], the key histogram [G, KEY_BUCKETS] and 2 spare
-    words (the sort kernel's unused count output)."""
+    schedule position of each band; dest_row [W, Sc]: each segment's receive row; seg_inc
+    int64 [W, Sc] (row s valid up to nseg[s]); then (zeroed by one memset) the key histogram
+    [G, KEY_BUCKETS] and 2 spare words (the sort kernel's unused count output)."""
 
     def __init__(self, W, E, B, S, T):
         self.nb = 0
@@ -327,6 +330,49 @@ def compact_example_args():
     return [Int64(0)] * 7 + [Int32(1)] * 7 + [cuda.CUstream(0)]
 
 
+def build_seg_add_kernel():
+    """The launcher of ``seg_expected[s, :seg_count[s]] += seg_inc[s, :seg_count[s]]`` (int64
+    [W, S], seg_count int32 [W]): a (G, W) grid, CTA (g, s) strides over row s's valid prefix,
+    so the work follows the routing's segments, not the table's capacity S."""
+    import cutlass
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    from ..kernels import primitives as P
+    from .plan_kernel import simt_helpers
+
+    H = simt_helpers()
+    smin, smax = H.smin, H.smax
+
+    @cute.kernel
+    def seg_add_kernel(exp: Int64, inc: Int64, cnt: Int64, S: Int32):
+        tid, g, ng = P.thread_block_grid()
+        _, s, _ = cute.arch.block_idx()
+        n = smin(smax(P.ld_s32(cnt + Int64(s) * Int64(4)), Int32(0)), S)
+        j = g * Int32(NT) + tid
+        while j < n:
+            off = (Int64(s) * Int64(S) + Int64(j)) * Int64(8)
+            P.st_s64(exp + off, P.ld_s64(exp + off) + P.ld_s64(inc + off))
+            j = j + ng * Int32(NT)
+
+    @cute.jit
+    def launch_seg_add(exp: Int64, inc: Int64, cnt: Int64, S: Int32, W: Int32, grid: Int32,
+                       stream: cuda.CUstream):
+        seg_add_kernel(exp, inc, cnt, S).launch(grid=[grid, W, 1], block=[NT, 1, 1],
+                                                stream=stream)
+
+    return launch_seg_add
+
+
+def seg_add_example_args():
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    return [Int64(0)] * 3 + [Int32(1)] * 3 + [cuda.CUstream(0)]
+
+
+SEG_ADD_CTAS = 256  # CTAs of a seg_add launch in all (at least one per sender)
+
+
 class OrderedRoutesKernel:
     """The compiled kernels of the module doc, cached by their host facts; ``__call__`` launches
     them on the current stream."""
@@ -377,6 +423,16 @@ class OrderedRoutesKernel:
         return self._compiled(("tiles", NTT), lambda: build_tiles_kernels(NTT),
                               (tiles_example_args(), compact_example_args()))
 
+    def seg_add(self, seg_expected, seg_inc, seg_count):
+        """``seg_expected[s, :seg_count[s]] += seg_inc[s, :seg_count[s]]`` on the current
+        stream (int64 [W, S] both, seg_count int32 [W], on one CUDA device; caller-checked)."""
+        import cuda.bindings.driver as cuda
+        W, S = seg_expected.shape
+        f = self._compiled(("seg_add",), build_seg_add_kernel, seg_add_example_args())
+        grid = max(1, min(-(-S // NT), SEG_ADD_CTAS // max(W, 1)))
+        h = cuda.CUstream(torch.cuda.current_stream(seg_expected.device).cuda_stream)
+        f(seg_expected.data_ptr(), seg_inc.data_ptr(), seg_count.data_ptr(), S, W, grid, h)
+
     def start(self, topk_ids, expert_counts, plan, tile_tokens, stream):
         """Steps 1 and 2 (they need the counts only) on ``stream``; returns the state that
         ``finish`` continues from. The caller has checked the host facts."""
@@ -407,7 +463,7 @@ class OrderedRoutesKernel:
         st["stage"] = _empty(max(n_tiles * cap, 1), torch.int64, dev)
         st["cnt"] = _empty(max(n_tiles, 1), torch.int32, dev)
         with torch.cuda.stream(stream):
-            st["so"][lay.seg_inc:].zero_()
+            st["so"][lay.hist:].zero_()
             if T == 0:
                 st["tables"]["tile_start"].zero_()
                 st["tables"]["dep_start"].zero_()
@@ -420,7 +476,7 @@ class OrderedRoutesKernel:
         return st
 
     def finish(self, st, topk_ids, plan, rows, tile_tokens, stream):
-        """Steps 3 to 6 on ``stream`` (after ``start``'s): (tables, seg_inc) as
+        """Steps 3 to 6 on ``stream`` (after ``start``'s): (tables, seg_inc, seg_count) as
         ``ordered_routes_device`` returns them. rows: int32 [T, topk] (``prepare_routes(...,
         local_copy=False, plan)``: remote receive rows, -(y row) - 1 for local ones)."""
         import cuda.bindings.driver as cuda
@@ -428,8 +484,9 @@ class OrderedRoutesKernel:
                                                          "B", "S"))
         tables, so = st["tables"], st["so"]
         seg_inc = so[lay.seg_inc:lay.hist].view(torch.int64).view(W, S)
+        seg_count = so[lay.nseg:lay.nseg + W]
         if T == 0:
-            return tables, seg_inc
+            return tables, seg_inc, seg_count
         ids = topk_ids.contiguous()
         rows = rows.to(torch.int32).contiguous()
         h = cuda.CUstream(stream.cuda_stream)
@@ -450,10 +507,10 @@ class OrderedRoutesKernel:
                   tables["dep_start"].data_ptr(), tables["dep_kind"].data_ptr(),
                   tables["dep_source"].data_ptr(), tables["dep_index"].data_ptr(), n_tiles, tpb,
                   T, k, tile_tokens, R, -(-n_tiles // tpb), h)
-        return tables, seg_inc
+        return tables, seg_inc, seg_count
 
     def __call__(self, topk_ids, expert_counts, plan, tile_tokens, rows=None):
-        """(tables, seg_inc, rows) on the current stream. rows None: ``prepare_routes`` computes
+        """(tables, seg_inc, seg_count, rows) on the current stream. rows None: ``prepare_routes`` computes
         them on the current stream while steps 1 and 2 run on a side stream (both only read
         their inputs; joined before step 3), so the senders' plans hide under prepare."""
         main = torch.cuda.current_stream(topk_ids.device)
@@ -467,8 +524,8 @@ class OrderedRoutesKernel:
             W, E = expert_counts.shape
             rows, _ = prepare_routes(topk_ids, E, W, plan.rank, False, plan, impl="kernel")
             main.wait_stream(side)
-        tables, seg_inc = self.finish(st, topk_ids, plan, rows, tile_tokens, main)
-        return tables, seg_inc, rows
+        tables, seg_inc, seg_count = self.finish(st, topk_ids, plan, rows, tile_tokens, main)
+        return tables, seg_inc, seg_count, rows
 
 
 _SIDE: dict = {}
@@ -487,3 +544,7 @@ _KERNEL = OrderedRoutesKernel()
 
 def ordered_tables_kernel(topk_ids, expert_counts, plan, tile_tokens, rows=None):
     return _KERNEL(topk_ids, expert_counts, plan, tile_tokens, rows)
+
+
+def seg_add(seg_expected, seg_inc, seg_count):
+    _KERNEL.seg_add(seg_expected, seg_inc, seg_count)

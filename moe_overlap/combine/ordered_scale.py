@@ -136,6 +136,13 @@ def seg_expected_inc(plans: list, rank: int, capacity: int | None = None) -> tor
     return out
 
 
+def seg_counts(plans: list, rank: int) -> torch.Tensor:
+    """int32 [W]: the valid prefix of each sender's row of ``seg_expected_inc`` (its plan's
+    num_segments; 0 for ``rank``)."""
+    return torch.tensor([0 if s == rank else int(p.num_segments.item())
+                         for s, p in enumerate(plans)], dtype=torch.int32)
+
+
 # ---- timing model --------------------------------------------------------------------------
 @dataclass
 class ScaleModel:
@@ -359,11 +366,16 @@ class OrderedRoutes:
     """What one routing needs for the ordered scale on the owner: the tiles (``token_tiles``;
     None from ``ordered_routes.ordered_routes_device``, which builds only the kernel's tables),
     their kernel tables (int32; ``tile_tables``, exact, on the host here; padded on the device
-    path, see combine/ordered_routes.py) and ``seg_inc`` int64 [W, Sc] (``seg_expected_inc``:
-    what ``begin_call`` adds to the cumulative expectation)."""
+    path, see combine/ordered_routes.py), ``seg_inc`` int64 [W, Sc] (``seg_expected_inc``:
+    what ``begin_call`` adds to the cumulative expectation) and ``seg_count`` int32 [W], the
+    valid prefix of each sender's row of seg_inc (its plan's num_segments; 0 for the owner,
+    whose own segments never come to it): ``begin_call`` adds only that prefix, and the kernel
+    path writes nothing past it, so no step costs in proportion to the capacity Sc (the host
+    and torch paths zero the rest)."""
     tiles: TokenTiles | None
     tables: dict
     seg_inc: torch.Tensor
+    seg_count: torch.Tensor
     rows: torch.Tensor | None = None  # prepare_routes' rows where the kernel path made them
 
 
@@ -406,4 +418,5 @@ def ordered_routes(topk_ids: torch.Tensor, expert_counts: torch.Tensor, rank: in
     deps = row_dependencies(ids, counts, rank, plans)
     tiles = token_tiles(deps, completion_keys(deps, plans, rank), tile_tokens=tile_tokens)
     return OrderedRoutes(tiles=tiles, tables=tile_tables(tiles),
-                         seg_inc=seg_expected_inc(plans, rank, capacity=seg_cap))
+                         seg_inc=seg_expected_inc(plans, rank, capacity=seg_cap),
+                         seg_count=seg_counts(plans, rank))

@@ -54,7 +54,8 @@ construction). The consumer variants they select:
 - ``scale="ordered"`` (nvlink, local_copy=False): the consumer adds each piece's rows to the
   owner's per-segment arrival word (``arrival="segment"``; the counters then carry only the call
   markers), ``begin_call`` advances the cumulative per-segment expectation (``CommBuffer.
-  seg_tables``) by the routing's ``seg_inc`` and zeroes the tile queue, and the ordered scale
+  seg_tables``) by the routing's ``seg_inc`` (each sender's valid prefix only,
+  ``ordered_routes.add_seg_inc``) and zeroes the tile queue, and the ordered scale
   (combine/scale_ordered.py) runs on s0 right after the producer, on every SM (design A of
   bench/NOTES.md "Session 11"): after the kernel boundary every local row is final (no band
   wait), each tile waits for its own segments. Why no deadlock and why the slots stay safe:
@@ -94,7 +95,8 @@ class CombineRoutes:
         self.rows, self.expected_inc = rows, expected_inc
         self.plan, self.num_tokens = plan, num_tokens
         # scale="ordered": {"tables": the tile tables (int32; the dependency arrays padded to
-        # T * topk, combine/ordered_routes.py), "seg_inc": int64 [W, Sc]} on the device
+        # T * topk, combine/ordered_routes.py), "seg_inc": int64 [W, Sc] valid up to
+        # "seg_count": int32 [W] per row (``OrderedRoutes``)} on the device
         self.ordered = ordered
 
 
@@ -501,7 +503,8 @@ class OverlapCombine:
                              ordered=ordered)
 
     def _prepare_ordered(self, plan, topk_ids, expert_counts, impl="device", validate=False):
-        """{"tables": the ordered scale's tile tables (int32), "seg_inc": int64 [W, Sc], "rows":
+        """{"tables": the ordered scale's tile tables (int32), "seg_inc": int64 [W, Sc],
+        "seg_count": int32 [W] (seg_inc's valid prefix per sender), "rows":
         prepare_routes' rows where the tables' kernels made them, else None} on this layer's
         device for one routing. plan: this rank's plan of ``expert_counts`` (int [W, E]);
         topk_ids: int [T, topk]; impl: see ``prepare``'s ordered_impl."""
@@ -524,12 +527,14 @@ class OverlapCombine:
             from .ordered_routes import ordered_routes_device
             o = ordered_routes_device(topk_ids.to(self.device), expert_counts.to(self.device),
                                       plan, validate=validate)
-            return {"tables": o.tables, "seg_inc": o.seg_inc, "rows": o.rows}
+            return {"tables": o.tables, "seg_inc": o.seg_inc, "seg_count": o.seg_count,
+                    "rows": o.rows}
         from .ordered_scale import ordered_routes
         o = ordered_routes(topk_ids, expert_counts, self.rank, plan.tile_m, plan.mgb,
                            plan.layout, self.seg_cap, order=plan.order)
         return {"tables": {n: t.to(self.device) for n, t in o.tables.items()},
-                "seg_inc": o.seg_inc.to(self.device), "rows": None}
+                "seg_inc": o.seg_inc.to(self.device), "seg_count": o.seg_count.to(self.device),
+                "rows": None}
 
     def begin_call(self, topk_ids, topk_weights, plan=None, routes=None):
         """Per-call device bookkeeping on the current stream (no host ints): epoch += 1,
@@ -547,8 +552,9 @@ class OverlapCombine:
         self.expected.add_(routes.expected_inc)
         if self.ordered:
             if self._test_broken_order != "seg_expected_frozen":  # test only: see __init__
+                from .ordered_routes import add_seg_inc
                 _, seg_expected = self.comm.seg_tables(self.seg_cap)
-                seg_expected.add_(routes.ordered["seg_inc"])
+                add_seg_inc(seg_expected, routes.ordered["seg_inc"], routes.ordered["seg_count"])
             # the previous call's ordered scale has ended (s0 order); this call's claims start
             # after this point on s0
             self.queue.zero_()

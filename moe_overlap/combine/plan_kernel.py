@@ -202,9 +202,10 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
     senders: the variant of the ordered scale's tables (combine/ordered_routes_kernel.py): CTA
     (0, s) of a (1, W) grid plans rank s (``rank`` is the owner) and writes, instead of a plan,
     what the owner needs of it (`SendersLayout`): the number of segments, each segment's
-    receive row on its destination, the rows it ships to the owner (seg_inc, into a zeroed
-    int64 table) and, per expert of s, the first segment and segment count of its group to
-    the owner; the owner's own CTA writes its num_bands and each band's schedule position."""
+    receive row on its destination, the rows it ships to the owner (seg_inc int64, 0 for a
+    segment to another rank; row s's first num_segments words) and, per expert of s, the first
+    segment and segment count of its group to the owner; the owner's own CTA writes its
+    num_bands and each band's schedule position."""
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -502,7 +503,8 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                 if cutlass.const_expr(PLAN_OUT):
                     stg(out, Int32(3), nseg)
                 else:
-                    stg(out, so_nseg + rank, nseg)
+                    # seg_inc's valid prefix: the owner's own segments never come to it
+                    stg(out, so_nseg + rank, sel_eq(rank, owner, Int32(0), nseg))
             n_band_loop = nb
             if cutlass.const_expr(senders):
                 # the owner's groups at this rank: first segment and count per expert of rank
@@ -631,17 +633,21 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                         stg(out, o_segs + Int32(5) * S + si, hi_l - lo_f)
                     else:
                         stg(out, so_dr + rank * S + si, lds(G_DR, gq) + lo_f - stq)
+                        # every segment's word (0 where it goes to another rank): seg_inc's
+                        # valid prefix is num_segments long, nothing past it is written or read
+                        inc = Int64(0)
                         if group_source(jq, rank, W) == owner:
-                            P.st_s64(out + (Int64(so_inc) + Int64(2) * (Int64(rank) * Int64(S)
-                                                                        + Int64(si))) * Int64(4),
-                                     Int64(hi_l - lo_f))
+                            inc = Int64(hi_l - lo_f)
+                        P.st_s64(out + (Int64(so_inc) + Int64(2) * (Int64(rank) * Int64(S)
+                                                                    + Int64(si))) * Int64(4),
+                                 inc)
                 q = q + Int32(NT)
             # segment fields from num_segments up to the remote cells R (one start cell per
             # segment, so R >= num_segments); the tail CTAs fill from R on
             q = nseg + tid
             r_cap = smin(R, S)
             if cutlass.const_expr(senders):
-                r_cap = Int32(0)  # seg_inc is zeroed before the launch; nothing reads past nseg
+                r_cap = Int32(0)  # nothing reads past nseg
             while q < r_cap:
                 for fi in cutlass.range_constexpr(N_SEG_F):
                     stg(out, o_segs + Int32(fi) * S + q, Int32(-1))
