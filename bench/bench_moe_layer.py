@@ -75,6 +75,7 @@ class Options:
     wrong: bool  # permute ours' output rows (shows that the agreement check catches it)
     seed: int
     order: str = "remote_first"  # the plans' schedule (CombineOptions.order)
+    scale: str = "plain"  # ours' owner scale (MoECombine(scale=)): "plain" or "ordered"
 
     @property
     def dtype(self):
@@ -101,6 +102,9 @@ def parse_options(argv=None) -> tuple[Options, int]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--order", default="remote_first", choices=("remote_first", "expert"),
                     help="the combine plans' schedule (CombineOptions.order)")
+    ap.add_argument("--scale", default="plain", choices=("plain", "ordered"),
+                    help="ours' owner scale (MoECombine(scale=)); ordered: prepare also builds "
+                         "the ordered scale's tables, on the side stream with the plan")
     ap.add_argument("--spawn", type=int, default=0,
                     help="run on this many local processes (moe_overlap.launch.spawn) "
                          "instead of under torchrun")
@@ -127,8 +131,12 @@ def parse_options(argv=None) -> tuple[Options, int]:
     world = a.spawn or int(os.environ.get("WORLD_SIZE", 1))
     tag = a.tag or (f"{world}x" + ("cpu" if a.device == "cpu" else
                                    torch.cuda.get_device_name().split()[-1].lower()))
+    if a.scale == "ordered" and a.device == "cpu":
+        ap.error("--scale ordered needs --device cuda (the overlap backend's scale)")
+    if a.scale == "ordered" and not a.tag:
+        tag += "_ordered"
     return Options(a.device, a.backend, tuple(shapes), a.calls, a.tol, tag, a.out, a.wrong,
-                   a.seed, a.order), a.spawn
+                   a.seed, a.order, a.scale), a.spawn
 
 
 # ------------------------------------------------------------------------------ the device
@@ -448,7 +456,7 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
     group = None
     data = make_inputs(s, rank, W, opts.dtype, dev.dev, opts.seed)
     combine = MoECombine(s["experts"], s["K"], s["N"], s["topk"], s["tokens"], group=group,
-                         backend=opts.backend, validate=False,
+                         backend=opts.backend, validate=False, scale=opts.scale,
                          options=CombineOptions(order=opts.order))
     ids, _ = router(data["x"], data["w_gate"], s["topk"])
     counts = count_exchange(ids, s["experts"], group, dev.cuda)
@@ -549,7 +557,7 @@ def run_rank(rank: int, W: int, opts: Options) -> dict:
                   f"speedup {r['speedup']:.3f}x  plan+prepare {r['plan_prepare_ms']:.3f} ms "
                   f"hidden {r['plan_hidden']}  max rel err {r['max_rel_err']:.2e}", flush=True)
     doc = dict(result_header("moe_layer", cuda=dev.cuda), world_size=W, tol=opts.tol,
-               wrong=opts.wrong, calls=opts.calls, order=opts.order,
+               wrong=opts.wrong, calls=opts.calls, order=opts.order, scale=opts.scale,
                method=("one layer call per timed call (a CUDA graph replay with the overlap "
                        "backend, else eager: rows' timing), ours and base interleaved, median, "
                        "the slowest rank (the per-call lists: rank 0's); timeline: rank 0's eager "
