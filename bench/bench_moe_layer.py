@@ -546,6 +546,13 @@ def run_rank(rank: int, W: int, opts: Options) -> dict:
     """Every shape on this rank (process group already initialized); rank 0 writes the JSON."""
     dev = Device(opts.device)
     check_world(list(opts.shapes), W)
+    if dev.cuda and opts.backend != "reference":
+        # the layers share one communication buffer; a captured call pins its addresses, so
+        # it is sized for the largest shape before the first shape's capture
+        from moe_overlap.combine.comm_buffer import CommBuffer
+        buf = CommBuffer.shared(None, CombineOptions().transport, torch.bfloat16)
+        for s in opts.shapes:
+            buf.reserve(s["tokens"] * s["topk"], s["N"] * 2)
     rows = []
     for s in opts.shapes:
         r = run_shape(s, opts, rank, W, dev)
