@@ -76,6 +76,7 @@ class Options:
     seed: int
     order: str = "remote_first"  # the plans' schedule (CombineOptions.order)
     scale: str = "plain"  # ours' owner scale (MoECombine(scale=)): "plain" or "ordered"
+    profile: int = 0  # CUDA only: the N longest kernels of one eager call of each layer
 
     @property
     def dtype(self):
@@ -105,6 +106,9 @@ def parse_options(argv=None) -> tuple[Options, int]:
     ap.add_argument("--scale", default="plain", choices=("plain", "ordered"),
                     help="ours' owner scale (MoECombine(scale=)); ordered: prepare also builds "
                          "the ordered scale's tables, on the side stream with the plan")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="CUDA: also list the N kernels of longest total device time in one "
+                         "eager call of each layer (torch.profiler; rows' profile_*)")
     ap.add_argument("--spawn", type=int, default=0,
                     help="run on this many local processes (moe_overlap.launch.spawn) "
                          "instead of under torchrun")
@@ -136,7 +140,7 @@ def parse_options(argv=None) -> tuple[Options, int]:
     if a.scale == "ordered" and not a.tag:
         tag += "_ordered"
     return Options(a.device, a.backend, tuple(shapes), a.calls, a.tol, tag, a.out, a.wrong,
-                   a.seed, a.order, a.scale), a.spawn
+                   a.seed, a.order, a.scale, a.profile), a.spawn
 
 
 # ------------------------------------------------------------------------------ the device
@@ -475,6 +479,9 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
         check_placement(ours, rt, group)
         # the timeline's eager calls before the capture: eager warm-up, capture, replays
         tl_o, tl_b = timeline_of(ours, PARTS_OURS, dev), timeline_of(base, PARTS_BASE, dev)
+        prof = {f"profile_{n}": kernel_profile(layer, opts.profile)
+                for n, layer in (("ours", ours), ("base", base))} \
+            if dev.cuda and opts.profile else {}
         run_o, run_b = capture(ours, dev, graph), capture(base, dev, graph)
         t_o, t_b, errs = [], [], []
         for _ in range(opts.calls):
@@ -500,7 +507,27 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
                 plan_hidden=(exposed <= 0.0) if dev.cuda else None,
                 plan_rows=plan_rows, recv_rows=rt.recv_rows,
                 plan_order=ours.last_plan.order, plan_schedule_sorted=schedule_sorted,
-                rel_errs=errs, max_rel_err=max(errs), agree=max(errs) <= opts.tol)
+                rel_errs=errs, max_rel_err=max(errs), agree=max(errs) <= opts.tol, **prof)
+
+
+def kernel_profile(layer, n: int) -> list:
+    """The n kernels (by name) of longest total device time in one eager call of ``layer``
+    (torch.profiler): [{"kernel", "calls", "us"}], longest first. A diagnosis of where a
+    part's time goes, not a timing (the profiler serializes nothing, but adds its own
+    overhead between launches)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer()
+        torch.cuda.synchronize()
+    tot = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = tot.setdefault(e.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    rows = sorted(tot.items(), key=lambda kv: -kv[1][1])[:n]
+    return [{"kernel": k, "calls": c, "us": round(us, 1)} for k, (c, us) in rows]
 
 
 # ------------------------------------------------------------------------------ the run
@@ -563,6 +590,9 @@ def run_rank(rank: int, W: int, opts: Options) -> dict:
             print(f"{label_of(r)}: ours {r['ours_ms']:.3f} ms  base {r['base_ms']:.3f} ms  "
                   f"speedup {r['speedup']:.3f}x  plan+prepare {r['plan_prepare_ms']:.3f} ms "
                   f"hidden {r['plan_hidden']}  max rel err {r['max_rel_err']:.2e}", flush=True)
+            for n in ("ours", "base"):
+                for k in r.get(f"profile_{n}", []):
+                    print(f"    {n:<4} {k['us']:10.1f} us {k['calls']:4d}x  {k['kernel']}")
     doc = dict(result_header("moe_layer", cuda=dev.cuda), world_size=W, tol=opts.tol,
                wrong=opts.wrong, calls=opts.calls, order=opts.order, scale=opts.scale,
                method=("one layer call per timed call (a CUDA graph replay with the overlap "

@@ -1,0 +1,127 @@
+"""Where ours' combine spends its time inside one MoE layer on one GPU: the layer of
+bench_moe_layer.py for one shape (its routing, plan and up-projection output h), then, each
+timed alone with CUDA events (median of --rounds after a warm-up):
+
+- produce: the producer grouped GEMM alone at ccta = 0 and at the layer's ccta;
+- forward(overlap=False) (the producer on every SM, then the consumer, then the scale) and
+  forward(overlap=True) (the call the layer makes);
+- the same GEMM (the layer's kernel for each ccta) on balanced bands (every expert the same
+  whole bands, identity schedule: the layout of bench_grouped_gemm.py) of the same E, K, N and
+  about the row count, to tell the plan from the kernel;
+- --sweep: the producer on the layer's plan at band_group 2 / 4 / 8 / 16 x cluster 1 / 2.
+
+    PYTHONPATH=$PWD python bench/profile_combine_layer.py --shape deepseek-v3@16384
+
+Printed only: a diagnosis for bench/NOTES.md, not a headline.
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_moe_layer as L  # noqa: E402  (sets the NVSHMEM / NCCL environment first)
+from moe_overlap.combine.shapes import parse_shapes  # noqa: E402
+
+
+def time_ms(fn, rounds):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="deepseek-v3@16384")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also the producer at band_group 2..16 x cluster 1 / 2 on the plan")
+    a = ap.parse_args()
+    (s,) = parse_shapes(a.shape)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29518", RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl")  # a one-rank group, as bench_moe_layer alone
+    opts, _ = L.parse_options(["--backend", "overlap", "--shapes", a.shape])
+    dev = L.Device("cuda")
+    data = L.make_inputs(s, 0, 1, opts.dtype, dev.dev, opts.seed)
+    c = L.MoECombine(s["experts"], s["K"], s["N"], s["topk"], s["tokens"], backend="overlap",
+                     validate=False, options=L.CombineOptions(order=opts.order))
+    ids, _ = L.router(data["x"], data["w_gate"], s["topk"])
+    counts = L.count_exchange(ids, s["experts"], None, True)
+    plan0 = c.plan(counts, validate=False)
+    c.prepare(plan0, ids)
+    rt = L.host_routing(counts, 0, s["experts"], int(plan0.total_rows.item()), dev.dev)
+    ours = L.OursLayer(s, data, c, dev, rt, False)
+    seen = {}
+
+    class Capture:  # records the combine call's arguments, then makes it
+        def __getattr__(self, n):
+            return getattr(c, n)
+
+        def __call__(self, h, w, plan, ids_, tw, routes=None):
+            seen.update(h=h, w=w, plan=plan, ids=ids_, tw=tw, routes=routes)
+            return c(h, w, plan, ids_, tw, routes=routes)
+    ours.c = Capture()
+    with torch.inference_mode():
+        ours()
+        h, w, plan, routes = seen["h"], seen["w"], seen["plan"], seen["routes"]
+        impl = c._impl
+        nb = int(plan.num_bands.item())
+        rows_e = plan.expert_rows.tolist()
+        print(f"{a.shape}: ccta {impl.ccta}, mgb {plan.mgb}, tile_m {plan.tile_m}, layout "
+              f"{plan.layout} (packed {bool(plan.packed.item())}), bands {nb}, rows "
+              f"{int(plan.total_rows.item())}, expert rows {min(rows_e)}..{max(rows_e)}, h "
+              f"{tuple(h.shape)} {h.stride()}, w {tuple(w.shape)} {w.stride()}", flush=True)
+        y, flags = impl.buffers_for(h, plan)
+        flop = 2.0 * int(plan.total_rows.item()) * s["K"] * s["N"]
+        res = {}
+        for cc in sorted({0, impl.ccta}):
+            res[f"produce ccta={cc}"] = time_ms(
+                lambda cc=cc: impl.produce(h, w, plan, y, flags, ccta=cc), a.rounds)
+        for ov in (False, True):
+            res[f"forward overlap={ov}"] = time_ms(
+                lambda ov=ov: impl.forward(h, w, plan, seen["ids"], seen["tw"], overlap=ov,
+                                           routes=routes), a.rounds)
+        # balanced bands of the same shape: every expert the same number of whole bands
+        E, tm = s["experts"], plan.tile_m
+        per = max(1, nb // E)
+        nbb = per * E
+        b = torch.arange(nbb, device=dev.dev, dtype=torch.int32)
+        hb = h[:nbb * tm] if h.shape[0] >= nbb * tm else torch.randn(
+            nbb * tm, s["K"], device=dev.dev).to(torch.bfloat16)
+        yb = torch.empty(nbb * tm, s["N"], device=dev.dev, dtype=torch.bfloat16)
+        rb = torch.zeros(nbb, dtype=torch.int32, device=dev.dev)
+        for cc in sorted({0, impl.ccta}):
+            res[f"balanced {per} bands/expert ccta={cc}"] = time_ms(
+                lambda cc=cc: impl._gemm_for(cc)(hb, w, yb, (b // per).to(torch.int32), b * tm, b.clone(),
+                                torch.tensor([nbb], dtype=torch.int32, device=dev.dev), rb,
+                                impl.epoch, ccta=cc), a.rounds)
+        if a.sweep:  # the producer's tile order and cluster size on the layer's plan
+            from moe_overlap.combine.grouped_gemm import GroupedGemm
+            for bg in (2, 4, 8, 16):
+                for cl in (1, 2):
+                    g = GroupedGemm(tile_m=plan.tile_m, tile_n=impl._tile_n, band_group=bg,
+                                    cluster_n=cl)
+                    for cc in sorted({0, impl.ccta}):
+                        res[f"plan band_group={bg} cluster={cl} ccta={cc}"] = time_ms(
+                            lambda g=g, cc=cc: g(h, w, y[:h.shape[0]], plan.band_expert,
+                                                 plan.band_src_row, plan.schedule,
+                                                 plan.num_bands, flags, impl.epoch, ccta=cc),
+                            a.rounds)
+        for k, ms in res.items():
+            f = 2.0 * nbb * tm * s["K"] * s["N"] if k.startswith("balanced") else flop
+            print(f"  {k:<36} {ms:8.3f} ms  {f / ms / 1e9:6.0f} TF/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
