@@ -48,6 +48,15 @@ CURRENT_OTHER = {
                                                "ordered scale's, seg_inc by prefix (65 passed)",
     "ordered_routes_kernels_h100_2db7e5d.log": "the ordered tables' launches, each one's device "
                                                "time (profile_ordered_routes --kernels, H100)",
+    "grouped_gemm_h100_e256_5868c2e.json": "the producer at 256 balanced experts (512 rows "
+                                           "each, K 2048) and at 16, against the library (H100)",
+    "moe_layer_1xh100_profile_487df88.json": "deepseek-v3@16384 on ONE GPU (H100) with each "
+                                             "layer's longest kernels (--profile)",
+    "moe_layer_1xh200_profile_487df88.json": "deepseek-v3@16384 on ONE GPU (H200) with each "
+                                             "layer's longest kernels (--profile)",
+    "moe_layer_1xh100_models_5868c2e.json": "one MoE layer on ONE GPU (H100, W=1: no remote "
+                                            "rows), the four model shapes at 4096 and 16384 "
+                                            "tokens, scale=plain",
     "moe_layer_1xh100_plain_2db7e5d.json": "one MoE layer on ONE GPU (H100), scale=plain, beside "
                                            "the ordered run of the same commit",
     "moe_layer_1xh100_ordered_2db7e5d.json": "one MoE layer on ONE GPU (H100), scale=ordered: its "
