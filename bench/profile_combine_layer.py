@@ -6,8 +6,9 @@ timed alone with CUDA events (median of --rounds after a warm-up):
 - forward(overlap=False) (the producer on every SM, then the consumer, then the scale) and
   forward(overlap=True) (the call the layer makes);
 - the same GEMM (the layer's kernel for each ccta) on balanced bands (every expert the same
-  whole bands, identity schedule: the layout of bench_grouped_gemm.py) of the same E, K, N and
-  about the row count, to tell the plan from the kernel;
+  whole bands, identity schedule: the layout of bench_grouped_gemm.py) of the same E, K, N, at
+  the plan's bands per expert rounded down and up (groups of band_group bands then span two
+  experts, or up to three as on the plan), to tell the plan from the kernel;
 - --sweep: the producer on the layer's plan at band_group 2 / 4 / 8 / 16 x cluster 1 / 2.
 
     PYTHONPATH=$PWD python bench/profile_combine_layer.py --shape deepseek-v3@16384
@@ -94,18 +95,22 @@ def main():
                                            routes=routes), a.rounds)
         # balanced bands of the same shape: every expert the same number of whole bands
         E, tm = s["experts"], plan.tile_m
-        per = max(1, nb // E)
-        nbb = per * E
-        b = torch.arange(nbb, device=dev.dev, dtype=torch.int32)
-        hb = h[:nbb * tm] if h.shape[0] >= nbb * tm else torch.randn(
-            nbb * tm, s["K"], device=dev.dev).to(torch.bfloat16)
-        yb = torch.empty(nbb * tm, s["N"], device=dev.dev, dtype=torch.bfloat16)
-        rb = torch.zeros(nbb, dtype=torch.int32, device=dev.dev)
-        for cc in sorted({0, impl.ccta}):
-            res[f"balanced {per} bands/expert ccta={cc}"] = time_ms(
-                lambda cc=cc: impl._gemm_for(cc)(hb, w, yb, (b // per).to(torch.int32), b * tm, b.clone(),
-                                torch.tensor([nbb], dtype=torch.int32, device=dev.dev), rb,
-                                impl.epoch, ccta=cc), a.rounds)
+        flops_of = {}
+        for per in sorted({max(1, nb // E), max(1, nb // E) + 1}):
+            nbb = per * E
+            b = torch.arange(nbb, device=dev.dev, dtype=torch.int32)
+            hb = h[:nbb * tm] if h.shape[0] >= nbb * tm else torch.randn(
+                nbb * tm, s["K"], device=dev.dev).to(torch.bfloat16)
+            yb = torch.empty(nbb * tm, s["N"], device=dev.dev, dtype=torch.bfloat16)
+            rb = torch.zeros(nbb, dtype=torch.int32, device=dev.dev)
+            nbt = torch.tensor([nbb], dtype=torch.int32, device=dev.dev)
+            for cc in sorted({0, impl.ccta}):
+                key = f"balanced {per} bands/expert ccta={cc}"
+                flops_of[key] = 2.0 * nbb * tm * s["K"] * s["N"]
+                res[key] = time_ms(
+                    lambda cc=cc, b=b, per=per, hb=hb, yb=yb, rb=rb, nbt=nbt: impl._gemm_for(cc)(
+                        hb, w, yb, (b // per).to(torch.int32), b * tm, b.clone(), nbt, rb,
+                        impl.epoch, ccta=cc), a.rounds)
         if a.sweep:  # the producer's tile order and cluster size on the layer's plan
             from moe_overlap.combine.grouped_gemm import GroupedGemm
             for bg in (2, 4, 8, 16):
@@ -119,7 +124,7 @@ def main():
                                                  plan.num_bands, flags, impl.epoch, ccta=cc),
                             a.rounds)
         for k, ms in res.items():
-            f = 2.0 * nbb * tm * s["K"] * s["N"] if k.startswith("balanced") else flop
+            f = flops_of.get(k, flop)
             print(f"  {k:<36} {ms:8.3f} ms  {f / ms / 1e9:6.0f} TF/s", flush=True)
 
 
