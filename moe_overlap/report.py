@@ -54,6 +54,9 @@ CURRENT_OTHER = {
                                              "layer's longest kernels (--profile)",
     "moe_layer_1xh200_profile_487df88.json": "deepseek-v3@16384 on ONE GPU (H200) with each "
                                              "layer's longest kernels (--profile)",
+    "profile_combine_layer_bf50eb1.log": "ours' combine in the one-GPU layer part by part: the "
+                                         "producer on the layer's plan vs balanced bands "
+                                         "(bench/profile_combine_layer.py, H100 and H200)",
     "moe_layer_1xh100_models_5868c2e.json": "one MoE layer on ONE GPU (H100, W=1: no remote "
                                             "rows), the four model shapes at 4096 and 16384 "
                                             "tokens, scale=plain",
