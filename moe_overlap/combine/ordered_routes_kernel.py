@@ -510,9 +510,10 @@ class OrderedRoutesKernel:
         return tables, seg_inc, seg_count
 
     def __call__(self, topk_ids, expert_counts, plan, tile_tokens, rows=None):
-        """(tables, seg_inc, seg_count, rows) on the current stream. rows None: ``prepare_routes`` computes
-        them on the current stream while steps 1 and 2 run on a side stream (both only read
-        their inputs; joined before step 3), so the senders' plans hide under prepare."""
+        """(tables, seg_inc, seg_count, rows) on the current stream. rows None:
+        ``prepare_routes`` computes them on the current stream while steps 1 and 2 run on a side
+        stream (both only read their inputs; joined before step 3), so the senders' plans hide
+        under prepare."""
         main = torch.cuda.current_stream(topk_ids.device)
         if rows is not None:
             st = self.start(topk_ids, expert_counts, plan, tile_tokens, main)
