@@ -23,6 +23,7 @@ the host reference (`ordered_scale.ordered_routes`) before timing.
 same code and checks. JSON to --out.
 """
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -217,7 +218,7 @@ def time_ordered(ids, counts, W, E, T, k, rank, impls, orders, dev):
                 r["whole_equal_to_reference"] = ordered_matches_reference(whole(), ref)
                 # a layer made for CAPACITY_FACTOR x these tokens per rank: its arrival table
                 # is that much larger, the routing the same (no work may follow the capacity)
-                big = lambda: whole(CAPACITY_FACTOR)  # noqa: E731
+                big = functools.partial(whole, CAPACITY_FACTOR)
                 plan_big = plan_combine(counts, rank, tile_m=128, mgb=2,
                                         max_rows=CAPACITY_FACTOR * W * T * k, validate=False,
                                         layout="auto", impl=plan_impl, order=order)

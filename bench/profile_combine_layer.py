@@ -17,7 +17,6 @@ Printed only: a diagnosis for bench/NOTES.md, not a headline.
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -25,20 +24,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe_layer as L  # noqa: E402  (sets the NVSHMEM / NCCL environment first)
 from moe_overlap.combine.shapes import parse_shapes  # noqa: E402
+from moe_overlap.timing import time_calls  # noqa: E402
 
 
 def time_ms(fn, rounds):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    """Median ms of ``rounds`` eager calls (the diagnosis is of eager calls, as the layer's
+    timeline)."""
+    return time_calls(fn, reps=1, replays=rounds, graph=False)[0]
 
 
 def main():
