@@ -1,4 +1,16 @@
-"""Run a function on W local processes joined by a process group (gloo on CPU, NCCL on CUDA)."""
+"""Run a function on W local processes joined by a process group.
+
+backend="gloo": CPU ranks. backend="nccl": rank r on GPU r (W GPUs needed). backend="cuda": GPU
+ranks wherever the GPUs allow: one rank per GPU over NCCL where there are W GPUs, else the ranks
+share the GPUs (rank r on GPU r % G, most often all on GPU 0) over gloo, since NCCL refuses two
+ranks on one device; the library's host collectives stage CUDA tensors through host memory there
+(``moe_overlap.runtime.collectives``). Ranks that share a GPU run side by side only under MPS
+(``scripts/mps.sh start``): each rank then gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` =
+100 // ranks-per-GPU, reads its share of SMs from the device and sizes its persistent grids
+from it. Without MPS the GPU time-slices the ranks' contexts: cross-rank waits still progress,
+at time-slice grain (milliseconds). What one GPU cannot show: NVLink speed and latency,
+cross-GPU memory ordering (all ranks share one L2), multicast.
+"""
 from __future__ import annotations
 
 import datetime
@@ -6,6 +18,7 @@ import os
 import socket
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,14 +31,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks of a GPU run go: ``devices[r]`` is rank r's GPU index, ``backend`` the
+    process group's, ``ranks_per_gpu`` the most ranks on one GPU, ``thread_percentage`` the MPS
+    share of each rank (None: one rank per GPU, the whole GPU)."""
+    devices: tuple
+    backend: str
+    ranks_per_gpu: int
+    thread_percentage: int | None
+
+    @property
+    def shared(self) -> bool:
+        return self.ranks_per_gpu > 1
+
+
+def placement(world_size: int, gpus: int) -> Placement:
+    """The placement of ``world_size`` GPU ranks on ``gpus`` visible GPUs (backend="cuda")."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if gpus < 1:
+        raise ValueError("GPU ranks need a CUDA GPU (none visible)")
+    if world_size <= gpus:
+        return Placement(tuple(range(world_size)), "nccl", 1, None)
+    per_gpu = -(-world_size // gpus)
+    if per_gpu > 100:
+        raise ValueError(f"{world_size} ranks on {gpus} GPU(s): {per_gpu} per GPU leaves each "
+                         "less than 1 % of a GPU under MPS")
+    return Placement(tuple(r % gpus for r in range(world_size)), "gloo", per_gpu,
+                     100 // per_gpu)
+
+
+def rank_device() -> torch.device:
+    """This rank's CUDA device (the one spawn set current for it)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def ranks_per_gpu() -> int:
+    """How many ranks of this run share this rank's GPU (1 outside a shared run)."""
+    return int(os.environ.get(RANKS_PER_GPU_ENV, "1"))
+
+
+RANKS_PER_GPU_ENV = "MOE_OVERLAP_RANKS_PER_GPU"
+
+
+def _place_rank(rank: int, place: Placement) -> None:
+    """Before any CUDA call of this process: its MPS share (read when its context is created),
+    then its device."""
+    os.environ[RANKS_PER_GPU_ENV] = str(place.ranks_per_gpu)
+    if place.thread_percentage is not None:
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(place.thread_percentage)
+    torch.cuda.set_device(place.devices[rank])
+
+
 def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None,
-            hard_exit=False):
+            hard_exit=False, place=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # W ranks share the machine's cores
     initialized = False
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
+        if place is not None:
+            _place_rank(rank, place)
+            backend = place.backend
         kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kw)
         initialized = True
@@ -55,6 +122,8 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
           join_timeout_s: float | None = None, hard_exit: bool = False):
     """fn(rank, world_size, *args) on world_size processes; returns the list of results.
 
+    backend: "gloo" (CPU), "nccl" (rank r on GPU r) or "cuda" (GPU ranks, sharing GPUs where
+    there are fewer than world_size: see the module's docstring and ``placement``).
     fn must be importable (module level). A failure on any rank raises with that rank's traceback.
     timeout_s: the process group's timeout for collectives (default: torch's).
     join_timeout_s: wall-clock bound of the whole run; ranks still running then are killed and
@@ -62,12 +131,17 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
     with os._exit right after handing back its result (no process-group or NVSHMEM teardown)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    place = None
+    if backend == "nccl":
+        place = Placement(tuple(range(world_size)), "nccl", 1, None)
+    elif backend == "cuda":
+        place = placement(world_size, torch.cuda.device_count())
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results,
-                                                   timeout_s, hard_exit))
+                                                   timeout_s, hard_exit, place))
                  for r in range(world_size)]
         for p in procs:
             p.start()

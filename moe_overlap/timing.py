@@ -49,8 +49,10 @@ def max_over_ranks(x: float, device, group=None) -> float:
     """The largest x over the ranks of ``group`` (a collective: every rank calls it; the slowest
     rank's time is the call's time)."""
     import torch.distributed as dist
+
+    from .runtime import collectives
     t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
 

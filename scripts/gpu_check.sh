@@ -24,12 +24,15 @@
 #                 plans expert by expert)
 #        scale    the token-ordered scale alone (tests + bench_ordered_scale; one GPU) and,
 #                 with 2 GPUs, scale="ordered" in the combine (tests/test_ordered_wire_gpu.py)
+#        ranks    every two_gpus test module with W ranks as processes sharing one GPU (MPS
+#                 started and stopped by scripts/mps.sh; time-sliced where it cannot start;
+#                 "quick" = a comma-separated list of test files instead of all)
 # The combine area also runs the fault, recovery, producer-bounds and shared-buffer tests and
 # the autotune test (one GPU for the W=1 ones).
 # Logs and JSON go to $OUT (the device tool brings them back); a short summary is printed last.
 # NVLink multicast stays off whatever the caller's environment says.
 set -uo pipefail
-area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn|chained|layer|scale [quick]}
+area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn|chained|layer|scale|ranks [quick]}
 quick=${2:-}
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER
@@ -169,8 +172,31 @@ scale)
     run ordered_scale_bench 300 python bench/bench_ordered_scale.py \
         --shape 4096x16x4x8192x2048 --ccta 8,12,16 --out "$OUT"
     ;;
+ranks)
+    # every two_gpus test module with its ranks as processes sharing this machine's GPU(s)
+    # (moe_overlap.launch backend="cuda"): under MPS where it starts, else time-sliced.
+    # quick = a comma-separated list of test files (default: every module marked two_gpus).
+    export MOE_OVERLAP_SHARE_GPU=1
+    mode=time-sliced
+    if [ "${MOE_RANKS_NO_MPS:-0}" != 1 ] && mps_env=$(bash scripts/mps.sh start); then
+        eval "$mps_env"; mode=mps
+    fi
+    echo "ranks: $mode" > "$OUT/ranks_mode.txt"
+    if [ -n "$quick" ]; then
+        IFS=, read -r -a mods <<< "$quick"
+    else
+        mapfile -t mods < <(grep -l "two_gpus" tests/test_*gpu.py)
+    fi
+    for m in "${mods[@]}"; do
+        name=$(basename "$m" .py)
+        run "ranks_${name#test_}" "${RANKS_TIMEOUT_S:-540}" python -m pytest -q -p no:cacheprovider \
+            -rs -m two_gpus --junitxml "$OUT/junit_${name#test_}.xml" "$m"
+    done
+    [ "$mode" = mps ] && bash scripts/mps.sh stop
+    summary+=("ranks mode: $mode")
+    ;;
 *)
-    echo "unknown area $area (gemm | plan | combine | ffn | chained | layer | scale)" >&2
+    echo "unknown area $area (gemm | plan | combine | ffn | chained | layer | scale | ranks)" >&2
     exit 2
     ;;
 esac

@@ -4,7 +4,9 @@ PTX / SASS helpers of the compile tests.
 Markers (registered in pyproject.toml; the skips below are applied here, so a test only names
 what it needs):
 - ``gpu``: needs a CUDA GPU; skipped without one.
-- ``two_gpus``: needs 2 CUDA GPUs (one rank per GPU); skipped with fewer.
+- ``two_gpus``: needs 2 GPU ranks: 2 CUDA GPUs (one rank per GPU), or one GPU with
+  ``MOE_OVERLAP_SHARE_GPU=1`` (the ranks run as processes sharing it: ``scripts/gpu_check.sh
+  ranks`` starts MPS and sets it); skipped otherwise.
 - ``compile``: compiles CuTe DSL kernels for sm_90a (no GPU needed); skipped without
   nvidia-cutlass-dsl.
 
@@ -33,6 +35,21 @@ def _cuda_count() -> int:
         return 0
 
 
+SHARE_GPU_ENV = "MOE_OVERLAP_SHARE_GPU"
+
+
+def share_gpu() -> bool:
+    """Multi-rank GPU tests may run their ranks as processes sharing the GPUs there are."""
+    import os
+    return os.environ.get(SHARE_GPU_ENV) == "1"
+
+
+def gpu_ranks_available(world: int) -> bool:
+    """``world`` GPU ranks can run here: one GPU each, or sharing (``share_gpu``)."""
+    n = _cuda_count()
+    return n >= world or (n >= 1 and share_gpu())
+
+
 def _has(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -52,12 +69,13 @@ def pytest_collection_modifyitems(config, items):
     gpus = _cuda_count()
     cutlass = _has("cutlass")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
-    skip_two = pytest.mark.skip(reason=f"needs 2 CUDA GPUs ({gpus} visible)")
+    skip_two = pytest.mark.skip(reason=f"needs 2 CUDA GPUs ({gpus} visible), or one with "
+                                       f"{SHARE_GPU_ENV}=1 (ranks sharing it)")
     skip_compile = pytest.mark.skip(reason="needs nvidia-cutlass-dsl (not installed)")
     for item in items:
         if "gpu" in item.keywords and gpus < 1:
             item.add_marker(skip_gpu)
-        if "two_gpus" in item.keywords and gpus < 2:
+        if "two_gpus" in item.keywords and not gpu_ranks_available(2):
             item.add_marker(skip_two)
         if "compile" in item.keywords and not cutlass:
             item.add_marker(skip_compile)
@@ -67,14 +85,19 @@ def pytest_collection_modifyitems(config, items):
 def spawn_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float | None = None,
                 join_timeout_s: float | None = None, hard_exit: bool = False):
     """``fn(rank, world, *args)`` on ``world`` processes (``moe_overlap.launch.spawn``); returns
-    the list of per-rank results. backend: "gloo" (CPU), "nccl" (rank r on GPU r) or "auto"
-    (NCCL where there are ``world`` GPUs, else gloo). fn must be a module-level function (the
-    processes are spawned and import it by name)."""
+    the list of per-rank results. backend: "gloo" (CPU), "nccl" (GPU ranks: rank r on GPU r
+    where there are ``world`` GPUs, else, with ``MOE_OVERLAP_SHARE_GPU=1``, ranks sharing the
+    GPUs over gloo: ``moe_overlap.launch`` backend "cuda") or "auto" (GPU ranks where they can
+    run, else gloo on the CPU). A rank's device is ``moe_overlap.launch.rank_device()``. fn must
+    be a module-level function (the processes are spawned and import it by name)."""
     from moe_overlap.launch import spawn
     if backend == "auto":
-        backend = "nccl" if _cuda_count() >= world else "gloo"
-    if backend == "nccl" and _cuda_count() < world:
-        pytest.skip(f"needs {world} CUDA GPUs for {world} NCCL ranks ({_cuda_count()} visible)")
+        backend = "nccl" if _cuda_count() >= 1 and gpu_ranks_available(world) else "gloo"
+    if backend == "nccl":
+        if not gpu_ranks_available(world):
+            pytest.skip(f"needs {world} CUDA GPUs for {world} GPU ranks ({_cuda_count()} "
+                        f"visible), or one with {SHARE_GPU_ENV}=1")
+        backend = "nccl" if _cuda_count() >= world else "cuda"
     return spawn(fn, world, *args, backend=backend, timeout_s=timeout_s,
                  join_timeout_s=join_timeout_s, hard_exit=hard_exit)
 
@@ -87,8 +110,8 @@ def require_module(gpus: int, nvshmem: bool = True):
     import sys
     # pytest reports this line as the skip's place: the reason names the calling file
     where = sys._getframe(1).f_globals.get("__name__", "?")
-    if _cuda_count() < gpus:
-        need = "a CUDA GPU" if gpus == 1 else f"{gpus} CUDA GPUs"
+    if not gpu_ranks_available(gpus):
+        need = "a CUDA GPU" if gpus == 1 else f"{gpus} CUDA GPUs (or one, {SHARE_GPU_ENV}=1)"
         pytest.skip(f"{where}: needs {need}", allow_module_level=True)
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
     if nvshmem:

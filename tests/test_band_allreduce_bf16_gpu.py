@@ -198,7 +198,8 @@ def _part_c(rank, world, dev, res):
 def _worker(rank, world):
     import os
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    dev = torch.device("cuda", rank)
+    from moe_overlap.launch import rank_device
+    dev = rank_device()
     res = []
     _part_a(rank, dev, res)
     _part_b(rank, world, dev, res)

@@ -48,7 +48,8 @@ def _worker(rank, world):
     import os
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     from moe_overlap.ffn.band_allreduce import BandAllReduce
-    dev = torch.device("cuda", rank)
+    from moe_overlap.launch import rank_device
+    dev = rank_device()
     res = []
     ars = {}
     for i, (M, N, act2, bias, band_rows, ccta) in enumerate(CASES):

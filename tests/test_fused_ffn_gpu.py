@@ -209,7 +209,8 @@ def _ffn_worker(rank, world):
 
     from moe_overlap.ffn import FusedFFN
     from moe_overlap.ffn.reference import ffn_truth, rel_err
-    dev = torch.device("cuda", rank)
+    from moe_overlap.launch import rank_device
+    dev = rank_device()
     group = dist.group.WORLD
     res = []
     for i, (T, P, O, N, act1, act2, bias) in enumerate(FFN_CASES):
@@ -262,7 +263,8 @@ def _experts_worker(rank, world):
 
     from moe_overlap.ffn import ShardedExperts
     from moe_overlap.ffn.reference import experts_truth
-    dev = torch.device("cuda", rank)
+    from moe_overlap.launch import rank_device
+    dev = rank_device()
     group = dist.group.WORLD
     res = []
     for i, (E, rows, P, O, N, act, bias, extra) in enumerate(EXPERT_CASES):
@@ -305,7 +307,8 @@ def _auto_worker(rank, world, cache_path):
 
     from moe_overlap.ffn import FusedFFN
     from moe_overlap.ffn.reference import ffn_truth
-    dev = torch.device("cuda", rank)
+    from moe_overlap.launch import rank_device
+    dev = rank_device()
     group = dist.group.WORLD
     T, P, O, N = AUTO_CASE
     g = torch.Generator().manual_seed(5)

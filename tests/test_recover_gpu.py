@@ -90,7 +90,8 @@ def _combine_skip(rank, res, tag, opts):
 
 def _ffn_pair(rank, seed=0):
     from moe_overlap.ffn.layers import FusedFFN
-    dev = torch.device("cuda", rank)
+    from moe_overlap.launch import rank_device
+    dev = rank_device()
     g = torch.Generator().manual_seed(seed)  # the same weights on every rank
     W1 = (torch.randn(P, O, generator=g) / P ** 0.5).to(torch.bfloat16)
     b1 = (torch.randn(O, generator=g) * 0.1).to(torch.bfloat16)

@@ -39,7 +39,8 @@ def _worker(rank, world):
 
     from moe_overlap.ffn import ShardedExperts
     from moe_overlap.ffn.reference import experts_truth
-    dev = torch.device("cuda", rank)
+    from moe_overlap.launch import rank_device
+    dev = rank_device()
     torch.cuda.set_device(dev)
     group = dist.group.WORLD
     res = []

@@ -9,8 +9,8 @@ sum is one gather + fused multiply-add-reduce.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..runtime import collectives
 from .reference import source_to_expert_major, world
 
 
@@ -151,8 +151,8 @@ class SequentialBaseline:
         if self.W == 1:
             self._recv.copy_(send)
         else:
-            dist.all_to_all_single(self._recv, send, self.out_splits, self.in_splits,
-                                   group=self.group)
+            collectives.all_to_all_single(self._recv, send, self.out_splits, self.in_splits,
+                                          group=self.group)
         return self._recv
 
     # ---- stage 3: top-k weighted sum -----------------------------------------------------

@@ -377,6 +377,7 @@ class MoECombine(torch.nn.Module):
         timed. Returns (ccta, mgb); the order is ``self.options.order``."""
         import torch.distributed as dist
 
+        from ..runtime import collectives
         from ..timing import time_calls
         from .tuning import TuneCache, coordinate_search
         self.check_inputs(h, w_down, self.plan(expert_counts), topk_ids, topk_weights)
@@ -388,7 +389,7 @@ class MoECombine(torch.nn.Module):
         def agree(x: float, op) -> float:
             t = torch.tensor([x], dtype=torch.float64, device=dev)
             if self.world_size > 1:
-                dist.all_reduce(t, op=op, group=self.group)
+                collectives.all_reduce(t, op=op, group=self.group)
             return float(t.item())
 
         def barrier():
@@ -436,8 +437,8 @@ class MoECombine(torch.nn.Module):
         if self.world_size > 1:
             t = torch.tensor([choice[0], choice[1], ORDERS.index(order)], dtype=torch.int64,
                              device=dev)
-            dist.broadcast(t, src=dist.get_global_rank(self.group or dist.group.WORLD, 0),
-                           group=self.group)
+            collectives.broadcast(t, src=dist.get_global_rank(self.group or dist.group.WORLD,
+                                                              0), group=self.group)
             choice, order = (int(t[0]), int(t[1])), ORDERS[int(t[2])]
         barrier()
         self.options = self.options.replace(ccta=int(choice[0]), mgb=int(choice[1]),

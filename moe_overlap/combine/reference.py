@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..runtime import collectives
 from .checks import world  # noqa: F401  (re-exported: callers import it from here)
 from .plan import CombinePlan, recv_rows
 
@@ -22,7 +22,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, grou
     if world(group)[1] == 1:
         out.copy_(inp)
         return out
-    dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group)
+    collectives.all_to_all_single(out, inp, out_splits, in_splits, group=group)
     return out
 
 
@@ -67,7 +67,7 @@ def all_gather_counts(local_counts: torch.Tensor, group=None) -> torch.Tensor:
     if W == 1:
         return local_counts.unsqueeze(0).clone()
     parts = [torch.empty_like(local_counts) for _ in range(W)]
-    dist.all_gather(parts, local_counts.contiguous(), group=group)
+    collectives.all_gather(parts, local_counts.contiguous(), group=group)
     return torch.stack(parts)
 
 

@@ -84,7 +84,8 @@ def worker(rank, W, args):
     from moe_overlap.timing import max_over_ranks as max_over_ranks_on, time_calls
     from moe_overlap.combine.tuning import analytic_choice
 
-    dev = torch.device("cuda", rank)
+    from moe_overlap.launch import rank_device
+    dev = rank_device()
 
     barrier = dist.barrier
     max_over_ranks = functools.partial(max_over_ranks_on, device=dev)
@@ -328,6 +329,10 @@ def main(argv=None):
                     help="the plans' schedule (plan_combine(order=)): remote bands first, or "
                     "expert by expert (each expert's weights read about once)")
     ap.add_argument("--world-size", type=int, default=0, help="ranks, one GPU each (0: every visible GPU)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="allow more ranks than GPUs: the ranks run as processes sharing the GPUs "
+                         "(gloo host collectives; start MPS first: scripts/mps.sh start). For "
+                         "correctness only: its timings are not NVLink timings")
     ap.add_argument("--reps", type=int, default=4, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=15,
                     help="CUDA-graph replays per timing (the median counts)")
@@ -380,9 +385,9 @@ def main(argv=None):
     if W < 2:
         print("sweep needs at least 2 GPUs", file=sys.stderr)
         return 2
-    if W > torch.cuda.device_count():
-        print(f"sweep needs {W} GPUs (one per rank), found {torch.cuda.device_count()}",
-              file=sys.stderr)
+    if W > torch.cuda.device_count() and not args.share_gpu:
+        print(f"sweep needs {W} GPUs (one per rank), found {torch.cuda.device_count()} "
+              "(--share-gpu runs the ranks as processes sharing them)", file=sys.stderr)
         return 2
     from .shapes import check_world
     try:
@@ -395,7 +400,7 @@ def main(argv=None):
         os.environ["MOE_OVERLAP_TUNE_CACHE"] = os.path.abspath(args.out) + ".tune.json"
         if os.path.exists(os.environ["MOE_OVERLAP_TUNE_CACHE"]):
             os.remove(os.environ["MOE_OVERLAP_TUNE_CACHE"])
-    points, tuned, soaks = spawn(worker, W, args, backend="nccl")[0]
+    points, tuned, soaks = spawn(worker, W, args, backend="cuda")[0]
     summary = summarize(points, tuned)
     commit = os.environ.get("GIT_COMMIT", "")
     if not commit:
@@ -404,7 +409,11 @@ def main(argv=None):
                                     cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         except OSError:
             commit = ""
-    meta = dict(device=torch.cuda.get_device_name(0), world_size=W, torch=torch.__version__,
+    gpus = torch.cuda.device_count()
+    meta = dict(device=torch.cuda.get_device_name(0), world_size=W, gpus=min(W, gpus),
+                ranks_share_gpu=W > gpus,
+                mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) and W > gpus,
+                torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 git_commit=commit, tile_m=args.tile_m,
                 transport=args.transport, local_copy=args.local_copy, copy=args.copy,

@@ -9,6 +9,7 @@ import torch
 from .layer import MoECombine
 from .dispatch import dispatch_to_plan, exchange_counts
 from .reference import grouped_matmul, sequential_combine, sequential_dispatch
+from ..launch import rank_device
 from ..routing import route
 
 ACTIVATIONS = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}
@@ -106,7 +107,7 @@ def float64_truth(case: LayerCase, rank: int, world_size: int, dtype) -> torch.T
 
 
 def _spawned(rank, world_size, cases, device):
-    dev = f"cuda:{rank}" if device == "cuda" else device
+    dev = str(rank_device()) if device == "cuda" else device
     return [run_layer(rank, world_size, c, group=None, device=dev) for c in cases]
 
 
@@ -115,7 +116,7 @@ def check_layers(world_size: int, cases: list[LayerCase], device: str = "cpu") -
     NCCL with one GPU per rank on CUDA); returns, per case, one result per rank."""
     from ..launch import spawn
     per_rank = spawn(_spawned, world_size, list(cases), device,
-                     backend="nccl" if device == "cuda" else "gloo")
+                     backend="cuda" if device == "cuda" else "gloo")
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(cases))]
 
 

@@ -886,11 +886,13 @@ def agree_on_geometry(geometry: dict, group, device) -> None:
     come."""
     import torch
     import torch.distributed as dist
+
+    from ..runtime import collectives
     keys = sorted(geometry)
     v = torch.tensor([int(geometry[k]) for k in keys], dtype=torch.int64, device=device)
     lo, hi = v.clone(), v.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    collectives.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    collectives.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     bad = {k: (int(a), int(b)) for k, a, b in zip(keys, lo.tolist(), hi.tolist()) if a != b}
     if bad:
         raise ValueError("BandAllReduce: the ranks' launch settings differ (every rank must "

@@ -107,9 +107,9 @@ def _check_backend(backend, comm):
 def _check_device_vs_group(device: torch.device, group, world: int):
     if world == 1:
         return
+    # CUDA weights on a gloo group are allowed: several ranks sharing one GPU cannot use NCCL,
+    # and runtime.collectives stages their CUDA tensors through host memory
     be = dist.get_backend(group)
-    if device.type == "cuda" and str(be) == "gloo":
-        raise ValueError("weights are on CUDA but the process group uses gloo; use nccl")
     if device.type == "cpu" and str(be) == "nccl":
         raise ValueError("weights are on the CPU but the process group uses nccl; use gloo "
                          "(or move the module to the rank's GPU)")

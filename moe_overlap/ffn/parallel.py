@@ -20,7 +20,8 @@ does when the forward was collective and X requires grad on every rank alike.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from ..runtime import collectives
 
 
 def tracks_grad(*tensors) -> bool:
@@ -40,7 +41,7 @@ class _CopyToGroup(torch.autograd.Function):
         # a private contiguous copy: the collective works in place, and the incoming gradient
         # may be shared with another branch of the graph
         g = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(g, group=ctx.group)
+        collectives.all_reduce(g, group=ctx.group)
         return g, None
 
 
@@ -50,11 +51,11 @@ class _ReduceFromGroup(torch.autograd.Function):
         if partial.is_contiguous():
             # in place (no extra [T, N] buffer); mark_dirty makes autograd raise, rather than
             # compute garbage, if another op saved the partial for its backward
-            dist.all_reduce(partial, group=group)
+            collectives.all_reduce(partial, group=group)
             ctx.mark_dirty(partial)
             return partial
         y = partial.contiguous()  # a copy: the collective needs dense memory
-        dist.all_reduce(y, group=group)
+        collectives.all_reduce(y, group=group)
         return y
 
     @staticmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import collectives
 from .activations import activation, activation_
 from .parallel import copy_to_group, reduce_from_group, tracks_grad
 
@@ -90,8 +91,6 @@ def ffn_tp_reference(x, w1, b1, w2, b2, act1: str, act2: str, group=None, world:
     ``moe_overlap.ffn.parallel``). ``out=`` is refused there (out= ops are not differentiable).
 
     ``w1 [P, O/G]``, ``b1 [O/G]`` (or None), ``w2 [O/G, N]``, ``b2 [N]`` (or None)."""
-    import torch.distributed as dist
-
     if tracks_grad(x, w1, b1, w2, b2):
         if out is not None:
             raise ValueError("ffn_tp_reference: out= cannot be used while autograd records "
@@ -114,7 +113,7 @@ def ffn_tp_reference(x, w1, b1, w2, b2, act1: str, act2: str, group=None, world:
     else:
         y = torch.mm(h, w2, out=out) if out is not None else torch.mm(h, w2)
     if world > 1:
-        dist.all_reduce(y, group=group)
+        collectives.all_reduce(y, group=group)
     return act(y, act2)
 
 
@@ -128,8 +127,6 @@ def experts_tp_reference(x, rows_per_expert, w_in, w_out, b_in, b_out, act: str,
     Training: as ``ffn_tp_reference`` (``copy_to_group`` on x, ``reduce_from_group`` on the
     stacked partials, ``b_out[e]`` added to expert e's rows after the reduce on every rank; the
     same assumption on dY). Rows past ``sum(rows_per_expert)`` are zero and get zero gradient."""
-    import torch.distributed as dist
-
     if tracks_grad(x, w_in, w_out, b_in, b_out):
         return _experts_tp_autograd(x, rows_per_expert, w_in, w_out, b_in, b_out, act, group,
                                     world)
@@ -149,7 +146,7 @@ def experts_tp_reference(x, rows_per_expert, w_in, w_out, b_in, b_out, act: str,
     if start < x.shape[0]:
         y[start:].zero_()
     if world > 1:
-        dist.all_reduce(y, group=group)
+        collectives.all_reduce(y, group=group)
     return y
 
 

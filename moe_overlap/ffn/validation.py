@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from ..runtime import collectives
 from .layers import FusedFFN, ShardedExperts
 from .reference import experts_truth, ffn_truth, rel_err, tolerance
 
@@ -58,7 +59,8 @@ def check_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
             truth = ffn_truth(x, w1, b1, w2, b2, case["act1"], case.get("act2") or "none")
         y0 = y.clone()
         if world > 1:
-            dist.broadcast(y0, 0, group=group)
+            collectives.broadcast(y0, dist.get_global_rank(group or dist.group.WORLD, 0),
+                                  group=group)
         results.append(dict(rel_err=rel_err(y, truth), shape=tuple(y.shape),
                             dtype=str(y.dtype), rank_diff=(y.float() - y0.float()).abs().max()
                             .item() if y.numel() else 0.0,
