@@ -193,7 +193,8 @@ ranks)
             -rs -m two_gpus --junitxml "$OUT/junit_${name#test_}.xml" "$m"
     done
     [ "$mode" = mps ] && bash scripts/mps.sh stop
-    summary+=("ranks mode: $mode")
+    python scripts/ranks_report.py "$OUT" > "$OUT/ranks_report.log" 2>&1
+    summary+=("ranks mode: $mode; $(tail -1 "$OUT/ranks_report.log")")
     ;;
 *)
     echo "unknown area $area (gemm | plan | combine | ffn | chained | layer | scale | ranks)" >&2

@@ -12,6 +12,7 @@ import torch
 
 from ..runtime import collectives
 from .reference import source_to_expert_major, world
+from ..runtime.device import num_sms
 
 
 def _time_ms(fn, reps=5):
@@ -203,7 +204,7 @@ class SameScaleBaseline(SequentialBaseline):
         self._expected = torch.zeros_like(self._counters)  # counters >= expected: no wait
         self._err = torch.zeros(8, dtype=torch.int64, device=dev)
         self._epoch = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self._num_sms = num_sms(dev)
 
     def scale(self, recv: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         T = self._rows32.shape[0]

@@ -17,6 +17,7 @@ from .checks import agree_on_error, as_int, check_routing_matches, error_of
 from .options import ORDER_DEFAULT, ORDERS, CombineFacts, CombineOptions, options_from_kwargs
 from .plan import SUPPORTED_TILE_M, CombinePlan, count_assignments, plan_combine
 from .reference import reference_combine, world
+from ..runtime.device import num_sms
 
 BACKENDS = ("auto", "reference", "overlap")
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # reference backend
@@ -129,8 +130,7 @@ class MoECombine(torch.nn.Module):
             world_size=W, hidden_size=hidden_size, out_features=out_features,
             experts_per_rank=num_experts // W, tile_m=tile_m, rows=max_tokens_per_rank * topk,
             device_name=torch.cuda.get_device_name() if cuda else "cpu",
-            num_sms=torch.cuda.get_device_properties(torch.cuda.current_device())
-            .multi_processor_count if cuda else None)
+            num_sms=num_sms(torch.cuda.current_device()) if cuda else None)
         self._requested = options  # as asked ("auto" kept): what the tune-cache key is made of
         self.options = options.resolve(self.facts)
         if self.options.gemm_options:  # checked now, not when the overlap backend starts

@@ -81,6 +81,7 @@ from ..diagnostics import CombineDebug, debug_scope
 from .comm_buffer import (CommBuffer, OverlapError,  # noqa: F401  (OverlapError: its old home)
                           ordered_segment_capacity)
 from .options import TRANSPORTS, CombineFacts, CombineOptions, options_from_kwargs  # noqa: F401
+from ..runtime.device import num_sms
 
 
 def check_gemm_options(options, tile_m):
@@ -160,8 +161,7 @@ class OverlapCombine:
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
         self.max_tokens_per_rank, self.tile_m = max_tokens_per_rank, tile_m
         self.device = torch.device("cuda", torch.cuda.current_device())
-        props = torch.cuda.get_device_properties(self.device)
-        self.num_sms = props.multi_processor_count
+        self.num_sms = num_sms(self.device)
         self.facts = CombineFacts(
             world_size=W, hidden_size=hidden_size, out_features=out_features,
             experts_per_rank=self.experts_per_rank, tile_m=tile_m,

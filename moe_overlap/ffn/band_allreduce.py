@@ -112,6 +112,7 @@ import os
 from ..kernels.compile import compile_keep
 from ..runtime.multicast import require_multicast
 from .activations import ACT2
+from ..runtime.device import num_sms
 
 BACKENDS = ("unicast", "switch")
 PARTIALS = ("fp32", "bf16")  # the producer's partial: fp32 accumulator or bf16 final tiles
@@ -963,7 +964,7 @@ class BandAllReduce:
 
         self.group = grp
         dev = torch.device("cuda", torch.cuda.current_device())
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        sms = num_sms(dev)
         agree_on_geometry(self.launch_geometry(int(ccta) if ccta is not None else sms), grp,
                           dev)
         _, _, _, total = symmetric_layout(max_rows, N, band_rows, partial)
@@ -1285,7 +1286,7 @@ class EmulatedRanks:
             raise ValueError(f"device={device!r} must be a CUDA device")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        sms = num_sms(dev)
         ccta = max(1, sms // world) if ccta is None else ccta
         if isinstance(ccta, bool) or not isinstance(ccta, int) or ccta < 1 \
                 or world * ccta > sms:

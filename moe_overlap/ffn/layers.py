@@ -60,6 +60,7 @@ from .options import (CHAINED_COMPUTE_OPTIONS, COMPUTE_OPTIONS,  # noqa: F401 (r
                       check_compute_options, ffn_options_from_kwargs,
                       fused_default_allreduce_band_rows, fused_default_ccta, fused_tile_o)
 from .reference import experts_tp_reference, ffn_tp_reference
+from ..runtime.device import num_sms
 
 BACKENDS = ("reference", "fused", "auto")
 COMMS = ("unicast", "switch")
@@ -339,7 +340,7 @@ class _FusedBackend:
         bad = _fused_shape_problem(P, O, N)
         if bad is not None:
             raise ValueError(bad)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = num_sms(device)
         self.options = opts = self.options.resolve(
             FFNFacts(local_hidden=O, grouped=self._grouped_compute, num_sms=sms))
         self.ccta, self.max_tokens, self.tile_m = opts.ccta, opts.max_tokens, opts.tile_m

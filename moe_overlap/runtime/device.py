@@ -8,13 +8,49 @@ import torch
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    share = context_sm_count(index)
+    return total if share is None else min(total, share)
 
 
 def num_sms(device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached)."""
+    """Streaming multiprocessors this process's kernels may use on a CUDA device (cached): the
+    device's count, or less where the context is limited to a share of it (MPS with
+    ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``: ``context_sm_count``). Every persistent grid of the
+    library is sized from this, so ranks sharing a GPU under MPS do not wait on CTAs that cannot
+    be resident."""
     idx = torch.device(device).index
     return _num_sms(torch.cuda.current_device() if idx is None else idx)
+
+
+def context_sm_count(index: int) -> int | None:
+    """The SM count of the execution affinity of this process's context on GPU ``index``
+    (``cuCtxGetExecAffinity``: under MPS its share of the GPU), or None where the driver cannot
+    tell (no such entry point, no context)."""
+    import ctypes
+
+    class _Param(ctypes.Structure):  # CUexecAffinityParam: {type, union {smCount {val}}}
+        _fields_ = [("type", ctypes.c_int), ("val", ctypes.c_uint)]
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        fn = cuda.cuCtxGetExecAffinity
+    except (OSError, AttributeError):
+        return None
+    with torch.cuda.device(index):
+        torch.cuda.synchronize()  # the primary context exists and is current on this thread
+        p = _Param()
+        if fn(ctypes.byref(p), ctypes.c_int(0)) != 0:  # 0: CU_EXEC_AFFINITY_TYPE_SM_COUNT
+            return None
+    return int(p.val) if p.val > 0 else None
+
+
+def require_sm_share(sms: int, needed: int, what: str) -> None:
+    """ValueError unless ``needed`` SMs fit in this process's ``sms`` (its share of the GPU)."""
+    if needed > sms:
+        raise ValueError(f"{what} needs {needed} SMs at once but this process may use {sms} "
+                         "(under MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the GPU); run fewer "
+                         "ranks per GPU or lower ccta")
 
 
 # ---- co-residency of spinning kernels ----------------------------------------------------------

@@ -1,0 +1,80 @@
+"""The one-GPU multi-rank results of a `gpu_check.sh ranks` run as one JSON file.
+
+    python scripts/ranks_report.py OUT_DIR [--out FILE]
+
+Reads OUT_DIR/junit_*.xml (one per pytest module run with its ranks sharing the GPU),
+OUT_DIR/ranks_mode.txt (mps or time-sliced) and OUT_DIR/validate_*.json (`moe-overlap sweep
+--validate-only --share-gpu` grids), and writes ranks_onegpu_<card>_<commit>.json: device, date,
+commit, mode, and per check its points, how many passed and each failure with its reason."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import xml.etree.ElementTree as ET
+
+
+def junit_check(path: str) -> dict:
+    root = ET.parse(path).getroot()
+    cases, failures, skipped = [], [], []
+    for tc in root.iter("testcase"):
+        name = f"{tc.get('classname', '')}::{tc.get('name')}"
+        cases.append(name)
+        bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
+        skip = tc.find("skipped")
+        if bad is not None:
+            failures.append(dict(test=name, reason=(bad.get("message") or "")[:500]))
+        elif skip is not None:
+            skipped.append(dict(test=name, reason=(skip.get("message") or "")[:300]))
+    return dict(points=len(cases), passed=len(cases) - len(failures) - len(skipped),
+                skipped=skipped, failures=failures)
+
+
+def grid_check(path: str) -> dict:
+    doc = json.load(open(path))
+    pts = doc.get("points", [])
+    soaks = doc.get("soak", [])
+    fails = [dict(test=f"{p['shape']} {p['mode']} ccta={p['ccta']} mgb={p['mgb']}",
+                  reason=f"bitwise={p.get('bitwise_equal')} rel_err={p.get('rel_err_vs_seq')} "
+                         f"race={p.get('race_check')}") for p in pts if not p.get("passed")]
+    fails += [dict(test="soak", reason=str({k: s[k] for k in ("calls", "failures")}))
+              for s in soaks if s.get("failures")]
+    return dict(points=len(pts) + len(soaks), passed=len(pts) + len(soaks) - len(fails),
+                failures=fails, meta=doc.get("meta", {}),
+                soak=[{k: v for k, v in s.items() if k != "records"} for s in soaks])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    import torch
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown"
+    card = "h200" if "H200" in dev else "h100" if "H100" in dev else "gpu"
+    commit = os.environ.get("GIT_COMMIT", "unknown")
+    mode_file = os.path.join(a.out_dir, "ranks_mode.txt")
+    mode = open(mode_file).read().split(":", 1)[-1].strip() if os.path.exists(mode_file) else "?"
+    checks = {}
+    for p in sorted(glob.glob(os.path.join(a.out_dir, "junit_*.xml"))):
+        checks[os.path.basename(p)[6:-4]] = junit_check(p)
+    for p in sorted(glob.glob(os.path.join(a.out_dir, "validate_*.json"))):
+        checks[os.path.basename(p)[:-5]] = grid_check(p)
+    doc = dict(device=dev, gpus=torch.cuda.device_count(), mode=mode, commit=commit,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               what="multi-rank checks with the ranks as processes sharing one GPU "
+                    "(correctness only: no NVLink, one L2, no timings)",
+               checks=checks,
+               totals=dict(points=sum(c["points"] for c in checks.values()),
+                           passed=sum(c["passed"] for c in checks.values()),
+                           failed=sum(len(c["failures"]) for c in checks.values())))
+    out = a.out or os.path.join(a.out_dir, f"ranks_onegpu_{card}_{commit}.json")
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"{out}: {doc['totals']}")
+
+
+if __name__ == "__main__":
+    main()
