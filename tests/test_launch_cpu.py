@@ -65,3 +65,86 @@ def test_single_rank_json_returns_the_ranks_record(tmp_path, monkeypatch):
     (tmp_path / "rank0.json").unlink()
     r = single_rank_json(_silent_rank, 120)
     assert "exit code 3" in r["error"]
+
+
+# ------------------------------------------------------------- GPU ranks: placement on the GPUs
+def test_placement_one_rank_per_gpu_uses_nccl():
+    from moe_overlap.launch import placement
+    p = placement(4, 8)
+    assert p.devices == (0, 1, 2, 3) and p.backend == "nccl"
+    assert not p.shared and p.thread_percentage is None
+
+
+def test_placement_ranks_sharing_gpus_use_gloo_and_an_mps_share():
+    from moe_overlap.launch import placement
+    p = placement(4, 1)
+    assert p.devices == (0, 0, 0, 0) and p.backend == "gloo" and p.shared
+    assert p.ranks_per_gpu == 4 and p.thread_percentage == 25
+    p = placement(3, 1)  # floor(100 / 3): the shares never sum past the GPU
+    assert p.thread_percentage == 33 and 3 * p.thread_percentage <= 100
+    p = placement(5, 2)  # round robin: GPU 0 holds 3 ranks, each gets a third
+    assert p.devices == (0, 1, 0, 1, 0) and p.ranks_per_gpu == 3
+    assert p.thread_percentage == 33
+
+
+def test_placement_refusals():
+    from moe_overlap.launch import placement
+    with pytest.raises(ValueError, match="need a CUDA GPU"):
+        placement(2, 0)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        placement(0, 1)
+    with pytest.raises(ValueError, match="less than 1 %"):
+        placement(101, 1)
+
+
+def test_cuda_ranks_without_a_gpu_fail_before_any_rank_starts():
+    from moe_overlap.launch import spawn
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(ValueError, match="need a CUDA GPU"):
+        spawn(_value, 2, 10, backend="cuda", join_timeout_s=60)
+
+
+def test_spawn_ranks_picks_gpu_ranks_only_where_they_can_run(monkeypatch):
+    import conftest
+    seen = {}
+
+    def fake_spawn(fn, world, *args, backend, **kw):
+        seen["backend"] = backend
+        return [None] * world
+
+    monkeypatch.setattr("moe_overlap.launch.spawn", fake_spawn)
+    for gpus, share, world, want in ((0, False, 2, "skip"), (1, False, 2, "skip"),
+                                     (1, True, 2, "cuda"), (2, False, 2, "nccl"),
+                                     (2, True, 4, "cuda"), (0, True, 2, "skip")):
+        monkeypatch.setattr(conftest, "_cuda_count", lambda g=gpus: g)
+        monkeypatch.setenv(conftest.SHARE_GPU_ENV, "1" if share else "0")
+        seen.clear()
+        if want == "skip":
+            with pytest.raises(pytest.skip.Exception, match="GPU ranks"):
+                spawn_ranks(_value, world, 0, backend="nccl")
+        else:
+            spawn_ranks(_value, world, 0, backend="nccl")
+            assert seen["backend"] == want, (gpus, share, world)
+        # "auto": GPU ranks where they can run, else CPU ranks
+        seen.clear()
+        spawn_ranks(_value, world, 0, backend="auto")
+        assert seen["backend"] == ("gloo" if want == "skip" else want), (gpus, share, world)
+
+
+def test_sm_share_refusal_names_what_needs_the_sms():
+    from moe_overlap.runtime.device import require_sm_share
+    require_sm_share(66, 66, "x")
+    with pytest.raises(ValueError, match=r"producer \+ consumer needs 70 SMs .* may use 66"):
+        require_sm_share(66, 70, "producer + consumer")
+
+
+def test_context_sm_count_is_none_without_a_driver_context():
+    from moe_overlap.runtime.device import context_sm_count
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    try:
+        r = context_sm_count(0)
+    except (RuntimeError, AssertionError):  # torch refuses a CUDA call without CUDA
+        r = None
+    assert r is None

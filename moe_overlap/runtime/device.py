@@ -19,7 +19,7 @@ def num_sms(device) -> int:
     ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``: ``context_sm_count``). Every persistent grid of the
     library is sized from this, so ranks sharing a GPU under MPS do not wait on CTAs that cannot
     be resident."""
-    idx = torch.device(device).index
+    idx = device if isinstance(device, int) else torch.device(device).index
     return _num_sms(torch.cuda.current_device() if idx is None else idx)
 
 
