@@ -62,7 +62,7 @@ def _agree_ok(ok: bool, device, group) -> bool:
 class _Routing:
     """One routing of the case: ids, gates, counts, plan, the fp32 baseline, compact rows."""
 
-    def __init__(self, ov, tokens, mode, seed, mgb):
+    def __init__(self, ov, tokens, mode, seed, mgb, layout="auto", order="remote_first"):
         from .baseline import SequentialBaseline, plan_to_compact_rows
         from .dispatch import exchange_counts
         from .plan import plan_combine
@@ -71,7 +71,8 @@ class _Routing:
                                      rank=ov.rank, device=ov.device)
         self.counts = exchange_counts(self.ids, ov.num_experts, ov.group)
         self.plan = plan_combine(self.counts, ov.rank, tile_m=ov.tile_m, mgb=mgb,
-                                 max_rows=ov.world_size * tokens * ov.topk, validate=False)
+                                 max_rows=ov.world_size * tokens * ov.topk, validate=False,
+                                 layout=layout, order=order)
         self.base = SequentialBaseline(self.counts, self.ids, group=ov.group, gemm="loop",
                                        scale="fp32")
         self.compact = plan_to_compact_rows(self.plan, self.counts)
@@ -92,9 +93,11 @@ def _poison_call_buffers(ov, h, plan, out):
 
 
 def validate_calls(ov, tokens: int, mode: str, calls: int = 8, routing_every: int = 3,
-                   seed: int = 0, mgb: int = 2, tol: float = TOL, ccta: int | None = None) -> dict:
+                   seed: int = 0, mgb: int = 2, tol: float = TOL, ccta: int | None = None,
+                   layout: str = "auto", order: str = "remote_first") -> dict:
     """``calls`` eager overlapped calls, each with fresh h, poisoned buffers and both checks
-    (ccta: the overlapped calls' consumer SMs; default: ov's resolved option).
+    (ccta: the overlapped calls' consumer SMs; default: ov's resolved option; layout, order:
+    the plans').
     Returns summarize(...) plus the per-call records; every rank returns the same verdicts."""
     from .overlap import OverlapError
     dev, K, N = ov.device, ov.hidden_size, ov.out_features
@@ -104,7 +107,7 @@ def validate_calls(ov, tokens: int, mode: str, calls: int = 8, routing_every: in
     records, r = [], None
     for i in range(calls):
         if i % routing_every == 0:
-            r = _Routing(ov, tokens, mode, seed * 1000 + i, mgb)
+            r = _Routing(ov, tokens, mode, seed * 1000 + i, mgb, layout, order)
         rows = int(r.plan.total_rows.item())
         h = torch.randn(rows, K, device=dev, generator=g).to(torch.bfloat16)
         out = torch.empty(tokens, N, dtype=torch.bfloat16, device=dev)

@@ -108,7 +108,7 @@ def worker(rank, W, args):
             g = torch.Generator(device=dev).manual_seed(seed * 31 + rank)
             w_down = (torch.randn(El, K, N, device=dev, generator=g) / K ** 0.5).to(torch.bfloat16)
             plans = {m: plan_combine(counts, rank, tile_m=args.tile_m, mgb=m, max_rows=W * T * k,
-                                     order=args.order)
+                                     order=args.order, layout=args.layout)
                      for m in args.mgb}
             p0 = plans[args.mgb[0]]
             rows = int(p0.total_rows.item())
@@ -207,7 +207,8 @@ def worker(rank, W, args):
                     if args.race_calls:
                         race = validate_calls(ov, T, mode, calls=args.race_calls,
                                               routing_every=2, seed=seed * 100 + ccta * 10 + mgb,
-                                              mgb=mgb, ccta=ccta)
+                                              mgb=mgb, ccta=ccta, layout=args.layout,
+                                              order=args.order)
                         race = {k: v for k, v in race.items() if k != "records"}
                     ok = max_over_ranks(0.0 if (bitwise and err <= 8e-3 and (
                         race is None or race["failures"] == 0)) else 1.0) == 0.0
@@ -328,6 +329,8 @@ def main(argv=None):
     ap.add_argument("--order", default="remote_first", choices=["remote_first", "expert"],
                     help="the plans' schedule (plan_combine(order=)): remote bands first, or "
                     "expert by expert (each expert's weights read about once)")
+    ap.add_argument("--layout", default="auto", choices=["auto", "aligned", "packed"],
+                    help="the plans' row layout")
     ap.add_argument("--world-size", type=int, default=0, help="ranks, one GPU each (0: every visible GPU)")
     ap.add_argument("--share-gpu", action="store_true",
                     help="allow more ranks than GPUs: the ranks run as processes sharing the GPUs "
@@ -417,7 +420,7 @@ def main(argv=None):
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 git_commit=commit, tile_m=args.tile_m,
                 transport=args.transport, local_copy=args.local_copy, copy=args.copy,
-                order=args.order, reps=args.reps, replays=args.replays, gemm_options=args.gemm_options,
+                order=args.order, layout=args.layout, reps=args.reps, replays=args.replays, gemm_options=args.gemm_options,
                 race_calls=args.race_calls, soak=args.soak, seconds=time.time() - t0)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, summary=summary, points=points, autotune=tuned, soak=soaks),
