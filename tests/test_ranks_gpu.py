@@ -91,8 +91,10 @@ def test_sm_share_is_read_from_the_device(results):
             continue
         assert r["backend"] == "gloo"
         assert int(r["mps_percentage"]) == 100 // r["ranks_per_gpu"]
-        # what the library sizes its grids from is what the device reports to this process
-        assert r["num_sms"] == r["device_sms"]
-        if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):  # under MPS: the rank's share, not all
-            share = r["num_sms"] * r["ranks_per_gpu"]
-            assert r["num_sms"] < 132 and share <= 140, r
+        # the library sizes its grids from num_sms: under MPS the rank's share of the GPU (its
+        # context's execution affinity), never more than the device has
+        assert r["num_sms"] <= r["device_sms"]
+        if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+            want = r["device_sms"] * int(r["mps_percentage"]) // 100
+            assert r["num_sms"] < r["device_sms"], r
+            assert abs(r["num_sms"] - want) <= 2, (r, want)
