@@ -295,7 +295,7 @@ def _same_scale_estimate(p, scale_ms):
 
 def combine(root):
     lines, sweep_speed, bounds, auto, valid = [], [], [], [], [0, 0]
-    same_by_k, docs, mgbs, tuned_mgb, timing = {}, [], set(), [], set()
+    same_by_k, docs, mgbs, tuned_mgb, timing, hows = {}, [], set(), [], set(), set()
     scale_ms = _our_scale_ms(root)
     for name in HEADLINE["combine"][1]:
         d = _load(root, name)
@@ -331,6 +331,7 @@ def combine(root):
                 est = _same_scale_estimate(best, scale_ms)
                 same, how = (None if est is None else est / t_ov), "estimated"
             if same is not None:
+                hows.add(how)
                 same_by_k.setdefault(r["shape"]["K"], []).append(same)
             rows.append([_shape_name(r["shape"]), r["mode"], f"{best['ccta']},{best['mgb']}",
                          "n/a" if same is None else f"{same:.2f} ({how})", f"{sp_t:.2f}",
@@ -361,8 +362,8 @@ def combine(root):
                                f" (a loss on {sum(x < 1 for x in v)})" if min(v) < 1 else "")
         for k, v in sorted(same_by_k.items()))
     how = ", ".join(sorted(f"ours {a}, baseline {b}" for a, b in timing))
-    cell = (f"against the same-scale sequential baseline (our scale kernel, fastest library GEMM; "
-            f"{how}): {same_txt or 'not measured'}; best ccta at mgb "
+    cell = (f"against the same-scale sequential baseline ({' and '.join(sorted(hows))}: our scale "
+            f"kernel, fastest library GEMM; {how}): {same_txt or 'not measured'}; best ccta at mgb "
             f"{', '.join(map(str, sorted(mgbs)))} only (autotune chose mgb "
             f"{', '.join(map(str, sorted(set(tuned_mgb))))}); torch-only baseline "
             f"{_rng(sweep_speed)}x; T_overlap / max(T_gemm, T_comm) = {_rng(bounds)}; autotune / "
