@@ -151,8 +151,8 @@ def _fresh_text(f, doc, area) -> str:
         return _CTX["unknown"] if _CTX["unknown"] is not None else text
     commit = _meta(doc)[2]
     if f["state"] == "current":
-        return (f"current: its {len(DEPENDENCIES[area])} source files are the "
-                f"tree's ({'recorded hashes' if f['basis'] == 'fingerprint' else 'as at ' + commit})")
+        basis = "recorded hashes" if f["basis"] == "fingerprint" else "as at " + commit
+        return f"current: its {len(DEPENDENCIES[area])} source files are the tree's ({basis})"
     n = ("an unknown number of commits" if f["commits"] is None else
          f"{f['commits']} commit{'s' if f['commits'] != 1 else ''}")
     text = f"**stale**: {n} touched {_short(f['changed'])} since {commit}"
@@ -384,7 +384,8 @@ def ffn(root):
                      f"{r['memory']['fused_over_baseline']:.2f}",
                      f"{r['fused_err_vs_baseline']:.1e}"))
     rounds = d["meta"].get("args", {}).get("rounds")
-    lines = [_src(name, d, "ffn"), "", f"Medians of {rounds} interleaved rounds; speed = reference time "
+    lines = [_src(name, d, "ffn"), "", f"Medians of {rounds} interleaved rounds; speed = "
+             "reference time "
              "/ fused time (above 1: the fused backend is faster); bound = the speed a perfect "
              "overlap would give.", ""]
     lines += _table(("shape", "dims", "reference ms", "fused ms", "speed", "bound",
@@ -462,8 +463,10 @@ def plan(root):
                      f"prepare {_rng([r['prepare_us'] for r in rs], '{:.1f}', ' us')}, together "
                      f"{_rng(tot, '{:.1f}', ' us')}")
     ws = sorted({r["world_size"] for r in all_rows})
+    tot_all = [r["plan_us"] + r["prepare_us"] for r in all_rows]
     cell = (f"{'; '.join(parts)} of device time (W = {ws[0]}..{ws[-1]}, first and last rank; "
-            f"goal <= 30 us together: {'met' if max(r['plan_us'] + r['prepare_us'] for r in all_rows) <= 30 else 'not met'}); equality to the torch planner "
+            f"goal <= 30 us together: {'met' if max(tot_all) <= 30 else 'not met'}); equality to "
+            "the torch planner "
             + ("recorded: " + str(all(r["equal_to_torch"] for r in all_rows))
                if all("equal_to_torch" in r for r in all_rows) else
                "not recorded by these runs (tests/test_plan_kernel_gpu.py checks it)"))
@@ -480,7 +483,8 @@ def ordered_tables(root):
              us(r, "ordered_us"), us(r, "plan_prepare_plain_us"),
              us(r, "plan_prepare_ordered_us"), us(r, "plan_prepare_ordered_big_capacity_us"),
              str(r["equal_to_reference"])) for r in rs]
-    lines = [_src(name, d, "ordered_tables"), "", f"{d['method']}. impl: torch = the torch ops (the senders' "
+    lines = [_src(name, d, "ordered_tables"), "", f"{d['method']}. impl: torch = the torch ops "
+             "(the senders' "
              "plans by the planner kernel), kernel = the six launches of "
              "combine/ordered_routes_kernel.py given prepare's rows, kernel_rows = the same "
              "making the rows (prepare_routes, the senders' plans on a side stream under it). "
