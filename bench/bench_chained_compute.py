@@ -61,7 +61,7 @@ def rel_err(y, x, w1, b1, w2, act, rows):
 def write(a, groups, rows_out, final=False):
     """The JSON so far (rewritten after every shape, so a run cut short keeps its rows)."""
     ok = [r for r in rows_out if "speedup" in r]
-    doc = dict(result_header("ffn_chained_compute"), world=a.world,
+    doc = dict(result_header("ffn_chained_compute", area="chained"), world=a.world,
                complete=final, groups=groups,
                baseline_act_in_place=True,  # activations.activation_: H once, beside out
                method=f"CUDA graphs of {a.reps} calls per path, replays interleaved over "

@@ -198,8 +198,11 @@ def main(argv=None):
                 reps=args.reps, replays=args.replays, lead_ms=args.lead_ms, inline=args.inline,
 
                 seconds=time.time() - t0)
+    from moe_overlap.provenance import stamp
+    doc = stamp(dict(meta=meta, points=points), "combine", gpus=W, device=meta["device"],
+                commit=meta["git_commit"])
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, points=points), f, indent=1)
+        json.dump(doc, f, indent=1)
     print(f"\ncombine split ({meta['device']} x{W}, {args.mode}, mgb {args.mgb}); ms, graph "
           "replays back to back, max over ranks; timeline: eager after a sleep, ms from start")
     cols = ("gemm_all", "gemm_prod", "prepare", "begin", "ship", "comm", "scale", "overlap",

@@ -195,8 +195,11 @@ def _entry(rank, args):
                     correct=ok, seconds=time.time() - t0,
                     git_commit=os.environ.get("GIT_COMMIT", ""),
                     date=datetime.date.today().isoformat())
+        from moe_overlap.provenance import stamp
+        doc = stamp(dict(meta=meta, results=results), "consumer", gpus=dist.get_world_size(),
+                    device=meta["device"], commit=meta["git_commit"])
         with open(os.path.join(out, "consumer_bench.json"), "w") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=1)
+            json.dump(doc, f, indent=1)
         print(f"consumer bench: {meta}")
         variants = sorted({r["variant"] for r in results}, key=lambda v: (v != "copy_engine", v))
         sizes = sorted({r["bytes"] for r in results})

@@ -543,8 +543,11 @@ def main(argv=None):
             meta = dict(device=torch.cuda.get_device_name(dev), world=world,
                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                         commit=_git_commit(), torch=torch.__version__, args=vars(a))
+            from moe_overlap.provenance import stamp
+            doc = stamp(dict(meta=meta, results=rows), "ffn", gpus=world, device=meta["device"],
+                        commit=meta["commit"])
             with open(os.path.join(out, "bench_ffn.json"), "w") as f:
-                json.dump(dict(meta=meta, results=rows), f, indent=1)
+                json.dump(doc, f, indent=1)
             print(table(rows, not a.skip_kernel))
             if a.tune_cache:
                 from moe_overlap.ffn.tuning import FFNTuneCache

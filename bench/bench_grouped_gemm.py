@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_overlap.combine.grouped_gemm import GroupedGemm  # noqa: E402
+from moe_overlap.provenance import stamp  # noqa: E402
 from moe_overlap.timing import time_interleaved  # noqa: E402
 
 # GPU sleep before each timed call (time_interleaved lead_ms): no host launch time in the events,
@@ -167,6 +168,7 @@ def main():
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
                peak_tflops_assumed=PEAK_TFLOPS, tag=args.tag, lead_ms=LEAD_MS, shapes=results)
+    stamp(doc, "producer", gpus=1, device=doc["device"], commit=os.environ.get("GIT_COMMIT", ""))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"grouped_gemm_{args.tag or 'bench'}.json")
     with open(path, "w") as f:

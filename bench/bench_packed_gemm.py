@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe_overlap.combine.plan import plan_combine  # noqa: E402
 from moe_overlap.combine.shapes import MODELS  # noqa: E402
+from moe_overlap.provenance import stamp  # noqa: E402
 from moe_overlap.routing import routing_counts  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense rate of this workplace's H200
@@ -195,6 +196,7 @@ def main():
                git_commit=os.environ.get("GIT_COMMIT", "unknown"), torch=torch.__version__,
                gemm=dict(tile_m=args.tile_m, tile_n=256, ccta=0, signal=True), lead_ms=LEAD_MS,
                rounds=args.rounds, points=points)
+    stamp(doc, "packed", gpus=1, device=doc["device"], commit=os.environ.get("GIT_COMMIT", ""))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"packed_gemm_{args.tag}.json")
     with open(path, "w") as f:

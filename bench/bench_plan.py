@@ -168,7 +168,8 @@ def main(argv=None):
                               f"sum {r['plan_us'] + r['prepare_us']:8.1f} us", flush=True)
     method = ("eager calls on the CPU, median wall clock (smoke run)" if smoke else
               "CUDA graph of 5 calls, median of 15 replays / 5")
-    doc = dict(result_header("plan", cuda=not smoke), method=method, impls=impls,
+    area = "ordered_tables" if ordered_rows else "plan"
+    doc = dict(result_header("plan", cuda=not smoke, area=area), method=method, impls=impls,
                orders=args.order, what=args.what, rows=rows, ordered_rows=ordered_rows)
     tag = "cpu_smoke" if smoke and args.tag == "h200" else args.tag
     print(f"wrote {write_result(doc, args.out, f'plan_{tag}.json')}")

@@ -29,11 +29,20 @@ def git_commit() -> str:
         return "unknown"
 
 
-def result_header(bench: str, cuda: bool = True) -> dict:
-    """bench, device, date (UTC), git_commit and torch of a result file."""
-    return dict(bench=bench, device=torch.cuda.get_device_name() if cuda else "cpu",
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                git_commit=git_commit(), torch=torch.__version__)
+def result_header(bench: str, cuda: bool = True, area: str | None = None,
+                  gpus: int = 1) -> dict:
+    """bench, device, date (UTC), git_commit and torch of a result file; with area (a row of
+    the README status table, moe_overlap.provenance.DEPENDENCIES) also the provenance stamp:
+    the source files' hashes and the number of GPUs."""
+    doc = dict(bench=bench, device=torch.cuda.get_device_name() if cuda else "cpu",
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               git_commit=git_commit(), torch=torch.__version__)
+    if area is not None:
+        from moe_overlap.provenance import stamp
+        commit = doc["git_commit"]
+        stamp(doc, area, gpus=gpus, device=doc["device"],
+              commit="" if commit == "unknown" else commit)
+    return doc
 
 
 def write_result(doc: dict, out: str, name: str) -> str:

@@ -41,6 +41,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     from moe_overlap.combine.scale import Scale, scale_torch
+    from moe_overlap.provenance import stamp
     from moe_overlap.timing import time_calls
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -94,6 +95,7 @@ def main(argv=None):
                git_commit=os.environ.get("GIT_COMMIT", "unknown"), T=T, topk=K, N=N,
                bytes=bytes_moved, floor_ms_at_4p8TBs=floor_ms, torch_gather_bmm_ms=t_bmm,
                variants=rows_out)
+    stamp(doc, "scale", gpus=1, device=doc["device"], commit=os.environ.get("GIT_COMMIT", ""))
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "scale_bench.json")
     with open(path, "w") as f:

@@ -3,12 +3,32 @@
     moe-overlap report [--root DIR] [--check]      (also: python scripts/report.py)
 
 Which file is "newest" is decided by one rule, written here: `HEADLINE` names the current result
-file(s) of every area, and only those are read. A new measurement becomes the headline by editing
-that table and rerunning the report; `CURRENT_OTHER` lists the other files kept next to them
-(inputs of the cost model, experiments without a successor). Everything older lives in
-bench/results/archive/. `check()` fails when a named file is missing, when bench/results/ holds a
-result file that neither table names (a new result nobody classified), or when README.md /
-docs/RESULTS.md differ from what the files give (numbers edited by hand, or not regenerated).
+file(s) of every area, and only those (and the few `INPUTS`) are read. A new measurement becomes
+the headline by editing that table and rerunning the report. The top level of bench/results/
+holds only those files and the ones other code or README.md reads (`READ_BY`); everything else
+lives in bench/results/archive/ (INDEX.md there says what each file was for).
+
+Every cell of the status table comes from a result field: the figures, the card and number of
+GPUs, the date and commit, and whether the source the number was measured with is still the
+tree's. That last column ("freshness") is computed by moe_overlap.provenance: each area depends
+on the files `DEPENDENCIES` names (kernels, launchers, options, the bench); a result
+records their content hashes (`provenance.stamp`), or, written before the stamp existed, its
+commit, whose content git gives. A row is **stale** where a dependency's content differs from
+the tree's, with the number of commits that touched the changed files since the result's commit
+(plus one for a change not yet committed, so a report written just before the commit that
+carries the change reads the same when checked after it).
+
+What `--check` can verify, and why it does not fail spuriously: the stale / current state is a
+function of file contents only (recorded hashes vs the tree), not of HEAD, so a later commit that
+touches no dependency changes nothing. The count of commits changes only when a commit touches a
+dependency, which is exactly when the row's text should change (regenerate the report in that
+commit). Where git cannot answer (a tarball, a copy without .git, a shallow clone without the
+result's commit), freshness is "unknown" and `--check` compares everything but those cells.
+
+`check()` also fails when a named file is missing, when bench/results/ holds a file that no
+table names (a new result nobody classified), when a `READ_BY` reader no longer names its file,
+or when README.md / docs/RESULTS.md differ from what the files give (numbers edited by hand, or
+not regenerated).
 
 The report reads JSON only (no torch), so it runs anywhere.
 """
@@ -17,13 +37,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+
+from .provenance import DEPENDENCIES, Git, freshness
 
 # area -> (title, current headline files, in bench/results/)
 HEADLINE = {
     "producer": ("Producer grouped GEMM (CuTe DSL, band flags)",
-                 ("grouped_gemm_v11_boost.json", "grouped_gemm_v11_back_to_back.json",
-                  "grouped_gemm_v10_boost.json", "grouped_gemm_v10_back_to_back.json")),
+                 ("grouped_gemm_v11_boost.json", "grouped_gemm_v11_back_to_back.json")),
     "consumer": ("Consumer (band shipping, nvlink TMA)", ("consumer_run5_large_2xh200.json",)),
     "combine": ("Combine sweep (overlapped MoE combine)",
                 ("combine_sweep_2xh200_v7.json", "combine_sweep_2xh200_v7_k14336.json",
@@ -40,180 +62,39 @@ HEADLINE = {
                        ("plan_h100_ordered_seginc_2db7e5d.json",)),
 }
 
-# result files kept in bench/results/ that are not headline numbers (each with why)
-CURRENT_OTHER = {
-    "plan_h100_ordered_kernel_d457261.json": "the ordered tables' kernels with seg_inc zeroed "
-                                             "at the [W, Sc] capacity by a memset (H100)",
-    "ordered_routes_kernel_tests_2db7e5d.log": "the ordered tables' kernels' GPU tests and the "
-                                               "ordered scale's, seg_inc by prefix (65 passed)",
-    "ordered_routes_kernels_h100_2db7e5d.log": "the ordered tables' launches, each one's device "
-                                               "time (profile_ordered_routes --kernels, H100)",
-    "grouped_gemm_h100_e256_5868c2e.json": "the producer at 256 balanced experts (512 rows "
-                                           "each, K 2048) and at 16, against the library (H100)",
-    "moe_layer_1xh100_profile_487df88.json": "deepseek-v3@16384 on ONE GPU (H100) with each "
-                                             "layer's longest kernels (--profile)",
-    "moe_layer_1xh200_profile_487df88.json": "deepseek-v3@16384 on ONE GPU (H200) with each "
-                                             "layer's longest kernels (--profile)",
-    "profile_combine_layer_bf50eb1.log": "ours' combine in the one-GPU layer part by part: the "
-                                         "producer on the layer's plan vs balanced bands "
-                                         "(bench/profile_combine_layer.py, H100 and H200)",
-    "moe_layer_1xh100_models_5868c2e.json": "one MoE layer on ONE GPU (H100, W=1: no remote "
-                                            "rows), the four model shapes at 4096 and 16384 "
-                                            "tokens, scale=plain",
-    "moe_layer_1xh100_plain_2db7e5d.json": "one MoE layer on ONE GPU (H100), scale=plain, beside "
-                                           "the ordered run of the same commit",
-    "moe_layer_1xh100_ordered_2db7e5d.json": "one MoE layer on ONE GPU (H100), scale=ordered: its "
-                                             "plan + prepare on the side stream under the dispatch",
-    "plan_h100_ordered_kernel_4a2e90b.json": "the ordered tables' kernels, first run (4-round "
-                                             "sort chunks, tables after prepare, H100)",
-    "plan_h100_ordered_kernel_003ba4c.json": "the ordered tables with seg_inc zeroed by the "
-                                             "senders kernel (reverted: slower at W = 64, H100)",
-    "ffn_chained_compute_h100_auto_phased_0792106.json": "chained kernel, group auto with the "
-                                                         "phased orders, the 14 points on an H100",
-    "profile_ordered_routes_h200_918b75d.log": "the ordered scale's device tables by stage "
-                                               "(bench/profile_ordered_routes.py, H200)",
-    "ffn_chained_compute_h200_auto_patch_7dea59e.json": "chained kernel on an H200, the previous "
-                                                        "auto rule (auto_group only); the FFN "
-                                                        "projection's sustained ratios",
-    "ffn_chained_compute_h100_t32768_2631ea0.json": "chained kernel at 32768 tokens on an H100: "
-                                                    "the phased orders and 16p4c2 against the "
-                                                    "auto_group rule, sustained",
-    "ffn_chained_compute_h100_c2phased_2631ea0.json": "chained kernel at 8192 tokens on an H100: "
-                                                      "the phased orders on 2-CTA clusters",
-    "ffn_chained_compute_h100_phased_73897e1.json": "chained kernel at 8192 tokens on an H100: the "
-                                                    "phased orders (8p1r16l8s, 6p1r18l6s, 4p1s) "
-                                                    "against auto, 8p4, 16p4, sustained",
-    "ffn_chained_compute_h100_cap_73897e1.json": "chained kernel, deepseek-v3-dense at 8192 tokens "
-                                                 "on an H100: orders under the activation cap",
-    "ffn_chained_compute_h100_lookahead_73897e1.json": "chained kernel at 8192 tokens on an H100: "
-                                                       "16p4r32l16 against 16p4 and auto",
-    "ffn_chained_compute_h100_cluster_73897e1.json": "chained kernel's 2-CTA cluster variant, "
-                                                     "first run (llama3-70b, H100)",
-    "plan_h100_73897e1.json": "the ordered scale's per-routing device tables (bench_plan --what "
-                              "ordered, H100)",
-    "ffn_chained_compute_h200_groups70b_c294d29.json": "chained kernel on llama3-70b, groups auto "
-                                                       "(2), 3, 4, 8 in shuffled order",
-    "ffn_chained_compute_h200_groups_32768_c294d29.json": "chained kernel, groups 2, 4, 8 at "
-                                                          "32768 tokens, shuffled order",
-    "ffn_chained_compute_h200_groups_8192_c294d29.json": "chained kernel, groups 2-16 at 8192 "
-                                                         "tokens, shuffled order",
-    "ffn_chained_compute_h200_groups_rest_c294d29.json": "chained kernel, groups 2-16 at 32768 "
-                                                         "tokens (deepseek-v3-expert, mixtral)",
-    "ffn_chained_compute_h200_auto_606aafd.json": "chained kernel, the auto rule over groups "
-                                                  "8, 4, 2 unpatched, interleaved only: the runs "
-                                                  "below show that interleaving favoured it",
-    "ffn_chained_compute_h200_70b_hold_aec2584.json": "llama3-70b, interleaved then each path "
-                                                      "alone for ~4 s (the clock trace beside it)",
-    "ffn_chained_compute_h200_70b_lead20_aec2584.json": "llama3-70b with a 20 ms GPU sleep "
-                                                        "before each call (still power-capped)",
-    "ffn_70b_clock_trace_aec2584.csv": "nvidia-smi SM clock / power / throttle reasons during "
-                                       "the two llama3-70b runs above",
-    "ncu_chained_70b_8192_aec2584.csv": "ncu: baseline kernels and ours (group 8), llama3-70b, "
-                                        "8192 tokens",
-    "ncu_chained_70b_groups_8192_ef6ac23.csv": "ncu: ours at groups auto, 1, 2, 4, 8, 16 "
-                                               "(DRAM / L2 bytes by group)",
-    "ncu_chained_70b_32768_ef6ac23.csv": "ncu: baseline and ours (group 8), 32768 tokens",
-    "ncu_chained_70b_patch_8192_7df8f19.csv": "ncu: ours with patched orders (8p2 .. 16p4)",
-    "ffn_chained_compute_h200_70b_patch_7df8f19.json": "llama3-70b, patched orders, "
-                                                       "interleaved + sustained",
-    "ffn_chained_compute_h200_holds_patch_606dff6.json": "every slice: groups 8/4/2 unpatched, "
-                                                         "8p4, "
-                                                         "8p8, 16p4, interleaved + sustained "
-                                                         "(what the new rule was chosen from)",
-    "gpu_chained_tests_7dea59e.log": "chained kernel GPU tests with the new rule (32 passed)",
-    "gpu_bar1_7dea59e.log": "band all-reduce emulated on one GPU, GPU tests (19 passed)",
-    "gpu_autotune_7dea59e.log": "MoECombine.autotune at W=1 incl. order='auto' (10 passed)",
-    "band_allreduce_onegpu_h200_7dea59e.json": "bf16 band all-reduce, G=2 emulated on one GPU "
-                                               "(local HBM: the kernel's per-SM issue limit, "
-                                               "not NVLink)",
-    "packed_gemm_h200_w8_16_all_aec2584.json": "producer on packed plans at W = 8, 16, all "
-                                               "three routings, both modes, both orders",
-    "ffn_chained_grouped_h200_c294d29.json": "chained kernel's grouped call (ShardedExperts) vs "
-                                             "torch._grouped_mm + act + torch._grouped_mm",
-    "grouped_chained_tests_c294d29.log": "chained kernel GPU tests incl. the grouped call and "
-                                         "ShardedExperts(compute='chained') on one rank (33 "
-                                         "passed, the 2-GPU case skipped)",
-    "packed_gemm_h200_w8_16_c294d29.json": "producer on packed plans at W = 8, 16, both orders "
-                                           "(deepseek-v3, qwen3-235b, balanced)",
-    "plan_kernel_orders_h200_5d8f208.json": "kernel planner in both orders, rank 0 (expert order "
-                                            "1-2.5 us faster; prepare the same)",
-    "plan_kernel_orders_last_h200_5d8f208.json": "kernel planner in both orders, the last rank",
-    "plan_kernel_orders_gpu_tests_5d8f208.log": "kernel planner GPU tests in both orders "
-                                                "(209 passed)",
-    "combine_split_2xh200_pieces.json": "consumer rates of moe_overlap.combine.tuning.CostModel",
-    "combine_split_2xh200_v7.json": "time split of one combine (gemm, overlap, scale, prepare)",
-    "combine_split_2xh200_k14336_cluster2.json": "time split at K=14336, GEMM cluster 2",
-    "band_ar_threads_unroll_2xh200.json": "band all-reduce threads x unroll",
-    "fused_compute_c2_h200.json": "fused compute kernel, cluster_m=2",
-    "fused_compute_epilogue_shapes_h200.json": "fused compute kernel, epilogue shapes",
-    "fused_compute_hpair_h200.json": "fused compute kernel, h_pair",
-    "fused_compute_hregs_h200.json": "fused compute kernel, h_regs",
-    "fused_compute_phase_split_h200.json": "fused compute kernel, phases left out",
-    "fused_compute_pingpong_h200.json": "fused compute kernel, ping-pong",
-    "fused_compute_v5_variants_2xh200.json": "fused compute kernel variants",
-    "validate_cpu_w4_w8.json": "CPU validation grid at W=4, 8",
-    "packed_gemm_h200_tm64_2e87a02.json": "producer on packed plans at tile_m 64 (slower)",
-    "projection_combine_w2_64.json": "projected same-scale speedup, W = 2..64 (moe-overlap project; "
-                                     "a projection, not a measurement)",
-    "projection_ffn_g2_8.json": "projected reference / fused FFN time at G = 2, 4, 8 (moe-overlap "
-                                "project-ffn; a projection, not a measurement)",
-    "ordered_scale_prediction_w2.json": "predicted T_overlap / bound of the token-ordered scale "
-                                        "(bench/predict_ordered_scale.py; a model, not a "
-                                        "measurement)",
-    "single_gpu_tests_50c7989.log": "planner, producer and fused FFN single-GPU tests after the "
-                                    "session's merges",
-    "plan_kernel_h200_21d9b48.json": "first planner kernels (two plan launches) next to the torch "
-                                     "planner: the torch reference's device time",
-    "plan_kernel_gpu_tests_1622057.log": "planner kernel GPU tests, second version (120 passed)",
-    "single_gpu_regress_1622057.log": "faults, producer and fused FFN single-GPU tests after the "
-                                      "GEMM-base and fault merges (49 passed)",
-    "ffn_chained_compute_h200_13e73a1.json": "chained kernel, six tile-order variants in one "
-                                             "round (position-biased at 32768 tokens: see NOTES)",
-    "chained_ffn_gpu_tests_13e73a1.log": "chained kernel GPU tests after the merges (21 passed)",
-    "single_gpu_regress_13e73a1.log": "faults and fused FFN single-GPU tests after the options "
-                                      "merge (17 passed)",
-    "chained_ffn_gpu_tests_2bc5fa0.log": "GPU tests of the chained FFN compute kernel (18 passed)",
-    "ffn_baseline_h200.json": "per-rank compute of the reference FFN (addmm + act + mm, G = 2 "
-                              "slices): what the chained compute kernel must reach",
-    "planner_and_gemm_gpu_tests_d98035d.log": "GPU tests of the planner and the producer on "
-                                              "packed plans",
-    "single_gpu_tests_fb15101.log": "producer bounds, ordered scale, W=1 fault and fused FFN "
-                                    "single-GPU tests (77 passed, 6 need 2 GPUs)",
-    "grouped_gemm_v12_bounds_fb15101.json": "producer with device bounds checks, --quick shape "
-                                            "(1.018x the library)",
-    "ordered_scale_h200_fb15101.json": "ordered scale, first run: 32-token tiles, 256 threads "
-                                       "(2.4x the plain scale; B's mismatch a bench bug)",
-    "ordered_scale_h200_tt32_th256_ff10300.json": "ordered scale, token tiles x threads",
-    "ordered_scale_h200_tt8_th256_ff10300.json": "ordered scale, token tiles x threads",
-    "ordered_scale_h200_tt4_th256_ff10300.json": "ordered scale, token tiles x threads",
-    "ordered_scale_h200_tt16_th512_ff10300.json": "ordered scale, token tiles x threads",
-    "ordered_scale_h200_tt8_th512_ff10300.json": "ordered scale, token tiles x threads",
-    "ordered_scale_h200_defaults_fb5242b.json": "ordered scale with its new defaults (512 "
-                                                "threads, 16-token tiles)",
-    "scale_ordered_gpu_tests_fb5242b.log": "ordered scale GPU tests with the new defaults "
-                                           "(7 passed)",
-    "moe_layer_1xh200_overlap_fb5242b.json": "one MoE layer on ONE GPU, row placement by "
-                                             "index_copy_ (superseded by the gather run)",
-    "moe_layer_1xh200_gather_8b659eb.json": "one MoE layer on ONE GPU (W=1: no remote rows, "
-                                            "nothing to hide; the 2-GPU run is the issue's)",
-    "ordered_scale_tests_08c29b4.log": "ordered scale GPU tests with the peer-error poll "
-                                       "(10 passed)",
-    "ordered_scale_h200_peerpoll_08c29b4.json": "ordered scale with the peer-error poll, ccta 8 "
-                                                "(A at today's rate)",
-    "dispatch_1xh200_08c29b4.json": "dispatch_to_plan's placement, gather vs scatter vs the "
-                                    "compact permutation (one GPU, eager)",
-    "packed_gemm_h200_half_384457b.json": "producer with bands of <= 64 rows on one warpgroup "
-                                          "(no gain; reverted)",
-    "gemm_half_tests_384457b.log": "grouped GEMM + producer bounds GPU tests with the "
-                                   "half-band skip (90 passed; reverted)",
-    "packed_gemm_h200_expert_order_70a95b6.json": "producer on packed plans, remote-first vs "
-                                                  "expert order at W=2 (1.04-1.10x the library "
-                                                  "in expert order)",
+# result files the report reads besides the headlines (each with what for)
+INPUTS = {
+    "combine_split_2xh200_v7.json": "our scale kernel's time at the sweep's K 1024 / 2048 "
+                                    "shapes, for the same-scale baseline",
+    "combine_split_2xh200_k14336_cluster2.json": "our scale kernel's time at K 14336, for the "
+                                                 "same-scale baseline",
+}
+
+# result files other code or README.md reads -> the files that read them (check() fails where
+# a reader no longer names the file: then it belongs in archive/)
+READ_BY = {
+    "combine_split_2xh200_pieces.json": ("moe_overlap/combine/tuning.py",),
+    "ffn_baseline_h200.json": ("moe_overlap/ffn/projection.py",),
+    "ffn_chained_compute_h100_auto_phased_0792106.json": ("tests/test_chained_auto_phased_cpu.py",),
+    "ffn_chained_compute_h100_c2phased_2631ea0.json": ("tests/test_chained_auto_phased_cpu.py",),
+    "ffn_chained_compute_h100_lookahead_73897e1.json": ("tests/test_chained_auto_phased_cpu.py",),
+    "ffn_chained_compute_h100_phased_73897e1.json": ("tests/test_chained_auto_phased_cpu.py",),
+    "ffn_chained_compute_h100_t32768_2631ea0.json": ("tests/test_chained_auto_phased_cpu.py",),
+    "ffn_chained_compute_h200_auto_patch_7dea59e.json": ("tests/test_chained_auto_group_cpu.py",),
+    "ffn_chained_compute_h200_groups_8192_c294d29.json": ("tests/test_chained_auto_group_cpu.py",),
+    "ffn_chained_compute_h200_holds_patch_606dff6.json": ("tests/test_chained_auto_group_cpu.py",
+                                                          "moe_overlap/ffn/compute_chained.py"),
+    "ncu_chained_70b_groups_8192_ef6ac23.csv": ("bench/predict_chained_dram.py",),
+    "ncu_chained_70b_patch_8192_7df8f19.csv": ("bench/predict_chained_dram.py",),
+    "projection_ffn_g2_8.json": ("tests/test_ffn_projection.py", "moe_overlap/cli.py"),
+    "projection_ffn_g2_8.png": ("README.md",),
+    "projection_combine_w2_64.json": ("README.md",),
+    "projection_combine_w2_64.png": ("README.md",),
+    "packed_gemm_h200_expert_order_70a95b6.json": ("README.md",),
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"
 RESULTS_MD = os.path.join("docs", "RESULTS.md")
-RESULT_EXT = (".json", ".log")
 
 
 def _load(root, name):
@@ -223,9 +104,62 @@ def _load(root, name):
 
 def _meta(doc):
     """(device, date, commit) of a result file, '?' where it does not say."""
-    m = doc.get("meta", doc)
+    m = doc.get("provenance") or doc.get("meta", doc)
     return (m.get("device", "?"), str(m.get("date", "?"))[:10],
             str(m.get("git_commit") or m.get("commit") or "?")[:10])
+
+
+def _card(device: str) -> str:
+    """"NVIDIA H100 80GB HBM3" -> "H100"."""
+    return device.replace("NVIDIA ", "").split()[0] if device.strip() else "?"
+
+
+def _gpus(area, doc) -> int:
+    """GPUs the result was measured on: the stamp's count, else the field the bench wrote."""
+    if "gpus" in (doc.get("provenance") or {}):
+        return int(doc["provenance"]["gpus"])
+    m = doc.get("meta", doc)
+    if area == "combine":  # moe-overlap sweep / bench_combine_split: one rank per GPU
+        return int(m["world_size"])
+    if area == "ffn":  # bench_ffn under torchrun: one rank per GPU
+        return int(m["world"])
+    kind = re.search(r"-x(\d+)$", str(m.get("device_kind", "")))
+    if kind:  # the device machine the run asked for
+        return int(kind.group(1))
+    # bench_grouped_gemm, _scale, _packed_gemm, _plan, _chained_compute: one process, one
+    # device (their W / world fields are simulated ranks, not GPUs)
+    return 1
+
+
+# set by build(): the tree the report is made in and its git
+_CTX = {"root": ".", "git": None, "unknown": None}
+
+
+def _fresh(area, doc) -> dict:
+    return freshness(_CTX["root"], area, doc, _CTX["git"])
+
+
+def _short(paths, most=4):
+    names = [p.split("/", 1)[1] if p.startswith("moe_overlap/") else p for p in paths]
+    return ", ".join(names[:most]) + (f" (+{len(names) - most} more)" if len(names) > most else "")
+
+
+def _fresh_text(f, doc, area) -> str:
+    """The freshness sentence of one result (no "|": it sits in a table cell)."""
+    if f["state"] == "unknown":
+        text = f"freshness unknown ({f['why']})"
+        return _CTX["unknown"] if _CTX["unknown"] is not None else text
+    commit = _meta(doc)[2]
+    if f["state"] == "current":
+        basis = "recorded hashes" if f["basis"] == "fingerprint" else "as at " + commit
+        return f"current: its {len(DEPENDENCIES[area])} source files are the tree's ({basis})"
+    n = ("an unknown number of commits" if f["commits"] is None else
+         f"{f['commits']} commit{'s' if f['commits'] != 1 else ''}")
+    text = f"**stale**: {n} touched {_short(f['changed'])} since {commit}"
+    gpus = _gpus(area, doc)
+    if gpus > 1:
+        text = f"last measured on {gpus} GPUs on {_meta(doc)[1]}, {text}"
+    return text
 
 
 def _rng(vals, fmt="{:.2f}", unit=""):
@@ -245,12 +179,16 @@ def _table(header, rows):
 
 # ------------------------------------------------------------------------------ areas
 def producer(root):
-    lines, status = [], []
+    lines, status, docs = [], [], []
     for name in HEADLINE["producer"][1]:
         d = _load(root, name)
-        rows, vs, flag = [], [], []
+        docs.append((name, d))
+        rows, vs, flag, by_ccta = [], [], [], {}
         for s in d["shapes"]:
             runs = {(r["config"], r["ccta"]): r for r in s["runs"]}
+            for (cfg, ccta), r in runs.items():
+                if cfg == "def" and ccta > 0:
+                    by_ccta.setdefault(ccta, []).append(r["vs_lib_paired"])
             c0, nf = runs.get(("def", 0)), runs.get(("def-noflag", 0))
             if c0 is None:
                 continue
@@ -263,15 +201,26 @@ def producer(root):
                          f"{c0['vs_lib_paired']:.3f}", "n/a" if f is None else f"{f:.1f}"))
         regime = ("boost clock (a GPU sleep before each call)" if d.get("lead_ms", 0) > 0
                   else "calls back to back (power-limited clock)")
-        lines += [f"### `{name}`: {regime}", "", _src(name, d), ""]
-        lines += _table(("shape", "library ms", "library best", "ours ms", "TFLOP/s",
+        lines += [f"### `{name}`: {regime}", "", _src(name, d, "producer"), ""]
+        lines += _table(("shape", "library ms", "library best", "ours ms (ccta 0)", "TFLOP/s",
                          "library / ours (paired)", "flag cost %"), rows) + [""]
-        status.append(f"{_rng(vs, '{:.3f}')}x ({d.get('tag', name)})")
-        if flag:
-            status[-1] += f", flags {_rng(flag, '{:.1f}', ' %')}"
-    cell = ("at ccta=0, default options, the best library GEMM's time / ours on every bench "
-            "shape: " + "; ".join(status))
-    return lines, cell
+        status.append(f"{_rng(vs, '{:.3f}')}x ({_losses(vs)}; {regime.split(' (')[0]}"
+                      + (f", flags {_rng(flag, '{:.1f}', ' %')}" if flag else "") + ")")
+        if by_ccta:
+            c = max(c for c in by_ccta if c <= 16) if any(c <= 16 for c in by_ccta) else \
+                min(by_ccta)
+            status[-1] += (f"; with {c} SMs left to a consumer {_rng(by_ccta[c], '{:.3f}')}x "
+                           f"({_losses(by_ccta[c])})")
+    cell = ("ccta 0, clusters of 2 (the bench's GroupedGemm defaults): not what MoECombine "
+            "launches. Our speed / the best library GEMM's, paired, on every bench shape: "
+            + "; ".join(status))
+    return lines, cell, docs
+
+
+def _losses(ratios) -> str:
+    """"a loss on n of m" for speed ratios (ours / theirs, below 1: ours slower)."""
+    n = sum(r < 1 for r in ratios)
+    return f"a loss on {n} of {len(ratios)}" if n else f"no loss on {len(ratios)}"
 
 
 def consumer(root):
@@ -281,6 +230,7 @@ def consumer(root):
     sizes = sorted({r["bytes"] for r in res})
     cctas = sorted({r["ccta"] for r in res if r["variant"] != "copy_engine"})
     ce = {r["bytes"]: r["gbps"] for r in res if r["variant"] == "copy_engine"}
+    transports = sorted({r["variant"].split("_")[0] for r in res if r["variant"] != "copy_engine"})
     rows = []
     for b in sizes:
         best = []
@@ -290,18 +240,28 @@ def consumer(root):
             top = max(pts, key=lambda r: r["gbps"])
             best.append(f"{top['gbps']:.0f} ({top['variant'].replace('nvlink_tma_', '')})")
         rows.append([f"{b / 2 ** 20:.0f} MiB", f"{ce.get(b, float('nan')):.0f}"] + best)
-    lines = [_src(name, d), "", "GB/s per direction with both directions busy; best ring per "
-             "SM count (stages x chunk, lookahead).", ""]
+    lines = [_src(name, d, "consumer"), "", "GB/s per direction with both directions busy; best "
+             "ring per SM count (stages x chunk, lookahead).", ""]
     lines += _table(["size", "copy engine"] + [f"{c} SMs" for c in cctas], rows) + [""]
     big = max(sizes)
     at16 = max((r for r in res if r["bytes"] == big and r["ccta"] == 16), key=lambda r: r["gbps"],
                default=None)
     checked = {True: "received rows equal the sent ones; ", False: "DATA CHECK FAILED; "}.get(
         d["meta"].get("correct"), "")
-    cell = (f"{checked}{at16['gbps']:.0f} GB/s per direction at 16 SMs for "
-            f"{big / 2 ** 20:.0f} MiB (copy engine {ce.get(big, float('nan')):.0f})"
-            if at16 else "no 16-SM point")
-    return lines, cell
+    cell = (f"transports measured: {', '.join(transports)} only; {checked}"
+            + (f"{at16['gbps']:.0f} GB/s per direction at 16 SMs for {big / 2 ** 20:.0f} MiB "
+               f"alone (copy engine {ce.get(big, float('nan')):.0f})" if at16 else
+               "no 16-SM point"))
+    docs = [(name, d)]
+    ship = []
+    for n in INPUTS:
+        if n.startswith("combine_split"):
+            sd = _load(root, n)
+            ship += [p["remote_GBs_ship"] for p in sd["points"] if "remote_GBs_ship" in p]
+    if ship:
+        cell += (f"; inside the combine (combine_split files) it shipped "
+                 f"{_rng(ship, '{:.0f}', ' GB/s')}")
+    return lines, cell, docs
 
 
 def _shape_name(s):
@@ -309,56 +269,107 @@ def _shape_name(s):
     return f"{s['name']} ({base})" if s.get("name") else base
 
 
+def _our_scale_ms(root):
+    """{shape json: median ms of our scale kernel} from the INPUTS split files."""
+    per = {}
+    for n in INPUTS:
+        if n.startswith("combine_split"):
+            for p in _load(root, n)["points"]:
+                per.setdefault(json.dumps(p["shape"], sort_keys=True), []).append(p["scale"])
+    return {k: sorted(v)[len(v) // 2] for k, v in per.items()}
+
+
+def _same_scale_estimate(p, scale_ms):
+    """The sweep point's torch-only baseline with our scale kernel and the best library GEMM
+    variant in place of the ones it ran: t_seq - gemm[seq_gemm] + min(gemm) - scale[seq_scale]
+    + our scale's time (ms), or None where a part is missing."""
+    v = p.get("seq_variants_ms") or {}
+    ours = scale_ms.get(json.dumps(p["shape"], sort_keys=True))
+    try:
+        gemm, scl = v["gemm"], v["scale"]
+        return (p["t_seq_ms"] - gemm[p["seq_gemm"]] + min(gemm.values())
+                - scl[p["seq_scale"]] + ours)
+    except (KeyError, TypeError):
+        return None
+
+
 def combine(root):
-    lines, sweep_speed, same_scale, bounds, auto, valid = [], [], [], [], [], [0, 0]
+    lines, sweep_speed, bounds, auto, valid = [], [], [], [], [0, 0]
+    same_by_k, docs, mgbs, tuned_mgb, timing, hows = {}, [], set(), [], set(), set()
+    scale_ms = _our_scale_ms(root)
     for name in HEADLINE["combine"][1]:
         d = _load(root, name)
+        docs.append((name, d))
         pts = d["points"]
         valid[0] += sum(bool(p["passed"]) for p in pts)
         valid[1] += len(pts)
         if all(p.get("timing") == "none" for p in pts):  # a validation-only grid
-            lines += [f"### `{name}`: validation grid", "", _src(name, d), "",
+            lines += [f"### `{name}`: validation grid", "", _src(name, d, "combine"), "",
                       f"{sum(bool(p['passed']) for p in pts)}/{len(pts)} points bitwise equal "
                       "to the non-overlapped path and within 8e-3 of the sequential baseline "
                       f"({len({json.dumps(p['shape']) for p in pts})} shapes x "
                       f"{len({p['mode'] for p in pts})} router modes x "
                       f"{len({(p['ccta'], p['mgb']) for p in pts})} (ccta, mgb)).", ""]
             continue
+        mgbs |= {p["mgb"] for p in pts}
+        tuned_mgb += [t["choice"][1] for t in d.get("autotune") or [] if t.get("choice")]
         has_same = any("speedup_same_scale" in p for p in pts)
         rows = []
         for r in d["summary"]:
             best = min((p for p in pts if p["shape"] == r["shape"] and p["mode"] == r["mode"]),
                        key=lambda p: p.get("t_overlap", p.get("t_overlap_ms")))
+            t_ov = best.get("t_overlap", best.get("t_overlap_ms"))
+            timing.add((best.get("timing"), best.get("seq_timing")))
             sp_t = best.get("speedup_torch", best.get("speedup"))
             sweep_speed.append(sp_t)
             bounds.append(best["overlap_over_bound"])
             if r.get("autotuned_over_best"):
                 auto.append(r["autotuned_over_best"])
-            row = [_shape_name(r["shape"]), r["mode"], f"{best['ccta']},{best['mgb']}"]
             if has_same:
-                same_scale.append(best["speedup_same_scale"])
-                row.append(f"{best['speedup_same_scale']:.2f}")
-            row += [f"{sp_t:.2f}", f"{best['overlap_over_bound']:.2f}",
-                    "n/a" if not r.get("autotuned_over_best") else
-                    f"{r['autotuned_over_best']:.3f}",
-                    "yes" if r["all_passed"] else "NO"]
-            rows.append(row)
-        hdr = ["shape", "mode", "best ccta,mgb"] + (["x same-scale"] if has_same else []) + [
-            "x torch baseline", "T_overlap / bound", "autotune / best", "all valid"]
-        lines += [f"### `{name}`", "", _src(name, d), ""]
+                same, how = best["speedup_same_scale"], "measured"
+            else:
+                est = _same_scale_estimate(best, scale_ms)
+                same, how = (None if est is None else est / t_ov), "estimated"
+            if same is not None:
+                hows.add(how)
+                same_by_k.setdefault(r["shape"]["K"], []).append(same)
+            rows.append([_shape_name(r["shape"]), r["mode"], f"{best['ccta']},{best['mgb']}",
+                         "n/a" if same is None else f"{same:.2f} ({how})", f"{sp_t:.2f}",
+                         f"{best['overlap_over_bound']:.2f}",
+                         "n/a" if not r.get("autotuned_over_best") else
+                         f"{r['autotuned_over_best']:.3f}", "yes" if r["all_passed"] else "NO"])
+        hdr = ["shape", "mode", "best ccta,mgb", "x same-scale baseline", "x torch baseline",
+               "T_overlap / bound", "autotune / best", "all valid"]
+        lines += [f"### `{name}`", "", _src(name, d, "combine"), ""]
         lines += _table(hdr, rows) + [""]
         if not has_same:
             p0 = pts[0]
-            lines += [f"Baseline: plain torch ({p0.get('seq_timing')} timing, GEMM "
-                      f"`{p0.get('seq_gemm')}`, scale `{p0.get('seq_scale')}`); this file has "
-                      "no same-scale baseline (CUDA graph, our scale kernel).", ""]
-    lead = (f"{_rng(same_scale)}x the same-scale baseline, " if same_scale else
-            "same-scale baseline not measured yet; ")
-    cell = (f"{valid[0]}/{valid[1]} sweep and validation points bitwise equal to the "
-            f"non-overlapped path; {lead}{_rng(sweep_speed)}x the torch-only sequential baseline "
-            f"(best ccta, mgb); T_overlap / max(T_gemm, T_comm) = {_rng(bounds)}; autotune / "
-            f"sweep best {_rng(auto, '{:.3f}')}")
-    return lines, cell
+            lines += [f"Torch baseline: plain torch ({p0.get('seq_timing')} timing, GEMM "
+                      f"`{p0.get('seq_gemm')}`, scale `{p0.get('seq_scale')}`). This file has no "
+                      "measured same-scale baseline; the estimate replaces the baseline's scale "
+                      f"`{p0.get('seq_scale')}` by our scale kernel's time at the same shape "
+                      f"({', '.join(f'`{n}`' for n in INPUTS if n.startswith('combine_split'))}"
+                      ") and its GEMM by the fastest library variant it timed "
+                      "(seq_variants_ms); the baseline stays eager, ours a CUDA graph.", ""]
+    for n in INPUTS:
+        if n.startswith("combine_split"):
+            sd = _load(root, n)
+            docs.append((n, sd))
+            lines += [f"### `{n}` (our scale's time for the estimate)", "",
+                      _src(n, sd, "combine"), ""]
+    same_txt = "; ".join(
+        f"K {k} {_rng(v)}x" + (" (a loss)" if max(v) < 1 else
+                               f" (a loss on {sum(x < 1 for x in v)})" if min(v) < 1 else "")
+        for k, v in sorted(same_by_k.items()))
+    how = ", ".join(sorted(f"ours {a}, baseline {b}" for a, b in timing))
+    cell = (f"against the same-scale sequential baseline ({' and '.join(sorted(hows))}: our scale "
+            f"kernel, fastest library GEMM; {how}): {same_txt or 'not measured'}; best ccta at mgb "
+            f"{', '.join(map(str, sorted(mgbs)))} only (autotune chose mgb "
+            f"{', '.join(map(str, sorted(set(tuned_mgb))))}); torch-only baseline "
+            f"{_rng(sweep_speed)}x; T_overlap / max(T_gemm, T_comm) = {_rng(bounds)}; autotune / "
+            f"sweep best {_rng(auto, '{:.3f}')}; {valid[0]}/{valid[1]} sweep and validation "
+            "points bitwise equal to the non-overlapped path")
+    return lines, cell, docs
 
 
 def ffn(root):
@@ -373,15 +384,18 @@ def ffn(root):
                      f"{r['memory']['fused_over_baseline']:.2f}",
                      f"{r['fused_err_vs_baseline']:.1e}"))
     rounds = d["meta"].get("args", {}).get("rounds")
-    lines = [_src(name, d), "", f"Medians of {rounds} interleaved rounds; speed = reference time "
+    lines = [_src(name, d, "ffn"), "", f"Medians of {rounds} interleaved rounds; speed = "
+             "reference time "
              "/ fused time (above 1: the fused backend is faster); bound = the speed a perfect "
              "overlap would give.", ""]
     lines += _table(("shape", "dims", "reference ms", "fused ms", "speed", "bound",
                      "memory fused / reference", "error vs reference"), rows) + [""]
-    cell = (f"correct on 2 GPUs; {_rng(v for _, v in sp)}x the speed of the reference backend "
-            f"over {len(sp)} shapes (slowest: {min(sp, key=lambda x: x[1])[0]}); the reference "
-            "stays the default")
-    return lines, cell
+    err = max(r["fused_err_vs_baseline"] for r in d["results"])
+    speeds = [v for _, v in sp]
+    cell = (f"the fused backend at {_rng(speeds)}x the reference backend's speed over "
+            f"{len(sp)} shapes ({_losses(speeds)}; slowest: "
+            f"{min(sp, key=lambda x: x[1])[0]}); max error vs the reference {err:.1e}")
+    return lines, cell, [(name, d)]
 
 
 def scale(root):
@@ -390,13 +404,13 @@ def scale(root):
     v = min(d["variants"], key=lambda v: v["ms"])
     rows = [(x["variant"], f"{x['ms']:.3f}", f"{x['TBs']:.2f}",
              "yes" if x["bitwise_equal_default"] else "NO") for x in d["variants"]]
-    lines = [_src(name, d), "", f"T={d['T']}, top-{d['topk']}, N={d['N']}; floor "
+    lines = [_src(name, d, "scale"), "", f"T={d['T']}, top-{d['topk']}, N={d['N']}; floor "
              f"{d['floor_ms_at_4p8TBs']:.3f} ms at 4.8 TB/s; torch gather + bmm "
              f"{d['torch_gather_bmm_ms']:.3f} ms.", ""]
     lines += _table(("variant", "ms", "TB/s", "bitwise = default"), rows) + [""]
     cell = (f"{v['ms']:.3f} ms at T={d['T']}, top-{d['topk']}, N={d['N']} ({v['TBs']:.1f} TB/s; "
             f"torch gather + bmm {d['torch_gather_bmm_ms']:.3f} ms)")
-    return lines, cell
+    return lines, cell, [(name, d)]
 
 
 def packed(root):
@@ -407,7 +421,7 @@ def packed(root):
              f"{p['packed_padding']:.3f}", f"{p['library_ms']:.3f}", f"{p['aligned_ms']:.3f}",
              f"{p['packed_ms']:.3f}", f"{p['aligned_vs_library']:.3f}",
              f"{p['packed_vs_library']:.3f}", "yes" if p["correct"] else "NO") for p in pts]
-    lines = [_src(name, d), "", "One GPU; rank 0's plan of W ranks' routings, "
+    lines = [_src(name, d, "packed"), "", "One GPU; rank 0's plan of W ranks' routings, "
              f"{pts[0]['tokens_per_rank']} tokens per rank; our GEMM (ccta 0, flags on) on the plan "
              "layout vs `torch._grouped_mm` on the same rows unpadded, CUDA-graph replays. "
              "Padding = plan rows / valid rows.", ""]
@@ -419,9 +433,11 @@ def packed(root):
             f"`torch._grouped_mm` on the unpadded rows (>= 0.95x on {good} of {len(pts)} points), "
             f"aligned {_rng([p['aligned_vs_library'] for p in pts], '{:.3f}')}x; padding "
             f"{_rng([p['packed_padding'] for p in pts])} vs "
-            f"{_rng([p['aligned_padding'] for p in pts])}; deepseek-v3, qwen3 routings, W = "
-            f"{', '.join(str(w) for w in sorted({p['world_size'] for p in pts}))}")
-    return lines, cell
+            f"{_rng([p['aligned_padding'] for p in pts])}; "
+            f"{', '.join(sorted({p['model'] for p in pts}))} routings, W = "
+            f"{', '.join(str(w) for w in sorted({p['world_size'] for p in pts}))} (simulated "
+            f"ranks' plans); {_losses([p['packed_vs_library'] for p in pts])} for packed")
+    return lines, cell, [(name, d)]
 
 
 def plan(root):
@@ -434,7 +450,7 @@ def plan(root):
                  str(r["experts"]), str(r["tokens_per_rank"]), r["layout"], r["capacity"],
                  f"{r['plan_us']:.1f}", f"{r['prepare_us']:.1f}",
                  f"{r['plan_us'] + r['prepare_us']:.1f}") for r in d["rows"]]
-        lines += [_src(name, d), "", f"{d['method']}.", ""]
+        lines += [_src(name, d, "plan"), "", f"{d['method']}.", ""]
         lines += _table(("impl", "rank", "W", "experts", "tokens/rank", "layout", "max_rows",
                          "plan us", "prepare us", "sum us"), rows) + [""]
     parts = []
@@ -447,9 +463,14 @@ def plan(root):
                      f"prepare {_rng([r['prepare_us'] for r in rs], '{:.1f}', ' us')}, together "
                      f"{_rng(tot, '{:.1f}', ' us')}")
     ws = sorted({r["world_size"] for r in all_rows})
+    tot_all = [r["plan_us"] + r["prepare_us"] for r in all_rows]
     cell = (f"{'; '.join(parts)} of device time (W = {ws[0]}..{ws[-1]}, first and last rank; "
-            f"goal <= 30 us together); bitwise equal to the torch planner")
-    return lines, cell
+            f"goal <= 30 us together: {'met' if max(tot_all) <= 30 else 'not met'}); equality to "
+            "the torch planner "
+            + ("recorded: " + str(all(r["equal_to_torch"] for r in all_rows))
+               if all("equal_to_torch" in r for r in all_rows) else
+               "not recorded by these runs (tests/test_plan_kernel_gpu.py checks it)"))
+    return lines, cell, docs
 
 
 def ordered_tables(root):
@@ -462,7 +483,8 @@ def ordered_tables(root):
              us(r, "ordered_us"), us(r, "plan_prepare_plain_us"),
              us(r, "plan_prepare_ordered_us"), us(r, "plan_prepare_ordered_big_capacity_us"),
              str(r["equal_to_reference"])) for r in rs]
-    lines = [_src(name, d), "", f"{d['method']}. impl: torch = the torch ops (the senders' "
+    lines = [_src(name, d, "ordered_tables"), "", f"{d['method']}. impl: torch = the torch ops "
+             "(the senders' "
              "plans by the planner kernel), kernel = the six launches of "
              "combine/ordered_routes_kernel.py given prepare's rows, kernel_rows = the same "
              "making the rows (prepare_routes, the senders' plans on a side stream under it). "
@@ -486,9 +508,9 @@ def ordered_tables(root):
                else "") + "), its tables "
             f"{_rng([r['ordered_us'] for r in k], '{:.1f}', ' us')} in six launches, torch ops "
             f"{_rng([r['ordered_us'] for r in t], '{:.0f}', ' us')} (W = "
-            f"{', '.join(map(str, ws))}; {_meta(d)[0]}); bitwise equal to the host reference: "
+            f"{', '.join(map(str, ws))}); bitwise equal to the host reference: "
             f"{all(r['equal_to_reference'] for r in rs)}")
-    return lines, cell
+    return lines, cell, [(name, d)]
 
 
 def in_place_baseline_bytes(M: int, hidden: int, N: int) -> int:
@@ -514,7 +536,7 @@ def chained(root):
                     + (f"{r['activation_mem_baseline'] / 2**20:.0f}",
                        f"{v[groups[0]]['activation_mem'] / 2**20:.0f}",
                        f"{max(v[g]['err'] for g in groups):.1e}"))
-    lines = [_src(name, d), "", f"{d['method']}.", ""]
+    lines = [_src(name, d, "chained"), "", f"{d['method']}.", ""]
     lines += _table(("shape", "tokens", "torch ms") + tuple(f"group {g} ms" for g in groups)
                     + (("torch ms sustained",) + tuple(f"group {g} ms sustained"
                                                       for g in groups) if held else ())
@@ -540,14 +562,10 @@ def chained(root):
         mem += (f" (its gelu out of place); against the baseline with gelu in place (H + out) "
                 f"{_rng(inplace, '{:.2f}', 'x')}, <= 0.6x on {sum(q <= 0.6 for q in wide)} of "
                 f"the {len(wide)} points with hidden >= N (goal: all)")
-    card = d["device"].replace("NVIDIA ", "").split()[0]
-    cell = (f"one {card}, against torch addmm + act + mm timed in the same rounds: "
-            + ratios("speedup")
+    cell = ("against torch addmm + act + mm timed in the same rounds: " + ratios("speedup")
             + (f"; sustained (each path alone at the power cap) {ratios('hold_speedup')}"
-               if held else "")
-            + f"; {mem}; in FusedFFN and "
-            f"ShardedExperts as compute='chained' (not the default before its 2-GPU run)")
-    return lines, cell
+               if held else "") + f"; {mem}")
+    return lines, cell, [(name, d)]
 
 
 AREAS = {"producer": producer, "consumer": consumer, "combine": combine, "ffn": ffn,
@@ -555,18 +573,15 @@ AREAS = {"producer": producer, "consumer": consumer, "combine": combine, "ffn": 
          "ordered_tables": ordered_tables}
 
 
-def _src(name, doc):
+def _src(name, doc, area):
     dev, date, commit = _meta(doc)
-    return f"Source `bench/results/{name}`; device {dev}, date {date}, commit {commit}."
+    return (f"Source `bench/results/{name}`; device {dev}, {_gpus(area, doc)} GPU(s), date "
+            f"{date}, commit {commit}; {_fresh_text(_fresh(area, doc), doc, area)}.")
 
 
 # ------------------------------------------------------------------------------ outputs
-STATIC_ROWS = (
-    ("planner, reference backend, CLI",
-     "done; property-tested on CPU, sync-free plan checked on CUDA", "tests"),
-)
 ROW_OF = {"producer": "producer grouped GEMM (CuTe DSL, WGMMA + TMA, band flags)",
-          "consumer": "consumer (CuTe DSL, nvlink / nvshmem transports)",
+          "consumer": "consumer (CuTe DSL)",
           "scale": "scale (CuTe DSL)",
           "combine": "overlapped combine (`backend=\"overlap\"`)",
           "ffn": "fused TP FFN (`backend=\"fused\"`)",
@@ -576,24 +591,55 @@ ROW_OF = {"producer": "producer grouped GEMM (CuTe DSL, WGMMA + TMA, band flags)
           "ordered_tables": "scale=\"ordered\" per-routing tables (CuTe DSL kernels; torch "
                             "and host references)"}
 
+_RANK = {"stale": 2, "unknown": 1, "current": 0}
 
-def build(root="."):
-    """{relative path: generated text}: the README status block and docs/RESULTS.md."""
-    cells, sections = {}, []
+
+def _row(area, cell, docs):
+    """The status row of an area: its cell, then card, GPUs, date, commit and freshness of the
+    files it was computed from (the least fresh one speaks for the row)."""
+    def uniq(vals):
+        return ", ".join(dict.fromkeys(vals))
+    metas = [_meta(d) for _, d in docs]
+    fresh = [(_fresh(area, d), d) for _, d in docs]
+    worst = max(fresh, key=lambda fd: (_RANK[fd[0]["state"]], fd[0]["commits"] or 0))
+    return (ROW_OF[area], cell, uniq(_card(m[0]) for m in metas),
+            uniq(str(_gpus(area, d)) for _, d in docs), uniq(m[1] for m in metas),
+            uniq(m[2] for m in metas), _fresh_text(worst[0], worst[1], area),
+            ", ".join(f"`{n}`" for n, _ in docs))
+
+
+def build(root=".", unknown_as=None):
+    """{relative path: generated text}: the README status block and docs/RESULTS.md.
+    unknown_as: the text put where freshness is unknown (check() passes a placeholder)."""
+    _CTX.update(root=root, git=Git(root), unknown=unknown_as)
+    rows, sections = [], []
     for area, fn in AREAS.items():
-        lines, cell = fn(root)
-        cells[area] = cell
+        lines, cell, docs = fn(root)
+        rows.append(_row(area, cell, docs))
         sections += [f"## {HEADLINE[area][0]}", ""] + lines
-    rows = list(STATIC_ROWS) + [
-        (ROW_OF[a], cells[a], ", ".join(f"`{n}`" for n in HEADLINE[a][1])) for a in AREAS]
     block = [BEGIN, "<!-- generated by `moe-overlap report` from bench/results/; do not edit -->",
-             ""] + _table(("piece", "state", "source (bench/results/)"), rows) + [
-        "", "Per-shape numbers, devices, dates and commits: [docs/RESULTS.md](docs/RESULTS.md).",
+             ""] + _table(("piece", "result", "card", "GPUs", "date", "commit",
+                           "freshness (moe_overlap/provenance.py)", "source (bench/results/)"),
+                          rows) + [
+        "", "Per-shape numbers, devices, dates and commits: [docs/RESULTS.md](docs/RESULTS.md). "
+        "Stale: a source file the number depends on changed since it was measured.",
         END]
     results = ["# Results", "", "Generated by `moe-overlap report` (moe_overlap/report.py) from "
                "the headline result files in bench/results/; do not edit by hand. History and "
-               "older files: bench/NOTES.md, bench/results/archive/.", ""] + sections
+               "older files: bench/NOTES.md, bench/results/archive/ (INDEX.md).", ""] + sections
     return {"README.md": "\n".join(block), RESULTS_MD: "\n".join(results).rstrip() + "\n"}
+
+
+_UNKNOWN = "\x00freshness\x00"
+
+
+def _matches(generated: str, text: str) -> bool:
+    """text equals generated, where generated's unknown-freshness placeholders stand for any
+    text within the line that has no table bar."""
+    parts = generated.split(_UNKNOWN)
+    if len(parts) == 1:
+        return generated == text
+    return re.fullmatch("[^|\n]*".join(re.escape(p) for p in parts), text) is not None
 
 
 def _readme_with(readme: str, block: str) -> str:
@@ -607,26 +653,37 @@ def problems(root=".") -> list[str]:
     """What is out of date or missing (empty when everything matches)."""
     out = []
     res = os.path.join(root, "bench", "results")
-    named = {n for _, files in HEADLINE.values() for n in files} | set(CURRENT_OTHER)
+    named = {n for _, files in HEADLINE.values() for n in files} | set(INPUTS) | set(READ_BY)
     for n in sorted(named):
         if not os.path.isfile(os.path.join(res, n)):
             out.append(f"named result file missing: bench/results/{n}")
     for n in sorted(os.listdir(res)):
-        if n.endswith(".json") and ".tune." not in n and n not in named:
-            out.append(f"bench/results/{n} is named by neither HEADLINE nor CURRENT_OTHER in "
-                       "moe_overlap/report.py: make it a headline, list it, or archive it")
+        if n != "archive" and n not in named:
+            out.append(f"bench/results/{n} is named by neither HEADLINE, INPUTS nor READ_BY in "
+                       "moe_overlap/report.py: make it a headline, list it, or move it to "
+                       "bench/results/archive/ (and say what it was for in its INDEX.md)")
+    for n, readers in sorted(READ_BY.items()):
+        stem = n.rsplit(".", 1)[0]
+        for r in readers:
+            path = os.path.join(root, r)
+            if not os.path.isfile(path):
+                continue  # a partial copy of the tree (tests)
+            with open(path) as f:
+                text = f.read()
+            if n not in text and f"{stem}.*" not in text:
+                out.append(f"{r} no longer names bench/results/{n} (READ_BY): archive it")
     if out:
         return out
-    gen = build(root)
+    gen = build(root, unknown_as=_UNKNOWN)
     with open(os.path.join(root, "README.md")) as f:
         readme = f.read()
-    try:
-        if _readme_with(readme, gen["README.md"]) != readme:
-            out.append("README.md status block differs from `moe-overlap report`")
-    except ValueError as e:
-        out.append(str(e))
+    i, j = readme.find(BEGIN), readme.find(END)
+    if i < 0 or j < i:
+        out.append(f"README.md has no {BEGIN} ... {END} block")
+    elif not _matches(gen["README.md"], readme[i:j + len(END)]):
+        out.append("README.md status block differs from `moe-overlap report`")
     path = os.path.join(root, RESULTS_MD)
-    if not os.path.exists(path) or open(path).read() != gen[RESULTS_MD]:
+    if not os.path.exists(path) or not _matches(gen[RESULTS_MD], open(path).read()):
         out.append(f"{RESULTS_MD} differs from `moe-overlap report`")
     return out
 

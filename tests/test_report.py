@@ -17,19 +17,26 @@ def test_readme_and_results_are_generated_from_the_headline_files():
 
 def test_every_file_the_report_names_exists():
     res = os.path.join(ROOT, "bench", "results")
-    named = [n for _, files in report.HEADLINE.values() for n in files] + list(
-        report.CURRENT_OTHER)
+    headline = [n for _, files in report.HEADLINE.values() for n in files]
+    named = headline + list(report.INPUTS) + list(report.READ_BY)
     assert named and all(os.path.isfile(os.path.join(res, n)) for n in named)
     text = "\n".join(report.build(ROOT).values())
-    for n in named[:len(named) - len(report.CURRENT_OTHER)]:
-        assert n in text  # every headline file is cited where its numbers are
+    for n in headline + list(report.INPUTS):
+        assert n in text  # every file the report reads is cited where its numbers are
+
+
+def test_every_archived_file_is_in_the_index():
+    arch = os.path.join(ROOT, "bench", "results", "archive")
+    index = open(os.path.join(arch, "INDEX.md")).read()
+    listed = [n for n in os.listdir(arch) if n != "INDEX.md"]
+    assert listed and all(f"`{n}`" in index for n in listed)
 
 
 @pytest.fixture
 def repo_copy(tmp_path):
     for d in ("bench/results", "docs"):
         shutil.copytree(os.path.join(ROOT, d), tmp_path / d,
-                        ignore=shutil.ignore_patterns("archive", "*.png", "ncu"))
+                        ignore=shutil.ignore_patterns("archive"))
     shutil.copy(os.path.join(ROOT, "README.md"), tmp_path / "README.md")
     assert report.problems(str(tmp_path)) == []
     return tmp_path

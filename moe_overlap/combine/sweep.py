@@ -422,9 +422,11 @@ def main(argv=None):
                 transport=args.transport, local_copy=args.local_copy, copy=args.copy,
                 order=args.order, layout=args.layout, reps=args.reps, replays=args.replays, gemm_options=args.gemm_options,
                 race_calls=args.race_calls, soak=args.soak, seconds=time.time() - t0)
+    from moe_overlap.provenance import stamp
+    doc = stamp(dict(meta=meta, summary=summary, points=points, autotune=tuned, soak=soaks),
+                "combine", gpus=W, device=meta["device"], commit=commit)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, summary=summary, points=points, autotune=tuned, soak=soaks),
-                  f, indent=1)
+        json.dump(doc, f, indent=1)
     failed = [p for p in points if not p["passed"]] + [
         t for t in tuned if t["rel_err_vs_seq"] > 8e-3] + [x for x in soaks if x["failures"]]
     if args.validate_only:
