@@ -27,8 +27,10 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
-if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
+from conftest import gpu_ranks_available  # noqa: E402
+
+if not gpu_ranks_available(2):
+    pytest.skip("needs 2 CUDA GPUs, or one with MOE_OVERLAP_SHARE_GPU=1", allow_module_level=True)
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from conftest import spawn_ranks  # noqa: E402

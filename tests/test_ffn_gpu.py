@@ -6,8 +6,10 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
-if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
+from conftest import gpu_ranks_available  # noqa: E402
+
+if not gpu_ranks_available(2):
+    pytest.skip("needs 2 CUDA GPUs, or one with MOE_OVERLAP_SHARE_GPU=1", allow_module_level=True)
 
 from moe_overlap.ffn.validation import check_cases  # noqa: E402
 from conftest import spawn_ranks  # noqa: E402
