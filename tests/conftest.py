@@ -212,3 +212,41 @@ def sass(cubin: bytes) -> str:
 def ptx_body(ptx: str) -> str:
     """The PTX after the first ``.entry`` (the kernel body, without the module header)."""
     return ptx.split(".entry", 1)[1]
+
+
+def nvshmem_consumer_body(**options) -> str:
+    """PTX of the consumer's nvshmem transport (sm_90a), from its entry to the entry's closing
+    brace (the NVSHMEM device functions linked in follow it). Skips where nvshmem4py is not
+    installed; installed without its device bitcode: an error."""
+    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+    import nvshmem.core
+    import torch
+    nvshmem.core.find_device_bitcode_library(arch="90")
+    from moe_overlap.combine.consumer import (build_consumer, consumer_example_args,
+                                              use_sm90_nvshmem_bitcode)
+    if not torch.cuda.is_available():  # as compile_consumer: no GPU to pick the bitcode by
+        use_sm90_nvshmem_bitcode()
+    body = ptx_body(compile_ptx(build_consumer("nvshmem", **options), *consumer_example_args()))
+    return body[:body.index("\n}\n")]
+
+
+NVSHMEM_CALLS = (("signal_op", "signal"), ("put_signal_nbi", "put"), ("transfer_fence", "fence"),
+                 ("transfer_quiet", "quiet"))
+
+
+def nvshmem_calls(body: str) -> list[tuple[int, str]]:
+    """(offset, kind) of the NVSHMEM device calls in a PTX body, in order, kind one of
+    NVSHMEM_CALLS' names: direct calls by name, indirect ones (call %rdN) through the function
+    address a mov.b64 put in that register."""
+    import re
+    addr, out = {}, []
+    for m in re.finditer(r"mov\.b64\s+(%rd\d+),\s*([A-Za-z_$][\w$]*);"
+                         r"|\bcall(?:\.uni)?\s+(?:\([^)]*\),\s*)?(%rd\d+|[A-Za-z_$][\w$]*)", body):
+        if m.group(1):
+            addr[m.group(1)] = m.group(2)
+            continue
+        callee = addr.get(m.group(3), m.group(3))
+        kind = next((k for sub, k in NVSHMEM_CALLS if sub in callee), None)
+        if kind:
+            out.append((m.start(), kind))
+    return out

@@ -1,9 +1,11 @@
 """The phased orders of group="auto" (compute_chained.auto_phased, ChainedFFNCompute.phased_for):
-the rule as written, the activation bound it keeps, the options that leave it out, and, on the
-points of its GPU measurement (one H100, the seven slices at 8192 and 32768 tokens, each order's
-graph alone for 2 s: hold_speedup), that its choice was measured, within 2 % of the best
-measured cluster-1 order under the bound and at >= 0.95x the library; where it chooses none,
-the order run is the one ``auto_group`` ran in that measurement."""
+the properties the rule promises (bound, threshold, no better fitting order, fallback), the
+activation bound it keeps, the options that leave it out; on the points of the GPU measurement
+it was chosen from (one H100, the seven slices at 8192 and 32768 tokens, each order's graph
+alone for 2 s: hold_speedup; in-sample), that its choice was measured, within 2 % of the best
+measured cluster-1 order under the bound and at >= 0.95x the library, and where it chooses none,
+that the order run instead was faster; held out, on the H200, that its choice is within 2 % of
+the best order measured there before under the bound."""
 import glob
 import json
 import pathlib
@@ -53,7 +55,12 @@ def _spec(s):
 
 
 @pytest.mark.parametrize("key", sorted(POINTS), ids=lambda k: f"{k[0]}@{k[1]}")
-def test_choice_was_measured_and_near_the_best(key):
+def test_choice_on_the_measurement_it_was_chosen_from(key):
+    """In-sample (the rule was chosen from these files): where it picks a phased order, that
+    order was measured, at >= 0.95x the library and within 2 % of the best measured cluster-1
+    order under the bound; where it picks none, the order it runs instead (``auto_group``'s, the
+    files' "auto") was measured faster than each of PHASED_ORDERS there. The held-out check is
+    ``test_choice_on_h200_is_near_the_best_order_measured_there_before``."""
     p = POINTS[key]
     M, P, hidden, N = p["dims"]
     grid = next(iter(p["runs"].values()))[0]["grid"]
@@ -62,10 +69,13 @@ def test_choice_was_measured_and_near_the_best(key):
     blocks = -(-M // 128)
     cap = ring_cap_blocks(M, hidden, N)
     if phased is None:
-        # auto_group's order, as the files' "auto" (run before the phased rule) ran it
         s = c.schedule(M, P, hidden, N, grid)
-        for v in p["runs"]["auto"]:
-            assert (s.group, s.ring) == (v["group_run"], v["ring"])
+        fallback = [v["hold_speedup"] for v in p["runs"]["auto"]
+                    if (v["group_run"], v["ring"]) == (s.group, s.ring)]
+        assert len(fallback) == len(p["runs"]["auto"]) > 0, key  # the order run was measured
+        declined = [v["hold_speedup"] for g, r in PHASED_ORDERS
+                    for v in p["runs"][f"{g}p1r{r}l{g}s"]]
+        assert declined and min(fallback) > max(declined), (key, fallback, declined)
         return
     assert c.schedule(M, P, hidden, N, grid) is phased
     runs = p["runs"][_spec(phased)]  # KeyError: the rule chose an order nobody measured
@@ -79,6 +89,32 @@ def test_choice_was_measured_and_near_the_best(key):
     assert ours >= 0.98 * max(under.values()), (key, _spec(phased), ours, under)
 
 
+def test_choice_on_h200_is_near_the_best_order_measured_there_before():
+    """Held out (the phased rule was chosen on an H100): on the H200, the committed rule's
+    sustained rate (its headline run) is within 2 % of the best order measured there before it
+    existed (``auto_group``'s variants, ffn_chained_compute_h200_holds_patch_606dff6.json) that
+    keeps the activation bound, on every point where one does (at 32768 tokens, and
+    llama4-scout-expert's slice at 8192). 2 %: two runs two days apart; the one order both ran
+    (deepseek-v3-expert at 32768, group 16) differs by 0.8 %."""
+    new = json.loads((RESULTS / "ffn_chained_compute_h200_auto_phased_918b75d.json").read_text())
+    old = json.loads((RESULTS / "ffn_chained_compute_h200_holds_patch_606dff6.json").read_text())
+    before = {(r["shape"], r["tokens"]): r for r in old["rows"]}
+    compared = 0
+    for r in new["rows"]:
+        M, P, hidden, N = r["tokens"], r["P"], r["hidden_slice"], r["N"]
+        v = r["variants"]["auto"]
+        c = ChainedFFNCompute()
+        s = c.schedule(M, P, hidden, N, v["grid"])
+        assert (c.group_for(M, P, hidden, N, v["grid"]), s.ring) == (v["group_run"], v["ring"])
+        blocks, cap = -(-M // 128), ring_cap_blocks(M, hidden, N)
+        under = [w["hold_speedup"] for w in before[r["shape"], M]["variants"].values()
+                 if min(w["ring"], blocks) <= cap]
+        if under:
+            compared += 1
+            assert v["hold_speedup"] >= 0.98 * max(under), (r["shape"], M, v, under)
+    assert compared == 8
+
+
 SLICES = [(4096, 7168, 4096), (8192, 14336, 8192), (7168, 9216, 7168), (7168, 1024, 7168),
           (5120, 4096, 5120), (5120, 8192, 5120), (1024, 2048, 1024)]
 
@@ -86,36 +122,45 @@ SLICES = [(4096, 7168, 4096), (8192, 14336, 8192), (7168, 9216, 7168), (7168, 10
 @pytest.mark.parametrize("M", [2048, 4096, 6000, 8192, 12000, 16384])
 @pytest.mark.parametrize("P,hidden,N", SLICES)
 @pytest.mark.parametrize("grid", [132, 64])
-def test_rule_as_written(M, P, hidden, N, grid):
-    """The candidates whose ring fits the bound at M, simulated at the bucket (row blocks
-    rounded up to a power of two), the most efficient at >= PHASED_MIN_EFFICIENCY (ties to
-    the first), its split; the tile list is the order's for M itself."""
+def test_choice_fits_the_bound_reaches_the_threshold_and_none_fitting_is_better(M, P, hidden, N,
+                                                                                grid):
+    """The properties the rule promises. Each order of PHASED_ORDERS is simulated at M's bucket
+    (row blocks rounded up to a power of two, as the rule decides once per bucket) with the
+    split ``auto_split`` gives there. A chosen order: its ring fits ``ring_cap_blocks``, its
+    efficiency reaches PHASED_MIN_EFFICIENCY, no other fitting order's beats it by more than
+    SPLIT_TOLERANCE, and its tile list is for M itself (patch 1, lookahead one super-block).
+    None: no fitting order reaches the threshold, and the instance runs ``auto_group``'s."""
     cap = ring_cap_blocks(M, hidden, N)
-    blocks = -(-M // 128)
-    bucket = 1
-    while bucket < blocks:
-        bucket *= 2
-    best = None
+    bucket = 1 << (-(-M // 128) - 1).bit_length()
+    fitting = {}
     for group, ring in PHASED_ORDERS:
-        if ring > cap:
-            continue
-        s = schedule_for(bucket * 128, P, hidden, N, grid, group=group, ring=ring, patch=1,
-                         lookahead=group, split="auto")
-        e = simulate(s).efficiency
-        if e >= PHASED_MIN_EFFICIENCY and (best is None or e > best[0] + SPLIT_TOLERANCE):
-            best = (e, group, ring, s.base.split)
+        if ring <= cap:
+            s = schedule_for(bucket * 128, P, hidden, N, grid, group=group, ring=ring, patch=1,
+                             lookahead=group, split="auto")
+            fitting[group, ring] = (simulate(s).efficiency, s.base.split)
     got = auto_phased(M, P, hidden, N, grid)
-    if best is None:
-        assert got is None
+    if got is None:
+        assert all(e < PHASED_MIN_EFFICIENCY for e, _ in fitting.values()), fitting
         assert ChainedFFNCompute().group_for(M, P, hidden, N, grid) == \
             auto_group(M, P, hidden, N, grid)
-    else:
-        _, group, ring, split = best
-        want = schedule_for(M, P, hidden, N, grid, group=group, ring=ring, patch=1,
-                            lookahead=group, split=split)
-        assert got is not None and got.tiles() == want.tiles()
-        assert (got.group, got.patch, got.ring, got.lookahead, got.base.split) == \
-            (group, 1, ring, group, split)
+        return
+    assert (got.group, got.ring) in fitting and got.ring <= cap, (got.group, got.ring, cap)
+    e, split = fitting[got.group, got.ring]
+    assert e >= PHASED_MIN_EFFICIENCY
+    assert all(other <= e + SPLIT_TOLERANCE for other, _ in fitting.values()), fitting
+    assert (got.rows, got.patch, got.lookahead, got.base.split) == (M, 1, got.group, split)
+
+
+def test_the_property_cases_reach_both_outcomes_and_a_choice_between_two():
+    """Not vacuous: over the cases above the rule declines somewhere, and somewhere takes the
+    second order of PHASED_ORDERS although the first fits too."""
+    outcomes = set()
+    for M in (2048, 4096, 6000, 8192, 12000, 16384):
+        for P, hidden, N in SLICES:
+            got = auto_phased(M, P, hidden, N, 132)
+            both_fit = all(r <= ring_cap_blocks(M, hidden, N) for _, r in PHASED_ORDERS)
+            outcomes.add(None if got is None else (got.group, got.ring) if both_fit else "one")
+    assert None in outcomes and PHASED_ORDERS[1] in outcomes, outcomes
 
 
 def test_a_new_row_count_in_a_decided_bucket_simulates_nothing(monkeypatch):

@@ -72,10 +72,25 @@ def _maxabs(t):
     return float(t.abs().max()) if t.numel() else 0.0
 
 
-def test_weighted_sum_of_zero_tokens():
-    out = weighted_sum(torch.randn(0, 6), torch.zeros(0, 2, dtype=torch.long), torch.rand(0, 2),
-                       torch.float32)
-    assert out.shape == (0, 6)
+@pytest.mark.parametrize("T", [0, 1, 7])
+def test_weighted_sum_against_a_float64_loop(T):
+    """out[t] = sum_k w[t, k] * recv[rows[t, k]] from bf16 rows, accumulated in fp32 (its
+    error against the float64 sum: fp32's, far below bf16's), in the dtype asked for; zero tokens
+    give [0, N]."""
+    g = torch.Generator().manual_seed(T)
+    N, k = 6, 8
+    recv = torch.randn(3 * k, N, generator=g).to(torch.bfloat16)
+    rows = torch.stack([torch.randperm(3 * k, generator=g)[:k] for _ in range(T)]) if T \
+        else torch.zeros(0, k, dtype=torch.long)
+    gates = torch.rand(T, k, generator=g)
+    truth = torch.zeros(T, N, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            truth[t] += float(gates[t, j]) * recv[int(rows[t, j])].double()
+    for out_dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        out = weighted_sum(recv, rows, gates, out_dtype)
+        assert out.shape == (T, N) and out.dtype == out_dtype
+        torch.testing.assert_close(out.double(), truth, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("tokens,experts", [

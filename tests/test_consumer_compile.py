@@ -15,6 +15,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from conftest import compile_ptx as _ptx, compile_ptx_cubin as _compile_keep, sass as _sass  # noqa: E402
+from conftest import nvshmem_calls, nvshmem_consumer_body  # noqa: E402
 
 
 def _consumer_args():
@@ -36,12 +37,23 @@ def test_consumer_nvlink_compiles_with_ordering(unroll):
     assert ".local" not in ptx.split(".entry", 1)[1]  # no stack arrays
 
 
-def test_consumer_nvshmem_compiles():
-    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
-    import nvshmem.core
-    nvshmem.core.find_device_bitcode_library(arch="90")  # installed without it: an error
-    from moe_overlap.combine.consumer import compile_consumer
-    assert compile_consumer("nvshmem") is not None
+@pytest.mark.parametrize("local_copy", [True, False])
+def test_consumer_nvshmem_ships_through_put_signal_after_the_band_wait(local_copy):
+    """nvshmem transport: the error word first, the band flags by a bounded acquire wait, the
+    remote rows by NVSHMEM's put-with-signal (no peer stores or sys-scope counter adds of the
+    nvlink path), then a quiet before the kernel ends; local bands by the 16-byte copy and a
+    gpu-scope release on the own counter, only with local_copy."""
+    body = nvshmem_consumer_body(local_copy=local_copy)
+    calls = nvshmem_calls(body)
+    assert [k for _, k in calls] == ["signal", "fence", "signal", "put", "quiet"]
+    i_put = next(i for i, k in calls if k == "put")
+    i_err = body.index("ld.relaxed.gpu.global.s64")
+    assert i_err < calls[0][0]  # nothing reaches a peer before the error word is read
+    assert i_err < body.index("ld.acquire.gpu.global.s32") < i_put  # band flags, then the put
+    assert "%globaltimer" in body
+    assert "red.release.sys.global" not in body
+    assert ("red.release.gpu.global.add.u64" in body) == local_copy
+    assert ("st.global.v4.u32" in body) == local_copy
 
 
 @pytest.mark.parametrize("topk,y_src,unroll", [(1, False, 1), (2, False, 1), (8, False, 1),
@@ -106,14 +118,6 @@ def test_consumer_no_local_copy_compiles(copy):
     assert "red.release.gpu.global.add.u64" not in body  # no local-band signal
     assert "red.release.sys.global.add.u64" in body and "st.global.v4.u32" in body
     assert "cp.async.bulk" not in body
-
-
-def test_consumer_nvshmem_no_local_copy_compiles():
-    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
-    import nvshmem.core
-    nvshmem.core.find_device_bitcode_library(arch="90")  # installed without it: an error
-    from moe_overlap.combine.consumer import compile_consumer
-    assert compile_consumer("nvshmem", local_copy=False) is not None
 
 
 def test_consumer_v1_ptx_unchanged_by_default():

@@ -238,9 +238,29 @@ def test_sass_reduce_no_spills(ffn_mod, tile_o, act1, h_pair):
         assert spills == 0, "register spills"
 
 
-def test_compile_is_cached(ffn_mod):
-    c = ffn_mod.FusedFFNCompute(tile_m=64)
-    assert c.compile(256, 256, 256, "relu") is c.compile(256, 256, 256, "relu")
+def test_compile_cache_keys_on_every_kernel_option(ffn_mod, monkeypatch):
+    """The same options and shapes compile once (also from a new instance); each option or
+    shape that changes the kernel compiles its own. cute.compile is replaced by a counter (a new
+    object per call), so this checks the key, not the compiler."""
+    import cutlass.cute as cute
+    built = []
+    monkeypatch.setattr(cute, "compile", lambda kernel, *args: built.append(kernel) or object())
+    monkeypatch.setattr(ffn_mod.FusedFFNCompute, "_compiled", {})
+    F = ffn_mod.FusedFFNCompute
+    first = F(tile_m=64).compile(256, 256, 256, "relu")
+    assert F(tile_m=64).compile(256, 256, 256, "relu") is first and len(built) == 1
+    others = [(F(tile_m=128), (256, 256, 256, "relu")), (F(tile_m=64), (256, 256, 256, "silu")),
+              (F(tile_m=64, tile_o=128), (256, 256, 256, "relu")),
+              (F(tile_m=64, h_pair=True), (256, 256, 256, "relu")),
+              (F(tile_m=64, h_pair=True, stages=2), (256, 256, 256, "relu")),
+              (F(tile_m=64, stages=2), (256, 256, 256, "relu")),
+              (F(tile_m=64, epi_stages=1), (256, 256, 256, "relu")),
+              (F(tile_m=64, cluster_m=2), (256, 256, 256, "relu")),
+              (F(tile_m=64), (512, 256, 256, "relu")), (F(tile_m=64), (256, 512, 256, "relu")),
+              (F(tile_m=64), (256, 256, 512, "relu"))]
+    fns = [c.compile(*a) for c, a in others]
+    assert len(built) == 1 + len(others) and len({id(f) for f in fns + [first]}) == len(built)
+    assert [c.compile(*a) for c, a in others] == fns and len(built) == 1 + len(others)
 
 
 def test_bad_inputs_raise_before_launch(ffn_mod):

@@ -42,14 +42,34 @@ def test_ib_bytes_dominate_when_slower():
     assert more["t_comm"] > nv["t_comm"] and more["t_overlap"] >= nv["t_overlap"]
 
 
-def test_error_on_the_measured_sweep_is_bounded():
-    with open(os.path.join(ROOT, "bench/results/combine_sweep_2xh200_v7.json")) as f:
-        points = json.load(f)["points"]
+# The model's rates and the points it was not fitted on. Fitted: the GEMM rate on sweep v2
+# (archive/combine_sweep_2xh200_v2.json: K 1024 / 2048, N 8192), the consumer's rates at 8 / 16 /
+# 24 SMs on the same shapes (combine_split_2xh200_pieces.json, N 8192, balanced). Held out: the
+# K 14336, N 4096 sweep (another shape for both rates; ccta 4 is below every measured SM count),
+# and the 12-SM points of sweep v7 (between the measured SM counts). Balanced routing only: the
+# model takes rank 0's rows, the sweep times the slowest rank, and skewed routings give the ranks
+# different rows (there the check's error is the input's, not the model's).
+# Old data: both sweeps ran at commit 0c40dc2 (2026-11-30, the aligned layout and the consumer and
+# producer of then), as did the rate measurements; this checks the model against measurements of
+# its own era, not today's kernels.
+HELD_OUT = (("combine_sweep_2xh200_v7_k14336.json", None), ("combine_sweep_2xh200_v7.json", 12))
+
+
+def _held_out_points():
+    out = []
+    for name, ccta in HELD_OUT:
+        with open(os.path.join(ROOT, "bench/results", name)) as f:
+            out += [p for p in json.load(f)["points"]
+                    if p["mode"] == "balanced" and ccta in (None, p["ccta"])]
+    return out
+
+
+def test_error_on_held_out_sweep_points_is_within_15_percent_per_point():
+    points = _held_out_points()
+    assert len(points) == 5  # K 14336 at ccta 4 / 8 / 16; K 1024 and 2048 at ccta 12
     check = check_against_sweep(points)
-    assert check["t_overlap"]["n"] == len(points) > 0
-    # the calibration the README quotes: mean error within 15 %, no point off by 2x
-    assert abs(check["t_overlap"]["mean"]) < 0.15
-    assert check["t_overlap"]["max_abs"] < 1.0
+    assert check["t_overlap"]["n"] == len(points)
+    assert check["t_overlap"]["max_abs"] <= 0.15, check["t_overlap"]
 
 
 def test_project_command_writes_table_json_and_refuses_bad_models(tmp_path):
