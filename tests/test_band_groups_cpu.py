@@ -272,8 +272,8 @@ def test_options_and_argument_checks():
     y = torch.zeros(256, 1024, dtype=torch.bfloat16)
     v, one = torch.zeros(4, **i32), torch.zeros(1, **i32)
     args = [x, w, y, v, v, v, one, v, one]
-    chk = lambda gemm, bg: gemm._check(*args, band_counter=None, ccta=0, need_cuda=False,  # noqa: E731
-                                       band_groups=bg)
+    def chk(gemm, bg):
+        return gemm._check(*args, band_counter=None, ccta=0, need_cuda=False, band_groups=bg)
     chk(g, (v.clone(), v.clone()))
     with pytest.raises(ValueError, match="group_by='expert'"):
         chk(GroupedGemm(), (v, v))

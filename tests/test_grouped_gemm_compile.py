@@ -30,7 +30,8 @@ def gg_mod():
     (128, 256, True, dict(flag_warp=False)), (64, 128, False, dict(cluster_n=1)),
     (128, 256, True, dict(flag_warp=True)), (64, 128, True, dict(flag_warp=True, cluster_n=1)),
     (128, 256, True, dict(band_group=2)), (64, 256, False, dict(band_group=1)),
-    (128, 256, True, dict(group_by="expert")), (64, 128, True, dict(group_by="expert", cluster_n=1)),
+    (128, 256, True, dict(group_by="expert")),
+    (64, 128, True, dict(group_by="expert", cluster_n=1)),
     (128, 256, False, dict(group_by="expert", band_group=4))])
 def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, signal, extra):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))

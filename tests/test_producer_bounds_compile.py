@@ -2,8 +2,8 @@
 consumer wait that they rely on:
 
 - the GEMM (default variant: clusters of 2 with the relay warp; clusters of 1 beside the consumer;
-  no flags; group_by="expert" beside the consumer) builds with the checks: 64-bit range compares for num_bands and, per tile, the band
-  id, expert and rows; the error recorded through the first-writer-wins CAS; the band-count check
+  no flags; group_by="expert" beside the consumer) builds with the checks: 64-bit range
+  compares for num_bands and, per tile, the band id, expert and rows (and the group entry); the error recorded through the first-writer-wins CAS; the band-count check
   placed before any TMA load;
 - the checks are per tile, not in the main loop: the SASS k loop (the smallest loop holding the
   HGMMAs) has no global load and no atomic;

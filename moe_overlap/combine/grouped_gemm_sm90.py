@@ -13,8 +13,10 @@ What this subclass adds to the base's mainloop pieces:
   of the tile's position p0 = t // n_tiles is read from the per-position tables
   (``combine.band_groups``) instead of fixed multiples of band_group; an entry that does not
   hold p0 inside [0, num_bands) (group_first outside [0, p0], or its end outside
-  (p0, num_bands]) skips the tile and records the same error. Every warp walks the same tiles, so the pipeline stays matched;
-  a skipped band's flag never comes, and the consumer's band wait stops at the error word;
+  (p0, num_bands]) skips the tile and records the same error (tables that partition the
+  schedule, as ``band_groups`` makes, are refused group by group: no band is half computed).
+  Every warp walks the same tiles, so the pipeline stays matched; a skipped band's flag never
+  comes, and the consumer's band wait stops at the error word;
 * clusters of ``cluster_n`` CTAs along N sharing the band's A tile by TMA multicast;
 * the epilogue: acc -> bf16 -> stmatrix -> TMA store per epi_n-column sub-tile, and the band
   flag: a finished tile is counted on band_counter[b] once its TMA stores are complete
