@@ -5,9 +5,12 @@
 Shapes: total rows T in {16384, 32768}, N=8192, K=2048, E_local in {4, 16, 64} (balanced rows),
 plus K=1024 and K=4096 (T=16384, E=16).  For each: our kernel at ccta = 0, 8, 16, 24 (flags on),
 the pre-2026-11-30 defaults ("old": band-major order, flags from a consumer warp), other tile
-orders (band_group 1 / 2 / 4: "bm", "pb", "g4"; the default is 8), each next to its build
+orders (band_group 1 / 2 / 4: "bm", "pb", "g4"; the default is 8; "ex": groups of up to 8 cut
+at expert boundaries, group_by="expert", the tables built in each call), each next to its build
 without flags (ccta=0; BENCH_CONFIGS=def,g4 picks configs),
-and the library: torch._grouped_mm, bmm or per-expert torch.matmul, whichever is fastest.  CUDA
+and the library: torch._grouped_mm, bmm or per-expert torch.matmul, whichever is fastest.
+Bands per expert that do not divide 8 (where fixed groups of 8 span 2-3 experts), e.g. 5:
+``BENCH_CONFIGS=def,ex --shapes 20480x2048x32`` (640 rows per expert).  CUDA
 events around each call (after a GPU sleep that hides the host's launch path; BENCH_LEAD_MS=0:
 calls back to back), warm-up, median of many runs and the p10-p90 spread.  Every input set is
 >= 128 MB (several times the 50 MB L2), so inputs are not rotated.  Writes JSON (device, date,
@@ -159,6 +162,9 @@ def main():
             "pb-noflag": (dict(base, band_group=2, signal=False), [0]),
             "g4": (dict(base, band_group=4), [0]),
             "g4-noflag": (dict(base, band_group=4, signal=False), [0]),
+            # groups cut at expert boundaries (the tables' launch included in each call)
+            "ex": (dict(base, group_by="expert"), cctas),
+            "ex-noflag": (dict(base, group_by="expert", signal=False), [0]),
         }
         if os.environ.get("BENCH_CONFIGS"):  # e.g. "def,g8": those and their no-flag builds
             keep = set(os.environ["BENCH_CONFIGS"].split(","))
@@ -176,7 +182,7 @@ def main():
     # ---- short table last: TFLOP/s per config@ccta, x lib (paired), flag cost
     print(f"\n{doc['device']}  commit {doc['git_commit'][:10]}  -> {path}")
     present = {x["config"] for r in results for x in r["runs"]}
-    for cfg in [c for c in ("def", "old", "bm", "pb", "g4", "sw") if c in present]:
+    for cfg in [c for c in ("def", "old", "bm", "pb", "g4", "ex", "sw") if c in present]:
         print(f"[{cfg}] {'T':>6} {'K':>5} {'E':>3} {'lib':>6} {'libTF':>5} | {'c0':>4} {'c8':>4} "
               f"{'c16':>4} {'c24':>4} {'nofl':>4} | {'xlib':>5} {'xlibP':>5} {'flag%':>5}")
         for r in results:

@@ -9,9 +9,16 @@ timed alone with CUDA events (median of --rounds after a warm-up):
   whole bands, identity schedule: the layout of bench_grouped_gemm.py) of the same E, K, N, at
   the plan's bands per expert rounded down and up (groups of band_group bands then span two
   experts, or up to three as on the plan), to tell the plan from the kernel;
-- --sweep: the producer on the layer's plan at band_group 2 / 4 / 8 / 16 x cluster 1 / 2.
+- --sweep: the producer on the layer's plan at band_group 2 / 4 / 8 / 16 x cluster 1 / 2, fixed
+  groups (group_by="position") and groups cut at expert boundaries (group_by="expert", 4 / 8 /
+  16; its output checked bitwise against band_group 8's on the plan's rows), and the
+  expert-cut tables' own launch (combine/band_groups.py) alone;
+- --group-by expert: the layer's producer (produce / forward rows) with
+  gemm_options={"group_by": "expert"}, as MoECombine would launch it with that switch.
 
     PYTHONPATH=$PWD python bench/profile_combine_layer.py --shape deepseek-v3@16384
+    PYTHONPATH=$PWD python bench/profile_combine_layer.py --shape deepseek-v3@16384 --sweep \
+        --group-by expert
 
 Printed only: a diagnosis for bench/NOTES.md, not a headline.
 """
@@ -38,7 +45,10 @@ def main():
     ap.add_argument("--shape", default="deepseek-v3@16384")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sweep", action="store_true",
-                    help="also the producer at band_group 2..16 x cluster 1 / 2 on the plan")
+                    help="also the producer at band_group 2..16 x cluster 1 / 2 on the plan, "
+                         "fixed and expert-cut groups")
+    ap.add_argument("--group-by", default="position", choices=("position", "expert"),
+                    help="the layer's producer: fixed groups of 8 or groups cut at experts")
     a = ap.parse_args()
     (s,) = parse_shapes(a.shape)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29518", RANK="0", WORLD_SIZE="1")
@@ -47,8 +57,10 @@ def main():
     opts, _ = L.parse_options(["--backend", "overlap", "--shapes", a.shape])
     dev = L.Device("cuda")
     data = L.make_inputs(s, 0, 1, opts.dtype, dev.dev, opts.seed)
+    gemm_options = {"group_by": "expert"} if a.group_by == "expert" else None
     c = L.MoECombine(s["experts"], s["K"], s["N"], s["topk"], s["tokens"], backend="overlap",
-                     validate=False, options=L.CombineOptions(order=opts.order))
+                     validate=False, options=L.CombineOptions(order=opts.order,
+                                                              gemm_options=gemm_options))
     ids, _ = L.router(data["x"], data["w_gate"], s["topk"])
     counts = L.count_exchange(ids, s["experts"], None, True)
     plan0 = c.plan(counts, validate=False)
@@ -71,7 +83,8 @@ def main():
         impl = c._impl
         nb = int(plan.num_bands.item())
         rows_e = plan.expert_rows.tolist()
-        print(f"{a.shape}: ccta {impl.ccta}, mgb {plan.mgb}, tile_m {plan.tile_m}, layout "
+        print(f"{a.shape}: group_by {a.group_by}, ccta {impl.ccta}, mgb {plan.mgb}, tile_m "
+              f"{plan.tile_m}, layout "
               f"{plan.layout} (packed {bool(plan.packed.item())}), bands {nb}, rows "
               f"{int(plan.total_rows.item())}, expert rows {min(rows_e)}..{max(rows_e)}, h "
               f"{tuple(h.shape)} {h.stride()}, w {tuple(w.shape)} {w.stride()}", flush=True)
@@ -104,17 +117,36 @@ def main():
                         hb, w, yb, (b // per).to(torch.int32), b * tm, b.clone(), nbt, rb,
                         impl.epoch, ccta=cc), a.rounds)
         if a.sweep:  # the producer's tile order and cluster size on the layer's plan
+            from moe_overlap.combine.band_groups import WORKSPACE_TABLES, band_groups
             from moe_overlap.combine.grouped_gemm import GroupedGemm
-            for bg in (2, 4, 8, 16):
-                for cl in (1, 2):
-                    g = GroupedGemm(tile_m=plan.tile_m, tile_n=impl._tile_n, band_group=bg,
-                                    cluster_n=cl)
-                    for cc in sorted({0, impl.ccta}):
-                        res[f"plan band_group={bg} cluster={cl} ccta={cc}"] = time_ms(
-                            lambda g=g, cc=cc: g(h, w, y[:h.shape[0]], plan.band_expert,
-                                                 plan.band_src_row, plan.schedule,
-                                                 plan.num_bands, flags, impl.epoch, ccta=cc),
-                            a.rounds)
+            valid = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
+            starts = plan.band_src_row[plan.schedule[:nb].long()].long()
+            valid[(starts[:, None] + torch.arange(plan.tile_m, device=y.device)).reshape(-1)] = 1
+            ref = None
+            for gb, bgs in (("position", (8, 2, 4, 16)), ("expert", (4, 8, 16))):
+                for bg in bgs:
+                    for cl in (1, 2):
+                        g = GroupedGemm(tile_m=plan.tile_m, tile_n=impl._tile_n, band_group=bg,
+                                        cluster_n=cl, group_by=gb)
+                        run = (lambda g=g, cc=0: g(
+                            h, w, y[:h.shape[0]], plan.band_expert, plan.band_src_row,
+                            plan.schedule, plan.num_bands, flags, impl.epoch, ccta=cc))
+                        y.fill_(float("nan"))
+                        run()
+                        if ref is None:  # band_group 8, fixed groups, cluster 1
+                            ref = y[valid].clone()
+                        same = torch.equal(y[valid].view(torch.int16), ref.view(torch.int16))
+                        for cc in sorted({0, impl.ccta}):
+                            res[f"plan {gb} band_group={bg} cluster={cl} ccta={cc}"] = time_ms(
+                                lambda run=run, cc=cc: run(cc=cc), a.rounds)
+                        print(f"  {gb} band_group={bg} cluster={cl}: output bitwise equal to "
+                              f"position band_group=8: {same}", flush=True)
+            ws = torch.empty(WORKSPACE_TABLES * plan.band_capacity, dtype=torch.int32,
+                             device=y.device)
+            key = f"band_groups tables alone (G=8, {nb} bands)"
+            res[key] = time_ms(lambda: band_groups(plan.schedule, plan.band_expert,
+                                                   plan.num_bands, 8, out=ws), a.rounds)
+            flops_of[key] = float("nan")
         for k, ms in res.items():
             f = flops_of.get(k, flop)
             print(f"  {k:<36} {ms:8.3f} ms  {f / ms / 1e9:6.0f} TF/s", flush=True)

@@ -29,7 +29,10 @@ def gg_mod():
     (128, 256, True, dict(cluster_n=1, signal_k_tile=3)), (64, 128, True, dict(cluster_n=1)),
     (128, 256, True, dict(flag_warp=False)), (64, 128, False, dict(cluster_n=1)),
     (128, 256, True, dict(flag_warp=True)), (64, 128, True, dict(flag_warp=True, cluster_n=1)),
-    (128, 256, True, dict(band_group=2)), (64, 256, False, dict(band_group=1))])
+    (128, 256, True, dict(band_group=2)), (64, 256, False, dict(band_group=1)),
+    (128, 256, True, dict(group_by="expert")),
+    (64, 128, True, dict(group_by="expert", cluster_n=1)),
+    (128, 256, False, dict(group_by="expert", band_group=4))])
 def test_compiles_with_wgmma(gg_mod, tmp_path, monkeypatch, tile_m, tile_n, signal, extra):
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     g = gg_mod.GroupedGemm(tile_m=tile_m, tile_n=tile_n, signal=signal, **extra)
@@ -93,6 +96,41 @@ def test_band_group_compiles(gg_mod):
     for bad in (0, True, 2.0, "auto"):
         with pytest.raises(ValueError, match="band_group"):
             gg_mod.GroupedGemm(band_group=bad)
+
+
+def _entry_params(ptx):
+    import re
+    head = re.search(r"\.entry\s+\S+\((.*?)\)", ptx, re.S).group(1)
+    return head.count(".param")
+
+
+@pytest.mark.parametrize("extra", [{}, dict(cluster_n=1), dict(signal=False)])
+def test_group_by_expert_adds_the_table_reads_and_checks(gg_mod, extra):
+    """group_by="expert" is the fixed-group kernel plus the two tables (two more kernel
+    parameters) and their two range checks in each of the four tile picks (TMA warp and
+    consumer warpgroups, first and next tile); the error record is the same CAS. The default
+    variants compile without either (their PTX is unchanged by the tables: compared with
+    scripts/ptx_fingerprint.py against the commit before them, bench/NOTES.md)."""
+    base = kept_ptx(gg_mod.GroupedGemm(**extra).compile(N=1024, K=512, keep_ptx=True))
+    ex = kept_ptx(gg_mod.GroupedGemm(group_by="expert", **extra).compile(N=1024, K=512,
+                                                                          keep_ptx=True))
+    assert _entry_params(ex) == _entry_params(base) + 2
+    assert ex.count("setp.lt.and.s64") == base.count("setp.lt.and.s64") + 2 * 4
+    assert ex.count("atom.relaxed.gpu.global.cas.b64") == \
+        base.count("atom.relaxed.gpu.global.cas.b64")
+    assert "wgmma.mma_async" in ex
+
+
+def test_band_groups_kernel_compiles():
+    """The tables' kernel (combine/band_groups.py): one CTA, a warp max-scan by shuffles and
+    the CTA barriers between its three passes."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    from moe_overlap.combine.band_groups import build_band_groups_kernel, band_groups_example_args
+    from moe_overlap.kernels.compile import compile_keep
+    ptx = kept_ptx(compile_keep(build_band_groups_kernel(), *band_groups_example_args()))
+    assert ptx.count("shfl.sync.up.b32") >= 10 and "max.s32" in ptx
+    assert ptx.count("bar.sync") >= 3
+    assert "st.global.s32" in ptx and "ld.global.s32" in ptx
 
 
 def test_bad_inputs_raise_before_launch(gg_mod):

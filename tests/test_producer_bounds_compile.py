@@ -2,8 +2,8 @@
 consumer wait that they rely on:
 
 - the GEMM (default variant: clusters of 2 with the relay warp; clusters of 1 beside the consumer;
-  no flags) builds with the checks: 64-bit range compares for num_bands and, per tile, the band
-  id, expert and rows; the error recorded through the first-writer-wins CAS; the band-count check
+  no flags; group_by="expert" beside the consumer) builds with the checks: 64-bit range
+  compares for num_bands and, per tile, the band id, expert and rows (and the group entry); the error recorded through the first-writer-wins CAS; the band-count check
   placed before any TMA load;
 - the checks are per tile, not in the main loop: the SASS k loop (the smallest loop holding the
   HGMMAs) has no global load and no atomic;
@@ -22,13 +22,16 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 
 from conftest import compile_ptx, ptx_body, sass  # noqa: E402
 
-VARIANTS = {"default": {}, "beside": dict(cluster_n=1), "noflag": dict(signal=False)}
+VARIANTS = {"default": {}, "beside": dict(cluster_n=1), "noflag": dict(signal=False),
+            # groups cut at expert boundaries: the per-position tables and their checks
+            "expert_beside": dict(cluster_n=1, group_by="expert")}
 
 
 def _gemm_kernel_args(kw, N=1024, K=512):
     """The kernel object and fake arguments ``GroupedGemm.compile`` uses (to keep the cubin)."""
     from moe_overlap.combine.grouped_gemm import GroupedGemm
-    return GroupedGemm(**kw)._kernel(N), GroupedGemm.example_args(N, K)
+    return GroupedGemm(**kw)._kernel(N), GroupedGemm.example_args(
+        N, K, kw.get("group_by") == "expert")
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

@@ -29,7 +29,8 @@ def test_producer_code_is_new_and_named():
                                          E.ERR_PLAN_BOUNDS, E.ERR_SCALE_BAD_ROW)
     assert E.ERR_PRODUCER_BOUNDS in E.ERR_NAMES
     assert sorted(E.PRODUCER_FIELDS) == [E.PRF_NUM_BANDS, E.PRF_SCHEDULE, E.PRF_EXPERT,
-                                         E.PRF_SRC_ROW] == list(range(4))
+                                         E.PRF_SRC_ROW, E.PRF_GROUP_FIRST,
+                                         E.PRF_GROUP_END] == list(range(6))
 
 
 @pytest.mark.parametrize("field,index,needle", [

@@ -48,6 +48,13 @@ groups of band_group (default 8) schedule positions walk the n tiles together, o
 tiles per band in turn, so the CTAs computing the same weight columns for up to 8 bands run side
 by side and each weight slice is read from DRAM about once per group (band-major order streams a
 whole expert's weights per wave, more than L2 holds at K=4096). Timings: bench/NOTES.md.
+group_by="expert" reads each position's group from two per-position tables instead
+(``combine.band_groups``: runs of one expert along the schedule, cut evenly where longer than
+band_group, short runs packed by aligned windows of band_group positions), so that a group holds
+whole experts where fixed groups cut across 2-3 of them; the tables are built on the device from
+the plan's schedule / band_expert (one one-CTA launch per call on the call's stream, or passed
+in as ``band_groups``), and every band's tiles are the same as with fixed groups (only their
+order changes, not any tile's K reduction: the output is bitwise the same).
 """
 
 import torch
@@ -56,6 +63,7 @@ from ..kernels.errors import (ERR_WORDS, PRF_EXPERT, PRF_NUM_BANDS, PRF_SCHEDULE
                               PRF_SRC_ROW)
 from ..kernels.host_checks import check_tensors
 from ..runtime.device import num_sms
+from .band_groups import GROUP_BY, WORKSPACE_TABLES, band_groups, check_group
 
 __all__ = ["GroupedGemm", "band_faults", "grouped_gemm_reference", "prepare_weights",
            "tile_order_reference"]
@@ -120,14 +128,22 @@ def band_faults(band_expert, band_src_row, schedule, num_bands, tile_m, x_rows, 
     return out
 
 
-def tile_order_reference(num_bands, n_tiles, cluster=1, group=1):
+def tile_order_reference(num_bands, n_tiles, cluster=1, group=1, tables=None):
     """The kernel's tile order (``kernels.tile_scheduler.BandTileScheduler.coords``) in plain
     Python: [(schedule position, n tile)] for linear tiles t = 0 .. num_bands * n_tiles - 1. For
-    tests of the arithmetic."""
+    tests of the arithmetic. tables: (group_first, group_size) lists (group_by="expert",
+    ``BandTileScheduler.walk``): the group of p0 = t // n_tiles is read from them (group unused;
+    the kernel's checks of the entries are not mirrored here)."""
     out = []
     for t in range(num_bands * n_tiles):
         p, n = t // n_tiles, t % n_tiles
-        if group >= 2:
+        if tables is not None:
+            s0, g = tables[0][p], tables[1][p]
+            u = t - s0 * n_tiles
+            q = u // cluster
+            p = s0 + q % g
+            n = (q // g) * cluster + (u - q * cluster)
+        elif group >= 2:
             s0 = (t // (group * n_tiles)) * group
             g = min(group, num_bands - s0)
             u = t - s0 * n_tiles
@@ -174,17 +190,27 @@ class GroupedGemm:
         tiles (one cluster of tiles per band in turn), so that the bands of an expert walk its
         weight columns together and each weight slice is read from DRAM about once; the flags of
         a group complete together, up to G bands' time later than band-major order for the
-        group's first band. 1: band-major. Default DEFAULT_BAND_GROUP.
+        group's first band. 1: band-major. Default DEFAULT_BAND_GROUP;
+        group_by: "position" (default): groups of band_group consecutive schedule positions;
+        "expert": groups cut at expert boundaries (``combine.band_groups``: runs of one expert,
+        split evenly where longer than band_group, runs of <= band_group packed by aligned
+        windows), read from per-position tables built on the device each call (one small
+        launch, or ``band_groups=`` passed in); band_group is then the most positions a group
+        holds (<= band_groups.MAX_GROUP).
     All option checks are ``GroupedGemm.check_options`` (a static function, no CuTe DSL needed).
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-             ccta=0, band_counter=None, stream=None, err=None, rank=0) -> y
+             ccta=0, band_counter=None, stream=None, err=None, rank=0, band_groups=None) -> y
         band_counter: persistent int32 [>= len(band_ready)] zero scratch; allocated (zeros) and
         kept per device if not given.  stream: a torch.cuda.Stream (default: current stream).
         err: int64 [8] error word the kernel records a refused band entry in (ERR_PRODUCER_BOUNDS,
         naming ``rank``); default: one kept per device (``error_word(device)``).
-    Compile cache key: (tile config, stages, signal, flag options, N, K); rows, E_local, B_cap
-    and the grid size (number of SMs - ccta) are runtime values.
+        band_groups: group_by="expert" only: (group_first, group_size) int32 [B_cap] made
+        beforehand by ``band_groups.band_groups`` for this schedule and G (e.g. once per plan, off
+        the call's path); None: built here on the call's stream (one launch, into a workspace
+        kept per device and capacity).
+    Compile cache key: (tile config, stages, signal, flag options, band_group, group_by, N, K);
+    rows, E_local, B_cap and the grid size (number of SMs - ccta) are runtime values.
     """
 
     _compiled = {}
@@ -192,7 +218,7 @@ class GroupedGemm:
     @staticmethod
     def check_options(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                       signal_k_tile=None, epi_n=32, epi_stages=4, cluster_n=None, flag_warp=None,
-                      band_group=DEFAULT_BAND_GROUP):
+                      band_group=DEFAULT_BAND_GROUP, group_by="position"):
         """ValueError for any option value the kernel does not implement (CPU only, no CuTe
         DSL); the keywords are the constructor's."""
         if tile_m not in (64, 128):
@@ -211,12 +237,16 @@ class GroupedGemm:
             raise ValueError("flag_warp needs signal=True")
         if isinstance(band_group, bool) or not isinstance(band_group, int) or band_group < 1:
             raise ValueError(f"band_group must be an int >= 1, got {band_group!r}")
+        if group_by not in GROUP_BY:
+            raise ValueError(f"group_by={group_by!r}; choose from {GROUP_BY}")
+        if group_by == "expert":
+            check_group(band_group)
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, cluster_n=None, flag_warp=None,
-                 band_group=DEFAULT_BAND_GROUP):
+                 band_group=DEFAULT_BAND_GROUP, group_by="position"):
         GroupedGemm.check_options(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
-                                  epi_stages, cluster_n, flag_warp, band_group)
+                                  epi_stages, cluster_n, flag_warp, band_group, group_by)
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
         self.stages = stages
         self.signal = bool(signal)
@@ -225,8 +255,10 @@ class GroupedGemm:
         self.cluster_n = cluster_n
         self.flag_warp = bool(signal) if flag_warp is None else bool(flag_warp)
         self.band_group = band_group
+        self.group_by = group_by
         self._counters = {}
         self._errors = {}
+        self._group_ws = {}  # group_by="expert": the tables' workspace per (device, B_cap)
 
     def cluster_for(self, N):
         """Cluster size used for output width N."""
@@ -236,7 +268,7 @@ class GroupedGemm:
 
     # ---------------------------------------------------------------- validation
     def _check(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-               band_counter, ccta, need_cuda=True, err=None, rank=0):
+               band_counter, ccta, need_cuda=True, err=None, rank=0, band_groups=None):
         tensors = dict(x=x, w=w, y=y, band_expert=band_expert, band_src_row=band_src_row,
                        schedule=schedule, num_bands=num_bands, band_ready=band_ready, epoch=epoch)
         if band_counter is not None:
@@ -284,19 +316,31 @@ class GroupedGemm:
                              f"{x.device}, got {err!r:.80}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        if band_groups is not None:
+            if self.group_by != "expert":
+                raise ValueError("band_groups are the tables of group_by='expert'; this GEMM "
+                                 f"has group_by={self.group_by!r}")
+            if not isinstance(band_groups, (tuple, list)) or len(band_groups) != 2:
+                raise ValueError("band_groups must be (group_first, group_size)")
+            for name, t in zip(("group_first", "group_size"), band_groups):
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 \
+                        or t.numel() != b_cap or t.device != x.device or not t.is_contiguous():
+                    raise ValueError(f"band_groups' {name} must be a contiguous int32 [{b_cap}] "
+                                     f"tensor on {x.device}")
         return rows, K, E, N
 
     # ---------------------------------------------------------------- compilation
     def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.cluster_for(N),
-                self.flag_warp, self.band_group, int(N), int(K))
+                self.flag_warp, self.band_group, self.group_by, int(N), int(K))
 
     def _kernel(self, N):
         from .grouped_gemm_sm90 import GroupedGemmKernel
         return GroupedGemmKernel(self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                                  self.signal_k_tile, self.epi_n, self.epi_stages,
-                                 self.cluster_for(N), self.flag_warp, self.band_group)
+                                 self.cluster_for(N), self.flag_warp, self.band_group,
+                                 self.group_by == "expert")
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
@@ -308,15 +352,16 @@ class GroupedGemm:
         if fn is not None:
             return fn
         import cutlass.cute as cute
-        fn = cute.compile(self._kernel(N), *self.example_args(N, K),
+        fn = cute.compile(self._kernel(N), *self.example_args(N, K, self.group_by == "expert"),
                           options="--keep-ptx" if keep_ptx else None)
         GroupedGemm._compiled[key] = fn
         return fn
 
     @staticmethod
-    def example_args(N, K):
+    def example_args(N, K, group_tables=False):
         """The kernel's arguments as symbolic ("fake") tensors, rows / E_local / B_cap dynamic,
-        for ``cute.compile`` without a GPU (``compile``, and the tests that keep the cubin)."""
+        for ``cute.compile`` without a GPU (``compile``, and the tests that keep the cubin);
+        group_tables: with the two band group tables (group_by="expert")."""
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_tensor
@@ -331,14 +376,16 @@ class GroupedGemm:
                 make_fake_tensor(bf16, (N, K, E), (1, N, K * N), assumed_align=16),
                 make_fake_tensor(bf16, (rows, N), (N, 1), assumed_align=16),
                 fv(), fv(), fv(), f1(), fv(), fv(), f1(), cutlass.Int64(0),
-                cutlass.Int32(0), cutlass.Int32(1), make_fake_stream())
+                cutlass.Int32(0), cutlass.Int32(1), make_fake_stream()) + (
+                    (fv(), fv()) if group_tables else ())
 
     # ---------------------------------------------------------------- launch
     @staticmethod
     def _cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready,
-                   band_counter, epoch):
-        """torch -> cute tensors.  rows / E_local / B_cap are marked dynamic (no recompile for a
-        new routing); N and K stay static."""
+                   band_counter, epoch, band_groups=None):
+        """torch -> cute tensors (the kernel's leading tensors, and its trailing group tables
+        where given).  rows / E_local / B_cap are marked dynamic (no recompile for a new
+        routing); N and K stay static."""
         from cutlass.cute.runtime import from_dlpack
 
         def dyn(t, mode, align):
@@ -346,10 +393,11 @@ class GroupedGemm:
                 mode=mode, stride_order=t.dim_order())
 
         wt = w.permute(2, 1, 0)  # (N, K, E) view, strides (1, N, K*N): MN-major B
-        return (dyn(x, 0, 16), dyn(wt, 2, 16), dyn(y, 0, 16), dyn(band_expert, 0, 4),
+        lead = (dyn(x, 0, 16), dyn(wt, 2, 16), dyn(y, 0, 16), dyn(band_expert, 0, 4),
                 dyn(band_src_row, 0, 4), dyn(schedule, 0, 4), from_dlpack(num_bands, assumed_align=4),
                 dyn(band_ready, 0, 4), dyn(band_counter[:band_ready.numel()], 0, 4),
                 from_dlpack(epoch, assumed_align=4))
+        return lead, (() if band_groups is None else tuple(dyn(t, 0, 4) for t in band_groups))
 
     def error_word(self, device):
         """The int64[8] error word this wrapper keeps for ``device`` (used by calls that pass no
@@ -361,10 +409,27 @@ class GroupedGemm:
                                                       device=device)
         return word
 
+    def band_groups(self, schedule, band_expert, num_bands, stream=None):
+        """This GEMM's band group tables (group_by="expert") for a plan's schedule, on
+        ``stream`` (default: the current one), no host sync: (group_first, group_size), views
+        of a workspace kept per (device, capacity) and rewritten by the next call of this
+        object (``combine.band_groups.band_groups`` with ``out=None`` for tables to keep)."""
+        if self.group_by != "expert":
+            raise ValueError(f"band groups are tables of group_by='expert', not "
+                             f"{self.group_by!r}")
+        key = (schedule.device, schedule.numel())
+        ws = self._group_ws.get(key)
+        if ws is None:
+            ws = self._group_ws[key] = torch.empty(WORKSPACE_TABLES * schedule.numel(),
+                                                   dtype=torch.int32, device=schedule.device)
+        return band_groups(schedule, band_expert, num_bands, self.band_group, out=ws,
+                           impl="kernel", stream=stream)
+
     def __call__(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-                 ccta=0, band_counter=None, stream=None, err=None, rank=0):
+                 ccta=0, band_counter=None, stream=None, err=None, rank=0, band_groups=None):
         rows, K, E, N = self._check(x, w, y, band_expert, band_src_row, schedule, num_bands,
-                                    band_ready, epoch, band_counter, ccta, err=err, rank=rank)
+                                    band_ready, epoch, band_counter, ccta, err=err, rank=rank,
+                                    band_groups=band_groups)
         if err is None:
             err = self.error_word(x.device)
         grid = num_sms(x.device) - ccta
@@ -382,14 +447,16 @@ class GroupedGemm:
         import cuda.bindings.driver as cuda_drv
         torch_stream = stream if stream is not None else torch.cuda.current_stream(x.device)
         cu_stream = cuda_drv.CUstream(torch_stream.cuda_stream)
-        args = self._cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands,
-                               band_ready, band_counter, epoch)
+        if self.group_by == "expert" and band_groups is None:
+            band_groups = self.band_groups(schedule, band_expert, num_bands, torch_stream)
+        args, tables = self._cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands,
+                                       band_ready, band_counter, epoch, band_groups)
         key = ("dlpack",) + self._key(N, K)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:
             fn = cute.compile(self._kernel(N), *args, cutlass.Int64(err.data_ptr()),
-                              cutlass.Int32(rank), cutlass.Int32(grid), cu_stream)
+                              cutlass.Int32(rank), cutlass.Int32(grid), cu_stream, *tables)
             GroupedGemm._compiled[key] = fn
         fn(*args, cutlass.Int64(err.data_ptr()), cutlass.Int32(rank), cutlass.Int32(grid),
-           cu_stream)
+           cu_stream, *tables)
         return y

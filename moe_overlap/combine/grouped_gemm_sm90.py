@@ -9,8 +9,14 @@ What this subclass adds to the base's mainloop pieces:
   scalar): ``num_bands`` outside [0, capacity] computes no band, a schedule entry outside
   [0, num_bands), an expert outside w, or a band whose rows are not a tile of x / y skips that
   band (no load, no store, no count, no flag); either records ERR_PRODUCER_BOUNDS in the combine's
-  error word (first writer wins). Every warp walks the same tiles, so the pipeline stays matched;
-  a skipped band's flag never comes, and the consumer's band wait stops at the error word;
+  error word (first writer wins). ``group_tables`` (GroupedGemm(group_by="expert")): the group
+  of the tile's position p0 = t // n_tiles is read from the per-position tables
+  (``combine.band_groups``) instead of fixed multiples of band_group; an entry that does not
+  hold p0 inside [0, num_bands) (group_first outside [0, p0], or its end outside
+  (p0, num_bands]) skips the tile and records the same error (tables that partition the
+  schedule, as ``band_groups`` makes, are refused group by group: no band is half computed).
+  Every warp walks the same tiles, so the pipeline stays matched; a skipped band's flag never
+  comes, and the consumer's band wait stops at the error word;
 * clusters of ``cluster_n`` CTAs along N sharing the band's A tile by TMA multicast;
 * the epilogue: acc -> bf16 -> stmatrix -> TMA store per epi_n-column sub-tile, and the band
   flag: a finished tile is counted on band_counter[b] once its TMA stores are complete
@@ -32,8 +38,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from ..kernels.errors import (ERR_PRODUCER_BOUNDS, PRF_EXPERT, PRF_NUM_BANDS, PRF_SCHEDULE,
-                              PRF_SRC_ROW)
+from ..kernels.errors import (ERR_PRODUCER_BOUNDS, PRF_EXPERT, PRF_GROUP_END, PRF_GROUP_FIRST,
+                              PRF_NUM_BANDS, PRF_SCHEDULE, PRF_SRC_ROW)
 from ..kernels.gemm_sm90 import SMEM_CAPACITY_SM90, GemmSm90, smem_layout_staged
 from ..kernels.primitives import (RELAY_BYTES, band_relay_loop, in_range_s64,
                                   multicast_rank_and_mask, post_band_after_bulk_stores,
@@ -45,16 +51,17 @@ __all__ = ["GroupedGemmKernel"]
 
 class GroupedGemmKernel(GemmSm90):
     """GroupedGemmKernel(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
-    epi_stages, cluster_n, flag_warp, band_group): options as ``GroupedGemm`` (already checked
-    there); ``__call__(mA, mB, mC, mBandExpert, mBandSrcRow, mSchedule, mNumBands, mReady,
-    mCounter, mEpoch, err, rank, num_ctas, stream)`` traces and launches it (err: the int64[8]
-    error word's address, rank: the rank it names)."""
+    epi_stages, cluster_n, flag_warp, band_group, group_tables): options as ``GroupedGemm``
+    (already checked there); ``__call__(mA, mB, mC, mBandExpert, mBandSrcRow, mSchedule,
+    mNumBands, mReady, mCounter, mEpoch, err, rank, num_ctas, stream, mGroupFirst,
+    mGroupSize)`` traces and launches it (err: the int64[8] error word's address, rank: the rank
+    it names; mGroupFirst / mGroupSize: the band group tables with group_tables, else None)."""
 
     relay_warp_id = 2  # producer-warpgroup warp that posts the flags (flag_warp)
     relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
 
     def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
-                 epi_stages=4, cluster_n=1, flag_warp=False, band_group=1):
+                 epi_stages=4, cluster_n=1, flag_warp=False, band_group=1, group_tables=False):
         # two consumer warpgroups (stacked along M) for the 128 x 256 tile, else one
         super().__init__(2 if (tile_m > 64 and tile_n > 128) else 1)
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
@@ -67,6 +74,7 @@ class GroupedGemmKernel(GemmSm90):
         self.cluster_n = cluster_n
         self.flag_warp = flag_warp and signal
         self.scheduler = BandTileScheduler(cluster_n, band_group)
+        self.group_tables = group_tables
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, a_dtype, b_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -96,7 +104,8 @@ class GroupedGemmKernel(GemmSm90):
                  mBandExpert: cute.Tensor, mBandSrcRow: cute.Tensor, mSchedule: cute.Tensor,
                  mNumBands: cute.Tensor, mReady: cute.Tensor, mCounter: cute.Tensor,
                  mEpoch: cute.Tensor, err: cutlass.Int64, rank: cutlass.Int32,
-                 num_ctas: cutlass.Int32, stream):
+                 num_ctas: cutlass.Int32, stream, mGroupFirst: cute.Tensor = None,
+                 mGroupSize: cute.Tensor = None):
         a_dtype, b_dtype, c_dtype = mA.element_type, mB.element_type, mC.element_type
         self.a_dtype, self.b_dtype, self.c_dtype = a_dtype, b_dtype, c_dtype
         self.a_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mA)
@@ -127,7 +136,7 @@ class GroupedGemmKernel(GemmSm90):
                     self.epi_smem_layout_staged, mBandExpert, mBandSrcRow, mSchedule,
                     mNumBands, mReady, mCounter, mEpoch, err, rank, cute.size(mA, mode=[0]),
                     cute.size(mC, mode=[0]), cute.size(mB, mode=[2]),
-                    cute.size(mSchedule, mode=[0])).launch(
+                    cute.size(mSchedule, mode=[0]), mGroupFirst, mGroupSize).launch(
             grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
             cluster=[self.cluster_n, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -137,7 +146,8 @@ class GroupedGemmKernel(GemmSm90):
                   n_tiles: cutlass.Int32, num_bands: cutlass.Int32, mSchedule: cute.Tensor,
                   mBandExpert: cute.Tensor, mBandSrcRow: cute.Tensor,
                   n_experts: cutlass.Int32, rows: cutlass.Int32, err: cutlass.Int64,
-                  rank: cutlass.Int32, record: cutlass.Constexpr):
+                  rank: cutlass.Int32, record: cutlass.Constexpr, mGroupFirst=None,
+                  mGroupSize=None):
         """This CTA's next tile at or after linear tile t (t, t + G, ...) whose band passes the
         bounds checks: (t, n tile, band, expert, m tile); t >= total_tiles when none is left.
         num_bands is already within the tables (so a position p < num_bands reads the schedule in
@@ -146,14 +156,34 @@ class GroupedGemmKernel(GemmSm90):
         depends on the band's table entries only, which no thread writes during the launch, so
         the warps' pipelines and a cluster's two CTAs stay matched); ``record``: lane 0 records
         ERR_PRODUCER_BOUNDS (schedule position, field, value, bound; the first error wins).
-        Scalar work once per tile: a few compares, no per-element check."""
+        Scalar work once per tile: a few compares, no per-element check. group_tables: the
+        position's group entry is checked first (a bad one: the tile is skipped at p0, which
+        the fallback group [p0, p0 + 1) walks to, and recorded at p0)."""
         n_tile = cutlass.Int32(0)
         b = cutlass.Int32(0)
         e = cutlass.Int32(0)
         r = cutlass.Int32(0)
         bad = cutlass.Int32(1)
         while bad != 0 and t < total_tiles:
-            p, n_tile = self.scheduler.coords(t, n_tiles, num_bands)
+            if cutlass.const_expr(self.group_tables):
+                # p0 < num_bands <= capacity: the table reads are in bounds
+                p0 = t // n_tiles
+                s0 = mGroupFirst[p0]
+                g = mGroupSize[p0]
+                gend = s0 + g
+                ok_g = in_range_s64(cutlass.Int64(s0), cutlass.Int64(0),
+                                    cutlass.Int64(p0) + cutlass.Int64(1))
+                ok_e = in_range_s64(cutlass.Int64(s0) + cutlass.Int64(g),
+                                    cutlass.Int64(p0) + cutlass.Int64(1),
+                                    cutlass.Int64(num_bands) + cutlass.Int64(1))
+                ws0 = s0
+                wg = g
+                if ok_g == cutlass.Int32(0) or ok_e == cutlass.Int32(0):
+                    ws0 = p0  # a group inside the bounds; the tile is then skipped
+                    wg = cutlass.Int32(1)
+                p, n_tile = self.scheduler.walk(t, n_tiles, ws0, wg)
+            else:
+                p, n_tile = self.scheduler.coords(t, n_tiles, num_bands)
             b = mSchedule[p]
             ok_b = in_range_s64(cutlass.Int64(b), cutlass.Int64(0), cutlass.Int64(num_bands))
             bc = b
@@ -174,6 +204,11 @@ class GroupedGemmKernel(GemmSm90):
                 field, value, bound = cutlass.Int32(PRF_EXPERT), e, n_experts
             if ok_b == cutlass.Int32(0):
                 field, value, bound = cutlass.Int32(PRF_SCHEDULE), b, num_bands
+            if cutlass.const_expr(self.group_tables):
+                if ok_e == cutlass.Int32(0):
+                    field, value, bound = cutlass.Int32(PRF_GROUP_END), gend, num_bands
+                if ok_g == cutlass.Int32(0):
+                    field, value, bound = cutlass.Int32(PRF_GROUP_FIRST), s0, p0
             bad = cutlass.Int32(0)
             if field >= cutlass.Int32(0):
                 bad = cutlass.Int32(1)
@@ -194,7 +229,8 @@ class GroupedGemmKernel(GemmSm90):
                mBandSrcRow: cute.Tensor, mSchedule: cute.Tensor, mNumBands: cute.Tensor,
                mReady: cute.Tensor, mCounter: cute.Tensor, mEpoch: cute.Tensor,
                err: cutlass.Int64, rank: cutlass.Int32, x_rows: cutlass.Int32,
-               y_rows: cutlass.Int32, n_experts: cutlass.Int32, band_cap: cutlass.Int32):
+               y_rows: cutlass.Int32, n_experts: cutlass.Int32, band_cap: cutlass.Int32,
+               mGroupFirst: cute.Tensor, mGroupSize: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -277,7 +313,8 @@ class GroupedGemmKernel(GemmSm90):
             prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
             t, n_tile, b, e, m_tile = self.band_tile(
                 cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
-                mBandExpert, mBandSrcRow, n_experts, rows, err, rank, True)
+                mBandExpert, mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst,
+                mGroupSize)
             while t < total_tiles:
                 tAgA_k = tAgA[(None, m_tile, None)]
                 tBgB_k = tBgB[(None, n_tile, None, e)]
@@ -294,7 +331,7 @@ class GroupedGemmKernel(GemmSm90):
                     prod_state.advance()
                 t, n_tile, b, e, m_tile = self.band_tile(
                     t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
-                    mBandSrcRow, n_experts, rows, err, rank, True)
+                    mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst, mGroupSize)
             mainloop_pipeline.producer_tail(prod_state)
 
         # ------------------------------------------------------------ relay warp (flag_warp)
@@ -335,7 +372,8 @@ class GroupedGemmKernel(GemmSm90):
 
             t, n_tile, b, e, m_tile = self.band_tile(
                 cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
-                mBandExpert, mBandSrcRow, n_experts, rows, err, rank, False)
+                mBandExpert, mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
+                mGroupSize)
             while t < total_tiles:
                 gC_tile = gC[(None, None, m_tile, n_tile)]
 
@@ -396,7 +434,8 @@ class GroupedGemmKernel(GemmSm90):
                 tiles_done = tiles_done + 1
                 t, n_tile, b, e, m_tile = self.band_tile(
                     t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
-                    mBandSrcRow, n_experts, rows, err, rank, False)
+                    mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
+                    mGroupSize)
 
             if cutlass.const_expr(self.signal):
                 if pend_band >= 0:

@@ -90,12 +90,16 @@ def segment_word(source: int, segment: int) -> int:
 
 # what word 3 of ERR_PRODUCER_BOUNDS names (the grouped GEMM's checks, combine/grouped_gemm.py
 # band_faults is their host mirror); word 2 is the schedule position (-1: num_bands itself)
-PRF_NUM_BANDS, PRF_SCHEDULE, PRF_EXPERT, PRF_SRC_ROW = range(4)
+PRF_NUM_BANDS, PRF_SCHEDULE, PRF_EXPERT, PRF_SRC_ROW, PRF_GROUP_FIRST, PRF_GROUP_END = range(6)
 PRODUCER_FIELDS = {PRF_NUM_BANDS: "num_bands outside [0, band capacity]",
                    PRF_SCHEDULE: "schedule entry (band id) outside [0, num_bands)",
                    PRF_EXPERT: "band_expert outside [0, experts of w)",
                    PRF_SRC_ROW: "band_src_row: the band's tile_m rows outside x / y, or not a "
-                                "multiple of tile_m"}
+                                "multiple of tile_m",
+                   # group_by="expert": the position's band group table entry
+                   PRF_GROUP_FIRST: "group_first outside [0, schedule position]",
+                   PRF_GROUP_END: "group_first + group_size outside (schedule position, "
+                                  "num_bands]"}
 
 
 def comm_block_words(world: int) -> int:

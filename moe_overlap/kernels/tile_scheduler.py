@@ -25,7 +25,8 @@ class BandTileScheduler:
     at the same n tiles, so that the CTAs computing the same weight columns for the bands of an
     expert run side by side and read them from DRAM once; a short last group cycles over the
     bands left (one band: band-major). The ``cluster`` tiles of a cluster keep one band and
-    adjacent n tiles."""
+    adjacent n tiles. ``walk``: the same cycle over a group given by its first position and size
+    (GroupedGemm(group_by="expert"): groups cut at expert boundaries, read per position)."""
 
     def __init__(self, cluster: int, group: int):
         self.cluster, self.group = cluster, group
@@ -44,6 +45,19 @@ class BandTileScheduler:
             q = u // self.cluster
             p = s0 + q % g
             n = (q // g) * self.cluster + (u - q * self.cluster)
+        return p, n
+
+    @cute.jit
+    def walk(self, t: cutlass.Int32, n_tiles: cutlass.Int32, s0: cutlass.Int32,
+             g: cutlass.Int32):
+        """Linear tile t of the group of positions [s0, s0 + g) (tiles [s0 n_tiles, (s0 + g)
+        n_tiles)) -> (schedule position p, n tile): ``coords``' walk for a group read from the
+        per-position tables of ``combine.band_groups`` (group_by="expert"; the kernel checks
+        s0 <= t // n_tiles < s0 + g <= num_bands first). g = 1 is band-major."""
+        u = t - s0 * n_tiles
+        q = u // self.cluster
+        p = s0 + q % g
+        n = (q // g) * self.cluster + (u - q * self.cluster)
         return p, n
 
 
