@@ -9,8 +9,8 @@ where F is the GEMM's FLOPs, B_remote the bytes that leave the GPU, and t_tail t
 transfer, which cannot overlap (the schedule makes it one band). c is never above what the
 transfer needs: at most one consumer SM per piece (``consumer.DEFAULT_PIECE_BYTES``, about 1 MiB)
 of B_remote, since the consumer hands out whole pieces and an SM beyond that count ships nothing,
-and c = 0 (no consumer: the producer on every SM) where nothing leaves the GPU. Then, where a GPU and the overlap
-backend are at hand, `MoECombine.autotune` times the candidates of `coordinate_search` on the real
+and c = 0 (no consumer: the producer on every SM) where nothing leaves the GPU. Then, where a GPU
+and the overlap backend are at hand, `MoECombine.autotune` times the candidates of `coordinate_search` on the real
 input (CUDA-graph replays) and caches the winner per shape bucket (device, W, N, K, experts per rank,
 tile_m, rows rounded up to a power of two) in a `TuneCache`.
 """
