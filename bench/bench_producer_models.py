@@ -71,6 +71,7 @@ GOAL_GEOMEAN = 1.0  # geometric mean of the SM-scaled ratios
 TOL = 1e-2  # relative norm error against the per-expert loop (bf16 outputs)
 TILE_M = 128  # MoECombine's default
 LEAD_MS = 2.0  # GPU sleep before each timed call (time_interleaved)
+DEVICE = "cuda"  # (the CPU test of run_point swaps the kernel and the clock for stand-ins)
 OPTION_FIELDS = {f.name for f in dataclasses.fields(CombineOptions)} - {"gemm_options"}
 
 
@@ -285,9 +286,9 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
     from moe_overlap.combine.options import producer_gemm_options, producer_tile_n
     from moe_overlap.combine.plan import plan_combine
     from moe_overlap.kernels.errors import describe_error
-    from moe_overlap.timing import time_interleaved
+    from moe_overlap import timing
     E, topk, K, N, W, T = (point[k] for k in ("E", "topk", "K", "N", "world_size", "tokens"))
-    El, dev = E // W, torch.device("cuda")
+    El, dev = E // W, torch.device(DEVICE)
     S = torch.cuda.get_device_properties(dev).multi_processor_count
     counts = counts[:W].to(dev)
     rows_e = counts[:, :El].sum(0)  # rank 0's experts: rows from every rank
@@ -333,7 +334,8 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         grid = (S - opts.ccta) - (S - opts.ccta) % cluster
         ours[name] = dict(y=y, idx=idx, ready=ready, err=err, plan=plan, signal=gemm.signal)
         rec["variants"][name] = dict(
-            requested={k: v for k, v in dataclasses.asdict(req).items() if k != "gemm_options"},
+            requested=dict({f.name: getattr(req, f.name) for f in dataclasses.fields(req)},
+                           gemm_options=dict(req.gemm_options)),
             ccta=opts.ccta, mgb=opts.mgb, order=opts.order, layout=opts.layout, tuned=tuned,
             plan_layout=plan.layout, plan_packed=bool(plan.packed.item()), plan_rows=rows,
             padding=rows / max(n_valid, 1), bands=nb, grid=grid,
@@ -373,7 +375,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
     rec["correct"] = bool(ok)
     # ---- timing: CUDA graphs, interleaved rounds in a random order ----------------------
     graphs = {k: graphed(f) for k, f in fns.items()}
-    t = time_interleaved({k: gr.replay for k, gr in graphs.items()}, rounds=rounds,
+    t = timing.time_interleaved({k: gr.replay for k, gr in graphs.items()}, rounds=rounds,
                          lead_ms=LEAD_MS, shuffle_seed=seed)
     for k in ("base:grouped_mm", "base:mm_loop"):
         rec[k.replace("base:", "base_") + "_ms"] = t[k]["median_ms"]

@@ -88,6 +88,12 @@ def test_producer_options_beside_and_without_a_consumer():
     assert producer_gemm_options({}, 0, flags=True) == {}
     assert producer_gemm_options({"cluster_n": 2, "band_group": 4}, 8) == {"cluster_n": 2,
                                                                           "band_group": 4}
+    # a flag option of the user's does not stop the build without flags (GroupedGemm refuses
+    # flag_warp without signal)
+    from moe_overlap.combine.grouped_gemm import GroupedGemm
+    opts = producer_gemm_options({"flag_warp": True}, 0)
+    assert opts == {"signal": False}
+    GroupedGemm(**opts)
 
 
 # ------------------------------------------------------------------------ the call at ccta 0

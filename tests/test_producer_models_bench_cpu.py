@@ -127,3 +127,60 @@ def test_run_verdict_and_json_fields():
     assert B.result_name("NVIDIA H200", "abc1234") == "producer_models_h200_abc1234.json"
     assert B.result_name("NVIDIA H100 80GB HBM3", "abc1234", "t4096") == \
         "producer_models_h100_abc1234_t4096.json"
+
+
+def test_one_point_on_the_cpu_with_stand_ins(monkeypatch):
+    """run_point end to end on the CPU: the producer kernel replaced by its torch reference
+    (``grouped_gemm_reference``, which sets the flags the kernel sets), CUDA graphs and the
+    clock by plain calls and fixed times. Checks what a record holds: both baselines, each
+    variant's resolved options, plan and GEMM options, correctness fields, the ratios."""
+    import torch
+    from moe_overlap import timing
+    from moe_overlap.combine import grouped_gemm as gg
+    from moe_overlap.routing import routing_counts
+    from types import SimpleNamespace
+
+    def reference_call(self, x, w, y, be, bs, sched, nb, ready, epoch, ccta=0, err=None, **kw):
+        return gg.grouped_gemm_reference(x, w, y, be, bs, sched, nb, self.tile_m,
+                                         band_ready=ready if self.signal else None, epoch=epoch)
+    monkeypatch.setattr(gg.GroupedGemm, "__call__", reference_call)
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "graphed", lambda fn: SimpleNamespace(replay=fn))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(multi_processor_count=132))
+    ms = {"base:grouped_mm": 2.0, "base:mm_loop": 1.0, "default": 1.25, "band_group=2": 0.8}
+
+    def fake_time(fns, rounds, **kw):
+        for f in fns.values():
+            f()
+        return {k: dict(median_ms=ms[k], p10_ms=ms[k], p90_ms=ms[k], times=[ms[k]] * rounds)
+                for k in fns}
+    monkeypatch.setattr(timing, "time_interleaved", fake_time)
+    point = dict(model="tiny", tokens=96, world_size=2, routing="skewed", E=8, topk=2, K=64,
+                 N=256, label="tiny@96/W2/skewed")
+    counts = routing_counts(2, 96, 8, 2, "moderate_skew", 1)
+    cache = TuneCache("/nonexistent/moe-overlap-test/tune.json")  # read only, empty
+    variants = B.parse_variants("default,band_group=2")
+    resolved = {v["name"]: B.resolve(point, v, 132, "FakeGPU", cache) for v in variants}
+    rec = B.run_point(point, counts, resolved, rounds=3, seed=0)
+    json.dumps(rec)
+    assert rec["correct"], rec
+    assert rec["valid_rows"] == int(counts[:, :4].sum())
+    assert rec["base"] == "mm_loop" and rec["base_ms"] == 1.0
+    d, g = rec["variants"]["default"], rec["variants"]["band_group=2"]
+    assert d["ccta"] == resolved["default"][1].ccta >= 1  # W = 2: a consumer beside it
+    assert d["gemm"]["cluster_n"] == 1 and d["gemm"]["signal"] and d["flags_ok"]
+    assert g["gemm"]["band_group"] == 2 and g["bitwise_vs_first_variant"]
+    assert d["grid"] == 132 - d["ccta"]
+    assert d["ratio"] == pytest.approx(1.0 / 1.25)
+    assert d["scaled_ratio"] == pytest.approx(0.8 * 132 / (132 - d["ccta"]))
+    assert d["plan_rows"] >= rec["valid_rows"] and d["padding"] >= 1.0
+    # W = 1: no consumer, every SM, no flags written (the ready words stay 0)
+    one = dict(point, world_size=1, label="tiny@96/W1/skewed")
+    res1 = {v["name"]: B.resolve(one, v, 132, "FakeGPU", cache) for v in variants}
+    r1 = B.run_point(one, counts, res1, rounds=3, seed=0)
+    d1 = r1["variants"]["default"]
+    assert r1["correct"] and d1["ccta"] == 0 and d1["grid"] == 132, d1
+    assert not d1["gemm"]["signal"] and d1["flags_ok"]
+    assert d1["scaled_ratio"] == d1["ratio"]

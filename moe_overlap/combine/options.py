@@ -347,6 +347,7 @@ def producer_gemm_options(gemm_options, ccta: int, flags: bool | None = None) ->
         opts["cluster_n"] = 1
     if not (ccta > 0 if flags is None else flags):
         opts["signal"] = False
+        opts.pop("flag_warp", None)  # who posts the flags: none to post
     return opts
 
 
