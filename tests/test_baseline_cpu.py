@@ -63,3 +63,24 @@ def test_compiled_scale_matches_fp32_scale():
     want = base._scale("fp32", recv, gates)
     assert base.scale_kind == "compiled" and base._compiled is not None
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_rank_baseline_neither_permutes_nor_copies():
+    """W = 1 (issue 36, the one-GPU layer's same-scale base): one source, so the GEMM output is
+    already in send order (no permutation: the map is not even read) and there is no exchange
+    (the send rows are the received rows, no copy), as in the overlapped combine there; the
+    result is still the sequential combine's, in every GEMM variant."""
+    E, k, T, K, N = 4, 2, 40, 16, 24
+    ids, gates = route(T, E, k, "moderate_skew", seed=7, rank=0)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, K, generator=g)
+    w = torch.randn(E, K, N, generator=g)
+    counts = exchange_counts(ids, E)
+    x_c, _ = sequential_dispatch(x, ids, E)
+    ref = sequential_combine(x_c, w, counts, ids, gates)
+    for gemm in GEMMS:
+        base = SequentialBaseline(counts, ids, gemm=gemm, scale="fp32")
+        base.to_source_major = None  # a permutation would have to read it
+        send = base.expert_gemm(x_c, w)
+        assert base.exchange(send) is send, gemm
+        assert float((base(x_c, w, gates) - ref).abs().max()) < 1e-5, gemm

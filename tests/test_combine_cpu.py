@@ -135,7 +135,9 @@ def test_constructor_rejects_bad_backend_and_mgb():
     with pytest.raises(ValueError, match="mgb"):
         MoECombine(4, 8, 6, 2, 16, mgb=0)
     with pytest.raises(ValueError, match="ccta"):
-        MoECombine(4, 8, 6, 2, 16, ccta=0)
+        MoECombine(4, 8, 6, 2, 16, ccta=-1)
+    with pytest.raises(ValueError, match="ccta=0 must be an int >= 1 .0, no consumer"):
+        MoECombine(4, 8, 6, 2, 16, ccta=0, local_copy=True)  # the consumer copies local rows
     with pytest.raises(ValueError, match="transport"):
         MoECombine(4, 8, 6, 2, 16, transport="pigeon")
     with pytest.raises(ValueError, match="copy"):

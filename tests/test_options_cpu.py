@@ -172,7 +172,7 @@ def test_both_combine_layers_resolve_auto_alike(tmp_path, monkeypatch, cached):
 
 # ------------------------------------------------------------------------ bad values raise
 @pytest.mark.parametrize("kw,exc,msg", [
-    (dict(ccta=0), ValueError, "ccta"), (dict(ccta=2.0), ValueError, "ccta"),
+    (dict(ccta=-1), ValueError, "ccta"), (dict(ccta=2.0), ValueError, "ccta"),
     (dict(mgb=True), ValueError, "mgb"), (dict(mgb="fast"), ValueError, "mgb"),
     (dict(transport="pigeon"), ValueError, "transport"),
     (dict(transport="nvshmem", copy="tma"), ValueError, "copy"),

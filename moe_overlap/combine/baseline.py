@@ -47,6 +47,8 @@ class SequentialBaseline:
     - expert GEMM into the all-to-all's source-major send order: `grouped_mm` or `loop`
       (cuBLAS per expert) followed by one row permutation, or `blocks` (cuBLAS per
       (expert, source) block written straight into the send buffer, no permutation);
+    - with one rank (W = 1) no permutation (one source: the compact order is the send order)
+      and no exchange (the scale reads the GEMM output), as the overlapped combine there;
     - scale: `fp32` (gather, fp32 einsum), `bmm` (gather, batched GEMM), or `compiled`
       (torch.compile of the fp32 gather + weighted sum: one fused kernel).
     """
@@ -125,6 +127,8 @@ class SequentialBaseline:
                 if n:
                     torch.matmul(h[start:start + n], w_down[e], out=y[start:start + n])
                 start += n
+        if self.W == 1:  # one source: the compact order is the send order (no permutation)
+            return y
         return y.index_select(0, self.to_source_major)
 
     def _pick(self, what, variants, *args):
@@ -146,14 +150,15 @@ class SequentialBaseline:
 
     # ---- stage 2: exchange ---------------------------------------------------------------
     def exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """The received rows: one all_to_all_single; with one rank, the send buffer itself (no
+        copy: the overlapped combine moves nothing there either)."""
+        if self.W == 1:
+            return send
         if self._recv is None or self._recv.shape[1] != send.shape[1]:
             self._recv = torch.empty(sum(self.out_splits), send.shape[1], dtype=send.dtype,
                                      device=send.device)
-        if self.W == 1:
-            self._recv.copy_(send)
-        else:
-            collectives.all_to_all_single(self._recv, send, self.out_splits, self.in_splits,
-                                          group=self.group)
+        collectives.all_to_all_single(self._recv, send, self.out_splits, self.in_splits,
+                                      group=self.group)
         return self._recv
 
     # ---- stage 3: top-k weighted sum -----------------------------------------------------

@@ -77,7 +77,11 @@ class CombineOptions:
 
     ccta (int >= 1 and < the GPU's SM count, or "auto"): SMs reserved for the consumer kernel
         that ships finished bands; the producer GEMM runs on the others. auto: tuned, else
-        ``tuning.analytic_choice`` for the expected load.
+        ``tuning.analytic_choice`` for the expected load (never more SMs than pieces of the
+        bytes to move). 0: no consumer kernel at all (the producer on every SM, without band
+        flags; the scale waits on nothing and reads every row from the producer's output),
+        allowed only where the consumer has nothing to move: a group of one rank with
+        local_copy=False (``min_ccta``); that is what auto resolves to there.
     mgb (int >= 1 or "auto"): most bands one transfer (segment) of the plan waits for
         (``plan_combine(mgb=)``). auto: tuned, else ``tuning.analytic_choice``.
     transport ("nvlink" | "nvshmem"): how the consumer ships rows: stores to peer-mapped memory,
@@ -151,7 +155,7 @@ class CombineOptions:
     def validate(self) -> None:
         """Checks every option's type and allowed values (and normalizes: numpy ints -> int,
         None -> "auto", gemm_options -> a read-only copy). Raises ValueError / TypeError."""
-        self._set("ccta", _int("ccta", self.ccta, 1))
+        self._set("ccta", _int("ccta", self.ccta, 0))  # 0: see min_ccta (checked in resolve)
         self._set("mgb", _int("mgb", self.mgb, 1))
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r}; choose 'nvlink' or 'nvshmem'")
@@ -232,14 +236,24 @@ class CombineOptions:
         Raises ValueError if an explicit value does not fit the facts (ccta >= SM count)."""
         from .consumer import DEFAULT_CHUNK, DEFAULT_PIECE_BYTES, DEFAULT_STAGES, check_options
         ch = {}
+        ch["local_copy"], ch["copy"] = self.consumer_variant()
+        if self.consumer_piece_rows == AUTO:
+            ch["consumer_piece_rows"] = max(1, DEFAULT_PIECE_BYTES // (2 * facts.out_features))
+        piece_rows = ch.get("consumer_piece_rows", self.consumer_piece_rows)
         if AUTO in (self.ccta, self.mgb, self.order):
             from .tuning import TuneCache, analytic_choice
             cache = TuneCache() if cache is None else cache
             W = facts.world_size
             entry = cache.entry(self.tune_key(facts))
+            # rows the consumer moves at full load: the remote ones; at W = 1 with the local
+            # copy, this rank's own (none leave it, but the consumer copies them all); at W = 1
+            # without it, none: ccta 0, no consumer (tuning.analytic_choice)
+            moved = facts.rows if W == 1 and ch["local_copy"] else facts.rows * (W - 1) // W
+            # a piece: piece_rows rows, or (0: one piece per segment) one band at least
+            piece = (piece_rows or facts.tile_m) * facts.out_features * 2
             choice = (entry["ccta"], entry["mgb"]) if entry else analytic_choice(
-                facts.rows, facts.rows * (W - 1) // W, facts.out_features, facts.hidden_size,
-                facts.tile_m)
+                facts.rows, moved, facts.out_features, facts.hidden_size, facts.tile_m,
+                piece_bytes=piece)
             if self.ccta == AUTO:
                 ch["ccta"] = int(choice[0])
                 if facts.num_sms is not None:  # a cached value from a GPU with more SMs
@@ -251,17 +265,17 @@ class CombineOptions:
                 if ch["order"] not in ORDERS:
                     raise ValueError(f"tune cache {cache.path}: entry {self.tune_key(facts)!r} "
                                      f"has order={ch['order']!r}; expected one of {ORDERS}")
-        ch["local_copy"], ch["copy"] = self.consumer_variant()
         if self.consumer_stages == AUTO:
             ch["consumer_stages"] = DEFAULT_STAGES
         if self.consumer_chunk == AUTO:
             ch["consumer_chunk"] = DEFAULT_CHUNK
-        if self.consumer_piece_rows == AUTO:
-            ch["consumer_piece_rows"] = max(1, DEFAULT_PIECE_BYTES // (2 * facts.out_features))
         ch["producer"] = self.resolved_producer(facts)
         out = dataclasses.replace(self, **ch)
-        if facts.num_sms is not None and not 1 <= out.ccta < facts.num_sms:
-            raise ValueError(f"ccta={out.ccta!r} must be an int in [1, {facts.num_sms - 1}]")
+        lo = min_ccta(facts.world_size, out.local_copy)
+        if out.ccta < lo or (facts.num_sms is not None and out.ccta >= facts.num_sms):
+            span = f">= {lo}" if facts.num_sms is None else f"in [{lo}, {facts.num_sms - 1}]"
+            raise ValueError(f"ccta={out.ccta!r} must be an int {span}"
+                             + (NO_CONSUMER_NOTE if out.ccta == 0 else ""))
         check_options(out.transport, out.copy, out.consumer_stages, out.consumer_chunk,
                       out.consumer_lookahead)
         return out
@@ -300,6 +314,41 @@ class CombineOptions:
         from .consumer import DEFAULT_LOOKAHEAD, DEFAULT_STAGES
         stages = DEFAULT_STAGES if self.consumer_stages == AUTO else self.consumer_stages
         return min(DEFAULT_LOOKAHEAD, max(1, stages // 2))
+
+
+NO_CONSUMER_NOTE = (" (0, no consumer, only where no row leaves the rank and none is copied: "
+                     "a group of one rank with local_copy=False)")
+
+
+def min_ccta(world_size: int, local_copy: bool) -> int:
+    """The least ccta a layer may run: 0 (no consumer kernel: the producer on every SM, the
+    scale reading every row from its output) where the consumer has nothing to move (a group of
+    one rank, no local copy), else 1."""
+    return 0 if world_size == 1 and not local_copy else 1
+
+
+def producer_tile_n(out_features: int) -> int | None:
+    """The producer GEMM's tile width for output width N: the widest of 256 / 128 / 64 that
+    divides N (None: none does; the torch stand-in then)."""
+    return next((t for t in (256, 128, 64) if out_features % t == 0), None)
+
+
+def producer_gemm_options(gemm_options, ccta: int, flags: bool | None = None) -> dict:
+    """The keyword options (less tile_m / tile_n) of the producer ``GroupedGemm`` the overlapped
+    combine launches beside ``ccta`` consumer SMs (``OverlapCombine._gemm_for``; benches read
+    them here to launch it alike). Beside a consumer (ccta > 0) clusters of 1 unless
+    gemm_options set cluster_n: clusters of 2 can leave part of the persistent grid without a
+    pair of free SMs, so it runs as a second wave (bench/NOTES.md, "Moved from docstrings");
+    both cluster sizes give the same bits. flags: whether the kernel writes the band flags
+    (default: ccta > 0, a consumer reads them; a call with no consumer, ccta 0, builds the
+    kernel without the flag epilogue, same bits)."""
+    opts = dict(gemm_options or {})
+    if ccta > 0 and "cluster_n" not in opts:
+        opts["cluster_n"] = 1
+    if not (ccta > 0 if flags is None else flags):
+        opts["signal"] = False
+        opts.pop("flag_warp", None)  # who posts the flags: none to post
+    return opts
 
 
 def grouped_gemm_fits(facts: CombineFacts) -> bool:

@@ -29,6 +29,11 @@ waits for that marker.
 Everything per call lives on the device (epoch, expected counts, flags), so the call is capturable
 in a CUDA graph and replays with new data in the same input tensors.
 
+ccta 0 (``options.min_ccta``: a group of one rank with local_copy=False, what ccta="auto"
+resolves to there): no row leaves the rank and none is copied, so the call is the producer on
+every SM (no band flags) and the scale reading y, on s0 alone (``_forward_alone``): no consumer,
+no call marker, no wait. Bitwise equal to the call with a consumer.
+
 Options: ``moe_overlap.combine.options.CombineOptions`` (one default each, resolved once at
 construction). The consumer variants they select:
 - ``local_copy=False`` (the default with nvlink): the consumer ships remote segments only.
@@ -80,7 +85,8 @@ import torch.distributed as dist
 from ..diagnostics import CombineDebug, debug_scope
 from .comm_buffer import (CommBuffer, OverlapError,  # noqa: F401  (OverlapError: its old home)
                           ordered_segment_capacity)
-from .options import TRANSPORTS, CombineFacts, CombineOptions, options_from_kwargs  # noqa: F401
+from .options import (TRANSPORTS, CombineFacts, CombineOptions, min_ccta,  # noqa: F401
+                      options_from_kwargs, producer_gemm_options, producer_tile_n)
 from ..runtime.device import num_sms
 
 
@@ -226,8 +232,9 @@ class OverlapCombine:
             self.oscale = OrderedScale(topk, timeout_ns=self.timeout_ns)
             self.queue = torch.zeros(1, dtype=torch.int32, device=dev)
         self.producer_kind = self._pick_producer(opts.producer)
-        self._gemms = {}  # "solo" (every SM) / "beside" (next to the consumer): see _gemm_for
-        self._warm = False  # consumer + scale loaded (warmup())
+        self._gemms = {}  # per producer_gemm_options: see _gemm_for
+        self._warm = False  # scale (and the consumer where ccta > 0) loaded (warmup())
+        self._consumer_warm = False  # the consumer loaded (a layer of ccta 0 runs none)
         self._prod_warm = False  # producer compiled and run once alone
         # diagnostics (benchmarks; eager calls only, never under capture; never in a compile
         # key): see ``diagnostics``
@@ -287,7 +294,7 @@ class OverlapCombine:
 
     # ---- producer ----------------------------------------------------------------------------
     def _pick_producer(self, producer: str) -> str:
-        self._tile_n = next((t for t in (256, 128, 64) if self.out_features % t == 0), None)
+        self._tile_n = producer_tile_n(self.out_features)
         if producer == "torch":
             return "torch"
         if self._tile_n is None or self.tile_m not in (64, 128) or self.hidden_size % 64:
@@ -337,26 +344,25 @@ class OverlapCombine:
         y.index_copy_(0, dst.reshape(-1), vals.reshape(-1, y.shape[1]).to(y.dtype))
         band_ready.copy_(torch.where(valid, epoch.expand(cap), band_ready))
 
-    def _gemm_for(self, ccta: int):
-        """The producer GEMM for a launch beside ``ccta`` consumer SMs (0: alone, every SM).
-        Beside the consumer's CTAs, clusters of 2 can leave part of the persistent grid without a
-        pair of free SMs, so it runs as a second wave; launches beside a consumer therefore use
-        clusters of 1 unless gemm_options set cluster_n (the measurements: bench/NOTES.md,
-        "Moved from docstrings"). Both cluster sizes give the same bits."""
-        key = "solo" if ccta == 0 or "cluster_n" in self.gemm_options else "beside"
+    def _gemm_for(self, ccta: int, flags: bool = True):
+        """The producer GEMM for a launch beside ``ccta`` consumer SMs (0: alone, every SM):
+        its options are ``options.producer_gemm_options`` (clusters of 1 beside a consumer
+        unless gemm_options set cluster_n; flags=False: the build without band flags)."""
+        opts = producer_gemm_options(self.gemm_options, ccta, flags)
+        key = tuple(sorted(opts.items()))
         gemm = self._gemms.get(key)
         if gemm is None:
             from .grouped_gemm import GroupedGemm
-            opts = dict(self.gemm_options, **({"cluster_n": 1} if key == "beside" else {}))
             gemm = self._gemms[key] = GroupedGemm(tile_m=self.tile_m, tile_n=self._tile_n,
                                                   **opts)
         return gemm
 
-    def produce(self, h, w_down, plan, y_ext, band_ready, ccta=None):
+    def produce(self, h, w_down, plan, y_ext, band_ready, ccta=None, flags: bool = True):
         """Launch the producer alone on the current stream: y = y_ext[:rows] = h[bands] @
         w_down[band expert], then band_ready[b] = epoch for every valid band (the current epoch:
         no epoch change). y_ext: ``[rows + 1, N]`` (``buffers_for``); ccta: SMs left out of the
-        producer's grid (default: the resolved option; 0: every SM)."""
+        producer's grid (default: the resolved option; 0: every SM); flags=False: the GEMM
+        built without band flags (band_ready is not written; the call without a consumer)."""
         ccta = self.ccta if ccta is None else ccta
         if h.shape[0] == 0:
             # this rank receives no rows (the plan has no bands): the GEMM still launches, on
@@ -366,7 +372,7 @@ class OverlapCombine:
         if self.producer_kind == "torch":
             self._torch_producer(h, w_down, plan, y_ext, band_ready, self.epoch)
         else:
-            self._gemm_for(ccta)(h, w_down, y_ext[:h.shape[0]], plan.band_expert,
+            self._gemm_for(ccta, flags)(h, w_down, y_ext[:h.shape[0]], plan.band_expert,
                                  plan.band_src_row, plan.schedule, plan.num_bands, band_ready,
                                  self.epoch, ccta=ccta, err=self.err, rank=self.rank)
 
@@ -400,9 +406,13 @@ class OverlapCombine:
                 raise ValueError(f"tensors must be on {self.device}, got {t.device}")
 
     def check_ccta(self, ccta) -> int:
-        """A per-call ccta checked against this GPU (ValueError otherwise)."""
-        if isinstance(ccta, bool) or not isinstance(ccta, int) or not 1 <= ccta < self.num_sms:
-            raise ValueError(f"ccta={ccta!r} must be an int in [1, {self.num_sms - 1}]")
+        """A per-call ccta checked against this GPU and group (ValueError otherwise): 0 (no
+        consumer) only where ``min_ccta`` allows it."""
+        lo = min_ccta(self.world_size, self.local_copy)
+        if isinstance(ccta, bool) or not isinstance(ccta, int) or not lo <= ccta < self.num_sms:
+            from .options import NO_CONSUMER_NOTE
+            raise ValueError(f"ccta={ccta!r} must be an int in [{lo}, {self.num_sms - 1}]"
+                             + (NO_CONSUMER_NOTE if ccta == 0 else ""))
         return ccta
 
     def check_errors(self):
@@ -428,23 +438,17 @@ class OverlapCombine:
 
     # ---- warm-up -----------------------------------------------------------------------------
     def warmup(self):
-        """Load and run every kernel once alone (empty work) before any overlapped launch."""
+        """Load and run every kernel once alone (empty work) before any overlapped launch: the
+        scale(s), and the consumer where this layer launches one (ccta > 0; a call given a
+        ccta > 0 on a layer of ccta 0 loads it then, ``_warmup_consumer``)."""
         if self._warm:
             return
+        if self.ccta > 0:
+            self._warmup_consumer()
         dev = self.device
         z = torch.zeros(1, dtype=torch.int32, device=dev)
-        from types import SimpleNamespace
-        empty = SimpleNamespace(rank=self.rank, world_size=0, **{n: z for n in (
-            "num_segments", "segment_start", "segment_bands", "segment_dest", "segment_src_row",
-            "segment_dest_row", "segment_rows", "schedule", "num_local_cells", "local_cell_band",
-            "local_cell_src_row", "local_cell_rows", "local_cell_dest_row")})
         yb = torch.zeros(1, self.out_features, dtype=torch.bfloat16, device=dev)
         flags = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.consumer.launch(y=yb, plan=empty, band_ready=flags, epoch=z,
-                             recv_peers=self.buffers.recv_peers, ctr_peers=self.buffers.ctr_peers,
-                             recv_sym=self.buffers.recv.data_ptr(),
-                             ctr_sym=self.counters.data_ptr(),
-                             err=self.err, ccta=self.ccta, slot_bytes=0)
         out = torch.empty(0, self.out_features, dtype=torch.bfloat16, device=dev)
         zi = torch.zeros(1, dtype=torch.int32, device=dev)
         zf = torch.zeros(1, dtype=torch.float32, device=dev)
@@ -465,6 +469,25 @@ class OverlapCombine:
                                wait_bands=False, check_tags=False)
         torch.cuda.synchronize(dev)
         self._warm = True
+
+    def _warmup_consumer(self):
+        """Load and run the consumer once alone on an empty plan."""
+        dev = self.device
+        z = torch.zeros(1, dtype=torch.int32, device=dev)
+        from types import SimpleNamespace
+        empty = SimpleNamespace(rank=self.rank, world_size=0, **{n: z for n in (
+            "num_segments", "segment_start", "segment_bands", "segment_dest", "segment_src_row",
+            "segment_dest_row", "segment_rows", "schedule", "num_local_cells", "local_cell_band",
+            "local_cell_src_row", "local_cell_rows", "local_cell_dest_row")})
+        yb = torch.zeros(1, self.out_features, dtype=torch.bfloat16, device=dev)
+        flags = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.consumer.launch(y=yb, plan=empty, band_ready=flags, epoch=z,
+                             recv_peers=self.buffers.recv_peers, ctr_peers=self.buffers.ctr_peers,
+                             recv_sym=self.buffers.recv.data_ptr(),
+                             ctr_sym=self.counters.data_ptr(),
+                             err=self.err, ccta=max(1, self.ccta), slot_bytes=0)
+        torch.cuda.synchronize(dev)
+        self._consumer_warm = True
 
     def prepare(self, plan, topk_ids, expert_counts=None, ordered_impl: str = "device",
                 validate: bool = False) -> CombineRoutes:
@@ -589,7 +612,8 @@ class OverlapCombine:
                 ccta: int | None = None, piece_rows: int | None = None):
         """One combine call (collective): bf16 [T, N].
         overlap=False: our own non-overlapped path (the same GEMM on every SM, then the
-        consumer, then the scale), the bitwise reference of the overlapped call.
+        consumer, then the scale), the bitwise reference of the overlapped call (at ccta 0
+        both are the call without a consumer, ``_forward_alone``).
         routes: ``prepare(plan, topk_ids)`` of this routing (computed in the call if None).
         out: optional bf16 [T, N] tensor the result is written to (default: a new one).
         ccta / piece_rows: this call's consumer SMs and rows per piece (default: the resolved
@@ -617,8 +641,13 @@ class OverlapCombine:
                              "expert_counts) (it needs every rank's counts)")
         if self._async_errors:  # an earlier call's device error raises here, before any launch
             self._watch.poll()
+        if ccta == 0:  # nothing leaves this rank and nothing is copied (min_ccta): no consumer
+            return self._forward_alone(h, w_down, plan, topk_ids, topk_weights, routes, out,
+                                       check)
         if not self._warm:
             self.warmup()
+        if self.ccta == 0 and not self._consumer_warm:  # a per-call ccta on a layer of none
+            self._warmup_consumer()
         if not self._prod_warm:
             # solo producer pass on scratch flags: compiles and loads its module while nothing
             # spins (loading a module next to a spinning kernel can stall until the spin ends)
@@ -684,6 +713,55 @@ class OverlapCombine:
         if not torch.cuda.is_current_stream_capturing():
             for t in (rows, weights, out, y):
                 t.record_stream(cs)
+        if self._async_errors:
+            self._watch.after_call(s0)
+        if check:
+            self.check_errors()
+        return out
+
+    def _forward_alone(self, h, w_down, plan, topk_ids, topk_weights, routes, out, check):
+        """The call of ccta 0 (a group of one rank, local_copy=False: no row leaves the rank and
+        none is copied): on the current stream, the producer on every SM (its clusters at ccta
+        0) built without band flags, then the plain scale reading every row from the producer's
+        output, with no arrival to wait for. No consumer launch, no call marker, no side
+        stream; the counters, expected counts and (scale="ordered") per-segment expectations
+        are left as they are (a later call with a consumer finds them in step), the epoch
+        still counts the call. Bitwise equal to the call with a consumer: the same GEMM
+        tiles (the flags change no stored value) and the same scale on the same rows (the
+        ordered scale is bitwise equal to the plain one)."""
+        if not self._warm:
+            self.warmup()
+        if routes is None:
+            routes = self.prepare(plan, topk_ids)
+        y, band_ready = self.buffers_for(h, plan)
+        s0 = torch.cuda.current_stream(self.device)
+        debug = self._debug
+        marks = None
+        if debug.timeline is not None:
+            marks = {n: torch.cuda.Event(enable_timing=True)
+                     for n in ("start", "begun", "shipped", "produced", "scaled")}
+            marks["start"].record(s0)
+        self.comm.note_call()
+        self.epoch.add_(1)
+        weights = topk_weights.to(torch.float32).contiguous()
+        if out is None:
+            out = torch.empty(topk_ids.shape[0], self.out_features, dtype=torch.bfloat16,
+                              device=self.device)
+        if marks:
+            marks["begun"].record(s0)
+        self.produce(h, w_down, plan, y, band_ready, ccta=0, flags=False)
+        if marks:
+            marks["produced"].record(s0)
+            marks["shipped"].record(s0)
+        if not debug.skip_scale:
+            # no counter to wait on (0 words: the arrival wait does nothing)
+            self.scale.launch(recv=self.buffers.recv, rows=routes.rows, weights=weights,
+                              out=out, counters=self.counters[:0], expected=self.expected,
+                              rank=self.rank, err=self.err, epoch=self.epoch,
+                              slot_bytes=self.slot_bytes, num_sms=self.num_sms, stream=s0, y=y)
+        if marks:
+            marks["scaled"].record(s0)
+            debug.timeline.append(marks)
         if self._async_errors:
             self._watch.after_call(s0)
         if check:

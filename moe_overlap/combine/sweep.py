@@ -237,7 +237,7 @@ def worker(rank, W, args):
                               flush=True)
             if args.soak and not soaks:
                 # the first shape and mode: CUDA-graph replays with new data, poisoned, checked
-                soak_ccta = choice[0] if choice[0] < ov.num_sms else args.ccta[0]
+                soak_ccta = choice[0] if 1 <= choice[0] < ov.num_sms else args.ccta[0]
                 res = soak(ov, T, mode, calls=args.soak, routing_every=10, seed=seed,
                            mgb=args.mgb[0], ccta=soak_ccta)
                 soaks.append(dict(res, shape=shape, ccta=soak_ccta, mgb=args.mgb[0]))

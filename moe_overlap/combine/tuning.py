@@ -6,8 +6,11 @@ consumer's copy bandwidth as a function of its SM count. Overlapped time for c c
     T(c) = max(F / ((S - c) * gemm_per_sm), B_remote / copy_bw(c)) + t_tail(c)
 
 where F is the GEMM's FLOPs, B_remote the bytes that leave the GPU, and t_tail the last segment's
-transfer, which cannot overlap (the schedule makes it one band). Then, where a GPU and the overlap
-backend are at hand, `MoECombine.autotune` times the candidates of `coordinate_search` on the real
+transfer, which cannot overlap (the schedule makes it one band). c is never above what the
+transfer needs: at most one consumer SM per piece (``consumer.DEFAULT_PIECE_BYTES``, about 1 MiB)
+of B_remote, since the consumer hands out whole pieces and an SM beyond that count ships nothing,
+and c = 0 (no consumer: the producer on every SM) where nothing leaves the GPU. Then, where a GPU
+and the overlap backend are at hand, `MoECombine.autotune` times the candidates of `coordinate_search` on the real
 input (CUDA-graph replays) and caches the winner per shape bucket (device, W, N, K, experts per rank,
 tile_m, rows rounded up to a power of two) in a `TuneCache`.
 """
@@ -17,6 +20,8 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
+
+from .consumer import DEFAULT_PIECE_BYTES as PIECE_BYTES
 
 CCTA_CHOICES = (4, 8, 12, 16, 20, 24, 32)
 MGB_CHOICES = (1, 2, 4)
@@ -72,13 +77,27 @@ def predict(model: CostModel, rows: int, remote_rows: int, N: int, K: int, tile_
             "t_overlap": max(t_gemm, t_comm) + t_tail + t_wait}
 
 
+def ccta_cap(remote_rows: int, N: int, piece_bytes: int = PIECE_BYTES,
+             bytes_per_elem: int = 2) -> int:
+    """The most consumer SMs a transfer of ``remote_rows`` rows of N elements can use: one per
+    piece of ``piece_bytes`` (the consumer gives each CTA whole pieces; see consumer.py), at
+    least 1 where any row is remote, 0 where none is."""
+    remote_bytes = max(0, remote_rows) * N * bytes_per_elem
+    return -(-remote_bytes // max(1, piece_bytes))
+
+
 def analytic_choice(rows: int, remote_rows: int, N: int, K: int, tile_m: int = 128,
                     model: CostModel | None = None, ccta_choices=CCTA_CHOICES,
-                    mgb_choices=MGB_CHOICES) -> tuple[int, int]:
-    """(ccta, mgb) minimizing the predicted overlapped time (ties: fewer SMs, smaller mgb)."""
+                    mgb_choices=MGB_CHOICES, piece_bytes: int = PIECE_BYTES) -> tuple[int, int]:
+    """(ccta, mgb) minimizing the predicted overlapped time (ties: fewer SMs, smaller mgb),
+    with ccta capped at ``ccta_cap`` (each choice above it is read as the cap): (0, 1) where no
+    row is remote (no consumer; mgb cuts only remote segments)."""
     model = model or CostModel()
+    cap = ccta_cap(remote_rows, N, piece_bytes)
+    if cap == 0:
+        return 0, 1
     best = None
-    for c in ccta_choices:
+    for c in sorted({min(c, cap) for c in ccta_choices}):
         if c >= model.num_sms:
             continue
         for m in mgb_choices:

@@ -1,0 +1,493 @@
+"""The producer grouped GEMM as `MoECombine` launches it, on model-shaped plans, against the
+library on the same rows unpadded (one GPU; issue 36's measurement).
+
+    PYTHONPATH=$PWD python bench/bench_producer_models.py --out bench/results
+    PYTHONPATH=$PWD python bench/bench_producer_models.py --quick --out $OUT
+    PYTHONPATH=$PWD python bench/bench_producer_models.py --variants default,band_group=expert \\
+        --points 'deepseek-v3@4096/*' --out $OUT
+
+Points: model (deepseek-v3, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x7b:
+moe_overlap/combine/shapes.py) x tokens per rank (4096, 16384) x W (1, 2, 8, 16; W must divide
+the experts) x routing (balanced; skewed: the mildest router mode of moe_overlap/routing.py whose
+busiest expert gets >= 3x the mean load, with a popularity seed that puts that expert on rank 0).
+The counts are made for every rank (``routing_counts``: W ranks of `tokens` tokens each) and
+rank 0's plan is the one timed: its E / W local experts, its rows from all W ranks' tokens.
+
+Per point and variant, ours is the launch `MoECombine` makes on that plan: the options resolved
+by the library (``CombineOptions(...).resolve`` for the layer's facts: ccta, mgb, order, layout;
+the tune cache where it holds the bucket, else the analytic choice; at W = 1 that is ccta 0, no
+consumer), the plan as ``MoECombine.plan`` makes it, the ``GroupedGemm`` of
+``options.producer_gemm_options`` (clusters of 1 beside a consumer, no band flags without one)
+launched with the resolved ccta SMs left out of its grid (the consumer's SMs: at W = 1 on one GPU
+there is no consumer, so they stay idle, as the combine leaves them to it). Baseline: the faster
+of ``torch._grouped_mm`` and a per-expert ``torch.mm`` loop on the valid rows only (compact,
+expert-major, unpadded), on every SM. Every path is one CUDA graph, timed in the same
+interleaved rounds in a fresh random order per round (``moe_overlap.timing.time_interleaved``,
+a GPU sleep ahead of each call). ratio = t_base / t_ours, also scaled by SMs / (SMs - ccta) (the
+SMs ours leaves to the consumer).
+
+Correct first, per point, before timing: ours' output (NaN-poisoned beforehand) on the valid rows
+within 1e-2 (relative norm) of the per-expert loop and finite, the two baselines within 1e-2 of
+each other, every valid band's flag set to the epoch where the launch writes flags (none set
+where it does not), the error word clear, and every variant bitwise equal to the first one on
+the valid rows. Goals (issue 36), per variant: SM-scaled ratio >= 0.95 on every point and their
+geometric mean >= 1.0. The run fails (``failed`` in the JSON, exit status 1) on a wrong output or
+where the variant `MoECombine` launches ("default", else the first) misses a goal.
+JSON: ``producer_models_<card>_<commit>[_<tag>].json`` in --out.
+
+Variants (--variants, comma-separated): "default" (the library's options) or key=value pairs
+joined by "+": keys of ``CombineOptions`` (ccta, mgb, order, layout, ...) change the options
+resolved, any other key is a producer GEMM option (``GroupedGemm``'s keywords, e.g. band_group,
+cluster_n; checked by ``CombineOptions.check_gemm_options``). --gemm-option key=value applies
+to every variant (as ``CombineOptions(gemm_options=...)``).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import fnmatch
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_results import result_header, write_result  # noqa: E402
+from moe_overlap.combine.options import CombineFacts, CombineOptions  # noqa: E402
+from moe_overlap.combine.shapes import MODELS, MODEL_TOKENS  # noqa: E402
+from moe_overlap.routing import expert_popularity, routing_counts  # noqa: E402
+
+WORLDS = (1, 2, 8, 16)
+ROUTINGS = ("balanced", "skewed")
+SKEW_MODES = ("moderate_skew", "stress_skew")  # the mildest that meets MIN_SKEW is used
+MIN_SKEW = 3.0  # busiest expert / mean expert load of a skewed routing
+GOAL_SCALED = 0.95  # SM-scaled ratio on every point
+GOAL_GEOMEAN = 1.0  # geometric mean of the SM-scaled ratios
+TOL = 1e-2  # relative norm error against the per-expert loop (bf16 outputs)
+TILE_M = 128  # MoECombine's default
+LEAD_MS = 2.0  # GPU sleep before each timed call (time_interleaved)
+DEVICE = "cuda"  # (the CPU test of run_point swaps the kernel and the clock for stand-ins)
+OPTION_FIELDS = {f.name for f in dataclasses.fields(CombineOptions)} - {"gemm_options"}
+
+
+# ------------------------------------------------------------------------------ pure parts
+def parse_value(text: str):
+    """A command-line value: a Python literal (int, float, bool, None) where it parses, else
+    the string itself ("expert", "remote_first")."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_pairs(text: str, what: str) -> dict:
+    """'k=v+k2=v2' -> {k: v, k2: v2} (values by ``parse_value``)."""
+    out = {}
+    for item in (p for p in text.split("+") if p):
+        key, eq, val = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{what}: {item!r} is not key=value")
+        out[key.strip()] = parse_value(val.strip())
+    return out
+
+
+def parse_variants(text: str, gemm_options: dict | None = None) -> list[dict]:
+    """[{name, options: CombineOptions keywords, gemm_options}] of --variants: "default" or
+    key=value pairs joined by "+" (CombineOptions fields go to the options, other keys to the
+    producer GEMM's options); ``gemm_options`` (--gemm-option) under every variant's own."""
+    out, names = [], set()
+    for name in (v.strip() for v in text.split(",") if v.strip()):
+        pairs = {} if name == "default" else parse_pairs(name, "--variants")
+        opts = {k: v for k, v in pairs.items() if k in OPTION_FIELDS}
+        gemm = dict(gemm_options or {}, **{k: v for k, v in pairs.items()
+                                           if k not in OPTION_FIELDS})
+        if name in names:
+            raise ValueError(f"--variants: {name!r} given twice")
+        names.add(name)
+        out.append(dict(name=name, options=opts, gemm_options=gemm))
+    if not out:
+        raise ValueError("--variants: none given")
+    return out
+
+
+def variant_options(variant: dict) -> CombineOptions:
+    """The variant's requested CombineOptions (validated; its GEMM options checked against the
+    GEMM's own keywords, CPU only)."""
+    o = CombineOptions(**variant["options"], gemm_options=variant["gemm_options"] or None)
+    o.check_gemm_options(TILE_M)
+    return o
+
+
+def point_label(p: dict) -> str:
+    return f"{p['model']}@{p['tokens']}/W{p['world_size']}/{p['routing']}"
+
+
+def make_points(models=tuple(MODELS), tokens=MODEL_TOKENS, worlds=WORLDS,
+                routings=ROUTINGS) -> tuple[list[dict], list[str]]:
+    """(points, skipped labels): every model x tokens x W x routing; a W that does not divide
+    the model's experts is skipped (mixtral's 8 experts at W = 16)."""
+    points, skipped = [], []
+    for m in models:
+        if m not in MODELS:
+            raise ValueError(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+        E, topk, K, N = MODELS[m]
+        for T in tokens:
+            for W in worlds:
+                for r in routings:
+                    if r not in ROUTINGS:
+                        raise ValueError(f"unknown routing {r!r}; choose from {ROUTINGS}")
+                    p = dict(model=m, tokens=int(T), world_size=int(W), routing=r, E=E,
+                             topk=topk, K=K, N=N)
+                    p["label"] = point_label(p)
+                    if E % W:
+                        skipped.append(p["label"])
+                    else:
+                        points.append(p)
+    return points, skipped
+
+
+def select_points(points: list[dict], include: str = "", exclude: str = "") -> list[dict]:
+    """The points whose label matches one of the comma-separated fnmatch patterns of include
+    (all where empty) and none of exclude."""
+    inc = [p for p in include.split(",") if p]
+    exc = [p for p in exclude.split(",") if p]
+    return [p for p in points
+            if (not inc or any(fnmatch.fnmatch(p["label"], q) for q in inc))
+            and not any(fnmatch.fnmatch(p["label"], q) for q in exc)]
+
+
+def skew(loads) -> float:
+    """Busiest expert's load / the mean load (loads: per expert, any length)."""
+    loads = torch.as_tensor(loads, dtype=torch.float64).reshape(-1)
+    return float(loads.max() / loads.mean()) if loads.numel() and loads.sum() > 0 else 0.0
+
+
+def hot_on_rank0_seed(mode: str, E: int, experts_of_rank0: int, first: int = 1) -> int:
+    """The first popularity seed >= first whose busiest expert is one of rank 0's (experts
+    [0, experts_of_rank0)): the skew then falls on the plan timed, at every W whose rank 0
+    holds at least those experts."""
+    s = first
+    while int(expert_popularity(mode, E, s).argmax()) >= experts_of_rank0:
+        s += 1
+    return s
+
+
+def routing_counts_for(model: str, tokens: int, routing: str, world_max: int) -> tuple:
+    """(counts [world_max, E] int64, info) of a routing for every rank of the largest world;
+    a smaller W's counts are the first W rows (the same seeds per rank). Balanced: seed 1.
+    Skewed: the mildest of SKEW_MODES whose busiest expert (over all ranks' tokens) gets
+    >= MIN_SKEW x the mean, with ``hot_on_rank0_seed`` for rank 0's experts at world_max."""
+    E, topk, _, _ = MODELS[model]
+    if routing == "balanced":
+        c = routing_counts(world_max, tokens, E, topk, "balanced", 1)
+        return c, dict(mode="balanced", seed=1, skew=skew(c.sum(0)))
+    c = info = None
+    for mode in SKEW_MODES:
+        seed = hot_on_rank0_seed(mode, E, E // world_max)
+        c = routing_counts(world_max, tokens, E, topk, mode, seed)
+        info = dict(mode=mode, seed=seed, skew=skew(c.sum(0)))
+        if info["skew"] >= MIN_SKEW:
+            break
+    return c, info
+
+
+def scaled_ratio(ratio: float, num_sms: int, ccta: int) -> float:
+    """The ratio as if ours had the ccta SMs it leaves to the consumer: ratio x S / (S - ccta)."""
+    return ratio * num_sms / (num_sms - ccta)
+
+
+def evaluate_goals(scaled: dict, min_scaled: float = GOAL_SCALED,
+                   min_geomean: float = GOAL_GEOMEAN) -> dict:
+    """Goals of one variant from its SM-scaled ratios {label: ratio}: every point >= min_scaled,
+    geometric mean >= min_geomean. No point: nothing met."""
+    vals = list(scaled.values())
+    if not vals:
+        return dict(points=0, min_scaled=None, geomean_scaled=None, below=[],
+                    every_point=False, geomean=False, met=False)
+    gm = math.exp(sum(math.log(v) for v in vals) / len(vals))
+    below = sorted(k for k, v in scaled.items() if not v >= min_scaled)
+    return dict(points=len(vals), min_scaled=min(vals), geomean_scaled=gm, below=below,
+                goal_scaled=min_scaled, goal_geomean=min_geomean, every_point=not below,
+                geomean=gm >= min_geomean, met=not below and gm >= min_geomean)
+
+
+def card_of(device_name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100' (the part's model number), else the name sanitized."""
+    m = re.search(r"\b([A-Za-z]\d{2,4}[A-Za-z]?)\b", device_name)
+    return (m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")).lower()
+
+
+def result_name(device_name: str, commit: str, tag: str = "") -> str:
+    return f"producer_models_{card_of(device_name)}_{commit}{'_' + tag if tag else ''}.json"
+
+
+def ours_variant_name(variants: list[dict]) -> str:
+    """The variant MoECombine launches: "default" where timed, else the first."""
+    names = [v["name"] for v in variants]
+    return "default" if "default" in names else names[0]
+
+
+def summarize(doc: dict) -> dict:
+    """Goals per variant from the points' records, and the run's verdict (also on wrong output)."""
+    goals = {}
+    for v in doc["variants"]:
+        goals[v["name"]] = evaluate_goals({p["label"]: p["variants"][v["name"]]["scaled_ratio"]
+                                           for p in doc["points"]
+                                           if v["name"] in p.get("variants", {})})
+    ours = ours_variant_name(doc["variants"])
+    correct = all(p.get("correct", False) for p in doc["points"]) and bool(doc["points"])
+    doc.update(goals=goals, ours_variant=ours, all_correct=correct,
+               failed=not (correct and goals[ours]["met"]))
+    return doc
+
+
+# ------------------------------------------------------------------------------ the GPU part
+def resolve(point: dict, variant: dict, num_sms: int, device_name: str, cache):
+    """(requested, resolved CombineOptions, tuned?) of the layer MoECombine builds for the point
+    (rank 0 of a world of W; rows: tokens x topk at full load)."""
+    E, topk, K, N, W = (point[k] for k in ("E", "topk", "K", "N", "world_size"))
+    facts = CombineFacts(world_size=W, hidden_size=K, out_features=N, experts_per_rank=E // W,
+                         tile_m=TILE_M, rows=point["tokens"] * topk, device_name=device_name,
+                         num_sms=num_sms)
+    req = variant_options(variant)
+    return req, req.resolve(facts, cache=cache), cache.entry(req.tune_key(facts)) is not None
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (two eager warm-up calls on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, seed: int):
+    """One point: every variant's launch and both baselines checked, then timed in the same
+    interleaved rounds. resolved: {variant name: (requested, resolved options, tuned)}."""
+    from moe_overlap.combine.baseline import plan_to_compact_rows
+    from moe_overlap.combine.grouped_gemm import GroupedGemm
+    from moe_overlap.combine.options import producer_gemm_options, producer_tile_n
+    from moe_overlap.combine.plan import plan_combine
+    from moe_overlap.kernels.errors import describe_error
+    from moe_overlap import timing
+    E, topk, K, N, W, T = (point[k] for k in ("E", "topk", "K", "N", "world_size", "tokens"))
+    El, dev = E // W, torch.device(DEVICE)
+    S = torch.cuda.get_device_properties(dev).multi_processor_count
+    counts = counts[:W].to(dev)
+    rows_e = counts[:, :El].sum(0)  # rank 0's experts: rows from every rank
+    n_valid = int(rows_e.sum())
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x_c = torch.randn(n_valid, K, device=dev, generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(El, K, N, device=dev, generator=g, dtype=torch.bfloat16) * K ** -0.5)
+    offs = torch.cumsum(rows_e, 0).to(torch.int32)
+    starts = [0] + torch.cumsum(rows_e, 0).tolist()
+    rec = dict(point, valid_rows=n_valid, gflop=2.0 * n_valid * K * N / 1e9, num_sms=S,
+               rank0_skew=skew(rows_e.cpu()) if El > 1 else None,
+               global_skew=skew(counts.sum(0).cpu()), variants={})
+    y_gm, y_loop = {}, torch.empty(n_valid, N, device=dev, dtype=torch.bfloat16)
+
+    def grouped_mm():
+        y_gm["y"] = torch._grouped_mm(x_c, w, offs=offs)
+
+    def loop():
+        for e in range(El):
+            a, b = starts[e], starts[e + 1]
+            if b > a:
+                torch.mm(x_c[a:b], w[e], out=y_loop[a:b])
+    fns = {"base:grouped_mm": grouped_mm, "base:mm_loop": loop}
+    epoch = torch.ones(1, dtype=torch.int32, device=dev)
+    ours = {}
+    for name, (req, opts, tuned) in resolved.items():
+        plan = plan_combine(counts, 0, tile_m=TILE_M, mgb=opts.mgb, max_rows=W * T * topk,
+                            validate=False, layout=opts.layout, order=opts.order)
+        rows = int(plan.total_rows.item())
+        idx = plan_to_compact_rows(plan, counts)  # plan row of each compact row
+        x = torch.zeros(max(rows, 1), K, device=dev, dtype=torch.bfloat16)
+        x[idx] = x_c
+        y = torch.empty(max(rows, 1), N, device=dev, dtype=torch.bfloat16)
+        kw = producer_gemm_options(opts.gemm_options, opts.ccta)
+        gemm = GroupedGemm(tile_m=TILE_M, tile_n=producer_tile_n(N), **kw)
+        ready = torch.zeros(plan.band_capacity, dtype=torch.int32, device=dev)
+        err = torch.zeros(8, dtype=torch.int64, device=dev)
+        fns[name] = (lambda gemm=gemm, x=x, y=y, p=plan, ready=ready, err=err, c=opts.ccta:
+                     gemm(x, w, y, p.band_expert, p.band_src_row, p.schedule, p.num_bands, ready,
+                          epoch, ccta=c, err=err))
+        nb = int(plan.num_bands.item())
+        cluster = gemm.cluster_for(N)
+        grid = (S - opts.ccta) - (S - opts.ccta) % cluster
+        ours[name] = dict(y=y, idx=idx, ready=ready, err=err, plan=plan, signal=gemm.signal)
+        rec["variants"][name] = dict(
+            requested=dict({f.name: getattr(req, f.name) for f in dataclasses.fields(req)},
+                           gemm_options=dict(req.gemm_options)),
+            ccta=opts.ccta, mgb=opts.mgb, order=opts.order, layout=opts.layout, tuned=tuned,
+            plan_layout=plan.layout, plan_packed=bool(plan.packed.item()), plan_rows=rows,
+            padding=rows / max(n_valid, 1), bands=nb, grid=grid,
+            gemm=dict(tile_m=TILE_M, tile_n=gemm.tile_n, cluster_n=cluster,
+                      band_group=gemm.band_group, signal=gemm.signal, **{
+                          k: v for k, v in kw.items() if k not in ("cluster_n", "signal",
+                                                                    "band_group")}))
+    # ---- correctness: poisoned outputs, one call each -----------------------------------
+    for o in ours.values():
+        o["y"].fill_(float("nan"))
+    y_loop.fill_(float("nan"))
+    for f in fns.values():
+        f()
+    torch.cuda.synchronize()
+    ok = True
+    rec["base_err_grouped_mm_vs_loop"] = _rel(y_gm["y"], y_loop)
+    ok &= rec["base_err_grouped_mm_vs_loop"] <= TOL
+    first = None
+    for name, o in ours.items():
+        r = rec["variants"][name]
+        got = o["y"][o["idx"]]
+        r["finite"] = bool(torch.isfinite(got.float()).all())
+        r["err_vs_loop"] = _rel(got, y_loop)
+        p, nb = o["plan"], r["bands"]
+        valid = torch.zeros(p.band_capacity, dtype=torch.bool, device=dev)
+        valid[p.schedule[:nb].long()] = True
+        want = torch.where(valid, epoch, torch.zeros_like(epoch)) if o["signal"] else 0
+        r["flags_ok"] = bool((o["ready"] == want).all())
+        r["error_word"] = describe_error(o["err"].tolist()) or ""
+        if first is None:
+            first = got
+        r["bitwise_vs_first_variant"] = bool(torch.equal(got.view(torch.int16),
+                                                         first.view(torch.int16)))
+        r["correct"] = (r["finite"] and r["err_vs_loop"] <= TOL and r["flags_ok"]
+                        and not r["error_word"] and r["bitwise_vs_first_variant"])
+        ok &= r["correct"]
+    rec["correct"] = bool(ok)
+    # ---- timing: CUDA graphs, interleaved rounds in a random order ----------------------
+    graphs = {k: graphed(f) for k, f in fns.items()}
+    t = timing.time_interleaved({k: gr.replay for k, gr in graphs.items()}, rounds=rounds,
+                         lead_ms=LEAD_MS, shuffle_seed=seed)
+    for k in ("base:grouped_mm", "base:mm_loop"):
+        rec[k.replace("base:", "base_") + "_ms"] = t[k]["median_ms"]
+    best = min(("base:grouped_mm", "base:mm_loop"), key=lambda k: t[k]["median_ms"])
+    rec["base"], rec["base_ms"] = best.replace("base:", ""), t[best]["median_ms"]
+    for name in ours:
+        r = rec["variants"][name]
+        r["ms"], r["p10_ms"], r["p90_ms"] = (t[name][q] for q in ("median_ms", "p10_ms",
+                                                                   "p90_ms"))
+        r["tflops"] = rec["gflop"] / r["ms"]
+        r["ratio"] = rec["base_ms"] / r["ms"]
+        r["scaled_ratio"] = scaled_ratio(r["ratio"], S, r["ccta"])
+        r["ratio_paired"] = sorted(a / b for a, b in zip(t[best]["times"], t[name]["times"])
+                                   )[rounds // 2]
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the JSON")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default=",".join(map(str, MODEL_TOKENS)),
+                    help="tokens per rank")
+    ap.add_argument("--worlds", default=",".join(map(str, WORLDS)),
+                    help="world sizes W of rank 0's plans")
+    ap.add_argument("--routings", default=",".join(ROUTINGS))
+    ap.add_argument("--points", default="", help="fnmatch patterns of point labels to run "
+                    "(model@tokens/W<w>/routing, e.g. 'deepseek-v3@*/W2/*'); all where empty")
+    ap.add_argument("--skip-points", default="", help="fnmatch patterns of labels to skip")
+    ap.add_argument("--variants", default="default",
+                    help="comma-separated: default, or key=value[+key=value] (module doc)")
+    ap.add_argument("--gemm-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="producer GEMM option for every variant (repeatable)")
+    ap.add_argument("--rounds", type=int, default=8, help="timed rounds per point")
+    ap.add_argument("--quick", action="store_true",
+                    help="4096 tokens, W = 1 and 8, skewed routings, 5 rounds (a smoke run)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default="", help="suffix of the JSON name (split runs)")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.tokens, a.worlds, a.routings, a.rounds = "4096", "1,8", "skewed", min(a.rounds, 5)
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    try:
+        gemm_opts = {}
+        for kv in a.gemm_option:
+            gemm_opts.update(parse_pairs(kv, "--gemm-option"))
+        variants = parse_variants(a.variants, gemm_opts)
+        for v in variants:
+            variant_options(v)  # every option checked before any GPU work
+        points, skipped = make_points(
+            [m for m in a.models.split(",") if m], [int(t) for t in a.tokens.split(",")],
+            [int(w) for w in a.worlds.split(",")], [r for r in a.routings.split(",") if r])
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
+    points = select_points(points, a.points, a.skip_points)
+    if not points:
+        ap.error("no point selected")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    from moe_overlap.combine.tuning import TuneCache
+    dev_name = torch.cuda.get_device_name()
+    S = torch.cuda.get_device_properties(0).multi_processor_count
+    cache = TuneCache()
+    doc = dict(result_header("producer_models"), card=card_of(dev_name), gpus=1, num_sms=S,
+               tune_cache=cache.path, rounds=a.rounds, lead_ms=LEAD_MS, tol=TOL,
+               variants=variants, skipped_points=skipped, routings={}, points=[],
+               method="ours: GroupedGemm with the options CombineOptions.resolve gives the "
+                      "layer (producer_gemm_options), ccta SMs left out of its grid; base: the "
+                      "faster of torch._grouped_mm and a per-expert torch.mm loop on the valid "
+                      "rows, every SM; CUDA graphs, time_interleaved (shuffled rounds, GPU "
+                      "sleep of lead_ms ahead of each call), medians; ratio = base / ours, "
+                      "scaled by SMs / (SMs - ccta)")
+    # every point's options resolved up front (a bad option fails before any timing)
+    resolved = {p["label"]: {v["name"]: resolve(p, v, S, dev_name, cache) for v in variants}
+                for p in points}
+    worlds = [int(w) for w in a.worlds.split(",")]
+    print(f"{dev_name} ({S} SMs): {len(points)} points x {len(variants)} variant(s) "
+          f"({', '.join(v['name'] for v in variants)}), {a.rounds} rounds; skipped "
+          f"{len(skipped)} (W not dividing the experts)", flush=True)
+    t0 = time.time()
+    counts_cache = {}
+    for i, p in enumerate(points):
+        key = (p["model"], p["tokens"], p["routing"])
+        if key not in counts_cache:
+            # the largest W of --worlds (not of the selected points): the same routing
+            # whatever --points picks
+            w_max = max(w for w in worlds if p["E"] % w == 0)
+            counts_cache[key] = routing_counts_for(p["model"], p["tokens"], p["routing"], w_max)
+            doc["routings"]["{}@{}/{}".format(*key)] = dict(counts_cache[key][1], ranks=w_max)
+        counts, info = counts_cache[key]
+        rec = run_point(p, counts, resolved[p["label"]], a.rounds, a.seed + i)
+        torch.cuda.empty_cache()  # the point's tensors and graphs went with run_point's frame
+        rec["routing_mode"], rec["routing_seed"] = info["mode"], info["seed"]
+        doc["points"].append(rec)
+        vs = " ".join(f"{n}: ccta {r['ccta']} {r['ms']:.3f} ms {r['ratio']:.3f}x "
+                      f"({r['scaled_ratio']:.3f}x scaled)" for n, r in rec["variants"].items())
+        el = time.time() - t0
+        print(f"[{i + 1}/{len(points)} {el:5.0f} s, ~{el / (i + 1) * (len(points) - i - 1):.0f} "
+              f"s left] {p['label']:<36} rows {rec['valid_rows']:>6} base {rec['base']} "
+              f"{rec['base_ms']:.3f} ms | {vs} | correct {rec['correct']}", flush=True)
+    summarize(doc)
+    path = write_result(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag))
+    for name, gl in doc["goals"].items():
+        print(f"{name}: SM-scaled min {gl['min_scaled']:.3f} (goal {GOAL_SCALED}, below on "
+              f"{len(gl['below'])}), geomean {gl['geomean_scaled']:.3f} (goal {GOAL_GEOMEAN}): "
+              f"{'met' if gl['met'] else 'MISSED'}")
+    print(f"wrote {path}; all correct: {doc['all_correct']}; "
+          f"{'FAILED' if doc['failed'] else 'passed'} ({doc['ours_variant']})")
+    return 1 if doc["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

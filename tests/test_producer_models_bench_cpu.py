@@ -1,0 +1,186 @@
+"""The pure parts of bench/bench_producer_models.py (issue 36's producer measurement), on the CPU:
+its points, the skewed routings' property, the options it times (the library's resolution), the
+goal evaluation, the run's verdict and the result's name and fields."""
+import json
+import math
+
+import pytest
+
+from conftest import load_bench
+from moe_overlap.combine.shapes import MODELS
+from moe_overlap.combine.tuning import TuneCache
+
+B = load_bench("bench_producer_models")
+
+
+def test_points_cover_every_model_tokens_world_and_routing():
+    points, skipped = B.make_points()
+    labels = [p["label"] for p in points]
+    assert len(labels) == len(set(labels))
+    want = {(m, T, W, r) for m in MODELS for T in (4096, 16384) for W in (1, 2, 8, 16)
+            for r in ("balanced", "skewed")}
+    got = {(p["model"], p["tokens"], p["world_size"], p["routing"]) for p in points}
+    bad = {w for w in want if MODELS[w[0]][0] % w[2]}
+    assert got == want - bad and len(bad) == 4  # mixtral's 8 experts over 16 ranks
+    assert sorted(skipped) == sorted(B.point_label(dict(model=m, tokens=T, world_size=W,
+                                                        routing=r)) for m, T, W, r in bad)
+    for p in points:
+        E, topk, K, N = MODELS[p["model"]]
+        assert (p["E"], p["topk"], p["K"], p["N"]) == (E, topk, K, N)
+    sel = B.select_points(points, "deepseek-v3@4096/*", "*/W16/*")
+    assert {(p["world_size"], p["routing"]) for p in sel} == {
+        (W, r) for W in (1, 2, 8) for r in ("balanced", "skewed")}
+    assert all(p["model"] == "deepseek-v3" and p["tokens"] == 4096 for p in sel)
+    assert B.select_points(points, "", "") == points
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_skewed_routing_puts_a_3x_expert_on_rank_0(model):
+    E = MODELS[model][0]
+    w_max = max(w for w in B.WORLDS if E % w == 0)
+    counts, info = B.routing_counts_for(model, 256, "skewed", w_max)
+    assert tuple(counts.shape) == (w_max, E)
+    loads = counts.sum(0)
+    assert info["skew"] == pytest.approx(float(loads.max() / loads.float().mean()))
+    assert info["skew"] >= 3.0, info
+    assert int(loads.argmax()) < E // w_max, info  # rank 0 owns it at every W
+    bal, binfo = B.routing_counts_for(model, 256, "balanced", w_max)
+    assert binfo["skew"] < 1.5, binfo
+    assert int(bal.sum()) == int(counts.sum()) == w_max * 256 * MODELS[model][1]
+
+
+def test_ours_are_the_options_the_library_resolves(tmp_path):
+    cache = TuneCache(str(tmp_path / "t.json"))
+    points, _ = B.make_points(models=["qwen3-235b-a22b"], tokens=[4096], routings=["skewed"])
+    default = B.parse_variants("default")[0]
+    by_w = {p["world_size"]: B.resolve(p, default, 132, "FakeGPU", cache) for p in points}
+    assert by_w[1][1].ccta == 0  # one rank: no consumer, every SM
+    assert all(1 <= by_w[w][1].ccta < 132 for w in (2, 8, 16))
+    assert not any(t for _, _, t in by_w.values())
+    expert = B.parse_variants("order=expert+band_group=4")[0]
+    req, got, _ = B.resolve(points[1], expert, 132, "FakeGPU", cache)
+    assert got.order == "expert" and dict(got.gemm_options) == {"band_group": 4}
+    cache.put(req.tune_key(B.CombineFacts(
+        world_size=2, hidden_size=1536, out_features=4096, experts_per_rank=64, tile_m=128,
+        rows=4096 * 8, device_name="FakeGPU", num_sms=132)), 20, 4)
+    _, tuned, hit = B.resolve(points[1], expert, 132, "FakeGPU", TuneCache(cache.path))
+    assert hit and (tuned.ccta, tuned.mgb) == (20, 4)
+
+
+def test_variants_and_options_parse_and_bad_ones_stop_before_the_gpu():
+    vs = B.parse_variants("default,band_group=2+cluster_n=1,ccta=12+order=expert",
+                          {"band_group": 4})
+    assert [v["name"] for v in vs] == ["default", "band_group=2+cluster_n=1",
+                                       "ccta=12+order=expert"]
+    assert vs[0] == dict(name="default", options={}, gemm_options={"band_group": 4})
+    assert vs[1]["gemm_options"] == {"band_group": 2, "cluster_n": 1} and not vs[1]["options"]
+    assert vs[2]["options"] == {"ccta": 12, "order": "expert"}
+    for bad in ("default,default", "band_group", ""):
+        with pytest.raises(ValueError):
+            B.parse_variants(bad)
+    with pytest.raises(SystemExit) as e:  # an option the GEMM does not have
+        B.main(["--variants", "default,no_such_option=3", "--out", "unused"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        B.main(["--points", "nothing-matches*", "--out", "unused"])
+
+
+def test_goal_evaluation():
+    assert B.scaled_ratio(0.9, 132, 8) == pytest.approx(0.9 * 132 / 124)
+    assert B.scaled_ratio(0.9, 132, 0) == 0.9
+    ok = B.evaluate_goals({"a": 0.96, "b": 1.2})
+    assert ok["met"] and ok["every_point"] and ok["geomean"] and ok["below"] == []
+    assert ok["geomean_scaled"] == pytest.approx(math.sqrt(0.96 * 1.2))
+    one_low = B.evaluate_goals({"a": 0.94, "b": 2.0})
+    assert not one_low["met"] and one_low["below"] == ["a"] and one_low["geomean"]
+    low_mean = B.evaluate_goals({"a": 0.96, "b": 0.99})
+    assert not low_mean["met"] and low_mean["every_point"] and not low_mean["geomean"]
+    assert not B.evaluate_goals({"a": float("nan")})["met"]
+    assert not B.evaluate_goals({})["met"]
+
+
+def _doc(ratios, correct=True, variants=("default",)):
+    points, _ = B.make_points(models=["qwen3-30b-a3b"], tokens=[4096], worlds=[1, 8],
+                              routings=["skewed"])
+    doc = dict(variants=[dict(name=v, options={}, gemm_options={}) for v in variants],
+               points=[])
+    for p, rs in zip(points, ratios):
+        doc["points"].append(dict(p, correct=correct, variants={
+            v: dict(scaled_ratio=r, ratio=r, ccta=0) for v, r in zip(variants, rs)}))
+    return doc
+
+
+def test_run_verdict_and_json_fields():
+    doc = B.summarize(_doc([(1.0,), (1.05,)]))
+    assert not doc["failed"] and doc["all_correct"] and doc["ours_variant"] == "default"
+    json.dumps(doc)  # the result is JSON as it stands
+    assert B.summarize(_doc([(1.0,), (1.05,)], correct=False))["failed"]  # wrong output
+    # the launch MoECombine makes misses the goal: failed, whatever another variant does
+    two = B.summarize(_doc([(0.9, 1.2), (1.1, 1.2)], variants=("default", "band_group=2")))
+    assert two["failed"] and two["goals"]["band_group=2"]["met"]
+    assert not two["goals"]["default"]["met"] and two["goals"]["default"]["below"] == [
+        two["points"][0]["label"]]
+    first = B.summarize(_doc([(1.2, 0.5), (1.2, 0.5)], variants=("band_group=2", "x=1")))
+    assert first["ours_variant"] == "band_group=2" and not first["failed"]
+    assert B.card_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert B.card_of("NVIDIA H200") == "h200"
+    assert B.result_name("NVIDIA H200", "abc1234") == "producer_models_h200_abc1234.json"
+    assert B.result_name("NVIDIA H100 80GB HBM3", "abc1234", "t4096") == \
+        "producer_models_h100_abc1234_t4096.json"
+
+
+def test_one_point_on_the_cpu_with_stand_ins(monkeypatch):
+    """run_point end to end on the CPU: the producer kernel replaced by its torch reference
+    (``grouped_gemm_reference``, which sets the flags the kernel sets), CUDA graphs and the
+    clock by plain calls and fixed times. Checks what a record holds: both baselines, each
+    variant's resolved options, plan and GEMM options, correctness fields, the ratios."""
+    import torch
+    from moe_overlap import timing
+    from moe_overlap.combine import grouped_gemm as gg
+    from moe_overlap.routing import routing_counts
+    from types import SimpleNamespace
+
+    def reference_call(self, x, w, y, be, bs, sched, nb, ready, epoch, ccta=0, err=None, **kw):
+        return gg.grouped_gemm_reference(x, w, y, be, bs, sched, nb, self.tile_m,
+                                         band_ready=ready if self.signal else None, epoch=epoch)
+    monkeypatch.setattr(gg.GroupedGemm, "__call__", reference_call)
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr(B, "graphed", lambda fn: SimpleNamespace(replay=fn))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(multi_processor_count=132))
+    ms = {"base:grouped_mm": 2.0, "base:mm_loop": 1.0, "default": 1.25, "band_group=2": 0.8}
+
+    def fake_time(fns, rounds, **kw):
+        for f in fns.values():
+            f()
+        return {k: dict(median_ms=ms[k], p10_ms=ms[k], p90_ms=ms[k], times=[ms[k]] * rounds)
+                for k in fns}
+    monkeypatch.setattr(timing, "time_interleaved", fake_time)
+    point = dict(model="tiny", tokens=96, world_size=2, routing="skewed", E=8, topk=2, K=64,
+                 N=256, label="tiny@96/W2/skewed")
+    counts = routing_counts(2, 96, 8, 2, "moderate_skew", 1)
+    cache = TuneCache("/nonexistent/moe-overlap-test/tune.json")  # read only, empty
+    variants = B.parse_variants("default,band_group=2")
+    resolved = {v["name"]: B.resolve(point, v, 132, "FakeGPU", cache) for v in variants}
+    rec = B.run_point(point, counts, resolved, rounds=3, seed=0)
+    json.dumps(rec)
+    assert rec["correct"], rec
+    assert rec["valid_rows"] == int(counts[:, :4].sum())
+    assert rec["base"] == "mm_loop" and rec["base_ms"] == 1.0
+    d, g = rec["variants"]["default"], rec["variants"]["band_group=2"]
+    assert d["ccta"] == resolved["default"][1].ccta >= 1  # W = 2: a consumer beside it
+    assert d["gemm"]["cluster_n"] == 1 and d["gemm"]["signal"] and d["flags_ok"]
+    assert g["gemm"]["band_group"] == 2 and g["bitwise_vs_first_variant"]
+    assert d["grid"] == 132 - d["ccta"]
+    assert d["ratio"] == pytest.approx(1.0 / 1.25)
+    assert d["scaled_ratio"] == pytest.approx(0.8 * 132 / (132 - d["ccta"]))
+    assert d["plan_rows"] >= rec["valid_rows"] and d["padding"] >= 1.0
+    # W = 1: no consumer, every SM, no flags written (the ready words stay 0)
+    one = dict(point, world_size=1, label="tiny@96/W1/skewed")
+    res1 = {v["name"]: B.resolve(one, v, 132, "FakeGPU", cache) for v in variants}
+    r1 = B.run_point(one, counts, res1, rounds=3, seed=0)
+    d1 = r1["variants"]["default"]
+    assert r1["correct"] and d1["ccta"] == 0 and d1["grid"] == 132, d1
+    assert not d1["gemm"]["signal"] and d1["flags_ok"]
+    assert d1["scaled_ratio"] == d1["ratio"]
