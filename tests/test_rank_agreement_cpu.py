@@ -75,7 +75,11 @@ def _assert_every_rank(res, *needles, exc="RankMismatchError"):
 
 
 # ---------------------------------------------------------------- (a) a plan of another step
-def _stale(rank, W, how):
+def _stale(rank, W, hows):
+    return {how: _stale_case(rank, how) for how in hows}
+
+
+def _stale_case(rank, how):
     layer = _layer()
     dat = _data(rank)
     ids1, ids2 = torch.tensor(IDS[rank]), torch.tensor(IDS2[rank])
@@ -87,7 +91,8 @@ def _stale(rank, W, how):
         counts2 = exchange_counts(ids2, E)
         if how == "reuse_plan":  # plans made without the agreement; rank 0 reuses step 1's
             plan = plan1 if rank == 0 else layer.plan(counts2, validate=False)
-            xp = dispatch_to_plan(dat["x"], ids2, plan, plan.source_counts, validate=False)
+            xp = dispatch_to_plan(dat["x"], ids2, plan, counts1 if rank == 0 else counts2,
+                                  validate=False)
             h = grouped_matmul(xp, dat["w_up"], plan.expert_rows.tolist())
             layer(h, dat["w_down"], plan, ids2, dat["gates"])
         elif how == "skip_plan":  # rank 0 skips plan() and dispatches with its old plan
@@ -102,29 +107,36 @@ def _stale(rank, W, how):
     return out
 
 
-def test_a_plan_reused_on_one_rank_while_another_rank_rerouted_raises_on_every_rank():
+@pytest.fixture(scope="module")
+def stale():
+    """The cases of (a) in one run (the group stays usable after each error)."""
+    res = spawn_ranks(_stale, W, ["reuse_plan", "old_counts", "skip_plan"], **SPAWN)
+    return lambda how: [r[how] for r in res]
+
+
+def test_a_plan_reused_on_one_rank_while_another_rank_rerouted_raises_on_every_rank(stale):
     """Rank 0's own routing did not change, so its row of the counts matches its plan; rank 1's
     row did. The ranks agree on a hash of the whole counts matrix each plan was made from."""
-    res = spawn_ranks(_stale, W, "reuse_plan", **SPAWN)
+    res = stale("reuse_plan")
     _assert_every_rank(res, "the counts the plan was made from on rank 0 do not match",
                        "MoECombine.forward")
-    assert "here (rank 0) the rows of rank 1 differ" in res[0]["error"][1]
+    assert "on rank 0 they differ in the row of rank 1" in res[0]["error"][1]
 
 
-def test_old_counts_and_plan_on_one_rank_are_named_in_the_dispatch():
-    res = spawn_ranks(_stale, W, "old_counts", **SPAWN)
-    _assert_every_rank(res, "expert_counts on rank 0 do not match", "dispatch_to_plan")
+def test_old_counts_and_plan_on_one_rank_are_named_in_the_dispatch(stale):
+    _assert_every_rank(stale("old_counts"), "expert_counts on rank 0 do not match",
+                       "dispatch_to_plan")
 
 
-def test_a_rank_that_skips_plan_is_named_with_the_call_each_rank_is_in():
-    res = spawn_ranks(_stale, W, "skip_plan", **SPAWN)
-    _assert_every_rank(res, "different collective calls", "rank 0 in dispatch_to_plan",
-                       "rank 1 in MoECombine.plan")
+def test_a_rank_that_skips_plan_is_named_with_the_call_each_rank_is_in(stale):
+    _assert_every_rank(stale("skip_plan"), "different collective calls",
+                       "rank 0 in dispatch_to_plan", "rank 1 in MoECombine.plan")
 
 
 # ---------------------------------------------------------------- (b) another size or dtype
 MISMATCHES = {  # what rank 1 does differently -> the field named, as "<field> differs (..."
-    "dtype": "dtype differs (float32 on rank 0, float64 on rank 1)",
+    "dtype": "x dtype differs (float32 on rank 0, float64 on rank 1)",
+    "combine_dtype": "h and w_down dtype differs (float32 on rank 0, float64 on rank 1)",
     "out_features": "out_features (N) differs (6 on rank 0, 5 on rank 1)",
     "num_experts": "num_experts differs (4 on rank 0, 6 on rank 1)",
     "hidden_size": "hidden_size (K) differs (4 on rank 0, 5 on rank 1)",
@@ -136,7 +148,11 @@ MISMATCHES = {  # what rank 1 does differently -> the field named, as "<field> d
 }
 
 
-def _mismatch(rank, W, what):
+def _mismatch(rank, W, whats):
+    return {what: _mismatch_case(rank, what) for what in whats}
+
+
+def _mismatch_case(rank, what):
     odd = rank == 1
     ids = torch.tensor(IDS[rank])
     kw, dat, num_experts = {}, _data(rank), E
@@ -158,14 +174,19 @@ def _mismatch(rank, W, what):
     elif what == "dispatch_features" and odd:
         dat = _data(rank, d=5)
     out = {}
-    if what == "autograd":  # rank 1's inputs require grad: only its backward would be collective
+    if what in ("autograd", "combine_dtype"):
         def run():
             counts = exchange_counts(ids, E)
             layer = _layer()
             plan = layer.plan(counts)
             xp = dispatch_to_plan(dat["x"], ids, plan, counts)
-            h = grouped_matmul(xp, dat["w_up"], plan.expert_rows.tolist()).requires_grad_(odd)
-            layer(h, dat["w_down"], plan, ids, dat["gates"])
+            h = grouped_matmul(xp, dat["w_up"], plan.expert_rows.tolist())
+            w_down = dat["w_down"]
+            if what == "autograd":  # rank 1's h requires grad: only its backward is collective
+                h.requires_grad_(odd)
+            elif odd:  # rank 1's expert outputs in float64
+                h, w_down = h.double(), w_down.double()
+            layer(h, w_down, plan, ids, dat["gates"])
         out["error"] = _outcome(run)
     else:
         out["error"] = _outcome(lambda: _step(_layer(**kw), ids, dat, num_experts))
@@ -173,15 +194,25 @@ def _mismatch(rank, W, what):
     return out
 
 
+@pytest.fixture(scope="module")
+def mismatch():
+    res = spawn_ranks(_mismatch, W, list(MISMATCHES), **SPAWN)
+    return lambda what: [r[what] for r in res]
+
+
 @pytest.mark.parametrize("what", list(MISMATCHES))
-def test_one_rank_with_another_size_dtype_or_option_raises_on_every_rank(what):
-    _assert_every_rank(spawn_ranks(_mismatch, W, what, **SPAWN), MISMATCHES[what])
+def test_one_rank_with_another_size_dtype_or_option_raises_on_every_rank(mismatch, what):
+    _assert_every_rank(mismatch(what), MISMATCHES[what])
 
 
 # ---------------------------------------------------------------- (c) a skipped collective call
-def _skip(rank, W, what):
+def _skip(rank, W, whats):
     import os
     os.environ[AGREE_TIMEOUT_ENV] = "4"
+    return {what: _skip_case(rank, what) for what in whats}
+
+
+def _skip_case(rank, what):
     layer = _layer()
     ids = torch.tensor(IDS[rank])
     dat = _data(rank)
@@ -210,27 +241,31 @@ def _skip(rank, W, what):
     return out
 
 
-def test_a_rank_that_skips_the_combine_is_named_on_every_rank():
-    res = spawn_ranks(_skip, W, "combine", **SPAWN)
-    _assert_every_rank(res, "rank 0 in exchange_counts", "rank 1 in MoECombine.forward",
-                       "skipped a collective call")
+@pytest.fixture(scope="module")
+def skip():
+    res = spawn_ranks(_skip, W, ["combine", "backward"], **SPAWN)
+    return lambda what: [r[what] for r in res]
 
 
-def test_a_rank_that_skips_backward_is_named_on_every_rank():
-    res = spawn_ranks(_skip, W, "backward", **SPAWN)
-    _assert_every_rank(res, "rank 0 in exchange_counts",
-                       "rank 1 in backward of MoECombine.forward (layer call #2)")
+def test_a_rank_that_skips_the_combine_is_named_on_every_rank(skip):
+    _assert_every_rank(skip("combine"), "rank 0 in exchange_counts",
+                       "rank 1 in MoECombine.forward", "skipped a collective call")
+
+
+def test_a_rank_that_skips_backward_is_named_on_every_rank(skip):
+    _assert_every_rank(skip("backward"), "rank 0 in exchange_counts",
+                       "rank 1 in backward of MoECombine.forward (layer call #2, validated call #")
 
 
 def test_a_rank_left_waiting_in_backward_gets_a_timeout_naming_its_call():
     """Rank 0 skips backward and stays in no collective: rank 1 cannot learn where rank 0 is,
     so its bounded wait ($MOE_OVERLAP_AGREE_TIMEOUT_S=4) raises, naming the call it is in,
     well before the process group's 20 s timeout."""
-    res = spawn_ranks(_skip, W, "backward_and_wait", hard_exit=True, **SPAWN)
-    assert res[0]["error"][0] is None
-    name, msg, seconds = res[1]["error"]
+    res = spawn_ranks(_skip, W, ["backward_and_wait"], hard_exit=True, **SPAWN)
+    assert res[0]["backward_and_wait"]["error"][0] is None
+    name, msg, seconds = res[1]["backward_and_wait"]["error"]
     assert name == "AgreementTimeoutError", (name, msg)
-    assert "rank 1: backward of MoECombine.forward (layer call #2)" in msg, msg
+    assert "rank 1: backward of MoECombine.forward (layer call #2, validated call #" in msg, msg
     assert "no answer from every rank within 4 s" in msg, msg
     assert 3.5 < seconds < 15, seconds
 

@@ -88,7 +88,7 @@ AGREE_TIMEOUT_ENV = "MOE_OVERLAP_AGREE_TIMEOUT_S"  # seconds; 0 or "none": no bo
 AGREE_TIMEOUT_DEFAULT_S = 300.0
 _FIELDS = 24  # fields one call compares at most
 _TEXT = 24  # bytes of a field's value shown to the other ranks
-_LABEL = 64  # bytes of the call's name (and the layer's call number)
+_LABEL = 96  # bytes of the call's name and sequence numbers, as shown in messages
 # one rank's record, int64 words: header, the call's name, the error message, then per field its
 # hash and its text. Its size never depends on the call or its fields, so ranks that disagree on
 # everything still meet in one well-formed collective.
@@ -254,8 +254,8 @@ def agree_on_call(call: str, fields: dict | None = None, err: BaseException | No
         raise ValueError(f"agree_on_call({call!r}): {len(fields)} fields > {_FIELDS}")
     seq = _group_calls(group)
     seq.n += 1
-    label = f"{call} ({where})" if where else call
-    what = f"rank {rank}: {label}, validated call #{seq.n} on this group"
+    label = f"{call} ({where + ', ' if where else ''}validated call #{seq.n} on this group)"
+    what = f"rank {rank}: {label}"
     rec = torch.zeros(W, _RECORD, dtype=torch.int64)
     me = rec[rank]
     me[_SEQ] = seq.n
@@ -286,11 +286,10 @@ def agree_on_call(call: str, fields: dict | None = None, err: BaseException | No
         seq.n = max(s for _, s in steps)  # resynchronized: the next calls can agree again
         groups: dict = {}
         for r in range(W):
-            groups.setdefault((_get_text(rec[r], _LABEL_AT, _LABEL), steps[r][1]), []).append(r)
+            groups.setdefault(_get_text(rec[r], _LABEL_AT, _LABEL), []).append(r)
         raise RankMismatchError(
             "ranks are in different collective calls: "
-            + "; ".join(f"{_ranks(rs)} in {lab} (validated call #{s} on this group)"
-                        for (lab, s), rs in groups.items())
+            + "; ".join(f"{_ranks(rs)} in {lab}" for lab, rs in groups.items())
             + ". A rank skipped a collective call or made an extra one: every rank must make "
             "the same validated calls in the same order (the combine, the dispatch, "
             "loss.backward() too)")
@@ -314,7 +313,7 @@ def agree_on_call(call: str, fields: dict | None = None, err: BaseException | No
                 f"{text} on {_ranks(rs)}" for text, rs in values.values()) + ")")
     if diffs:
         raise RankMismatchError(
-            f"ranks disagree in {label} (validated call #{seq.n} on this group): "
+            f"ranks disagree in {label}: "
             + "; ".join(diffs) + ". Every rank must pass the same kind of input (layer "
             "options, shapes, dtypes) to each collective call")
     # 4. counts made from every rank's routing of this call
@@ -326,10 +325,10 @@ def agree_on_call(call: str, fields: dict | None = None, err: BaseException | No
             mine = ""
             if rank in stale and matrix_rows is not None and len(matrix_rows) == W:
                 bad = [s for s in range(W) if matrix_rows[s] != rows[s]]
-                mine = (f"; here (rank {rank}) the rows of {_ranks(bad)} differ from the "
-                        "counts of their topk_ids")
+                mine = (f"; on rank {rank} they differ in the row{'s' if len(bad) > 1 else ''} "
+                        f"of {_ranks(bad)}")
             raise RankMismatchError(
-                f"{label} (validated call #{seq.n} on this group): {routing[2]} on "
+                f"{label}: {routing[2]} on "
                 f"{_ranks(stale)} do not match the routing the ranks pass now (row s must be "
                 f"rank s's counts of its topk_ids){mine}: a plan or counts of another step? "
                 "Plan every step from exchange_counts(topk_ids) of that step, on every rank")

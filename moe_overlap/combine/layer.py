@@ -216,8 +216,9 @@ class MoECombine(torch.nn.Module):
 
     def _forward_fields(self, h, w_down, plan) -> dict:
         backend = self.backend_for(h.device)
-        fields = self._fields(num_experts=self.num_experts, backend=backend, dtype=h.dtype,
-                              **{"device type": h.device.type, "plan mgb": plan.mgb,
+        fields = self._fields(num_experts=self.num_experts, backend=backend,
+                              **{"h and w_down dtype": h.dtype,
+                                 "device type": h.device.type, "plan mgb": plan.mgb,
                                  "plan layout": plan.layout, "plan order": plan.order})
         if backend == "overlap":  # what the ranks' kernels exchange and wait for
             fields.update(transport=self.options.transport, scale=self.options.scale,
