@@ -135,16 +135,16 @@ def test_a_rank_that_skips_plan_is_named_with_the_call_each_rank_is_in(stale):
 
 # ---------------------------------------------------------------- (b) another size or dtype
 MISMATCHES = {  # what rank 1 does differently -> the field named, as "<field> differs (..."
-    "dtype": "x dtype differs (float32 on rank 0, float64 on rank 1)",
-    "combine_dtype": "h and w_down dtype differs (float32 on rank 0, float64 on rank 1)",
-    "out_features": "out_features (N) differs (6 on rank 0, 5 on rank 1)",
-    "num_experts": "num_experts differs (4 on rank 0, 6 on rank 1)",
-    "hidden_size": "hidden_size (K) differs (4 on rank 0, 5 on rank 1)",
-    "topk": "topk differs (2 on rank 0, 1 on rank 1)",
-    "tile_m": "tile_m differs (64 on rank 0, 128 on rank 1)",
-    "layout": "layout differs ('aligned' on rank 0, 'packed' on rank 1)",
-    "dispatch_features": "x features (K) differs (3 on rank 0, 5 on rank 1)",
-    "autograd": "autograd (backward is collective) differs (False on rank 0, True on rank 1)",
+    "dtype": "x dtype differs (float32 on rank 0 vs float64 on rank 1)",
+    "combine_dtype": "h and w_down dtype differs (float32 on rank 0 vs float64 on rank 1)",
+    "out_features": "out_features (N) differs (6 on rank 0 vs 5 on rank 1)",
+    "num_experts": "num_experts differs (4 on rank 0 vs 6 on rank 1)",
+    "hidden_size": "hidden_size (K) differs (4 on rank 0 vs 5 on rank 1)",
+    "topk": "topk differs (2 on rank 0 vs 1 on rank 1)",
+    "tile_m": "tile_m differs (64 on rank 0 vs 128 on rank 1)",
+    "layout": "layout differs ('aligned' on rank 0 vs 'packed' on rank 1)",
+    "dispatch_features": "x features (K) differs (3 on rank 0 vs 5 on rank 1)",
+    "autograd": "autograd (backward is collective) differs (False on rank 0 vs True on rank 1)",
 }
 
 
@@ -268,6 +268,48 @@ def test_a_rank_left_waiting_in_backward_gets_a_timeout_naming_its_call():
     assert "rank 1: backward of MoECombine.forward (layer call #2, validated call #" in msg, msg
     assert "no answer from every rank within 4 s" in msg, msg
     assert 3.5 < seconds < 15, seconds
+
+
+# ---------------------------------------------------------------- three ranks
+IDS3 = {0: [[0, 2], [1, 4], [5, 3], [0, 1]], 1: [[0, 3], [2, 5], [4, 1]], 2: [[2, 3], [4, 0]]}
+
+
+def _three(rank, W):
+    """Rank 1 has another out_features; then ranks 0 and 2 reuse step 1's plan while rank 1
+    moved an assignment between rank 0's experts 0 and 1."""
+    E3, n = W * EL, 5 if rank == 1 else N
+    ids1 = torch.tensor(IDS3[rank])
+    ids2 = ids1.clone()
+    if rank == 1:
+        ids2[0, 0] = 1  # [0, 3] -> [1, 3]
+    g = torch.Generator().manual_seed(rank)
+    T = len(ids1)
+    dat = dict(x=torch.randn(T, D, generator=g), w_up=torch.randn(EL, D, K, generator=g),
+               w_down=torch.randn(EL, K, n, generator=g), gates=torch.rand(T, TOPK, generator=g))
+    out = {"N": _outcome(lambda: _step(_layer(num_experts=E3, out_features=n), ids1, dat, E3))}
+    layer = _layer(num_experts=E3)
+    plan1 = layer.plan(exchange_counts(ids1, E3))
+
+    def step2():
+        counts2 = exchange_counts(ids2, E3)
+        plan = layer.plan(counts2, validate=False) if rank == 1 else plan1
+        h = torch.randn(int(plan.total_rows), K, generator=g)
+        layer(h, torch.randn(EL, K, N, generator=g), plan, ids2, dat["gates"])
+
+    out["stale"] = _outcome(step2)
+    return out
+
+
+def test_three_ranks_group_the_values_and_name_every_stale_rank():
+    res = spawn_ranks(_three, 3, **SPAWN)
+    for rank, r in enumerate(res):
+        name, msg, _ = r["N"]
+        assert name == "RankMismatchError", (rank, name, msg)
+        assert "out_features (N) differs (6 on ranks 0, 2 vs 5 on rank 1)" in msg, (rank, msg)
+        name, msg, _ = r["stale"]
+        assert name == "RankMismatchError", (rank, name, msg)
+        assert "the counts the plan was made from on ranks 0, 2 do not match" in msg, msg
+        assert ("on rank %d they differ in the row of rank 1" % rank in msg) == (rank != 1), msg
 
 
 # ---------------------------------------------------------------- the record's shape

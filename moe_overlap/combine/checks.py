@@ -16,6 +16,7 @@ import hashlib
 import numbers
 import os
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -113,19 +114,17 @@ class AgreementTimeoutError(RuntimeError):
 
 
 class _Counter:
-    n = 0
+    def __init__(self):
+        self.n = 0
 
 
-_GROUP_CALLS: dict[int, tuple[object, _Counter]] = {}
+_GROUP_CALLS: "weakref.WeakKeyDictionary[object, _Counter]" = weakref.WeakKeyDictionary()
 
 
 def _group_calls(group) -> _Counter:
     """The validated calls this process entered on `group` (its agreement's sequence number)."""
     pg = group if group is not None else dist.group.WORLD
-    entry = _GROUP_CALLS.get(id(pg))
-    if entry is None or entry[0] is not pg:  # the group object is kept: its id is not reused
-        entry = _GROUP_CALLS[id(pg)] = (pg, _Counter())
-    return entry[1]
+    return _GROUP_CALLS.setdefault(pg, _Counter())
 
 
 def _digest(data: bytes) -> int:
@@ -309,7 +308,7 @@ def agree_on_call(call: str, fields: dict | None = None, err: BaseException | No
             values.setdefault(int(rec[r, at]), (_get_text(rec[r], at + 1, _TEXT), []))[1] \
                 .append(r)
         if len(values) > 1:
-            diffs.append(f"{name} differs (" + ", ".join(
+            diffs.append(f"{name} differs (" + " vs ".join(
                 f"{text} on {_ranks(rs)}" for text, rs in values.values()) + ")")
     if diffs:
         raise RankMismatchError(

@@ -63,8 +63,9 @@ class MoECombine(torch.nn.Module):
     the call and its sequence number (a rank that skipped a call, or the backward, is named),
     the layer's sizes and options, the dtype, and the whole counts matrix the plan was made from
     against every rank's topk_ids (a plan of an earlier step reused on one rank); a difference
-    raises RankMismatchError on every rank, naming the ranks and the field. validate=False (CUDA graphs): no host reads and no extra collective; only the host
-    facts (shapes, dtypes, devices) are checked, locally. The caller then vouches, on every rank,
+    raises RankMismatchError on every rank, naming the ranks and the field. validate=False
+    (CUDA graphs): no host reads and no extra collective; only the host facts (shapes, dtypes,
+    devices) are checked, locally. The caller then vouches, on every rank,
     that expert ids are in [0, num_experts), that each plan was made from the all-gathered counts
     of the very routing passed to `forward` (`exchange_counts(topk_ids)` of this step), that no
     rank routes more than max_tokens_per_rank tokens, that h holds the plan's rows
