@@ -30,10 +30,10 @@ def test_wrong_result_is_detected(monkeypatch):
 
     real = combine.reference_combine
 
-    def dropping(h, w_down, plan, topk_ids, topk_weights, group=None):
+    def dropping(h, w_down, plan, topk_ids, topk_weights, group=None, **kw):
         gates = topk_weights.clone()
         gates[0, 0] = 0
-        return real(h, w_down, plan, topk_ids, gates, group)
+        return real(h, w_down, plan, topk_ids, gates, group, **kw)
 
     monkeypatch.setattr(combine, "reference_combine", dropping)
     res = run_layer(0, 1, LayerCase())

@@ -3,6 +3,7 @@
     routing -> exchange_counts -> plan_combine -> dispatch_to_plan -> expert up-projection
     -> MoECombine.forward: producer grouped GEMM || consumer (bands to their owners) -> scale
 """
+from .checks import AgreementTimeoutError, PeerInputError, RankMismatchError
 from .comm_buffer import CommBuffer, heap_report
 from .dispatch import dispatch_to_plan, exchange_counts
 from .layer import MoECombine, overlap_available
@@ -10,6 +11,6 @@ from .options import CombineOptions
 from .plan import CombinePlan, plan_combine, recv_rows
 from .reference import grouped_matmul
 
-__all__ = ["CombineOptions", "CombinePlan", "CommBuffer", "MoECombine", "dispatch_to_plan",
-           "exchange_counts", "grouped_matmul", "heap_report", "overlap_available",
-           "plan_combine", "recv_rows"]
+__all__ = ["AgreementTimeoutError", "CombineOptions", "CombinePlan", "CommBuffer", "MoECombine",
+           "PeerInputError", "RankMismatchError", "dispatch_to_plan", "exchange_counts",
+           "grouped_matmul", "heap_report", "overlap_available", "plan_combine", "recv_rows"]

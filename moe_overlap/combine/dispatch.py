@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import agree_on_error, as_int, check_routing_matches, error_of
+from .checks import (agree_on_call, as_int, backward_agreement, check_routing_matches,
+                     error_of)
 from .plan import CombinePlan, count_assignments
 from .reference import all_gather_counts, exchange, world
 
@@ -13,7 +14,8 @@ def exchange_counts(topk_ids: torch.Tensor, num_experts: int, group=None,
     """All-gather the routing counts: [W, E], entry [s, e] = assignments rank s sends to expert e.
 
     Collective. Ids outside [0, num_experts) raise ValueError on every rank, naming the rank and
-    the bad id, before the counts are exchanged (validate=False: no check, no extra collective
+    the bad id, and ranks with another num_experts (or device type) raise RankMismatchError
+    naming them, before the counts are exchanged (validate=False: no check, no extra collective
     and no host synchronization, so it can be captured in a CUDA graph; the caller vouches for
     the ids: ids outside [0, num_experts) are not counted)."""
     if not validate:
@@ -26,8 +28,10 @@ def exchange_counts(topk_ids: torch.Tensor, num_experts: int, group=None,
             raise ValueError(f"topk_ids must be a [tokens, topk] tensor, got "
                              f"{getattr(topk_ids, 'shape', type(topk_ids).__name__)}")
         result["counts"] = count_assignments(topk_ids, n)
+        result["fields"] = {"num_experts": n, "device type": topk_ids.device.type}
 
-    agree_on_error(error_of(local), group)
+    err = error_of(local)
+    agree_on_call("exchange_counts", result.get("fields"), err, group)
     return all_gather_counts(result["counts"], group)
 
 
@@ -59,12 +63,24 @@ def _check_dispatch(x, topk_ids, plan, expert_counts, group, rows):
     if tuple(expert_counts.shape) != (W, E):
         raise ValueError(f"expert_counts has shape {tuple(expert_counts.shape)}, expected "
                          f"[{W}, {E}]")
-    check_routing_matches(count_assignments(topk_ids, E), expert_counts[rank],
-                          f"expert_counts[{rank}]", "counts from another routing?")
+    mine = count_assignments(topk_ids, E)
+    check_routing_matches(mine, expert_counts[rank], f"expert_counts[{rank}]",
+                          "counts from another routing?")
+    made_from = plan.source_counts
+    if made_from is not None and (tuple(made_from.shape) != tuple(expert_counts.shape) or not
+                                  torch.equal(made_from.to(expert_counts.device, torch.int64),
+                                              expert_counts.to(torch.int64))):
+        raise ValueError("the plan was made from other counts than expert_counts (a plan of "
+                         "another step?)")
     if rows is not None:
         need = int(plan.total_rows.item())
         if as_int("rows", rows) < need:
             raise ValueError(f"rows={rows} < the plan's {need} rows")
+    # what every rank must pass alike; the counts are agreed on separately (routing)
+    return mine, {"num_experts": E, "x features (K)": x.shape[1], "x dtype": x.dtype,
+                  "device type": x.device.type,
+                  "autograd (backward is collective)": torch.is_grad_enabled() and
+                  x.requires_grad}
 
 
 def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
@@ -74,13 +90,22 @@ def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
     plan layout: [rows, K], padding rows zero. rows defaults to the plan's padded row count.
 
     Collective and differentiable (the gradient of the result flows back to x; backward is
-    collective too). validate: check shapes, expert ids and that topk_ids match this rank's row
-    of expert_counts, agreed over the group first, so bad input on one rank raises on every rank
-    (naming that rank) instead of leaving the others in the exchange. validate=False: the caller
-    vouches for all of that."""
+    collective too). validate: check shapes, expert ids, that topk_ids match this rank's row
+    of expert_counts and that the plan was made from expert_counts, agreed over the group first
+    together with the call, K, the dtype and the whole counts matrix (every rank's row must be
+    that rank's counts of its topk_ids), so bad or mismatching input on one rank raises on every
+    rank (naming that rank) instead of leaving the others in the exchange; the backward agrees
+    too. validate=False: the caller vouches for all of that."""
     if validate:
-        agree_on_error(error_of(_check_dispatch, x, topk_ids, plan, expert_counts, group, rows),
-                       group)
+        result = {}
+
+        def check():
+            result["row"], result["fields"] = _check_dispatch(x, topk_ids, plan, expert_counts,
+                                                              group, rows)
+
+        err = error_of(check)
+        agree_on_call("dispatch_to_plan", result.get("fields"), err, group,
+                      routing=None if err else (result["row"], expert_counts, "expert_counts"))
     rank, W = world(group)
     El = plan.experts_per_rank
     T, k = topk_ids.shape
@@ -96,7 +121,9 @@ def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
     out_splits = [sum(counts_h[s][rank * El:(rank + 1) * El]) for s in range(W)]
     n_recv = sum(out_splits)
     # one zero row after the received ones: the source of the plan's padding rows
-    recv = exchange(send, out_splits, in_splits, group, zero_rows=1)
+    recv = exchange(send, out_splits, in_splits, group, zero_rows=1,
+                    backward_check=backward_agreement("backward of dispatch_to_plan", group)
+                    if validate else None)
     # destination row of every received row: source-major, then local expert, then arrival order
     local = counts[:, rank * El:(rank + 1) * El].to(x.device)  # [W, El]
     n = local.reshape(-1)

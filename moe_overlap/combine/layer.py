@@ -13,7 +13,8 @@ import numbers
 
 import torch
 
-from .checks import agree_on_error, as_int, check_routing_matches, error_of
+from .checks import (agree_on_call, as_int, backward_agreement, check_routing_matches,
+                     error_of)
 from .options import ORDER_DEFAULT, ORDERS, CombineFacts, CombineOptions, options_from_kwargs
 from .plan import SUPPORTED_TILE_M, CombinePlan, count_assignments, plan_combine
 from .reference import reference_combine, world
@@ -59,8 +60,13 @@ class MoECombine(torch.nn.Module):
     range, topk_ids matching the counts the plan was made from, capacities), which reads data on
     the host, and agree on the outcome over the group (one small all-reduce), so bad input on one
     rank raises on every rank, naming that rank, instead of leaving the others waiting in the
-    exchange. validate=False (CUDA graphs): no host reads and no extra collective; only the host
-    facts (shapes, dtypes, devices) are checked, locally. The caller then vouches, on every rank,
+    exchange. The same all-reduce compares what the ranks are about to do (`checks.agree_on_call`):
+    the call and its sequence number (a rank that skipped a call, or the backward, is named),
+    the layer's sizes and options, the dtype, and the whole counts matrix the plan was made from
+    against every rank's topk_ids (a plan of an earlier step reused on one rank); a difference
+    raises RankMismatchError on every rank, naming the ranks and the field. validate=False
+    (CUDA graphs): no host reads and no extra collective; only the host facts (shapes, dtypes,
+    devices) are checked, locally. The caller then vouches, on every rank,
     that expert ids are in [0, num_experts), that each plan was made from the all-gathered counts
     of the very routing passed to `forward` (`exchange_counts(topk_ids)` of this step), that no
     rank routes more than max_tokens_per_rank tokens, that h holds the plan's rows
@@ -151,6 +157,7 @@ class MoECombine(torch.nn.Module):
                 comm_buffer.reserve(max_tokens_per_rank * topk, out_features * 2)
             self.comm_buffer = comm_buffer
         self._impl = None  # overlap backend object, built lazily on the first CUDA call
+        self._calls = 0  # validated calls entered (plan, forward): named in the agreement
 
     # the most rows one rank can receive: every token of every rank routed to its experts
     @property
@@ -192,10 +199,35 @@ class MoECombine(torch.nn.Module):
         if not validate:
             make()
         else:
-            agree_on_error(error_of(make), self.group)
+            self._calls += 1
+            err = error_of(make)
+            agree_on_call("MoECombine.plan", None if err else self._fields(
+                num_experts=self.num_experts, mgb=self.mgb, layout=self.layout,
+                order=self.options.order, expert_counts=expert_counts), err, self.group,
+                where=f"layer call #{self._calls}")
         # scale="ordered" needs every rank's counts with the plan (prepare / forward)
         self._last_plan_counts = (result["plan"], expert_counts)
         return result["plan"]
+
+    def _fields(self, **more) -> dict:
+        """What every rank's layer must have alike (the agreement's fields), and `more`."""
+        return {"hidden_size (K)": self.hidden_size, "out_features (N)": self.out_features,
+                "topk": self.topk, "max_tokens_per_rank": self.max_tokens_per_rank,
+                "tile_m": self.tile_m, **more}
+
+    def _forward_fields(self, h, w_down, plan) -> dict:
+        backend = self.backend_for(h.device)
+        fields = self._fields(num_experts=self.num_experts, backend=backend,
+                              **{"h and w_down dtype": h.dtype,
+                                 "device type": h.device.type, "plan mgb": plan.mgb,
+                                 "plan layout": plan.layout, "plan order": plan.order})
+        if backend == "overlap":  # what the ranks' kernels exchange and wait for
+            fields.update(transport=self.options.transport, scale=self.options.scale,
+                          local_copy=self.options.local_copy, copy=self.options.copy)
+        else:  # the reference exchange's backward is collective
+            fields["autograd (backward is collective)"] = torch.is_grad_enabled() and (
+                h.requires_grad or w_down.requires_grad)
+        return fields
 
     def _counts_of(self, plan, expert_counts):
         """The all-gathered counts of ``plan``: as given, else those of the last ``plan()``."""
@@ -211,7 +243,8 @@ class MoECombine(torch.nn.Module):
         return "overlap" if ok and self.world_size > 1 else "reference"
 
     def check_inputs(self, h, w_down, plan, topk_ids, topk_weights):
-        """Clear errors for bad input, before any work."""
+        """Clear errors for bad input, before any work. Returns this rank's assignments per
+        expert ([E], from topk_ids) where the layer validates, else None."""
         for name, t in (("h", h), ("w_down", w_down), ("topk_ids", topk_ids),
                         ("topk_weights", topk_weights)):
             if not isinstance(t, torch.Tensor):
@@ -269,13 +302,16 @@ class MoECombine(torch.nn.Module):
             if not h.is_contiguous():
                 raise ValueError("backend 'overlap' needs a contiguous h")
         if self.validate:  # reads data (a host sync on CUDA); validate=False for CUDA graphs
-            check_routing_matches(  # count_assignments also checks the ids' range
-                count_assignments(topk_ids, self.num_experts), plan.routed_counts, "the plan",
+            mine = count_assignments(topk_ids, self.num_experts)  # also checks the ids' range
+            check_routing_matches(
+                mine, plan.routed_counts, "the plan",
                 "a plan of another routing? plan each step from exchange_counts(topk_ids) of "
                 "that step")
             need = int(plan.total_rows.item())
             if h.shape[0] < need:
                 raise ValueError(f"h has {h.shape[0]} rows but the plan lays out {need}")
+            return mine
+        return None
 
     def prepare(self, plan: CombinePlan, topk_ids: torch.Tensor, expert_counts=None):
         """Per routing (once per step, right after `plan`, e.g. while the dispatch or the first
@@ -312,14 +348,29 @@ class MoECombine(torch.nn.Module):
         With validate=True the checks (see the class doc) run on every rank and are agreed on
         before any communication; with validate=False see the class doc for what the caller
         vouches for."""
+        backward_check = None
         if self.validate:
-            agree_on_error(error_of(self.check_inputs, h, w_down, plan, topk_ids, topk_weights),
-                           self.group)
+            self._calls += 1
+            where = f"layer call #{self._calls}"
+            result = {}
+
+            def check():
+                result["row"] = self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
+                result["fields"] = self._forward_fields(h, w_down, plan)
+
+            err = error_of(check)
+            agree_on_call("MoECombine.forward", result.get("fields"), err, self.group,
+                          routing=None if err else (result["row"], plan.source_counts,
+                                                    "the counts the plan was made from"),
+                          where=where)
+            backward_check = backward_agreement("backward of MoECombine.forward", self.group,
+                                                where=where)
         else:
             self.check_inputs(h, w_down, plan, topk_ids, topk_weights)
         backend = self.backend_for(h.device)
         if backend == "reference":
-            return reference_combine(h, w_down, plan, topk_ids, topk_weights, self.group)
+            return reference_combine(h, w_down, plan, topk_ids, topk_weights, self.group,
+                                     backward_check=backward_check)
         impl = self._overlap_impl(h.device)
         if routes is None and getattr(impl, "ordered", False):
             routes = impl.prepare(plan, topk_ids, self._counts_of(plan, None))

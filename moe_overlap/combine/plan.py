@@ -89,6 +89,9 @@ class CombinePlan:
     local_cell_rows: torch.Tensor
     # the schedule's order (plan_combine(order=)): "remote_first" or "expert"
     order: str = "remote_first"
+    # the [W, E] counts the plan was made from (the caller's tensor, not a copy; None where
+    # unknown): what the validated calls agree on across ranks. Not one of `tensors()`.
+    source_counts: torch.Tensor | None = None
 
     @property
     def row_capacity(self) -> int:
@@ -100,8 +103,9 @@ class CombinePlan:
         return self.band_expert.device
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """The plan's own tensors (not `source_counts`)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)}
+                if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "source_counts"}
 
     def to(self, device) -> "CombinePlan":
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -262,6 +266,7 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
             return CombinePlan(world_size=W, rank=rank, num_experts=E, experts_per_rank=El,
                                tile_m=tile_m, mgb=mgb, band_capacity=B,
                                segment_capacity=B + El * W, layout=layout, order=order,
+                               source_counts=expert_counts,
                                **plan_tensors_kernel(expert_counts, rank, tile_m, mgb, B, layout,
                                                      order))
         counts = expert_counts.to(torch.int64)  # auto, beyond the kernel's limits: torch
@@ -381,7 +386,7 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     return CombinePlan(
         world_size=W, rank=rank, num_experts=E, experts_per_rank=El, tile_m=tile_m, mgb=mgb,
         band_capacity=B, segment_capacity=S, layout=layout,
-        order=order,
+        order=order, source_counts=expert_counts,
         packed=packed.to(torch.int32),
         group_row_start=group_row_start.to(torch.int32),
         expert_rows=expert_rows.to(torch.int32),

@@ -29,11 +29,13 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, grou
 class _Exchange(torch.autograd.Function):
     """all_to_all_single whose backward sends the output's gradient back the way it came (the
     same exchange with the splits swapped). Collective in backward too: every rank of the group
-    must run the backward."""
+    must run the backward. backward_check(grad_out), if given, runs first (the caller's
+    agreement across ranks, so a rank that skipped the backward is named)."""
 
     @staticmethod
-    def forward(ctx, inp, out_splits, in_splits, group, zero_rows):
+    def forward(ctx, inp, out_splits, in_splits, group, zero_rows, backward_check):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        ctx.backward_check = backward_check
         n = sum(out_splits)
         out = inp.new_empty(n + zero_rows, *inp.shape[1:])
         out[n:].zero_()
@@ -42,23 +44,27 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.backward_check is not None:
+            ctx.backward_check(grad_out)
         grad_in = grad_out.new_empty(sum(ctx.in_splits), *grad_out.shape[1:])
         all_to_all(grad_in, grad_out[:sum(ctx.out_splits)].contiguous(), ctx.in_splits,
                    ctx.out_splits, ctx.group)
-        return grad_in, None, None, None, None
+        return grad_in, None, None, None, None, None
 
 
 def exchange(inp: torch.Tensor, out_splits, in_splits, group=None,
-             zero_rows: int = 0) -> torch.Tensor:
+             zero_rows: int = 0, backward_check=None) -> torch.Tensor:
     """all_to_all_single of the rows of inp (in_splits rows to each rank, out_splits rows from
     each rank), differentiable: gradients of the result flow back to inp across the ranks.
-    zero_rows: that many zero rows after the received ones (no gradient flows from them)."""
+    zero_rows: that many zero rows after the received ones (no gradient flows from them).
+    backward_check: called with the gradient at the start of the backward, on every rank (a
+    validated caller's agreement, e.g. `checks.agree_on_call`)."""
     out_splits = [int(n) for n in out_splits]
     in_splits = [int(n) for n in in_splits]
     if sum(in_splits) != inp.shape[0]:
         raise ValueError(f"exchange: in_splits sum to {sum(in_splits)}, input has "
                          f"{inp.shape[0]} rows")
-    return _Exchange.apply(inp, out_splits, in_splits, group, int(zero_rows))
+    return _Exchange.apply(inp, out_splits, in_splits, group, int(zero_rows), backward_check)
 
 
 def all_gather_counts(local_counts: torch.Tensor, group=None) -> torch.Tensor:
@@ -173,10 +179,11 @@ def sequential_combine(h_compact: torch.Tensor, w_down: torch.Tensor, expert_cou
 
 # ---------------------------------------------------------------- plan executor
 def reference_combine(h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
-                      topk_ids: torch.Tensor, topk_weights: torch.Tensor, group=None) -> torch.Tensor:
+                      topk_ids: torch.Tensor, topk_weights: torch.Tensor, group=None,
+                      backward_check=None) -> torch.Tensor:
     """Execute the plan with torch ops: per-expert GEMM, the remote segments and the local cells
     into per-rank send buffers at their destination rows (as the consumer ships them), one
-    all_to_all, weighted sum at the token owners."""
+    all_to_all, weighted sum at the token owners. backward_check: see `exchange`."""
     rank, W = plan.rank, plan.world_size
     dev = h.device
     y = grouped_matmul(h[: int(plan.total_rows.item())], w_down, plan.expert_rows.tolist())
@@ -206,5 +213,5 @@ def reference_combine(h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
     # receive: from owner r, my assignments to r's experts (a contiguous block of my buffer)
     owner = topk_ids.reshape(-1) // plan.experts_per_rank
     recv_splits = torch.bincount(owner, minlength=W).tolist()
-    recv = exchange(send, recv_splits, send_rows, group)
+    recv = exchange(send, recv_splits, send_rows, group, backward_check=backward_check)
     return weighted_sum(recv, recv_rows(topk_ids, plan.num_experts), topk_weights, h.dtype)
