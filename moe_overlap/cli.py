@@ -276,6 +276,9 @@ def cmd_project(args) -> int:
         print("Check on the measured 2-GPU sweep (" + args.sweep + "): " + ", ".join(
             f"{k} error mean {100 * v['mean']:+.0f} %, max |{100 * v['max_abs']:.0f}| %"
             for k, v in check.items()))
+    else:
+        print("Not checked against a measured sweep (--sweep ''; a checkout's bench/results/ "
+              "holds one).")
     print(format_table(rows))
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), tokens=args.tokens,
@@ -573,8 +576,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     j.add_argument("--ib-latency-us", type=_nonnegative_float, default=10.0,
                    help="InfiniBand latency, us (>= 0)")
     j.add_argument("--sweep", default=checkout_file(RESULTS, "combine_sweep_2xh200_v7.json") or "",
-                   help="measured 2-GPU sweep JSON the model is checked against ('': none; "
-                   "default: the one in the checkout this package runs from, none without one)")
+                   help="measured 2-GPU sweep JSON the model is checked against ('': none); "
+                   "the default is the one in the checkout this package runs from")
     j.add_argument("--out", default=os.path.join("out", "projection"),
                    help="output folder (relative: under the current folder)")
     f = sub.add_parser(
@@ -596,8 +599,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="NCCL bf16 all-reduce bus bandwidth assumed at G > 2, GB/s (default: "
                    "each shape's measured 2-GPU value)")
     f.add_argument("--root", default=checkout_root() or "",
-                   help="a moe-overlap checkout: the measured rates are read from its "
-                   "bench/results/ (default: the checkout this package runs from)")
+                   help="the moe-overlap checkout whose bench/results/ holds the measured "
+                   "rates; the default is the one this package runs from")
     f.add_argument("--out", default=os.path.join("out", "project-ffn", "projection_ffn.json"),
                    help="JSON to write, the PNG beside it (relative: under the current folder; "
                    "the tracked result is bench/results/projection_ffn_g2_8.json)")

@@ -267,3 +267,19 @@ def test_readme_command_line_section_mentions_sweep():
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("## Command line", 1)[1].split("\n## ", 1)[0]
     assert "- `sweep`" in section
+
+
+def test_without_a_checkout_project_ffn_asks_for_root_and_project_runs_unchecked(
+        capsys, monkeypatch, tmp_path):
+    """An installed copy without bench/results/ beside it (not an editable install)."""
+    from moe_overlap import cli
+    monkeypatch.setattr(cli, "checkout_root", lambda: None)
+    monkeypatch.setattr(cli, "checkout_file", lambda *parts: None)
+    code, out, err = _main_exit(capsys, ["project-ffn", "--out", str(tmp_path / "p.json")])
+    assert code == 2 and "no moe-overlap checkout found beside this package: pass --root PATH" \
+        in err.strip().splitlines()[-1], err
+    code, out, err = _main_exit(capsys, ["project", "--models", "mixtral-8x7b", "--world-sizes",
+                                         "2", "--tokens", "64", "--out", str(tmp_path / "p")])
+    assert code == 0, err
+    assert "Not checked against a measured sweep" in out and "error mean" not in out
+    assert (tmp_path / "p" / "projection.json").is_file()
