@@ -48,7 +48,8 @@ if any(not os.environ.get(v) for v in _SCRATCH_VARS):
             os.makedirs(os.environ[_var])
 # what the repository root holds before any test runs: the run fails if a test adds to it
 _ROOT_BEFORE = set(os.listdir(REPO))
-_ROOT_ALLOWED = {".pytest_cache"}  # pytest's own cache (-p no:cacheprovider: none)
+# pytest's own cache (-p no:cacheprovider: none) and coverage's data file (pytest --cov)
+_ROOT_ALLOWED = {".pytest_cache", ".coverage"}
 
 
 def _cuda_count() -> int:
