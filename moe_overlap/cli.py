@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -20,6 +21,8 @@ from .ffn.shapes import FFN_SHAPES  # noqa: E402  (a plain dict: no torch)
 
 FFN_SHAPE_NAMES = tuple(FFN_SHAPES)
 
+from .paths import RESULTS, checkout_file, checkout_root, output_path_error  # noqa: E402
+
 OVERLAP_SHAPES = tuple(tuple(int(v) for v in s.split("x")) for s in SYNTHETIC)  # T, E, k, N, K
 
 
@@ -31,6 +34,42 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _float_type(low_open: bool):
+    """argparse type: a finite float > 0 (low_open) or >= 0."""
+    what = "a number > 0" if low_open else "a number >= 0"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(v) or v < 0 or (low_open and v == 0):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return v
+    parse.__name__ = what
+    return parse
+
+
+_positive_float, _nonnegative_float = _float_type(True), _float_type(False)
+
+
+def _check_out(parser, opt: str, path: str, folder: bool) -> None:
+    """parser.error (exit 2) unless the output path can be written (before any work)."""
+    why = output_path_error(path, folder)
+    if why:
+        parser.error(f"{opt} {path!r}: {why}")
 
 
 def _int_list(choices=None):
@@ -116,7 +155,8 @@ def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, 
     """Padding overhead and band/segment counts, aggregated over all ranks of each world size,
     per plan layout.
 
-    scaling "weak": `tokens` per rank at every W; "strong": `tokens` in all, tokens // W per rank."""
+    scaling "weak": `tokens` per rank at every W; "strong": `tokens` in all, tokens / W per rank
+    (W must divide it: the rows and the plot's label say the same number)."""
     from .combine.plan import plan_combine
     from .routing import routing_counts
 
@@ -124,7 +164,9 @@ def plan_stats_rows(world_sizes, tile_ms, modes, tokens, experts, topk, seed=0, 
     for W in world_sizes:
         if experts % W:
             raise ValueError(f"--experts {experts} is not divisible by world size {W}")
-        per_rank = tokens if scaling == "weak" else max(1, tokens // W)
+        if scaling == "strong" and tokens % W:
+            raise ValueError(f"--global-tokens {tokens} is not divisible by world size {W}")
+        per_rank = tokens if scaling == "weak" else tokens // W
         for mode in modes:
             counts = routing_counts(W, per_rank, experts, topk, mode, seed)
             for tm, layout in ((tm, lay) for tm in tile_ms for lay in layouts):
@@ -220,10 +262,11 @@ def cmd_project(args) -> int:
     cost = CostModel()
     fabric = Fabric(gpus_per_node=args.gpus_per_node, ib_gbps=args.ib_gbps,
                     ib_latency_us=args.ib_latency_us)
-    check = None
-    if args.sweep:
-        with open(args.sweep) as f:
-            check = check_against_sweep(json.load(f)["points"], cost, fabric)
+    check = check_against_sweep(args.sweep_points, cost, fabric) if args.sweep else None
+    skipped = [f"{m} at W={W}" for m in args.models for W in args.world_sizes
+               if MODELS[m][0] % W]
+    if skipped:
+        print("skipped (the experts do not split evenly over W ranks): " + ", ".join(skipped))
     rows = project(models=args.models, worlds=args.world_sizes, mode=args.mode,
                    tokens=args.tokens, cost=cost, fabric=fabric,
                    progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
@@ -233,6 +276,9 @@ def cmd_project(args) -> int:
         print("Check on the measured 2-GPU sweep (" + args.sweep + "): " + ", ".join(
             f"{k} error mean {100 * v['mean']:+.0f} %, max |{100 * v['max_abs']:.0f}| %"
             for k, v in check.items()))
+    else:
+        print("Not checked against a measured sweep (--sweep ''; a checkout's bench/results/ "
+              "holds one).")
     print(format_table(rows))
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), tokens=args.tokens,
@@ -255,6 +301,9 @@ def _git_commit(root: str) -> str:
         return "?"
 
 
+FFN_CHECK_FILE = "ffn_fused_v7_final_2xh200.json"  # the measured 2-GPU layer project-ffn checks
+
+
 def cmd_project_ffn(args) -> int:
     import datetime
 
@@ -262,7 +311,7 @@ def cmd_project_ffn(args) -> int:
                                  plot, project, write)
     rates = FFNRates.from_results(args.root)
     a = Assumptions(busbw_gbps=args.busbw_gbps)
-    with open(os.path.join(args.root, "bench", "results", "ffn_fused_v7_final_2xh200.json")) as f:
+    with open(os.path.join(args.root, RESULTS, FFN_CHECK_FILE)) as f:
         check = check_reduce(json.load(f)["results"], rates)
     rows = project(shapes=args.shapes, worlds=args.world_sizes, tokens=args.tokens, rates=rates,
                    assumptions=a)
@@ -466,7 +515,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="global experts (a multiple of every world size)")
     s.add_argument("--topk", type=_positive_int, default=8, help="experts per token")
     s.add_argument("--seed", type=int, default=0, help="router seed")
-    s.add_argument("--out", default="out/plan-stats", help="output folder")
+    s.add_argument("--out", default=os.path.join("out", "plan-stats"),
+                   help="output folder (relative: under the current folder)")
     sub.add_parser("sweep", help="GPUs: overlap validation grid + ccta x mgb sweep (see "
                    "`moe-overlap sweep --help`)", add_help=False)
     v = sub.add_parser(
@@ -499,10 +549,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     v.add_argument("--shapes", default=None,
                    help="--backend overlap: the shapes (moe_overlap.combine.shapes: TxExkxNxK, "
                         "model names, synthetic, models, all; default: synthetic)")
-    v.add_argument("--race-calls", type=int, default=None,
+    v.add_argument("--race-calls", type=_nonnegative_int, default=None,
                    help="--backend overlap: extra calls per point with fresh data and poisoned "
                         "buffers (default: 3)")
-    v.add_argument("--soak", type=int, default=None,
+    v.add_argument("--soak", type=_nonnegative_int, default=None,
                    help="--backend overlap: CUDA-graph replays of the soak (default: 0, none)")
     sub.add_parser("report", help="README status table and docs/RESULTS.md from bench/results/ "
                    "(see `moe-overlap report --help`)", add_help=False)
@@ -521,12 +571,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     j.add_argument("--mode", default="balanced", choices=ROUTER_MODES, help="router mode")
     j.add_argument("--gpus-per-node", type=_positive_int, default=8,
                    help="GPUs per NVLink domain")
-    j.add_argument("--ib-gbps", type=float, default=50.0,
-                   help="InfiniBand bandwidth per GPU between nodes, GB/s (stated)")
-    j.add_argument("--ib-latency-us", type=float, default=10.0, help="InfiniBand latency, us")
-    j.add_argument("--sweep", default="bench/results/combine_sweep_2xh200_v7.json",
-                   help="measured 2-GPU sweep the model is checked against ('' : none)")
-    j.add_argument("--out", default="out/projection", help="output folder")
+    j.add_argument("--ib-gbps", type=_positive_float, default=50.0,
+                   help="InfiniBand bandwidth per GPU between nodes, GB/s (stated, > 0)")
+    j.add_argument("--ib-latency-us", type=_nonnegative_float, default=10.0,
+                   help="InfiniBand latency, us (>= 0)")
+    j.add_argument("--sweep", default=checkout_file(RESULTS, "combine_sweep_2xh200_v7.json") or "",
+                   help="measured 2-GPU sweep JSON the model is checked against ('': none); "
+                   "the default is the one in the checkout this package runs from")
+    j.add_argument("--out", default=os.path.join("out", "projection"),
+                   help="output folder (relative: under the current folder)")
     f = sub.add_parser(
         "project-ffn", help="projection of the tensor-parallel FFN to G = 2, 4, 8 GPUs "
         "(also `project --ffn`)", formatter_class=fmt,
@@ -542,12 +595,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="comma-separated GPU counts G (>= 2, dividing every hidden size)")
     f.add_argument("--tokens", type=_int_list(), default="8192,32768",
                    help="comma-separated token counts")
-    f.add_argument("--busbw-gbps", type=float, default=None,
+    f.add_argument("--busbw-gbps", type=_positive_float, default=None,
                    help="NCCL bf16 all-reduce bus bandwidth assumed at G > 2, GB/s (default: "
                    "each shape's measured 2-GPU value)")
-    f.add_argument("--root", default=".", help="the repository (reads bench/results/ there)")
-    f.add_argument("--out", default="bench/results/projection_ffn_g2_8.json",
-                   help="JSON to write (the PNG goes beside it)")
+    f.add_argument("--root", default=checkout_root() or "",
+                   help="the moe-overlap checkout whose bench/results/ holds the measured "
+                   "rates; the default is the one this package runs from")
+    f.add_argument("--out", default=os.path.join("out", "project-ffn", "projection_ffn.json"),
+                   help="JSON to write, the PNG beside it (relative: under the current folder; "
+                   "the tracked result is bench/results/projection_ffn_g2_8.json)")
     hp = sub.add_parser(
         "heap", help="symmetric (NVSHMEM) heap the combine needs, with and without sharing",
         formatter_class=fmt,
@@ -566,7 +622,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     hp.add_argument("--scale", choices=("plain", "ordered"), default="plain",
                     help="the layers' scale: 'ordered' adds W x segment capacity int64 "
                     "per-segment arrival words to the block (CombineOptions.scale)")
-    hp.add_argument("--tile-m", type=_positive_int, default=128,
+    hp.add_argument("--tile-m", type=int, default=128, choices=TILE_MS,
                     help="the layers' tile_m (sizes the segment capacity with --scale ordered)")
     hp.add_argument("--json", action="store_true",
                     help="also print the numbers as JSON")
@@ -574,11 +630,72 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                "heap": hp}
 
 
+def _report_root_error(argv) -> str | None:
+    """Why `report` cannot run on its --root (it rewrites README.md from bench/results/ of a
+    checkout), or None. `--help` always runs."""
+    if "-h" in argv or "--help" in argv:
+        return None
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--root", default=".")
+    root = ap.parse_known_args(argv)[0].root
+    if os.path.isfile(os.path.join(root, "README.md")) and os.path.isdir(
+            os.path.join(root, RESULTS)):
+        return None
+    return (f"{os.path.abspath(root)} is not a moe-overlap checkout (no README.md and "
+            f"{RESULTS}/ there): run it from the checkout or pass --root PATH")
+
+
+def _check_project_args(args, parser) -> None:
+    """project: every model gets at least one world size that splits its experts (the pairs
+    that do not are skipped, and said so); the measured sweep is read here (a missing or bad file
+    is a usage error)."""
+    for m in args.models:
+        if all(MODELS[m][0] % W for W in args.world_sizes):
+            parser.error(f"--world-sizes {','.join(map(str, args.world_sizes))}: none divides "
+                         f"the {MODELS[m][0]} experts of {m} (each model needs one)")
+    args.sweep_points = None
+    if args.sweep:
+        try:
+            with open(args.sweep) as f:
+                args.sweep_points = json.load(f)["points"]
+            if not args.sweep_points:
+                raise ValueError("no points")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--sweep {args.sweep!r}: not a readable sweep JSON with points "
+                         f"({type(e).__name__}: {e}); pass --sweep '' for no check")
+    _check_out(parser, "--out", args.out, folder=True)
+
+
+def _check_project_ffn_args(args, parser) -> None:
+    """project-ffn: G >= 2 dividing every hidden size; the measured rates it reads exist."""
+    bad = [G for G in args.world_sizes if G < 2]
+    if bad:
+        parser.error(f"--world-sizes: G must be >= 2, got {bad}")
+    for name in args.shapes:
+        if any(FFN_SHAPES[name][1] % G for G in args.world_sizes):
+            parser.error(f"--world-sizes {args.world_sizes}: not all divide the hidden size "
+                         f"{FFN_SHAPES[name][1]} of {name}")
+    from .ffn.projection import FILES
+    if not args.root:
+        parser.error(f"no moe-overlap checkout found beside this package: pass --root PATH, a "
+                     f"checkout whose {RESULTS}/ holds {', '.join(FILES)}")
+    missing = [n for n in dict.fromkeys(FILES + (FFN_CHECK_FILE,))
+               if not os.path.isfile(os.path.join(args.root, RESULTS, n))]
+    if missing:
+        parser.error(f"--root {args.root!r}: {RESULTS}/ there lacks {', '.join(missing)} (pass "
+                     "--root PATH, a moe-overlap checkout)")
+    _check_out(parser, "--out", args.out, folder=False)
+
+
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     p, subs = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:  # its own options (moe_overlap/report.py)
+        why = _report_root_error(argv[1:])
+        if why:
+            print(f"moe-overlap report: error: {why}", file=sys.stderr)
+            return 2
         from .report import main as report_main
         return report_main(argv[1:])
     if argv[:1] == ["sweep"]:  # GPUs: its own options (moe_overlap/combine/sweep.py)
@@ -596,20 +713,22 @@ def main(argv=None) -> int:
         _check_experts(sp, args.experts, args.topk, [args.world_size])
     elif args.cmd == "plan-stats":
         _check_experts(sp, args.experts, args.topk, args.world_sizes)
+        for W in args.world_sizes:
+            if args.global_tokens % W:
+                sp.error(f"--global-tokens {args.global_tokens} is not divisible by world size "
+                         f"{W} (strong scaling splits it evenly over the ranks)")
+        _check_out(sp, "--out", args.out, folder=True)
     elif args.cmd == "validate" and args.backend == "overlap":
         args.overlap_argv = overlap_validate_argv(args, sp)
+        _check_out(sp, "--out", args.overlap_argv[2], folder=False)
     elif args.cmd == "validate":
         resolve_validate_args(args, sp)
+        if args.out:
+            _check_out(sp, "--out", args.out, folder=False)
+    elif args.cmd == "project":
+        _check_project_args(args, sp)
     elif args.cmd == "project-ffn":
-        bad = [G for G in args.world_sizes if G < 2]
-        if bad:
-            sp.error(f"--world-sizes: G must be >= 2, got {bad}")
-        for name in args.shapes:
-            if any(FFN_SHAPES[name][1] % G for G in args.world_sizes):
-                sp.error(f"--world-sizes {args.world_sizes}: not all divide the hidden size "
-                         f"{FFN_SHAPES[name][1]} of {name}")
-        if args.busbw_gbps is not None and not args.busbw_gbps > 0:
-            sp.error(f"--busbw-gbps must be > 0, got {args.busbw_gbps}")
+        _check_project_ffn_args(args, sp)
         args.argv = argv[1:]
     return {"demo": cmd_demo, "plan-stats": cmd_plan_stats, "validate": cmd_validate,
             "project": cmd_project, "project-ffn": cmd_project_ffn,

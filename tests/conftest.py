@@ -17,14 +17,41 @@ enough GPUs). A failure on a rank raises with its traceback; ``join_timeout_s`` 
 a failure naming the ranks. ``single_rank_json(worker)`` runs a one-rank worker that records
 its checks as JSON (the single-GPU fault tests); ``require_module(gpus)`` is the module-level
 skip of the combine's GPU test files.
+
+Nothing is written into the repository: CuTe DSL's dumps and Hypothesis's database go to a
+temporary folder (below), and a run that leaves a new file in the repository root fails.
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------------------ scratch, not the repo
+# CuTe DSL dumps the PTX / cubin it keeps into CUTE_DSL_DUMP_DIR (default: the working folder,
+# read once per process, so a test's monkeypatch.setenv after the first compile moves nothing),
+# and Hypothesis keeps its example database in HYPOTHESIS_STORAGE_DIRECTORY (default:
+# ./.hypothesis). Unless the caller set them, both go to one temporary folder per run, removed at
+# the end; spawned ranks inherit the variables (and so make no folder of their own).
+_SCRATCH_VARS = {"CUTE_DSL_DUMP_DIR": "cute_dsl_dump", "HYPOTHESIS_STORAGE_DIRECTORY": "hypothesis"}
+_SCRATCH = None
+if any(not os.environ.get(v) for v in _SCRATCH_VARS):
+    _SCRATCH = tempfile.mkdtemp(prefix="moe_overlap_tests_")
+    for _var, _sub in _SCRATCH_VARS.items():
+        if not os.environ.get(_var):
+            os.environ[_var] = os.path.join(_SCRATCH, _sub)
+            os.makedirs(os.environ[_var])
+# what the repository root holds before any test runs: the run fails if a test adds to it
+_ROOT_BEFORE = set(os.listdir(REPO))
+# pytest's own cache (-p no:cacheprovider: none) and coverage's data file (pytest --cov)
+_ROOT_ALLOWED = {".pytest_cache", ".coverage"}
 
 
 def _cuda_count() -> int:
@@ -63,6 +90,27 @@ def pytest_configure(config):
                  "compile: compiles CuTe DSL kernels for sm_90a without a GPU (needs "
                  "nvidia-cutlass-dsl)"):
         config.addinivalue_line("markers", line)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when tests left files in the repository root (they write to tmp_path)."""
+    new = sorted(set(os.listdir(REPO)) - _ROOT_BEFORE - _ROOT_ALLOWED)
+    if not new:
+        return
+    msg = (f"tests wrote into the repository root {REPO}: {', '.join(new)} (write to tmp_path; "
+           "the scratch folders are set in tests/conftest.py)")
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(msg, red=True, bold=True)
+    else:
+        print(msg, file=sys.stderr)
+    if session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config):
+    if _SCRATCH is not None:
+        shutil.rmtree(_SCRATCH, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

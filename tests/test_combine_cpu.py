@@ -41,7 +41,7 @@ def test_wrong_result_is_detected(monkeypatch):
 
 
 def _layer(world=1, **kw):
-    args = dict(num_experts=4, hidden_size=8, out_features=6, topk=2, max_tokens_per_rank=16,
+    args = dict(num_experts=4, intermediate_size=8, out_features=6, topk=2, max_tokens_per_rank=16,
                 tile_m=64, backend="reference")
     args.update(kw)
     return MoECombine(**args)

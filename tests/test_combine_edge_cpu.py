@@ -110,7 +110,7 @@ def test_zero_tokens_and_empty_experts_on_every_path(tokens, experts):
 
 
 def _layer1(**kw):
-    args = dict(num_experts=4, hidden_size=8, out_features=6, topk=2, max_tokens_per_rank=16,
+    args = dict(num_experts=4, intermediate_size=8, out_features=6, topk=2, max_tokens_per_rank=16,
                 tile_m=64, backend="reference")
     args.update(kw)
     return MoECombine(**args)

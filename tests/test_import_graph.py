@@ -9,14 +9,14 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "moe_overlap"
 # part of the package -> the parts it may import (besides itself)
 ALLOWED = {
     "runtime": set(),
-    "util": {"runtime"},  # routing, launch, timing, report, diagnostics, provenance
+    "util": {"runtime"},  # routing, launch, timing, report, diagnostics, provenance, paths
     "kernels": {"runtime"},
     "combine": {"runtime", "kernels", "util"},
     "ffn": {"runtime", "kernels", "util"},
     "cli": {"combine", "ffn", "util", "runtime", "kernels"},
     "top": {"combine", "ffn", "util", "runtime", "kernels", "cli"},  # __init__, aliases, __main__
 }
-UTIL = {"routing", "launch", "timing", "report", "diagnostics", "provenance"}
+UTIL = {"routing", "launch", "timing", "report", "diagnostics", "provenance", "paths"}
 
 
 def _module(path: pathlib.Path) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import numbers
+import warnings
 
 import torch
 
@@ -44,10 +45,13 @@ def overlap_available(device: torch.device | None = None) -> tuple[bool, str]:
 class MoECombine(torch.nn.Module):
     """Combine for one MoE layer; construct once per layer, call `plan` then `forward` per step.
 
-    num_experts: global experts E (E // world_size per rank); hidden_size K: rows of w_down;
-    out_features N: columns of w_down; topk: experts per token; max_tokens_per_rank: the most tokens
-    any rank routes in one call (sizes plans and communication buffers); tile_m: rows per band
-    (64, 128 or 256); backend: see the module doc.
+    num_experts: global experts E (E // world_size per rank); intermediate_size K: the experts'
+    intermediate width, columns of h and rows of w_down (HF ``moe_intermediate_size``, not the
+    model's ``hidden_size``; ``self.hidden_size`` keeps it under the old name, and the keyword
+    ``hidden_size=`` still works with a DeprecationWarning); out_features N: columns of w_down, the
+    layer's output width (the model's hidden size); topk: experts per token;
+    max_tokens_per_rank: the most tokens any rank routes in one call (sizes plans and
+    communication buffers); tile_m: rows per band (64, 128 or 256); backend: see the module doc.
 
     Options (``options=CombineOptions(...)``, or the same names as keyword arguments: ccta, mgb,
     transport, local_copy, copy, layout; a keyword given overrides the object's field): see
@@ -89,27 +93,37 @@ class MoECombine(torch.nn.Module):
     input requires grad.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, out_features: int, topk: int,
-                 max_tokens_per_rank: int, group=None, tile_m: int = 128, backend: str = "auto",
+    def __init__(self, num_experts: int, intermediate_size: int | None = None,
+                 out_features: int | None = None, topk: int | None = None,
+                 max_tokens_per_rank: int | None = None, group=None, tile_m: int = 128,
+                 backend: str = "auto",
                  ccta=None, mgb=None, transport: str | None = None, validate: bool = True,
                  local_copy: bool | None = None, copy: str | None = None,
                  layout: str | None = None, error_check: str | None = None,
                  options: CombineOptions | None = None, comm_buffer=None,
-                 scale: str | None = None):
+                 scale: str | None = None, hidden_size: int | None = None):
         super().__init__()
+        if hidden_size is not None:  # the old name: not the model's hidden size (out_features)
+            if intermediate_size is not None:
+                raise TypeError("give intermediate_size only (hidden_size is its old name)")
+            warnings.warn("MoECombine(hidden_size=) is deprecated: it is the experts' "
+                          "intermediate width (rows of w_down), now intermediate_size=; the "
+                          "model's hidden size is out_features", DeprecationWarning, stacklevel=2)
+            intermediate_size = hidden_size
+        hidden_size = intermediate_size
         from .comm_buffer import CommBuffer
         if comm_buffer is not None and not isinstance(comm_buffer, CommBuffer):
             raise TypeError(f"comm_buffer must be a CommBuffer, got {type(comm_buffer).__name__}")
         rank, W = world(group)
         ints = {}
-        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+        for name, v in (("num_experts", num_experts), ("intermediate_size", hidden_size),
                         ("out_features", out_features), ("topk", topk),
                         ("max_tokens_per_rank", max_tokens_per_rank)):
             try:
                 ints[name] = as_int(name, v, minimum=1)
             except ValueError:
                 raise ValueError(f"{name} must be a positive int, got {v!r}") from None
-        num_experts, hidden_size, out_features = (ints["num_experts"], ints["hidden_size"],
+        num_experts, hidden_size, out_features = (ints["num_experts"], ints["intermediate_size"],
                                                   ints["out_features"])
         topk, max_tokens_per_rank = ints["topk"], ints["max_tokens_per_rank"]
         if isinstance(tile_m, numbers.Integral) and not isinstance(tile_m, bool):
@@ -129,6 +143,7 @@ class MoECombine(torch.nn.Module):
         self.group, self.rank, self.world_size = group, rank, W
         self.num_experts, self.experts_per_rank = num_experts, num_experts // W
         self.hidden_size, self.out_features, self.topk = hidden_size, out_features, topk
+        self.intermediate_size = hidden_size
         self.max_tokens_per_rank, self.tile_m, self.validate = max_tokens_per_rank, tile_m, validate
         self.requested_backend = backend
         cuda = torch.cuda.is_available()

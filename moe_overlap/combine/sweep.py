@@ -377,9 +377,18 @@ def main(argv=None):
         lc, args.copy = CombineOptions(
             transport=args.transport, copy=args.copy,
             local_copy="auto" if args.local_copy < 0 else bool(args.local_copy)).consumer_variant()
+        CombineOptions(gemm_options=args.gemm_options).check_gemm_options(args.tile_m)
     except ValueError as e:
         ap.error(str(e))
     args.local_copy = int(lc)
+    for opt, low in (("world_size", 0), ("reps", 1), ("replays", 1), ("race_calls", 0),
+                     ("soak", 0)):
+        if getattr(args, opt) < low:
+            ap.error(f"--{opt.replace('_', '-')} must be >= {low}, got {getattr(args, opt)}")
+    from ..paths import output_path_error
+    why = output_path_error(args.out, folder=False)
+    if why:
+        ap.error(f"--out {args.out!r}: {why}")
 
     import torch
 
