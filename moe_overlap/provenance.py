@@ -29,7 +29,14 @@ _PLANNER = (_C + "plan.py", _C + "plan_kernel.py", _C + "routes.py")
 # root): the kernels and their host wrappers, the options they were launched with, the bench
 # that timed them and the timing helpers it calls. A change to any of them marks the row stale.
 DEPENDENCIES = {
-    "producer": _PRODUCER + ("bench/bench_grouped_gemm.py", "moe_overlap/timing.py"),
+    "producer": _PRODUCER + _PLANNER + (
+        _C + "band_groups.py", _C + "options.py", _C + "overlap.py", _C + "tuning.py",
+        "bench/bench_producer_models.py", "moe_overlap/timing.py"),
+    "ranks": ("moe_overlap/launch.py", "moe_overlap/runtime/collectives.py",
+              "moe_overlap/runtime/device.py", "moe_overlap/runtime/nvshmem.py",
+              _C + "overlap.py", _C + "consumer.py", _C + "comm_buffer.py", _C + "scale.py",
+              _C + "sweep.py", _C + "race_check.py", _C + "checks.py", _C + "reference.py")
+             + _PRODUCER + ("tests/conftest.py", "scripts/ranks_report.py"),
     "consumer": (_C + "consumer.py", "moe_overlap/runtime/nvshmem.py", _K + "primitives.py",
                  "bench/bench_consumer.py"),
     "combine": _PRODUCER + _PLANNER + (

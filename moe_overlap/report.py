@@ -44,8 +44,10 @@ from .provenance import DEPENDENCIES, Git, freshness
 
 # area -> (title, current headline files, in bench/results/)
 HEADLINE = {
-    "producer": ("Producer grouped GEMM (CuTe DSL, band flags)",
-                 ("grouped_gemm_v11_boost.json", "grouped_gemm_v11_back_to_back.json")),
+    "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
+                 ("producer_models_h100_f213944_s1.json",)),
+    "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
+              ("ranks_onegpu_h100_f213944.json",)),
     "consumer": ("Consumer (band shipping, nvlink TMA)", ("consumer_run5_large_2xh200.json",)),
     "combine": ("Combine sweep (overlapped MoE combine)",
                 ("combine_sweep_2xh200_v7.json", "combine_sweep_2xh200_v7_k14336.json",
@@ -179,42 +181,58 @@ def _table(header, rows):
 
 # ------------------------------------------------------------------------------ areas
 def producer(root):
-    lines, status, docs = [], [], []
-    for name in HEADLINE["producer"][1]:
-        d = _load(root, name)
-        docs.append((name, d))
-        rows, vs, flag, by_ccta = [], [], [], {}
-        for s in d["shapes"]:
-            runs = {(r["config"], r["ccta"]): r for r in s["runs"]}
-            for (cfg, ccta), r in runs.items():
-                if cfg == "def" and ccta > 0:
-                    by_ccta.setdefault(ccta, []).append(r["vs_lib_paired"])
-            c0, nf = runs.get(("def", 0)), runs.get(("def-noflag", 0))
-            if c0 is None:
-                continue
-            f = (c0["median_ms"] / nf["median_ms"] - 1) * 100 if nf else None
-            vs.append(c0["vs_lib_paired"])
-            if f is not None:
-                flag.append(f)
-            rows.append((f"T{s['T']} N{s['N']} K{s['K']} E{s['E']}", f"{s['lib_ms']:.3f}",
-                         s["lib_best"], f"{c0['median_ms']:.3f}", f"{c0['tflops']:.0f}",
-                         f"{c0['vs_lib_paired']:.3f}", "n/a" if f is None else f"{f:.1f}"))
-        regime = ("boost clock (a GPU sleep before each call)" if d.get("lead_ms", 0) > 0
-                  else "calls back to back (power-limited clock)")
-        lines += [f"### `{name}`: {regime}", "", _src(name, d, "producer"), ""]
-        lines += _table(("shape", "library ms", "library best", "ours ms (ccta 0)", "TFLOP/s",
-                         "library / ours (paired)", "flag cost %"), rows) + [""]
-        status.append(f"{_rng(vs, '{:.3f}')}x ({_losses(vs)}; {regime.split(' (')[0]}"
-                      + (f", flags {_rng(flag, '{:.1f}', ' %')}" if flag else "") + ")")
-        if by_ccta:
-            c = max(c for c in by_ccta if c <= 16) if any(c <= 16 for c in by_ccta) else \
-                min(by_ccta)
-            status[-1] += (f"; with {c} SMs left to a consumer {_rng(by_ccta[c], '{:.3f}')}x "
-                           f"({_losses(by_ccta[c])})")
-    cell = ("ccta 0, clusters of 2 (the bench's GroupedGemm defaults): not what MoECombine "
-            "launches. Our speed / the best library GEMM's, paired, on every bench shape: "
-            + "; ".join(status))
-    return lines, cell, docs
+    (name,) = HEADLINE["producer"][1]
+    d = _load(root, name)
+    ours = d["ours_variant"]
+    lines = [_src(name, d, "producer"), "", f"Method: {d['method']}.", ""]
+    rows = []
+    for p in d["points"]:
+        base = min((p[k], k[5:-3]) for k in ("base_grouped_mm_ms", "base_mm_loop_ms") if k in p)
+        for vname, v in p["variants"].items():
+            rows.append((p["label"], str(p["valid_rows"]), f"{base[0]:.3f} ({base[1]})", vname,
+                         str(v["ccta"]), f"{v['gemm']['cluster_n']}", f"{v['padding']:.2f}",
+                         f"{v['ms']:.3f}", f"{v['ratio']:.3f}", f"{v['scaled_ratio']:.3f}",
+                         str(v["correct"])))
+    lines += _table(("point", "valid rows", "library ms (best)", "variant", "ccta", "cluster",
+                     "padding", "ours ms", "library / ours", "scaled by SMs", "correct"), rows)
+    lines.append("")
+    parts = []
+    for vname, g in d["goals"].items():
+        scaled = [p["variants"][vname]["scaled_ratio"] for p in d["points"]]
+        raw = [p["variants"][vname]["ratio"] for p in d["points"]]
+        parts.append(f"{vname}{' (what MoECombine runs)' if vname == ours else ''}: "
+                     f"{_rng(raw, '{:.2f}')}x unscaled, {_rng(scaled, '{:.2f}')}x scaled by "
+                     f"SMs / (SMs - ccta), geometric mean {g['geomean_scaled']:.3f} "
+                     f"({_losses(scaled)}; goal >= {g['goal_scaled']} everywhere and mean >= "
+                     f"{g['goal_geomean']}: {'met' if g['met'] else 'not met'})")
+    models = sorted({p["model"] for p in d["points"]})
+    cell = (f"our speed / the faster of torch._grouped_mm and a per-expert cuBLAS loop on the "
+            f"unpadded rows, options as MoECombine resolves them, {len(d['points'])} points "
+            f"({', '.join(models)}; W {sorted({p['world_size'] for p in d['points']})}; "
+            f"routings {sorted({p['routing'] for p in d['points']})}): " + "; ".join(parts)
+            + f"; every output correct: {d['all_correct']}")
+    return lines, cell, [(name, d)]
+
+
+def ranks(root):
+    (name,) = HEADLINE["ranks"][1]
+    d = _load(root, name)
+    lines = [_src(name, d, "ranks"), "", d["what"] + ".", ""]
+    rows = []
+    for check, c in d["checks"].items():
+        why = "; ".join(sorted({f["reason"].split(" | ")[-1][:160] for f in c["failures"]}))
+        rows.append((check, c.get("commit", d["commit"]), c.get("mode", d["mode"]),
+                     str(c["points"]), str(c["passed"]), str(len(c["failures"])), why or "-"))
+    lines += _table(("check", "commit", "mode", "points", "passed", "failed", "why"), rows)
+    lines.append("")
+    ok = [k for k, c in d["checks"].items() if c["points"] and not c["failures"]]
+    bad = [k for k, c in d["checks"].items() if c["failures"]]
+    t = d["totals"]
+    cell = (f"W = 2 ranks as processes on one GPU ({', '.join(d.get('modes', [d['mode']]))}): "
+            f"{t['passed']} of {t['points']} checks passed; passing: {', '.join(ok)}; "
+            f"failing: {', '.join(bad) or 'none'} (reasons in docs/RESULTS.md); timings of this "
+            "mode are not speedups")
+    return lines, cell, [(name, d)]
 
 
 def _losses(ratios) -> str:
@@ -568,7 +586,7 @@ def chained(root):
     return lines, cell, [(name, d)]
 
 
-AREAS = {"producer": producer, "consumer": consumer, "combine": combine, "ffn": ffn,
+AREAS = {"producer": producer, "ranks": ranks, "consumer": consumer, "combine": combine, "ffn": ffn,
          "scale": scale, "packed": packed, "chained": chained, "plan": plan,
          "ordered_tables": ordered_tables}
 
@@ -580,7 +598,8 @@ def _src(name, doc, area):
 
 
 # ------------------------------------------------------------------------------ outputs
-ROW_OF = {"producer": "producer grouped GEMM (CuTe DSL, WGMMA + TMA, band flags)",
+ROW_OF = {"producer": "producer grouped GEMM as `MoECombine` launches it (CuTe DSL)",
+          "ranks": "multi-rank correctness, ranks sharing one GPU",
           "consumer": "consumer (CuTe DSL)",
           "scale": "scale (CuTe DSL)",
           "combine": "overlapped combine (`backend=\"overlap\"`)",

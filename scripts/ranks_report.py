@@ -1,6 +1,7 @@
 """The one-GPU multi-rank results of a `gpu_check.sh ranks` run as one JSON file.
 
     python scripts/ranks_report.py OUT_DIR [--out FILE]
+    python scripts/ranks_report.py --merge A.json B.json ... --out FILE   # runs of one session
 
 Reads OUT_DIR/junit_*.xml (one per pytest module run with its ranks sharing the GPU),
 OUT_DIR/ranks_mode.txt (mps or time-sliced) and OUT_DIR/validate_*.json (`moe-overlap sweep
@@ -16,6 +17,16 @@ import os
 import xml.etree.ElementTree as ET
 
 
+def _reason(el) -> str:
+    """A failure's first message line and the innermost error named in its traceback (a rank's
+    own error, not only the launcher's "rank 0 failed")."""
+    import re
+    msg = (el.get("message") or "").splitlines()[0][:200] if el.get("message") else ""
+    named = re.findall(r"^(?:E\s+)?([A-Za-z_.]*(?:Error|Exception)[^\n]*)$", el.text or "", re.M)
+    inner = [n for n in named if "rank 0 failed" not in n and "ranks [" not in n]
+    return msg + (f" | {inner[-1][:300]}" if inner else "")
+
+
 def junit_check(path: str) -> dict:
     root = ET.parse(path).getroot()
     cases, failures, skipped = [], [], []
@@ -25,7 +36,7 @@ def junit_check(path: str) -> dict:
         bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
         skip = tc.find("skipped")
         if bad is not None:
-            failures.append(dict(test=name, reason=(bad.get("message") or "")[:500]))
+            failures.append(dict(test=name, reason=_reason(bad)))
         elif skip is not None:
             skipped.append(dict(test=name, reason=(skip.get("message") or "")[:300]))
     return dict(points=len(cases), passed=len(cases) - len(failures) - len(skipped),
@@ -46,11 +57,45 @@ def grid_check(path: str) -> dict:
                 soak=[{k: v for k, v in s.items() if k != "records"} for s in soaks])
 
 
+def totals(checks: dict) -> dict:
+    return dict(points=sum(c["points"] for c in checks.values()),
+                passed=sum(c["passed"] for c in checks.values()),
+                failed=sum(len(c["failures"]) for c in checks.values()))
+
+
+def merge(paths: list[str]) -> dict:
+    """One document from several runs' files (same card): each check keeps the commit, date and
+    mode of its run; a check name seen twice keeps the later run's."""
+    docs = [json.load(open(p)) for p in paths]
+    devs = {d["device"] for d in docs}
+    if len(devs) != 1:
+        raise SystemExit(f"runs on different cards: {sorted(devs)}")
+    checks = {}
+    for d in sorted(docs, key=lambda d: d["date"]):
+        for name, c in d["checks"].items():
+            checks[name] = dict(c, commit=d["commit"], date=d["date"], mode=d["mode"])
+    last = max(docs, key=lambda d: d["date"])
+    return dict(last, checks=checks, totals=totals(checks),
+                commits=sorted({d["commit"] for d in docs}),
+                modes=sorted({d["mode"] for d in docs}))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out_dir")
+    ap.add_argument("out_dir", nargs="?")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--merge", nargs="+", default=None, help="ranks_onegpu JSON files to merge")
     a = ap.parse_args(argv)
+    if a.merge:
+        if not a.out:
+            ap.error("--merge needs --out")
+        doc = merge(a.merge)
+        with open(a.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"{a.out}: {doc['totals']}")
+        return
+    if not a.out_dir:
+        ap.error("OUT_DIR is required")
     import torch
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown"
     card = "h200" if "H200" in dev else "h100" if "H100" in dev else "gpu"
@@ -66,10 +111,7 @@ def main(argv=None):
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                what="multi-rank checks with the ranks as processes sharing one GPU "
                     "(correctness only: no NVLink, one L2, no timings)",
-               checks=checks,
-               totals=dict(points=sum(c["points"] for c in checks.values()),
-                           passed=sum(c["passed"] for c in checks.values()),
-                           failed=sum(len(c["failures"]) for c in checks.values())))
+               checks=checks, totals=totals(checks))
     out = a.out or os.path.join(a.out_dir, f"ranks_onegpu_{card}_{commit}.json")
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
