@@ -31,7 +31,7 @@ def test_the_h100_run_of_the_rule_missed_the_goal_on_one_shape(bench):
 
 
 def test_written_json_fails_on_a_missed_goal_or_an_error(bench, tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "result_header", lambda name: dict(bench=name))
+    monkeypatch.setattr(bench, "result_header", lambda name, **kw: dict(bench=name))
     def row(shape, tokens, speedup):
         return dict(shape=shape, tokens=tokens, speedup=speedup, best_speedup=speedup)
     good = [row("a", 8192, 1.01), row("b", 8192, 0.95)]
