@@ -563,8 +563,39 @@ def use_sm90_nvshmem_bitcode():
     bc._device_bitcode_path = lambda: path
 
 
+# The nvshmem consumers compiled in this process, kept until it ends:
+# (threads, unroll, build options, NVSHMEM initialisation) -> (compiled, NvshmemKernelObject).
+# cute_compile_helper's library_init hands NVSHMEM the address of the library's device state;
+# NVSHMEM keeps the address (not the library) and copies its state there only when its table of
+# addresses grows. CuTe DSL unloads a library when its compiled function is garbage-collected and
+# nothing takes the address out of that table (nvshmem4py 0.4 registers no unload callback, and a
+# library_finalize from a collector would not be collective). A dropped layer's consumer would
+# leave a stale address there: the state is then written into memory that is no longer the
+# library's, and the next identical build, loaded where the old one was, is counted as already
+# initialised and runs on a zeroed device state (bench/NOTES.md, "Session 20: the one-process
+# crash of test_overlap_gpu, by reading"). Kept here, each build is registered once and stays
+# loaded; the layers share it (everything per call is a launch argument).
+_NVSHMEM_COMPILED: dict = {}
+
+
+def _nvshmem_consumer(threads: int, unroll: int, options: dict):
+    """(compiled consumer, its NvshmemKernelObject) of the nvshmem transport for this build,
+    compiled and registered with NVSHMEM on first use in this process's NVSHMEM initialisation
+    (one per process and device: ``NvshmemRuntime``), never released (see above)."""
+    from ..runtime.nvshmem import NvshmemRuntime
+    key = (threads, unroll, tuple(sorted(options.items())), NvshmemRuntime.inits)
+    hit = _NVSHMEM_COMPILED.get(key)
+    if hit is None:
+        from nvshmem.core.interop.cute import cute_compile_helper
+        launch = build_consumer("nvshmem", threads, unroll, **options)
+        hit = _NVSHMEM_COMPILED[key] = cute_compile_helper(launch, *consumer_example_args())
+    return hit
+
+
 class Consumer:
-    """Compiled consumer + launch helper. ``launch`` takes torch tensors, never synchronizes."""
+    """Compiled consumer + launch helper. ``launch`` takes torch tensors, never synchronizes.
+    The nvshmem transport's compiled kernel is shared by every Consumer of the same build in
+    the process and never unloaded (``_NVSHMEM_COMPILED``)."""
 
     def __init__(self, transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                  unroll: int = DEFAULT_UNROLL, timeout_ns: int = DEFAULT_TIMEOUT_NS,
@@ -586,11 +617,8 @@ class Consumer:
     def compile(self):
         if self._fn is None:
             if self.transport == "nvshmem" and _have_gpu():
-                from nvshmem.core.interop.cute import cute_compile_helper
-                launch = build_consumer(self.transport, self.threads, self.unroll,
-                                        **self.options)
-                ex = consumer_example_args()
-                self._fn, self._nvshmem_obj = cute_compile_helper(launch, *ex)
+                self._fn, self._nvshmem_obj = _nvshmem_consumer(self.threads, self.unroll,
+                                                                self.options)
             else:
                 self._fn = compile_consumer(self.transport, self.threads, self.unroll,
                                             **self.options)

@@ -100,6 +100,9 @@ def heap_error(nbytes: int, allocated: int, cause: BaseException,
 
 class NvshmemRuntime:
     _live: dict = {}  # one initialized runtime per process (NVSHMEM is process-global)
+    # NVSHMEM initialisations in this process so far: kernels registered with NVSHMEM under
+    # one (the nvshmem consumer) are not reused under the next
+    inits = 0
 
     def __init__(self, group=None, device: torch.device | int | None = None):
         if not (dist.is_available() and dist.is_initialized()):
@@ -140,6 +143,7 @@ class NvshmemRuntime:
             raise NvshmemError(f"nvshmem.core.init failed on rank {self.rank}/{self.world_size} "
                                f"(device {dev}): {e}") from e
         NvshmemRuntime._live[id(self)] = self
+        NvshmemRuntime.inits += 1
 
     @classmethod
     def get(cls, group=None) -> "NvshmemRuntime":
