@@ -1068,7 +1068,7 @@ class BandAllReduce:
         if int(bad.item()):
             rt.free(buf)
             here = (f"rank {self.rank} cannot reach ranks {list(unreachable)}" if unreachable
-                    else f"a rank of the group cannot reach all of its peers")
+                    else "a rank of the group cannot reach all of its peers")
             raise NvshmemError("the band all-reduce loads and stores its peers' buffers directly, "
                                f"but {here} by load/store (no P2P mapping)")
         self._runtime, self._hdl = rt, None

@@ -643,6 +643,10 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     final bf16 partial tiles go to a symmetric bf16 buffer that the band all-reduce sums in
     fp32 in rank order (half the fp32 path's bytes); it needs (O/G) % 256 == 0 and
     N % 256 == 0, tile_m = 128, and takes ``CHAINED_COMPUTE_OPTIONS`` as compute_options.
+    ``symmetric`` ("auto", "torch" or "nvshmem"; ``FFNOptions.symmetric``): who allocates the
+    band all-reduce's symmetric buffer; "auto" asks the group once, at construction (every rank
+    builds the layer), whether ranks share a GPU, and takes NVSHMEM there (torch symmetric memory
+    refuses such ranks), torch symmetric memory elsewhere.
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
     ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
 
