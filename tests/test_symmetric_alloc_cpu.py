@@ -203,8 +203,10 @@ def _nvshmem_alloc(monkeypatch, mem, unmapped=(), others_bad=0):
     buffers; ``unmapped`` peers have no load/store view; ``others_bad``: what the other ranks
     bring to the agreement on unmapped peers."""
     rt = fake_runtime(monkeypatch, world=WORLD, rank=RANK)
-    rt._nc.tensor = lambda shape, dtype: (rt.log.append(("alloc", tuple(shape))), mem.own)[1]
-    rt._nc.get_peer_tensor = lambda t, pe: None if pe in unmapped else mem.peers[pe]
+    rt._nc.tensor = lambda shape, dtype: (rt.log.append(("alloc", tuple(shape))),
+                                          mem.own.view(dtype))[1]
+    rt._nc.get_peer_tensor = lambda t, pe: None if pe in unmapped else \
+        mem.peers[pe].view(t.dtype)
     monkeypatch.setattr(N.NvshmemRuntime, "get", classmethod(lambda cls, group=None: rt))
 
     def agree(t, op=None, group=None):
@@ -237,7 +239,7 @@ def test_nvshmem_hands_the_kernel_what_torch_does(monkeypatch, partial):
     n = _rank(partial)
     buf, ptrs = n._alloc_nvshmem(total, None, cpu)
     n._attach(buf, ptrs, cpu, 132, 8)
-    assert rt.log == [("alloc", (total,)), "barrier"]  # one collective symmetric allocation
+    assert rt.log == [("alloc", (total // 8,)), "barrier"]  # one collective symmetric allocation
     assert n._runtime is rt and t._runtime is None
 
     # the peer tables: every rank's data / arrive / done address, in rank order
@@ -266,7 +268,7 @@ def test_an_unmapped_peer_raises_on_every_rank_and_frees(monkeypatch, unmapped, 
     rt = _nvshmem_alloc(monkeypatch, _Memory(total), unmapped=unmapped, others_bad=others_bad)
     with pytest.raises(N.NvshmemError, match=match):
         _rank("fp32")._alloc_nvshmem(total, None, torch.device("cpu"))
-    assert rt.log[-2:] == ["barrier", ("free", (total,))] and rt._tensors == []
+    assert rt.log[-2:] == ["barrier", ("free", (total // 8,))] and rt._tensors == []
 
 
 def test_release_frees_the_nvshmem_buffer(monkeypatch):
@@ -277,12 +279,12 @@ def test_release_frees_the_nvshmem_buffer(monkeypatch):
     ar._attach(*ar._alloc_nvshmem(total, None, cpu), cpu, 132, 8)
     assert rt.allocated_bytes() == total
     ar.release()
-    assert rt.log[-1] == ("free", (total,)) and rt.allocated_bytes() == 0
+    assert rt.log[-1] == ("free", (total // 8,)) and rt.allocated_bytes() == 0
     assert ar.acc is None
     with pytest.raises(RuntimeError, match="released"):
         ar(32, out=torch.empty(32, SHAPE["N"], dtype=torch.bfloat16))
     ar.release()  # twice: nothing more
-    assert rt.log.count(("free", (total,))) == 1
+    assert rt.log.count(("free", (total // 8,))) == 1
 
 
 def test_release_leaves_torch_memory_to_the_object(monkeypatch):

@@ -1061,29 +1061,31 @@ class BandAllReduce:
         if (rt.rank, rt.world_size) != (self.rank, self.world):
             raise NvshmemError(f"the NVSHMEM runtime is rank {rt.rank} of {rt.world_size}, the "
                                f"band all-reduce's group rank {self.rank} of {self.world}")
-        buf = rt.alloc((total,), torch.uint8, note="(the band all-reduce's symmetric buffer)")
-        table, unreachable = rt.peer_table(buf)
+        # int64 words, the dtype the combine's symmetric tensors already use (total is a multiple
+        # of 256 bytes); the kernel's views are bytes of it
+        sym = rt.alloc((total // 8,), torch.int64, note="(the band all-reduce's symmetric buffer)")
+        table, unreachable = rt.peer_table(sym)
         bad = torch.tensor([len(unreachable)], dtype=torch.int64, device=dev)
         collectives.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         if int(bad.item()):
-            rt.free(buf)
+            rt.free(sym)
             here = (f"rank {self.rank} cannot reach ranks {list(unreachable)}" if unreachable
                     else "a rank of the group cannot reach all of its peers")
             raise NvshmemError("the band all-reduce loads and stores its peers' buffers directly, "
                                f"but {here} by load/store (no P2P mapping)")
-        self._runtime, self._hdl = rt, None
-        return buf, [int(p) for p in table.tolist()]
+        self._runtime, self._hdl, self._sym = rt, None, sym
+        return sym.view(torch.uint8), [int(p) for p in table.tolist()]
 
     def release(self):
         """Collective (every rank, between calls): frees the NVSHMEM symmetric buffer now (the
         runtime keeps its tensors until freed; a layer that grows its all-reduce releases the
         old one). Torch symmetric memory is freed with the object as before. The object cannot
         run afterwards."""
-        rt, buf = getattr(self, "_runtime", None), getattr(self, "_buf", None)
-        if rt is not None and buf is not None:
+        rt, sym = getattr(self, "_runtime", None), getattr(self, "_sym", None)
+        if rt is not None and sym is not None:
             self.acc = self.partial = self._data = self.arrive = self.done = None
-            self._buf, self._runtime = None, None
-            rt.free(buf)
+            self._buf = self._sym = self._runtime = None
+            rt.free(sym)
 
     def _configure(self, rank, world, max_rows, N, backend, act2, band_rows, ready_rows, threads,
                    unroll, zero_acc, timeout_ns, arrive_ahead, partial, skip_ready_wait,
