@@ -77,6 +77,21 @@ def gpu_ranks_available(world: int) -> bool:
     return n >= world or (n >= 1 and share_gpu())
 
 
+def ranks_share_gpus(world: int) -> bool:
+    """``world`` GPU ranks of ``spawn_ranks(backend="nccl")`` run as processes sharing GPUs here
+    (fewer GPUs, ``share_gpu``): their symmetric buffers then come from NVSHMEM (the FFN's band
+    all-reduce included: torch symmetric memory refuses ranks on one device)."""
+    return _cuda_count() < world and share_gpu()
+
+
+def require_symmetric(world: int) -> None:
+    """Skip (with the reason) where ``world`` ranks would share GPUs without nvshmem4py, which
+    their symmetric allocations need; one rank per GPU needs nothing more."""
+    if ranks_share_gpus(world):
+        pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed (ranks sharing "
+                                                   "a GPU allocate symmetric memory with it)")
+
+
 def _has(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None

@@ -21,6 +21,9 @@ with NaN before each call):
   C. ``FusedFFN(backend="fused", compute="chained")``: several shapes / act1 / act2 / bias, ragged
      T, two calls each, against fp32 and float64 references (<= 8e-3) and bitwise equal across
      ranks; check_errors() clean; then reset() and one more correct call.
+With one GPU and ``MOE_OVERLAP_SHARE_GPU=1`` the two ranks share it: every symmetric buffer then
+comes from NVSHMEM (``symmetric="auto"``, checked), host collectives go through
+``moe_overlap.runtime.collectives`` (gloo).
 """
 import pytest
 import torch
@@ -33,7 +36,9 @@ if not gpu_ranks_available(2):
     pytest.skip("needs 2 CUDA GPUs, or one with MOE_OVERLAP_SHARE_GPU=1", allow_module_level=True)
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from conftest import spawn_ranks  # noqa: E402
+from conftest import ranks_share_gpus, require_symmetric, spawn_ranks  # noqa: E402
+
+require_symmetric(2)
 
 TOL = 8e-3
 NAN = float("nan")
@@ -57,8 +62,10 @@ C_CASES = [  # (T, P, O, N, act1, act2, bias)
 
 def _gather(t):
     import torch.distributed as dist
+
+    from moe_overlap.runtime import collectives
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
+    collectives.all_gather(parts, t.contiguous())
     return parts
 
 
@@ -99,7 +106,8 @@ def _part_a(rank, dev, res):
         g = torch.Generator(device=dev).manual_seed(1000 * i + rank)
         b2 = (torch.randn(N, generator=g, device=dev) * 0.1).to(torch.bfloat16) if bias else None
         if b2 is not None:
-            torch.distributed.broadcast(b2, 0)
+            from moe_overlap.runtime import collectives
+            collectives.broadcast(b2, 0)
         for call in range(3):
             ar.partial.fill_(NAN)
             part = (torch.randn(M, N, generator=g, device=dev) * 2).to(torch.bfloat16)
@@ -113,6 +121,7 @@ def _part_a(rank, dev, res):
             res.append(dict(part="A", case=i, call=call, exact=exact,
                             bitwise_ref=torch.equal(out, ref), err=err, nan=bool(out.isnan().any()),
                             rank_equal=_rank_equal(out)))
+    res.append(dict(part="symmetric", what="A", symmetric=ar.symmetric))
 
 
 def _part_b(rank, world, dev, res):
@@ -168,7 +177,8 @@ def _part_b(rank, world, dev, res):
             res.append(dict(part="B", broken=broken, call=call, err32=_rel(out, y32),
                             err64=_rel(out, truth), nan=bool(out.isnan().any()),
                             rank_equal=_rank_equal(out)))
-        del ar
+        res.append(dict(part="symmetric", what="B", symmetric=ar.symmetric))
+        ar.release()  # collective (NVSHMEM: its buffer goes back to the heap now)
 
 
 def _part_c(rank, world, dev, res):
@@ -182,6 +192,7 @@ def _part_c(rank, world, dev, res):
         mod = FusedFFN.from_full_weights(W1, b1, W2, b2, None, act1=act1, act2=act2,
                                          backend="fused", compute="chained")
         assert mod._chained and mod.allreduce_for(T).partial is not None
+        res.append(dict(part="symmetric", what="C", symmetric=mod.allreduce_for(T).symmetric))
         for call in range(3):
             if call == 2:
                 mod.reset()  # collective; the next call starts from epoch 0 again
@@ -211,7 +222,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn_ranks(_worker, 2, backend="nccl", join_timeout_s=900)
+    return spawn_ranks(_worker, 2, backend="nccl", join_timeout_s=900, hard_exit=True)
 
 
 def _parts(results, name):
@@ -251,3 +262,11 @@ def test_fused_ffn_chained_layer(results):
     for r in rs:
         assert not r["nan"] and r["rank_equal"], r
         assert r["err32"] <= TOL and r["err64"] <= TOL, r
+
+
+def test_symmetric_allocator_follows_the_placement(results):
+    """auto: NVSHMEM where the ranks share a GPU (torch symmetric memory refuses them), else
+    torch symmetric memory as before; the same for the standalone all-reduce and the layer's."""
+    want = "nvshmem" if ranks_share_gpus(2) else "torch"
+    rs = _parts(results, "symmetric")
+    assert len(rs) == 2 * (1 + 2 + len(C_CASES)) and {r["symmetric"] for r in rs} == {want}, rs

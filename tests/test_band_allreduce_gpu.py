@@ -13,6 +13,9 @@ output compared with ``act2(all_reduce(partial) + b2)`` computed in fp32 from NC
     another stream while the kernel waits;
   - a timeout: producer=True but no producer writes band_ready -> check() raises naming band 0.
 The switch backend is not run (multicast is forbidden); its refusal is tested on CPU.
+With one GPU and ``MOE_OVERLAP_SHARE_GPU=1`` the two ranks are processes sharing it: the symmetric
+buffer then comes from NVSHMEM (``symmetric="auto"``, checked per rank), the host collectives go
+through ``moe_overlap.runtime.collectives`` (gloo) and ccta is capped at the rank's SM share.
 """
 import pytest
 import torch
@@ -25,7 +28,9 @@ if not gpu_ranks_available(2):
     pytest.skip("needs 2 CUDA GPUs, or one with MOE_OVERLAP_SHARE_GPU=1", allow_module_level=True)
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from conftest import spawn_ranks  # noqa: E402
+from conftest import ranks_share_gpus, require_symmetric, spawn_ranks  # noqa: E402
+
+require_symmetric(2)
 
 CASES = [  # (M, N, act2, bias, band_rows, ccta)
     (256, 512, "none", False, 128, 2),
@@ -37,10 +42,10 @@ CASES = [  # (M, N, act2, bias, band_rows, ccta)
 
 
 def _ref(partial, b2, act2):
-    import torch.distributed as dist
     from moe_overlap.ffn.activations import activation
+    from moe_overlap.runtime import collectives
     s = partial.clone()
-    dist.all_reduce(s)
+    collectives.all_reduce(s)
     if b2 is not None:
         s += b2.float()
     return activation(s, act2)
@@ -51,19 +56,22 @@ def _worker(rank, world):
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     from moe_overlap.ffn.band_allreduce import BandAllReduce
     from moe_overlap.launch import rank_device
+    from moe_overlap.runtime import collectives
+    from moe_overlap.runtime.device import num_sms
     dev = rank_device()
+    sms = num_sms(dev)  # under MPS: this rank's share
     res = []
     ars = {}
     for i, (M, N, act2, bias, band_rows, ccta) in enumerate(CASES):
         key = (N, act2, band_rows)
         if key not in ars:
             ars[key] = BandAllReduce(1024, N, backend="unicast", act2=act2, band_rows=band_rows,
-                                     ccta=min(ccta, 132), timeout_ns=5_000_000_000)
+                                     ccta=min(ccta, sms), timeout_ns=5_000_000_000)
         ar = ars[key]
         g = torch.Generator(device=dev).manual_seed(1000 * i + rank)
         b2 = (torch.randn(N, generator=g, device=dev) * 0.1).to(torch.bfloat16) if bias else None
         if b2 is not None:
-            torch.distributed.broadcast(b2, 0)
+            collectives.broadcast(b2, 0)
         for call in range(3):
             partial = torch.randn(M, N, generator=g, device=dev)
             ar.acc[:M].copy_(partial)
@@ -84,7 +92,7 @@ def _worker(rank, world):
     nready = -(-M // 128)
     g = torch.Generator(device=dev).manual_seed(77 + rank)
     b2 = (torch.randn(N, generator=g, device=dev) * 0.1).to(torch.bfloat16)
-    torch.distributed.broadcast(b2, 0)
+    collectives.broadcast(b2, 0)
     for call in range(3):
         partial = torch.randn(M, N, generator=g, device=dev)
         side.wait_stream(cur)
@@ -107,22 +115,30 @@ def _worker(rank, world):
         res.append(dict(timeout="no error"))
     except RuntimeError as e:
         res.append(dict(timeout=str(e)))
+    res.append(dict(symmetric=ar.symmetric))
     return res
 
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn_ranks(_worker, 2, backend="nccl")
+    return spawn_ranks(_worker, 2, backend="nccl", hard_exit=True)
 
 
 def test_unicast_allreduce_matches_nccl(results):
     for rank_res in results:
-        for r in rank_res[:-1]:
+        for r in rank_res[:-2]:
             assert r["err"] < 1e-2, r  # one bf16 rounding of the fp32 result
             assert r["zeroed"], r
 
 
 def test_timeout_is_reported(results):
     for rank_res in results:
-        msg = rank_res[-1]["timeout"]
+        msg = rank_res[-2]["timeout"]
         assert "timed out waiting for band_ready" in msg and "band 0 (ready flag 0)" in msg, msg
+
+
+def test_symmetric_allocator_follows_the_placement(results):
+    """auto: NVSHMEM where the ranks share a GPU (torch symmetric memory refuses them), else torch
+    symmetric memory as before."""
+    want = "nvshmem" if ranks_share_gpus(2) else "torch"
+    assert [rank_res[-1]["symmetric"] for rank_res in results] == [want, want]

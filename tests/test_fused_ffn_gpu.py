@@ -14,14 +14,16 @@ Two GPUs (NCCL, ``moe_overlap.launch.spawn``): ``FusedFFN(backend="fused")`` (co
 BandAllReduce on a high-priority stream) against ``FusedFFN(backend="reference")`` and the float64
 truth, several act1 / act2 / bias / ragged-M cases, two calls in a row per module. Run with
 ``NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-CUDA_MODULE_LOADING=EAGER`` (never multicast).
+CUDA_MODULE_LOADING=EAGER`` (never multicast). With one GPU and ``MOE_OVERLAP_SHARE_GPU=1`` the
+two ranks share it: the band all-reduce's symmetric buffer then comes from NVSHMEM
+(``symmetric="auto"``, checked), host collectives go through ``moe_overlap.runtime.collectives``.
 """
 import os
 
 import pytest
 import torch
 
-from conftest import spawn_ranks
+from conftest import ranks_share_gpus, require_symmetric, spawn_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -188,8 +190,9 @@ def _compare(y, yr, truth, group):
     import torch.distributed as dist
 
     from moe_overlap.ffn.reference import rel_err
+    from moe_overlap.runtime import collectives
     y0 = y.clone()
-    dist.broadcast(y0, 0, group=group)
+    collectives.broadcast(y0, dist.get_global_rank(group, 0), group=group)
     return dict(err_truth=rel_err(y, truth), err_ref=rel_err(y, yr.double()),
                 rank_diff=(y.float() - y0.float()).abs().max().item())
 
@@ -230,12 +233,16 @@ def _ffn_worker(rank, world):
             fused.check_fused()
             truth = ffn_truth(x, W1, b1, W2, b2, act1, act2 or "none")
             res.append(dict(case=i, call=call, ref_err_truth=rel_err(yr, truth),
+                            symmetric=fused._allreduce.symmetric,
                             **_compare(y, yr, truth, group)))
     return res
 
 
 def _assert_layer_matches(r):
-    """One call's _compare result of a fused layer on 2 GPUs."""
+    """One call's _compare result of a fused layer on 2 GPU ranks (its symmetric allocator, where
+    recorded: NVSHMEM where the ranks share a GPU, else torch symmetric memory)."""
+    if "symmetric" in r:
+        assert r["symmetric"] == ("nvshmem" if ranks_share_gpus(2) else "torch"), r
     assert r["err_truth"] < 1.5e-2, r  # bf16 tolerance of the layer (ffn/reference.py)
     assert r["err_ref"] < 1e-2, r
     assert r["rank_diff"] == 0.0, r  # every rank holds the same all-reduced output
@@ -243,7 +250,8 @@ def _assert_layer_matches(r):
 
 @pytest.mark.two_gpus
 def test_fused_ffn_matches_reference_on_two_gpus():
-    for rank_res in spawn_ranks(_ffn_worker, 2, backend="nccl"):
+    require_symmetric(2)
+    for rank_res in spawn_ranks(_ffn_worker, 2, backend="nccl", hard_exit=True):
         assert len(rank_res) == 2 * len(FFN_CASES)
         for r in rank_res:
             _assert_layer_matches(r)
@@ -284,13 +292,15 @@ def _experts_worker(rank, world):
             fused.check_fused()
             truth = experts_truth(x, rows, W_in, W_out, b_in, b_out, act)
             res.append(dict(case=i, call=call, tail_zero=bool((y[sum(rows):] == 0).all().item()),
+                            symmetric=fused._allreduce.symmetric,
                             **_compare(y, yr, truth, group)))
     return res
 
 
 @pytest.mark.two_gpus
 def test_sharded_experts_fused_matches_reference_on_two_gpus():
-    for rank_res in spawn_ranks(_experts_worker, 2, backend="nccl"):
+    require_symmetric(2)
+    for rank_res in spawn_ranks(_experts_worker, 2, backend="nccl", hard_exit=True):
         assert len(rank_res) == 2 * len(EXPERT_CASES)
         for r in rank_res:
             _assert_layer_matches(r)
@@ -341,7 +351,8 @@ def test_auto_backend_on_two_gpus(tmp_path):
     T, P, O, N = AUTO_CASE
     key = ffn_tune_key(torch.cuda.get_device_name(0), 2, P, O, N, False, T)
     FFNTuneCache(str(tmp_path / "fused_faster.json")).put(key, fused_ms=1.0, reference_ms=1.2)
-    for r in spawn_ranks(_auto_worker, 2, str(tmp_path), backend="nccl"):
+    require_symmetric(2)
+    for r in spawn_ranks(_auto_worker, 2, str(tmp_path), backend="nccl", hard_exit=True):
         assert r["model"][0] == "reference" and "modelled" in r["model"][1], r
         assert r["cache"][0] == "fused" and "measured" in r["cache"][1], r
         _assert_layer_matches(r["cmp"])

@@ -5,7 +5,8 @@ compute kernel || the bf16 band all-reduce (b_out per row block: ``b2_per_band``
 One GPU: a one-rank NCCL group (``spawn_ranks(..., 1, backend="nccl")``), every case; two GPUs
 (``two_gpus``): the same worker on two ranks (outputs bitwise equal on every rank). Run with
 ``NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1``
-(never multicast)::
+(never multicast). With one GPU and ``MOE_OVERLAP_SHARE_GPU=1`` the two ranks share it: the
+band all-reduce's symmetric buffer then comes from NVSHMEM (``symmetric="auto"``, checked)::
 
     python3 -m pytest -q -x tests/test_sharded_experts_chained_gpu.py
 """
@@ -14,7 +15,7 @@ import os
 import pytest
 import torch
 
-from conftest import spawn_ranks
+from conftest import ranks_share_gpus, require_symmetric, spawn_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -40,6 +41,7 @@ def _worker(rank, world):
     from moe_overlap.ffn import ShardedExperts
     from moe_overlap.ffn.reference import experts_truth
     from moe_overlap.launch import rank_device
+    from moe_overlap.runtime import collectives
     dev = rank_device()
     torch.cuda.set_device(dev)
     group = dist.group.WORLD
@@ -66,10 +68,11 @@ def _worker(rank, world):
             truth = experts_truth(x, rows, W_in, W_out, b_in, b_out, act).to(dev)
             scale = truth.abs().max().item()
             y0 = y.clone()
-            dist.broadcast(y0, 0, group=group)
+            collectives.broadcast(y0, 0, group=group)
             res.append(dict(
                 case=i, call=call, world=world,
                 b2_per_band=bool(fused._allreduce.b2_per_band),
+                symmetric=fused._allreduce.symmetric,
                 err_truth=((y.double() - truth).abs().max().item() / scale),
                 err_ref=((y.double() - yr.double()).abs().max().item() / scale),
                 nan=bool(torch.isnan(y).any().item()),
@@ -79,10 +82,12 @@ def _worker(rank, world):
 
 
 def _check(results, world):
+    # one rank, or ranks on GPUs of their own: torch symmetric memory; sharing a GPU: NVSHMEM
+    want = "nvshmem" if world > 1 and ranks_share_gpus(world) else "torch"
     for rank_res in results:
         assert len(rank_res) == 2 * len(CASES)
         for r in rank_res:
-            assert r["world"] == world
+            assert r["world"] == world and r["symmetric"] == want, r
             assert not r["nan"], r
             assert r["err_ref"] <= TOL, r
             assert r["err_truth"] <= TOL, r
@@ -97,4 +102,5 @@ def test_sharded_experts_chained_one_rank():
 
 @pytest.mark.two_gpus
 def test_sharded_experts_chained_two_gpus():
-    _check(spawn_ranks(_worker, 2, backend="nccl"), 2)
+    require_symmetric(2)
+    _check(spawn_ranks(_worker, 2, backend="nccl", hard_exit=True), 2)

@@ -880,6 +880,40 @@ def symmetric_layout(max_rows: int, N: int, band_rows: int, partial: str = "fp32
     return data, flag_off, flag_bytes, flag_off + 2 * flag_bytes
 
 
+SYMMETRIC_ALLOCS = ("torch", "nvshmem")  # who allocates the symmetric buffer
+SYMMETRICS = ("auto",) + SYMMETRIC_ALLOCS
+
+
+def check_symmetric(symmetric: str, backend: str) -> None:
+    """ValueError unless ``symmetric`` is one of ``SYMMETRICS`` and fits ``backend``: only torch
+    symmetric memory gives the multicast address that ``backend="switch"`` loads and stores
+    through, so switch with the NVSHMEM allocation is refused (before any allocation)."""
+    if symmetric not in SYMMETRICS:
+        raise ValueError(f"symmetric={symmetric!r}: choose from {SYMMETRICS}")
+    if symmetric == "nvshmem" and backend == "switch":
+        raise ValueError("'switch' (NVLink multicast) needs the multicast address of torch "
+                         "symmetric memory (symmetric='torch', one rank per GPU); the NVSHMEM "
+                         "allocation, symmetric='nvshmem', has none: use 'unicast' with it")
+
+
+def resolve_symmetric(symmetric: str, backend: str, ranks_share_device: bool) -> str:
+    """The allocator of the band all-reduce's symmetric buffer, resolved once: ``"torch"``
+    (torch symmetric memory, one rank per GPU: it refuses ranks whose allocations sit on one
+    device) or ``"nvshmem"`` (``runtime.nvshmem.NvshmemRuntime``: several PEs per GPU work);
+    ``"auto"``: nvshmem where ranks of the group share a device (``ranks_share_device``, the
+    same on every rank), else torch. Both hand the kernel the same layout and peer tables.
+    Raises as ``check_symmetric`` (auto with switch on a shared device included: multicast
+    needs one rank per GPU)."""
+    check_symmetric(symmetric, backend)
+    if symmetric == "auto":
+        symmetric = "nvshmem" if ranks_share_device else "torch"
+        if symmetric == "nvshmem" and backend == "switch":
+            raise ValueError("'switch' (NVLink multicast) cannot run with ranks that share a "
+                             "GPU (multicast needs torch symmetric memory, one rank per GPU); "
+                             "use 'unicast'")
+    return symmetric
+
+
 def agree_on_geometry(geometry: dict, group, device) -> None:
     """Collective (every rank, before any rank-local check can raise): the same ValueError on
     every rank when the ranks' launch geometries differ (e.g. ccta=None on GPUs of different SM
@@ -920,7 +954,10 @@ class BandAllReduce:
     into, its buffer completed), and the caller starts the next producer after this call in
     stream order (FusedFFN joins the streams).
 
-    Owns (per rank): one symmetric allocation (torch symmetric memory, CUDA backend, multicast off)
+    Owns (per rank): one symmetric allocation (torch symmetric memory, CUDA backend, multicast
+    off; or with ``symmetric="nvshmem"`` an ``NvshmemRuntime`` tensor, which also works for ranks
+    sharing a GPU; ``"auto"``, the default: nvshmem exactly where ranks of the group share a
+    device, ``resolve_symmetric``; ``release()`` frees it collectively)
     holding ``acc [max_rows, N]`` fp32 and the ``arrive`` / ``done`` u32 counters, the local
     ``band_ready`` flags, ``epoch`` and the error buffer. Typical use::
 
@@ -942,11 +979,12 @@ class BandAllReduce:
                  zero_acc: bool = True, timeout_ns: int = DEFAULT_TIMEOUT_NS,
                  arrive_ahead: bool = True, ready_rows: int | None = None,
                  partial: str = "fp32", _test_skip_ready_wait: bool = False,
-                 b2_per_band: bool = False):
+                 b2_per_band: bool = False, symmetric: str = "auto"):
         import torch
         import torch.distributed as dist
         act2, ready_rows = _check_host_options(max_rows, N, backend, act2, band_rows, ready_rows,
                                                partial, b2_per_band)
+        check_symmetric(symmetric, backend)
         if backend == "switch":
             require_multicast()
         if not torch.cuda.is_available():
@@ -958,18 +996,37 @@ class BandAllReduce:
         self._configure(dist.get_rank(grp), dist.get_world_size(grp), max_rows, N, backend,
                         act2, band_rows, ready_rows, threads, unroll, zero_acc, timeout_ns,
                         arrive_ahead, partial, _test_skip_ready_wait, b2_per_band)
-        # our own symmetric memory never asks for multicast (setdefault: only if unset)
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.group = grp
         dev = torch.device("cuda", torch.cuda.current_device())
         sms = num_sms(dev)
         agree_on_geometry(self.launch_geometry(int(ccta) if ccta is not None else sms), grp,
                           dev)
+        if symmetric == "auto":
+            from ..runtime.device import ranks_share_device
+            symmetric = resolve_symmetric(symmetric, backend, ranks_share_device(grp, dev))
+        self.symmetric = symmetric
         _, _, _, total = symmetric_layout(max_rows, N, band_rows, partial)
+        if symmetric == "nvshmem":
+            buf, ptrs = self._alloc_nvshmem(total, group, dev)
+            mc = None
+        else:
+            buf, ptrs, mc = self._alloc_torch(total, dev, backend)
+        self._attach(buf, ptrs, dev, sms, ccta, multicast=mc)
+        torch.cuda.synchronize(dev)
+        dist.barrier(group=self.group)  # every rank's counters are zero before anyone signals
+
+    def _alloc_torch(self, total: int, dev, backend: str):
+        """Torch symmetric memory (one rank per GPU): (zeroed uint8 buffer of ``total`` bytes,
+        every rank's address of it in rank order, its multicast address with backend="switch"
+        else None); keeps the handle in ``self._hdl``."""
+        import torch
+        # our own symmetric memory never asks for multicast (setdefault: only if unset)
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        import torch.distributed._symmetric_memory as symm_mem
+
         buf = symm_mem.empty(total, dtype=torch.uint8, device=dev)
         buf.zero_()
+        self._runtime = None
         self._hdl = symm_mem.rendezvous(buf, self.group)
         ptrs = [int(p) for p in self._hdl.buffer_ptrs]
         # the tensor may sit at an offset inside the symmetric segment (mempool allocations);
@@ -986,9 +1043,49 @@ class BandAllReduce:
                 raise RuntimeError("the symmetric buffer has no multicast address (multicast "
                                    "was not set up by torch symmetric memory)")
             mc += seg_off
-        self._attach(buf, ptrs, dev, sms, ccta, multicast=mc)
-        torch.cuda.synchronize(dev)
-        dist.barrier(group=self.group)  # every rank's counters are zero before anyone signals
+        return buf, ptrs, mc
+
+    def _alloc_nvshmem(self, total: int, group, dev):
+        """NVSHMEM symmetric memory through the process's ``NvshmemRuntime`` (shared with the
+        combine's CommBuffer: NVSHMEM starts once per process), which also maps ranks that share
+        a GPU: (zeroed uint8 buffer of ``total`` bytes, every rank's address of it as mapped
+        here, in rank order: ``peer_table``). Collective; every rank raises the same error when
+        some rank cannot reach a peer by load/store (the unicast kernel loads and stores peers'
+        memory directly)."""
+        import torch
+        import torch.distributed as dist
+
+        from ..runtime import collectives
+        from ..runtime.nvshmem import NvshmemError, NvshmemRuntime
+        rt = NvshmemRuntime.get(group)
+        if (rt.rank, rt.world_size) != (self.rank, self.world):
+            raise NvshmemError(f"the NVSHMEM runtime is rank {rt.rank} of {rt.world_size}, the "
+                               f"band all-reduce's group rank {self.rank} of {self.world}")
+        # int64 words, the dtype the combine's symmetric tensors already use (total is a multiple
+        # of 256 bytes); the kernel's views are bytes of it
+        sym = rt.alloc((total // 8,), torch.int64, note="(the band all-reduce's symmetric buffer)")
+        table, unreachable = rt.peer_table(sym)
+        bad = torch.tensor([len(unreachable)], dtype=torch.int64, device=dev)
+        collectives.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        if int(bad.item()):
+            rt.free(sym)
+            here = (f"rank {self.rank} cannot reach ranks {list(unreachable)}" if unreachable
+                    else "a rank of the group cannot reach all of its peers")
+            raise NvshmemError("the band all-reduce loads and stores its peers' buffers directly, "
+                               f"but {here} by load/store (no P2P mapping)")
+        self._runtime, self._hdl, self._sym = rt, None, sym
+        return sym.view(torch.uint8), [int(p) for p in table.tolist()]
+
+    def release(self):
+        """Collective (every rank, between calls): frees the NVSHMEM symmetric buffer now (the
+        runtime keeps its tensors until freed; a layer that grows its all-reduce releases the
+        old one). Torch symmetric memory is freed with the object as before. The object cannot
+        run afterwards."""
+        rt, sym = getattr(self, "_runtime", None), getattr(self, "_sym", None)
+        if rt is not None and sym is not None:
+            self.acc = self.partial = self._data = self.arrive = self.done = None
+            self._buf = self._sym = self._runtime = None
+            rt.free(sym)
 
     def _configure(self, rank, world, max_rows, N, backend, act2, band_rows, ready_rows, threads,
                    unroll, zero_acc, timeout_ns, arrive_ahead, partial, skip_ready_wait,
@@ -1086,7 +1183,7 @@ class BandAllReduce:
         act2, ready_rows = _check_host_options(max_rows, N, "unicast", act2, band_rows,
                                                ready_rows, partial, b2_per_band)
         self = cls.__new__(cls)
-        self.group, self._hdl = None, None
+        self.group, self._hdl, self._runtime, self.symmetric = None, None, None, None
         self._configure(rank, len(bufs), max_rows, N, "unicast", act2, band_rows, ready_rows,
                         threads, unroll, zero_acc, timeout_ns, arrive_ahead, partial,
                         _test_skip_ready_wait, b2_per_band)
@@ -1132,6 +1229,8 @@ class BandAllReduce:
         import cuda.bindings.driver as cuda
         if isinstance(M, bool) or not isinstance(M, int) or not 0 <= M <= self.max_rows:
             raise ValueError(f"M={M!r} must be an int in [0, max_rows={self.max_rows}]")
+        if self._data is None:
+            raise RuntimeError("this BandAllReduce was released (its symmetric buffer is freed)")
         if out is None:
             out = torch.empty(M, self.N, dtype=torch.bfloat16, device=self.device)
         elif (out.dtype != torch.bfloat16 or tuple(out.shape) != (M, self.N)

@@ -60,7 +60,7 @@ from .options import (CHAINED_COMPUTE_OPTIONS, COMPUTE_OPTIONS,  # noqa: F401 (r
                       check_compute_options, ffn_options_from_kwargs,
                       fused_default_allreduce_band_rows, fused_default_ccta, fused_tile_o)
 from .reference import experts_tp_reference, ffn_tp_reference
-from ..runtime.device import num_sms
+from ..runtime.device import num_sms, ranks_share_device
 
 BACKENDS = ("reference", "fused", "auto")
 COMMS = ("unicast", "switch")
@@ -293,7 +293,7 @@ class _FusedBackend:
 
     def _init_backend(self, backend, device, options, comm, ccta, max_tokens, tile_m,
                       compute_options, allreduce_band_rows, error_check=None, compute=None,
-                      requested=None):
+                      requested=None, symmetric=None):
         """Builds the layer's FFNOptions from ``options`` and the keyword arguments (refused for
         the reference backend when it was asked for: it takes no fused option; kept unused where
         "auto" chose it), checks them, and sets up the fused backend with the resolved
@@ -309,13 +309,17 @@ class _FusedBackend:
             if compute is not None:
                 raise ValueError("compute applies to backend='fused' only (the reference "
                                  "backend computes with torch)")
+            if symmetric is not None:
+                raise ValueError("symmetric applies to backend='fused' only (the reference "
+                                 "backend has no symmetric buffer)")
             if isinstance(options, FFNOptions) and options != FFNOptions():
                 raise ValueError(f"options={options!r} apply to backend='fused' only (the "
                                  "reference backend takes the defaults)")
         self.options = ffn_options_from_kwargs(
             options, type(self).__name__, comm=comm, ccta=ccta, max_tokens=max_tokens,
             tile_m=tile_m, compute_options=compute_options,
-            allreduce_band_rows=allreduce_band_rows, error_check=error_check, compute=compute)
+            allreduce_band_rows=allreduce_band_rows, error_check=error_check, compute=compute,
+            symmetric=symmetric)
         self.comm = self.options.comm
         if backend == "fused":
             self._init_fused(device)
@@ -341,8 +345,13 @@ class _FusedBackend:
         if bad is not None:
             raise ValueError(bad)
         sms = num_sms(device)
+        # collective where it must be asked (every rank builds the layer): the symmetric
+        # allocator follows whether ranks share a GPU
+        shared = (self.options.symmetric == "auto" and self.world_size > 1
+                  and ranks_share_device(self.group, device))
         self.options = opts = self.options.resolve(
-            FFNFacts(local_hidden=O, grouped=self._grouped_compute, num_sms=sms))
+            FFNFacts(local_hidden=O, grouped=self._grouped_compute, num_sms=sms,
+                     ranks_share_device=shared))
         self.ccta, self.max_tokens, self.tile_m = opts.ccta, opts.max_tokens, opts.tile_m
         self.allreduce_band_rows = opts.allreduce_band_rows
         self.tile_o = fused_tile_o(O)
@@ -397,12 +406,15 @@ class _FusedBackend:
             rows = -(-rows // self.tile_m) * self.tile_m
             if self._watch is not None:  # the old buffers' error would be lost with them
                 self._watch.check()
+            if ar is not None:  # collective, like the growth (NVSHMEM: freed now, not by GC)
+                ar.release()
             # ready_rows == tile_m: one ready flag per compute m-tile
             self._allreduce = ar = BandAllReduce(
                 rows, self.out_features, self.group, backend=self.comm, act2=self._fused_act2,
                 band_rows=self.allreduce_band_rows, ready_rows=self.tile_m, ccta=self.ccta,
                 partial="bf16" if self._chained else "fp32",
-                b2_per_band=self._chained and self._b2_per_band)
+                b2_per_band=self._chained and self._b2_per_band,
+                symmetric=self.options.symmetric)
             self._warm = False
             from .band_allreduce import describe_error
             self._watch = ErrorWatch(ar.err, describe_error,
@@ -631,6 +643,10 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
     final bf16 partial tiles go to a symmetric bf16 buffer that the band all-reduce sums in
     fp32 in rank order (half the fp32 path's bytes); it needs (O/G) % 256 == 0 and
     N % 256 == 0, tile_m = 128, and takes ``CHAINED_COMPUTE_OPTIONS`` as compute_options.
+    ``symmetric`` ("auto", "torch" or "nvshmem"; ``FFNOptions.symmetric``): who allocates the
+    band all-reduce's symmetric buffer; "auto" asks the group once, at construction (every rank
+    builds the layer), whether ranks share a GPU, and takes NVSHMEM there (torch symmetric memory
+    refuses such ranks), torch symmetric memory elsewhere.
     Parameters (zero-initialized; use ``from_full_weights`` or ``load_full_weights``):
     ``w1 [P, O/G]``, ``b1 [O/G]``, ``w2 [O/G, N]``, ``b2 [N]``.
 
@@ -655,7 +671,8 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
                  comm: str | None = None, ccta: int | None = None, max_tokens: int | None = None,
                  tile_m: int | None = None, compute_options: dict | None = None,
                  allreduce_band_rows: int | None = None, error_check: str | None = None,
-                 options: FFNOptions | None = None, compute: str | None = None):
+                 options: FFNOptions | None = None, compute: str | None = None,
+                 symmetric: str | None = None):
         super().__init__()
         self.act1 = check_activation(act1, allow_none=False, what="act1")
         self.act2 = check_activation(act2, allow_none=True, what="act2")
@@ -666,7 +683,8 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         backend = self._decide_backend(
             backend, P, O, N, G, dtype, device, options, comm=comm, ccta=ccta,
             max_tokens=max_tokens, tile_m=tile_m, compute_options=compute_options,
-            allreduce_band_rows=allreduce_band_rows, error_check=error_check, compute=compute)
+            allreduce_band_rows=allreduce_band_rows, error_check=error_check, compute=compute,
+            symmetric=symmetric)
         self.in_features, self.hidden_features, self.out_features = P, O, N
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
         self.local_hidden = O // G
@@ -678,7 +696,7 @@ class FusedFFN(_FusedBackend, torch.nn.Module):
         self.b2 = torch.nn.Parameter(torch.zeros(N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
                            compute_options, allreduce_band_rows, error_check, compute,
-                           requested=self.requested_backend)
+                           requested=self.requested_backend, symmetric=symmetric)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property
@@ -823,7 +841,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
                  max_tokens: int | None = None, tile_m: int | None = None,
                  compute_options: dict | None = None, allreduce_band_rows: int | None = None,
                  error_check: str | None = None, options: FFNOptions | None = None,
-                 compute: str | None = None):
+                 compute: str | None = None, symmetric: str | None = None):
         super().__init__()
         E = _pos_int("num_experts", num_experts)
         self.activation = check_activation(activation, allow_none=False, what="activation")
@@ -834,7 +852,8 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         backend = self._decide_backend(
             backend, P, O, N, G, dtype, device, options, comm=comm, ccta=ccta,
             max_tokens=max_tokens, tile_m=tile_m, compute_options=compute_options,
-            allreduce_band_rows=allreduce_band_rows, error_check=error_check, compute=compute)
+            allreduce_band_rows=allreduce_band_rows, error_check=error_check, compute=compute,
+            symmetric=symmetric)
         self.num_experts, self.in_features, self.hidden_features = E, P, O
         self.out_features, self.local_hidden = N, O // G
         self.group, self.rank, self.world_size, self.backend = group, rank, G, backend
@@ -846,7 +865,7 @@ class ShardedExperts(_FusedBackend, torch.nn.Module):
         self.b_out = torch.nn.Parameter(torch.zeros(E, N, **kw), **grad) if bias else None
         self._init_backend(backend, device, options, comm, ccta, max_tokens, tile_m,
                            compute_options, allreduce_band_rows, error_check, compute,
-                           requested=self.requested_backend)
+                           requested=self.requested_backend, symmetric=symmetric)
 
     # ---- fused backend hooks (_FusedBackend) -------------------------------------------------
     @property

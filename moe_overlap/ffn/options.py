@@ -18,6 +18,8 @@ import numbers
 import types
 from dataclasses import dataclass
 
+from .band_allreduce import check_symmetric, resolve_symmetric
+
 AUTO = "auto"
 ERROR_CHECKS = ("async", "off")  # FFNOptions.error_check
 COMMS = ("unicast", "switch")
@@ -117,10 +119,12 @@ def check_compute_options(options, local_hidden: int, tile_m: int, tile_o: int,
 class FFNFacts:
     """What ``FFNOptions.resolve`` needs: local_hidden = hidden_features / world size (the
     hidden slice of this rank), grouped (ShardedExperts: the grouped compute launch), num_sms
-    (the GPU's SM count; None: not range-checked)."""
+    (the GPU's SM count; None: not range-checked), ranks_share_device (two ranks of the group
+    run on one GPU: ``runtime.device.ranks_share_device``, the same on every rank)."""
     local_hidden: int
     grouped: bool = False
     num_sms: int | None = None
+    ranks_share_device: bool = False
 
 
 def _auto_or_int(name: str, v, extra: str = ""):
@@ -162,6 +166,11 @@ class FFNOptions:
         (``ChainedFFNCompute.grouped``, b_out added per row block by the all-reduce's
         ``b2_per_band`` variant). Needs tile_m = 128, (O/G) % 256 == 0, N % 256 == 0;
         compute_options are then ``CHAINED_COMPUTE_OPTIONS``.
+    symmetric ("auto" | "torch" | "nvshmem"): who allocates the band all-reduce's symmetric
+        buffer (``band_allreduce.resolve_symmetric``): torch symmetric memory (one rank per GPU;
+        the only one with comm="switch") or the process's NVSHMEM runtime (also ranks sharing a
+        GPU, which torch refuses). auto: nvshmem where ranks of the group share a GPU, else
+        torch. comm="switch" with "nvshmem" is refused.
     """
     comm: str = "unicast"
     ccta: int | str = AUTO
@@ -171,6 +180,7 @@ class FFNOptions:
     compute_options: dict | None = None
     error_check: str = "async"
     compute: str = DEFAULT_COMPUTE
+    symmetric: str = AUTO
 
     def __post_init__(self):
         self.validate()
@@ -186,6 +196,7 @@ class FFNOptions:
             raise ValueError(f"comm={self.comm!r}: choose from {COMMS}")
         if self.compute not in COMPUTES:
             raise ValueError(f"compute={self.compute!r}: choose from {COMPUTES}")
+        check_symmetric(self.symmetric, self.comm)
         chained = self.compute == "chained"
         self._set("ccta", _auto_or_int("ccta", AUTO if self.ccta is None else self.ccta,
                                        " (SMs of the communication blocks)"))
@@ -229,7 +240,7 @@ class FFNOptions:
 
     @property
     def is_resolved(self) -> bool:
-        return AUTO not in (self.ccta, self.allreduce_band_rows) \
+        return AUTO not in (self.ccta, self.allreduce_band_rows, self.symmetric) \
             and self.compute_options is not None
 
     def resolve(self, facts: FFNFacts) -> "FFNOptions":
@@ -254,7 +265,9 @@ class FFNOptions:
         else:
             co = check_compute_options(given, O, self.tile_m, fused_tile_o(O),
                                        grouped=facts.grouped)
-        return dataclasses.replace(self, ccta=ccta, allreduce_band_rows=ar, compute_options=co)
+        sym = resolve_symmetric(self.symmetric, self.comm, facts.ranks_share_device)
+        return dataclasses.replace(self, ccta=ccta, allreduce_band_rows=ar, compute_options=co,
+                                   symmetric=sym)
 
 
 def ffn_options_from_kwargs(options: FFNOptions | None, what: str, **kwargs) -> FFNOptions:

@@ -66,6 +66,42 @@ def _context_sm_count_ctypes() -> int | None:
     return int(p.val) if p.val > 0 else None
 
 
+def device_uuid(index: int) -> bytes:
+    """16 bytes naming GPU ``index`` of this process: its UUID (the same in every process that
+    uses that GPU, whatever CUDA_VISIBLE_DEVICES renumbers), hashed from torch's text form where
+    the raw bytes are not exposed."""
+    import hashlib
+    props = torch.cuda.get_device_properties(index)
+    u = getattr(props, "uuid", None)
+    if u is None:  # an old torch: the PCI location on this host
+        import socket
+        u = (f"{socket.gethostname()}:{getattr(props, 'pci_domain_id', 0)}:"
+             f"{getattr(props, 'pci_bus_id', index)}:{getattr(props, 'pci_device_id', 0)}")
+    raw = getattr(u, "bytes", None)
+    if isinstance(raw, (bytes, bytearray)) and len(raw) == 16:
+        return bytes(raw)
+    return hashlib.blake2b(str(u).encode(), digest_size=16).digest()
+
+
+def ranks_share_device(group, device) -> bool:
+    """Collective over ``group``: True on every rank when two ranks of the group run on one GPU
+    (the one-GPU multi-rank mode, MPS or time-sliced), from every rank's ``device_uuid``; the
+    allocators that refuse such ranks (torch symmetric memory) are chosen by it."""
+    from . import collectives
+    import torch.distributed as dist
+    world = dist.get_world_size(group)
+    if world == 1:
+        return False
+    idx = device if isinstance(device, int) else torch.device(device).index
+    idx = torch.cuda.current_device() if idx is None else idx
+    # NCCL gathers CUDA tensors, the other backends host ones (nothing to stage)
+    on = torch.device("cpu") if collectives.stages_cuda(group) else torch.device("cuda", idx)
+    mine = torch.frombuffer(bytearray(device_uuid(idx)), dtype=torch.int64).to(on)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    collectives.all_gather(parts, mine, group=group)
+    return len({tuple(p.tolist()) for p in parts}) < world
+
+
 def require_sm_share(sms: int, needed: int, what: str) -> None:
     """ValueError unless ``needed`` SMs fit in this process's ``sms`` (its share of the GPU)."""
     if needed > sms:

@@ -147,9 +147,13 @@ class NvshmemRuntime:
 
     @classmethod
     def get(cls, group=None) -> "NvshmemRuntime":
-        """The process's live runtime (created on first use)."""
+        """The process's live runtime (created on first use); None and the world group name
+        the same group (the combine's CommBuffer and the FFN's band all-reduce share it)."""
+        def same(a, b):
+            world = dist.group.WORLD
+            return (world if a is None else a) is (world if b is None else b)
         for rt in cls._live.values():
-            if rt.group is group:
+            if same(rt.group, group):
                 return rt
         if cls._live:
             raise NvshmemError("NVSHMEM already runs for another process group")
