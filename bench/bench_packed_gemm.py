@@ -45,23 +45,8 @@ def layout_rows(plan, counts):
     return start + j
 
 
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
 def run_point(model, W, mode, tokens, gemm, rounds, seed):
-    from moe_overlap.timing import time_interleaved
+    from moe_overlap.timing import graphed, time_interleaved
     E, topk, K, N = MODELS[model]
     El = E // W
     dev = torch.device("cuda")

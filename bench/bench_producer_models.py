@@ -258,22 +258,6 @@ def resolve(point: dict, variant: dict, num_sms: int, device_name: str, cache):
     return req, req.resolve(facts, cache=cache), cache.entry(req.tune_key(facts)) is not None
 
 
-def graphed(fn):
-    """fn captured in a CUDA graph (two eager warm-up calls on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
 def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -374,7 +358,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         ok &= r["correct"]
     rec["correct"] = bool(ok)
     # ---- timing: CUDA graphs, interleaved rounds in a random order ----------------------
-    graphs = {k: graphed(f) for k, f in fns.items()}
+    graphs = {k: timing.graphed(f) for k, f in fns.items()}
     t = timing.time_interleaved({k: gr.replay for k, gr in graphs.items()}, rounds=rounds,
                          lead_ms=LEAD_MS, shuffle_seed=seed)
     for k in ("base:grouped_mm", "base:mm_loop"):

@@ -6,6 +6,24 @@ import statistics
 import torch
 
 
+def graphed(fn, calls: int = 1) -> "torch.cuda.CUDAGraph":
+    """``calls`` calls of fn captured in one CUDA graph, after two eager warm-up calls on a side
+    stream (compile, load and warm up outside any capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    return g
+
+
 def time_calls(fn, reps: int = 4, replays: int = 15, barrier=lambda: None, graph: bool = True):
     """Median milliseconds per call of `reps` back-to-back calls of `fn`.
 

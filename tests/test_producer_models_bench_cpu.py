@@ -145,7 +145,7 @@ def test_one_point_on_the_cpu_with_stand_ins(monkeypatch):
                                          band_ready=ready if self.signal else None, epoch=epoch)
     monkeypatch.setattr(gg.GroupedGemm, "__call__", reference_call)
     monkeypatch.setattr(B, "DEVICE", "cpu")
-    monkeypatch.setattr(B, "graphed", lambda fn: SimpleNamespace(replay=fn))
+    monkeypatch.setattr("moe_overlap.timing.graphed", lambda fn: SimpleNamespace(replay=fn))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: SimpleNamespace(multi_processor_count=132))
