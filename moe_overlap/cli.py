@@ -348,17 +348,24 @@ FFN_CHECK_FILE = "ffn_fused_v7_final_2xh200.json"  # the measured 2-GPU layer pr
 def cmd_project_ffn(args) -> int:
     import datetime
 
-    from .ffn.projection import (Assumptions, FFNRates, check_reduce, format_check, format_table,
-                                 plot, project, write)
+    from .ffn.projection import (Assumptions, FFNRates, check_reduce, format_check,
+                                 format_sources, format_table, input_sources, plot, project,
+                                 write)
     rates = FFNRates.from_results(args.root)
     a = Assumptions(busbw_gbps=args.busbw_gbps)
+    inputs = input_sources(args.root, rates, a)
     with open(os.path.join(args.root, RESULTS, FFN_CHECK_FILE)) as f:
         check = check_reduce(json.load(f)["results"], rates)
     rows = project(shapes=args.shapes, worlds=args.world_sizes, tokens=args.tokens, rates=rates,
                    assumptions=a)
     print(a.describe(rates) + ".")
+    print("Inputs (the values are in the JSON; source file (card, GPUs, date, commit; "
+          "freshness)):")
+    print(format_sources(inputs))
     print("Check of the compute='reduce' model on the measured 2-GPU layer "
-          "(ffn_fused_v7_final_2xh200.json), torch rate from the same run:")
+          "(ffn_fused_v7_final_2xh200.json), torch rate from the same run (the kernels' rates "
+          "come from that run too: a check of how the model composes them, the layer's time "
+          "itself is no input):")
     print(format_check(check["same_run"]))
     print("... and with torch's rate from ffn_baseline_h200.json (as projected):")
     print(format_check(check["cross_run"]))
@@ -372,10 +379,10 @@ def cmd_project_ffn(args) -> int:
                 command="moe-overlap project-ffn " + " ".join(args.argv))
     out = args.out
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    write(rows, out, rates, a, check, meta)
+    write(rows, out, rates, a, check, meta, inputs)
     png = os.path.splitext(out)[0] + ".png"
     try:
-        plot(rows, png, a, check, rates)
+        plot(rows, png, a, check, rates, inputs)
         print(f"wrote {out} and {png}")
     except ImportError:
         print(f"wrote {out} (matplotlib is not installed: no plot)")

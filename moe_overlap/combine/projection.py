@@ -213,6 +213,11 @@ def input_sources(root: str | None, cost: CostModel, fabric: Fabric,
     out["nvlink_gbps"] = entry(fabric.nvlink_gbps, "GB/s",
                                "NVLink cap of the consumer (380: the brief's copy rate; the copy "
                                "engine measured 387 at 128 MiB)", link)
+    out["link_gbps"] = entry(cost.link_gbps, "GB/s", "the consumer's rate cap in CostModel (the "
+                             "same NVLink copy rate)", link)
+    out["num_sms"] = entry(cost.num_sms, "SMs", "SMs of the card (the GEMM's grid is num_sms - "
+                           "ccta)", src(PRODUCER_FILE, "producer", 1, "num_sms")
+                           if producer is not None else src(GEMM_FIT_FILE, "combine", 2, ""))
     out["nccl_a2a_gbps"] = entry(
         fabric.nccl_a2a_gbps, "GB/s", "NCCL all_to_all_single over NVLink (the baseline)",
         dict(file=None, stated="no result file: NCCL all_to_all_single at 256 MiB on 2x H200, "
