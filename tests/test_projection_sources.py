@@ -122,10 +122,10 @@ def test_sweep_model_on_held_out_points_within_15_percent_every_mode(sweep_check
     held = [e for e in sweep_check["points"] if e["held_out"]]
     assert len(held) == 15 and {e["mode"] for e in held} == {
         "balanced", "moderate_skew", "stress_skew"}
-    assert all(e["ranks"] == 2 for e in held)
     for e in held:
         assert abs(e["err_t_overlap"]) <= 0.15, e
         assert abs(e["err_t_gemm"]) <= 0.10, e
+    assert all(e["ranks"] == 2 for e in held)
     # the consumer's rate is measured at N 8192: within 15 % there; at N 4096 it ships 11-28 %
     # slower than that rate says (printed, not hidden: the check's t_comm summary)
     for e in held:
