@@ -304,6 +304,10 @@ def cmd_project(args) -> int:
               "; the others as above); every rank's rows rebuilt from the routing, the slowest rank against the "
               "sweep's maximum over ranks, the GEMM alone on every SM as the sweep times it:")
         for label, c in (("all points", check), ("held out", check["held_out"])):
+            if not c:
+                print(f"  {label}: none (no point of these files is in HELD_OUT_SWEEP, "
+                      "moe_overlap/combine/projection.py)")
+                continue
             print(f"  {label}: " + ", ".join(
                 f"{k} error mean {100 * c[k]['mean']:+.0f} %, max |{100 * c[k]['max_abs']:.0f}| %"
                 for k in ("t_gemm", "t_comm", "t_overlap") if k in c)

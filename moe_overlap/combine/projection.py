@@ -467,8 +467,9 @@ def assumptions_text(fabric: Fabric, inputs: dict | None = None, check: dict | N
                      f"|{100 * ps['producer_ms']['max_abs']:.0f}| %.")
     if check:
         c = check.get("held_out") or check
+        which = "held-out" if check.get("held_out") else "(none held out: in-sample)"
         if "t_overlap" in c:
-            parts.append(f"Model on held-out 2-GPU sweep points (H200, their era's rates): "
+            parts.append(f"Model on {which} 2-GPU sweep points (their era's rates): "
                          f"t_overlap error mean {100 * c['t_overlap']['mean']:+.0f} %, max "
                          f"|{100 * c['t_overlap']['max_abs']:.0f}| % (n = {c['t_overlap']['n']}).")
     return " ".join(parts)
