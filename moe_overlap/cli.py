@@ -324,7 +324,7 @@ def cmd_project(args) -> int:
     print(format_table(rows))
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), tokens=args.tokens,
-                mode=args.mode, sweep=args.sweep, kind="projection", device="model",
+                mode=args.mode, sweep=list(args.sweep_docs), kind="projection", device="model",
                 git_commit=_git_commit(root) if root else "?")
     write(rows, os.path.join(args.out, "projection.json"), fabric, cost, check, meta, inputs,
           producer_check, check_inputs)
