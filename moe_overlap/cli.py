@@ -257,35 +257,80 @@ def _plot_plan_stats(rows, modes, tile_ms, path, meta):
 def cmd_project(args) -> int:
     import datetime
 
-    from .combine.projection import Fabric, check_against_sweep, format_table, plot, project, write
+    from .combine.projection import (PRODUCER_FILE, Fabric, ProducerRates, check_producer,
+                                     check_sweep_files, format_sources, format_table,
+                                     input_sources, plot, project, write)
     from .combine.tuning import CostModel
+    from .provenance import source_text
     cost = CostModel()
     fabric = Fabric(gpus_per_node=args.gpus_per_node, ib_gbps=args.ib_gbps,
                     ib_latency_us=args.ib_latency_us)
-    check = check_against_sweep(args.sweep_points, cost, fabric) if args.sweep else None
+    root = checkout_root()
+    producer = producer_check = None
+    if root:
+        with open(os.path.join(root, RESULTS, PRODUCER_FILE)) as f:
+            pdoc = json.load(f)
+        producer, producer_check = ProducerRates.from_doc(pdoc), check_producer(pdoc)
+    inputs = input_sources(root, cost, fabric, producer)
+    check = check_sweep_files(args.sweep_docs, cost, fabric) if args.sweep_docs else None
     skipped = [f"{m} at W={W}" for m in args.models for W in args.world_sizes
                if MODELS[m][0] % W]
     if skipped:
         print("skipped (the experts do not split evenly over W ranks): " + ", ".join(skipped))
     rows = project(models=args.models, worlds=args.world_sizes, mode=args.mode,
-                   tokens=args.tokens, cost=cost, fabric=fabric,
+                   tokens=args.tokens, cost=cost, fabric=fabric, producer=producer,
                    progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
-    print(f"Projection (not a measurement): {fabric.describe()}; {args.tokens} tokens per rank, "
-          f"{args.mode} routing; times in ms, best ccta per point.")
-    if check:
-        print("Check on the measured 2-GPU sweep (" + args.sweep + "): " + ", ".join(
-            f"{k} error mean {100 * v['mean']:+.0f} %, max |{100 * v['max_abs']:.0f}| %"
-            for k, v in check.items()))
+    print(f"Projection (not a measurement): {args.tokens} tokens per rank, {args.mode} routing; "
+          "times in ms, best ccta per point. Inputs (value: source file (card, GPUs, date, "
+          "commit; freshness)):")
+    print(format_sources(inputs))
+    if producer_check:
+        print("Check of the GEMM rates on the token count they were not fitted on (" +
+              PRODUCER_FILE + "): " + ", ".join(
+                  f"{k} error mean {100 * v['mean']:+.1f} %, max |{100 * v['max_abs']:.1f}| %"
+                  for k, v in producer_check["summary"].items()))
+        for p in producer_check["points"]:
+            print(f"  {p['label']:<32} from T={p['fitted_on_tokens']}: producer "
+                  f"{100 * p['err_producer_ms']:+.1f} %, library {100 * p['err_library_ms']:+.1f} %,"
+                  f" ratio {100 * p['err_ratio']:+.1f} %")
     else:
+        print("No checkout here: CostModel's one GEMM rate for ours and the library's (no "
+              f"{PRODUCER_FILE} to read).")
+    if check:
+        check_inputs = input_sources(root, cost, fabric, None)
+        print("Check of the model on the measured 2-GPU sweep (" + ", ".join(check["files"])
+              + "), with the rates of its era (CostModel: gemm_tflops "
+              f"{cost.gemm_tflops:.0f} from {source_text(check_inputs['gemm_tflops']['source'])}"
+              "; the others as above); every rank's rows rebuilt from the routing, the slowest rank against the "
+              "sweep's maximum over ranks, the GEMM alone on every SM as the sweep times it:")
+        for label, c in (("all points", check), ("held out", check["held_out"])):
+            if not c:
+                print(f"  {label}: none (no point of these files is in HELD_OUT_SWEEP, "
+                      "moe_overlap/combine/projection.py)")
+                continue
+            print(f"  {label}: " + ", ".join(
+                f"{k} error mean {100 * c[k]['mean']:+.0f} %, max |{100 * c[k]['max_abs']:.0f}| %"
+                for k in ("t_gemm", "t_comm", "t_overlap") if k in c)
+                + (f" (n = {c['t_overlap']['n']})" if "t_overlap" in c else ""))
+        for e in check["points"]:
+            if e["held_out"]:
+                print(f"    K {e['K']:>5} N {e['N']:>5} {e['mode']:<14} ccta {e['ccta']:>2}: "
+                      f"t_overlap {e['t_overlap_ms']:.3f} ms measured, {e['model_t_overlap_ms']:.3f}"
+                      f" model ({100 * e['err_t_overlap']:+.1f} %)")
+    else:
+        check_inputs = None
         print("Not checked against a measured sweep (--sweep ''; a checkout's bench/results/ "
               "holds one).")
     print(format_table(rows))
     os.makedirs(args.out, exist_ok=True)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), tokens=args.tokens,
-                mode=args.mode, sweep=args.sweep, kind="projection")
-    write(rows, os.path.join(args.out, "projection.json"), fabric, cost, check, meta)
+                mode=args.mode, sweep=list(args.sweep_docs), kind="projection", device="model",
+                git_commit=_git_commit(root) if root else "?")
+    write(rows, os.path.join(args.out, "projection.json"), fabric, cost, check, meta, inputs,
+          producer_check, check_inputs)
     try:
-        plot(rows, os.path.join(args.out, "projection.png"), fabric, check)
+        plot(rows, os.path.join(args.out, "projection.png"), fabric, check, inputs,
+             producer_check)
         print(f"wrote {args.out}/projection.json and projection.png")
     except ImportError:
         print(f"wrote {args.out}/projection.json (install matplotlib for the plot)")
@@ -307,17 +352,24 @@ FFN_CHECK_FILE = "ffn_fused_v7_final_2xh200.json"  # the measured 2-GPU layer pr
 def cmd_project_ffn(args) -> int:
     import datetime
 
-    from .ffn.projection import (Assumptions, FFNRates, check_reduce, format_check, format_table,
-                                 plot, project, write)
+    from .ffn.projection import (Assumptions, FFNRates, check_reduce, format_check,
+                                 format_sources, format_table, input_sources, plot, project,
+                                 write)
     rates = FFNRates.from_results(args.root)
     a = Assumptions(busbw_gbps=args.busbw_gbps)
+    inputs = input_sources(args.root, rates, a)
     with open(os.path.join(args.root, RESULTS, FFN_CHECK_FILE)) as f:
         check = check_reduce(json.load(f)["results"], rates)
     rows = project(shapes=args.shapes, worlds=args.world_sizes, tokens=args.tokens, rates=rates,
                    assumptions=a)
     print(a.describe(rates) + ".")
+    print("Inputs (the values are in the JSON; source file (card, GPUs, date, commit; "
+          "freshness)):")
+    print(format_sources(inputs))
     print("Check of the compute='reduce' model on the measured 2-GPU layer "
-          "(ffn_fused_v7_final_2xh200.json), torch rate from the same run:")
+          "(ffn_fused_v7_final_2xh200.json), torch rate from the same run (the kernels' rates "
+          "come from that run too: a check of how the model composes them, the layer's time "
+          "itself is no input):")
     print(format_check(check["same_run"]))
     print("... and with torch's rate from ffn_baseline_h200.json (as projected):")
     print(format_check(check["cross_run"]))
@@ -331,10 +383,10 @@ def cmd_project_ffn(args) -> int:
                 command="moe-overlap project-ffn " + " ".join(args.argv))
     out = args.out
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    write(rows, out, rates, a, check, meta)
+    write(rows, out, rates, a, check, meta, inputs)
     png = os.path.splitext(out)[0] + ".png"
     try:
-        plot(rows, png, a, check, rates)
+        plot(rows, png, a, check, rates, inputs)
         print(f"wrote {out} and {png}")
     except ImportError:
         print(f"wrote {out} (matplotlib is not installed: no plot)")
@@ -575,9 +627,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                    help="InfiniBand bandwidth per GPU between nodes, GB/s (stated, > 0)")
     j.add_argument("--ib-latency-us", type=_nonnegative_float, default=10.0,
                    help="InfiniBand latency, us (>= 0)")
-    j.add_argument("--sweep", default=checkout_file(RESULTS, "combine_sweep_2xh200_v7.json") or "",
-                   help="measured 2-GPU sweep JSON the model is checked against ('': none); "
-                   "the default is the one in the checkout this package runs from")
+    j.add_argument("--sweep", default=",".join(
+        f for f in (checkout_file(RESULTS, n) for n in ("combine_sweep_2xh200_v7.json",
+                                                        "combine_sweep_2xh200_v7_k14336.json"))
+        if f), help="measured 2-GPU sweep JSON files the model is checked against, "
+        "comma-separated ('': none); the default is the two in the checkout this package runs "
+        "from (their held-out points: moe_overlap/combine/projection.py, HELD_OUT_SWEEP)")
     j.add_argument("--out", default=os.path.join("out", "projection"),
                    help="output folder (relative: under the current folder)")
     f = sub.add_parser(
@@ -653,16 +708,17 @@ def _check_project_args(args, parser) -> None:
         if all(MODELS[m][0] % W for W in args.world_sizes):
             parser.error(f"--world-sizes {','.join(map(str, args.world_sizes))}: none divides "
                          f"the {MODELS[m][0]} experts of {m} (each model needs one)")
-    args.sweep_points = None
-    if args.sweep:
+    args.sweep_docs = {}
+    for path in [p for p in args.sweep.split(",") if p]:
         try:
-            with open(args.sweep) as f:
-                args.sweep_points = json.load(f)["points"]
-            if not args.sweep_points:
+            with open(path) as f:
+                doc = json.load(f)
+            if not doc["points"]:
                 raise ValueError("no points")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            parser.error(f"--sweep {args.sweep!r}: not a readable sweep JSON with points "
+            parser.error(f"--sweep {path!r}: not a readable sweep JSON with points "
                          f"({type(e).__name__}: {e}); pass --sweep '' for no check")
+        args.sweep_docs[os.path.basename(path)] = doc
     _check_out(parser, "--out", args.out, folder=True)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import os
 import subprocess
 
@@ -57,6 +58,9 @@ DEPENDENCIES = {
     "ordered_tables": _PLANNER + (_C + "ordered_routes.py", _C + "ordered_routes_kernel.py",
                                   _C + "ordered_scale.py", _K + "primitives.py",
                                   "bench/bench_plan.py", "moe_overlap/timing.py"),
+    # torch's FFN compute alone on one GPU (read by the FFN projection, not a status row)
+    "ffn_baseline": (_F + "activations.py", "bench/bench_ffn_baseline.py", "bench/bench_ffn.py",
+                     "moe_overlap/timing.py"),
 }
 
 
@@ -198,3 +202,44 @@ def freshness(root: str, area: str, doc: dict, git: Git | None = None) -> dict:
         if commits is not None and git.changed_since_head(changed):
             commits += 1
     return dict(state="stale", changed=changed, commits=commits, basis=basis, why="")
+
+
+# ------------------------------------------------------------------------------ inputs
+def result_source(root: str, name: str, area: str, *, gpus: int, git: Git | None = None,
+                  field: str = "") -> dict:
+    """Where a rate read from bench/results/<name> comes from, for a projection's inputs: the
+    file, the card, GPUs, date and commit it records, the field the rate is read from, and its
+    freshness against DEPENDENCIES[area] (state, commits since, changed files, why unknown).
+    gpus: the GPUs the run used (the caller knows the bench; most files do not say)."""
+    with open(os.path.join(root, "bench", "results", name)) as f:
+        doc = json.load(f)
+    m = doc.get("provenance") or doc.get("meta", doc)
+    device = str(m.get("device") or "")
+    f = freshness(root, area, doc, git)
+    return dict(file=f"bench/results/{name}", field=field, device=device or None,
+                card=device.replace("NVIDIA ", "").split()[0] if device.strip() else None,
+                gpus=int(gpus), date=str(m.get("date") or "")[:10] or None,
+                commit=str(m.get("git_commit") or m.get("commit") or "")[:10] or None,
+                area=area, freshness=dict(state=f["state"], commits=f["commits"],
+                                          changed=f["changed"], why=f["why"]))
+
+
+def source_text(src: dict) -> str:
+    """One line naming a source: file (card, GPUs, date, commit; freshness), or what it is where
+    it is not a result file (src["stated"])."""
+    if not src.get("file"):
+        return src.get("stated") or "stated"
+    gpus = src["gpus"]
+    head = src["file"].replace("bench/results/", "", 1)
+    f = src["freshness"]
+    if f["state"] == "current":
+        fresh = "current"
+    elif f["state"] == "stale":
+        n = "? commits" if f["commits"] is None else f"{f['commits']} commit" + (
+            "s" if f["commits"] != 1 else "")
+        fresh = f"stale: {n} touched {len(f['changed'])} of its source files since"
+    else:
+        fresh = f"freshness unknown: {f['why']}"
+    return (f"{head} ({src['card'] or '?'}, {gpus} GPU{'s' if gpus != 1 else ''}, "
+            f"{src['date'] or 'date not recorded'}, {src['commit'] or 'commit not recorded'}; "
+            f"{fresh})")

@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 from .options import fused_default_allreduce_band_rows, fused_default_ccta, fused_tile_o
 from .shapes import FFN_SHAPES
+from ..provenance import Git, result_source, source_text
 
 PATHS = ("chained", "reduce")
 CCTA_CHOICES = (4, 8, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -77,6 +78,15 @@ SOURCES = {
 }
 FILES = ("ffn_baseline_h200.json", "ffn_chained_compute_h200_auto_phased_918b75d.json",
          "ffn_fused_v7_final_2xh200.json")
+# rate -> (file, provenance area, GPUs the run used, unit)
+RATE_FILES = {
+    "torch_tflops": (FILES[0], "ffn_baseline", 1, "TFLOP/s per shape@tokens"),
+    "chained_rel": (FILES[1], "chained", 1, "chained / torch speed per shape@tokens"),
+    "reduce_rel": (FILES[2], "ffn", 2, "reduce kernel / torch speed per shape"),
+    "nccl_busbw_gbps": (FILES[2], "ffn", 2, "GB/s bus bandwidth per shape, G = 2"),
+    "ar_gbps_per_sm": (FILES[2], "ffn", 2, "GB/s bus bytes per SM"),
+    "ar_cap_ratio": (FILES[2], "ffn", 2, "band all-reduce / NCCL on every SM"),
+}
 
 
 def _bus(world: int) -> float:
@@ -167,6 +177,30 @@ class FFNRates:
             ar_gbps_per_sm=statistics.median(ar_sm),
             ar_cap_ratio=statistics.median(r["busbw_band_ar_GBs"] / r["busbw_nccl_fp32_GBs"]
                                            for r in res))
+
+
+def input_sources(root: str, rates: "FFNRates", assumptions: "Assumptions",
+                  git: Git | None = None) -> dict:
+    """Every rate of the projection with its value, unit, what it is and its source: the file,
+    card, GPUs, date, commit and freshness (moe_overlap.provenance.result_source); the bus
+    bandwidth at G > 2 and the tile sizes as stated assumptions."""
+    git = git or Git(root)
+    out = {}
+    for k, (name, area, gpus, unit) in RATE_FILES.items():
+        out[k] = dict(value=getattr(rates, k), unit=unit, what=SOURCES[k],
+                      source=result_source(root, name, area, gpus=gpus, git=git,
+                                           field=SOURCES[k].split(" (", 1)[1].rstrip(")")))
+    out["busbw_gbps_above_2"] = dict(
+        value=assumptions.busbw_gbps, unit="GB/s (None: each shape's 2-GPU value)",
+        what="NCCL bf16 all-reduce bus bandwidth at G = 4 / 8",
+        source=dict(file=None, stated="assumed (--busbw-gbps), not measured"))
+    return out
+
+
+def format_sources(inputs: dict) -> str:
+    """One line per rate: name (unit): its source; the values are in the JSON."""
+    return "\n".join(f"  {k} ({e['unit']}): {source_text(e['source'])}"
+                     for k, e in inputs.items())
 
 
 @dataclass(frozen=True)
@@ -372,8 +406,20 @@ def format_check(check: dict) -> str:
     return "\n".join(lines)
 
 
+def link_note(inputs: dict) -> str:
+    """The measured rates' cards and dates for the plot: the link rates from the last 2-GPU run,
+    the compute rates from one GPU."""
+    def short(k):
+        s = inputs[k]["source"]
+        return (f"{s['file'].rsplit('/', 1)[-1]}: {s['card']} x{s['gpus']}, {s['date']}, "
+                f"{s['commit'][:7] if s['commit'] else '?'}, {s['freshness']['state']}")
+    return (f"Link rates (NCCL bf16 all-reduce at G = 2, band all-reduce per SM) from the last "
+            f"2-GPU run ({short('nccl_busbw_gbps')}); torch's compute rate ({short('torch_tflops')});"
+            f" chained / torch ({short('chained_rel')})")
+
+
 def plot(rows: list[dict], path: str, assumptions: Assumptions, check: dict | None = None,
-         rates: FFNRates | None = None):
+         rates: FFNRates | None = None, inputs: dict | None = None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -405,14 +451,22 @@ def plot(rows: list[dict], path: str, assumptions: Assumptions, check: dict | No
         note += (f". Model of the reduce path on the 2-GPU layer: speedup error mean "
                  f"{100 * f['mean']:+.0f} %, max |{100 * f['max_abs']:.0f}| %; chained: no 2-GPU "
                  "measurement yet")
-    fig.text(0.01, 0.005, note, fontsize=7, wrap=True)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    if inputs:
+        note += ". " + link_note(inputs)
+    import textwrap
+    note = textwrap.fill(note, int(16 * 6.5 * len(tokens)))
+    fig.set_figheight(4.6 + 0.13 * (note.count("\n") + 1))
+    fig.text(0.01, 0.005, note, fontsize=7)
+    fig.tight_layout(rect=(0, (0.13 * (note.count("\n") + 1) + 0.1) / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write(rows, path_json, rates: FFNRates, assumptions: Assumptions, check, meta):
-    doc = dict(meta=meta, assumptions=dict(
+def write(rows, path_json, rates: FFNRates, assumptions: Assumptions, check, meta,
+          inputs: dict | None = None):
+    """The JSON: meta, the assumptions, the rates, their sources (SOURCES: the fields; inputs:
+    every rate with its file, card, GPUs, date, commit and freshness), the check and the rows."""
+    doc = dict(meta=meta, inputs=inputs, assumptions=dict(
         asdict(assumptions), text=assumptions.describe(rates), model=__doc__.split("\n\n", 1)[1],
         ccta_choices=list(CCTA_CHOICES), seed_claim=SEED_CLAIM,
         min_measured_slice=MIN_MEASURED_SLICE),
