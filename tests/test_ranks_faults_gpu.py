@@ -12,14 +12,15 @@ fault (``hard_exit``, a bounded join); every rank records what it saw, the tests
   fault); the skipped call is the larger one (rank 0 then has more of rank 1's rows than its next
   call needs: the case where counts alone cannot tell). Then ``reset()`` and 100 calls, each
   bitwise equal to the non-overlapped path.
-- ``kill`` (W = 2 and 4): the last rank launches a call whose consumer is delayed, and is killed
-  (SIGKILL) while it is in flight; every other rank's call must raise (not hang) naming the
-  killed rank. No reset (a rank is gone).
 - ``garbage`` (W = 2): rank 1 plans from garbage counts (random, far above its capacity) with
   ``validate=False`` and calls; both ranks must raise, and nothing may be written outside the
   buffers: poisoned guard regions around rank 1's plan buffer, around y and ``out`` on every
   rank, and symmetric guard tensors allocated right before and after the communication buffer
   (their addresses are recorded). Then ``reset()`` and 100 calls, bitwise.
+- ``kill`` (W = 2 and 4; last, since a killed MPS client is the one fault that could leave the
+  GPU unusable): the last rank launches a call whose consumer is delayed, and is killed
+  (SIGKILL) while it is in flight; every other rank's call must raise (not hang) naming the
+  killed rank. No reset (a rank is gone).
 
 Run: ``CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 MOE_OVERLAP_SHARE_GPU=1 python -m pytest -q
@@ -191,59 +192,6 @@ def test_skip_then_reset_and_bitwise_calls(skip_results):
         assert r["good_after_reset"] == GOOD_CALLS, r
 
 
-# ------------------------------------------------------------------------ kill
-def _kill_worker(rank, world):
-    import signal
-
-    import torch.distributed as dist
-    res = {"rank": rank}
-    victim = world - 1
-    try:
-        ov = _layer()
-        cases = [_case(ov, 150, 1), _case(ov, 120, 2)]
-        want = ov.forward(*cases[0][:5], overlap=False, check=True).clone()
-        res["good_bitwise"] = _equal(ov.forward(*cases[0][:5], check=True), want)
-        torch.cuda.synchronize()
-        dist.barrier()  # the last collective: a rank dies below
-        t_fault = time.time()
-        if rank == victim:
-            ov._test_consumer_delay_cycles = DELAY_CYCLES  # test only: its consumer starts late
-            ov.forward(*cases[1][:5])  # no sync: the producer runs, the consumer waits
-            time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGKILL)
-        rec = _call(ov, cases[1], t_fault)
-        rec.pop("out", None)
-        res.update(rec)
-    except Exception as e:  # noqa: BLE001
-        res["error"] = worker_error(e)
-    return res
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
-def kill_results(request):
-    from conftest import gpu_ranks_available
-    W = request.param
-    if not gpu_ranks_available(W):
-        pytest.skip(f"needs {W} GPU ranks")
-    res = spawn_ranks(_kill_worker, W, backend="nccl", join_timeout_s=180, hard_exit=True,
-                      expect_killed=(W - 1,))
-    print(json.dumps(res, indent=1))
-    return res
-
-
-def test_kill_every_survivor_raises_naming_the_killed_rank(kill_results):
-    W = len(kill_results)
-    assert kill_results[-1] is None  # killed: no result
-    for rank, r in enumerate(kill_results[:-1]):
-        assert "error" not in r, r["error"]
-        assert r["good_bitwise"], r
-        assert not r["other_error"], r["other_error"]
-        assert r["raised"], r  # an OverlapError, not a hang and not a normal return
-        assert r["since_fault_s"] < BOUND_S, r
-        assert f"rank {rank}" in r["raised"] and f"rank {W - 1}" in r["raised"], r["raised"]
-        assert "epoch" in r["raised"], r["raised"]
-
-
 # ------------------------------------------------------------------------ garbage counts
 def _guarded(n, dtype, dev, fill):
     big = torch.full((n + 2 * GUARD,), fill, dtype=dtype, device=dev)
@@ -350,3 +298,56 @@ def test_garbage_counts_then_reset_and_bitwise_calls(garbage_results):
     for r in garbage_results:
         assert "error" not in r, r["error"]
         assert r["good_after_reset"] == GOOD_CALLS, r
+
+
+# ------------------------------------------------------------------------ kill
+def _kill_worker(rank, world):
+    import signal
+
+    import torch.distributed as dist
+    res = {"rank": rank}
+    victim = world - 1
+    try:
+        ov = _layer()
+        cases = [_case(ov, 150, 1), _case(ov, 120, 2)]
+        want = ov.forward(*cases[0][:5], overlap=False, check=True).clone()
+        res["good_bitwise"] = _equal(ov.forward(*cases[0][:5], check=True), want)
+        torch.cuda.synchronize()
+        dist.barrier()  # the last collective: a rank dies below
+        t_fault = time.time()
+        if rank == victim:
+            ov._test_consumer_delay_cycles = DELAY_CYCLES  # test only: its consumer starts late
+            ov.forward(*cases[1][:5])  # no sync: the producer runs, the consumer waits
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        rec = _call(ov, cases[1], t_fault)
+        rec.pop("out", None)
+        res.update(rec)
+    except Exception as e:  # noqa: BLE001
+        res["error"] = worker_error(e)
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
+def kill_results(request):
+    from conftest import gpu_ranks_available
+    W = request.param
+    if not gpu_ranks_available(W):
+        pytest.skip(f"needs {W} GPU ranks")
+    res = spawn_ranks(_kill_worker, W, backend="nccl", join_timeout_s=180, hard_exit=True,
+                      expect_killed=(W - 1,))
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def test_kill_every_survivor_raises_naming_the_killed_rank(kill_results):
+    W = len(kill_results)
+    assert kill_results[-1] is None  # killed: no result
+    for rank, r in enumerate(kill_results[:-1]):
+        assert "error" not in r, r["error"]
+        assert r["good_bitwise"], r
+        assert not r["other_error"], r["other_error"]
+        assert r["raised"], r  # an OverlapError, not a hang and not a normal return
+        assert r["since_fault_s"] < BOUND_S, r
+        assert f"rank {rank}" in r["raised"] and f"rank {W - 1}" in r["raised"], r["raised"]
+        assert "epoch" in r["raised"], r["raised"]
