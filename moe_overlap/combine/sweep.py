@@ -101,7 +101,8 @@ def worker(rank, W, args):
                             max_tokens_per_rank=T, tile_m=args.tile_m, ccta=args.ccta[0],
                             transport=args.transport,
                             local_copy=bool(args.local_copy), copy=args.copy,
-                            gemm_options=args.gemm_options)
+                            gemm_options=args.gemm_options,
+                            producer=None if args.producer == "auto" else args.producer)
         for mode, empty in itertools.product(args.modes, args.empty_ranks):
             seed = 1000 * si + args.modes.index(mode)
             # a rank in `empty` routes no token (its out is [0, N]); T stays every rank's capacity
