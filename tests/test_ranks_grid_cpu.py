@@ -305,3 +305,30 @@ def test_broken_ordering_raises_the_flags_before_late_stores(monkeypatch):
             assert bool((f_then[:nb] == 5).all()) and bool(torch.isnan(y_then).all())
         else:
             assert seen == []
+
+
+def test_the_worker_builds_the_layer_the_arguments_ask_for(monkeypatch):
+    """The sweep's ranks build their layer from the parsed options (the broken point needs the
+    torch producer): the layer's constructor is stopped right there."""
+    import moe_overlap.combine.overlap as overlap
+    import moe_overlap.launch as launch
+    from moe_overlap.combine import sweep
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_layer(**kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(overlap, "OverlapCombine", fake_layer)
+    monkeypatch.setattr(launch, "rank_device", lambda: torch.device("cpu"))
+    broken = next(i for i in RG.plan("w2") if i.expect_fail)
+    with pytest.raises(Stop):
+        sweep.worker(0, 2, RG.parsed(broken))
+    assert seen["producer"] == "torch" and seen["transport"] == "nvlink"
+    grid = next(i for i in RG.plan("w2") if i.name == "w2_nvshmem")
+    with pytest.raises(Stop):
+        sweep.worker(0, 2, RG.parsed(grid))
+    assert seen["producer"] is None and seen["transport"] == "nvshmem" and seen["ccta"] == 8
