@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import time
 import traceback
@@ -85,7 +86,7 @@ def _place_rank(rank: int, place: Placement) -> None:
 
 
 def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None,
-            hard_exit=False, place=None):
+            hard_exit=False, place=None, expect_killed=()):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # W ranks share the machine's cores
     initialized = False
@@ -102,24 +103,27 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None,
     finally:
         if hard_exit:  # e.g. after NVSHMEM: its and NCCL's teardown order can hang
             if rank == 0:
-                _wait_for_all_results(results, world_size, timeout_s)
+                _wait_for_all_results(results, world_size, timeout_s, expect_killed)
             os._exit(0)
         if initialized:
             dist.destroy_process_group()
 
 
-def _wait_for_all_results(results, world_size, timeout_s):
+def _wait_for_all_results(results, world_size, timeout_s, expect_killed=()):
     """Rank 0 hosts the rendezvous store: leaving while another rank is still inside
     init_process_group (gloo connects its pairs through the store after rank 0's init returned)
     resets that rank's connection and it dies without a result. Bounded: a rank that never
-    reports is the parent's to name (join timeout or missing result)."""
+    reports is the parent's to name (join timeout or missing result). Ranks meant to be killed
+    (``expect_killed``) never report and are not waited for."""
     deadline = time.monotonic() + (300.0 if timeout_s is None else timeout_s)
-    while len(results) < world_size and time.monotonic() < deadline:
+    waited = set(range(world_size)) - set(expect_killed)
+    while not waited <= set(results.keys()) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
 def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | None = None,
-          join_timeout_s: float | None = None, hard_exit: bool = False):
+          join_timeout_s: float | None = None, hard_exit: bool = False,
+          expect_killed: tuple = ()):
     """fn(rank, world_size, *args) on world_size processes; returns the list of results.
 
     backend: "gloo" (CPU), "nccl" (rank r on GPU r) or "cuda" (GPU ranks, sharing GPUs where
@@ -128,9 +132,16 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
     timeout_s: the process group's timeout for collectives (default: torch's).
     join_timeout_s: wall-clock bound of the whole run; ranks still running then are killed and
     named in the RuntimeError (a hang fails instead of blocking). hard_exit: each rank leaves
-    with os._exit right after handing back its result (no process-group or NVSHMEM teardown)."""
+    with os._exit right after handing back its result (no process-group or NVSHMEM teardown).
+    expect_killed: ranks a fault test kills with SIGKILL during the run (not rank 0, which hosts
+    the rendezvous store): the other ranks do not wait for them, their result is None, and the
+    run fails if one of them ends any other way (a result, another exit code)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    expect_killed = tuple(sorted(set(int(r) for r in expect_killed)))
+    if any(not 0 < r < world_size for r in expect_killed):
+        raise ValueError(f"expect_killed={expect_killed}: ranks in [1, {world_size - 1}] (rank 0 "
+                         "hosts the rendezvous store)")
     place = None
     if backend == "nccl":
         place = Placement(tuple(range(world_size)), "nccl", 1, None)
@@ -141,7 +152,7 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
         results = manager.dict()
         port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results,
-                                                   timeout_s, hard_exit, place))
+                                                   timeout_s, hard_exit, place, expect_killed))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -160,8 +171,14 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
     if errors:
         r, tb = errors[0]
         raise RuntimeError(f"rank {r} failed:\n{tb}")
-    missing = [r for r in range(world_size) if r not in out]
+    not_killed = [r for r in expect_killed
+                  if r in out or procs[r].exitcode != -signal.SIGKILL]
+    if not_killed:
+        raise RuntimeError(f"ranks {not_killed} were to be killed (SIGKILL) but ended otherwise "
+                           f"(exit codes {[procs[r].exitcode for r in not_killed]}, result "
+                           f"{[r in out for r in not_killed]})")
+    missing = [r for r in range(world_size) if r not in out and r not in expect_killed]
     if missing:
         raise RuntimeError(f"ranks {missing} died without a result (exit codes "
                            f"{[p.exitcode for p in procs]})")
-    return [out[r][1] for r in range(world_size)]
+    return [out[r][1] if r in out else None for r in range(world_size)]

@@ -26,13 +26,16 @@
 #                 with 2 GPUs, scale="ordered" in the combine (tests/test_ordered_wire_gpu.py)
 #        ranks    every two_gpus test module with W ranks as processes sharing one GPU (MPS
 #                 started and stopped by scripts/mps.sh; time-sliced where it cannot start;
-#                 "quick" = a comma-separated list of test files instead of all)
+#                 "quick" = a comma-separated list of test files instead of all; "grid w2|w4|w8"
+#                 = the combine's validation grid, soak and broken-ordering check at W ranks
+#                 (scripts/ranks_grid.py, one part per device call); "faults" = the fault
+#                 tests under MPS, then time-sliced)
 # The combine area also runs the fault, recovery, producer-bounds and shared-buffer tests and
 # the autotune test (one GPU for the W=1 ones).
 # Logs and JSON go to $OUT (the device tool brings them back); a short summary is printed last.
 # NVLink multicast stays off whatever the caller's environment says.
 set -uo pipefail
-area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn|chained|layer|scale|ranks [quick]}
+area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn|chained|layer|scale|ranks [quick [part]]}
 quick=${2:-}
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER
@@ -175,26 +178,57 @@ scale)
 ranks)
     # every two_gpus test module with its ranks as processes sharing this machine's GPU(s)
     # (moe_overlap.launch backend="cuda"): under MPS where it starts, else time-sliced.
-    # quick = a comma-separated list of test files (default: every module marked two_gpus).
+    # quick = a comma-separated list of test files (default: every module marked two_gpus);
+    # "grid <part>" = the combine's validation grid, soak and broken-ordering check for part
+    # w2 | w4 | w8 (scripts/ranks_grid.py: one part per device call, within its budget);
+    # "faults" = tests/test_ranks_faults_gpu.py under MPS, then time-sliced (in $OUT/time_sliced)
     export MOE_OVERLAP_SHARE_GPU=1
     mode=time-sliced
     if [ "${MOE_RANKS_NO_MPS:-0}" != 1 ] && mps_env=$(bash scripts/mps.sh start); then
         eval "$mps_env"; mode=mps
     fi
     echo "ranks: $mode" > "$OUT/ranks_mode.txt"
-    if [ -n "$quick" ]; then
-        IFS=, read -r -a mods <<< "$quick"
+    modules() {  # modules <out dir> <test files...>: one pytest run (and junit file) per module
+        local d=$1 m name
+        shift
+        for m in "$@"; do
+            name=$(basename "$m" .py)
+            OUT=$d run "ranks_${name#test_}" "${RANKS_TIMEOUT_S:-540}" python -m pytest -q \
+                -p no:cacheprovider -rs -m two_gpus --junitxml "$d/junit_${name#test_}.xml" "$m"
+        done
+    }
+    if [ "$quick" = grid ]; then
+        part=${3:-w2}
+        run "ranks_grid_$part" "${RANKS_GRID_TIMEOUT_S:-560}" python scripts/ranks_grid.py "$part" \
+            --out "$OUT" --budget-s "${RANKS_GRID_BUDGET_S:-510}" --mode "$mode"
+    elif [ "$quick" = faults ]; then
+        modules "$OUT" tests/test_ranks_faults_gpu.py
+        if [ "$mode" = mps ]; then  # the same faults time-sliced, reported on their own
+            bash scripts/mps.sh stop
+            mode=time-sliced
+            (
+                unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+                mkdir -p "$OUT/time_sliced"
+                echo "ranks: time-sliced" > "$OUT/time_sliced/ranks_mode.txt"
+                modules "$OUT/time_sliced" tests/test_ranks_faults_gpu.py
+                python scripts/ranks_report.py "$OUT/time_sliced" \
+                    > "$OUT/time_sliced/ranks_report.log" 2>&1
+                printf '%s\n' "${summary[@]}" > "$OUT/time_sliced/summary.txt"
+            )
+            summary+=("$(tail -1 "$OUT/time_sliced/summary.txt")")
+            summary+=("time-sliced: $(tail -1 "$OUT/time_sliced/ranks_report.log")")
+        fi
     else
-        mapfile -t mods < <(grep -l "two_gpus" tests/test_*gpu.py)
+        if [ -n "$quick" ]; then
+            IFS=, read -r -a mods <<< "$quick"
+        else
+            mapfile -t mods < <(grep -l "two_gpus" tests/test_*gpu.py)
+        fi
+        modules "$OUT" "${mods[@]}"
     fi
-    for m in "${mods[@]}"; do
-        name=$(basename "$m" .py)
-        run "ranks_${name#test_}" "${RANKS_TIMEOUT_S:-540}" python -m pytest -q -p no:cacheprovider \
-            -rs -m two_gpus --junitxml "$OUT/junit_${name#test_}.xml" "$m"
-    done
     [ "$mode" = mps ] && bash scripts/mps.sh stop
     python scripts/ranks_report.py "$OUT" > "$OUT/ranks_report.log" 2>&1
-    summary+=("ranks mode: $mode; $(tail -1 "$OUT/ranks_report.log")")
+    summary+=("ranks mode: $(cut -d' ' -f2 "$OUT/ranks_mode.txt"); $(tail -1 "$OUT/ranks_report.log")")
     ;;
 *)
     echo "unknown area $area (gemm | plan | combine | ffn | chained | layer | scale | ranks)" >&2

@@ -14,7 +14,10 @@ import datetime
 import glob
 import json
 import os
+import sys
 import xml.etree.ElementTree as ET
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _reason(el) -> str:
@@ -44,17 +47,17 @@ def junit_check(path: str) -> dict:
 
 
 def grid_check(path: str) -> dict:
+    """One validate_*.json (a sweep's document, or the stub scripts/ranks_grid.py writes for a
+    run that left none): its checks as ``moe_overlap.combine.sweep.verdict`` counts them (a
+    broken-ordering run passes where its points fail; planned points that did not run and a
+    soak whose memory grew fail)."""
+    from moe_overlap.combine.sweep import verdict
     doc = json.load(open(path))
-    pts = doc.get("points", [])
-    soaks = doc.get("soak", [])
-    fails = [dict(test=f"{p['shape']} {p['mode']} ccta={p['ccta']} mgb={p['mgb']}",
-                  reason=f"bitwise={p.get('bitwise_equal')} rel_err={p.get('rel_err_vs_seq')} "
-                         f"race={p.get('race_check')}") for p in pts if not p.get("passed")]
-    fails += [dict(test="soak", reason=str({k: s[k] for k in ("calls", "failures")}))
-              for s in soaks if s.get("failures")]
-    return dict(points=len(pts) + len(soaks), passed=len(pts) + len(soaks) - len(fails),
-                failures=fails, meta=doc.get("meta", {}),
-                soak=[{k: v for k, v in s.items() if k != "records"} for s in soaks])
+    v = verdict(doc)
+    return dict(points=v["points"], passed=v["passed"], failures=v["failures"],
+                meta=doc.get("meta", {}),
+                soak=[{k: val for k, val in s.items() if k not in ("records", "memory_samples")}
+                      for s in doc.get("soak", [])])
 
 
 def totals(checks: dict) -> dict:

@@ -146,13 +146,15 @@ def pytest_collection_modifyitems(config, items):
 
 # ------------------------------------------------------------------------ multi-process runs
 def spawn_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float | None = None,
-                join_timeout_s: float | None = None, hard_exit: bool = False):
+                join_timeout_s: float | None = None, hard_exit: bool = False,
+                expect_killed: tuple = ()):
     """``fn(rank, world, *args)`` on ``world`` processes (``moe_overlap.launch.spawn``); returns
     the list of per-rank results. backend: "gloo" (CPU), "nccl" (GPU ranks: rank r on GPU r
     where there are ``world`` GPUs, else, with ``MOE_OVERLAP_SHARE_GPU=1``, ranks sharing the
     GPUs over gloo: ``moe_overlap.launch`` backend "cuda") or "auto" (GPU ranks where they can
     run, else gloo on the CPU). A rank's device is ``moe_overlap.launch.rank_device()``. fn must
-    be a module-level function (the processes are spawned and import it by name)."""
+    be a module-level function (the processes are spawned and import it by name).
+    expect_killed: ranks the test kills with SIGKILL (``moe_overlap.launch.spawn``)."""
     from moe_overlap.launch import spawn
     if backend == "auto":
         backend = "nccl" if _cuda_count() >= 1 and gpu_ranks_available(world) else "gloo"
@@ -162,7 +164,7 @@ def spawn_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float |
                         f"visible), or one with {SHARE_GPU_ENV}=1")
         backend = "nccl" if _cuda_count() >= world else "cuda"
     return spawn(fn, world, *args, backend=backend, timeout_s=timeout_s,
-                 join_timeout_s=join_timeout_s, hard_exit=hard_exit)
+                 join_timeout_s=join_timeout_s, hard_exit=hard_exit, expect_killed=expect_killed)
 
 
 def require_module(gpus: int, nvshmem: bool = True):

@@ -38,6 +38,30 @@ def test_init_failure_is_reported_with_its_traceback():
         spawn(_value, 2, 10, backend="nccl", join_timeout_s=120)
 
 
+def _killed_rank(rank, world, victim):
+    import os
+    import signal
+    if rank == victim:  # a fault test's rank killed mid-call: no result, no teardown
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    return rank
+
+
+def test_an_expected_kill_is_not_a_failure_and_not_waited_for():
+    # rank 0 (hard_exit) must not wait its 300 s for the killed rank's result
+    t0 = time.monotonic()
+    assert spawn_ranks(_killed_rank, 3, 2, hard_exit=True, expect_killed=(2,),
+                       join_timeout_s=120) == [0, 1, None]
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_rank_that_was_to_be_killed_but_returned_fails_the_run():
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] were to be killed \(SIGKILL\)"):
+        spawn_ranks(_killed_rank, 2, -1, hard_exit=True, expect_killed=(1,), join_timeout_s=120)
+    with pytest.raises(ValueError, match="rank 0 hosts the rendezvous store"):
+        spawn_ranks(_killed_rank, 2, 0, expect_killed=(0,))
+
+
 def test_hard_exit_under_load_returns_every_result():
     # rank 0 hosts the store: it must stay until every rank has reported (CI once lost ranks
     # 1 and 2 inside init_process_group when rank 0 left first)

@@ -90,6 +90,11 @@ from .options import (TRANSPORTS, CombineFacts, CombineOptions, min_ccta,  # noq
 from ..runtime.device import num_sms
 
 
+# test only (MOE_OVERLAP_TEST_BROKEN_ORDER=flags_before_stores): GPU cycles between the early
+# flags and the stores (~1 ms)
+_BROKEN_ORDER_STORE_DELAY_CYCLES = 2_000_000
+
+
 def check_gemm_options(options, tile_m):
     """Validated copy of OverlapCombine's ``gemm_options`` (ValueError / TypeError otherwise)."""
     return CombineOptions(gemm_options=options).check_gemm_options(tile_m)
@@ -240,9 +245,9 @@ class OverlapCombine:
         # key): see ``diagnostics``
         self._debug = CombineDebug()
         # test only (moe_overlap.combine.race_check): a deliberately broken ordering, read once
-        # here. "flags_before_stores": the torch stand-in producer raises every band flag before
-        # the band's rows are computed and stored, so the consumer may ship stale rows; the
-        # validation must catch it. Refused with the real producer (its kernel has no such mode).
+        # here. "flags_before_stores": the torch stand-in producer raises every band flag about
+        # a millisecond before the band's rows are computed and stored, so the consumer ships
+        # stale (poisoned) rows; the validation must catch it. Refused with the real producer (its kernel has no such mode).
         self._test_broken_order = os.environ.get("MOE_OVERLAP_TEST_BROKEN_ORDER", "")
         # "seg_expected_frozen" (scale="ordered" only): begin_call does not advance the
         # per-segment expectation, so the ordered scale may read rows before they arrive.
@@ -337,6 +342,9 @@ class OverlapCombine:
         expert = plan.band_expert.long().clamp(min=0)
         if self._test_broken_order == "flags_before_stores":  # test only: see __init__
             band_ready.copy_(torch.where(valid, epoch.expand(cap), band_ready))
+            # the stores come late, so the consumer finds the flags up before them every call
+            # (without it the small test GEMMs often finish before the consumer starts)
+            torch.cuda._sleep(_BROKEN_ORDER_STORE_DELAY_CYCLES)
         y_all = torch.matmul(h.unsqueeze(0), w_down)  # [El, R, N] (test sizes only)
         vals = y_all[expert[:, None].expand(-1, tm), src_in]  # [cap, tm, N]
         dst = torch.where(valid[:, None] & (src < R), src, torch.full_like(src, y.shape[0] - 1))

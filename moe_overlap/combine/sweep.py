@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -75,7 +76,7 @@ def worker(rank, W, args):
                                               copy_engine_exchange, exchange_plan,
                                               plan_to_compact_rows)
     from moe_overlap.combine.metrics import point_fields
-    from moe_overlap.combine.race_check import soak, validate_calls
+    from moe_overlap.combine.race_check import rank_tokens, soak, soak_passed, validate_calls
     from moe_overlap.combine.dispatch import exchange_counts
     from moe_overlap.combine.options import CombineOptions
     from moe_overlap.combine.overlap import OverlapCombine
@@ -100,152 +101,169 @@ def worker(rank, W, args):
                             max_tokens_per_rank=T, tile_m=args.tile_m, ccta=args.ccta[0],
                             transport=args.transport,
                             local_copy=bool(args.local_copy), copy=args.copy,
-                            gemm_options=args.gemm_options)
-        for mode in args.modes:
+                            gemm_options=args.gemm_options,
+                            producer=None if args.producer == "auto" else args.producer)
+        for mode, empty in itertools.product(args.modes, args.empty_ranks):
             seed = 1000 * si + args.modes.index(mode)
-            ids, gates = route(T, E, k, mode, seed=seed, rank=rank, device=dev)
+            # a rank in `empty` routes no token (its out is [0, N]); T stays every rank's capacity
+            ids, gates = route(rank_tokens(T, rank, empty), E, k, mode, seed=seed, rank=rank,
+                               device=dev)
             counts = exchange_counts(ids, E)
             g = torch.Generator(device=dev).manual_seed(seed * 31 + rank)
             w_down = (torch.randn(El, K, N, device=dev, generator=g) / K ** 0.5).to(torch.bfloat16)
-            plans = {m: plan_combine(counts, rank, tile_m=args.tile_m, mgb=m, max_rows=W * T * k,
-                                     order=args.order, layout=args.layout)
-                     for m in args.mgb}
-            p0 = plans[args.mgb[0]]
-            rows = int(p0.total_rows.item())
-            h = torch.randn(rows, K, device=dev, generator=g).to(torch.bfloat16)
-            h_c = h[plan_to_compact_rows(p0, counts)]
-            base = SequentialBaseline(counts, ids, gemm="loop" if args.validate_only else "auto",
-                                      scale="fp32" if args.validate_only else "auto")
-            ref = base(h_c, w_down, gates).float()
-            timed = not args.validate_only
+            for layout, order in itertools.product(args.layout, args.order):
+                plans = {m: plan_combine(counts, rank, tile_m=args.tile_m, mgb=m,
+                                         max_rows=W * T * k, order=order, layout=layout)
+                         for m in args.mgb}
+                p0 = plans[args.mgb[0]]
+                rows = int(p0.total_rows.item())
+                h = torch.randn(rows, K, device=dev, generator=g).to(torch.bfloat16)
+                h_c = h[plan_to_compact_rows(p0, counts)]
+                base = SequentialBaseline(counts, ids,
+                                          gemm="loop" if args.validate_only else "auto",
+                                          scale="fp32" if args.validate_only else "auto")
+                ref = base(h_c, w_down, gates).float()
+                timed = not args.validate_only
 
-            def timing(fn, graph=True):
-                if not timed:
-                    return float("nan"), "none", []
-                return time_calls(fn, args.reps, args.replays, barrier, graph=graph)
+                def timing(fn, graph=True):
+                    if not timed:
+                        return float("nan"), "none", []
+                    return time_calls(fn, args.reps, args.replays, barrier, graph=graph)
 
-            # eager: NCCL inside graph capture is not relied on; its host work (a dozen torch
-            # calls) stays well ahead of a millisecond of GPU work, so no launch gaps are timed
-            t_seq, seq_mode, _ = timing(lambda: base(h_c, w_down, gates), graph=False)
-            t_seq = max_over_ranks(t_seq)
-            extra = dict(t_seq_same_scale=float("nan"), t_a2a_nccl=float("nan"),
-                         t_a2a_copy_engine=float("nan"), t_scale=float("nan"))
-            extra_info = {}
-            if timed:
-                same = SameScaleBaseline(counts, ids, gemm="auto")
-                out_same = same(h_c, w_down, gates)
-                same.check_errors()
-                extra_info["same_scale_rel_err"] = max_over_ranks(float(
-                    (out_same.float() - ref).norm() / ref.norm().clamp_min(1e-30)))
-                t, extra_info["same_scale_timing"] = _time_graph_or_eager(
-                    time_calls, lambda: same(h_c, w_down, gates), args.reps, args.replays,
-                    barrier)
-                extra["t_seq_same_scale"] = max_over_ranks(t)
-                extra_info["same_scale_gemm"] = same.gemm
-                send = same.expert_gemm(h_c, w_down)
-                t, extra_info["a2a_nccl_timing"] = _time_graph_or_eager(
-                    time_calls, lambda: same.exchange(send), args.reps, args.replays, barrier)
-                extra["t_a2a_nccl"] = max_over_ranks(t)
-                recv = same.exchange(send).clone()
-                t, _ = _time_graph_or_eager(time_calls, lambda: same.scale(recv, gates),
-                                            args.reps, args.replays, barrier)
-                extra["t_scale"] = max_over_ranks(t)
-                same.check_errors()
-                pieces = exchange_plan(same.counts_h, rank, El)
-                # slot 0 of every peer's receive buffer as [rows, N] (the symmetric tensor
-                # itself is what NVSHMEM maps; ov.recv is a strided view of it)
-                peers = {d: ov.rt.peer_tensor(ov.buffers.recv, d)[:ov.max_recv_rows * N].view(
-                    ov.max_recv_rows, N) for d, _, _, _ in pieces}
-                t, extra_info["a2a_copy_engine_timing"] = _time_graph_or_eager(
-                    time_calls, lambda: copy_engine_exchange(send, peers, pieces), args.reps,
-                    args.replays, barrier)
-                extra["t_a2a_copy_engine"] = max_over_ranks(t)
-                torch.cuda.synchronize()
-                barrier()
-                del same, send, recv, out_same
-            st = p0.stats()
-            valid = int(counts[:, rank * El:(rank + 1) * El].sum())
-            remote = st["remote_rows"]
-            choice = analytic_choice(int(valid), int(remote), N, K, args.tile_m)
-            # GEMM alone, every SM
-            ov.forward(h, w_down, p0, ids, gates, check=True)  # compiles and warms up everything
-            y, _ = ov.buffers_for(h, p0)
-            scratch = torch.zeros(p0.band_capacity, dtype=torch.int32, device=dev)
-            t_gemm, _, _ = timing(lambda: ov.produce(h, w_down, p0, y, scratch, ccta=0))
-            t_gemm = max_over_ranks(t_gemm)
-            flops = 2.0 * rows * N * K
-            for ccta in args.ccta:  # every call of the point passes its ccta
-                for mgb in args.mgb:
-                    plan = plans[mgb]
-                    # the routing's rows and counts, prepared once outside the timed calls as
-                    # the baseline prepares its permutations (the reference call computes its own)
-                    routes = ov.prepare(plan, ids)
-                    out_seq = ov.forward(h, w_down, plan, ids, gates, check=True,
-                                         overlap=False).clone()
-                    out_ov = ov.forward(h, w_down, plan, ids, gates, check=True,
-                                        routes=routes, ccta=ccta).clone()
-                    bitwise = bool(torch.equal(out_seq, out_ov))
-                    err = float((out_ov.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-                    t_ov, ov_mode, _ = timing(lambda: ov.forward(h, w_down, plan, ids, gates,
-                                                                 routes=routes, ccta=ccta))
-                    ov.check_errors()
-                    _, band_ready = ov.buffers_for(h, plan)
-                    cap = plan.band_capacity
-                    valid_b = torch.arange(cap, device=dev) < plan.num_bands
-
-                    def comm_only():
-                        ov.begin_call(ids, gates, routes=routes)
-                        band_ready.copy_(torch.where(valid_b, ov.epoch.expand(cap), band_ready))
-                        ov.ship(y, plan, band_ready, ccta=ccta)
-
-                    t_comm, _, _ = timing(comm_only)
-                    ov.check_errors()
+                # eager: NCCL inside graph capture is not relied on; its host work (a dozen torch
+                # calls) stays well ahead of a millisecond of GPU work, so no launch gaps are timed
+                t_seq, seq_mode, _ = timing(lambda: base(h_c, w_down, gates), graph=False)
+                t_seq = max_over_ranks(t_seq)
+                extra = dict(t_seq_same_scale=float("nan"), t_a2a_nccl=float("nan"),
+                             t_a2a_copy_engine=float("nan"), t_scale=float("nan"))
+                extra_info = {}
+                if timed:
+                    same = SameScaleBaseline(counts, ids, gemm="auto")
+                    out_same = same(h_c, w_down, gates)
+                    same.check_errors()
+                    extra_info["same_scale_rel_err"] = max_over_ranks(float(
+                        (out_same.float() - ref).norm() / ref.norm().clamp_min(1e-30)))
+                    t, extra_info["same_scale_timing"] = _time_graph_or_eager(
+                        time_calls, lambda: same(h_c, w_down, gates), args.reps, args.replays,
+                        barrier)
+                    extra["t_seq_same_scale"] = max_over_ranks(t)
+                    extra_info["same_scale_gemm"] = same.gemm
+                    send = same.expert_gemm(h_c, w_down)
+                    t, extra_info["a2a_nccl_timing"] = _time_graph_or_eager(
+                        time_calls, lambda: same.exchange(send), args.reps, args.replays, barrier)
+                    extra["t_a2a_nccl"] = max_over_ranks(t)
+                    recv = same.exchange(send).clone()
+                    t, _ = _time_graph_or_eager(time_calls, lambda: same.scale(recv, gates),
+                                                args.reps, args.replays, barrier)
+                    extra["t_scale"] = max_over_ranks(t)
+                    same.check_errors()
+                    pieces = exchange_plan(same.counts_h, rank, El)
+                    # slot 0 of every peer's receive buffer as [rows, N] (the symmetric tensor
+                    # itself is what NVSHMEM maps; ov.recv is a strided view of it)
+                    peers = {d: ov.rt.peer_tensor(ov.buffers.recv, d)[:ov.max_recv_rows * N].view(
+                        ov.max_recv_rows, N) for d, _, _, _ in pieces}
+                    t, extra_info["a2a_copy_engine_timing"] = _time_graph_or_eager(
+                        time_calls, lambda: copy_engine_exchange(send, peers, pieces), args.reps,
+                        args.replays, barrier)
+                    extra["t_a2a_copy_engine"] = max_over_ranks(t)
+                    torch.cuda.synchronize()
                     barrier()
-                    # all ranks agree on pass/fail and on times
-                    t_ov, t_comm = max_over_ranks(t_ov), max_over_ranks(t_comm)
-                    race = None
-                    if args.race_calls:
-                        race = validate_calls(ov, T, mode, calls=args.race_calls,
-                                              routing_every=2, seed=seed * 100 + ccta * 10 + mgb,
-                                              mgb=mgb, ccta=ccta, layout=args.layout,
-                                              order=args.order)
-                        race = {k: v for k, v in race.items() if k != "records"}
-                    ok = max_over_ranks(0.0 if (bitwise and err <= 8e-3 and (
-                        race is None or race["failures"] == 0)) else 1.0) == 0.0
-                    err_max = max_over_ranks(err)
-                    bound = max(t_gemm, t_comm)
-                    hidden = (t_gemm + t_comm - t_ov) / t_comm if t_comm > 0 else 1.0
-                    points.append(dict(
-                        shape=shape, mode=mode, ccta=ccta, mgb=mgb, rows=rows,
-                        valid_rows=int(valid), remote_rows=int(remote),
-                        t_gemm_ms=t_gemm, t_comm_ms=t_comm, t_overlap_ms=t_ov, t_seq_ms=t_seq,
-                        bound_ms=bound, overlap_over_bound=t_ov / bound,
-                        hidden_fraction=max(0.0, min(1.0, hidden)), speedup=t_seq / t_ov,
-                        gemm_tflops=flops / t_gemm / 1e9, bitwise_equal=bitwise,
-                        rel_err_vs_seq=err_max, passed=ok, timing=ov_mode,
-                        seq_timing=seq_mode, seq_gemm=base.gemm, seq_scale=base.scale_kind,
-                        seq_variants_ms=base.variant_ms,
-                        analytic=list(choice), race_check=race, **extra_info))
-                    # the fields of moe_overlap.combine.metrics (t_* in ms, speedups, bound ratio, padding)
-                    points[-1].update(point_fields(t_gemm=t_gemm, t_comm=t_comm, t_overlap=t_ov,
-                                                   t_seq_torch=t_seq, plan_rows=rows,
-                                                   valid_rows=int(valid), **extra))
-                    if rank == 0:
-                        print(f"[{shape} {mode} ccta={ccta} mgb={mgb}] ov {t_ov:.3f} ms gemm "
-                              f"{t_gemm:.3f} comm {t_comm:.3f} seq {t_seq:.3f} "
-                              f"x{t_seq / t_ov:.2f} err {err_max:.1e} bitwise {bitwise}",
-                              flush=True)
+                    del same, send, recv, out_same
+                st = p0.stats()
+                valid = int(counts[:, rank * El:(rank + 1) * El].sum())
+                remote = st["remote_rows"]
+                choice = analytic_choice(int(valid), int(remote), N, K, args.tile_m)
+                # GEMM alone, every SM
+                ov.forward(h, w_down, p0, ids, gates, check=True)  # compiles, warms up all
+                y, _ = ov.buffers_for(h, p0)
+                scratch = torch.zeros(p0.band_capacity, dtype=torch.int32, device=dev)
+                t_gemm, _, _ = timing(lambda: ov.produce(h, w_down, p0, y, scratch, ccta=0))
+                t_gemm = max_over_ranks(t_gemm)
+                flops = 2.0 * rows * N * K
+                for ccta in args.ccta:  # every call of the point passes its ccta
+                    for mgb in args.mgb:
+                        plan = plans[mgb]
+                        # the routing's rows and counts, prepared once outside the timed calls as
+                        # the baseline prepares its permutations (the reference call computes
+                        # its own)
+                        routes = ov.prepare(plan, ids)
+                        out_seq = ov.forward(h, w_down, plan, ids, gates, check=True,
+                                             overlap=False).clone()
+                        out_ov = ov.forward(h, w_down, plan, ids, gates, check=True,
+                                            routes=routes, ccta=ccta).clone()
+                        bitwise = bool(torch.equal(out_seq, out_ov))
+                        err = float((out_ov.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                        t_ov, ov_mode, _ = timing(lambda: ov.forward(h, w_down, plan, ids, gates,
+                                                                     routes=routes, ccta=ccta))
+                        ov.check_errors()
+                        _, band_ready = ov.buffers_for(h, plan)
+                        cap = plan.band_capacity
+                        valid_b = torch.arange(cap, device=dev) < plan.num_bands
+
+                        def comm_only():
+                            ov.begin_call(ids, gates, routes=routes)
+                            band_ready.copy_(torch.where(valid_b, ov.epoch.expand(cap), band_ready))
+                            ov.ship(y, plan, band_ready, ccta=ccta)
+
+                        t_comm, _, _ = timing(comm_only)
+                        ov.check_errors()
+                        barrier()
+                        # all ranks agree on pass/fail and on times
+                        t_ov, t_comm = max_over_ranks(t_ov), max_over_ranks(t_comm)
+                        race = None
+                        if args.race_calls:
+                            race = validate_calls(ov, T, mode, calls=args.race_calls,
+                                                  routing_every=2,
+                                                  seed=seed * 100 + ccta * 10 + mgb, mgb=mgb,
+                                                  ccta=ccta, layout=layout, order=order,
+                                                  empty_ranks=empty)
+                            race = {k: v for k, v in race.items() if k != "records"}
+                        ok = max_over_ranks(0.0 if (bitwise and err <= 8e-3 and (
+                            race is None or race["failures"] == 0)) else 1.0) == 0.0
+                        err_max = max_over_ranks(err)
+                        bound = max(t_gemm, t_comm)
+                        hidden = (t_gemm + t_comm - t_ov) / t_comm if t_comm > 0 else 1.0
+                        points.append(dict(
+                            shape=shape, mode=mode, ccta=ccta, mgb=mgb, layout=layout,
+                            order=order, empty_ranks=list(empty), rows=rows,
+                            valid_rows=int(valid), remote_rows=int(remote),
+                            t_gemm_ms=t_gemm, t_comm_ms=t_comm, t_overlap_ms=t_ov, t_seq_ms=t_seq,
+                            bound_ms=bound, overlap_over_bound=t_ov / bound,
+                            hidden_fraction=max(0.0, min(1.0, hidden)), speedup=t_seq / t_ov,
+                            gemm_tflops=flops / t_gemm / 1e9, bitwise_equal=bitwise,
+                            rel_err_vs_seq=err_max, passed=ok, timing=ov_mode,
+                            seq_timing=seq_mode, seq_gemm=base.gemm, seq_scale=base.scale_kind,
+                            seq_variants_ms=base.variant_ms,
+                            analytic=list(choice), race_check=race, **extra_info))
+                        # the fields of moe_overlap.combine.metrics (t_* in ms, speedups, bound
+                        # ratio, padding)
+                        points[-1].update(point_fields(t_gemm=t_gemm, t_comm=t_comm, t_overlap=t_ov,
+                                                       t_seq_torch=t_seq, plan_rows=rows,
+                                                       valid_rows=int(valid), **extra))
+                        if rank == 0:
+                            print(f"[{point_name(points[-1])}] ov {t_ov:.3f} ms gemm "
+                                  f"{t_gemm:.3f} comm {t_comm:.3f} seq {t_seq:.3f} "
+                                  f"x{t_seq / t_ov:.2f} err {err_max:.1e} bitwise {bitwise} "
+                                  f"race {None if race is None else race['failures']} "
+                                  f"{'ok' if ok else 'FAIL'}", flush=True)
+                            if args.progress:  # what a killed run still leaves (ranks_grid)
+                                with open(args.progress, "a") as f:
+                                    f.write(json.dumps(points[-1]) + "\n")
             if args.soak and not soaks:
                 # the first shape and mode: CUDA-graph replays with new data, poisoned, checked
                 soak_ccta = choice[0] if 1 <= choice[0] < ov.num_sms else args.ccta[0]
                 res = soak(ov, T, mode, calls=args.soak, routing_every=10, seed=seed,
-                           mgb=args.mgb[0], ccta=soak_ccta)
+                           mgb=args.mgb[0], ccta=soak_ccta, layout=args.layout[0],
+                           order=args.order[0])
+                res["passed"], res["why"] = soak_passed(res)
                 soaks.append(dict(res, shape=shape, ccta=soak_ccta, mgb=args.mgb[0]))
                 if rank == 0:
                     print(f"[{shape} {mode}] soak: {res['calls']} checked replays, "
                           f"{res['failures']} failures, max rel err {res['max_rel_err']:.1e}, "
                           f"allocated {res['memory_allocated_before']} -> "
-                          f"{res['memory_allocated_after']} B", flush=True)
+                          f"{res['memory_allocated_after']} B (slack "
+                          f"{res['memory_slack_bytes']} B): "
+                          f"{'ok' if res['passed'] else 'FAIL ' + res['why']}", flush=True)
             if args.autotune and timed:
                 # the library's own choice: ccta/mgb "auto" -> analytic first guess, refined by
                 # MoECombine.autotune (cached per shape bucket: the first mode tunes, the others
@@ -253,7 +271,7 @@ def worker(rank, W, args):
                 comb = MoECombine(E, K, N, k, T, tile_m=args.tile_m, backend="overlap",
                                   transport=args.transport, validate=False,
                                   local_copy=bool(args.local_copy), copy=args.copy,
-                                  options=CombineOptions(order=args.order))
+                                  options=CombineOptions(order=args.order[0]))
                 first = (comb.ccta, comb.mgb)
                 choice = comb.autotune(h, w_down, counts, ids, gates)
                 plan = comb.plan(counts)
@@ -272,6 +290,48 @@ def worker(rank, W, args):
                     print(f"[{shape} {mode}] autotune {first} -> {choice}: {t_auto:.3f} ms",
                           flush=True)
     return points, tuned, soaks
+
+
+def verdict(doc: dict) -> dict:
+    """The checks of one sweep JSON document (also a stub a killed run left: ``error`` and
+    the points its progress file held): {points, passed, failures: [{test, reason}]}.
+    A point passes when it passed; with ``meta.expect_fail`` (a deliberately broken ordering)
+    when it failed. Points planned (``meta.planned_points``) but missing, and a requested soak
+    (``meta.soak``) that is missing or fails ``race_check.soak_passed``, fail."""
+    from .race_check import soak_passed
+    meta = doc.get("meta", {})
+    pts, soaks = doc.get("points", []), doc.get("soak", [])
+    expect_fail = bool(meta.get("expect_fail"))
+    failures = []
+    for p in pts:
+        if expect_fail and p.get("passed"):
+            failures.append(dict(test=point_name(p), reason="the broken ordering was not "
+                                 "caught: the point passed"))
+        elif not expect_fail and not p.get("passed"):
+            failures.append(dict(test=point_name(p), reason=(
+                f"bitwise={p.get('bitwise_equal')} rel_err={p.get('rel_err_vs_seq')} "
+                f"race={p.get('race_check')}")))
+    planned = max(int(meta.get("planned_points") or 0), len(pts), 1 if expect_fail else 0)
+    missing = planned - len(pts)
+    if missing:
+        failures.append(dict(test=f"{missing} of {planned} points", reason="did not run: "
+                             + (doc.get("error") or "no reason recorded")))
+    planned_soaks = max(len(soaks), 1 if meta.get("soak") else 0)
+    for s in soaks:
+        ok, why = soak_passed(s)
+        if not ok:
+            failures.append(dict(test="soak", reason=why))
+    if planned_soaks > len(soaks):
+        failures.append(dict(test="soak", reason="did not run: "
+                             + (doc.get("error") or "no reason recorded")))
+    if doc.get("error") and not missing and planned_soaks == len(soaks):
+        failures.append(dict(test="run", reason=doc["error"]))  # e.g. died after its points
+    bad_points = sum(1 for f in failures if f["test"] not in ("soak", "run")) \
+        - (1 if missing else 0)
+    bad_soaks = sum(1 for f in failures if f["test"] == "soak")
+    total = planned + planned_soaks
+    return dict(points=total, passed=total - bad_points - missing - bad_soaks,
+                failures=failures)
 
 
 def summarize(points, tuned=()):
@@ -302,8 +362,41 @@ def summarize(points, tuned=()):
     return rows
 
 
-def main(argv=None):
-    set_run_environment()
+def parse_empty_ranks(text: str) -> list[tuple]:
+    """``--empty-ranks``: comma-separated items, each ``none`` (every rank routes tokens) or
+    ranks joined by ``+`` (those route none), e.g. ``none,1`` or ``none,0+2``."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if item.lower() == "none":
+            out.append(())
+            continue
+        parts = item.split("+")
+        if not all(p.isdigit() for p in parts):
+            raise ValueError(f"--empty-ranks item {item!r}: 'none' or ranks joined by '+'")
+        out.append(tuple(sorted({int(p) for p in parts})))
+    if not out:
+        raise ValueError("--empty-ranks: at least one item")
+    return out
+
+
+def planned_points(args) -> int:
+    """Points the worker makes of parsed arguments: one per shape, router mode, empty-ranks
+    item, layout, order, ccta and mgb (``main`` checks the run made exactly these)."""
+    return (len(args.shapes) * len(args.modes) * len(args.empty_ranks) * len(args.layout)
+            * len(args.order) * len(args.ccta) * len(args.mgb))
+
+
+def point_name(p: dict) -> str:
+    """One line naming a point (shape, mode, empty ranks, layout, order, ccta, mgb)."""
+    sh = p["shape"]
+    name = sh.get("name") or "x".join(str(sh[k]) for k in ("tokens", "experts", "topk", "N",
+                                                             "K"))
+    empty = "+".join(map(str, p.get("empty_ranks") or [])) or "none"
+    return (f"{name} {p['mode']} empty={empty} {p.get('layout', '?')} {p.get('order', '?')} "
+            f"ccta={p['ccta']} mgb={p['mgb']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moe-overlap sweep", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--shapes", default="synthetic",
@@ -326,11 +419,24 @@ def main(argv=None):
     ap.add_argument("--copy", default="auto", choices=["auto", "ldst", "tma"],
                     help="consumer copy: thread ld/st, TMA bulk copies, or the default for the "
                          "transport (CombineOptions copy='auto')")
-    ap.add_argument("--order", default="remote_first", choices=["remote_first", "expert"],
-                    help="the plans' schedule (plan_combine(order=)): remote bands first, or "
-                    "expert by expert (each expert's weights read about once)")
-    ap.add_argument("--layout", default="auto", choices=["auto", "aligned", "packed"],
-                    help="the plans' row layout")
+    ap.add_argument("--order", default="remote_first",
+                    help="comma-separated plan schedules (plan_combine(order=)): remote_first "
+                    "(remote bands first) and/or expert (expert by expert: each expert's weights "
+                    "read about once)")
+    ap.add_argument("--layout", default="auto",
+                    help="comma-separated plan row layouts: auto, aligned, packed")
+    ap.add_argument("--empty-ranks", default="none",
+                    help="comma-separated items, each 'none' or ranks joined by '+' that route "
+                    "no token (e.g. none,1): one point per item")
+    ap.add_argument("--producer", default="auto", choices=["auto", "torch"],
+                    help="the producer: the library's (auto) or the torch stand-in (tests; what "
+                    "MOE_OVERLAP_TEST_BROKEN_ORDER=flags_before_stores needs)")
+    ap.add_argument("--expect-fail", action="store_true",
+                    help="a check of the check (with a deliberately broken ordering): the run "
+                    "passes only if every point fails")
+    ap.add_argument("--progress", default="",
+                    help="JSON-lines file rank 0 appends each finished point to (what a killed "
+                    "run still leaves)")
     ap.add_argument("--world-size", type=int, default=0, help="ranks, one GPU each (0: every visible GPU)")
     ap.add_argument("--share-gpu", action="store_true",
                     help="allow more ranks than GPUs: the ranks run as processes sharing the GPUs "
@@ -354,6 +460,12 @@ def main(argv=None):
     ap.add_argument("--soak", type=int, default=0,
                     help="CUDA-graph replays of the soak on the first shape and mode (0: none)")
     ap.add_argument("--out", default="sweep.json", help="JSON results file")
+    return ap
+
+
+def parse_args(argv=None):
+    """The sweep's arguments, checked (argparse's error exit on a bad one); no CUDA touched."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:
         args.shapes = parse_shapes(args.shapes)
@@ -362,7 +474,8 @@ def main(argv=None):
     except ValueError as e:
         ap.error(f"{e} (--ccta and --mgb: comma-separated integers)")
     for sh in args.shapes:
-        if min(sh.values()) < 1 or sh["topk"] > sh["experts"]:
+        # named shapes carry a "name" string beside their sizes
+        if min(v for key, v in sh.items() if key != "name") < 1 or sh["topk"] > sh["experts"]:
             ap.error(f"bad shape {sh}: every size >= 1 and topk <= experts")
     if min(args.ccta + args.mgb) < 1:
         ap.error("--ccta and --mgb values must be >= 1")
@@ -370,6 +483,16 @@ def main(argv=None):
     args.modes = args.modes.split(",")
     if any(m not in ROUTER_MODES for m in args.modes):
         ap.error(f"--modes: choose from {', '.join(ROUTER_MODES)}")
+    from .plan import LAYOUTS, ORDERS
+    for opt, allowed in (("layout", LAYOUTS), ("order", ORDERS)):
+        vals = [v.strip() for v in getattr(args, opt).split(",") if v.strip()]
+        if not vals or any(v not in allowed for v in vals):
+            ap.error(f"--{opt} {getattr(args, opt)!r}: comma-separated, from {', '.join(allowed)}")
+        setattr(args, opt, vals)
+    try:
+        args.empty_ranks = parse_empty_ranks(args.empty_ranks)
+    except ValueError as e:
+        ap.error(str(e))
     args.gemm_options = {k: v for k, v in (("cluster_n", args.gemm_cluster_n),
                                            ("band_group", args.band_group)) if v is not None}
     from .options import CombineOptions  # "auto" / -1: the layers' default for the transport
@@ -389,6 +512,12 @@ def main(argv=None):
     why = output_path_error(args.out, folder=False)
     if why:
         ap.error(f"--out {args.out!r}: {why}")
+    return args
+
+
+def main(argv=None):
+    set_run_environment()
+    args = parse_args(argv)
 
     import torch
 
@@ -407,6 +536,13 @@ def main(argv=None):
     except ValueError as e:
         print(f"sweep: {e}", file=sys.stderr)
         return 2
+    outside = sorted({r for e in args.empty_ranks for r in e if r >= W})
+    if outside:
+        print(f"sweep: --empty-ranks names ranks {outside} of a world of {W}", file=sys.stderr)
+        return 2
+    planned = planned_points(args)
+    if args.progress and os.path.exists(args.progress):
+        os.remove(args.progress)
     t0 = time.time()
     if args.autotune:  # a fresh tune cache for this run
         os.environ["MOE_OVERLAP_TUNE_CACHE"] = os.path.abspath(args.out) + ".tune.json"
@@ -429,21 +565,27 @@ def main(argv=None):
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 git_commit=commit, tile_m=args.tile_m,
                 transport=args.transport, local_copy=args.local_copy, copy=args.copy,
-                order=args.order, layout=args.layout, reps=args.reps, replays=args.replays, gemm_options=args.gemm_options,
+                order=",".join(args.order), layout=",".join(args.layout), reps=args.reps,
+                replays=args.replays, gemm_options=args.gemm_options,
+                empty_ranks=[list(e) for e in args.empty_ranks], producer=args.producer,
+                test_broken_order=os.environ.get("MOE_OVERLAP_TEST_BROKEN_ORDER", ""),
+                expect_fail=args.expect_fail, planned_points=planned,
                 race_calls=args.race_calls, soak=args.soak, seconds=time.time() - t0)
     from moe_overlap.provenance import stamp
     doc = stamp(dict(meta=meta, summary=summary, points=points, autotune=tuned, soak=soaks),
                 "combine", gpus=W, device=meta["device"], commit=commit)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
-    failed = [p for p in points if not p["passed"]] + [
-        t for t in tuned if t["rel_err_vs_seq"] > 8e-3] + [x for x in soaks if x["failures"]]
+    v = verdict(doc)
+    failed = v["failures"] + [t for t in tuned if t["rel_err_vs_seq"] > 8e-3]
     if args.validate_only:
-        for p in failed:
-            print(f"MISMATCH {p}")
-        print(f"validate (overlap, {meta['device']} x{W}): {len(points) - len(failed)}/"
-              f"{len(points)} points passed (bitwise vs non-overlapped, rel err vs sequential "
-              f"<= 8e-3); wrote {args.out}")
+        for f in failed:
+            print(f"MISMATCH {f}")
+        what = ("checks of the broken ordering caught (every point must fail)"
+                if args.expect_fail else "checks passed (bitwise vs non-overlapped, rel err "
+                "vs sequential <= 8e-3, race calls, soak)")
+        print(f"validate (overlap, {meta['device']} x{W}, {args.transport}): "
+              f"{v['passed']}/{v['points']} {what}; wrote {args.out}")
         return 1 if failed else 0
     print(f"\nbest configuration per shape and router mode ({meta['device']} x{W}, "
           f"{args.transport}); times in ms, median of CUDA-graph replays, max over ranks")
