@@ -247,7 +247,8 @@ class OverlapCombine:
         # test only (moe_overlap.combine.race_check): a deliberately broken ordering, read once
         # here. "flags_before_stores": the torch stand-in producer raises every band flag about
         # a millisecond before the band's rows are computed and stored, so the consumer ships
-        # stale (poisoned) rows; the validation must catch it. Refused with the real producer (its kernel has no such mode).
+        # stale (poisoned) rows; the validation must catch it. Refused with the real producer
+        # (its kernel has no such mode).
         self._test_broken_order = os.environ.get("MOE_OVERLAP_TEST_BROKEN_ORDER", "")
         # "seg_expected_frozen" (scale="ordered" only): begin_call does not advance the
         # per-segment expectation, so the ordered scale may read rows before they arrive.
