@@ -221,6 +221,29 @@ def worker_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
 
 
+def record_single_rank(rank: int, world: int, port: int, outdir: str, body) -> None:
+    """The body of a single-rank GPU worker (``single_rank_json``): GPU ``rank`` current, a
+    one-rank NCCL group, ``body(res)`` filling the dict ``res`` (an exception it raises recorded
+    as ``res["error"]``), ``res`` written to ``outdir/rank<rank>.json``, then ``os._exit(0)``
+    (no NCCL / NVSHMEM teardown: their order can hang)."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    res = {}
+    try:
+        body(res)
+    except Exception as e:  # noqa: BLE001 - recorded for the test to name
+        res["error"] = worker_error(e)
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    os._exit(0)
+
+
 def single_rank_json(worker, join_timeout_s: float = 540) -> dict:
     """Runs ``worker(0, 1, port, outdir)`` in one spawned process (a rank that records its checks
     in ``outdir/rank0.json`` and leaves with ``os._exit``, skipping the NCCL / NVSHMEM teardown)

@@ -20,13 +20,11 @@ JSON that the tests read. Per config (v1: local copy + thread copies; v2: local_
 
 Run: ``CUDA_MODULE_LOADING=EAGER python -m pytest -q tests/test_faults_gpu.py``.
 """
-import json
-import os
 
 import pytest
 import torch
 
-from conftest import require_module, single_rank_json, worker_error
+from conftest import record_single_rank, require_module, single_rank_json, worker_error
 
 pytestmark = pytest.mark.gpu
 
@@ -192,12 +190,7 @@ def _checks(ov, res, tag):
 
 
 def _worker(rank, world, port, outdir):
-    import torch.distributed as dist
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    res = {}
-    try:
+    def body(res):
         from moe_overlap.combine.overlap import OverlapCombine
         for tag, opts in CONFIGS.items():
             try:
@@ -207,11 +200,7 @@ def _worker(rank, world, port, outdir):
                 _checks(ov, res, tag)
             except Exception as e:
                 res[f"{tag}_error"] = worker_error(e)
-    except Exception as e:
-        res["error"] = worker_error(e)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    os._exit(0)  # skip NCCL / NVSHMEM teardown ordering issues
+    record_single_rank(rank, world, port, outdir, body)
 
 
 @pytest.fixture(scope="module")

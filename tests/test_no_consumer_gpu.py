@@ -18,13 +18,11 @@ check and writes JSON that the tests read.
 
 Run: ``CUDA_MODULE_LOADING=EAGER python -m pytest -q tests/test_no_consumer_gpu.py``.
 """
-import json
-import os
 
 import pytest
 import torch
 
-from conftest import require_module, single_rank_json, worker_error
+from conftest import record_single_rank, require_module, single_rank_json
 
 pytestmark = pytest.mark.gpu
 
@@ -134,19 +132,10 @@ def _run(dev, res):
 
 
 def _worker(rank, world, port, outdir):
-    import torch.distributed as dist
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    res = {}
-    try:
+    def body(res):
         with torch.inference_mode():
             _run(torch.device("cuda", rank), res)
-    except Exception as e:
-        res["error"] = worker_error(e)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    os._exit(0)  # skip NCCL / NVSHMEM teardown ordering issues
+    record_single_rank(rank, world, port, outdir, body)
 
 
 @pytest.fixture(scope="module")
