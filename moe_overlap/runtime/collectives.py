@@ -31,28 +31,26 @@ def _staged(t: torch.Tensor, group) -> bool:
     return t.is_cuda and stages_cuda(group)
 
 
-def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
-    """In-place all-reduce of ``t``; returns ``t``."""
+def _in_place(t: torch.Tensor, group, call) -> torch.Tensor:
+    """``call(x)`` on ``t`` itself, or on a host copy of it written back (staged)."""
     if not _staged(t, group):
-        dist.all_reduce(t, op=op, group=group)
+        call(t)
         return t
     h = t.detach().cpu()
-    dist.all_reduce(h, op=op, group=group)
+    call(h)
     with torch.no_grad():
         t.copy_(h)
     return t
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """In-place all-reduce of ``t``; returns ``t``."""
+    return _in_place(t, group, lambda x: dist.all_reduce(x, op=op, group=group))
 
 
 def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:
     """In-place broadcast of ``t`` from global rank ``src``; returns ``t``."""
-    if not _staged(t, group):
-        dist.broadcast(t, src=src, group=group)
-        return t
-    h = t.detach().cpu()
-    dist.broadcast(h, src=src, group=group)
-    with torch.no_grad():
-        t.copy_(h)
-    return t
+    return _in_place(t, group, lambda x: dist.broadcast(x, src=src, group=group))
 
 
 def all_gather(parts: list[torch.Tensor], t: torch.Tensor, group=None) -> list[torch.Tensor]:
