@@ -94,7 +94,7 @@ def build_band_groups_kernel():
     from .plan_kernel import simt_helpers
 
     H = simt_helpers()
-    ptx1, smin, smax, sel_lt, sel_eq = H.ptx1, H.smin, H.smax, H.sel_lt, H.sel_eq
+    smin, smax, sel_lt, sel_eq = H.smin, H.smax, H.sel_lt, H.sel_eq
     lds, sts_if_eq, shfl_idx = H.lds, H.sts_if_eq, H.shfl_idx
 
     def ld(base, i):
@@ -103,12 +103,8 @@ def build_band_groups_kernel():
     def st(base, i, v):
         P.st_s32(base + Int64(i) * Int64(4), v)
 
-    def warp_incl_max(v):
-        for off in (1, 2, 4, 8, 16):
-            v = ptx1("{ .reg .pred p; .reg .b32 n; "
-                     f"shfl.sync.up.b32 n|p, {{$r0}}, {off}, 0, -1; "
-                     "@p max.s32 n, n, {$r0}; mov.b32 {$w0}, n; @!p mov.b32 {$w0}, {$r0}; }", v)
-        return v
+    def warp_incl_max(v):  # lane i: max over lanes 0..i
+        return H.warp_incl_scan(v, "max.s32")
 
     @cute.kernel
     def groups_kernel(sched: Int64, bexp: Int64, nbp: Int64, out: Int64, cap: Int32, G: Int32):

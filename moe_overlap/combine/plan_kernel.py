@@ -132,11 +132,13 @@ def simt_helpers():
     def stg(out, off, v):
         P.st_s32(out + Int64(off) * Int64(4), v)
 
-    def warp_incl_scan(v):
+    def warp_incl_scan(v, op="add.s32"):
+        """Lane i: op over lanes 0..i (``op``: a PTX s32 binary op, "add.s32" or "max.s32")."""
         for off in (1, 2, 4, 8, 16):
             v = ptx1("{ .reg .pred p; .reg .b32 n; "
                      f"shfl.sync.up.b32 n|p, {{$r0}}, {off}, 0, -1; "
-                     "@p add.s32 n, n, {$r0}; mov.b32 {$w0}, n; @!p mov.b32 {$w0}, {$r0}; }", v)
+                     f"@p {op} n, n, {{$r0}}; mov.b32 {{$w0}}, n; @!p mov.b32 {{$w0}}, {{$r0}}; }}",
+                     v)
         return v
 
     def shfl_idx(v, lane):
