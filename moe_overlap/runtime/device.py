@@ -26,9 +26,8 @@ def num_sms(device) -> int:
 def context_sm_count(index: int) -> int | None:
     """The SM count of the execution affinity of this process's context on GPU ``index``
     (``cuCtxGetExecAffinity``: under MPS its share of the GPU), or None where the driver cannot
-    tell. Creates the context first: the device properties torch caches may have been read
-    before it existed, and then show the whole GPU even under MPS (seen on an H100 at 50 %:
-    132 SMs read before the context, 66 after)."""
+    tell. Creates the context first: device properties read before the context existed (and
+    cached by torch) show the whole GPU even under MPS."""
     import ctypes
     try:
         ctypes.CDLL("libcuda.so.1")
