@@ -169,8 +169,12 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
                            f"(hang?) and were killed; finished: {sorted(out)}")
     errors = [(r, out[r][1]) for r in sorted(out) if out[r][0] == "error"]
     if errors:
-        r, tb = errors[0]
-        raise RuntimeError(f"rank {r} failed:\n{tb}")
+        # every failed rank's traceback, and the ranks that left none with their exit codes:
+        # a rank whose peer died reports only the lost connection, the cause is on the peer
+        silent = [f"rank {r}: no result, exit code {procs[r].exitcode}"
+                  for r in range(world_size) if r not in out and r not in expect_killed]
+        raise RuntimeError(f"ranks {[r for r, _ in errors]} failed:\n" + "\n".join(
+            [f"--- rank {r}:\n{tb}" for r, tb in errors] + silent))
     not_killed = [r for r in expect_killed
                   if r in out or procs[r].exitcode != -signal.SIGKILL]
     if not_killed:

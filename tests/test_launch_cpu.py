@@ -34,8 +34,21 @@ def test_init_failure_is_reported_with_its_traceback():
     from moe_overlap.launch import spawn
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA (nccl set-up must fail)")
-    with pytest.raises(RuntimeError, match=r"rank 0 failed:\nTraceback"):
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] failed:\n--- rank 0:\nTraceback"):
         spawn(_value, 2, 10, backend="nccl", join_timeout_s=120)
+
+
+def _fail_both(rank, world):
+    raise RuntimeError("Connection closed by peer" if rank == 0 else "the cause, on rank 1")
+
+
+def test_every_failed_rank_is_reported_not_only_the_first():
+    # rank 0 often fails only because its peer died first: the peer's traceback must be there
+    with pytest.raises(RuntimeError) as e:
+        spawn_ranks(_fail_both, 2, join_timeout_s=120)
+    msg = str(e.value)
+    assert "ranks [0, 1] failed" in msg
+    assert "--- rank 1:" in msg and "the cause, on rank 1" in msg, msg
 
 
 def _killed_rank(rank, world, victim):

@@ -99,14 +99,19 @@ def _good_calls(ov, n, seed):
     return same
 
 
+def _args(case):
+    """forward's positional arguments (h, w_down, plan, topk_ids, topk_weights) of a _case."""
+    ids, w, plan, h, wd, _ = case
+    return h, wd, plan, ids, w
+
+
 def _call(ov, case, t_fault, **kw):
     """One call with check=True: what it did (raised text or returned), and when."""
     from moe_overlap.combine.overlap import OverlapError
-    ids, w, plan, h, wd, _ = case
     t0 = time.time()
     rec = dict(raised="", other_error="")
     try:
-        rec["out"] = ov.forward(h, wd, plan, ids, w, check=True, **kw)
+        rec["out"] = ov.forward(*_args(case), check=True, **kw)
     except OverlapError as e:
         rec["raised"] = str(e)
     except Exception as e:  # noqa: BLE001 - a CUDA fault or the like: recorded, it is no pass
@@ -132,8 +137,8 @@ def _skip_worker(rank, world):
         res["rows_1_to_0"] = [_rows_from(c[5], 1, 0, El) for c in cases]
         res["rows_0_to_1"] = [_rows_from(c[5], 0, 1, El) for c in cases]
         # the non-overlapped outputs of every case, before the fault (collective calls)
-        want = [ov.forward(*c[:5], overlap=False, check=True).clone() for c in cases]
-        out = ov.forward(*cases[0][:5], check=True)
+        want = [ov.forward(*_args(c), overlap=False, check=True).clone() for c in cases]
+        out = ov.forward(*_args(cases[0]), check=True)
         res["good_bitwise"] = _equal(out, want[0])
         torch.cuda.synchronize()
         dist.barrier()
@@ -222,8 +227,8 @@ def _garbage_worker(rank, world):
                                  - sym_before.numel() * 8,
                                  sym_after.data_ptr() - ov.err.data_ptr() - ov.err.numel() * 8]
         case = _case(ov, 150, 1)
-        want = ov.forward(*case[:5], overlap=False, check=True).clone()
-        res["good_bitwise"] = _equal(ov.forward(*case[:5], check=True), want)
+        want = ov.forward(*_args(case), overlap=False, check=True).clone()
+        res["good_bitwise"] = _equal(ov.forward(*_args(case), check=True), want)
         # rank 1's plan buffer between guards; y and out of every rank too
         plan_bufs = []
         if rank == 1:
@@ -310,14 +315,14 @@ def _kill_worker(rank, world):
     try:
         ov = _layer()
         cases = [_case(ov, 150, 1), _case(ov, 120, 2)]
-        want = ov.forward(*cases[0][:5], overlap=False, check=True).clone()
-        res["good_bitwise"] = _equal(ov.forward(*cases[0][:5], check=True), want)
+        want = ov.forward(*_args(cases[0]), overlap=False, check=True).clone()
+        res["good_bitwise"] = _equal(ov.forward(*_args(cases[0]), check=True), want)
         torch.cuda.synchronize()
         dist.barrier()  # the last collective: a rank dies below
         t_fault = time.time()
         if rank == victim:
             ov._test_consumer_delay_cycles = DELAY_CYCLES  # test only: its consumer starts late
-            ov.forward(*cases[1][:5])  # no sync: the producer runs, the consumer waits
+            ov.forward(*_args(cases[1]))  # no sync: the producer runs, the consumer waits
             time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         rec = _call(ov, cases[1], t_fault)
