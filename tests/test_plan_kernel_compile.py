@@ -18,6 +18,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (
 
 from moe_overlap.combine.plan import plan_combine  # noqa: E402
 from moe_overlap.combine.plan_closed_form import closed_form_plan  # noqa: E402
+from moe_overlap.combine.plan_kernel import BAND_FIELDS, SEGMENT_FIELDS  # noqa: E402
 from conftest import compile_ptx as _ptx  # noqa: E402
 
 
@@ -155,6 +156,102 @@ def test_closed_forms_equal_the_torch_planner_hypothesis(case):
     for layout in ("aligned", "packed", "auto"):
         for order in ("remote_first", "expert"):
             _check_closed_form(counts, rank, tile_m, mgb, layout, order, tight + slack)
+
+
+LAYOUT_FIELDS = ("packed", "group_row_start", "expert_rows", "expert_row_start",
+                 "recv_rows_per_rank", "routed_counts", "total_rows", "valid_rows")
+
+
+def _garbage_counts(rng, W, El, mode, B, tile_m):
+    """Counts a plan of band capacity B cannot hold (rank 0's experts): validate=False input."""
+    c = torch.tensor([[rng.randrange(3) for _ in range(W * El)] for _ in range(W)])
+    if mode == "huge":  # the GPU fault test's counts (tests/test_ranks_faults_gpu.py)
+        c = torch.tensor([[rng.randrange(1 << 20) for _ in range(W * El)] for _ in range(W)])
+    elif mode == "negative":
+        c[rng.randrange(W), rng.randrange(El)] = -rng.randint(1, 300)
+    elif mode == "one_count":  # a single count whose bands alone exceed B
+        c[rng.randrange(W), rng.randrange(El)] = (B + 1) * tile_m + rng.randrange(tile_m)
+    elif mode == "one_band_over":  # rank 0's rows in one group: exactly B + 1 bands
+        c[:, :El] = 0
+        c[0, 0] = B * tile_m + 1
+    return c
+
+
+@pytest.mark.parametrize("order", ["remote_first", "expert"])
+@pytest.mark.parametrize("mode", ["huge", "negative", "one_count", "one_band_over"])
+def test_overflow_counts_plan_nothing_and_flag_num_bands(mode, order):
+    """validate=False counts the capacities cannot hold (issue 35): the torch planner (the
+    reference) plans no band, cell or segment (every capacity field -1, the counts 0, where the
+    old planner indexed past its tensors or planned negative rows), keeps the layout fields of
+    the counts, and says it in num_bands: the bands needed (> B), or -1 for negative counts;
+    outside [0, B] either way, which the producer refuses. The closed forms (the kernel's
+    phases) give the same plan."""
+    rng = random.Random(hash((mode, order)) & 0xFFFF)
+    for _ in range(12):
+        W, El = rng.choice([1, 2, 4]), rng.choice([1, 3, 4])
+        tile_m, mgb = rng.choice([64, 128, 256]), rng.choice([1, 2, 3])
+        max_rows = W * rng.choice([64, 256]) * 2
+        B = max_rows // tile_m + W * El
+        counts = _garbage_counts(rng, W, El, mode, B, tile_m)
+        for layout in ("aligned", "packed", "auto"):
+            kw = dict(tile_m=tile_m, mgb=mgb, layout=layout, impl="torch", order=order)
+            p = plan_combine(counts, 0, max_rows=max_rows, validate=False, **kw)
+            case = (mode, W, El, tile_m, mgb, layout, counts.tolist())
+            assert p.band_capacity == B, case
+            nb = int(p.num_bands)
+            if mode == "negative":
+                assert nb == -1, case
+            else:
+                assert nb > B, case
+            if mode == "one_band_over":
+                assert nb == B + 1, case
+            assert p.counts()[1:] == (0, 0) and int(p.num_local_cells) == 0, case
+            for name in BAND_FIELDS + SEGMENT_FIELDS:
+                assert bool((getattr(p, name) == -1).all()), (name, case)
+            if mode != "negative":  # the counts' own layout, as a plan that fits shows it
+                fit = plan_combine(counts, 0, max_rows=None, validate=False, **kw)
+                for name in LAYOUT_FIELDS:
+                    assert torch.equal(getattr(p, name), getattr(fit, name)), (name, case)
+            cf = closed_form_plan(counts, 0, tile_m, mgb, B, layout, order)
+            for name, t in p.tensors().items():
+                assert torch.equal(t, cf[name]), (name, case)
+
+
+@pytest.mark.parametrize("order", ["remote_first", "expert"])
+def test_overflow_boundary_b_bands_fit(order):
+    """Exactly B bands fit (a plan, not flagged, even with counts above max_rows); B + 1 do
+    not. The bound is the plan's band capacity, as the kernel's loops and the producer's."""
+    for tile_m in (64, 128):
+        max_rows = 300
+        B = max_rows // tile_m + 2  # W = 1, El = 2
+        for bands, flagged in ((B, False), (B + 1, True)):
+            counts = torch.tensor([[tile_m * (bands - 1), 1]])
+            p = plan_combine(counts, 0, tile_m=tile_m, max_rows=max_rows, validate=False,
+                             layout="aligned", impl="torch", order=order)
+            assert int(p.num_bands) == bands, (tile_m, bands)
+            assert (int(p.schedule[0]) == -1) == flagged, (tile_m, bands)
+            cf = closed_form_plan(counts, 0, tile_m, 1, B, "aligned", order)
+            assert all(torch.equal(t, cf[n]) for n, t in p.tensors().items()), (tile_m, bands)
+            with pytest.raises(ValueError, match="receive capacity exceeded"):
+                plan_combine(counts, 0, tile_m=tile_m, max_rows=max_rows, validate=True,
+                             layout="aligned", impl="torch", order=order)
+
+
+@pytest.mark.compile
+def test_plan_kernel_guards_its_count_derived_stores():
+    """Every store index the kernel derives from the counts (schedule position, local cell,
+    segment) is guarded by an unsigned compare against its capacity (the ``in_cap`` PTX), on
+    top of the overflow check that skips the band and segment loops: a validate=False plan
+    writes nothing outside its buffer whatever the counts (the GPU test
+    test_plan_kernel_garbage_counts_stay_inside_the_buffer runs it)."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+    from moe_overlap.combine.plan_kernel import build_plan_kernels, plan_example_args
+    guard = "setp.lt.u32 p,"
+    for by_expert in (False, True):
+        ptx = _ptx(build_plan_kernels(True, 32, 8, by_expert), *plan_example_args())
+        assert ptx.count(guard) == 3, by_expert  # position, local cell, segment
+    snd = _ptx(build_plan_kernels(True, 32, 8, False, True), *plan_example_args())
+    assert snd.count(guard) == 1  # the senders' segment tables
 
 
 def test_closed_form_expert_order_differs_where_the_torch_planner_does():

@@ -125,6 +125,50 @@ def test_plan_kernel_writes_every_word_of_a_poisoned_buffer(W, El, mode, order, 
                 _check_plan(counts, rank, tile_m, mgb, layout, max_rows, case, order)
 
 
+GARBAGE = ["huge", "negative", "just_over"]  # counts a validate=False plan cannot hold
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("W,El", [(2, 4), (8, 32), (1, 5)])
+@pytest.mark.parametrize("garbage", GARBAGE)
+def test_plan_kernel_garbage_counts_stay_inside_the_buffer(W, El, garbage, order, monkeypatch):
+    """validate=False counts the capacity cannot hold (issue 35): the kernel writes no word
+    outside its buffer (1 Mi poisoned words on each side: an unclamped band loop runs 25k to
+    1M bands past B at "huge"), fills every field (the buffer starts poisoned) and equals the
+    torch planner's overflow plan: num_bands outside [0, band capacity] (the producer refuses
+    it), nothing planned."""
+    import moe_overlap.combine.plan_kernel as pk
+    poison, guard = 0x5A5A5A5A, 1 << 20
+    made = []
+
+    def guarded(n, device):
+        big = torch.full((guard + n + guard,), poison, dtype=torch.int32, device=device)
+        made.append((big, n))
+        return big[guard:guard + n]
+    monkeypatch.setattr(pk, "_plan_buffer", guarded)
+    g = torch.Generator().manual_seed(W * 100 + El)
+    max_rows = W * 256 * 2
+    if garbage == "huge":  # the GPU fault test's counts (tests/test_ranks_faults_gpu.py)
+        counts = torch.randint(0, 1 << 20, (W, W * El), generator=g)
+    else:
+        counts = torch.randint(0, 3, (W, W * El), generator=g)
+        if garbage == "negative":
+            counts[W - 1, El - 1] = -5
+        else:  # expert 0 alone one band more than the capacity holds
+            B = max_rows // 128 + W * El
+            counts[0, :El] = 0
+            counts[0, 0] = (B + 1) * 128 - int(counts[1:, :El].sum())
+    for layout in ("aligned", "packed", "auto"):
+        case = f"garbage={garbage} W={W} El={El} layout={layout} order={order}"
+        _check_plan(counts.cuda(), 0, 128, 2, layout, max_rows, case, order)
+        big, n = made[-1]
+        torch.cuda.synchronize()
+        assert bool((big[:guard] == poison).all() and (big[guard + n:] == poison).all()), case
+        nb = plan_combine(counts, 0, tile_m=128, mgb=2, max_rows=max_rows, validate=False,
+                          layout=layout, impl="torch", order=order)
+        assert not 0 <= int(nb.num_bands) <= nb.band_capacity, case
+
+
 @pytest.mark.parametrize("order", ORDERS)
 def test_plan_kernel_int32_counts_and_no_host_sync(order):
     counts = _counts(4, 8, "random", 5, "cuda")

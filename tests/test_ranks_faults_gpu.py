@@ -13,7 +13,8 @@ fault (``hard_exit``, a bounded join); every rank records what it saw, the tests
   call needs: the case where counts alone cannot tell). Then ``reset()`` and 100 calls, each
   bitwise equal to the non-overlapped path.
 - ``garbage`` (W = 2): rank 1 plans from garbage counts (random, far above its capacity) with
-  ``validate=False`` and calls; both ranks must raise, and nothing may be written outside the
+  ``validate=False`` and calls; both ranks must raise (its plan flags the overflow: num_bands
+  above its band capacity, which its producer refuses), and nothing may be written outside the
   buffers: poisoned guard regions around rank 1's plan buffer, around y and ``out`` on every
   rank, and symmetric guard tensors allocated right before and after the communication buffer
   (their addresses are recorded). Then ``reset()`` and 100 calls, bitwise.
@@ -248,6 +249,15 @@ def _garbage_worker(rank, world):
                 plan_kernel._plan_buffer = made
         res["plan_kernel_used"] = bool(plan_bufs) if rank == 1 else None
         ids, w, plan, h, wd, _ = bad
+        if rank == 1:  # the overflow flag, and the kernel's flagged plan is the torch planner's
+            from moe_overlap.combine.plan import plan_combine
+            ref = plan_combine(plan.source_counts, rank, tile_m=TILE_M, mgb=2,
+                               max_rows=ov.world_size * T_MAX * TOPK, validate=False,
+                               impl="torch")
+            res["plan_num_bands"] = int(plan.num_bands)
+            res["band_capacity"] = plan.band_capacity
+            res["plan_equals_torch"] = all(torch.equal(getattr(plan, n), t)
+                                           for n, t in ref.tensors().items())
         y_big, y = _guarded((h.shape[0] + 1) * N, torch.bfloat16, dev, float("nan"))
         ov._y = y.view(h.shape[0] + 1, N)  # buffers_for reuses a y of this height
         out_big, out = _guarded(ids.shape[0] * N, torch.bfloat16, dev, float("nan"))
@@ -290,10 +300,16 @@ def test_garbage_counts_raise_on_every_rank(garbage_results):
         assert r["raised"] and f"rank {rank}" in r["raised"], r
         assert r["since_fault_s"] < BOUND_S, r
     assert "rank 1" in garbage_results[0]["raised"], garbage_results[0]  # names who failed
+    # rank 1's plan says it overflowed (num_bands past its band capacity); the producer's
+    # refusal names both numbers
+    r1 = garbage_results[1]
+    assert r1["plan_num_bands"] > r1["band_capacity"], r1
+    assert f"value {r1['plan_num_bands']}, bound {r1['band_capacity']}" in r1["raised"], r1
 
 
 def test_garbage_counts_write_nothing_outside_the_buffers(garbage_results):
     assert garbage_results[1]["plan_kernel_used"], garbage_results[1]  # its buffer was guarded
+    assert garbage_results[1]["plan_equals_torch"], garbage_results[1]
     for rank, r in enumerate(garbage_results):
         assert "error" not in r, r["error"]
         assert r["guards"] and all(r["guards"].values()), (rank, r["guards"])

@@ -212,7 +212,9 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         the band/segment tensors. None: the exact number, read from the counts (a host sync on CUDA).
     validate: check the counts' values (non-negative, within max_rows) on the host first. That reads
         the counts (a host sync on CUDA); pass False for a sync-free plan (CUDA graphs), where the
-        caller vouches for the counts.
+        caller vouches for the counts. Unchecked counts the capacities cannot hold give a plan
+        of nothing, flagged by num_bands outside [0, band_capacity] (the producer refuses it;
+        docs/CONTRACTS.md, "Device bounds").
     layout: "aligned" (every (expert, source) group padded to tile_m), "packed" (only each
         expert's total padded) or "auto" (packed where it lays out fewer rows than aligned,
         decided on the device: `plan.packed` says which, without a host sync).
@@ -298,8 +300,18 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
     recv_off = torch.cumsum(counts, 1) - counts  # [W, E]
     recv_rows_per_rank = counts.sum(1)
 
+    # ---- overflow: counts (validate=False) this plan's capacities cannot hold -------------
+    # a negative local count, one whose bands alone exceed B, or more bands than B in all.
+    # Then no band, cell or segment is planned (every capacity field -1, the counts 0) and
+    # num_bands says it (plan_kernel does the same): the bands needed, or -1 where that is
+    # not a count (negative counts); outside [0, B] either way, which the producer refuses.
+    need_bands = (expert_rows // tile_m).sum().reshape(1)
+    overflow = ((local < 0).any() | (local // tile_m > B).any()).reshape(1) | (need_bands > B)
+    fits = ~overflow
+    overflow_bands = torch.where(need_bands > B, need_bands, torch.full_like(need_bands, -1))
+
     # ---- bands: tile_m rows of one expert, ids in stacked row order -----------------------
-    expert_bands = expert_rows // tile_m
+    expert_bands = torch.where(fits, expert_rows // tile_m, 0)
     band_base = torch.cumsum(expert_bands, 0) - expert_bands
     nb = expert_bands.sum().reshape(1)
     b = torch.arange(B, device=dev)
@@ -310,8 +322,8 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
 
     # ---- cells: the rows of one group inside one band, in stacked row order ---------------
     # aligned: one cell per band; packed: a band holds the cells of every group it overlaps
-    c_flat = local_o.reshape(-1)
-    st_flat = start_o.reshape(-1)
+    c_flat = torch.where(fits, local_o.reshape(-1), 0)
+    st_flat = torch.where(fits, start_o.reshape(-1), 0)
     k0 = st_flat // tile_m  # first band of the group inside its expert
     n_cells = torch.where(c_flat > 0, (st_flat + c_flat - 1) // tile_m - k0 + 1, 0)
     cum_cells = torch.cumsum(n_cells, 0)
@@ -393,7 +405,7 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         expert_row_start=expert_row_start.to(torch.int32),
         recv_rows_per_rank=recv_rows_per_rank.to(torch.int32),
         routed_counts=counts[rank].to(torch.int32),
-        num_bands=nb.to(torch.int32),
+        num_bands=torch.where(fits, nb, overflow_bands).to(torch.int32),
         num_remote_bands=num_remote.to(torch.int32),
         num_segments=num_segments.to(torch.int32),
         num_local_cells=num_local.to(torch.int32),

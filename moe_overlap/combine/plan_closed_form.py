@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .plan_kernel import BAND_FIELDS, SEGMENT_FIELDS  # the plan buffer's field order
+
 
 def _cdiv(a, b):
     return -(-a // b)
@@ -40,6 +42,30 @@ def group_source(j: int, rank: int, W: int) -> int:
     if j == W - 1:
         return rank
     return j if j < rank else j + 1
+
+
+def _layout_fields(cnt, rank, st, erows, erstart, sum_c, packed):
+    """The plan's layout fields (no band, cell or segment) from phases 1 and 2."""
+    W, E = len(cnt), len(cnt[0])
+    El = E // W
+    grs = [[0] * W for _ in range(El)]
+    for e in range(El):
+        for j in range(W):
+            grs[e][group_source(j, rank, W)] = st[e * W + j]
+    return dict(packed=[packed], group_row_start=grs, expert_rows=erows,
+                expert_row_start=erstart, recv_rows_per_rank=[sum(r) for r in cnt],
+                routed_counts=cnt[rank], total_rows=[sum(erows)], valid_rows=[sum(sum_c)])
+
+
+def _overflow_plan(cnt, rank, st, erows, erstart, sum_c, packed, B, S, num_bands):
+    """The plan of counts its capacities cannot hold: the layout fields, num_bands (outside
+    [0, B]), no band, cell or segment (counts 0, every capacity field -1)."""
+    out = _layout_fields(cnt, rank, st, erows, erstart, sum_c, packed)
+    out.update({k: [-1] * B for k in BAND_FIELDS})
+    out.update({k: [-1] * S for k in SEGMENT_FIELDS})
+    out.update(num_bands=[num_bands], num_remote_bands=[0], num_segments=[0],
+               num_local_cells=[0])
+    return {k: torch.tensor(v, dtype=torch.int32) for k, v in out.items()}
 
 
 def closed_form_plan(counts, rank: int, tile_m: int, mgb: int, band_capacity: int,
@@ -54,8 +80,7 @@ def closed_form_plan(counts, rank: int, tile_m: int, mgb: int, band_capacity: in
     El, t = E // W, tile_m
     B = band_capacity
     S = B + E
-    # ---- phase 1: per source
-    recv_total = [sum(cnt[s]) for s in range(W)]
+    # ---- phase 1: per source (its row total: _layout_fields)
     before = [sum(cnt[s][:rank * El]) for s in range(W)]
     # ---- phase 2: per group (index e * W + j)
     c = [cnt[group_source(j, rank, W)][rank * El + e] for e in range(El) for j in range(W)]
@@ -84,6 +109,12 @@ def closed_form_plan(counts, rank: int, tile_m: int, mgb: int, band_capacity: in
     ebands = [x // t for x in erows]
     bbase = [x // t for x in erstart]
     nb = sum(ebands)
+    # overflow (validate=False counts the capacities cannot hold): no band, cell or segment,
+    # num_bands the bands needed (> B) or -1 (negative counts); the kernel's int32 sums add
+    # "the rows' total is negative" (past int32), which Python ints never are
+    if any(x < 0 or x // t > B for x in c) or nb > B:
+        return _overflow_plan(cnt, rank, st, erows, erstart, sum_c, packed, B, S,
+                              nb if nb > B else -1)
     ls = [st[e * W + W - 1] for e in range(El)]  # local group's start
     lc = [c[e * W + W - 1] for e in range(El)]
     nrb = [_cdiv(x, t) for x in ls]
@@ -113,9 +144,7 @@ def closed_form_plan(counts, rank: int, tile_m: int, mgb: int, band_capacity: in
         num_local = acc_f + acc_l
     # ---- phase 4: per band
     m1 = lambda n: [-1] * n  # noqa: E731
-    out = {k: m1(B) for k in ("band_expert", "band_row", "band_src_row", "band_dest",
-                              "band_valid", "band_dest_row", "schedule", "local_cell_band",
-                              "local_cell_src_row", "local_cell_dest_row", "local_cell_rows")}
+    out = {k: m1(B) for k in BAND_FIELDS}
     for b in range(nb):
         e = max(i for i in range(El) if bbase[i] <= b and ebands[i] > 0)  # binary search
         k = b - bbase[e]
@@ -166,8 +195,7 @@ def closed_form_plan(counts, rank: int, tile_m: int, mgb: int, band_capacity: in
     ns_g = [nstarts(i) for i in range(E)]
     sbase = [sum(ns_g[:i]) for i in range(E)]
     NS = sum(ns_g)
-    for k_ in ("segment_start", "segment_bands", "segment_dest", "segment_src_row",
-               "segment_dest_row", "segment_rows"):
+    for k_ in SEGMENT_FIELDS:
         out[k_] = m1(S)
     for q in range(R):
         i = max(i for i in range(E) if ro_a[i] <= q and ro_L[i] > 0)  # binary search
@@ -200,14 +228,7 @@ def closed_form_plan(counts, rank: int, tile_m: int, mgb: int, band_capacity: in
         out["segment_src_row"][sidx] = erstart[e] + lo_f
         out["segment_dest_row"][sidx] = dr[g] + lo_f - st[g]
         out["segment_rows"][sidx] = hi_l - lo_f
-    grs = [[0] * W for _ in range(El)]
-    for e in range(El):
-        for j in range(W):
-            grs[e][group_source(j, rank, W)] = st[e * W + j]
-    small = dict(packed=[packed], group_row_start=grs, expert_rows=erows,
-                 expert_row_start=erstart, recv_rows_per_rank=recv_total,
-                 routed_counts=cnt[rank], num_bands=[nb], num_remote_bands=[num_remote],
-                 num_segments=[NS], num_local_cells=[num_local], total_rows=[sum(erows)],
-                 valid_rows=[sum(sum_c)])
-    out.update(small)
+    out.update(_layout_fields(cnt, rank, st, erows, erstart, sum_c, packed))
+    out.update(num_bands=[nb], num_remote_bands=[num_remote], num_segments=[NS],
+               num_local_cells=[num_local])
     return {k: torch.tensor(v, dtype=torch.int32) for k, v in out.items()}

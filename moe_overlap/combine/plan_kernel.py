@@ -19,6 +19,10 @@ remote cell). CTA 0 writes -1 to the segment fields in [num_segments, R), the ta
 on; many CTAs, so the worst-case capacity costs about a memory-bandwidth microsecond or two,
 and no second launch.
 
+Counts the capacities cannot hold (validate=False) plan nothing, num_bands flagging it, as
+the torch planner does; every store index derived from the counts is guarded by its capacity
+(docs/CONTRACTS.md, "Device bounds").
+
 All outputs are views of one int32 buffer allocated with torch.empty (one allocation, one base
 pointer for the kernels); the layout is `_Layout`.
 """
@@ -235,6 +239,12 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
 
     PLAN_OUT = not senders  # the plan's fields (else the senders' tables)
 
+    def in_cap(i, cap):
+        """1 if 0 <= i < cap (one unsigned compare), else 0: the guard of every store whose
+        index comes from the counts (a validate=False plan's counts may be anything)."""
+        return H.ptx1("{ .reg .pred p; setp.lt.u32 p, {$r0}, {$r1}; selp.s32 {$w0}, 1, 0, p; }",
+                      i, cap)
+
     @cute.kernel
     def plan_kernel(counts: Int64, out: Int64, W: Int32, E: Int32, El: Int32, rank: Int32,
                     lg: Int32, mgb: Int32, layout: Int32, B: Int32, S: Int32):
@@ -370,13 +380,34 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
             ra = lds(E_RA, tid)
             sc = lds(E_SC, tid)
         rp = ((sc + tm1) >> lg) << lg
-        _, (tot_ra, tot_rp, tot_sc) = block_scan([ra, rp, sc], SCR, lane, warp)
+        # a local count no plan of this capacity holds: negative, or more bands than B alone
+        bad_g = Int32(0)
+        if g < E:
+            if cg < Int32(0):
+                bad_g = Int32(1)
+            if (cg >> lg) > B:
+                bad_g = Int32(1)
+        _, (tot_ra, tot_rp, tot_sc, n_bad) = block_scan([ra, rp, sc, bad_g], SCR, lane, warp)
         packed = layout
         if layout == Int32(2):
             packed = sel_lt(tot_rp, tot_ra, Int32(1), Int32(0))
         erows = sel_eq(packed, 1, rp, ra)
         (ers,), (total_rows,) = block_scan([erows], SCR, lane, warp)
         nb = total_rows >> lg
+        # overflow (validate=False counts the plan does not fit, CTA-uniform): no band,
+        # schedule, cell or segment entry is written (every capacity field is -1 from the
+        # tails) and num_bands says it: the bands needed where more than B, else -1 (negative
+        # counts, or sums past int32), outside [0, B] either way, which the producer refuses
+        ovf = Int32(0)
+        if n_bad > Int32(0):
+            ovf = Int32(1)
+        if total_rows < Int32(0):
+            ovf = Int32(1)
+        if nb > B:
+            ovf = Int32(1)
+        nb_out = nb
+        if ovf == Int32(1):
+            nb_out = sel_lt(B, nb, nb, Int32(-1))
         if tid < El:
             sts(E_RS, tid, ers)
             if cutlass.const_expr(PLAN_OUT):
@@ -387,12 +418,12 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
             if bidx == Int32(0):
                 if cutlass.const_expr(PLAN_OUT):
                     stg(out, Int32(0), packed)
-                    stg(out, Int32(1), nb)
+                    stg(out, Int32(1), nb_out)
                     stg(out, Int32(5), total_rows)
                     stg(out, Int32(6), tot_sc)
                 else:
                     if rank == owner:
-                        stg(out, Int32(0), nb)
+                        stg(out, Int32(0), nb_out)
         if g < E:
             st = sel_eq(packed, 1, sp, sa)
             sts(G_ST, g, st)
@@ -429,8 +460,8 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     sts(E_FB, tid, x_lcb)
                 if cutlass.const_expr(PLAN_OUT):
                     if tid == Int32(0):
-                        stg(out, Int32(2), num_remote)
-                        stg(out, Int32(4), num_lc)
+                        stg(out, Int32(2), sel_eq(ovf, 1, Int32(0), num_remote))
+                        stg(out, Int32(4), sel_eq(ovf, 1, Int32(0), num_lc))
             else:
                 # ---- phase 3: experts ranked by (-remote bands, e): bitonic sort of El keys
                 if tid < Int32(NPS):
@@ -466,8 +497,8 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     sts(E_FB, er, x_fb)
                 if cutlass.const_expr(PLAN_OUT):
                     if tid == Int32(0):
-                        stg(out, Int32(2), num_remote)
-                        stg(out, Int32(4), num_f + num_lb)
+                        stg(out, Int32(2), sel_eq(ovf, 1, Int32(0), num_remote))
+                        stg(out, Int32(4), sel_eq(ovf, 1, Int32(0), num_f + num_lb))
             # groups in rank order (i = r * W + j): first remote-cell index, segment base
             ri = tid // W
             ji = tid - ri * W
@@ -498,6 +529,10 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     if reg == Int32(0):
                         nst = nst + Int32(1)
             (sb,), (nseg,) = block_scan([nst], SCR, lane, warp)
+            # the segments written and walked: none on overflow; R <= S otherwise (a remote
+            # cell per band and group at most), so the clamp only bounds an overflow's work
+            nseg = sel_eq(ovf, 1, Int32(0), nseg)
+            R = sel_eq(ovf, 1, Int32(0), smin(R, S))
             if tid < E:
                 sts(RO_A, tid, a0)
                 sts(RO_SB, tid, sb)
@@ -507,7 +542,7 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                 else:
                     # seg_inc's valid prefix: the owner's own segments never come to it
                     stg(out, so_nseg + rank, sel_eq(rank, owner, Int32(0), nseg))
-            n_band_loop = nb
+            n_band_loop = sel_eq(ovf, 1, Int32(0), smin(nb, B))  # nb <= B unless overflow
             if cutlass.const_expr(senders):
                 # the owner's groups at this rank: first segment and count per expert of rank
                 if tid < E:
@@ -564,16 +599,18 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                         pos = lds(E_RB, eb) + kb_
                         lq = lds(E_FB, eb)
                 if cutlass.const_expr(PLAN_OUT):
-                    stg(out, o_bands + Int32(6) * B + pos, b)
+                    if in_cap(pos, B) == Int32(1):
+                        stg(out, o_bands + Int32(6) * B + pos, b)
                     gl = base_g + W - Int32(1)
                     lsb = lds(G_ST, gl)
                     lo = smax(lsb, kt)
                     hi = smin(lsb + lds(G_C, gl), kt + t)
                     if hi > lo:  # the band holds local rows: its local cell
-                        stg(out, o_bands + Int32(7) * B + lq, b)
-                        stg(out, o_bands + Int32(8) * B + lq, ers_b + lo)
-                        stg(out, o_bands + Int32(9) * B + lq, lds(G_DR, gl) + lo - lsb)
-                        stg(out, o_bands + Int32(10) * B + lq, hi - lo)
+                        if in_cap(lq, B) == Int32(1):
+                            stg(out, o_bands + Int32(7) * B + lq, b)
+                            stg(out, o_bands + Int32(8) * B + lq, ers_b + lo)
+                            stg(out, o_bands + Int32(9) * B + lq, lds(G_DR, gl) + lo - lsb)
+                            stg(out, o_bands + Int32(10) * B + lq, hi - lo)
                 else:
                     stg(out, so_pos + b, pos)
                 b = b + Int32(NT)
@@ -626,23 +663,24 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     lo_f = smax(stq, kf << lg)
                     hi_l = smin(stq + cq, (kl + Int32(1)) << lg)
                     si = lds(RO_SB, ip) + idx
-                    if cutlass.const_expr(PLAN_OUT):
-                        stg(out, o_segs + si, lds(E_RB, eq) + kf)
-                        stg(out, o_segs + S + si, kl - kf + Int32(1))
-                        stg(out, o_segs + Int32(2) * S + si, group_source(jq, rank, W))
-                        stg(out, o_segs + Int32(3) * S + si, lds(E_RS, eq) + lo_f)
-                        stg(out, o_segs + Int32(4) * S + si, lds(G_DR, gq) + lo_f - stq)
-                        stg(out, o_segs + Int32(5) * S + si, hi_l - lo_f)
-                    else:
-                        stg(out, so_dr + rank * S + si, lds(G_DR, gq) + lo_f - stq)
-                        # every segment's word (0 where it goes to another rank): seg_inc's
-                        # valid prefix is num_segments long, nothing past it is written or read
-                        inc = Int64(0)
-                        if group_source(jq, rank, W) == owner:
-                            inc = Int64(hi_l - lo_f)
-                        P.st_s64(out + (Int64(so_inc) + Int64(2) * (Int64(rank) * Int64(S)
-                                                                    + Int64(si))) * Int64(4),
-                                 inc)
+                    if in_cap(si, S) == Int32(1):
+                        if cutlass.const_expr(PLAN_OUT):
+                            stg(out, o_segs + si, lds(E_RB, eq) + kf)
+                            stg(out, o_segs + S + si, kl - kf + Int32(1))
+                            stg(out, o_segs + Int32(2) * S + si, group_source(jq, rank, W))
+                            stg(out, o_segs + Int32(3) * S + si, lds(E_RS, eq) + lo_f)
+                            stg(out, o_segs + Int32(4) * S + si, lds(G_DR, gq) + lo_f - stq)
+                            stg(out, o_segs + Int32(5) * S + si, hi_l - lo_f)
+                        else:
+                            stg(out, so_dr + rank * S + si, lds(G_DR, gq) + lo_f - stq)
+                            # every segment's word (0 where it goes to another rank): seg_inc's
+                            # valid prefix is num_segments long, nothing past it is written or read
+                            inc = Int64(0)
+                            if group_source(jq, rank, W) == owner:
+                                inc = Int64(hi_l - lo_f)
+                            P.st_s64(out + (Int64(so_inc) + Int64(2) * (Int64(rank) * Int64(S)
+                                                                        + Int64(si))) * Int64(4),
+                                     inc)
                 q = q + Int32(NT)
             # segment fields from num_segments up to the remote cells R (one start cell per
             # segment, so R >= num_segments); the tail CTAs fill from R on
@@ -672,6 +710,10 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                         t_l = ((st_g + cg - Int32(1)) >> lg) - (st_g >> lg) + Int32(1)
             _, (s_nrb, s_f, r_t) = block_scan([t_nrb, t_f, t_l], SCR, lane, warp)
             n_lc = s_f + nb - s_nrb
+            if ovf == Int32(1):  # overflow: every field -1 from its start
+                nb = Int32(0)
+                n_lc = Int32(0)
+                r_t = Int32(0)
             tb = bidx - Int32(1)
             step = (nblk - Int32(1)) * Int32(NT)
             for fi in cutlass.range_constexpr(N_BAND_F + N_SEG_F):
@@ -684,7 +726,7 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     valid = smin(r_t, S)
                     cap = S
                     base = o_segs + Int32(fi - N_BAND_F) * S
-                i = valid + tb * Int32(NT) + tid
+                i = smin(smax(valid, Int32(0)), cap) + tb * Int32(NT) + tid
                 while i < cap:
                     stg(out, base + i, Int32(-1))
                     i = i + step
