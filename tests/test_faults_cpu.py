@@ -138,12 +138,38 @@ def test_comm_block_layout():
     assert words == set(range(W, 3 * W))  # tags right after the W counters, no overlap
 
 
-def test_epoch_compare_is_wrap_safe():
-    assert not E.epochs_out_of_step(5, 5)
-    assert E.epochs_out_of_step(5, 7)
+def test_call_tag_compare_is_wrap_safe():
+    fp = 0x1234ABCD
+    assert not E.call_tags_differ(E.call_tag(5, fp), E.call_tag(5, fp))
+    assert E.call_tags_differ(E.call_tag(5, fp), E.call_tag(7, fp))
     # int32 epoch wraps from 2^31 - 1 to -2^31: the same epoch read both ways
-    assert not E.epochs_out_of_step(-2**31, 2**31)
-    assert E.epochs_out_of_step(2**31 - 1, -2**31)
+    assert E.call_tag(-2**31, fp) == E.call_tag(2**31, fp)
+    assert E.call_tags_differ(E.call_tag(2**31 - 1, fp), E.call_tag(-2**31, fp))
+
+
+def test_call_tag_holds_epoch_and_fingerprint():
+    """The tag is fingerprint << 32 | epoch (32 bits each), a signed int64 as the error word
+    holds it; the same epoch with another routing's fingerprint is another tag."""
+    for epoch, fp in [(0, 0), (6, 0xDEADBEEF), (-1, 0xFFFFFFFF), (2**31 - 1, 1), (-2**31, -1)]:
+        t = E.call_tag(epoch, fp)
+        assert -2**63 <= t < 2**63
+        assert E.split_call_tag(t) == ((epoch + 2**31) % 2**32 - 2**31, fp & 0xFFFFFFFF)
+        assert (t & 0xFFFFFFFF, (t >> 32) & 0xFFFFFFFF) == (epoch & 0xFFFFFFFF, fp & 0xFFFFFFFF)
+    assert E.call_tags_differ(E.call_tag(6, 0x1111), E.call_tag(6, 0x2222))
+
+
+def test_describe_epoch_mismatch_names_both_epochs_and_fingerprints():
+    # a rank that skipped a call: the same epoch, another routing's fingerprint
+    m = E.describe_error(_word(E.ERR_EPOCH_MISMATCH, rank=0, index=1, band=1,
+                               obs=E.call_tag(6, 0x0A0B0C0D), exp=E.call_tag(6, 0xF1F2F3F4)))
+    assert "rank 0 is at epoch 6" in m and "source rank 1" in m and "its epoch 6" in m
+    assert "0xf1f2f3f4" in m and "0x0a0b0c0d" in m
+    assert "out of step" in m and "skipped a call" in m and "another routing" in m
+    # another call count: named as before
+    m = E.describe_error(_word(E.ERR_EPOCH_MISMATCH, rank=1, index=0, band=0,
+                               obs=E.call_tag(-3, 7), exp=E.call_tag(9, 7)))
+    assert "epoch 9" in m and "its epoch -3" in m and "made a call the others did not" in m
+    assert "skipped" not in m
 
 
 # ---- band all-reduce co-residency -----------------------------------------------------------

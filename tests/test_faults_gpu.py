@@ -3,7 +3,8 @@ one rank (local rows only: producer, consumer local copy, scale), so they run wh
 One spawned process (NCCL group of 1, NVSHMEM with 1 PE) runs every check in sequence and writes
 JSON that the tests read. Per config (v1: local copy + thread copies; v2: local_copy=False + TMA):
 
-- ``good``: forward vs the fp32 reference, error word clear, this call's epoch tag written;
+- ``good``: forward vs the fp32 reference, error word clear, this call's epoch tag written (the
+  plan's counts fingerprint << 32 | the epoch);
 - ``mismatch``: consumer of epoch e, then the epoch moved by 2 (a source two calls behind: the same
   slot parity, so the counters alone pass), then the scale: ERR_EPOCH_MISMATCH naming both epochs,
   ``out`` all NaN, the slot not read;
@@ -90,7 +91,8 @@ def _checks(ov, res, tag):
     res[f"{tag}_good_rel"] = _rel(out, reference_combine(h.float(), wd.float(), plan, ids, w))
     res[f"{tag}_good_err"] = _err(ov)
     e = int(ov.epoch.item())
-    res[f"{tag}_good_tag"] = [int(ov.buffers.block[Er.epoch_tag_word(W, e & 1, 0)]), e]
+    res[f"{tag}_good_tag"] = [int(ov.buffers.block[Er.epoch_tag_word(W, e & 1, 0)]), e,
+                              int(plan.counts_fingerprint)]
 
     # ---- epoch mismatch: consumer at e, scale at e + 2 (same parity) ----
     ids, w, plan, h, wd = _case(ov, 180, 2)
@@ -101,10 +103,12 @@ def _checks(ov, res, tag):
     out = torch.zeros(ids.shape[0], N, dtype=torch.bfloat16, device=dev)
     ov.scale.launch(recv=ov.recv, rows=rows, weights=weights, out=out, counters=ov.counters,
                     expected=ov.expected, rank=ov.rank, err=ov.err, epoch=ov.epoch,
-                    slot_bytes=ov.slot_bytes, num_sms=ov.num_sms, y=y, epoch_tags=True)
+                    slot_bytes=ov.slot_bytes, num_sms=ov.num_sms, y=y, epoch_tags=True,
+                    fingerprint=plan.counts_fingerprint)
     err = _err(ov)
     res[f"{tag}_mismatch_err"] = err
     res[f"{tag}_mismatch_epochs"] = [e, e + 2]
+    res[f"{tag}_mismatch_fingerprint"] = int(plan.counts_fingerprint)
     res[f"{tag}_mismatch_msg"] = Er.describe_error(err) or ""
     res[f"{tag}_mismatch_out_nan"] = bool(torch.isnan(out.float()).all())
 
@@ -145,7 +149,8 @@ def _checks(ov, res, tag):
     out = torch.zeros(ids.shape[0], N, dtype=torch.bfloat16, device=dev)
     ov.scale.launch(recv=ov.recv, rows=bad, weights=weights, out=out, counters=ov.counters,
                     expected=ov.expected, rank=ov.rank, err=ov.err, epoch=ov.epoch,
-                    slot_bytes=ov.slot_bytes, num_sms=ov.num_sms, y=y, epoch_tags=True)
+                    slot_bytes=ov.slot_bytes, num_sms=ov.num_sms, y=y, epoch_tags=True,
+                    fingerprint=plan.counts_fingerprint)
     err = _err(ov)
     res[f"{tag}_bad_row_err"] = err
     good = torch.ones(ids.shape[0], dtype=torch.bool)
@@ -181,7 +186,8 @@ def _checks(ov, res, tag):
     out = torch.zeros(ids.shape[0], N, dtype=torch.bfloat16, device=dev)
     ov.scale.launch(recv=ov.recv, rows=rows, weights=weights, out=out, counters=ov.counters,
                     expected=ov.expected, rank=ov.rank, err=ov.err, epoch=ov.epoch,
-                    slot_bytes=ov.slot_bytes, num_sms=ov.num_sms, y=y, epoch_tags=True)
+                    slot_bytes=ov.slot_bytes, num_sms=ov.num_sms, y=y, epoch_tags=True,
+                    fingerprint=plan.counts_fingerprint)
     err = _err(ov)
     res[f"{tag}_timeout_err"] = err
     res[f"{tag}_timeout_epoch"] = int(ov.epoch.item())
@@ -219,16 +225,20 @@ def tag(request, results):
 def test_good_call_and_epoch_tag(results, tag):
     r = results
     assert r[f"{tag}_good_rel"] < 1e-2 and r[f"{tag}_good_err"][0] == 0, r
-    tag_v, epoch = r[f"{tag}_good_tag"]
-    assert tag_v == epoch, r
+    tag_v, epoch, fp = r[f"{tag}_good_tag"]
+    from moe_overlap.kernels.errors import call_tag
+    assert tag_v == call_tag(epoch, fp), r  # the plan's counts fingerprint << 32 | the epoch
 
 
 def test_epoch_mismatch_recorded_and_slot_not_read(results, tag):
     from moe_overlap.kernels.errors import ERR_EPOCH_MISMATCH
     r = results
+    from moe_overlap.kernels.errors import call_tag
     err, (e_src, e_mine) = r[f"{tag}_mismatch_err"], r[f"{tag}_mismatch_epochs"]
+    fp = r[f"{tag}_mismatch_fingerprint"]
     assert err[0] == ERR_EPOCH_MISMATCH, r
-    assert err[2] == 0 and err[4] == e_src and err[5] == e_mine, r  # source 0, both epochs
+    # source 0, both tags (one plan: the same fingerprint, the epochs two apart)
+    assert err[2] == 0 and err[4] == call_tag(e_src, fp) and err[5] == call_tag(e_mine, fp), r
     assert "out of step" in r[f"{tag}_mismatch_msg"], r
     assert r[f"{tag}_mismatch_out_nan"], r
 

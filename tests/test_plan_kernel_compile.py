@@ -370,3 +370,54 @@ def test_routes_counting_sort_equals_stable_sort(T, E, k, seed):
     ids = torch.randint(0, E, (T, k), generator=g)
     ids[: T // 3] = ids[0]  # long runs of the same experts across warps, rounds and chunks
     assert torch.equal(_emulate_routes_rows(ids, E), recv_rows(ids, E))
+
+
+def _run_ptx_term(text: str, i: int, v: int) -> int:
+    """Runs the straight-line PTX of one fingerprint term ({$r0} = i, {$r1} = v, result in
+    {$w0}) on 32-bit registers: the instructions it may use, with PTX's semantics (mul.lo: the
+    low 32 bits of the product; shr.u32: a logical shift; shr.s32 would be arithmetic)."""
+    import re
+    body = text.strip()
+    assert body.startswith("{") and body.endswith("}")
+    regs = {"{$r0}": i & 0xFFFFFFFF, "{$r1}": v & 0xFFFFFFFF}
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return int(tok, 0) & 0xFFFFFFFF  # an immediate
+
+    for ins in (x.strip() for x in body[1:-1].split(";") if x.strip()):
+        if ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        a = [val(x) for x in src]
+        if op in ("mul.lo.s32", "mul.lo.u32"):
+            r = a[0] * a[1]
+        elif op in ("xor.b32",):
+            r = a[0] ^ a[1]
+        elif op == "shr.u32":
+            r = a[0] >> a[1]
+        elif op == "shr.s32":
+            r = (a[0] - ((a[0] >> 31) << 32)) >> a[1]
+        else:
+            raise AssertionError(f"instruction {op} not emulated: {ins}")
+        assert re.fullmatch(r"\{\$w0\}|[a-z]+", dst), dst
+        regs[dst] = r & 0xFFFFFFFF
+    return regs["{$w0}"]
+
+
+def test_kernel_fingerprint_term_ptx_is_the_reference_term():
+    """The kernel planner cannot run here: run the PTX text it inlines for one term of the
+    counts fingerprint, against the plain-Python term (plan_closed_form), on random and edge
+    (i, v); the kernel adds these terms over all W * E entries (mod 2^32), which is
+    counts_fingerprint (tests/test_planner.py checks that against the torch planner)."""
+    from moe_overlap.combine.plan_closed_form import FP_KEY, fmix32
+    from moe_overlap.combine.plan_kernel import FINGERPRINT_TERM_PTX
+    rng = random.Random(5)
+    cases = [(0, 0), (1, 0), (0, 1), (1023, 0xFFFFFFFF), (2 ** 20, 0x80000000), (7, 3000)]
+    cases += [(rng.randrange(1 << 21), rng.randrange(1 << 32)) for _ in range(500)]
+    for i, v in cases:
+        want = fmix32(v ^ (i * FP_KEY & 0xFFFFFFFF))
+        assert _run_ptx_term(FINGERPRINT_TERM_PTX, i, v) == want, (i, v)

@@ -343,3 +343,102 @@ def test_expert_order_is_the_same_plan_in_another_order():
                              p.local_cell_rows[:nl].tolist()))
             return sum(n for _, n in rows), loc
         assert moves(a) == moves(b)
+
+
+# ---- the counts fingerprint: the call's identity in the epoch tags (issue 35, skipped call) --
+def _fp(counts) -> int:
+    """The plan's fingerprint as an unsigned 32-bit int (the torch planner's)."""
+    from moe_overlap.combine.plan import counts_fingerprint_torch
+    return int(counts_fingerprint_torch(counts)) & 0xFFFFFFFF
+
+
+def _random_counts(g, W, E, hi=3000):
+    return torch.randint(0, hi, (W, E), generator=g)
+
+
+def test_counts_fingerprint_torch_equals_plain_python_and_every_ranks_plan():
+    """The torch planner's fingerprint equals the plain-Python reference (plan_closed_form,
+    which the kernel's closed forms return too), for int32 and int64 counts alike (the low
+    word of each entry), and every rank's plan of one call holds the same value."""
+    from moe_overlap.combine.plan_closed_form import counts_fingerprint
+    g = torch.Generator().manual_seed(11)
+    for W, El in [(1, 1), (2, 4), (3, 5), (8, 16), (16, 2)]:
+        for hi in (2, 3000, 2 ** 31 - 1):
+            c = _random_counts(g, W, W * El, hi)
+            want = counts_fingerprint(c)
+            assert _fp(c) == _fp(c.to(torch.int32)) == want
+        c = _random_counts(g, W, W * El)  # plannable sizes
+        plans = [plan_combine(c, r, tile_m=64, mgb=2) for r in range(W)]
+        got = {int(p.counts_fingerprint) & 0xFFFFFFFF for p in plans}
+        assert got == {counts_fingerprint(c)}, (W, El, got)
+        assert all(p.counts_fingerprint.dtype == torch.int32 and
+                   tuple(p.counts_fingerprint.shape) == (1,) for p in plans)
+    # entries past 32 bits: only the low word counts (what the kernel loads of int64 counts)
+    c = _random_counts(g, 2, 4)
+    assert _fp(c + (c % 2) * (1 << 32)) == _fp(c)
+
+
+def test_counts_fingerprint_tells_every_single_entry_change_apart():
+    """The stated property: counts that differ in exactly one entry (as 32-bit words) never
+    share a fingerprint (per entry the term is a bijection of the entry). Checked on random
+    changes, among them 0 <-> large and +-1, with both implementations."""
+    from moe_overlap.combine.plan_closed_form import counts_fingerprint
+    g = torch.Generator().manual_seed(12)
+    rng = np.random.default_rng(12)
+    for trial in range(300):
+        W = int(rng.choice([1, 2, 4, 8]))
+        E = W * int(rng.integers(1, 9))
+        c = _random_counts(g, W, E, int(rng.choice([2, 50, 3000])))
+        s, e = int(rng.integers(W)), int(rng.integers(E))
+        d = c.clone()
+        d[s, e] = int(rng.choice([c[s, e] + 1, max(int(c[s, e]) - 1, 0) if c[s, e] else 7,
+                                  0 if c[s, e] else 1 << 20, int(rng.integers(0, 2 ** 32))]))
+        d[s, e] = d[s, e] & 0xFFFFFFFF
+        assert d[s, e] != c[s, e]
+        assert _fp(d) != _fp(c), (trial, s, e, int(c[s, e]), int(d[s, e]))
+        assert counts_fingerprint(d) != counts_fingerprint(c)
+
+
+def test_counts_fingerprint_tells_moved_rows_apart():
+    """Where rows moved (two entries swapped, two ranks' rows swapped): the same row totals,
+    other routings, other fingerprints (a plain sum of the counts could not tell these)."""
+    g = torch.Generator().manual_seed(13)
+    seen = set()
+    for _ in range(100):
+        c = _random_counts(g, 4, 16)
+        a = c.clone()
+        a[0, 0], a[0, 1] = c[0, 1], c[0, 0]
+        b = c[[1, 0, 2, 3]]
+        for x in (a, b):
+            if not torch.equal(x, c):
+                assert _fp(x) != _fp(c)
+        seen.add(_fp(c))
+    assert len(seen) == 100  # no two of these routings collide either
+
+
+def test_the_skipped_calls_routings_have_different_fingerprints():
+    """tests/test_ranks_faults_gpu.py's skip: rank 0 skips call 1 (case 1: 200 tokens a rank,
+    seed 2) and makes call 2 (case 2: 40 tokens, seed 3) at the epoch where rank 1 makes call 1.
+    Rank 1 sent rank 0 more rows in call 1 than call 2 needs (the counter wait passes), the
+    epochs are equal; the fingerprints of the two routings must differ so rank 0's
+    scale records ERR_EPOCH_MISMATCH instead of reading another routing's rows."""
+    from moe_overlap.kernels import errors as Er
+    from moe_overlap.routing import routing_counts
+    E, TOPK, El = 8, 2, 4
+    cases = [routing_counts(2, T, E, TOPK, "moderate_skew", seed)
+             for T, seed in ((150, 1), (200, 2), (40, 3), (40, 4))]
+    rows_1_to_0 = [int(c[1, 0:El].sum()) for c in cases]
+    assert rows_1_to_0[1] >= rows_1_to_0[2]  # the case the GPU test is about
+    fps = [_fp(c) for c in cases]
+    assert len(set(fps)) == len(fps), fps
+    # what rank 0's scale compares at that epoch: its own tag (call 2's plan) against rank 1's
+    # (call 1's plan), both at the same epoch
+    epoch = 6
+    plans = {(r, i): plan_combine(cases[i], r, tile_m=128, mgb=2, max_rows=2 * 256 * TOPK,
+                                  validate=False) for r in (0, 1) for i in (1, 2)}
+    own = Er.call_tag(epoch, int(plans[0, 2].counts_fingerprint))
+    src = Er.call_tag(epoch, int(plans[1, 1].counts_fingerprint))
+    assert Er.call_tags_differ(src, own)
+    # in step (both ranks at call 1): equal tags
+    assert not Er.call_tags_differ(Er.call_tag(epoch, int(plans[1, 1].counts_fingerprint)),
+                                   Er.call_tag(epoch, int(plans[0, 1].counts_fingerprint)))

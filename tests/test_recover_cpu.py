@@ -159,7 +159,8 @@ def _fake_combine(log, error_check="async", fail_call=None, comm=None, N=16, mon
     ov.ship = lambda *a, **k: log.append("ship")
     ov.begin_call = begin_call
     ov.scale = SimpleNamespace(launch=scale_launch)
-    plan = SimpleNamespace(band_capacity=4)
+    plan = SimpleNamespace(band_capacity=4,
+                           counts_fingerprint=torch.tensor([-0x2345679], dtype=torch.int32))
     args = (torch.zeros(8, 8), torch.zeros(1, 8, N), plan, torch.zeros(T, 2, dtype=torch.int64),
             torch.ones(T, 2))
     return ov, args
@@ -201,6 +202,21 @@ def test_combine_scale_polls_the_peers_symmetric_error_words(no_cuda, monkeypatc
     assert kw["err_peers"] is ov.comm.err_peers and kw["err"] is ov.comm.err
     assert ov.comm.err_peers.shape == (2,)
     assert any(t is ov.comm.err for t in ov.rt._tensors)  # a symmetric allocation
+
+
+def test_combine_scale_checks_the_tags_against_the_calls_plan(no_cuda, monkeypatch):
+    """The call's scale checks the epoch tags against this call's plan's counts fingerprint
+    (every rank's plan of one call holds the same one; a rank that skipped a call ships with
+    another routing's), beside the epoch."""
+    log = no_cuda
+    ov, args = _fake_combine(log, monkeypatch=monkeypatch)
+    ov._warm = ov._prod_warm = True
+    kw = {}
+    launch = ov.scale.launch
+    ov.scale.launch = lambda **k: (kw.update(k), launch(**k))
+    ov.forward(*args)
+    assert kw["epoch_tags"] and kw["epoch"] is ov.epoch
+    assert kw["fingerprint"] is args[2].counts_fingerprint
 
 
 def test_combine_error_raises_on_the_next_call_before_any_launch(no_cuda, monkeypatch):

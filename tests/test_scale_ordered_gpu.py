@@ -191,7 +191,9 @@ def test_peer_error_ends_the_wait_and_names_the_peer(what):
     counters = torch.zeros(3 * W, dtype=torch.int64, device=DEV)
     expected = torch.zeros(W, dtype=torch.int64, device=DEV)
     epoch = int(s["epoch"])
-    counters[W + (epoch & 1) * W:W + (epoch & 1) * W + W] = epoch  # both sources' tags right
+    fp = torch.tensor([-0x2345679], dtype=torch.int32, device=DEV)  # a plan's counts fingerprint
+    # both sources' tags right
+    counters[W + (epoch & 1) * W:W + (epoch & 1) * W + W] = ERR.call_tag(epoch, int(fp))
     if what == "segment":
         s["seg_arrivals"][src, seg] -= 1  # a row of source 1's segment never arrives
     else:
@@ -206,7 +208,7 @@ def test_peer_error_ends_the_wait_and_names_the_peer(what):
               seg_expected=s["seg_expected"], queue=s["queue"], counters=counters,
               expected=expected, rank=RANK, err=s["err"], epoch=s["epoch"],
               slot_bytes=s["slot_bytes"], grid=4, wait_bands=True, check_tags=True,
-              err_peers=peers)
+              err_peers=peers, fingerprint=fp)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     e = s["err"].tolist()

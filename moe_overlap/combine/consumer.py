@@ -35,8 +35,9 @@ A band of the packed layout may hold rows of several sources: each of its remote
 a segment of its own destination, so several segments (and the local copy) may wait on one band.
 
 Call marker and receive slots: at kernel start CTA 0 adds 1 to counter[rank] on every rank (its
-own too), and every destination row is offset by (epoch & 1) * slot_bytes (double-buffered receive
-buffer). See moe_overlap/combine/overlap.py for why this makes back-to-back calls race-free.
+own too), after writing there this call's epoch tag (the plan's counts fingerprint << 32 | the
+epoch, kernels/errors.py), and every destination row is offset by (epoch & 1) * slot_bytes
+(double-buffered receive buffer). See moe_overlap/combine/overlap.py for why this makes back-to-back calls race-free.
 
 Options (compile-time; the builder's defaults are ``local_copy=True, copy="ldst"``; the layers
 use ``CombineOptions.consumer_variant()``, which picks per transport):
@@ -266,7 +267,8 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                         seg_rows: Int64, schedule: Int64, num_local: Int64,
                         local_band: Int64, local_src_row: Int64, local_rows: Int64,
                         local_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
-                        recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64, ctr_sym: Int64,
+                        fingerprint_ptr: Int64, recv_peers: Int64, ctr_peers: Int64,
+                        recv_sym: Int64, ctr_sym: Int64,
                         err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32,
                         piece_rows: Int32, y_rows: Int32, seg_cap: Int32, cell_cap: Int32,
                         sched_cap: Int32, flag_cap: Int32):
@@ -312,17 +314,19 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
         # ---- call marker: +1 on counter[rank] of every rank (ours too). It tells each owner
         # that this rank's consumer of this call has started, i.e. (stream order) that this
         # rank's scale of the previous call is done reading its receive slot.
-        # Before the marker, the same thread writes this call's epoch into rank tidx's tag of the
-        # slot it is about to fill (word W + parity * W + rank of the communication block,
-        # moe_overlap/kernels/errors.py); the marker's release orders the tag before it, so an
-        # owner whose counter wait covers this marker reads this tag (or a later one).
+        # Before the marker, the same thread writes this call's tag (the plan's counts fingerprint
+        # << 32 | the epoch: kernels/errors.py call_tag) into rank tidx's tag of the slot it is
+        # about to fill (word W + parity * W + rank of the communication block); the marker's
+        # release orders the tag before it, so an owner whose counter wait covers this marker
+        # reads this tag (or a later one).
         tag_off = (Int64(world) + Int64(epoch & Int32(1)) * Int64(world) + Int64(rank)) * Int64(8)
         if bidx == Int32(0) and tidx < world and failed == Int32(0):  # world <= threads
+            tag = P.call_tag(epoch, P.ld_s32(fingerprint_ptr))
             if cutlass.const_expr(use_nvshmem):
                 sig_t = cute.make_tensor(cute.make_ptr(cutlass.Uint64, ctr_sym + tag_off,
                                                        cute.AddressSpace.gmem, assumed_align=8),
                                          cute.make_layout(1))
-                nvdev.signal_op(sig_t, Int64(epoch), SignalOp.SIGNAL_SET, tidx)
+                nvdev.signal_op(sig_t, tag, SignalOp.SIGNAL_SET, tidx)
                 nvdev.fence()  # the tag before the marker at that PE
                 sig_m = cute.make_tensor(cute.make_ptr(cutlass.Uint64,
                                                        ctr_sym + Int64(rank) * Int64(8),
@@ -331,7 +335,7 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                 nvdev.signal_op(sig_m, Int64(1), SignalOp.SIGNAL_ADD, tidx)
             else:
                 peer_ctr = P.ld_s64(ctr_peers + Int64(tidx) * Int64(8))
-                P.st_relaxed_sys_s64(peer_ctr + tag_off, Int64(epoch))
+                P.st_relaxed_sys_s64(peer_ctr + tag_off, tag)
                 P.red_release_sys_add_s64(peer_ctr + Int64(rank) * Int64(8), Int64(1))
 
         # ---- remote segments, in pieces of piece_rows rows (0: a segment is one piece) -------
@@ -501,14 +505,14 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
                seg_rows: Int64, schedule: Int64, num_local: Int64,
                local_band: Int64, local_src_row: Int64, local_rows: Int64,
                local_dest_row: Int64, band_ready: Int64, epoch_ptr: Int64,
-               recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64, ctr_sym: Int64,
-               err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32,
+               fingerprint_ptr: Int64, recv_peers: Int64, ctr_peers: Int64, recv_sym: Int64,
+               ctr_sym: Int64, err: Int64, timeout_ns: Int64, slot_bytes: Int64, world: Int32,
                piece_rows: Int32, y_rows: Int32, seg_cap: Int32, cell_cap: Int32,
                sched_cap: Int32, flag_cap: Int32, ccta: Int32, stream: cuda.CUstream):
         consumer_kernel(y, row_bytes, rank, num_segments, seg_start, seg_bands, seg_dest,
                         seg_src_row, seg_dest_row, seg_rows, schedule, num_local,
                         local_band, local_src_row, local_rows, local_dest_row, band_ready,
-                        epoch_ptr, recv_peers, ctr_peers, recv_sym, ctr_sym, err,
+                        epoch_ptr, fingerprint_ptr, recv_peers, ctr_peers, recv_sym, ctr_sym, err,
                         timeout_ns, slot_bytes, world, piece_rows, y_rows, seg_cap, cell_cap,
                         sched_cap, flag_cap).launch(
             grid=[ccta, 1, 1], block=[NT, 1, 1], stream=stream)
@@ -519,8 +523,8 @@ def build_consumer(transport: str = "nvlink", threads: int = DEFAULT_THREADS,
 _ARG_NAMES = ("y", "row_bytes", "rank", "num_segments", "segment_start", "segment_bands",
               "segment_dest", "segment_src_row", "segment_dest_row", "segment_rows", "schedule",
               "num_local_cells", "local_cell_band", "local_cell_src_row", "local_cell_rows",
-              "local_cell_dest_row",
-              "band_ready", "epoch", "recv_peers", "ctr_peers", "recv_sym", "ctr_sym", "err",
+              "local_cell_dest_row", "band_ready", "epoch", "counts_fingerprint", "recv_peers",
+              "ctr_peers", "recv_sym", "ctr_sym", "err",
               "timeout_ns", "slot_bytes", "world", "piece_rows", "y_rows", "segment_capacity",
               "cell_capacity", "schedule_capacity", "band_flag_capacity", "ccta")
 
@@ -530,7 +534,7 @@ def consumer_example_args():
     for cute.compile."""
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
-    return [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 22 + [Int32(1), Int32(0)] + \
+    return [Int64(0), Int64(0), Int32(0)] + [Int64(0)] * 23 + [Int32(1), Int32(0)] + \
         [Int32(1)] * 5 + [Int32(1), cuda.CUstream(0)]
 
 
@@ -647,7 +651,8 @@ class Consumer:
                 plan.num_local_cells.data_ptr(), plan.local_cell_band.data_ptr(),
                 plan.local_cell_src_row.data_ptr(), plan.local_cell_rows.data_ptr(),
                 plan.local_cell_dest_row.data_ptr(), band_ready.data_ptr(), epoch.data_ptr(),
-                recv_peers.data_ptr(), ctr_peers.data_ptr(), int(recv_sym), int(ctr_sym),
+                plan.counts_fingerprint.data_ptr(), recv_peers.data_ptr(), ctr_peers.data_ptr(),
+                int(recv_sym), int(ctr_sym),
                 err.data_ptr(), self.timeout_ns, int(slot_bytes), plan.world_size,
                 int(piece_rows), y.shape[0], plan.segment_rows.numel(),
                 plan.local_cell_rows.numel(), plan.schedule.numel(), band_ready.numel(),

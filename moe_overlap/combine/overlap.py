@@ -487,7 +487,8 @@ class OverlapCombine:
         empty = SimpleNamespace(rank=self.rank, world_size=0, **{n: z for n in (
             "num_segments", "segment_start", "segment_bands", "segment_dest", "segment_src_row",
             "segment_dest_row", "segment_rows", "schedule", "num_local_cells", "local_cell_band",
-            "local_cell_src_row", "local_cell_rows", "local_cell_dest_row")})
+            "local_cell_src_row", "local_cell_rows", "local_cell_dest_row",
+            "counts_fingerprint")})
         yb = torch.zeros(1, self.out_features, dtype=torch.bfloat16, device=dev)
         flags = torch.zeros(1, dtype=torch.int32, device=dev)
         self.consumer.launch(y=yb, plan=empty, band_ready=flags, epoch=z,
@@ -700,7 +701,8 @@ class OverlapCombine:
             if marks:
                 marks["shipped"].record(cs)
         if self.ordered:
-            self._launch_ordered_scale(routes, rows, weights, out, y, band_ready, s0, marks)
+            self._launch_ordered_scale(routes, rows, weights, out, y, band_ready, s0, marks,
+                                       plan)
         else:
             if not self.local_copy:
                 # the scale reads local rows straight from y: order it after the producer
@@ -714,7 +716,8 @@ class OverlapCombine:
                                       rank=self.rank, err=self.err, epoch=self.epoch,
                                       slot_bytes=self.slot_bytes, num_sms=self.num_sms,
                                       stream=cs, y=y, epoch_tags=True,
-                                      err_peers=self.comm.err_peers)
+                                      err_peers=self.comm.err_peers,
+                                      fingerprint=plan.counts_fingerprint)
                 if marks:
                     marks["scaled"].record(cs)
                     debug.timeline.append(marks)
@@ -777,7 +780,7 @@ class OverlapCombine:
             self.check_errors()
         return out
 
-    def _launch_ordered_scale(self, routes, rows, weights, out, y, band_ready, s0, marks):
+    def _launch_ordered_scale(self, routes, rows, weights, out, y, band_ready, s0, marks, plan):
         """scale="ordered": on s0 right after the producer's kernel boundary (every local row
         final: no band wait), every SM; each tile waits for its own segments, the kernel for
         every source's call marker and epoch tag."""
@@ -789,7 +792,8 @@ class OverlapCombine:
                                counters=self.counters, expected=self.expected, rank=self.rank,
                                err=self.err, epoch=self.epoch, slot_bytes=self.slot_bytes,
                                grid=self.num_sms * self.oscale.ctas_per_sm, wait_bands=False,
-                               check_tags=True, stream=s0, err_peers=self.comm.err_peers)
+                               check_tags=True, stream=s0, err_peers=self.comm.err_peers,
+                               fingerprint=plan.counts_fingerprint)
         if marks:
             marks["scaled"].record(s0)
             self._debug.timeline.append(marks)

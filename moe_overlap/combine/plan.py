@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .checks import as_int, check_expert_ids
+from .plan_closed_form import FP_KEY, FP_MUL1, FP_MUL2
 
 SUPPORTED_TILE_M = (64, 128, 256)
 LAYOUTS = ("auto", "aligned", "packed")
@@ -65,6 +66,8 @@ class CombinePlan:
     num_local_cells: torch.Tensor  # [1]
     total_rows: torch.Tensor  # [1] padded rows of all local experts
     valid_rows: torch.Tensor  # [1] rows carrying data
+    counts_fingerprint: torch.Tensor  # [1] 32-bit fingerprint of the [W, E] counts (the same
+    # in every rank's plan of one call): the call's identity in the epoch tags (consumer.py)
     # bands, indexed by band id (stacked row order)
     band_expert: torch.Tensor
     band_row: torch.Tensor
@@ -178,6 +181,32 @@ def band_capacity_for(max_rows: int, experts_per_rank: int, world_size: int, til
 
     sum over groups of ceil(c / tile_m) <= floor(sum c / tile_m) + number of groups."""
     return max_rows // tile_m + experts_per_rank * world_size
+
+
+# The counts fingerprint (the definition, and why it tells single-entry changes apart:
+# plan_closed_form.py, FP_KEY)
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32) without an int64 overflow (16-bit halves)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def counts_fingerprint_torch(expert_counts: torch.Tensor) -> torch.Tensor:
+    """int32 [1]: the counts fingerprint (plan_closed_form.py FP_KEY) with torch ops on the
+    counts' device, no host sync; the uint32 value as the int32 of the same bits."""
+    v = expert_counts.reshape(-1).to(torch.int64) & _M32
+    i = torch.arange(v.numel(), dtype=torch.int64, device=v.device)
+    x = v ^ _mul32(i, FP_KEY)
+    x = x ^ (x >> 16)
+    x = _mul32(x, FP_MUL1)
+    x = x ^ (x >> 13)
+    x = _mul32(x, FP_MUL2)
+    x = x ^ (x >> 16)
+    fp = (x.sum() & _M32).reshape(1)
+    return torch.where(fp > 0x7FFFFFFF, fp - (1 << 32), fp).to(torch.int32)
 
 
 IMPLS = ("auto", "torch", "kernel")
@@ -411,6 +440,7 @@ def plan_combine(expert_counts: torch.Tensor, rank: int, tile_m: int = 128, mgb:
         num_local_cells=num_local.to(torch.int32),
         total_rows=expert_rows.sum().reshape(1).to(torch.int32),
         valid_rows=local.sum().reshape(1).to(torch.int32),
+        counts_fingerprint=counts_fingerprint_torch(counts),
         band_expert=finish(e, valid_b),
         band_row=finish(band_row, valid_b),
         band_src_row=finish(band_src_row, valid_b),

@@ -30,11 +30,46 @@ from __future__ import annotations
 
 import torch
 
-from .plan_kernel import BAND_FIELDS, SEGMENT_FIELDS  # the plan buffer's field order
+# the plan buffer's field order (plan_kernel.py lays the buffer out in it)
+BAND_FIELDS = ("band_expert", "band_row", "band_src_row", "band_dest", "band_valid",
+               "band_dest_row", "schedule", "local_cell_band", "local_cell_src_row",
+               "local_cell_dest_row", "local_cell_rows")  # length band_capacity
+SEGMENT_FIELDS = ("segment_start", "segment_bands", "segment_dest", "segment_src_row",
+                  "segment_dest_row", "segment_rows")  # length segment_capacity
+
+# The counts fingerprint (CombinePlan.counts_fingerprint, the call's identity in the epoch tags):
+# fp = sum over the flat index i = s * E + e of fmix32(counts[s, e] ^ (i * FP_KEY)) mod 2^32,
+# each entry as a 32-bit word (the low word of an int64). fmix32 (MurmurHash3's finalizer:
+# xor-shifts and odd multipliers, each step invertible) is a bijection of 32-bit words, and so is
+# v -> v ^ k, so for each index the term is a bijection of the entry: two count matrices that
+# differ in exactly one entry always have different fingerprints. Several entries changed: no
+# guarantee (a collision needs the changed terms to cancel mod 2^32). A sum is order-free, so
+# the kernel adds the terms in any order (plan_kernel.py); plan.py has the torch version.
+FP_KEY, FP_MUL1, FP_MUL2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
 
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+def _as_int32(u: int) -> int:
+    """The int32 of an unsigned 32-bit value's bits."""
+    return u - (1 << 32) if u & 0x80000000 else u
+
+
+def fmix32(x: int) -> int:
+    """MurmurHash3's 32-bit finalizer (a bijection of 32-bit words)."""
+    x ^= x >> 16
+    x = x * FP_MUL1 & 0xFFFFFFFF
+    x ^= x >> 13
+    x = x * FP_MUL2 & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def counts_fingerprint(counts) -> int:
+    """The counts fingerprint (FP_KEY above) as an unsigned 32-bit int, in plain Python."""
+    flat = [int(v) & 0xFFFFFFFF for row in torch.as_tensor(counts).tolist() for v in row]
+    return sum(fmix32(v ^ (i * FP_KEY & 0xFFFFFFFF)) for i, v in enumerate(flat)) & 0xFFFFFFFF
 
 
 def group_source(j: int, rank: int, W: int) -> int:
@@ -54,7 +89,8 @@ def _layout_fields(cnt, rank, st, erows, erstart, sum_c, packed):
             grs[e][group_source(j, rank, W)] = st[e * W + j]
     return dict(packed=[packed], group_row_start=grs, expert_rows=erows,
                 expert_row_start=erstart, recv_rows_per_rank=[sum(r) for r in cnt],
-                routed_counts=cnt[rank], total_rows=[sum(erows)], valid_rows=[sum(sum_c)])
+                routed_counts=cnt[rank], total_rows=[sum(erows)], valid_rows=[sum(sum_c)],
+                counts_fingerprint=[_as_int32(counts_fingerprint(cnt))])
 
 
 def _overflow_plan(cnt, rank, st, erows, erstart, sum_c, packed, B, S, num_bands):

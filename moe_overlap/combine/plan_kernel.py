@@ -17,7 +17,9 @@ order-free sums: the local cells (sum of local-band flags + num_bands - sum of r
 and R, the remote cells, an upper bound of num_segments (every segment starts at its own
 remote cell). CTA 0 writes -1 to the segment fields in [num_segments, R), the tail CTAs from R
 on; many CTAs, so the worst-case capacity costs about a memory-bandwidth microsecond or two,
-and no second launch.
+and no second launch. CTA 1 also computes the counts fingerprint (plan_closed_form.py FP_KEY)
+over all W * E entries: a sum of per-entry terms, so any order of adding them gives the torch
+planner's value.
 
 Counts the capacities cannot hold (validate=False) plan nothing, num_bands flagging it, as
 the torch planner does; every store index derived from the counts is guarded by its capacity
@@ -31,19 +33,34 @@ import math
 
 import torch
 
+from .plan_closed_form import BAND_FIELDS, FP_KEY, FP_MUL1, FP_MUL2, SEGMENT_FIELDS
+
 NT = 1024  # threads of the planning CTA: one group (and one expert) per thread
 P1_LOADS = 16  # phase 1: counts loads per source and lane in flight (two sources per round)
 TAIL_WORDS_PER_CTA = 2048  # per field: the capacity over this is the tail CTA count (<= 64)
 MAX_GROUPS = 1024  # E = El * W, one per thread of the planning CTA
-BAND_FIELDS = ("band_expert", "band_row", "band_src_row", "band_dest", "band_valid",
-               "band_dest_row", "schedule", "local_cell_band", "local_cell_src_row",
-               "local_cell_dest_row", "local_cell_rows")  # length band_capacity
-SEGMENT_FIELDS = ("segment_start", "segment_bands", "segment_dest", "segment_src_row",
-                  "segment_dest_row", "segment_rows")  # length segment_capacity
 SCALARS = ("packed", "num_bands", "num_remote_bands", "num_segments", "num_local_cells",
-           "total_rows", "valid_rows")  # [1] each, at offsets 0..6 of the buffer
+           "total_rows", "valid_rows", "counts_fingerprint")  # [1] each, offsets 0..7
 _LAYOUT_CODE = {"aligned": 0, "packed": 1, "auto": 2}
 ORDERS = ("remote_first", "expert")  # plan_combine(order=); a compiled variant each
+
+
+def _s32(c: int) -> int:
+    return c - (1 << 32) if c & 0x80000000 else c
+
+
+# One term of the counts fingerprint (plan_closed_form.py FP_KEY): fmix32(v ^ (i * FP_KEY)) for
+# entry i ({$r0}) holding v ({$r1}), the term in {$w0}; logical shifts, multiplies mod 2^32 (the
+# low word of mul.lo is the same signed or unsigned). tests/test_plan_kernel_compile.py runs this
+# text on the host against plan_closed_form.counts_fingerprint.
+FINGERPRINT_TERM_PTX = (
+    "{ .reg .b32 hx, sx; "
+    f"mul.lo.s32 hx, {{$r0}}, {_s32(FP_KEY)}; xor.b32 hx, hx, {{$r1}}; "
+    "shr.u32 sx, hx, 16; xor.b32 hx, hx, sx; "
+    f"mul.lo.s32 hx, hx, {_s32(FP_MUL1)}; "
+    "shr.u32 sx, hx, 13; xor.b32 hx, hx, sx; "
+    f"mul.lo.s32 hx, hx, {_s32(FP_MUL2)}; "
+    "shr.u32 sx, hx, 16; xor.b32 {$w0}, hx, sx; }")
 
 
 def _pow2(n: int) -> int:
@@ -107,6 +124,10 @@ def simt_helpers():
         """x if a == b else y."""
         return ptx1("{ .reg .pred p; setp.eq.s32 p, {$r0}, {$r1}; "
                     "selp.s32 {$w0}, {$r2}, {$r3}, p; }", a, b, x, y)
+
+    def fingerprint_term(i, v):
+        """The counts fingerprint's term of entry i holding v (``FINGERPRINT_TERM_PTX``)."""
+        return ptx1(FINGERPRINT_TERM_PTX, i, v)
 
     def lds(base, i):
         return P.ld_shared_s32(base + Int32(i) * Int32(4))
@@ -730,6 +751,22 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                 while i < cap:
                     stg(out, base + i, Int32(-1))
                     i = i + step
+            if cutlass.const_expr(PLAN_OUT):
+                if bidx == Int32(1):
+                    # the counts fingerprint: every entry once (P1_LOADS loads per thread in
+                    # flight), a CTA sum (mod 2^32: the scan's add.s32 wraps)
+                    n_all = W * E
+                    acc = Int32(0)
+                    xi = tid
+                    while xi < n_all:
+                        xs = [xi + Int32(NT * u) for u in range(P1_LOADS)]
+                        vs = [ldc(counts, smin(x_, n_all - Int32(1))) for x_ in xs]
+                        for x_, v in zip(xs, vs):
+                            acc = acc + sel_lt(x_, n_all, H.fingerprint_term(x_, v), Int32(0))
+                        xi = xi + Int32(NT * P1_LOADS)
+                    _, (fp,) = block_scan([acc], SCR, lane, warp)
+                    if tid == Int32(0):
+                        stg(out, Int32(7), fp)
 
     @cute.jit
     def launch_plan(counts: Int64, out: Int64, W: Int32, E: Int32, El: Int32, rank: Int32,

@@ -8,9 +8,10 @@ bounded wait for the arrivals. One launcher, two kernels on the stream:
    from s + 1``: the consumer adds one call marker per call besides the rows), so no host ints
    change between calls and CUDA graphs replay. Then it reads source s's epoch tag of this call's
    slot (communication block word W + (epoch & 1) * W + s, moe_overlap/kernels/errors.py): the
-   sender wrote it before its marker, so it must equal this rank's epoch (int32 equality: the same
-   across the wrap); otherwise the ranks are out of step (one made a call the others did not, or
-   was reset alone) and it records ERR_EPOCH_MISMATCH (source, both epochs). A timeout records
+   sender wrote it before its marker, so it must equal this rank's tag (the plan's counts
+   fingerprint << 32 | the epoch's 32 bits: the same across the wrap); otherwise the ranks are
+   out of step (one made a call the others did not, skipped one, or was reset alone, or planned
+   from other counts) and it records ERR_EPOCH_MISMATCH (source, both tags). A timeout records
    ERR_SCALE_TIMEOUT (source, epoch, counter, expected). The same spin also polls source s's
    error code (word 0 of its symmetric error word, ``err_peers[s]``, ld.relaxed.sys, every
    ``PEER_POLL_NS`` = 20 us of waiting: the hot spin stays local, kernels/primitives.py): a source
@@ -77,7 +78,8 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
 
     @cute.kernel
     def wait_kernel(counters: Int64, expected: Int64, world: Int32, rank: Int32, err: Int64,
-                    timeout_ns: Int64, epoch_ptr: Int64, check_tags: Int32, err_peers: Int64):
+                    timeout_ns: Int64, epoch_ptr: Int64, check_tags: Int32, err_peers: Int64,
+                    fingerprint_ptr: Int64):
         tidx, src, _ = P.thread_block_grid()
         if tidx == Int32(0) and src < world:
             if P.error_set(err) == Int32(0):
@@ -97,12 +99,9 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
                     P.record_error(err, Int32(P.ERR_PEER_ERROR), rank, src, epoch, code, v,
                                    el)
                 elif check_tags != Int32(0):
-                    tag = P.ld_relaxed_sys_s64(
-                        counters + (Int64(world) + Int64(epoch & Int32(1)) * Int64(world)
-                                    + Int64(src)) * Int64(8))
-                    if Int32(tag) != epoch:
-                        P.record_error(err, Int32(P.ERR_EPOCH_MISMATCH), rank, src, src,
-                                       Int64(Int32(tag)), Int64(epoch), Int64(0))
+                    P.check_call_tag(err, rank, src, counters + (
+                        Int64(world) + Int64(epoch & Int32(1)) * Int64(world) + Int64(src))
+                        * Int64(8), epoch, P.ld_s32(fingerprint_ptr))
                 P.fence_acq_rel_sys()
 
     @cute.kernel
@@ -199,9 +198,9 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
                row_bytes: Int64, counters: Int64, expected: Int64, world: Int32, rank: Int32,
                err: Int64, timeout_ns: Int64, epoch_ptr: Int64, slot_bytes: Int64, y: Int64,
                y_rows: Int32, slot_rows: Int64, check_tags: Int32, wait_grid: Int32, grid: Int32,
-               err_peers: Int64, stream: cuda.CUstream):
+               err_peers: Int64, fingerprint_ptr: Int64, stream: cuda.CUstream):
         wait_kernel(counters, expected, world, rank, err, timeout_ns, epoch_ptr,
-                    check_tags, err_peers).launch(
+                    check_tags, err_peers, fingerprint_ptr).launch(
             grid=[wait_grid, 1, 1], block=[WAIT_THREADS, 1, 1], stream=stream)
         scale_kernel(recv, rows, weights, out, T, n_chunks, row_bytes, rank, err, epoch_ptr,
                      slot_bytes, y, y_rows, slot_rows).launch(
@@ -216,7 +215,7 @@ def scale_example_args():
     from cutlass import Int32, Int64
     return [Int64(0)] * 4 + [Int32(1), Int32(1), Int64(0), Int64(0), Int64(0), Int32(1),
                              Int32(0), Int64(0), Int64(0), Int64(0), Int64(0), Int64(0), Int32(0),
-                             Int64(0), Int32(0), Int32(1), Int32(1), Int64(0),
+                             Int64(0), Int32(0), Int32(1), Int32(1), Int64(0), Int64(0),
                              cuda.CUstream(0)]
 
 
@@ -251,20 +250,24 @@ class Scale:
 
     def launch(self, *, recv, rows, weights, out, counters, expected, rank, err, epoch,
                slot_bytes, num_sms: int, stream=None, y=None, epoch_tags: bool = False,
-               err_peers=None):
+               err_peers=None, fingerprint=None):
         """recv: receive buffer base (slot 0); rows: int32 [T, topk] (y_src: negative = y row
         -r - 1); weights: fp32 [T, topk]; out: [T, N] bf16; counters / expected: int64 [W]
         (counters: the first W words of the communication block, whose epoch tags follow them);
         y: [rows, N] bf16 (needed with y_src). slot_bytes > 0: recv holds slots of that size
         (row indices are checked against its rows); 0: recv is the one slot.
         epoch_tags: the source epoch tags follow ``counters`` (the communication block of
-        moe_overlap/kernels/errors.py, OverlapCombine); they are checked against ``epoch``.
+        moe_overlap/kernels/errors.py, OverlapCombine); each is checked against this rank's
+        ``call_tag(epoch, fingerprint)``: ``fingerprint`` (needed then) is the plan's
+        ``counts_fingerprint`` (int32 [1] on the device).
         err_peers: int64 [W] device table of every rank's error word as mapped here (0: not
         reachable; ``CommBuffer.err_peers``): the wait for source s also ends, recording
         ERR_PEER_ERROR, once s's code word is set. None: the wait ends on this rank's own
         error only (a peer's error shows as ERR_SCALE_TIMEOUT)."""
         if self.y_src and y is None:
             raise ValueError("Scale(y_src=True) needs y")
+        if epoch_tags:
+            check_fingerprint(fingerprint, out.device)
         import torch
         import cuda.bindings.driver as cuda
         fn = self.compile()
@@ -286,8 +289,19 @@ class Scale:
                         0 if y is None else y.shape[0],
                         int(slot_bytes) // (N * 2) if slot_bytes else recv.numel() // N,
                         int(bool(epoch_tags)), max(1, W), grid,
-                        0 if err_peers is None else err_peers.data_ptr()),
+                        0 if err_peers is None else err_peers.data_ptr(),
+                        0 if fingerprint is None else fingerprint.data_ptr()),
                        stream.cuda_stream)
+
+
+def check_fingerprint(fingerprint, device):
+    """ValueError unless ``fingerprint`` is an int32 [1] tensor on ``device`` (a plan's
+    ``counts_fingerprint``: the scales compare the epoch tags with it)."""
+    import torch
+    if not isinstance(fingerprint, torch.Tensor) or fingerprint.dtype != torch.int32 or \
+            fingerprint.numel() != 1 or fingerprint.device != device:
+        raise ValueError(f"the epoch tag check needs fingerprint=plan.counts_fingerprint (int32 "
+                         f"[1] on {device}), got {getattr(fingerprint, 'shape', fingerprint)!r}")
 
 
 def scale_torch(recv_slot, rows, weights, y=None):

@@ -7,10 +7,11 @@ design B are not built (see the NOTES).
 One persistent kernel, ``grid`` CTAs of ``threads``:
 
 1. CTA b < world, thread 0 (``check_tags``): the call marker of source b (``counter[b] >=
-   expected[b]``, ld.acquire.sys, bounded) and its epoch tag of this call's slot, as scale.py's
-   wait kernel (in this design the counters carry only the markers; rows are counted per
-   segment). Doing it inside the kernel keeps the slot-reuse argument: the kernel, hence this
-   rank's next consumer, ends after every source's marker of this call was seen.
+   expected[b]``, ld.acquire.sys, bounded) and its epoch tag of this call's slot (the counts
+   fingerprint and the epoch, ``P.check_call_tag``), as scale.py's wait kernel (in this design
+   the counters carry only the markers; rows are counted per segment). Doing it inside the
+   kernel keeps the slot-reuse argument: the kernel, hence this rank's next consumer, ends after
+   every source's marker of this call was seen.
 2. Tiles: thread 0 claims the next tile ``j = atom.add.relaxed.gpu(queue, 1)`` (the queue is
    zeroed on the stream before the call; no data passes through it) and shares j through shared
    memory. Tile j's dependencies ``dep_start[j] .. dep_start[j + 1]`` are polled in parallel, one
@@ -43,11 +44,10 @@ Requires ``local_copy=False`` (local rows straight from y): with the local copy,
 would come from this rank's own consumer, whose CTAs the scale's could crowd out.
 """
 
-from ..kernels.errors import (ERR_EPOCH_MISMATCH, ERR_PEER_ERROR, ERR_PLAN_BOUNDS,
-                              ERR_SCALE_BAD_ROW, ERR_SCALE_TIMEOUT, ERR_TILE_BAND_TIMEOUT,
-                              ERR_TILE_SEGMENT_TIMEOUT)
+from ..kernels.errors import (ERR_PEER_ERROR, ERR_PLAN_BOUNDS, ERR_SCALE_BAD_ROW,
+                              ERR_SCALE_TIMEOUT, ERR_TILE_BAND_TIMEOUT, ERR_TILE_SEGMENT_TIMEOUT)
 from .ordered_scale import LOCAL  # the dependency kinds of the tables (REMOTE otherwise)
-from .scale import BF16X2_NAN, DEFAULT_TIMEOUT_NS
+from .scale import BF16X2_NAN, DEFAULT_TIMEOUT_NS, check_fingerprint
 
 # 512 threads x 2 CTAs per SM and 16-token tiles: the plain scale's rate after the GEMM
 # (bench/NOTES.md, session 12; 256 x 4 with 32-token tiles left 400 of 528 CTAs idle)
@@ -141,7 +141,8 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
                        dep_start: Int64, dep_kind: Int64, dep_src: Int64, dep_index: Int64,
                        band_ready: Int64, flag_cap: Int32, wait_bands: Int32, seg_arr: Int64,
                        seg_exp: Int64, seg_cap: Int32, queue: Int64, counters: Int64,
-                       expected: Int64, world: Int32, check_tags: Int32, err_peers: Int64):
+                       expected: Int64, world: Int32, check_tags: Int32, err_peers: Int64,
+                       fingerprint_ptr: Int64):
         tidx, bidx, _ = P.thread_block_grid()
         alloc = cutlass.memory.SmemAllocator()
         shared = alloc.allocate_array(cutlass.Int32, 2, byte_alignment=8)
@@ -163,12 +164,9 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
             elif st == Int32(2):
                 P.record_error(err, Int32(ERR_PEER_ERROR), rank, bidx, epoch, code, v, el)
             else:
-                tag = P.ld_relaxed_sys_s64(
-                    counters + (Int64(world) + Int64(epoch & Int32(1)) * Int64(world)
-                                + Int64(bidx)) * Int64(8))
-                if Int32(tag) != epoch:
-                    P.record_error(err, Int32(ERR_EPOCH_MISMATCH), rank, bidx, bidx,
-                                   Int64(Int32(tag)), Int64(epoch), Int64(0))
+                P.check_call_tag(err, rank, bidx, counters + (
+                    Int64(world) + Int64(epoch & Int32(1)) * Int64(world) + Int64(bidx))
+                    * Int64(8), epoch, P.ld_s32(fingerprint_ptr))
         base = recv + Int64(epoch & Int32(1)) * slot_bytes
         more = Int32(1)
         while more != Int32(0):
@@ -259,18 +257,19 @@ def build_ordered_scale(topk: int, threads: int = DEFAULT_THREADS):
                dep_src: Int64, dep_index: Int64, band_ready: Int64, flag_cap: Int32,
                wait_bands: Int32, seg_arr: Int64, seg_exp: Int64, seg_cap: Int32,
                queue: Int64, counters: Int64, expected: Int64, world: Int32, check_tags: Int32,
-               err_peers: Int64, grid: Int32, stream: cuda.CUstream):
+               err_peers: Int64, fingerprint_ptr: Int64, grid: Int32, stream: cuda.CUstream):
         ordered_kernel(recv, rows, weights, out, n_chunks, row_bytes, rank, err, timeout_ns,
                        epoch_ptr, slot_bytes, y, y_rows, slot_rows, order, tile_start, n_tiles,
                        dep_start, dep_kind, dep_src, dep_index, band_ready, flag_cap,
                        wait_bands, seg_arr, seg_exp, seg_cap, queue, counters, expected, world,
-                       check_tags, err_peers).launch(grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+                       check_tags, err_peers, fingerprint_ptr).launch(
+            grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch
 
 
 _ARG_TYPES = ("i64 " * 4 + "i32 i64 i32 i64 i64 i64 i64 i64 i32 i64 i64 i64 i32 i64 i64 i64 i64 "
-              "i64 i32 i32 i64 i64 i32 i64 i64 i64 i32 i32 i64 i32").split()
+              "i64 i32 i32 i64 i64 i32 i64 i64 i64 i32 i32 i64 i64 i32").split()
 
 
 def ordered_scale_example_args():
@@ -346,7 +345,8 @@ class OrderedScale:
 
     def launch(self, *, recv, rows, weights, out, y, tables, band_ready, seg_arrivals,
                seg_expected, queue, counters, expected, rank, err, epoch, slot_bytes,
-               grid: int, wait_bands: bool, check_tags: bool, stream=None, err_peers=None):
+               grid: int, wait_bands: bool, check_tags: bool, stream=None, err_peers=None,
+               fingerprint=None):
         """recv: receive buffer base (slot 0; slot_bytes > 0: two slots of that size); rows:
         int32 [T, topk] (y_src encoding: r < 0 is y row -r - 1); weights fp32 [T, topk]; out
         bf16 [T, N]; y: the producer's output [rows, N]; tables: int32 on the device,
@@ -355,7 +355,8 @@ class OrderedScale:
         seg_arrivals / seg_expected: int64 [W, Sc] (this rank's per-segment arrival counters
         and their cumulative expectation);
         queue: int32 [1], zeroed on the stream before the call; counters / expected: int64 [W]
-        (markers and, with check_tags, the epoch tags after them, as Scale.launch).
+        (markers and, with check_tags, the epoch tags after them, checked against this rank's
+        tag as Scale.launch: ``fingerprint``, the plan's ``counts_fingerprint``, needed then).
         wait_bands: wait on the local bands' flags (a launch beside the producer); False after
         the producer's kernel boundary. grid: CTAs (persistent). err_peers: int64 [W] device
         table of every rank's error word as mapped here (0: not reachable;
@@ -369,6 +370,8 @@ class OrderedScale:
                                       tuple(err_peers.shape) != (seg_arrivals.shape[0],) or
                                       err_peers.device != out.device):
             raise ValueError(f"err_peers must be int64 [{seg_arrivals.shape[0]}] on {out.device}")
+        if check_tags:
+            check_fingerprint(fingerprint, out.device)
         fn = self.compile()
         if self._launcher is None:
             from ..kernels.primitives import LaunchCache
@@ -388,5 +391,6 @@ class OrderedScale:
                         band_ready.numel(), int(bool(wait_bands)), seg_arrivals.data_ptr(),
                         seg_expected.data_ptr(), Sc, queue.data_ptr(), counters.data_ptr(),
                         expected.data_ptr(), W, int(bool(check_tags)),
-                        0 if err_peers is None else err_peers.data_ptr(), max(1, int(grid))),
+                        0 if err_peers is None else err_peers.data_ptr(),
+                        0 if fingerprint is None else fingerprint.data_ptr(), max(1, int(grid))),
                        stream.cuda_stream)

@@ -19,14 +19,13 @@ word  meaning
       peer whose error word was set), assignment t * topk + k (bad row), token tile (ordered
       scale), schedule position (producer; -1 = num_bands)
 3     band / stage index; ERR_SCALE_TIMEOUT, ERR_PEER_ERROR: this rank's epoch;
-      ERR_EPOCH_MISMATCH: the source
-      rank again; ERR_TILE_SEGMENT_TIMEOUT: source << 32 | segment; ERR_PLAN_BOUNDS: which
-      field (``PLAN_FIELDS``); ERR_SCALE_BAD_ROW: 1 for a y row (y_src), 0 for a slot row;
-      ERR_PRODUCER_BOUNDS: which field (``PRODUCER_FIELDS``)
-4     observed value (band flag, counter, the source's epoch, the bad row index; ERR_PEER_ERROR:
-      the peer's code)
-5     expected value (epoch, expected count, this rank's epoch, the valid row bound;
-      ERR_PEER_ERROR: the arrival counter of that peer when the wait stopped)
+      ERR_EPOCH_MISMATCH: the source rank again; ERR_TILE_SEGMENT_TIMEOUT: source << 32 |
+      segment; ERR_PLAN_BOUNDS: which field (``PLAN_FIELDS``); ERR_SCALE_BAD_ROW: 1 for a y
+      row (y_src), 0 for a slot row; ERR_PRODUCER_BOUNDS: which field (``PRODUCER_FIELDS``)
+4     observed value (band flag, counter, the bad row index; ERR_EPOCH_MISMATCH: the source's
+      epoch tag, ``call_tag``; ERR_PEER_ERROR: the peer's code)
+5     expected value (epoch, expected count, the valid row bound; ERR_EPOCH_MISMATCH: this
+      rank's epoch tag; ERR_PEER_ERROR: the arrival counter of that peer when the wait stopped)
 6     elapsed ns since the kernel started (timeouts), else 0
 7     unused (0)
 ====  ==========================================================================================
@@ -42,9 +41,13 @@ Communication block of rank d (``int64``, symmetric; ``NvshmemRuntime.buffers(..
 a view of its first W words, ``.block`` the whole of it):
 
 - ``[0, W)``: arrival counter of source s (rows + one call marker per call, monotone);
-- ``[W + p * W + s]`` for parity p in {0, 1}: the epoch (sign-extended int32) that source s's
-  consumer was at when it last wrote receive slot p of rank d; written once per call at consumer
-  start, before its call marker (same thread, the marker's release covers it).
+- ``[W + p * W + s]`` for parity p in {0, 1}: the epoch tag of the call with which source s's
+  consumer last wrote receive slot p of rank d, ``call_tag(epoch, fingerprint)``: the plan's
+  counts fingerprint (combine/plan.py, the same on every rank for one call: every rank plans
+  from the same exchanged counts) in the high word, the epoch's 32 bits in the low word; written
+  once per call at consumer start, before its call marker (same thread, the marker's release
+  covers it). The epoch alone counts calls: a rank that skipped call c makes its next call at
+  the epoch the others make c at; the fingerprint tells the two routings apart.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ ERR_WORDS = 8
 ERR_CONSUMER_TIMEOUT = 1  # consumer waited too long for band_ready[b] == epoch
 ERR_SCALE_TIMEOUT = 2  # owner's scale waited too long for a source's arrival counter
 ERR_COPY_TIMEOUT = 3  # consumer (copy="tma") waited too long for a bulk load into shared memory
-ERR_EPOCH_MISMATCH = 4  # the source's epoch tag of the slot is not this rank's epoch
+ERR_EPOCH_MISMATCH = 4  # the source's epoch tag of the slot is not this rank's (epoch, counts)
 ERR_PLAN_BOUNDS = 5  # consumer: a plan entry outside its buffer (validate=False input)
 ERR_SCALE_BAD_ROW = 6  # scale: an assignment's row outside the receive slot / y
 ERR_TILE_BAND_TIMEOUT = 7  # ordered scale: a token tile waited too long for a local band flag
@@ -64,7 +67,8 @@ ERR_PEER_ERROR = 10  # scale: the source rank it waited for has an error recorde
 ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
              ERR_COPY_TIMEOUT: "consumer timed out waiting for a bulk (TMA) load of y",
-             ERR_EPOCH_MISMATCH: "ranks out of step: a source's epoch differs from this rank's",
+             ERR_EPOCH_MISMATCH: "ranks out of step: a source's epoch tag (epoch, routing "
+                                 "fingerprint) differs from this rank's",
              ERR_PLAN_BOUNDS: "consumer refused a plan entry outside its buffer",
              ERR_SCALE_BAD_ROW: "scale refused a row index outside the receive slot / y",
              ERR_TILE_BAND_TIMEOUT: "ordered scale timed out waiting for a local band of y",
@@ -112,11 +116,24 @@ def epoch_tag_word(world: int, parity: int, source: int) -> int:
     return world + parity * world + source
 
 
-def epochs_out_of_step(observed: int, expected: int) -> bool:
-    """Host mirror of the scale's check: the int32 epochs differ (compared as the signed 32-bit
-    difference, so the check is the same across the 2^31 wrap)."""
-    d = (int(observed) - int(expected)) & 0xFFFFFFFF
-    return d != 0
+def call_tag(epoch: int, fingerprint: int) -> int:
+    """The epoch tag of a call as the kernels write it (signed int64, the error word's type):
+    the counts fingerprint's 32 bits in the high word, the epoch's 32 bits in the low word (so an
+    int32 epoch is the same tag across its 2^31 wrap)."""
+    u = ((int(fingerprint) & 0xFFFFFFFF) << 32) | (int(epoch) & 0xFFFFFFFF)
+    return u - (1 << 64) if u >> 63 else u
+
+
+def split_call_tag(tag: int) -> tuple[int, int]:
+    """(epoch as int32, fingerprint as uint32) of a call tag."""
+    t = int(tag) & 0xFFFFFFFFFFFFFFFF
+    lo = t & 0xFFFFFFFF
+    return (lo - (1 << 32) if lo >> 31 else lo), t >> 32
+
+
+def call_tags_differ(observed: int, expected: int) -> bool:
+    """Host mirror of the scales' check: the two 64-bit tags differ."""
+    return (int(observed) ^ int(expected)) & 0xFFFFFFFFFFFFFFFF != 0
 
 
 def describe_error(err_host) -> str | None:
@@ -147,9 +164,15 @@ def describe_error(err_host) -> str | None:
                 "consumer did not run, timed out, refused after an error of its own, or its "
                 "plan differs from the one this rank derived)")
     if code == ERR_EPOCH_MISMATCH:
-        return (f"{what}: rank {rank} is at epoch {exp}, source rank {index} wrote this call's "
-                f"receive slot at its epoch {obs} (a rank made a call the others did not, or was "
-                "reset alone); the slot was not read")
+        (e_src, f_src), (e_own, f_own) = split_call_tag(obs), split_call_tag(exp)
+        if e_src == e_own:
+            why = ("the same call count, another routing: a rank skipped a call and made the next "
+                   "one, or the ranks planned from different counts")
+        else:
+            why = "a rank made a call the others did not, or was reset alone"
+        return (f"{what}: rank {rank} is at epoch {e_own} (routing fingerprint {f_own:#010x}), "
+                f"source rank {index} wrote this call's receive slot at its epoch {e_src} "
+                f"(routing fingerprint {f_src:#010x}) ({why}); the slot was not read")
     if code == ERR_PLAN_BOUNDS:
         field = PLAN_FIELDS.get(band, f"field {band}")
         return (f"{what}: rank {rank}, entry {index}: {field}: value {obs}, bound {exp} "

@@ -137,6 +137,12 @@ def st_relaxed_sys_s64(addr, val):
                          read_only_args=[addr, Int64(val)])
 
 
+def call_tag(epoch, fingerprint):
+    """Int64 epoch tag of a call (kernels/errors.py ``call_tag``): the plan's counts fingerprint
+    in the high word, the epoch's 32 bits in the low word."""
+    return (Int64(Int32(fingerprint)) << Int64(32)) | (Int64(Int32(epoch)) & Int64(0xFFFFFFFF))
+
+
 def error_set(err_addr):
     """Int32 1 if the error word's code (word 0) is non-zero (strong gpu-scope load; one thread,
     then share it with ``block_any``)."""
@@ -495,6 +501,19 @@ def record_error(err_addr: Int64, code: Int32, rank: Int32, index: Int32, band: 
         st_s64(err_addr + Int64(40), expected)
         st_s64(err_addr + Int64(48), elapsed)
         fence_acq_rel_sys()
+
+
+@cute.jit
+def check_call_tag(err: Int64, rank: Int32, src: Int32, tag_addr: Int64, epoch: Int32,
+                   fingerprint: Int32):
+    """One thread, after the source's call marker was acquired: source ``src``'s epoch tag of
+    this call's slot (``tag_addr``, ld.relaxed.sys) must equal this rank's ``call_tag(epoch,
+    fingerprint)`` (all 64 bits), else ERR_EPOCH_MISMATCH (index and word 3: the source;
+    observed: its tag; expected: this rank's)."""
+    tag = ld_relaxed_sys_s64(tag_addr)
+    own = call_tag(epoch, fingerprint)
+    if tag != own:
+        record_error(err, Int32(ERR_EPOCH_MISMATCH), rank, src, src, tag, own, Int64(0))
 
 
 @cute.jit
