@@ -77,12 +77,41 @@ RANKS_PER_GPU_ENV = "MOE_OVERLAP_RANKS_PER_GPU"
 
 
 def _place_rank(rank: int, place: Placement) -> None:
-    """Before any CUDA call of this process: its MPS share (read when its context is created),
-    then its device."""
-    os.environ[RANKS_PER_GPU_ENV] = str(place.ranks_per_gpu)
-    if place.thread_percentage is not None:
-        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(place.thread_percentage)
+    """Before any CUDA call of the rank's own code: its device (its MPS share is in the
+    environment it started with: ``rank_env``)."""
+    os.environ.update(rank_env(place))
     torch.cuda.set_device(place.devices[rank])
+
+
+def rank_env(place: Placement | None) -> dict:
+    """The environment a rank of ``place`` must start with: how many ranks share its GPU and,
+    where they do, its MPS share (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``). MPS reads the share
+    when the process first initialises CUDA, which a spawned rank may do while it unpickles its
+    function, before any of its code runs (importing a module that asks for the device count:
+    seen with every pytest module, whose ranks read all 132 SMs of an H100 under MPS while a
+    script's ranks read their 66), so the parent sets it around the start (``_start``)."""
+    if place is None:
+        return {}
+    env = {RANKS_PER_GPU_ENV: str(place.ranks_per_gpu)}
+    if place.thread_percentage is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(place.thread_percentage)
+    return env
+
+
+def _start(procs, env: dict) -> None:
+    """Start ``procs`` with ``env`` added to the environment they inherit, the parent's own
+    environment left as it was."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None,
@@ -154,8 +183,7 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, results,
                                                    timeout_s, hard_exit, place, expect_killed))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        _start(procs, rank_env(place))
         deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
         for p in procs:
             p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -185,3 +185,25 @@ def test_context_sm_count_is_none_without_a_driver_context():
     except (RuntimeError, AssertionError):  # torch refuses a CUDA call without CUDA
         r = None
     assert r is None
+
+
+def test_a_shared_ranks_mps_share_is_in_its_environment_from_its_start():
+    # MPS takes a process's share when it first initialises CUDA, which a spawned rank may do
+    # while importing the module of its function, before its own code sets anything
+    import os
+
+    import torch.multiprocessing as mp
+    from launch_env_child import env_at_import
+    from moe_overlap.launch import _start, placement, rank_env
+    env = rank_env(placement(2, 1))
+    assert env == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "MOE_OVERLAP_RANKS_PER_GPU": "2"}
+    assert rank_env(placement(2, 2)) == {"MOE_OVERLAP_RANKS_PER_GPU": "1"}  # a GPU each
+    before = {k: os.environ.get(k) for k in env}
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=env_at_import, args=(q,))
+    _start([p], env)
+    seen = q.get(timeout=120)
+    p.join(120)
+    assert seen == env, seen
+    assert {k: os.environ.get(k) for k in env} == before  # the parent's own left as it was
