@@ -34,15 +34,18 @@ def _case_inputs(case: dict):
 
 def check_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Run each case on this rank (process group already set up by ``launch.spawn`` or absent for
-    world 1) with the reference backend (on ``cuda:rank`` when the case says ``device="cuda"``); returns per-case errors against the float64 truth and the
-    max difference between this rank's output and rank 0's (all ranks must agree)."""
+    world 1) with the reference backend (on the rank's current CUDA device when the case says
+    ``device="cuda"``); returns per-case errors against the float64 truth and the max difference
+    between this rank's output and rank 0's (all ranks must agree)."""
     import torch.distributed as dist
 
 
     group = dist.group.WORLD if dist.is_initialized() else None
     results = []
     for case in cases:
-        dev = torch.device(f"cuda:{rank}") if case.get("device") == "cuda" else torch.device("cpu")
+        # the device launch.spawn made current for this rank (ranks may share a GPU)
+        dev = (torch.device("cuda", torch.cuda.current_device()) if case.get("device") == "cuda"
+               else torch.device("cpu"))
         if case.get("experts"):
             x, rows, w_in, w_out, b_in, b_out = (
                 t.to(dev) if isinstance(t, torch.Tensor) else t for t in _case_inputs(case))
