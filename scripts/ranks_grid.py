@@ -9,8 +9,9 @@ parts that each fit one device call of at most 9 minutes:
 nvshmem), each over both layouts (aligned, packed), both orders (remote_first, expert), the three
 router modes, every rank routing tokens and some ranks routing none (``--empty-ranks``), on a
 synthetic shape and model-shaped routings at small token counts (every point followed by race
-calls: fresh data, NaN-poisoned buffers); then the soak (1000 CUDA-graph replays, each checked,
-device memory flat); part w2 first runs one point with the deliberately broken ordering
+calls: fresh data, NaN-poisoned buffers); then the soak (1000 CUDA-graph replays, a new routing
+before each, each checked, device memory flat after the first replay cycle); part w2 first runs
+one point with the deliberately broken ordering
 (``MOE_OVERLAP_TEST_BROKEN_ORDER=flags_before_stores``, torch producer), which passes only if
 the check fails it. Parts w2 and w4 together are the issue's >= 200 points; w8 is planned but
 not part of them (its estimate is printed).

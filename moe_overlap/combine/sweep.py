@@ -252,8 +252,8 @@ def worker(rank, W, args):
             if args.soak and not soaks:
                 # the first shape and mode: CUDA-graph replays with new data, poisoned, checked
                 soak_ccta = choice[0] if 1 <= choice[0] < ov.num_sms else args.ccta[0]
-                res = soak(ov, T, mode, calls=args.soak, routing_every=10, seed=seed,
-                           mgb=args.mgb[0], ccta=soak_ccta, layout=args.layout[0],
+                res = soak(ov, T, mode, calls=args.soak, routing_every=args.soak_routing_every,
+                           seed=seed, mgb=args.mgb[0], ccta=soak_ccta, layout=args.layout[0],
                            order=args.order[0])
                 res["passed"], res["why"] = soak_passed(res)
                 soaks.append(dict(res, shape=shape, ccta=soak_ccta, mgb=args.mgb[0]))
@@ -459,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="per point: extra calls with fresh data and poisoned buffers (0: none)")
     ap.add_argument("--soak", type=int, default=0,
                     help="CUDA-graph replays of the soak on the first shape and mode (0: none)")
+    ap.add_argument("--soak-routing-every", type=int, default=1,
+                    help="the soak makes a new routing (counts exchanged, plan copied into the "
+                         "captured one) every this many replays (1: every replay)")
     ap.add_argument("--out", default="sweep.json", help="JSON results file")
     return ap
 
@@ -570,7 +573,8 @@ def main(argv=None):
                 empty_ranks=[list(e) for e in args.empty_ranks], producer=args.producer,
                 test_broken_order=os.environ.get("MOE_OVERLAP_TEST_BROKEN_ORDER", ""),
                 expect_fail=args.expect_fail, planned_points=planned,
-                race_calls=args.race_calls, soak=args.soak, seconds=time.time() - t0)
+                race_calls=args.race_calls, soak=args.soak,
+                soak_routing_every=args.soak_routing_every, seconds=time.time() - t0)
     from moe_overlap.provenance import stamp
     doc = stamp(dict(meta=meta, summary=summary, points=points, autotune=tuned, soak=soaks),
                 "combine", gpus=W, device=meta["device"], commit=commit)
