@@ -47,7 +47,7 @@ HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
                  ("producer_models_h100_f213944_s1.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
-              ("ranks_onegpu_h100_f213944.json",)),
+              ("ranks_onegpu_h100_1869f38.json",)),
     "consumer": ("Consumer (band shipping, nvlink TMA)", ("consumer_run5_large_2xh200.json",)),
     "combine": ("Combine sweep (overlapped MoE combine)",
                 ("combine_sweep_2xh200_v7.json", "combine_sweep_2xh200_v7_k14336.json",
