@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 
-from conftest import ranks_share_gpus, require_symmetric, spawn_ranks
+from conftest import gpu_ranks_available, ranks_share_gpus, require_symmetric, spawn_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -216,7 +216,7 @@ def _ffn_worker(rank, world):
     dev = rank_device()
     group = dist.group.WORLD
     res = []
-    for i, (T, P, O, N, act1, act2, bias) in enumerate(FFN_CASES):
+    for i, (T, P, O, N, act1, act2, bias) in _cases(FFN_CASES, 2, world):
         g = torch.Generator().manual_seed(7 + i)  # same weights on every rank
         W1 = (torch.randn(P, O, generator=g) / P ** 0.5).to(torch.bfloat16).to(dev)
         W2 = (torch.randn(O, N, generator=g) / O ** 0.5).to(torch.bfloat16).to(dev)
@@ -238,23 +238,40 @@ def _ffn_worker(rank, world):
     return res
 
 
-def _assert_layer_matches(r):
-    """One call's _compare result of a fused layer on 2 GPU ranks (its symmetric allocator, where
+def _cases(cases, o_at, world):
+    """(index, case) of the cases whose hidden width O (case[o_at]) splits over ``world`` ranks
+    into whole 128-column tiles (the fused layer's tile_o); every case at 2 ranks."""
+    return [(i, c) for i, c in enumerate(cases) if c[o_at] % (128 * world) == 0]
+
+
+def _ranks(world):
+    """Skip, naming why, where ``world`` GPU ranks cannot run here (2 are the two_gpus marker's;
+    4 need 4 GPUs or one shared, MOE_OVERLAP_SHARE_GPU=1)."""
+    if not gpu_ranks_available(world):
+        pytest.skip(f"needs {world} GPU ranks (GPUs, or one with MOE_OVERLAP_SHARE_GPU=1)")
+    require_symmetric(world)
+
+
+def _assert_layer_matches(r, world=2):
+    """One call's _compare result of a fused layer on GPU ranks (its symmetric allocator, where
     recorded: NVSHMEM where the ranks share a GPU, else torch symmetric memory)."""
     if "symmetric" in r:
-        assert r["symmetric"] == ("nvshmem" if ranks_share_gpus(2) else "torch"), r
+        assert r["symmetric"] == ("nvshmem" if ranks_share_gpus(world) else "torch"), r
     assert r["err_truth"] < 1.5e-2, r  # bf16 tolerance of the layer (ffn/reference.py)
     assert r["err_ref"] < 1e-2, r
     assert r["rank_diff"] == 0.0, r  # every rank holds the same all-reduced output
 
 
 @pytest.mark.two_gpus
-def test_fused_ffn_matches_reference_on_two_gpus():
-    require_symmetric(2)
-    for rank_res in spawn_ranks(_ffn_worker, 2, backend="nccl", hard_exit=True):
-        assert len(rank_res) == 2 * len(FFN_CASES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_ffn_matches_reference_on_two_gpus(world):
+    _ranks(world)
+    cases = _cases(FFN_CASES, 2, world)
+    assert cases  # every world size runs some case
+    for rank_res in spawn_ranks(_ffn_worker, world, backend="nccl", hard_exit=True):
+        assert len(rank_res) == 2 * len(cases)
         for r in rank_res:
-            _assert_layer_matches(r)
+            _assert_layer_matches(r, world)
 
 
 # ---------------------------------------------------------------- 2 GPUs: ShardedExperts
@@ -275,7 +292,7 @@ def _experts_worker(rank, world):
     dev = rank_device()
     group = dist.group.WORLD
     res = []
-    for i, (E, rows, P, O, N, act, bias, extra) in enumerate(EXPERT_CASES):
+    for i, (E, rows, P, O, N, act, bias, extra) in _cases(EXPERT_CASES, 3, world):
         g = torch.Generator().manual_seed(11 + i)  # same weights and x on every rank
         W_in = (torch.randn(E, P, O, generator=g) / P ** 0.5).to(torch.bfloat16).to(dev)
         W_out = (torch.randn(E, O, N, generator=g) / O ** 0.5).to(torch.bfloat16).to(dev)
@@ -298,12 +315,15 @@ def _experts_worker(rank, world):
 
 
 @pytest.mark.two_gpus
-def test_sharded_experts_fused_matches_reference_on_two_gpus():
-    require_symmetric(2)
-    for rank_res in spawn_ranks(_experts_worker, 2, backend="nccl", hard_exit=True):
-        assert len(rank_res) == 2 * len(EXPERT_CASES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_experts_fused_matches_reference_on_two_gpus(world):
+    _ranks(world)
+    cases = _cases(EXPERT_CASES, 3, world)
+    assert cases
+    for rank_res in spawn_ranks(_experts_worker, world, backend="nccl", hard_exit=True):
+        assert len(rank_res) == 2 * len(cases)
         for r in rank_res:
-            _assert_layer_matches(r)
+            _assert_layer_matches(r, world)
             assert r["tail_zero"], r
 
 
