@@ -93,6 +93,7 @@ READ_BY = {
     "projection_combine_w2_64.json": ("README.md",),
     "projection_combine_w2_64.png": ("README.md",),
     "packed_gemm_h200_expert_order_70a95b6.json": ("README.md",),
+    "dispatch_bytes_30cb093.json": ("README.md",),
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"

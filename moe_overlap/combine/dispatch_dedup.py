@@ -1,0 +1,277 @@
+"""MoEDispatch: the dispatch half of an MoE layer, sending each token once per destination rank.
+
+`dispatch_to_plan` sends one row per (token, k) assignment, so a token whose top-k experts share
+an owner crosses the wire once per such expert. Here the source sends every token once to each
+rank that owns any of its experts, with its top-k ids; the owner expands it into the (token, k)
+rows of its local experts in the plan layout. The result is bitwise `dispatch_to_plan`'s.
+
+`dispatch_wire_bytes` counts, from the routings alone (no collective), the bytes each source
+rank puts on the wire under both schemes (bench/bench_dispatch_bytes.py reports them on the
+model routings).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checks import agree_on_call, as_int, backward_agreement, error_of
+from .dispatch import _check_dispatch
+from .plan import CombinePlan
+from .reference import all_to_all, exchange, world
+
+BACKENDS = ("auto", "reference", "overlap")
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+IDS_DTYPE = torch.int32  # the top-k ids sent with each token (and the per-destination counts)
+
+
+class MoEDispatch(torch.nn.Module):
+    """Dispatch for one MoE layer: tokens [T, D] -> this rank's expert inputs in the plan layout.
+
+    num_experts: global experts E (E // world_size per rank, rank r owning r * E // W ...);
+    hidden_size D: the model's hidden size, the tokens' width (HF ``hidden_size``; the columns
+    of x and of the result); topk: experts per token; max_tokens_per_rank: the most tokens any
+    rank routes in one call (checked; sizes the device path's receive buffer); group: the process
+    group; backend: "reference", "overlap" or "auto" (resolved once here: "reference" until the
+    device transport exists). validate: see `forward`.
+
+    ``forward(x, topk_ids, plan, counts)`` returns the same tensor as
+    ``dispatch_to_plan(x, topk_ids, plan, counts)`` (bitwise), moving each token once per
+    destination rank instead of once per assignment.
+
+    Reference backend (CPU and GPU, torch ops and host collectives through
+    ``moe_overlap.runtime.collectives``): three all_to_all_single calls: the number of tokens for
+    each destination (one int32 each), each sent token's top-k ids (int32 [tokens, k]), then the
+    tokens (one row per destination rank that owns any of the token's experts, destination
+    major, token order). The owner expands each received token into a row per slot j whose
+    expert it owns, placed at plan row expert_row_start[e] + group_row_start[e, source] + its
+    position among that (expert, source)'s rows in (token, k) order; padding rows are zero.
+    Reads split sizes on the host. Differentiable in x: the token exchange's backward is the
+    reverse exchange (collective: run the backward on every rank), so each token's gradient is
+    the sum of its (token, k) rows' gradients (float rounding may differ from
+    `dispatch_to_plan`'s backward, which sums in expert order).
+
+    Overlap backend (not built yet; issue 39 item 1): a dispatch kernel on a few reserved SMs
+    stores each token once per destination rank, bf16, with its ids row, into the owner's
+    symmetric receive slots (NVLink stores / TMA or NVSHMEM put; W x max_tokens_per_rank x D
+    rows), raising per-band arrival counters with the call's epoch tag; the owner expands the
+    arrived tokens into the plan layout (or the arrival-gated up-projection reads them through a
+    row index). Device-only, no host sync (the counts travel with the data, not as split sizes),
+    capturable with the plan and prepare in one CUDA graph, with bounded waits and the error
+    word of the combine. Inference-only, like the overlapped combine.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, topk: int,
+                 max_tokens_per_rank: int, group=None, backend: str = "reference",
+                 validate: bool = True):
+        super().__init__()
+        rank, W = world(group)
+        ints = {}
+        for name, v in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                        ("topk", topk), ("max_tokens_per_rank", max_tokens_per_rank)):
+            try:
+                ints[name] = as_int(name, v, minimum=1)
+            except ValueError:
+                raise ValueError(f"{name} must be a positive int, got {v!r}") from None
+        if ints["num_experts"] % W:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the world size {W}")
+        if ints["topk"] > ints["num_experts"]:
+            raise ValueError(f"topk={topk} exceeds num_experts={num_experts}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; choose from {BACKENDS}")
+        if backend == "overlap":
+            raise NotImplementedError(
+                "MoEDispatch backend='overlap' (the device transport, issue 39 item 1) is not "
+                "built yet; use backend='reference' (or 'auto')")
+        self.group, self.rank, self.world_size = group, rank, W
+        self.num_experts, self.experts_per_rank = ints["num_experts"], ints["num_experts"] // W
+        self.hidden_size, self.topk = ints["hidden_size"], ints["topk"]
+        self.max_tokens_per_rank = ints["max_tokens_per_rank"]
+        self.requested_backend = backend
+        self.backend = "reference"  # "auto" resolves here, once
+        self.validate = bool(validate)
+        self._calls = 0  # validated calls entered: named in the agreement
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"topk={self.topk}, max_tokens_per_rank={self.max_tokens_per_rank}, "
+                f"world_size={self.world_size}, backend={self.backend!r}")
+
+    def _check_local(self, x, topk_ids, plan):
+        """Host facts only (shapes, dtypes, devices, the plan's rank): no data read."""
+        for name, t in (("x", x), ("topk_ids", topk_ids)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not isinstance(plan, CombinePlan):
+            raise TypeError(f"plan must be a CombinePlan, got {type(plan).__name__}")
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
+            raise ValueError(f"topk_ids must be [tokens, topk={self.topk}], got "
+                             f"{tuple(topk_ids.shape)}")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        if x.dim() != 2 or tuple(x.shape) != (topk_ids.shape[0], self.hidden_size):
+            raise ValueError(f"x must be [tokens={topk_ids.shape[0]}, hidden_size="
+                             f"{self.hidden_size}], got {tuple(x.shape)}")
+        if x.dtype not in _FLOAT:
+            raise TypeError(f"x must be one of "
+                            f"{', '.join(str(d).removeprefix('torch.') for d in _FLOAT)}, got "
+                            f"{x.dtype}")
+        if topk_ids.shape[0] > self.max_tokens_per_rank:
+            raise ValueError(f"capacity exceeded: {topk_ids.shape[0]} tokens > "
+                             f"max_tokens_per_rank={self.max_tokens_per_rank}")
+        if plan.num_experts != self.num_experts:
+            raise ValueError(f"plan has {plan.num_experts} experts, this layer "
+                             f"{self.num_experts}")
+        if (plan.rank, plan.world_size) != (self.rank, self.world_size):
+            raise ValueError(f"plan is for rank {plan.rank} of {plan.world_size}, process group "
+                             f"is rank {self.rank} of {self.world_size}")
+        devs = {x.device, topk_ids.device, plan.device}
+        if len(devs) != 1:
+            raise ValueError(f"x, topk_ids and plan must be on one device, got "
+                             f"{sorted(map(str, devs))}")
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
+                counts: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """This rank's expert inputs [rows, D] in the plan layout (x's dtype), padding rows zero;
+        rows defaults to the plan's padded row count (plan.total_rows).
+
+        x [T, D] this rank's tokens; topk_ids [T, topk] (int32 or int64) their experts; plan
+        this rank's plan of `counts` (`MoECombine.plan` / `plan_combine`); counts [W, E] the
+        all-gathered routing counts (`exchange_counts(topk_ids)` of this step). Collective:
+        every rank calls it, also with 0 tokens.
+
+        validate (constructor, default True): check shapes, dtypes, the capacity, expert ids in
+        [0, E), that topk_ids match this rank's row of counts and that the plan was made from
+        counts, and agree over the group (`checks.agree_on_call`, with the layer's sizes, the
+        dtype, the backend and the whole counts matrix against every rank's topk_ids) before any
+        data moves: bad input on one rank raises on every rank, naming it. The backward agrees
+        too. validate=False: only the host facts are checked, locally; the caller vouches for
+        the rest."""
+        backward_check = None
+        if self.validate:
+            self._calls += 1
+            where = f"dispatch call #{self._calls}"
+            result = {}
+
+            def check():
+                self._check_local(x, topk_ids, plan)
+                row, fields = _check_dispatch(x, topk_ids, plan, counts, self.group, rows)
+                fields.update({"hidden_size (D)": self.hidden_size, "topk": self.topk,
+                               "max_tokens_per_rank": self.max_tokens_per_rank,
+                               "backend": self.backend, "plan layout": plan.layout,
+                               "plan tile_m": plan.tile_m})
+                result["row"], result["fields"] = row, fields
+
+            err = error_of(check)
+            agree_on_call("MoEDispatch.forward", result.get("fields"), err, self.group,
+                          routing=None if err else (result["row"], counts, "counts"),
+                          where=where)
+            backward_check = backward_agreement("backward of MoEDispatch.forward", self.group,
+                                                where=where)
+        else:
+            self._check_local(x, topk_ids, plan)
+        return dispatch_tokens_once(x, topk_ids, plan, self.group, rows, backward_check)
+
+
+def dispatch_tokens_once(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan, group=None,
+                         rows: int | None = None, backward_check=None) -> torch.Tensor:
+    """MoEDispatch's reference path, unchecked (the layer checks): see `MoEDispatch`."""
+    rank, W = world(group)
+    El = plan.experts_per_rank
+    T, k = topk_ids.shape
+    dev = x.device
+    ids = topk_ids.to(torch.int64)
+    # goes[t, r]: token t has an expert on rank r; the send order is destination, then token
+    goes = torch.zeros(T, W, dtype=torch.bool, device=dev)
+    goes.scatter_(1, ids // El, True)
+    tok = goes.t().nonzero(as_tuple=True)[1]
+    n_to = goes.sum(0).to(IDS_DTYPE)
+    n_from = torch.empty_like(n_to)
+    all_to_all(n_from, n_to, [1] * W, [1] * W, group)
+    # the split sizes (and, without rows, the plan's row count) in one device-to-host copy
+    host = torch.cat([n_to.to(torch.int64), n_from.to(torch.int64)] +
+                     ([plan.total_rows.to(dev, torch.int64)] if rows is None else [])).tolist()
+    in_splits, out_splits = host[:W], host[W:2 * W]
+    rows = host[-1] if rows is None else int(rows)
+    n_recv = sum(out_splits)
+    recv_ids = torch.empty(n_recv, k, dtype=IDS_DTYPE, device=dev)
+    all_to_all(recv_ids, ids.index_select(0, tok).to(IDS_DTYPE), out_splits, in_splits, group)
+    # owner side: every (received token i, slot j) whose expert is local makes one plan row
+    src_rank = torch.repeat_interleave(torch.arange(W, device=dev),
+                                       torch.tensor(out_splits, device=dev), output_size=n_recv)
+    local = recv_ids.to(torch.int64) - rank * El
+    i, j = ((local >= 0) & (local < El)).nonzero(as_tuple=True)  # received row, then slot
+    e, s = local[i, j], src_rank[i]
+    key = e * W + s  # (expert, source) group; a stable sort keeps (token, k) order inside it
+    order = torch.argsort(key, stable=True)
+    n = torch.bincount(key, minlength=El * W)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=dev) - (torch.cumsum(n, 0) - n)[key[order]]
+    dest_row = plan.expert_row_start.long()[e] + plan.group_row_start.long()[e, s] + pos
+    # every plan row reads its received token or the zero row after them (as dispatch_to_plan)
+    src = torch.full((rows,), n_recv, dtype=torch.long, device=dev)
+    src.index_copy_(0, dest_row, i)
+    recv = exchange(x.index_select(0, tok), out_splits, in_splits, group, zero_rows=1,
+                    backward_check=backward_check)
+    return recv.index_select(0, src)
+
+
+# ---------------------------------------------------------------------------- wire accounting
+@dataclass(frozen=True)
+class WireBytes:
+    """One source rank's dispatch traffic that leaves the rank (same-rank rows excluded).
+
+    per_assignment: token bytes of `dispatch_to_plan` (one row per off-rank assignment; its
+    split sizes come from the all-gathered counts, so it sends no index of its own).
+    once / once_index: token bytes of `MoEDispatch` (one row per off-rank destination rank of
+    each token) and its index bytes (each such token's top-k ids, int32, and one int32 token
+    count per peer). counts_index: the counts all-gather both schemes need for the plan (this
+    rank's int64 row of E to each peer), listed apart."""
+    rank: int
+    assignments: int  # off-rank (token, k) assignments
+    tokens: int  # off-rank (token, destination rank) pairs
+    per_assignment: int
+    once: int
+    once_index: int
+    counts_index: int
+
+    @property
+    def saved(self) -> int:
+        """Bytes MoEDispatch saves against per-assignment sending, its index included."""
+        return self.per_assignment - self.once - self.once_index
+
+
+def dispatch_wire_bytes(topk_ids_per_rank, experts_per_rank: int, hidden: int,
+                        dtype_bytes: int) -> list[WireBytes]:
+    """Per source rank, the dispatch bytes that leave it under both schemes (see `WireBytes`),
+    counted from the routing itself; no collective.
+
+    topk_ids_per_rank: the W ranks' topk_ids ([T_s, k] each, ids in [0, W * experts_per_rank);
+    the same k on every rank); hidden: the tokens' width D; dtype_bytes: bytes per element of x
+    (2 for bf16)."""
+    W = len(topk_ids_per_rank)
+    El = as_int("experts_per_rank", experts_per_rank, minimum=1)
+    hidden, dtype_bytes = as_int("hidden", hidden, minimum=1), as_int("dtype_bytes", dtype_bytes,
+                                                                       minimum=1)
+    E = El * W
+    out = []
+    for s, ids in enumerate(topk_ids_per_rank):
+        ids = torch.as_tensor(ids).to(torch.int64)
+        if ids.dim() != 2:
+            raise ValueError(f"rank {s}'s topk_ids must be [tokens, k], got {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
+            raise ValueError(f"rank {s}'s expert ids must be in [0, {E})")
+        T, k = ids.shape
+        owner = ids // El
+        assignments = int((owner != s).sum())
+        hit = torch.zeros(T, W, dtype=torch.bool)
+        hit.scatter_(1, owner, True)
+        hit[:, s] = False
+        tokens = int(hit.sum())
+        row = hidden * dtype_bytes
+        out.append(WireBytes(rank=s, assignments=assignments, tokens=tokens,
+                             per_assignment=assignments * row, once=tokens * row,
+                             once_index=tokens * k * IDS_DTYPE.itemsize
+                             + (W - 1) * IDS_DTYPE.itemsize,
+                             counts_index=(W - 1) * E * 8))
+    return out
