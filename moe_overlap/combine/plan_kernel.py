@@ -729,7 +729,10 @@ def build_plan_kernels(counts_64: bool, NE: int, NPS: int, by_expert: bool = Fal
                     if cg > Int32(0):
                         st_g = lds(G_ST, g)
                         t_l = ((st_g + cg - Int32(1)) >> lg) - (st_g >> lg) + Int32(1)
-            _, (s_nrb, s_f, r_t) = block_scan([t_nrb, t_f, t_l], SCR, lane, warp)
+            _, tails = block_scan([t_nrb, t_f, t_l], SCR, lane, warp)
+            # a one-level target: CuTe DSL carries a name out of a runtime `if` only where a
+            # plain or one-level tuple target bound it (tests/test_kernel_dsl_scope_cpu.py)
+            s_nrb, s_f, r_t = tails
             n_lc = s_f + nb - s_nrb
             if ovf == Int32(1):  # overflow: every field -1 from its start
                 nb = Int32(0)
