@@ -37,14 +37,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-# Time model (seconds), conservative: session 20 ran 16 points (512x16x4x1024x512 and
-# deepseek-v3@256, race calls 2) at W = 2 under MPS in 40 s in all (bench/NOTES.md), which this
-# model puts at 30 + 16 x 1.3 = 51 s. W = 4 and 8: guesses (more ranks per host collective and
-# barrier, a smaller share of the GPU each), to be replaced by what part w2 / w4 measure
-# (every sweep's meta.seconds).
-STARTUP_S = {2: 30.0, 4: 40.0, 8: 70.0}  # spawn, CUDA contexts, NVSHMEM, compiles / cache loads
-POINT_S = {2: 1.3, 4: 2.5, 8: 5.0}  # one point with 2 race calls
-REPLAY_S = {2: 0.04, 4: 0.08, 8: 0.16}  # one checked soak replay
+# Time model (seconds), conservative, from session 21's runs under MPS on an H100 (sweep
+# meta.seconds, bench/NOTES.md): W = 2 72 points in 45-49 s, 1 point in 15 s; W = 4 48 points
+# in 37 s (nvlink) and 61 s (nvshmem); soaks of 1000 replays (a routing every 10) 32 / 38 s;
+# session 20: 16 points with a 7168-wide shape in 40 s (start-up kept at 30 s for it).
+# A routing before every replay now adds an exchange and a plan per replay; W = 8 is a guess.
+STARTUP_S = {2: 30.0, 4: 30.0, 8: 50.0}  # spawn, CUDA contexts, NVSHMEM, compiles / cache loads
+POINT_S = {2: 0.7, 4: 1.0, 8: 2.5}  # one point with 2 race calls
+REPLAY_S = {2: 0.05, 4: 0.08, 8: 0.16}  # one checked soak replay, a new routing each
 TIME_SLICED = 1.5  # without MPS cross-rank waits progress at time-slice grain
 MIN_START_S = 45.0  # a sweep is started only with this much of the budget left
 
