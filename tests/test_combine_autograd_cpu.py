@@ -1,7 +1,7 @@
 """Autograd through the combine on CPU ranks (gloo, float64): each rank's gradients of h (its
 plan-layout rows), w_down (its experts) and topk_weights equal those of the same global problem
 differentiated by plain torch autograd in one process; likewise the sequential baseline and the
-dispatch (gradient of the tokens)."""
+dispatch (gradient of the tokens), also where a rank's experts receive no row."""
 import pytest
 import torch
 
@@ -136,3 +136,45 @@ def test_gradients_match_single_process_autograd(tokens):
     for rank, errs in enumerate(spawn_ranks(_case, len(tokens), tokens)):
         assert "missing" not in errs, (rank, errs)
         assert max(errs.values()) < 1e-12, (rank, errs)
+
+
+def _combine_rank_receives_nothing(rank, world, xs, ids, gates, w_down_all, cots):
+    """dispatch_to_plan -> MoECombine (reference) where rank 1's experts get no row."""
+    E = w_down_all.shape[0]
+    El = E // world
+    combine = MoECombine(E, w_down_all.shape[1], w_down_all.shape[2], ids[0].shape[1],
+                         max_tokens_per_rank=8, tile_m=64, backend="reference")
+    x = xs[rank].clone().requires_grad_()
+    w = w_down_all[rank * El:(rank + 1) * El].clone().requires_grad_()
+    counts = exchange_counts(ids[rank], E)
+    plan = combine.plan(counts)
+    h = dispatch_to_plan(x, ids[rank], plan, counts)
+    out = combine(h, w, plan, ids[rank], gates[rank])
+    (out * cots[rank]).sum().backward()  # collective: every rank must take part
+    return dict(rows=int(plan.total_rows), x=x.grad,
+                w=torch.zeros_like(w) if w.grad is None else w.grad)
+
+
+def test_combine_backward_takes_part_on_a_rank_that_receives_nothing():
+    """A rank whose experts get no row (all tokens routed to rank 0's experts) still runs the
+    combine's and the dispatch's backward exchange (it once built no graph there: the others
+    then waited for it), and every gradient is the single-process one."""
+    g = torch.Generator().manual_seed(7)
+    f64 = torch.float64
+    sizes, Dx, N = [3, 2], 5, 4
+    ids = [torch.stack([torch.randperm(2, generator=g) for _ in range(T)]) for T in sizes]
+    xs = [torch.randn(T, Dx, generator=g, dtype=f64) for T in sizes]
+    gates = [torch.rand(T, 2, generator=g, dtype=f64) for T in sizes]
+    cots = [torch.randn(T, N, generator=g, dtype=f64) for T in sizes]
+    w_all = torch.randn(4, Dx, N, generator=g, dtype=f64)
+    res = spawn_ranks(_combine_rank_receives_nothing, 2, xs, ids, gates, w_all, cots,
+                      timeout_s=60, join_timeout_s=120)
+    assert res[1]["rows"] == 0  # the case does what it says
+    w = w_all.clone().requires_grad_()
+    leaves = [x.clone().requires_grad_() for x in xs]
+    loss = sum(((gt.unsqueeze(-1) * torch.einsum("td,tjdn->tjn", x, w[i])).sum(1) * c).sum()
+               for x, i, gt, c in zip(leaves, ids, gates, cots))
+    loss.backward()
+    for r in range(2):
+        assert torch.allclose(res[r]["x"], leaves[r].grad, atol=1e-12), r
+        assert torch.allclose(res[r]["w"], w.grad[2 * r:2 * r + 2], atol=1e-12), r

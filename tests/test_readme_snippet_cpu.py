@@ -71,3 +71,50 @@ def test_intermediate_size_names_the_experts_width_and_hidden_size_is_deprecated
         _layer(intermediate_size=8, hidden_size=8)
     with pytest.raises(ValueError, match="intermediate_size must be a positive int"):
         _layer()
+
+
+def readme_layer_snippet() -> str:
+    """The section's MoELayer block ("the layer in five lines"), after the six-call snippet."""
+    section = README.read_text().split("## Using it in an MoE layer\n", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("\n```", 1)[0] for b in section.split("```python\n")[1:]]
+    found = [b for b in blocks if "MoELayer(" in b]
+    assert len(found) == 1, "README: one MoELayer block in 'Using it in an MoE layer'"
+    return found[0]
+
+
+def _run_layer_snippet(rank, world, code):
+    """Runs the block, then checks its output against tests/moe_truth.py's plain float64 MoE of
+    the layer's full weights (all-gathered from the ranks) on every rank's tokens, and that the
+    backward reached every weight."""
+    import torch.distributed as dist
+
+    from moe_truth import plain_moe
+    ns = {"__name__": "readme_layer_snippet"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        exec(compile(code, "README.md", "exec"), ns)
+    layer, tokens, out = ns["layer"], ns["tokens"], ns["out"]
+    assert layer.combine.backend_for(out.device) == "reference"
+    assert tuple(out.shape) == tuple(tokens.shape) == (10 + 3 * rank, 64)
+    missing = [n for n, p in layer.named_parameters() if p.grad is None]
+
+    def gathered(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.detach().contiguous())
+        return torch.cat(parts)
+
+    K = layer.intermediate_size
+    gate_up, w_down = gathered(layer.w_gate_up), gathered(layer.w_down)
+    f64 = torch.float64
+    want, _ = plain_moe(tokens.to(f64), layer.router.detach().to(f64), gate_up[..., :K].to(f64),
+                        gate_up[..., K:].to(f64), w_down.to(f64), layer.topk,
+                        layer.norm_topk_prob)
+    err = ((out.detach().double() - want).norm() / want.norm()).item()
+    return {"rel_err": err, "missing_grads": missing, "experts": tuple(layer.w_down.shape)}
+
+
+def test_readme_layer_snippet_runs_on_two_ranks_and_matches_a_plain_moe():
+    res = spawn_ranks(_run_layer_snippet, 2, readme_layer_snippet(), timeout_s=120)
+    for r in res:
+        assert r["rel_err"] < 1e-5 and r["missing_grads"] == [], res
+        assert r["experts"] == (4, 128, 64), res  # each rank holds its 4 of the 8 experts

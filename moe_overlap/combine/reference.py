@@ -92,12 +92,13 @@ def expert_matmul(h_e: torch.Tensor, w_e: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_matmul(h: torch.Tensor, w: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
-    """Stacked per-expert products: rows of expert e times w[e], experts contiguous in h."""
+    """Stacked per-expert products: rows of expert e times w[e], experts contiguous in h.
+    Experts with no rows too: their empty products keep the result in the autograd graph of w
+    on a rank that has no rows at all (its exchanges' backward is collective)."""
     out = torch.empty(h.shape[0], w.shape[2], dtype=h.dtype, device=h.device)
     start = 0
     for e, n in enumerate(rows_per_expert):
-        if n:
-            out[start:start + n] = expert_matmul(h[start:start + n], w[e])
+        out[start:start + n] = expert_matmul(h[start:start + n], w[e])
         start += n
     if start < h.shape[0]:
         out[start:] = 0
@@ -201,15 +202,18 @@ def reference_combine(h: torch.Tensor, w_down: torch.Tensor, plan: CombinePlan,
         send_rows[d] += n
         base[d] = row if base[d] is None else min(base[d], row)
     send_off = [sum(send_rows[:d]) for d in range(W)]
-    send = torch.full((sum(send_rows), y.shape[1]), float("nan"), dtype=y.dtype, device=dev)
-    written = torch.zeros(send.shape[0], dtype=torch.int32, device=dev)
+    # the send buffers as a gather of y's rows: in y's autograd graph also when empty (a rank
+    # that ships nothing still takes part in the exchange's collective backward)
+    src = torch.zeros(sum(send_rows), dtype=torch.long, device=dev)
+    written = torch.zeros(src.shape[0], dtype=torch.int32, device=dev)
     for d, src_row, dest_row, n in pieces:
         at = send_off[d] + dest_row - base[d]
-        send[at:at + n] = y[src_row:src_row + n]
+        src[at:at + n] = torch.arange(src_row, src_row + n, device=dev)
         written[at:at + n] += 1
     if not bool((written == 1).all()):
         raise RuntimeError(f"rank {rank}: the plan's destination rows do not cover the send "
                            "buffers exactly once")
+    send = y.index_select(0, src)
     # receive: from owner r, my assignments to r's experts (a contiguous block of my buffer)
     owner = topk_ids.reshape(-1) // plan.experts_per_rank
     recv_splits = torch.bincount(owner, minlength=W).tolist()
