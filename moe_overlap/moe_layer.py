@@ -8,13 +8,16 @@
 The pieces stay public (moe_overlap.combine) for users who own their layer; this module only
 composes them. The dispatch is one seam (``MoELayer.dispatch``): any object called as
 ``dispatch(tokens, topk_ids, plan, expert_counts)`` that returns the tokens' (token, k) rows in
-the plan layout ([rows, D]) can replace today's all-to-all (``AllToAllDispatch``).
+the plan layout ([rows, D]). The default is ``MoEDispatch`` (each token sent once per rank that
+owns any of its experts); ``AllToAllDispatch`` is the per-assignment all-to-all it replaces
+(the same result, bitwise).
 """
 from __future__ import annotations
 
 import torch
 
-from .combine import CombineOptions, MoECombine, dispatch_to_plan, exchange_counts, grouped_matmul
+from .combine import (CombineOptions, MoECombine, MoEDispatch, dispatch_to_plan, exchange_counts,
+                      grouped_matmul)
 from .combine.checks import agree_on_call, as_int, error_of, world
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -65,7 +68,7 @@ class MoELayer(torch.nn.Module):
             torch ops on every backend. ``validate=True``: every step's input is checked and the
             ranks agree on it (a few small all-reduces) before data moves; False: no host reads
             beyond the reference backend's own, the caller vouches (see ``MoECombine``).
-        dispatch: the dispatch seam (see the module doc); default ``AllToAllDispatch``.
+        dispatch: the dispatch seam (see the module doc); default ``MoEDispatch``.
 
     Parameters (this rank's; the math convention ``x @ w``):
         router: ``[D, E]``, every rank the same (replicated: its gradient on a rank is that
@@ -109,7 +112,10 @@ class MoELayer(torch.nn.Module):
         self.experts_per_rank = E // self.world_size
         self.max_tokens_per_rank = self.combine.max_tokens_per_rank
         self.norm_topk_prob, self.validate, self.dtype = norm_topk_prob, validate, dtype
-        self.dispatch = AllToAllDispatch(group, validate) if dispatch is None else dispatch
+        if dispatch is None:
+            dispatch = MoEDispatch(E, D, k, self.max_tokens_per_rank, group, backend="reference",
+                                   validate=validate)
+        self.dispatch = dispatch
         El = self.experts_per_rank
         fw = dict(dtype=dtype, device=device)
         self.router = torch.nn.Parameter(torch.empty(D, E, **fw))

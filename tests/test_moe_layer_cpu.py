@@ -152,6 +152,24 @@ def test_bad_input_on_one_rank_raises_on_every_rank():
     assert res[0][0] == "PeerInputError" and "rank 1" in res[0][1], res
 
 
+def _both_dispatches(rank, world):
+    from moe_overlap import MoEDispatch, MoELayer
+    from moe_overlap.moe_layer import AllToAllDispatch
+    dedup = MoELayer(D, K, E, TOPK, T_MAX, seed=3, backend="reference", tile_m=64)
+    a2a = MoELayer(D, K, E, TOPK, T_MAX, seed=3, backend="reference", tile_m=64,
+                   dispatch=AllToAllDispatch())
+    x = torch.randn(7 + 5 * rank, D, generator=torch.Generator().manual_seed(40 + rank))
+    return dict(default=type(dedup.dispatch) is MoEDispatch,
+                equal=bool(torch.equal(dedup(x), a2a(x))))
+
+
+def test_the_default_dispatch_sends_once_per_rank_and_gives_the_same_output():
+    # MoEDispatch (each token once per owning rank) is the layer's dispatch; the per-assignment
+    # all-to-all it replaced gives the same output, bitwise
+    for r in spawn_ranks(_both_dispatches, 2, timeout_s=60, join_timeout_s=180):
+        assert r == dict(default=True, equal=True), r
+
+
 # ------------------------------------------------------------------ (b) transformers Qwen3-MoE
 def _qwen3_block(c):
     """transformers' Qwen3-MoE sparse block with the case's full weights (nn.Linear weights are
