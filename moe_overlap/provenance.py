@@ -38,6 +38,8 @@ DEPENDENCIES = {
               _C + "overlap.py", _C + "consumer.py", _C + "comm_buffer.py", _C + "scale.py",
               _C + "sweep.py", _C + "race_check.py", _C + "checks.py", _C + "reference.py")
              + _PRODUCER + ("tests/conftest.py", "scripts/ranks_report.py"),
+    "dispatch_bytes": (_C + "dispatch_dedup.py", "moe_overlap/routing.py",
+                       "bench/bench_dispatch_bytes.py"),
     "consumer": (_C + "consumer.py", "moe_overlap/runtime/nvshmem.py", _K + "primitives.py",
                  "bench/bench_consumer.py"),
     "combine": _PRODUCER + _PLANNER + (

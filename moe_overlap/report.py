@@ -48,6 +48,9 @@ HEADLINE = {
                  ("producer_models_h100_f213944_s1.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
               ("ranks_onegpu_h100_1869f38.json",)),
+    "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
+                       "assignment (counted from routings, no GPU)",
+                       ("dispatch_bytes_30cb093.json",)),
     "consumer": ("Consumer (band shipping, nvlink TMA)", ("consumer_run5_large_2xh200.json",)),
     "combine": ("Combine sweep (overlapped MoE combine)",
                 ("combine_sweep_2xh200_v7.json", "combine_sweep_2xh200_v7_k14336.json",
@@ -93,7 +96,6 @@ READ_BY = {
     "projection_combine_w2_64.json": ("README.md",),
     "projection_combine_w2_64.png": ("README.md",),
     "packed_gemm_h200_expert_order_70a95b6.json": ("README.md",),
-    "dispatch_bytes_30cb093.json": ("README.md",),
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"
@@ -122,6 +124,8 @@ def _gpus(area, doc) -> int:
     if "gpus" in (doc.get("provenance") or {}):
         return int(doc["provenance"]["gpus"])
     m = doc.get("meta", doc)
+    if str(m.get("device", "")).lower() == "cpu":  # counted or computed on the host
+        return 0
     if area == "combine":  # moe-overlap sweep / bench_combine_split: one rank per GPU
         return int(m["world_size"])
     if area == "ffn":  # bench_ffn under torchrun: one rank per GPU
@@ -240,6 +244,31 @@ def _losses(ratios) -> str:
     """"a loss on n of m" for speed ratios (ours / theirs, below 1: ours slower)."""
     n = sum(r < 1 for r in ratios)
     return f"a loss on {n} of {len(ratios)}" if n else f"no loss on {len(ratios)}"
+
+
+def dispatch_bytes(root):
+    (name,) = HEADLINE["dispatch_bytes"][1]
+    d = _load(root, name)
+    rows = d["rows"]
+    lines = [_src(name, d, "dispatch_bytes"), "", "Share of the dispatch's off-rank bytes saved "
+             "by sending each token once per destination rank (its int32 top-k ids included) "
+             "instead of once per (token, expert) assignment, counted from the routings (seed "
+             f"{rows[0]['seed']}, {rows[0]['tokens_per_rank']} tokens per rank).", ""]
+    lines += _table(("model", "W", "router", "saved", "busiest rank saved"),
+                    [(r["model"], r["world_size"], r["mode"], f"{100 * r['saving']:.1f} %",
+                      f"{100 * r['busiest_rank_saving']:.1f} %") for r in rows]) + [""]
+    bal = [r for r in rows if r["mode"] == "balanced"]
+    parts = []
+    for m in dict.fromkeys(r["model"] for r in bal):
+        per = sorted((r["world_size"], r["saving"]) for r in bal if r["model"] == m)
+        parts.append(f"{m} " + " / ".join(f"{100 * v:.0f}" for _, v in per) + " % at W = "
+                     + " / ".join(str(w) for w, _ in per))
+    skew = [r["saving"] for r in rows if r["mode"] != "balanced"]
+    cell = ("`MoEDispatch` (reference backend) sends each token once per destination rank: "
+            "off-rank bytes saved on balanced routings, " + "; ".join(parts)
+            + (f"; skewed routers {_rng([100 * v for v in skew], '{:.0f}', ' %')}" if skew else "")
+            + f" ({rows[0]['tokens_per_rank']} tokens per rank, ids included)")
+    return lines, cell, [(name, d)]
 
 
 def consumer(root):
@@ -587,7 +616,8 @@ def chained(root):
     return lines, cell, [(name, d)]
 
 
-AREAS = {"producer": producer, "ranks": ranks, "consumer": consumer, "combine": combine, "ffn": ffn,
+AREAS = {"producer": producer, "ranks": ranks, "dispatch_bytes": dispatch_bytes,
+         "consumer": consumer, "combine": combine, "ffn": ffn,
          "scale": scale, "packed": packed, "chained": chained, "plan": plan,
          "ordered_tables": ordered_tables}
 
@@ -601,6 +631,7 @@ def _src(name, doc, area):
 # ------------------------------------------------------------------------------ outputs
 ROW_OF = {"producer": "producer grouped GEMM as `MoECombine` launches it (CuTe DSL)",
           "ranks": "multi-rank correctness, ranks sharing one GPU",
+          "dispatch_bytes": "dispatch bytes (`MoEDispatch`, counted; no GPU)",
           "consumer": "consumer (CuTe DSL)",
           "scale": "scale (CuTe DSL)",
           "combine": "overlapped combine (`backend=\"overlap\"`)",
