@@ -37,7 +37,8 @@ JSON: ``producer_models_<card>_<commit>[_<tag>].json`` in --out.
 
 Variants (--variants, comma-separated): "default" (the library's options) or key=value pairs
 joined by "+": keys of ``CombineOptions`` (ccta, mgb, order, layout, ...) change the options
-resolved, any other key is a producer GEMM option (``GroupedGemm``'s keywords, e.g. band_group,
+resolved, tile_m (64 or 128) the layer's band height (plan and GEMM), any other key is a
+producer GEMM option (``GroupedGemm``'s keywords, e.g. band_group,
 cluster_n; checked by ``CombineOptions.check_gemm_options``). --gemm-option key=value applies
 to every variant (as ``CombineOptions(gemm_options=...)``).
 """
@@ -70,6 +71,7 @@ GOAL_SCALED = 0.95  # SM-scaled ratio on every point
 GOAL_GEOMEAN = 1.0  # geometric mean of the SM-scaled ratios
 TOL = 1e-2  # relative norm error against the per-expert loop (bf16 outputs)
 TILE_M = 128  # MoECombine's default
+TILE_MS = (64, 128)  # the band heights a variant may ask for (tile_m=64: less padding)
 LEAD_MS = 2.0  # GPU sleep before each timed call (time_interleaved)
 DEVICE = "cuda"  # (the CPU test of run_point swaps the kernel and the clock for stand-ins)
 OPTION_FIELDS = {f.name for f in dataclasses.fields(CombineOptions)} - {"gemm_options"}
@@ -103,13 +105,16 @@ def parse_variants(text: str, gemm_options: dict | None = None) -> list[dict]:
     out, names = [], set()
     for name in (v.strip() for v in text.split(",") if v.strip()):
         pairs = {} if name == "default" else parse_pairs(name, "--variants")
+        tile_m = pairs.pop("tile_m", TILE_M)  # the layer's (MoECombine's) band height
+        if tile_m not in TILE_MS:
+            raise ValueError(f"--variants {name!r}: tile_m must be one of {TILE_MS}")
         opts = {k: v for k, v in pairs.items() if k in OPTION_FIELDS}
         gemm = dict(gemm_options or {}, **{k: v for k, v in pairs.items()
                                            if k not in OPTION_FIELDS})
         if name in names:
             raise ValueError(f"--variants: {name!r} given twice")
         names.add(name)
-        out.append(dict(name=name, options=opts, gemm_options=gemm))
+        out.append(dict(name=name, options=opts, gemm_options=gemm, tile_m=tile_m))
     if not out:
         raise ValueError("--variants: none given")
     return out
@@ -119,7 +124,7 @@ def variant_options(variant: dict) -> CombineOptions:
     """The variant's requested CombineOptions (validated; its GEMM options checked against the
     GEMM's own keywords, CPU only)."""
     o = CombineOptions(**variant["options"], gemm_options=variant["gemm_options"] or None)
-    o.check_gemm_options(TILE_M)
+    o.check_gemm_options(variant.get("tile_m", TILE_M))
     return o
 
 
@@ -248,14 +253,16 @@ def summarize(doc: dict) -> dict:
 
 # ------------------------------------------------------------------------------ the GPU part
 def resolve(point: dict, variant: dict, num_sms: int, device_name: str, cache):
-    """(requested, resolved CombineOptions, tuned?) of the layer MoECombine builds for the point
-    (rank 0 of a world of W; rows: tokens x topk at full load)."""
+    """(requested, resolved CombineOptions, tuned?, tile_m) of the layer MoECombine builds for
+    the point (rank 0 of a world of W; rows: tokens x topk at full load)."""
     E, topk, K, N, W = (point[k] for k in ("E", "topk", "K", "N", "world_size"))
+    tile_m = variant.get("tile_m", TILE_M)
     facts = CombineFacts(world_size=W, hidden_size=K, out_features=N, experts_per_rank=E // W,
-                         tile_m=TILE_M, rows=point["tokens"] * topk, device_name=device_name,
+                         tile_m=tile_m, rows=point["tokens"] * topk, device_name=device_name,
                          num_sms=num_sms)
     req = variant_options(variant)
-    return req, req.resolve(facts, cache=cache), cache.entry(req.tune_key(facts)) is not None
+    return (req, req.resolve(facts, cache=cache), cache.entry(req.tune_key(facts)) is not None,
+            tile_m)
 
 
 def _rel(a, b) -> float:
@@ -264,7 +271,7 @@ def _rel(a, b) -> float:
 
 def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, seed: int):
     """One point: every variant's launch and both baselines checked, then timed in the same
-    interleaved rounds. resolved: {variant name: (requested, resolved options, tuned)}."""
+    interleaved rounds. resolved: {variant name: (requested, resolved options, tuned, tile_m)}."""
     from moe_overlap.combine.baseline import plan_to_compact_rows
     from moe_overlap.combine.grouped_gemm import GroupedGemm
     from moe_overlap.combine.options import producer_gemm_options, producer_tile_n
@@ -298,8 +305,8 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
     fns = {"base:grouped_mm": grouped_mm, "base:mm_loop": loop}
     epoch = torch.ones(1, dtype=torch.int32, device=dev)
     ours = {}
-    for name, (req, opts, tuned) in resolved.items():
-        plan = plan_combine(counts, 0, tile_m=TILE_M, mgb=opts.mgb, max_rows=W * T * topk,
+    for name, (req, opts, tuned, tile_m) in resolved.items():
+        plan = plan_combine(counts, 0, tile_m=tile_m, mgb=opts.mgb, max_rows=W * T * topk,
                             validate=False, layout=opts.layout, order=opts.order)
         rows = int(plan.total_rows.item())
         idx = plan_to_compact_rows(plan, counts)  # plan row of each compact row
@@ -307,7 +314,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         x[idx] = x_c
         y = torch.empty(max(rows, 1), N, device=dev, dtype=torch.bfloat16)
         kw = producer_gemm_options(opts.gemm_options, opts.ccta)
-        gemm = GroupedGemm(tile_m=TILE_M, tile_n=producer_tile_n(N), **kw)
+        gemm = GroupedGemm(tile_m=tile_m, tile_n=producer_tile_n(N), **kw)
         ready = torch.zeros(plan.band_capacity, dtype=torch.int32, device=dev)
         err = torch.zeros(8, dtype=torch.int64, device=dev)
         fns[name] = (lambda gemm=gemm, x=x, y=y, p=plan, ready=ready, err=err, c=opts.ccta:
@@ -323,7 +330,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
             ccta=opts.ccta, mgb=opts.mgb, order=opts.order, layout=opts.layout, tuned=tuned,
             plan_layout=plan.layout, plan_packed=bool(plan.packed.item()), plan_rows=rows,
             padding=rows / max(n_valid, 1), bands=nb, grid=grid,
-            gemm=dict(tile_m=TILE_M, tile_n=gemm.tile_n, cluster_n=cluster,
+            gemm=dict(tile_m=tile_m, tile_n=gemm.tile_n, cluster_n=cluster,
                       band_group=gemm.band_group, signal=gemm.signal, **{
                           k: v for k, v in kw.items() if k not in ("cluster_n", "signal",
                                                                     "band_group")}))

@@ -56,26 +56,32 @@ def test_ours_are_the_options_the_library_resolves(tmp_path):
     by_w = {p["world_size"]: B.resolve(p, default, 132, "FakeGPU", cache) for p in points}
     assert by_w[1][1].ccta == 0  # one rank: no consumer, every SM
     assert all(1 <= by_w[w][1].ccta < 132 for w in (2, 8, 16))
-    assert not any(t for _, _, t in by_w.values())
+    assert not any(t for _, _, t, _ in by_w.values())
+    assert all(tm == 128 for *_, tm in by_w.values())  # MoECombine's default band height
     expert = B.parse_variants("order=expert+band_group=4")[0]
-    req, got, _ = B.resolve(points[1], expert, 132, "FakeGPU", cache)
+    req, got, _, _ = B.resolve(points[1], expert, 132, "FakeGPU", cache)
     assert got.order == "expert" and dict(got.gemm_options) == {"band_group": 4}
     cache.put(req.tune_key(B.CombineFacts(
         world_size=2, hidden_size=1536, out_features=4096, experts_per_rank=64, tile_m=128,
         rows=4096 * 8, device_name="FakeGPU", num_sms=132)), 20, 4)
-    _, tuned, hit = B.resolve(points[1], expert, 132, "FakeGPU", TuneCache(cache.path))
+    _, tuned, hit, _ = B.resolve(points[1], expert, 132, "FakeGPU", TuneCache(cache.path))
     assert hit and (tuned.ccta, tuned.mgb) == (20, 4)
 
 
-def test_variants_and_options_parse_and_bad_ones_stop_before_the_gpu():
+def test_variants_and_options_parse_and_bad_ones_stop_before_the_gpu(tmp_path):
     vs = B.parse_variants("default,band_group=2+cluster_n=1,ccta=12+order=expert",
                           {"band_group": 4})
     assert [v["name"] for v in vs] == ["default", "band_group=2+cluster_n=1",
                                        "ccta=12+order=expert"]
-    assert vs[0] == dict(name="default", options={}, gemm_options={"band_group": 4})
+    assert vs[0] == dict(name="default", options={}, gemm_options={"band_group": 4}, tile_m=128)
     assert vs[1]["gemm_options"] == {"band_group": 2, "cluster_n": 1} and not vs[1]["options"]
     assert vs[2]["options"] == {"ccta": 12, "order": "expert"}
-    for bad in ("default,default", "band_group", ""):
+    small = B.parse_variants("tile_m=64+band_group=2")[0]  # the layer's band height, not a
+    assert small["tile_m"] == 64 and small["gemm_options"] == {"band_group": 2}  # GEMM keyword
+    assert B.resolve(B.make_points(models=["qwen3-30b-a3b"], tokens=[4096], worlds=[1],
+                                   routings=["skewed"])[0][0], small, 132, "FakeGPU",
+                     TuneCache(str(tmp_path / "u.json")))[3] == 64
+    for bad in ("default,default", "band_group", "", "tile_m=96"):
         with pytest.raises(ValueError):
             B.parse_variants(bad)
     with pytest.raises(SystemExit) as e:  # an option the GEMM does not have
@@ -149,7 +155,8 @@ def test_one_point_on_the_cpu_with_stand_ins(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: SimpleNamespace(multi_processor_count=132))
-    ms = {"base:grouped_mm": 2.0, "base:mm_loop": 1.0, "default": 1.25, "band_group=2": 0.8}
+    ms = {"base:grouped_mm": 2.0, "base:mm_loop": 1.0, "default": 1.25, "band_group=2": 0.8,
+          "tile_m=64": 1.1}
 
     def fake_time(fns, rounds, **kw):
         for f in fns.values():
@@ -161,9 +168,13 @@ def test_one_point_on_the_cpu_with_stand_ins(monkeypatch):
                  N=256, label="tiny@96/W2/skewed")
     counts = routing_counts(2, 96, 8, 2, "moderate_skew", 1)
     cache = TuneCache("/nonexistent/moe-overlap-test/tune.json")  # read only, empty
-    variants = B.parse_variants("default,band_group=2")
+    variants = B.parse_variants("default,band_group=2,tile_m=64")
     resolved = {v["name"]: B.resolve(point, v, 132, "FakeGPU", cache) for v in variants}
     rec = B.run_point(point, counts, resolved, rounds=3, seed=0)
+    small = rec["variants"]["tile_m=64"]  # 64-row bands: its own plan, less padding
+    assert small["gemm"]["tile_m"] == 64 and small["flags_ok"]
+    assert rec["valid_rows"] <= small["plan_rows"] <= rec["variants"]["default"]["plan_rows"]
+    assert small["plan_rows"] % 64 == 0 and small["bands"] * 64 == small["plan_rows"]
     json.dumps(rec)
     assert rec["correct"], rec
     assert rec["valid_rows"] == int(counts[:, :4].sum())
