@@ -3,7 +3,7 @@ library on the same rows unpadded (one GPU; issue 36's measurement).
 
     PYTHONPATH=$PWD python bench/bench_producer_models.py --out bench/results
     PYTHONPATH=$PWD python bench/bench_producer_models.py --quick --out $OUT
-    PYTHONPATH=$PWD python bench/bench_producer_models.py --variants default,band_group=expert \\
+    PYTHONPATH=$PWD python bench/bench_producer_models.py --variants default,group_by=expert,tile_m=64 \\
         --points 'deepseek-v3@4096/*' --out $OUT
 
 Points: model (deepseek-v3, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x7b:
