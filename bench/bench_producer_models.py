@@ -3,8 +3,8 @@ library on the same rows unpadded (one GPU; issue 36's measurement).
 
     PYTHONPATH=$PWD python bench/bench_producer_models.py --out bench/results
     PYTHONPATH=$PWD python bench/bench_producer_models.py --quick --out $OUT
-    PYTHONPATH=$PWD python bench/bench_producer_models.py --variants default,group_by=expert,tile_m=64 \\
-        --points 'deepseek-v3@4096/*' --out $OUT
+    PYTHONPATH=$PWD python bench/bench_producer_models.py \\
+        --variants default,group_by=expert,tile_m=64 --points 'deepseek-v3@4096/*' --out $OUT
 
 Points: model (deepseek-v3, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x7b:
 moe_overlap/combine/shapes.py) x tokens per rank (4096, 16384) x W (1, 2, 8, 16; W must divide

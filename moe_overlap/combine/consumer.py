@@ -37,7 +37,8 @@ a segment of its own destination, so several segments (and the local copy) may w
 Call marker and receive slots: at kernel start CTA 0 adds 1 to counter[rank] on every rank (its
 own too), after writing there this call's epoch tag (the plan's counts fingerprint << 32 | the
 epoch, kernels/errors.py), and every destination row is offset by (epoch & 1) * slot_bytes
-(double-buffered receive buffer). See moe_overlap/combine/overlap.py for why this makes back-to-back calls race-free.
+(double-buffered receive buffer). See moe_overlap/combine/overlap.py for why this makes
+back-to-back calls race-free.
 
 Options (compile-time; the builder's defaults are ``local_copy=True, copy="ldst"``; the layers
 use ``CombineOptions.consumer_variant()``, which picks per transport):
