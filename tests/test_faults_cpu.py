@@ -15,9 +15,11 @@ def test_error_codes_are_distinct_and_named():
     codes = [E.ERR_CONSUMER_TIMEOUT, E.ERR_SCALE_TIMEOUT, E.ERR_COPY_TIMEOUT,
              E.ERR_EPOCH_MISMATCH, E.ERR_PLAN_BOUNDS, E.ERR_SCALE_BAD_ROW,
              E.ERR_TILE_BAND_TIMEOUT, E.ERR_TILE_SEGMENT_TIMEOUT,
-             E.ERR_PRODUCER_BOUNDS, E.ERR_PEER_ERROR]
+             E.ERR_PRODUCER_BOUNDS, E.ERR_PEER_ERROR, E.ERR_DISPATCH_TIMEOUT,
+             E.ERR_DISPATCH_BAD_ROUTE]
     assert len(set(codes)) == len(codes) and 0 not in codes
     assert E.ERR_PEER_ERROR == 10  # a new code: the existing ones keep their numbers
+    assert (E.ERR_DISPATCH_TIMEOUT, E.ERR_DISPATCH_BAD_ROUTE) == (31, 32)  # past the FFN's
     assert set(E.ERR_NAMES) == set(codes)
     # the FFN's codes live in another range: one error word layout, no clash
     from moe_overlap.ffn import band_allreduce as B
@@ -26,6 +28,11 @@ def test_error_codes_are_distinct_and_named():
 
 def test_describe_error_names_what_and_where():
     assert E.describe_error([0] * 8) is None
+    m = E.describe_error(_word(E.ERR_DISPATCH_TIMEOUT, rank=1, index=3, band=7, obs=16, exp=24))
+    assert "dispatch" in m and "rank 1" in m and "source rank 3" in m and "epoch 7" in m
+    assert "counter=16" in m and "expected>=24" in m
+    m = E.describe_error(_word(E.ERR_DISPATCH_BAD_ROUTE, rank=0, index=2, band=1, obs=9, exp=9))
+    assert "source rank 2" in m and "past its (expert, source) group" in m
     m = E.describe_error(_word(E.ERR_EPOCH_MISMATCH, rank=0, index=1, band=1, obs=7, exp=9))
     assert "out of step" in m and "epoch 9" in m and "source rank 1" in m and "epoch 7" in m
     m = E.describe_error(_word(E.ERR_SCALE_TIMEOUT, rank=1, index=0, band=12, obs=3, exp=5))

@@ -51,19 +51,28 @@ class MoEDispatch(torch.nn.Module):
     the sum of its (token, k) rows' gradients (float rounding may differ from
     `dispatch_to_plan`'s backward, which sums in expert order).
 
-    Overlap backend (not built yet; issue 39 item 1): a dispatch kernel on a few reserved SMs
-    stores each token once per destination rank, bf16, with its ids row, into the owner's
-    symmetric receive slots (NVLink stores / TMA or NVSHMEM put; W x max_tokens_per_rank x D
-    rows), raising per-band arrival counters with the call's epoch tag; the owner expands the
-    arrived tokens into the plan layout (or the arrival-gated up-projection reads them through a
-    row index). Device-only, no host sync (the counts travel with the data, not as split sizes),
-    capturable with the plan and prepare in one CUDA graph, with bounded waits and the error
-    word of the combine. Inference-only, like the overlapped combine.
+    Overlap backend (CUDA, bf16 x with hidden_size % 8 == 0, int32 or int64 ids; issue 39 item
+    1): device-only, no host sync, capturable in a CUDA graph with the plan. A send kernel on
+    ``send_ctas`` CTAs (combine/dispatch_send.py) stores each token once per destination rank,
+    with its int32 ids row, into that owner's receive slot for this source (NVLink peer stores
+    through the CommBuffer's peer tables; an NVSHMEM put transport is not built yet), then the
+    count, the call tag and one arrival marker per CTA (release, sys scope); the owner's wait +
+    expand kernels (combine/dispatch_expand.py) wait for every source's markers (bounded; a
+    peer's error word ends the wait), check the tags and copy each received token into its
+    (token, k) rows of the plan layout, zero padding: bitwise the reference. Communication
+    state: a ``CommBuffer`` (``comm_buffer=None``: ``CommBuffer.shared(group, "nvlink")``, the
+    one ``MoECombine`` uses by default, so dispatch and combine calls alternate its slots under
+    one epoch; slot layout: combine/dispatch_index.py). Errors: recorded on the device, raised
+    by the next call (or ``check_errors()``), cleared by ``reset()`` (collective), as the
+    overlapped combine's. ``rows=None`` gives ``plan.row_capacity`` rows (no host read of
+    ``plan.total_rows``): the reference's rows, then zero rows. Inference-only: raises under
+    autograd. ``send_ctas`` must be the same on every rank (the validated call agrees on it).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, topk: int,
                  max_tokens_per_rank: int, group=None, backend: str = "reference",
-                 validate: bool = True):
+                 validate: bool = True, comm_buffer=None, send_ctas: int = 8,
+                 timeout_s: float = 10.0):
         super().__init__()
         rank, W = world(group)
         ints = {}
@@ -79,18 +88,99 @@ class MoEDispatch(torch.nn.Module):
             raise ValueError(f"topk={topk} exceeds num_experts={num_experts}")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; choose from {BACKENDS}")
-        if backend == "overlap":
-            raise NotImplementedError(
-                "MoEDispatch backend='overlap' (the device transport, issue 39 item 1) is not "
-                "built yet; use backend='reference' (or 'auto')")
         self.group, self.rank, self.world_size = group, rank, W
         self.num_experts, self.experts_per_rank = ints["num_experts"], ints["num_experts"] // W
         self.hidden_size, self.topk = ints["hidden_size"], ints["topk"]
         self.max_tokens_per_rank = ints["max_tokens_per_rank"]
         self.requested_backend = backend
-        self.backend = "reference"  # "auto" resolves here, once
+        # "auto" resolves here, once: "reference" until the overlap backend has passed its GPU
+        # tests (tests/test_dispatch_overlap_gpu.py, not run yet)
+        self.backend = "overlap" if backend == "overlap" else "reference"
         self.validate = bool(validate)
         self._calls = 0  # validated calls entered: named in the agreement
+        self.comm = None
+        if self.backend == "overlap":
+            self._build_overlap(comm_buffer, send_ctas, timeout_s)
+
+    # ---- overlap backend ---------------------------------------------------------------------
+    def _build_overlap(self, comm_buffer, send_ctas, timeout_s):
+        """Collective (every rank builds its layers in the same order): attach to the buffer."""
+        from .comm_buffer import CommBuffer
+        from .dispatch_expand import DispatchExpand
+        from .dispatch_index import slot_layout
+        from .dispatch_send import DispatchSend
+        if not torch.cuda.is_available():
+            raise RuntimeError("MoEDispatch(backend='overlap') needs a CUDA GPU; use "
+                               "backend='reference' (or 'auto') on a CPU")
+        self.send_ctas = as_int("send_ctas", send_ctas, minimum=1)
+        if comm_buffer is None:
+            comm_buffer = CommBuffer.shared(self.group, "nvlink", torch.bfloat16)
+        if not isinstance(comm_buffer, CommBuffer):
+            raise TypeError(f"comm_buffer must be a CommBuffer, got {type(comm_buffer).__name__}")
+        if comm_buffer.group is not self.group or comm_buffer.transport != "nvlink":
+            raise ValueError("comm_buffer must be an nvlink CommBuffer of this process group "
+                             "(the dispatch's NVSHMEM transport is not built yet)")
+        self.layout = slot_layout(self.world_size, self.max_tokens_per_rank, self.hidden_size,
+                                  self.topk)
+        comm_buffer.attach(self, 1, self.layout["slot_bytes"])
+        comm_buffer.buffers.require_p2p("MoEDispatch(backend='overlap')")
+        self.comm = comm_buffer
+        self.sender = DispatchSend(self.world_size, self.topk, ctas=self.send_ctas)
+        self.expander = DispatchExpand(self.world_size, self.topk,
+                                       timeout_ns=int(float(timeout_s) * 1e9))
+        from ..runtime.device import num_sms
+        self.num_sms = num_sms(comm_buffer.runtime.device)
+
+    def _clear_band_flags(self):
+        """CommBuffer.reset's hook for its layers: the dispatch keeps no flags of its own."""
+
+    def check_errors(self):
+        """Synchronize; OverlapError if a call on the communication buffer recorded a device
+        error since construction or the last reset() (no-op on the reference backend)."""
+        if self.comm is not None:
+            self.comm.check_errors()
+
+    def reset(self):
+        """Collective, between calls: clear the communication buffer (errors, counters, tags,
+        epoch) for every layer on it (CommBuffer.reset). No-op on the reference backend."""
+        if self.comm is not None:
+            self.comm.reset()
+
+    def _forward_overlap(self, x, topk_ids, plan, counts, rows):
+        from .comm_buffer import OverlapError
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise OverlapError("MoEDispatch(backend='overlap') is inference-only (its kernels "
+                               "have no backward), but x requires grad: use backend="
+                               "'reference' to train, or call it under torch.no_grad() / "
+                               "torch.inference_mode()")
+        dev = self.comm.runtime.device
+        rows = plan.row_capacity if rows is None else as_int("rows", rows, minimum=0)
+        comm = self.comm
+        comm.watch.poll()  # an earlier call's device error raises here, before any launch
+        x = x.contiguous()
+        ids = topk_ids.to(torch.int32).contiguous()
+        cnt = counts.to(dev, torch.int64).contiguous()
+        out = torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device=dev)
+        stream = torch.cuda.current_stream(dev)
+        comm.note_call()
+        comm.epoch.add_(1)  # the buffer's epoch: slot parity and tags count calls on it
+        comm.expected.add_(self.send_ctas)  # one marker per sending CTA from every source
+        b = comm.buffers
+        self.sender.launch(x=x, ids=ids, experts_per_rank=self.experts_per_rank, rank=self.rank,
+                           max_tokens=self.max_tokens_per_rank, recv_peers=b.recv_peers,
+                           ctr_peers=b.ctr_peers, layout=self.layout,
+                           slot_stride=comm.slot_bytes, epoch=comm.epoch,
+                           fingerprint=plan.counts_fingerprint, err=comm.err, stream=stream)
+        self.expander.launch(recv=b.recv, slot_stride=comm.slot_bytes, layout=self.layout,
+                             max_tokens=self.max_tokens_per_rank, out=out, plan=plan,
+                             counts=cnt, err=comm.err, epoch=comm.epoch, counters=b.counters,
+                             expected=comm.expected, err_peers=comm.err_peers,
+                             num_sms=self.num_sms, stream=stream)
+        if not torch.cuda.is_current_stream_capturing():
+            for t in (x, ids, cnt):
+                t.record_stream(stream)
+        comm.watch.after_call(stream)
+        return out
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
@@ -129,6 +219,10 @@ class MoEDispatch(torch.nn.Module):
         if len(devs) != 1:
             raise ValueError(f"x, topk_ids and plan must be on one device, got "
                              f"{sorted(map(str, devs))}")
+        if self.backend == "overlap" and (x.dtype != torch.bfloat16 or
+                                          x.device != self.comm.runtime.device):
+            raise TypeError(f"the overlap backend needs bf16 x on {self.comm.runtime.device}, "
+                            f"got {x.dtype} on {x.device}")
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
                 counts: torch.Tensor, rows: int | None = None) -> torch.Tensor:
@@ -159,7 +253,8 @@ class MoEDispatch(torch.nn.Module):
                 fields.update({"hidden_size (D)": self.hidden_size, "topk": self.topk,
                                "max_tokens_per_rank": self.max_tokens_per_rank,
                                "backend": self.backend, "plan layout": plan.layout,
-                               "plan tile_m": plan.tile_m})
+                               "plan tile_m": plan.tile_m,
+                               "send_ctas": getattr(self, "send_ctas", None)})
                 result["row"], result["fields"] = row, fields
 
             err = error_of(check)
@@ -170,6 +265,8 @@ class MoEDispatch(torch.nn.Module):
                                                 where=where)
         else:
             self._check_local(x, topk_ids, plan)
+        if self.backend == "overlap":
+            return self._forward_overlap(x, topk_ids, plan, counts, rows)
         return dispatch_tokens_once(x, topk_ids, plan, self.group, rows, backward_check)
 
 

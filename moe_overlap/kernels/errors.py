@@ -63,6 +63,8 @@ ERR_TILE_BAND_TIMEOUT = 7  # ordered scale: a token tile waited too long for a l
 ERR_TILE_SEGMENT_TIMEOUT = 8  # ordered scale: a token tile waited too long for a segment's rows
 ERR_PRODUCER_BOUNDS = 9  # producer GEMM: a band entry outside its tables / x, y, w
 ERR_PEER_ERROR = 10  # scale: the source rank it waited for has an error recorded (its word 0)
+ERR_DISPATCH_TIMEOUT = 31  # dispatch expand waited too long for a source's tokens (its markers)
+ERR_DISPATCH_BAD_ROUTE = 32  # dispatch expand: received tokens disagree with the counts / plan
 
 ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
@@ -74,7 +76,16 @@ ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_TILE_BAND_TIMEOUT: "ordered scale timed out waiting for a local band of y",
              ERR_TILE_SEGMENT_TIMEOUT: "ordered scale timed out waiting for a segment's rows",
              ERR_PRODUCER_BOUNDS: "producer GEMM refused a band entry outside its buffers",
-             ERR_PEER_ERROR: "scale stopped waiting: the source rank recorded an error"}
+             ERR_PEER_ERROR: "scale stopped waiting: the source rank recorded an error",
+             ERR_DISPATCH_TIMEOUT: "dispatch timed out waiting for a source's tokens to arrive",
+             ERR_DISPATCH_BAD_ROUTE: "dispatch refused received tokens that disagree with the "
+                                     "counts / plan"}
+
+# what word 3 of ERR_DISPATCH_BAD_ROUTE names (combine/dispatch_expand.py DF_*)
+DISPATCH_FIELDS = {0: "the source's token count outside [0, max_tokens_per_rank]",
+                   1: "a row at or past its (expert, source) group's size in counts",
+                   2: "fewer rows for an (expert, source) group than counts says",
+                   3: "a row outside the output's rows"}
 
 # what word 3 of ERR_PLAN_BOUNDS names
 PLAN_FIELDS = {0: "num_segments > segment capacity", 1: "num_local_cells > cell capacity",
@@ -154,6 +165,15 @@ def describe_error(err_host) -> str | None:
                 f"expected>={exp} after "
                 f"{el / 1e6:.1f} ms (a peer's consumer did not run, timed out, refused after an "
                 "error of its own, or sent fewer rows)")
+    if code == ERR_DISPATCH_TIMEOUT:
+        return (f"{what}: rank {rank} at epoch {band}, source rank {index}: counter={obs}, "
+                f"expected>={exp} after {el / 1e6:.1f} ms (rank {index} did not make this "
+                "dispatch call, its send did not run, or it refused after an error of its own); "
+                "the output rows are NaN")
+    if code == ERR_DISPATCH_BAD_ROUTE:
+        field = DISPATCH_FIELDS.get(band, f"field {band}")
+        return (f"{what}: rank {rank}, source rank {index}: {field}: value {obs}, bound {exp} "
+                "(topk_ids, counts and plan of another call, or validate=False input)")
     if code == ERR_TILE_BAND_TIMEOUT:
         return (f"{what}: rank {rank}, tile {index}, band {band}: band_ready={obs}, epoch={exp} "
                 f"after {el / 1e6:.1f} ms (producer stalled, or tiles prepared for another plan)")

@@ -1,0 +1,295 @@
+"""The overlapped dispatch's owner side (CuTe DSL, SIMT): wait for every source's tokens, then
+expand them into this rank's expert inputs in the plan layout (``MoEDispatch(backend=
+"overlap")``; slot layout and a host mirror: combine/dispatch_index.py). One launcher, two
+kernels on the stream, as the combine's scale (combine/scale.py):
+
+1. arrival wait, W CTAs of one warp: CTA s, thread 0, waits (ld.acquire.sys, bounded by
+   %globaltimer) until ``counter[s] >= expected[s]`` (the caller advances ``expected`` by the
+   send CTAs per source before the launch: one marker per sending CTA, dispatch_send.py), polling
+   source s's error word every PEER_POLL_NS (ERR_PEER_ERROR), then checks s's call tag of this
+   slot against ``call_tag(epoch, fingerprint)`` (ERR_EPOCH_MISMATCH). A timeout records
+   ERR_DISPATCH_TIMEOUT (source, epoch, counter, expected). fence.acq_rel.sys after the acquire;
+   the kernel boundary orders the expand's loads after it. Skipped when the error word is set.
+2. expand, a grid over the work items: (local expert e, source s) for e < El, s < W, and one
+   item for the rows past the plan's total. Thread 0 reads the error word; if set (this call's
+   wait or any earlier error: sticky until a reset) no slot is read and every row of ``out`` is
+   NaN (as the scale). Item (e, s): source s's received tokens (count word of the slot, checked
+   against [0, T_max]) in batches of NT, a thread per token: the number of its ids equal to
+   expert g = rank * El + e, a CTA exclusive scan of it, so that each (token i, slot j) with
+   ids[i, j] == g gets the row ``expert_row_start[e] + group_row_start[e, s] + (its position in
+   (i, j) order)``, exactly `dispatch_to_plan`'s; the CTA then copies the batch's rows (16-byte
+   vectors flattened over (row, chunk)). A position at or past the group's size in ``counts``,
+   a row outside ``out`` or a group that ends short of it records ERR_DISPATCH_BAD_ROUTE (the
+   routing and the counts / plan disagree: validate=False input) and the row is not written.
+   Then the item zeroes the gap from the group's end to the next non-empty group's start (or the
+   expert's end), and item (e, 0) the gap before the expert's first group: every row of
+   [0, total_rows) that carries no token is zero, as in the reference; the last item zeroes
+   [total_rows, rows).
+"""
+DEFAULT_THREADS = 256
+DEFAULT_CTAS_PER_SM = 2
+DEFAULT_TIMEOUT_NS = 10_000_000_000
+WAIT_THREADS = 32
+BF16X2_NAN = 0x7FC07FC0
+
+# ERR_DISPATCH_BAD_ROUTE field codes (word 3; texts in kernels/errors.py DISPATCH_FIELDS)
+DF_COUNT, DF_ROW_PAST_GROUP, DF_GROUP_SHORT, DF_ROW_PAST_OUT = range(4)
+
+
+def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THREADS):
+    """@cute.jit launcher of the wait + expand kernels for W = ``world_size`` sources."""
+    W, K, NT = int(world_size), int(topk), int(threads)
+    if not 1 <= W <= 1024:
+        raise ValueError(f"world_size={W} must be in [1, 1024]")
+    if not 1 <= K <= 64:
+        raise ValueError(f"topk={K} must be in [1, 64]")
+    if NT % 32 or not 32 <= NT <= 1024:
+        raise ValueError(f"threads={NT} must be a multiple of 32 in [32, 1024]")
+    import cutlass
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    from ..kernels import primitives as P
+    from ..kernels.errors import ERR_DISPATCH_TIMEOUT, ERR_DISPATCH_BAD_ROUTE
+    from .plan_kernel import simt_helpers
+    H = simt_helpers()
+    lds, sts, block_scan = H.lds, H.sts, H.block_scan
+
+    def ld_cg_s32(addr):
+        """32-bit load cached in L2 only (the peers wrote the slot: no L1 line of it)."""
+        return cute.arch.inline_ptx("ld.global.cg.s32 {$w0}, [{$r0}];",
+                                    write_only_types=[Int32], read_only_args=[addr])
+
+    @cute.kernel
+    def wait_kernel(counters: Int64, expected: Int64, rank: Int32, err: Int64,
+                    timeout_ns: Int64, epoch_ptr: Int64, err_peers: Int64,
+                    fingerprint_ptr: Int64):
+        tidx, src, _ = P.thread_block_grid()
+        if tidx == Int32(0) and src < Int32(W):
+            if P.error_set(err) == Int32(0):
+                epoch = P.ld_s32(epoch_ptr)
+                t0 = P.globaltimer()
+                exp = P.ld_s64(expected + Int64(src) * Int64(8))
+                st, v, el, code = P.wait_ge_sys_s64_or_peer_error(
+                    counters + Int64(src) * Int64(8), exp,
+                    P.peer_error_word(err_peers, src, err), t0, timeout_ns)
+                if st == Int32(1):
+                    P.record_error(err, Int32(ERR_DISPATCH_TIMEOUT), rank, src, epoch, v, exp,
+                                   el)
+                elif st == Int32(2):
+                    P.record_error(err, Int32(P.ERR_PEER_ERROR), rank, src, epoch, code, v,
+                                   el)
+                else:
+                    P.check_call_tag(err, rank, src, counters + (
+                        Int64(W) + Int64(epoch & Int32(1)) * Int64(W) + Int64(src)) * Int64(8),
+                        epoch, P.ld_s32(fingerprint_ptr))
+                P.fence_acq_rel_sys()
+
+    @cute.jit
+    def zero_rows(out: Int64, r0: Int32, r1: Int32, out_rows: Int32, n_ch: Int64,
+                  row_bytes: Int64, tidx: Int32):
+        """CTA-wide: rows [r0, r1) of out, clipped to [0, out_rows), set to zero."""
+        lo = r0
+        if lo < Int32(0):
+            lo = Int32(0)
+        hi = r1
+        if hi > out_rows:
+            hi = out_rows
+        if lo < hi:
+            z = Int32(0)
+            i = Int64(tidx)
+            total = Int64(hi - lo) * n_ch
+            while i < total:
+                P.st_v4(out + Int64(lo) * row_bytes + i * Int64(16), [z, z, z, z])
+                i = i + Int64(NT)
+
+    @cute.kernel
+    def expand_kernel(recv: Int64, slot_stride: Int64, ids_offset: Int64, count_offset: Int64,
+                      row_bytes: Int64, tmax: Int32, out: Int64, out_rows: Int32, El: Int32,
+                      rank: Int32, ers: Int64, grs: Int64, erows: Int64, counts: Int64,
+                      total_ptr: Int64, err: Int64, epoch_ptr: Int64):
+        tidx, bidx, nblk = P.thread_block_grid()
+        lane = tidx & Int32(31)
+        warp = tidx >> Int32(5)
+        alloc = cutlass.memory.SmemAllocator()
+        arr = alloc.allocate_array(cutlass.Int32, 32 + 2 * NT * K, byte_alignment=16).toint()
+        SCR = arr  # block_scan scratch (32 words)
+        LI = SCR + Int32(4 * 32)  # [NT * K] the batch's rows: received token
+        LR = LI + Int32(4 * NT * K)  # [NT * K] its position in the group
+        n_ch = row_bytes // Int64(16)
+        E = El * Int32(W)
+        e0 = Int32(0)
+        if tidx == Int32(0):
+            e0 = P.error_set(err)
+        failed = P.block_any(e0)
+        if failed != Int32(0):
+            nan = Int32(BF16X2_NAN)
+            i = Int64(bidx) * Int64(NT) + Int64(tidx)
+            total = Int64(out_rows) * n_ch
+            while i < total:
+                P.st_v4(out + i * Int64(16), [nan, nan, nan, nan])
+                i = i + Int64(nblk) * Int64(NT)
+        else:
+            slot = recv + Int64(P.ld_s32(epoch_ptr) & Int32(1)) * slot_stride
+            items = El * Int32(W) + Int32(1)
+            q = bidx
+            while q < items:
+                if q == items - Int32(1):  # rows past the plan's total
+                    zero_rows(out, P.ld_s32(total_ptr), out_rows, out_rows, n_ch, row_bytes,
+                              tidx)
+                else:
+                    e = q // Int32(W)
+                    s = q - e * Int32(W)
+                    g = rank * El + e
+                    e_start = P.ld_s32(ers + Int64(e) * Int64(4))
+                    e_end = e_start + P.ld_s32(erows + Int64(e) * Int64(4))
+                    a = e_start + P.ld_s32(grs + (Int64(e) * Int64(W) + Int64(s)) * Int64(4))
+                    c = Int32(P.ld_s64(counts + (Int64(s) * Int64(E) + Int64(g)) * Int64(8)))
+                    n = ld_cg_s32(slot + count_offset + Int64(s) * Int64(4))
+                    if P.in_range_s64(Int64(n), Int64(0), Int64(tmax) + Int64(1)) == Int32(0):
+                        if tidx == Int32(0):
+                            P.record_error(err, Int32(ERR_DISPATCH_BAD_ROUTE), rank, s,
+                                           Int32(DF_COUNT), Int64(n), Int64(tmax), Int64(0))
+                        n = Int32(0)
+                    run = Int32(0)
+                    i0 = Int32(0)
+                    while i0 < n:
+                        i = i0 + tidx
+                        vs = []
+                        m = Int32(0)
+                        for j in cutlass.range_constexpr(K):
+                            v = Int32(-1)
+                            if i < n:
+                                v = ld_cg_s32(slot + ids_offset + ((Int64(s) * Int64(tmax)
+                                                                    + Int64(i)) * Int64(K)
+                                                                   + Int64(j)) * Int64(4))
+                            vs.append(v)
+                            if v == g:
+                                m = m + Int32(1)
+                        (ex,), (tot,) = block_scan([m], SCR, lane, warp)
+                        kk = Int32(0)
+                        for j in cutlass.range_constexpr(K):
+                            if vs[j] == g:
+                                sts(LI, ex + kk, i)
+                                sts(LR, ex + kk, run + ex + kk)
+                                kk = kk + Int32(1)
+                        P.block_sync()
+                        p = Int64(tidx)
+                        while p < Int64(tot) * n_ch:
+                            u = p // n_ch
+                            ch = p - u * n_ch
+                            r = lds(LR, Int32(u))
+                            row = a + r
+                            ok = Int32(1)
+                            if r >= c:
+                                ok = Int32(0)
+                                if ch == Int64(0):
+                                    P.record_error(err, Int32(ERR_DISPATCH_BAD_ROUTE), rank, s,
+                                                   Int32(DF_ROW_PAST_GROUP), Int64(r), Int64(c),
+                                                   Int64(g))
+                            elif row >= out_rows:
+                                ok = Int32(0)
+                                if ch == Int64(0):
+                                    P.record_error(err, Int32(ERR_DISPATCH_BAD_ROUTE), rank, s,
+                                                   Int32(DF_ROW_PAST_OUT), Int64(row),
+                                                   Int64(out_rows), Int64(g))
+                            if ok != Int32(0):
+                                src = slot + (Int64(s) * Int64(tmax)
+                                              + Int64(lds(LI, Int32(u)))) * row_bytes
+                                P.st_v4(out + Int64(row) * row_bytes + ch * Int64(16),
+                                        P.ld_v4_cg(src + ch * Int64(16)))
+                            p = p + Int64(NT)
+                        run = run + tot
+                        P.block_sync()  # the lists are read before the next batch writes them
+                        i0 = i0 + Int32(NT)
+                    if run < c:
+                        if tidx == Int32(0):
+                            P.record_error(err, Int32(ERR_DISPATCH_BAD_ROUTE), rank, s,
+                                           Int32(DF_GROUP_SHORT), Int64(run), Int64(c),
+                                           Int64(g))
+                    # the gaps: after this group to the next non-empty group (or the expert's
+                    # end); item (e, 0) also the gap before the expert's first group
+                    nxt = e_end
+                    first = e_end
+                    s2 = Int32(0)
+                    while s2 < Int32(W):
+                        a2 = e_start + P.ld_s32(grs + (Int64(e) * Int64(W) + Int64(s2))
+                                                * Int64(4))
+                        c2 = P.ld_s64(counts + (Int64(s2) * Int64(E) + Int64(g)) * Int64(8))
+                        if c2 > Int64(0):
+                            if a2 < first:
+                                first = a2
+                            if a2 >= a + c and a2 < nxt:
+                                nxt = a2
+                        s2 = s2 + Int32(1)
+                    zero_rows(out, a + c, nxt, out_rows, n_ch, row_bytes, tidx)
+                    if s == Int32(0):
+                        zero_rows(out, e_start, first, out_rows, n_ch, row_bytes, tidx)
+                q = q + nblk
+
+    @cute.jit
+    def launch(recv: Int64, slot_stride: Int64, ids_offset: Int64, count_offset: Int64,
+               row_bytes: Int64, tmax: Int32, out: Int64, out_rows: Int32, El: Int32,
+               rank: Int32, ers: Int64, grs: Int64, erows: Int64, counts: Int64,
+               total_ptr: Int64, err: Int64, epoch_ptr: Int64, counters: Int64,
+               expected: Int64, timeout_ns: Int64, err_peers: Int64, fingerprint_ptr: Int64,
+               grid: Int32, stream: cuda.CUstream):
+        wait_kernel(counters, expected, rank, err, timeout_ns, epoch_ptr, err_peers,
+                    fingerprint_ptr).launch(grid=[W, 1, 1], block=[WAIT_THREADS, 1, 1],
+                                            stream=stream)
+        expand_kernel(recv, slot_stride, ids_offset, count_offset, row_bytes, tmax, out,
+                      out_rows, El, rank, ers, grs, erows, counts, total_ptr, err,
+                      epoch_ptr).launch(grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+
+    return launch
+
+
+def expand_example_args():
+    """Example arguments of the expand launcher (types only), for cute.compile."""
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    return [Int64(0)] * 5 + [Int32(1), Int64(0), Int32(0), Int32(1), Int32(0)] + \
+        [Int64(0)] * 11 + [Int64(0), Int32(1), cuda.CUstream(0)]
+
+
+class DispatchExpand:
+    """Compiled wait + expand + launch helper (torch tensors in, never synchronizes)."""
+
+    def __init__(self, world_size: int, topk: int, threads: int = DEFAULT_THREADS,
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS, ctas_per_sm: int = DEFAULT_CTAS_PER_SM):
+        self.world_size, self.topk, self.threads = int(world_size), int(topk), int(threads)
+        self.timeout_ns, self.ctas_per_sm = int(timeout_ns), int(ctas_per_sm)
+        self._fn = None
+        self._launcher = None
+
+    def compile(self):
+        if self._fn is None:
+            import cutlass.cute as cute
+            self._fn = cute.compile(build_dispatch_expand(self.world_size, self.topk,
+                                                          self.threads), *expand_example_args())
+        return self._fn
+
+    def launch(self, *, recv, slot_stride: int, layout: dict, max_tokens: int, out, plan,
+               counts, err, epoch, counters, expected, err_peers, num_sms: int, stream=None):
+        """recv: this rank's receive buffer (slot 0; symmetric); out: [rows, D] bf16 contiguous;
+        counts: int64 [W, E] contiguous (the plan's); counters: the first W words of this rank's
+        communication block (its call tags follow); expected: int64 [W] (already advanced for
+        this call); err_peers: int64 [W] or None."""
+        import torch
+        from ..kernels.primitives import LaunchCache
+        fn = self.compile()
+        if self._launcher is None:
+            self._launcher = LaunchCache(fn)
+        if stream is None:
+            stream = torch.cuda.current_stream(out.device)
+        El = plan.experts_per_rank
+        grid = max(1, min(num_sms * self.ctas_per_sm, El * self.world_size + 1))
+        self._launcher((recv.data_ptr(), int(slot_stride), layout["ids_offset"],
+                        layout["count_offset"], layout["row_bytes"], int(max_tokens),
+                        out.data_ptr(), out.shape[0], El, plan.rank,
+                        plan.expert_row_start.data_ptr(), plan.group_row_start.data_ptr(),
+                        plan.expert_rows.data_ptr(), counts.data_ptr(),
+                        plan.total_rows.data_ptr(), err.data_ptr(), epoch.data_ptr(),
+                        counters.data_ptr(), expected.data_ptr(), self.timeout_ns,
+                        0 if err_peers is None else err_peers.data_ptr(),
+                        plan.counts_fingerprint.data_ptr(), grid), stream.cuda_stream)

@@ -1,0 +1,232 @@
+"""The overlapped dispatch's send kernel (CuTe DSL, SIMT): each token once to every rank that owns
+any of its top-k experts, stored into that rank's receive slot (``MoEDispatch(backend=
+"overlap")``; slot layout and a host mirror of the index math: combine/dispatch_index.py).
+
+Launched on ``ctas`` CTAs of NT threads (a few SMs). Per call (epoch = ``epoch[0]``, slot parity
+epoch & 1):
+
+1. thread 0 reads the error word: if any error is recorded on this rank (sticky until a reset)
+   the CTA stores nothing and posts no arrival, so the owners' waits end on this rank's error
+   word or time out (as the combine's consumer).
+2. every CTA walks all tokens in batches of NT, a thread per token: its destination bits (rank
+   id // El of each id in [0, E); other ids are ignored), one ``vote.ballot`` per destination
+   and warp, the popcounts summed over the warps before (shared memory) and a running count of
+   the earlier batches: token t's row in destination d's slot is the number of tokens t' < t
+   that also go to d (token order, compacted per destination; computed by every CTA, so no
+   CTA waits on another). Batch b is stored by CTA b % ctas: per destination, the batch's
+   tokens (a shared list) as 16-byte vectors flattened over (row, chunk), then their int32 ids.
+   Stores to a peer go through the CommBuffer's peer table (``recv_peers``: NVLink load/store
+   mapping; the own rank's entry is local). NVSHMEM put is not built yet.
+3. arrival: bar.sync (every store of the CTA before it), then thread d < W: the count of tokens
+   sent to d (its slot's count word of this source), the call tag (``call_tag(epoch, the plan's
+   counts fingerprint)``, st.relaxed.sys into word W + parity * W + rank of d's communication
+   block), fence.acq_rel.sys and red.release.sys.add of 1 on d's counter[rank]. So each call
+   adds exactly ``ctas`` to every owner's counter of this source (one marker per CTA, 0 tokens
+   or not): the owner's expected count advances by ``ctas`` per source and call with no data
+   read (the CTA count must be the same on every rank: MoEDispatch agrees on it).
+   Why a marker per CTA and not the rows: the owner cannot know how many tokens a source sends
+   it (deduplicated per destination) without the data; the count travels in the slot and the
+   marker tells that it and the rows have landed.
+
+Why the slots are free to write (the combine's argument, docs/CONTRACTS.md): this rank's send
+of call c runs after its expand (or scale) of call c - 1 on the stream, which waited for every
+owner's markers of c - 1, which each owner posted after its own reader of c - 2, the last one
+of this slot.
+"""
+
+DEFAULT_THREADS = 256
+DEFAULT_CTAS = 8
+
+
+def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREADS):
+    """@cute.jit launcher of the send kernel for W = ``world_size`` ranks (shared arrays of W
+    destinations) and ``topk`` ids per token."""
+    W, K, NT = int(world_size), int(topk), int(threads)
+    if not 1 <= W <= 64:
+        raise ValueError(f"world_size={W} must be in [1, 64] (a 64-bit destination mask)")
+    if not 1 <= K <= 64:
+        raise ValueError(f"topk={K} must be in [1, 64]")
+    if NT % 32 or not 32 <= NT <= 1024 or NT < W:
+        raise ValueError(f"threads={NT} must be a multiple of 32 in [max(32, W), 1024]")
+    if W * NT * 4 > 64 * 1024:
+        raise ValueError(f"W x threads = {W * NT} list entries exceed 64 KiB of shared memory")
+    import cutlass
+    import cutlass.cute as cute
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    from ..kernels import primitives as P
+    from .plan_kernel import simt_helpers
+    H = simt_helpers()
+    lds, sts, ptx1 = H.lds, H.sts, H.ptx1
+    NW = NT // 32
+
+    def ballot(pred):
+        return ptx1("{ .reg .pred p; setp.ne.s32 p, {$r0}, 0; "
+                    "vote.sync.ballot.b32 {$w0}, p, -1; }", pred)
+
+    def popc(v):
+        return ptx1("popc.b32 {$w0}, {$r0};", v)
+
+    def bit(mask, d):
+        """Int32 bit d of an Int64 mask."""
+        return Int32((mask >> Int64(d)) & Int64(1))
+
+    @cute.kernel
+    def send_kernel(x: Int64, ids: Int64, T: Int32, El: Int32, row_bytes: Int64, rank: Int32,
+                    tmax: Int32, recv_peers: Int64, ctr_peers: Int64, slot_bytes: Int64,
+                    ids_offset: Int64, count_offset: Int64, epoch_ptr: Int64,
+                    fingerprint_ptr: Int64, err: Int64):
+        tidx, bidx, nblk = P.thread_block_grid()
+        lane = tidx & Int32(31)
+        warp = tidx >> Int32(5)
+        lt_mask = (Int32(1) << lane) - Int32(1)
+        alloc = cutlass.memory.SmemAllocator()
+        arr = alloc.allocate_array(cutlass.Int32, 2 * NW * W + 2 * W + W * NT,
+                                   byte_alignment=16).toint()
+        BAL = arr  # [NW][W] ballots of the batch
+        PRE = BAL + Int32(4 * NW * W)  # [NW][W] tokens to d in the warps before
+        TOT = PRE + Int32(4 * NW * W)  # [W] tokens to d in the batch
+        BASE = TOT + Int32(4 * W)  # [W] tokens to d in the batches before
+        LIST = BASE + Int32(4 * W)  # [W][NT] the batch's tokens to d, in token order
+        E = El * Int32(W)
+        epoch = P.ld_s32(epoch_ptr)
+        slot_off = Int64(epoch & Int32(1)) * slot_bytes
+        e0 = Int32(0)
+        if tidx == Int32(0):
+            e0 = P.error_set(err)
+        failed = P.block_any(e0)
+        if tidx < Int32(W):
+            sts(BASE, tidx, Int32(0))
+        nb = (T + Int32(NT - 1)) // Int32(NT)
+        if failed != Int32(0):
+            nb = Int32(0)
+        n_ch = row_bytes // Int64(16)
+        b = Int32(0)
+        while b < nb:
+            t = b * Int32(NT) + tidx
+            mask = Int64(0)
+            if t < T:
+                for j in cutlass.range_constexpr(K):
+                    v = P.ld_s32(ids + (Int64(t) * Int64(K) + Int64(j)) * Int64(4))
+                    if P.in_range_s64(Int64(v), Int64(0), Int64(E)) != Int32(0):
+                        mask = mask | (Int64(1) << Int64(v // El))
+            d = Int32(0)
+            while d < Int32(W):
+                bl = ballot(bit(mask, d))
+                if lane == Int32(0):
+                    sts(BAL, warp * Int32(W) + d, bl)
+                d = d + Int32(1)
+            P.block_sync()
+            if tidx < Int32(W):
+                run = Int32(0)
+                for w in cutlass.range_constexpr(NW):
+                    sts(PRE, Int32(w * W) + tidx, run)
+                    run = run + popc(lds(BAL, Int32(w * W) + tidx))
+                sts(TOT, tidx, run)
+            P.block_sync()
+            if b % nblk == bidx:  # this CTA stores batch b
+                d = Int32(0)
+                while d < Int32(W):
+                    if bit(mask, d) != Int32(0):
+                        r = lds(PRE, warp * Int32(W) + d) + popc(
+                            lds(BAL, warp * Int32(W) + d) & lt_mask)
+                        sts(LIST, d * Int32(NT) + r, tidx)
+                    d = d + Int32(1)
+                P.block_sync()
+                d = Int32(0)
+                while d < Int32(W):
+                    n = lds(TOT, d)
+                    base = Int64(rank) * Int64(tmax) + Int64(lds(BASE, d))
+                    dst0 = P.ld_s64(recv_peers + Int64(d) * Int64(8)) + slot_off
+                    i = Int64(tidx)
+                    while i < Int64(n) * n_ch:
+                        r = i // n_ch
+                        c = i - r * n_ch
+                        tok = Int64(b * Int32(NT) + lds(LIST, d * Int32(NT) + Int32(r)))
+                        P.st_v4(dst0 + (base + r) * row_bytes + c * Int64(16),
+                                P.ld_v4(x + tok * row_bytes + c * Int64(16)))
+                        i = i + Int64(NT)
+                    i = Int64(tidx)
+                    while i < Int64(n) * Int64(K):
+                        r = i // Int64(K)
+                        j = i - r * Int64(K)
+                        tok = Int64(b * Int32(NT) + lds(LIST, d * Int32(NT) + Int32(r)))
+                        P.st_s32(dst0 + ids_offset + ((base + r) * Int64(K) + j) * Int64(4),
+                                 P.ld_s32(ids + (tok * Int64(K) + j) * Int64(4)))
+                        i = i + Int64(NT)
+                    d = d + Int32(1)
+            P.block_sync()  # the list and BASE are read before they change
+            if tidx < Int32(W):
+                sts(BASE, tidx, lds(BASE, tidx) + lds(TOT, tidx))
+            P.block_sync()
+            b = b + Int32(1)
+        # ---- arrival: count word, call tag, one marker per CTA on every owner (this one too)
+        P.block_sync()  # every store of the CTA precedes the release below
+        if tidx < Int32(W) and failed == Int32(0):
+            dst0 = P.ld_s64(recv_peers + Int64(tidx) * Int64(8)) + slot_off
+            P.st_s32(dst0 + count_offset + Int64(rank) * Int64(4), lds(BASE, tidx))
+            peer_ctr = P.ld_s64(ctr_peers + Int64(tidx) * Int64(8))
+            P.st_relaxed_sys_s64(peer_ctr + (Int64(W) + Int64(epoch & Int32(1)) * Int64(W)
+                                             + Int64(rank)) * Int64(8),
+                                 P.call_tag(epoch, P.ld_s32(fingerprint_ptr)))
+            P.fence_acq_rel_sys()
+            P.red_release_sys_add_s64(peer_ctr + Int64(rank) * Int64(8), Int64(1))
+
+    @cute.jit
+    def launch(x: Int64, ids: Int64, T: Int32, El: Int32, row_bytes: Int64, rank: Int32,
+               tmax: Int32, recv_peers: Int64, ctr_peers: Int64, slot_bytes: Int64,
+               ids_offset: Int64, count_offset: Int64, epoch_ptr: Int64, fingerprint_ptr: Int64,
+               err: Int64, ctas: Int32, stream: cuda.CUstream):
+        send_kernel(x, ids, T, El, row_bytes, rank, tmax, recv_peers, ctr_peers, slot_bytes,
+                    ids_offset, count_offset, epoch_ptr, fingerprint_ptr, err).launch(
+            grid=[ctas, 1, 1], block=[NT, 1, 1], stream=stream)
+
+    return launch
+
+
+def send_example_args():
+    """Example arguments of the send launcher (types only), for cute.compile."""
+    import cuda.bindings.driver as cuda
+    from cutlass import Int32, Int64
+    return [Int64(0), Int64(0), Int32(0), Int32(1), Int64(16), Int32(0), Int32(1)] + \
+        [Int64(0)] * 8 + [Int32(1), cuda.CUstream(0)]
+
+
+class DispatchSend:
+    """Compiled send kernel + launch helper (torch tensors in, never synchronizes)."""
+
+    def __init__(self, world_size: int, topk: int, threads: int = DEFAULT_THREADS,
+                 ctas: int = DEFAULT_CTAS):
+        if not 1 <= int(ctas) <= 1024:
+            raise ValueError(f"ctas={ctas} must be in [1, 1024]")
+        self.world_size, self.topk = int(world_size), int(topk)
+        self.threads, self.ctas = int(threads), int(ctas)
+        self._fn = None
+        self._launcher = None
+
+    def compile(self):
+        if self._fn is None:
+            import cutlass.cute as cute
+            self._fn = cute.compile(build_dispatch_send(self.world_size, self.topk,
+                                                        self.threads), *send_example_args())
+        return self._fn
+
+    def launch(self, *, x, ids, experts_per_rank: int, rank: int, max_tokens: int, recv_peers,
+               ctr_peers, layout: dict, slot_stride: int, epoch, fingerprint, err, stream=None):
+        """x: [T, D] bf16 contiguous; ids: int32 [T, topk] contiguous; recv_peers / ctr_peers:
+        int64 [W] (the CommBuffer's receive-buffer / communication-block base on every rank,
+        mapped here); layout: ``dispatch_index.slot_layout``; slot_stride: bytes between the
+        buffer's two slots (``CommBuffer.slot_bytes``, >= layout's); epoch / fingerprint: int32
+        [1]."""
+        import torch
+        from ..kernels.primitives import LaunchCache
+        fn = self.compile()
+        if self._launcher is None:
+            self._launcher = LaunchCache(fn)
+        if stream is None:
+            stream = torch.cuda.current_stream(x.device)
+        self._launcher((x.data_ptr(), ids.data_ptr(), ids.shape[0], int(experts_per_rank),
+                        layout["row_bytes"], int(rank), int(max_tokens), recv_peers.data_ptr(),
+                        ctr_peers.data_ptr(), int(slot_stride), layout["ids_offset"],
+                        layout["count_offset"], epoch.data_ptr(), fingerprint.data_ptr(),
+                        err.data_ptr(), self.ctas), stream.cuda_stream)

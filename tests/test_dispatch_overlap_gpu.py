@@ -1,0 +1,169 @@
+"""GPU checks of MoEDispatch(backend="overlap") (issue 39 item 1), ranks as processes: 2 / 4 GPUs,
+or one GPU shared with MOE_OVERLAP_SHARE_GPU=1 (tests/conftest.py spawn_ranks). Not run yet
+(written on a machine without a GPU): "auto" stays "reference" until this file passes.
+
+Per rank: bitwise equal to the reference backend (the same x, ids, plan, counts; rows =
+plan.row_capacity) at W = 2 and 4 over random, skewed and duplicate routings with ranks of 0
+tokens; the receive slots NaN-poisoned before the calls (a row read from a stale slot shows);
+a CUDA graph captured once and replayed with new routings written into the same input tensors
+(plan and counts recomputed inside the graph, validate=False); and a rank that skips a call:
+the others' waits time out (timeout_s=2) naming it, reset() recovers.
+
+Run: ``MOE_OVERLAP_SHARE_GPU=1 CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1
+python -m pytest -q tests/test_dispatch_overlap_gpu.py``.
+"""
+import pytest
+import torch
+
+from conftest import require_module, spawn_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
+
+require_module(gpus=2)
+
+EL, D, K, T_MAX, TILE_M = 4, 256, 4, 96, 64
+
+
+def _inputs(rank, W, T, seed, kind="uniform"):
+    from moe_overlap.routing import route
+    dev = torch.device("cuda", torch.cuda.current_device())
+    E = EL * W
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if kind == "dup":
+        ids = torch.randint(0, E, (T, K), generator=g)
+    elif kind == "skew" and T:
+        ids = route(T, E, K, "stress_skew", seed=seed, rank=rank)[0]
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+            torch.zeros(0, K, dtype=torch.long)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    return x.to(dev), ids.to(dev)
+
+
+def _bitwise(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _worker(rank, W):
+    from moe_overlap import MoEDispatch
+    from moe_overlap.combine import exchange_counts
+    from moe_overlap.combine.comm_buffer import CommBuffer, OverlapError
+    from moe_overlap.combine.plan import plan_combine
+    from moe_overlap.kernels import errors as Er
+    res = {"bitwise": [], "graph": []}
+    E = EL * W
+    comm = CommBuffer(None, "nvlink")
+    ov = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, timeout_s=2.0)
+    ref = MoEDispatch(E, D, K, T_MAX, backend="reference")
+    comm.buffers.recv.fill_(float("nan"))  # poisoned slots: stale rows would show
+    cases = [(T, kind) for kind in ("uniform", "skew", "dup")
+             for T in ((0 if rank == 1 else 70), 1 + 29 * rank, T_MAX)]
+    with torch.no_grad():
+        for i, (T, kind) in enumerate(cases):
+            x, ids = _inputs(rank, W, T, seed=i, kind=kind)
+            counts = exchange_counts(ids, E)
+            for layout in ("aligned", "packed"):
+                plan = plan_combine(counts, rank, tile_m=TILE_M, layout=layout)
+                rows = plan.row_capacity
+                got = ov(x, ids, plan, counts, rows=rows)
+                want = ref(x, ids, plan, counts, rows=rows)
+                res["bitwise"].append((i, layout, T, _bitwise(got, want)))
+        ov.check_errors()
+        # autograd refused
+        try:
+            with torch.enable_grad():
+                xg = _inputs(rank, W, 4, seed=99)[0].requires_grad_()
+                ids4 = _inputs(rank, W, 4, seed=99)[1]
+                c4 = exchange_counts(ids4, E)
+                ov(xg, ids4, plan_combine(c4, rank, tile_m=TILE_M), c4)
+            res["grad_refused"] = False
+        except OverlapError:
+            res["grad_refused"] = True
+        # CUDA graph: new routings per replay, written into the captured inputs
+        g_ov = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, validate=False)
+        T = 50 + 7 * rank
+        x_in, ids_in = _inputs(rank, W, T, seed=500)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+
+        def step():
+            c = exchange_counts(ids_in, E, validate=False)
+            p = plan_combine(c, rank, tile_m=TILE_M, validate=False,
+                             max_rows=W * T_MAX * K)
+            return g_ov(x_in, ids_in, p, c, rows=p.row_capacity), p, c
+
+        with torch.cuda.stream(s):
+            step()  # warm: compiles, allocates
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g, plan_g, counts_g = step()
+        for r in range(6):
+            x_new, ids_new = _inputs(rank, W, T, seed=600 + r, kind=("skew", "dup")[r % 2])
+            x_in.copy_(x_new)
+            ids_in.copy_(ids_new)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = ref(x_new, ids_new, plan_g, counts_g, rows=out_g.shape[0])
+            res["graph"].append(_bitwise(out_g, want))
+        comm.check_errors()
+        # a rank that skips a call: the others time out naming it
+        x, ids = _inputs(rank, W, 20, seed=7)
+        counts = exchange_counts(ids, E)
+        plan = plan_combine(counts, rank, tile_m=TILE_M)
+        fast = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, validate=False,
+                           timeout_s=2.0)
+        if rank != W - 1:
+            out = fast(x, ids, plan, counts)
+            torch.cuda.synchronize()
+            res["skip_err"] = [int(v) for v in comm.err.tolist()]
+            res["skip_nan"] = bool(torch.isnan(out.float()).all())
+            try:
+                comm.check_errors()
+                res["skip_raised"] = ""
+            except OverlapError as e:
+                res["skip_raised"] = str(e)
+        torch.distributed.barrier()
+        ov.reset()
+        out = ov(x, ids, plan, counts, rows=plan.row_capacity)
+        res["after_reset"] = _bitwise(out, ref(x, ids, plan, counts, rows=plan.row_capacity))
+        ov.check_errors()
+    res["W"] = W
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def results(request):
+    from conftest import gpu_ranks_available
+    if not gpu_ranks_available(request.param):
+        pytest.skip(f"needs {request.param} GPU ranks")
+    return spawn_ranks(_worker, request.param, backend="nccl", join_timeout_s=540,
+                       hard_exit=True)
+
+
+def test_bitwise_equal_to_the_reference_with_poisoned_slots(results):
+    for rank, r in enumerate(results):
+        bad = [c for c in r["bitwise"] if not c[-1]]
+        assert r["bitwise"] and not bad, (rank, bad)
+        assert r["grad_refused"], rank
+
+
+def test_graph_replays_with_new_routings(results):
+    for rank, r in enumerate(results):
+        assert len(r["graph"]) == 6 and all(r["graph"]), (rank, r["graph"])
+
+
+def test_a_rank_that_skips_a_call_is_named_by_the_others(results):
+    from moe_overlap.kernels import errors as Er
+    W = results[0]["W"]
+    for rank, r in enumerate(results[:-1]):
+        err = r["skip_err"]
+        assert err[0] in (Er.ERR_DISPATCH_TIMEOUT, Er.ERR_PEER_ERROR), (rank, err)
+        if err[0] == Er.ERR_DISPATCH_TIMEOUT:
+            assert err[1] == rank and err[2] == W - 1, (rank, err)  # names the skipping rank
+        assert r["skip_nan"], rank
+        assert f"source rank {W - 1}" in r["skip_raised"] or f"rank {W - 1}" in \
+            r["skip_raised"], r["skip_raised"]
+    for rank, r in enumerate(results):
+        assert r["after_reset"], rank
