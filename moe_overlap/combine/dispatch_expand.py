@@ -66,24 +66,9 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
                     fingerprint_ptr: Int64):
         tidx, src, _ = P.thread_block_grid()
         if tidx == Int32(0) and src < Int32(W):
-            if P.error_set(err) == Int32(0):
-                epoch = P.ld_s32(epoch_ptr)
-                t0 = P.globaltimer()
-                exp = P.ld_s64(expected + Int64(src) * Int64(8))
-                st, v, el, code = P.wait_ge_sys_s64_or_peer_error(
-                    counters + Int64(src) * Int64(8), exp,
-                    P.peer_error_word(err_peers, src, err), t0, timeout_ns)
-                if st == Int32(1):
-                    P.record_error(err, Int32(ERR_DISPATCH_TIMEOUT), rank, src, epoch, v, exp,
-                                   el)
-                elif st == Int32(2):
-                    P.record_error(err, Int32(P.ERR_PEER_ERROR), rank, src, epoch, code, v,
-                                   el)
-                else:
-                    P.check_call_tag(err, rank, src, counters + (
-                        Int64(W) + Int64(epoch & Int32(1)) * Int64(W) + Int64(src)) * Int64(8),
-                        epoch, P.ld_s32(fingerprint_ptr))
-                P.fence_acq_rel_sys()
+            P.wait_source_call(counters, expected, Int32(W), rank, src, err, timeout_ns,
+                               epoch_ptr, err_peers, fingerprint_ptr,
+                               Int32(ERR_DISPATCH_TIMEOUT), Int32(1))
 
     @cute.jit
     def zero_rows(out: Int64, r0: Int32, r1: Int32, out_rows: Int32, n_ch: Int64,

@@ -82,27 +82,9 @@ def build_scale(topk: int, threads: int = DEFAULT_THREADS, y_src: bool = False,
                     fingerprint_ptr: Int64):
         tidx, src, _ = P.thread_block_grid()
         if tidx == Int32(0) and src < world:
-            if P.error_set(err) == Int32(0):
-                epoch = P.ld_s32(epoch_ptr)
-                t0 = P.globaltimer()
-                exp = P.ld_s64(expected + Int64(src) * Int64(8))
-                st, v, el, code = P.wait_ge_sys_s64_or_peer_error(
-                    counters + Int64(src) * Int64(8), exp,
-                    P.peer_error_word(err_peers, src, err), t0, timeout_ns)
-                if st == Int32(1):
-                    P.record_error(err, Int32(P.ERR_SCALE_TIMEOUT), rank, src, epoch, v, exp,
-                                   el)
-                elif st == Int32(2):
-                    # the source recorded an error: it ships nothing more (sticky), so stop
-                    # now and name it (a no-op if the word seen is this rank's own: the cas
-                    # finds it set; the first error stays the one recorded)
-                    P.record_error(err, Int32(P.ERR_PEER_ERROR), rank, src, epoch, code, v,
-                                   el)
-                elif check_tags != Int32(0):
-                    P.check_call_tag(err, rank, src, counters + (
-                        Int64(world) + Int64(epoch & Int32(1)) * Int64(world) + Int64(src))
-                        * Int64(8), epoch, P.ld_s32(fingerprint_ptr))
-                P.fence_acq_rel_sys()
+            P.wait_source_call(counters, expected, world, rank, src, err, timeout_ns, epoch_ptr,
+                               err_peers, fingerprint_ptr, Int32(P.ERR_SCALE_TIMEOUT),
+                               check_tags)
 
     @cute.kernel
     def scale_kernel(recv: Int64, rows: Int64, weights: Int64, out: Int64, T: Int32,

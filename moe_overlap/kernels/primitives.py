@@ -517,6 +517,37 @@ def check_call_tag(err: Int64, rank: Int32, src: Int32, tag_addr: Int64, epoch: 
 
 
 @cute.jit
+def wait_source_call(counters: Int64, expected: Int64, world: Int32, rank: Int32, src: Int32,
+                     err: Int64, timeout_ns: Int64, epoch_ptr: Int64, err_peers: Int64,
+                     fingerprint_ptr: Int64, timeout_code: Int32, check_tags: Int32):
+    """One thread of an owner's wait for source ``src``'s data of this call (the combine's
+    scale, the dispatch's expand): unless this rank's error word is set, a bounded acquire
+    (.sys) until ``counters[src] >= expected[src]``, polling the source's error word. A timeout
+    records ``timeout_code`` (rank, source, epoch, counter, expected, elapsed); a source that
+    recorded an error ERR_PEER_ERROR (it ships nothing more: stop now and name it; a no-op where
+    the word seen is this rank's own, the first error stays the one recorded); else, with
+    ``check_tags``, the source's tag of this call's slot (communication block word world +
+    (epoch & 1) * world + src) must be ``call_tag(epoch, fingerprint)``. Then a .sys acq_rel
+    fence, so the CTA's later reads of the received rows see the source's stores."""
+    if error_set(err) == Int32(0):
+        epoch = ld_s32(epoch_ptr)
+        t0 = globaltimer()
+        exp = ld_s64(expected + Int64(src) * Int64(8))
+        st, v, el, code = wait_ge_sys_s64_or_peer_error(
+            counters + Int64(src) * Int64(8), exp, peer_error_word(err_peers, src, err), t0,
+            timeout_ns)
+        if st == Int32(1):
+            record_error(err, timeout_code, rank, src, epoch, v, exp, el)
+        elif st == Int32(2):
+            record_error(err, Int32(ERR_PEER_ERROR), rank, src, epoch, code, v, el)
+        elif check_tags != Int32(0):
+            check_call_tag(err, rank, src, counters + (
+                Int64(world) + Int64(epoch & Int32(1)) * Int64(world) + Int64(src)) * Int64(8),
+                epoch, ld_s32(fingerprint_ptr))
+        fence_acq_rel_sys()
+
+
+@cute.jit
 def wait_eq_gpu_s32(addr: Int64, expected: Int32, t0: Int64, timeout_ns: Int64):
     """Spin (acquire, gpu scope) until ``*addr == expected`` or ``timeout_ns`` has passed since
     ``t0``. Returns (timed_out: Int32, last value: Int32, now - t0: Int64)."""
