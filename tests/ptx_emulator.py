@@ -1,17 +1,28 @@
-"""A small PTX interpreter for the SIMT kernels of the planner (integer ops, predicates,
-shuffles, CTA barriers, global / shared / param memory): runs the PTX the CuTe DSL compiles for
+"""A small PTX interpreter for SIMT kernels (integer ops, predicates, shuffles and ballots, CTA
+barriers and barrier reductions, global / shared / param memory with scalar and .v2 / .v4
+accesses, red / atom add and cas, fences, %globaltimer): runs the PTX the CuTe DSL compiles for
 sm_90a on the host, so a compile-only machine can execute a kernel's exact instructions on
-given inputs (tests/test_plan_kernel_emulated.py).
+given inputs (tests/test_plan_kernel_emulated.py: the planner; tests/
+test_dispatch_overlap_emulated.py: the dispatch's send, wait and expand kernels of several
+emulated ranks in one memory).
 
 Scope: the instruction forms those kernels use (an unknown one raises NotImplementedError, so a
 kernel change that needs more fails loudly, never silently). Every thread runs until it reaches
-a shuffle or a barrier; a warp's shuffle is resolved when all its lanes stand at it (the kernels
-shuffle with a full mask in warp-uniform code), a barrier when every thread of the CTA stands at
-it. CTAs run one after the other (no inter-CTA communication in these kernels): the order of
-two CTAs' stores to one word is the launch order here, any order on a GPU, so a result that
-depends on it is a race the caller must look for separately (``Emulator.writers``). Threads of
-a CTA run one after the other between barriers, so a missing barrier (a shared-memory race) is
-not found here either.
+a shuffle, a ballot or a barrier; a warp's shuffle or ballot is resolved when all its lanes
+stand at it (the kernels use a full mask in warp-uniform code), a barrier when every thread of
+the CTA stands at it. CTAs run one after the other: the order of two CTAs' stores to one word is
+the launch order here, any order on a GPU, so a result that depends on it is a race the caller
+must look for separately (``Emulator.writers``). Threads of a CTA run one after the other
+between barriers, so a missing barrier (a shared-memory race) is not found here either.
+
+A sequential model: memory-order and scope qualifiers (.relaxed / .acquire / .release, .gpu /
+.sys), cache operators (.cg) and fences (fence.acq_rel / fence.sc) change nothing here, and a
+kernel that waits on another CTA or kernel only sees what ran before it (a wait whose condition
+is not met spins on %globaltimer, a counter advancing per read, until its bound). What it cannot
+see: real concurrency (interleavings, a CTA waiting for one launched after it) and memory
+ordering (a missing fence or release, a stale L1 line); those stay for the GPU runs and the
+PTX order checks (e.g. tests/test_dispatch_overlap_compile.py). Global and shared accesses must
+be aligned to their size, as on the GPU.
 """
 from __future__ import annotations
 
@@ -81,8 +92,18 @@ class _Kernel:
                            lambda mm: ren.get(mm.group(1), mm.group(1)), s)
             self.stmts.append(s)
 
+        def in_statement():
+            """A statement has begun (its braces are a vector operand, not an inline-asm scope);
+            labels before it do not count."""
+            return re.sub(r"^\s*(\$?[\w$]+:\s*)*", "", "".join(cur)).strip() != ""
+
         while i < n:
             c = body[i]
+            if c == "{" and in_statement():
+                close = body.index("}", i)
+                cur.append(body[i:close + 1].replace(",", "|"))  # one operand: a|b|c|d
+                i = close + 1
+                continue
             if c == "{":
                 flush()
                 scopes.append(i)
@@ -100,17 +121,28 @@ class _Kernel:
             i += 1
 
 
+# qualifiers of ld / st / red / atom that change nothing in a sequential model (memory-order
+# semantics and scopes, cache operators); any other qualifier is refused
+_ORDER_QUALS = {"weak", "relaxed", "acquire", "release", "acq_rel", "cta", "gpu", "sys",
+                "ca", "cg", "cs", "wb"}
+
+
 class Emulator:
     """Runs one kernel of `ptx`. Global memory: a flat bytearray (addresses are offsets into
-    it); ``writers`` maps each global word address written to the set of CTAs that wrote it."""
+    it; ``mem`` shares one between several emulators, e.g. one per rank and kernel, so peer
+    pointers are plain offsets); ``writers`` maps each global word address written to the set
+    of CTAs that wrote it. ``%globaltimer`` reads a counter that advances ``timer_step_ns`` per
+    read (a bounded wait times out after timeout / step reads)."""
 
-    def __init__(self, ptx: str, global_bytes: int, shared_bytes: int = 1 << 16,
-                 name: str | None = None):
+    def __init__(self, ptx: str, global_bytes: int = 0, shared_bytes: int = 1 << 16,
+                 name: str | None = None, mem: bytearray | None = None,
+                 timer_step_ns: int = 1000):
         self.k = _Kernel(ptx, name)
-        self.mem = bytearray(global_bytes)
+        self.mem = bytearray(global_bytes) if mem is None else mem
         self.shared_bytes = shared_bytes
         self.writers: dict[int, set] = {}
         self.executed = 0
+        self.clock, self.timer_step_ns = 0, int(timer_step_ns)
 
     # ---- memory helpers for the caller --------------------------------------------------
     def write_words(self, addr, values, bits=32):
@@ -138,6 +170,11 @@ class Emulator:
             return lambda t, r: 0
         if a == "__dynamic_shmem__0":
             return lambda t, r: 0
+        if a == "%globaltimer":
+            def timer(t, r):
+                self.clock += self.timer_step_ns
+                return self.clock & m
+            return timer
         if re.fullmatch(r"-?\d+", a):
             c = int(a) & m
             return lambda t, r: c
@@ -201,9 +238,23 @@ class Emulator:
         if name in ("ret", "exit"):
             return lambda t, r, sh: _DONE
         if name == "bar":
+            if base[1] == "red" and base[2] in ("or", "and") and typ == "pred":
+                return lambda t, r, sh: _BAR  # the reduction is done at the release
+            if op != "bar.sync" or len(args) != 1:
+                raise NotImplementedError(f"barrier form {op} {args}")
             return lambda t, r, sh: _BAR
         if name == "shfl":
             return lambda t, r, sh: _SHFL
+        if name == "vote":
+            if op != "vote.sync.ballot.b32" or args[2] not in ("-1", "0xffffffff", "0xFFFFFFFF"):
+                raise NotImplementedError(f"vote form {op} {args} (full-mask ballot only)")
+            return lambda t, r, sh: _SHFL  # a warp collective, resolved as the shuffles
+        if name == "fence":
+            # memory ordering is invisible in a sequential model: the proxy / mbarrier fences
+            # concern machinery it does not model, so they are refused
+            if base[1] not in ("acq_rel", "sc") or len(base) != 3:
+                raise NotImplementedError(f"fence form {op}")
+            return lambda t, r, sh: nxt
         d = args[0] if args else None
         if name == "mov":
             if typ == "pred":
@@ -251,6 +302,20 @@ class Emulator:
                 r[d] = fn(sg(a(t, r)), sg(b(t, r))) & m
                 return nxt
             return f
+        if name == "popc":
+            a = O(args[1])
+
+            def f(t, r, sh):
+                r[d] = bin(a(t, r)).count("1")
+                return nxt
+            return f
+        if name == "neg":
+            a = O(args[1])
+
+            def f(t, r, sh):
+                r[d] = -a(t, r) & m
+                return nxt
+            return f
         if name == "not":
             a = O(args[1])
 
@@ -260,12 +325,17 @@ class Emulator:
             return f
         if name == "mul" or name == "mad":
             wide = base[1] == "wide"
-            if base[1] not in ("wide", "lo") or (wide and name == "mad"):
+            if base[1] not in ("wide", "lo", "hi") or (base[1] != "lo" and name == "mad"):
                 raise NotImplementedError(op)
             a, b = O(args[1]), O(args[2])
             c = O(args[3]) if name == "mad" else (lambda t, r: 0)
             sg = (lambda v: _s(v, bits)) if signed else (lambda v: v)
             mm = (1 << (2 * bits)) - 1 if wide else m
+            if base[1] == "hi":  # the high half of the 2 x bits product (division by constants)
+                def f(t, r, sh):
+                    r[d] = (sg(a(t, r)) * sg(b(t, r)) >> bits) & m
+                    return nxt
+                return f
 
             def f(t, r, sh):
                 r[d] = (sg(a(t, r)) * sg(b(t, r)) + sg(c(t, r))) & mm
@@ -289,8 +359,10 @@ class Emulator:
                     return nxt
             return f
         if name == "setp":
-            cmp_, ct = base[1], base[2]
-            if len(args) != 3 or "|" in d:
+            cmp_, ct = base[1], base[-1]
+            combine = base[2] if len(base) == 4 else None
+            if "|" in d or len(base) not in (3, 4) or len(args) != (3 if combine is None else 4) \
+                    or combine not in (None, "and", "or", "xor"):
                 raise NotImplementedError(f"setp form {op} {args}")
             cb = _bits(ct)
             a, b = O(args[1], cb), O(args[2], cb)
@@ -299,8 +371,17 @@ class Emulator:
                   "lt": lambda x, y: x < y, "le": lambda x, y: x <= y,
                   "gt": lambda x, y: x > y, "ge": lambda x, y: x >= y}[cmp_]
 
+            if combine is None:
+                def f(t, r, sh):
+                    r[d] = fn(sg(a(t, r)), sg(b(t, r)))
+                    return nxt
+                return f
+            cneg, cp = args[3].startswith("!"), args[3].lstrip("!")
+            bfn = {"and": lambda x, y: x and y, "or": lambda x, y: x or y,
+                   "xor": lambda x, y: x != y}[combine]
+
             def f(t, r, sh):
-                r[d] = fn(sg(a(t, r)), sg(b(t, r)))
+                r[d] = bfn(fn(sg(a(t, r)), sg(b(t, r))), r[cp] != cneg)
                 return nxt
             return f
         if name == "selp":
@@ -321,57 +402,107 @@ class Emulator:
                 r[d] = sg(a(t, r)) & dm
                 return nxt
             return f
-        if name in ("ld", "st"):
-            space, nb = base[1], bits // 8
-            mem = self.mem
-            if name == "ld":
-                kind, addr = self._address(args[1])
-                if space == "param":
-                    c = self.param[addr] & m
-
-                    def f(t, r, sh):
-                        r[d] = c
-                        return nxt
-                    return f
-                if space == "global":
-                    def f(t, r, sh):
-                        x = addr(t, r) & M64
-                        if x + nb > len(mem):
-                            raise IndexError(f"global load at {x:#x} outside memory")
-                        r[d] = int.from_bytes(mem[x:x + nb], "little")
-                        return nxt
-                    return f
-                if space == "shared":
-                    def f(t, r, sh):
-                        x = addr(t, r) & M32
-                        r[d] = int.from_bytes(sh[x:x + nb], "little")
-                        return nxt
-                    return f
-                raise NotImplementedError(op)
-            kind, addr = self._address(args[0])
-            v = O(args[1])
-            if space == "global":
-                writers = self.writers
-
-                def f(t, r, sh):
-                    x = addr(t, r) & M64
-                    if x + nb > len(mem):
-                        raise IndexError(f"global store at {x:#x} outside memory")
-                    mem[x:x + nb] = (v(t, r) & m).to_bytes(nb, "little")
-                    for w in range(x - x % 4, x + nb, 4):
-                        writers.setdefault(w, set()).add(t["cta"])
-                    return nxt
-                return f
-            if space == "shared":
-                def f(t, r, sh):
-                    x = addr(t, r) & M32
-                    if x + nb > len(sh):
-                        raise IndexError(f"shared store at {x:#x} outside the shared memory")
-                    sh[x:x + nb] = (v(t, r) & m).to_bytes(nb, "little")
-                    return nxt
-                return f
-            raise NotImplementedError(op)
+        if name in ("ld", "st", "red", "atom"):
+            return self._compile_memory(op, base, args, nxt)
         raise NotImplementedError(f"PTX op {op}")
+
+    def _compile_memory(self, op, base, args, nxt):
+        """ld / st (scalar or .v2 / .v4; global, shared, param) and red / atom (add, cas) on
+        global memory. Order and scope qualifiers and cache operators are accepted and mean
+        nothing here (one thread at a time); global and shared accesses must be aligned to
+        their size, as on the GPU."""
+        name, typ = base[0], base[-1]
+        quals = base[1:-1]
+        spaces = [q for q in quals if q in ("global", "shared", "param")]
+        vec = [q for q in quals if q in ("v2", "v4")]
+        rop = [q for q in quals if q in ("add", "cas")]
+        rest = [q for q in quals if q not in _ORDER_QUALS and q not in spaces + vec + rop]
+        atomic = name in ("red", "atom")
+        if (len(spaces) != 1 or rest or len(vec) > 1 or len(rop) != atomic
+                or (atomic and (vec or spaces[0] != "global" or (name, rop[0]) == ("red", "cas")))
+                or typ[0] not in "sub" or not typ[1:].isdigit()):
+            raise NotImplementedError(f"memory op {op}")
+        space, bits = spaces[0], _bits(typ)
+        nb, m = bits // 8, (1 << bits) - 1
+        nv = int(vec[0][1:]) if vec else 1
+        width = nb * nv
+        mem, writers = self.mem, self.writers
+
+        def regs_of(a):
+            out = [x.strip() for x in a.strip("{}").split("|")] if a.startswith("{") else [a]
+            if len(out) != nv:
+                raise NotImplementedError(f"{op}: {len(out)} operands for .v{nv}")
+            return out
+
+        def at(x, size, what, limit):
+            if x % size:
+                raise RuntimeError(f"misaligned {space} {what} at {x:#x} ({size} bytes)")
+            if x + size > limit:
+                raise IndexError(f"{space} {what} at {x:#x} outside the {space} memory")
+
+        def wrote(t, x, size):
+            for w in range(x - x % 4, x + size, 4):
+                writers.setdefault(w, set()).add(t["cta"])
+
+        if atomic:
+            dst = args[0] if name == "atom" else None
+            kind, addr = self._address(args[1 if dst else 0])
+            ops = [self._operand(a, bits) for a in args[(2 if dst else 1):]]
+            if len(ops) != (2 if rop[0] == "cas" else 1):
+                raise NotImplementedError(f"{op} {args}")
+
+            def f(t, r, sh):
+                x = addr(t, r) & M64
+                at(x, nb, name, len(mem))
+                old = int.from_bytes(mem[x:x + nb], "little")
+                if rop[0] == "add":
+                    new = (old + ops[0](t, r)) & m
+                else:
+                    new = ops[1](t, r) if old == ops[0](t, r) else old
+                mem[x:x + nb] = new.to_bytes(nb, "little")
+                wrote(t, x, nb)
+                if dst:
+                    r[dst] = old
+                return nxt
+            return f
+        if name == "ld":
+            dsts = regs_of(args[0])
+            kind, addr = self._address(args[1])
+            if space == "param":
+                if nv != 1 or kind != "param":
+                    raise NotImplementedError(f"{op} {args}")
+                c = self.param[addr] & m
+
+                def f(t, r, sh):
+                    r[dsts[0]] = c
+                    return nxt
+                return f
+            glob = space == "global"
+
+            def f(t, r, sh):
+                x = addr(t, r) & (M64 if glob else M32)
+                src = mem if glob else sh
+                at(x, width, "load", len(src))
+                for j, dd in enumerate(dsts):
+                    r[dd] = int.from_bytes(src[x + nb * j:x + nb * (j + 1)], "little")
+                return nxt
+            return f
+        if space == "param":
+            raise NotImplementedError(op)
+        kind, addr = self._address(args[0])
+        vals = [self._operand(a, bits) for a in regs_of(args[1])]
+        glob = space == "global"
+
+        def f(t, r, sh):
+            x = addr(t, r) & (M64 if glob else M32)
+            dst_mem = mem if glob else sh
+            at(x, width, "store", len(dst_mem))
+            for j, v in enumerate(vals):
+                dst_mem[x + nb * j:x + nb * (j + 1)] = (v(t, r) & m).to_bytes(nb, "little")
+            if glob:
+                wrote(t, x, width)
+            return nxt
+        return f
 
     # ---- execution ------------------------------------------------------------------------
     def launch(self, grid, block, params):
@@ -383,6 +514,15 @@ class Emulator:
         for i, s in enumerate(self.k.stmts):
             if s.startswith("shfl"):
                 self._args[i] = self._shfl_args(s)
+            elif s.startswith("vote"):  # vote.sync.ballot.b32 d, p, -1 (checked when compiled)
+                d, p = [a.strip() for a in s.split(None, 1)[1].split(",")][:2]
+                self._args[i] = ("ballot", d, p)
+            elif s.startswith("bar.red"):  # bar.red.{or,and}.pred d, 0, p
+                op, rest = s.split(None, 1)
+                d, bar_id, p = [a.strip() for a in rest.split(",")]
+                if bar_id != "0":
+                    raise NotImplementedError(f"barrier {bar_id}: {s}")
+                self._args[i] = (op.split(".")[2], d, p)
         for cta in range(grid):
             self._run_cta(cta, grid, block)
 
@@ -422,6 +562,14 @@ class Emulator:
                 pcs = {t["pc"] for t in live}
                 if len(pcs) != 1:
                     raise RuntimeError(f"CTA {cta}: threads at different barriers {sorted(pcs)}")
+                red = self._args[live[0]["pc"]]
+                if red is not None:  # bar.red: every thread gets the CTA's or / and
+                    op, dst, p = red
+                    neg, p = p.startswith("!"), p.lstrip("!")
+                    vals = [t["regs"][p] != neg for t in live]
+                    v = any(vals) if op == "or" else all(vals)
+                    for t in live:
+                        t["regs"][dst] = v
                 for t in live:
                     t["pc"] += 1
                     t["state"] = 0
@@ -430,6 +578,15 @@ class Emulator:
                                f"{sorted({t['state'] for t in live})}")
 
     def _shfl(self, lanes):
+        if self._args[lanes[0]["pc"]][0] == "ballot":
+            _, dst, p = self._args[lanes[0]["pc"]]
+            neg, p = p.startswith("!"), p.lstrip("!")
+            v = sum(1 << li for li, t in enumerate(lanes) if t["regs"][p] != neg)
+            for t in lanes:
+                t["regs"][dst] = v
+                t["pc"] += 1
+                t["state"] = 0
+            return
         mode, dst, dp, a, b, c = self._args[lanes[0]["pc"]]
         vals = [a(t, t["regs"]) for t in lanes]
         res = []

@@ -1,0 +1,419 @@
+"""The overlapped dispatch's compiled PTX (combine/dispatch_send.py, combine/dispatch_expand.py)
+run on the host (tests/ptx_emulator.py) for W emulated ranks whose buffers lie in one memory:
+the peer tables point at the other ranks' receive slots, communication blocks and error words.
+Per call, as ``MoEDispatch._forward_overlap`` launches them: every rank's epoch and expected
+counts advance, every rank's send kernel runs, then every rank's wait kernel (its counters are
+satisfied by then: no inter-CTA waiting) and expand kernel. Each rank's output must be bitwise
+``MoEDispatch``'s reference backend (gloo ranks) on the same inputs; the error words stay 0;
+the count words, call tags and arrival counters hold what the send kernel's docstring says; and
+every word written lies where the protocol says (the rows and ids the owner will read, its count
+word, tag and counter; the output): nothing else of the poisoned memory changes.
+
+Two calls per case (slot parities 1 then 0, cumulative counters), a rank with 0 tokens, skewed
+and duplicate routings, several send CTAs and batches, fewer expand CTAs than work items. The
+negative cases: another counts fingerprint or epoch on one rank (ERR_EPOCH_MISMATCH, NaN
+output; the sticky error then stops that rank's next send), a rank that never sends (timeout)
+or has an error recorded (ERR_PEER_ERROR) while the others wait for it.
+
+What this cannot see: real concurrency and memory ordering (the emulator runs CTAs and threads
+one after another); those stay for tests/test_dispatch_overlap_gpu.py and the PTX order checks
+of tests/test_dispatch_overlap_compile.py."""
+import os
+import re
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (read at import)
+cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+from moe_overlap import MoEDispatch  # noqa: E402
+from moe_overlap.combine import exchange_counts  # noqa: E402
+from moe_overlap.combine.dispatch_index import slot_layout  # noqa: E402
+from moe_overlap.combine.plan import plan_combine  # noqa: E402
+from moe_overlap.kernels.errors import (ERR_DISPATCH_TIMEOUT, ERR_EPOCH_MISMATCH,  # noqa: E402
+                                        ERR_PEER_ERROR, ERR_WORDS, call_tag)
+from moe_overlap.routing import route  # noqa: E402
+from conftest import compile_ptx, spawn_ranks  # noqa: E402
+from ptx_emulator import Emulator  # noqa: E402
+
+pytestmark = pytest.mark.compile
+
+K, TILE_M = 2, 64
+POISON = 0x5A
+TIMEOUT_NS = 10_000_000_000
+# W: (El, D, tokens per rank per call, routing per call, send threads, send CTAs, expand
+# threads, expand CTAs)
+CASES = {
+    2: (3, 64, [(40, 0), (3, 37)], ["skew", "dup"], 32, 2, 32, 4),
+    3: (2, 128, [(5, 0, 70), (0, 9, 2)], ["dup", "skew"], 64, 3, 32, 2),
+}
+_PTX = {}
+
+
+def _ids(W, El, tokens, kind, seed):
+    E = El * W
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r, T in enumerate(tokens):
+        if kind == "skew":
+            ids = route(T, E, K, "stress_skew", seed=seed, rank=r)[0]
+        else:  # independent draws: some tokens pick one expert twice
+            ids = torch.randint(0, E, (T, K), generator=g)
+        out.append(ids.reshape(T, K))
+    return out
+
+
+def _inputs(W, call):
+    El, D, tokens, kinds = CASES[W][:4]
+    ids = _ids(W, El, tokens[call], kinds[call], seed=10 * W + call)
+    xs = [torch.randn(T, D, generator=torch.Generator().manual_seed(100 * call + r)).to(
+        torch.bfloat16) for r, T in enumerate(tokens[call])]
+    return xs, ids
+
+
+def _layout_of(call):
+    return ("aligned", "packed")[call % 2]
+
+
+def _reference_worker(rank, W):
+    El, D, tokens = CASES[W][:3]
+    res = []
+    for call in range(2):
+        xs, ids = _inputs(W, call)
+        counts = exchange_counts(ids[rank], El * W)
+        plan = plan_combine(counts, rank, tile_m=TILE_M, layout=_layout_of(call))
+        layer = MoEDispatch(El * W, D, K, max_tokens_per_rank=max(max(t) for t in tokens))
+        res.append((counts, layer(xs[rank], ids[rank], plan, counts, rows=plan.row_capacity)))
+    return res
+
+
+def _ptx(W, nt_send, nt_exp):
+    key = (W, nt_send, nt_exp)
+    if key not in _PTX:
+        from moe_overlap.combine.dispatch_expand import build_dispatch_expand, expand_example_args
+        from moe_overlap.combine.dispatch_send import build_dispatch_send, send_example_args
+        send = compile_ptx(build_dispatch_send(W, K, nt_send), *send_example_args())
+        exp = compile_ptx(build_dispatch_expand(W, K, nt_exp), *expand_example_args())
+        _PTX[key] = (send, exp, *(re.search(rf"\.entry\s+(\w*{n}_kernel\w*)", exp).group(1)
+                                  for n in ("wait", "expand")))
+    return _PTX[key]
+
+
+def _tobytes(t):
+    return bytes(t.contiguous().view(torch.uint8).reshape(-1).tolist())
+
+
+class Heap:
+    """Named regions of one poisoned host memory, 256-byte aligned with poisoned gaps between
+    them (a store past a region lands in a gap and shows in ``where``)."""
+
+    def __init__(self):
+        self.regions, self.top = {}, 0x1000
+
+    def alloc(self, name, nbytes):
+        self.regions[name] = (self.top, int(nbytes))
+        self.top += (int(nbytes) + 255) // 256 * 256 + 256
+        return self.regions[name][0]
+
+    def make(self):
+        self.mem = bytearray([POISON]) * (self.top + 0x1000)
+        return self.mem
+
+    def __getitem__(self, name):
+        return self.regions[name][0]
+
+    def put(self, name, data: bytes, at=0):
+        a = self.regions[name][0] + at
+        self.mem[a:a + len(data)] = data
+
+    def get(self, name, nbytes=None, at=0):
+        a, n = self.regions[name]
+        a += at
+        return bytes(self.mem[a:a + (n if nbytes is None else nbytes)])
+
+    def words(self, name, count, at=0, bits=64):
+        raw = self.get(name, count * bits // 8, at)
+        return [int.from_bytes(raw[i:i + bits // 8], "little", signed=True)
+                for i in range(0, len(raw), bits // 8)]
+
+    def put_words(self, name, values, bits=64, at=0):
+        self.put(name, b"".join(int(v).to_bytes(bits // 8, "little", signed=v < 0)
+                                for v in values), at)
+
+
+class Ranks:
+    """W emulated ranks' dispatch state in one memory (a CommBuffer's worth per rank: two
+    receive slots, the communication block, the error word, the epoch, the expected counts,
+    the peer tables) and per-call inputs; ``call`` launches the kernels as MoEDispatch does."""
+
+    def __init__(self, W, Tmax, rows_max, timeout_ns=TIMEOUT_NS):
+        self.W = W
+        El, D, _, _, nt_send, ctas, nt_exp, grid_exp = CASES[W]
+        self.El, self.D, self.Tmax = El, D, Tmax
+        self.nt_send, self.ctas, self.nt_exp, self.grid_exp = nt_send, ctas, nt_exp, grid_exp
+        self.timeout_ns = timeout_ns
+        self.lay = slot_layout(W, Tmax, D, K)
+        self.stride = self.lay["slot_bytes"] + 64  # CommBuffer.slot_bytes may exceed the layout
+        E = El * W
+        h = self.h = Heap()
+        for r in range(W):
+            for name, n in (("x", Tmax * D * 2), ("ids", Tmax * K * 4),
+                            ("recv", 2 * self.stride), ("block", 3 * W * 8),
+                            ("err", ERR_WORDS * 8), ("epoch", 4), ("fp", 4),
+                            ("expected", W * 8), ("recv_peers", W * 8), ("ctr_peers", W * 8),
+                            ("err_peers", W * 8), ("ers", El * 4), ("grs", El * W * 4),
+                            ("erows", El * 4), ("total", 4), ("counts", W * E * 8),
+                            ("out", rows_max * D * 2)):
+                h.alloc((name, r), n)
+        self.mem = h.make()
+        for r in range(W):
+            for name in ("block", "err", "expected"):
+                h.put((name, r), bytes(h.regions[(name, r)][1]))
+            h.put_words(("epoch", r), [0], 32)
+            for table, name in (("recv_peers", "recv"), ("ctr_peers", "block"),
+                                ("err_peers", "err")):
+                h.put_words((table, r), [h[(name, d)] for d in range(W)])
+        self.epoch = [0] * W
+        self.writes = []  # (kernel, rank, {word address: CTAs})
+
+    def set_inputs(self, xs, ids, counts, plans, rows):
+        h, W = self.h, self.W
+        self.T = [x.shape[0] for x in xs]
+        self.rows = rows
+        for r in range(W):
+            h.put(("x", r), _tobytes(xs[r]))
+            h.put(("ids", r), _tobytes(ids[r].to(torch.int32)))
+            p = plans[r]
+            h.put(("ers", r), _tobytes(p.expert_row_start))
+            h.put(("grs", r), _tobytes(p.group_row_start))
+            h.put(("erows", r), _tobytes(p.expert_rows))
+            h.put(("total", r), _tobytes(p.total_rows))
+            h.put(("fp", r), _tobytes(p.counts_fingerprint))
+            h.put(("counts", r), _tobytes(counts.to(torch.int64)))
+
+    def _emu(self, ptx, name=None):
+        return Emulator(ptx, mem=self.mem, name=name)
+
+    def send(self, r):
+        h, lay = self.h, self.lay
+        ptx = _ptx(self.W, self.nt_send, self.nt_exp)[0]
+        em = self._emu(ptx)
+        em.launch(self.ctas, self.nt_send, [
+            h[("x", r)], h[("ids", r)], self.T[r], self.El, lay["row_bytes"], r, self.Tmax,
+            h[("recv_peers", r)], h[("ctr_peers", r)], self.stride, lay["ids_offset"],
+            lay["count_offset"], h[("epoch", r)], h[("fp", r)], h[("err", r)]])
+        self.writes.append(("send", r, em.writers))
+
+    def wait_expand(self, r):
+        h, lay = self.h, self.lay
+        _, ptx, wait_name, expand_name = _ptx(self.W, self.nt_send, self.nt_exp)
+        em = self._emu(ptx, wait_name)
+        em.launch(self.W, 32, [h[("block", r)], h[("expected", r)], r, h[("err", r)],
+                               self.timeout_ns, h[("epoch", r)], h[("err_peers", r)],
+                               h[("fp", r)]])
+        self.writes.append(("wait", r, em.writers))
+        em = self._emu(ptx, expand_name)
+        em.launch(self.grid_exp, self.nt_exp, [
+            h[("recv", r)], self.stride, lay["ids_offset"], lay["count_offset"],
+            lay["row_bytes"], self.Tmax, h[("out", r)], self.rows[r], self.El, r,
+            h[("ers", r)], h[("grs", r)], h[("erows", r)], h[("counts", r)], h[("total", r)],
+            h[("err", r)], h[("epoch", r)]])
+        self.writes.append(("expand", r, em.writers))
+
+    def advance(self, epoch_skew=None):
+        """The host side of a call on every rank: epoch + 1, expected + send CTAs per source."""
+        for r in range(self.W):
+            self.epoch[r] += 1 + (epoch_skew or {}).get(r, 0)
+            self.h.put_words(("epoch", r), [self.epoch[r]], 32)
+            self.h.put_words(("expected", r), [w + self.ctas for w in
+                                               self.h.words(("expected", r), self.W)])
+
+    def call(self, senders=None, epoch_skew=None, owners=None):
+        self.writes = []
+        self.advance(epoch_skew)
+        for r in range(self.W) if senders is None else senders:
+            self.send(r)
+        for r in range(self.W) if owners is None else owners:
+            self.wait_expand(r)
+
+    def out(self, r):
+        return self.h.get(("out", r), self.rows[r] * self.D * 2)
+
+    def err(self, r):
+        return self.h.words(("err", r), ERR_WORDS)
+
+
+def _goes(ids, El, d):
+    """The tokens of a source with any id owned by rank d (ids outside [0, E) never are)."""
+    return ((ids // El) == d).any(1) if ids.numel() else torch.zeros(0, dtype=torch.bool)
+
+
+def _allowed_writes(ranks, ids, parity):
+    """The word-address ranges of one valid call: (rows, shared, expand). The send writes, in
+    each owner's slot of this parity, its token rows and ids rows [0, n) of the tokens it sends
+    there (``rows``: one CTA each), the count word, its call tag and its arrival counter
+    (``shared``: every CTA); the expand writes its output."""
+    W, El, lay, h = ranks.W, ranks.El, ranks.lay, ranks.h
+    send, shared = [], []
+    for s in range(W):
+        for d in range(W):
+            n = int(_goes(ids[s], El, d).sum())
+            slot = h[("recv", d)] + parity * ranks.stride
+            send.append((slot + s * ranks.Tmax * lay["row_bytes"],
+                         slot + (s * ranks.Tmax + n) * lay["row_bytes"]))
+            send.append((slot + lay["ids_offset"] + s * ranks.Tmax * K * 4,
+                         slot + lay["ids_offset"] + (s * ranks.Tmax + n) * K * 4))
+            count = slot + lay["count_offset"] + 4 * s
+            blk = h[("block", d)]
+            tag = blk + 8 * (W + parity * W + s)
+            shared += [(count, count + 4), (blk + 8 * s, blk + 8 * s + 8), (tag, tag + 8)]
+    expand = [(h[("out", r)], h[("out", r)] + ranks.rows[r] * ranks.D * 2) for r in range(W)]
+    return send, shared, expand
+
+
+def _outside(writers, ranges):
+    return sorted(a for a in writers if not any(lo <= a < hi for lo, hi in ranges))
+
+
+def _covered(writers, lo, hi):
+    """Every word of [lo, hi) written."""
+    return all(a in writers for a in range(lo, hi, 4))
+
+
+_REF = {}
+
+
+def _reference(W):
+    if W not in _REF:
+        _REF[W] = spawn_ranks(_reference_worker, W, timeout_s=60, join_timeout_s=180)
+    return _REF[W]
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_emulated_dispatch_kernels_are_bitwise_the_reference(W):
+    El, D, tokens = CASES[W][:3]
+    assert any(0 in t for t in tokens) and all(sum(t) for t in tokens)  # a rank with none
+    ref = _reference(W)
+    Tmax = max(max(t) for t in tokens)
+    plans_of = []
+    for call in range(2):
+        counts = ref[0][call][0]
+        plans_of.append([plan_combine(counts, r, tile_m=TILE_M, layout=_layout_of(call))
+                         for r in range(W)])
+    ranks = Ranks(W, Tmax, max(p.row_capacity for ps in plans_of for p in ps))
+    # rows past a plan's total (zeroed by the expand's last item) occur
+    assert any(p.row_capacity > int(p.total_rows) for ps in plans_of for p in ps)
+    for call in range(2):
+        xs, ids = _inputs(W, call)
+        counts, plans = ref[0][call][0], plans_of[call]
+        rows = [p.row_capacity for p in plans]
+        assert all(torch.equal(ref[r][call][0], counts) for r in range(W))
+        ranks.set_inputs(xs, ids, counts, plans, rows)
+        ranks.call()
+        epoch = call + 1
+        parity = epoch & 1
+        for r in range(W):
+            want = _tobytes(ref[r][call][1])
+            assert ranks.out(r) == want, (W, call, r, "output differs from the reference")
+            assert ranks.err(r) == [0] * ERR_WORDS, (W, call, r, ranks.err(r))
+            blk = ranks.h.words(("block", r), 3 * W)
+            fp = int(plans[r].counts_fingerprint)
+            # one marker per sending CTA and call from every source, this slot's tags
+            assert blk[:W] == [ranks.ctas * epoch] * W, (W, call, r, blk)
+            assert blk[W + parity * W:2 * W + parity * W] == [call_tag(epoch, fp)] * W
+            slot_counts = ranks.h.words(("recv", r), W, parity * ranks.stride
+                                        + ranks.lay["count_offset"], 32)
+            assert slot_counts == [int(_goes(ids[s], El, r).sum()) for s in range(W)]
+        rows_ok, shared_ok, expand_ok = _allowed_writes(ranks, ids, parity)
+        for kernel, r, writers in ranks.writes:
+            if kernel == "send":
+                assert not _outside(writers, rows_ok + shared_ok), (W, call, r, "send wrote "
+                                                                    "outside")
+                # rows / ids: one CTA each; the count word, tag, counter: every CTA
+                one = {a: c for a, c in writers.items() if not _outside([a], rows_ok)}
+                assert all(len(c) == 1 for c in one.values()), (W, call, r)
+                assert all(len(c) == ranks.ctas for a, c in writers.items() if a not in one)
+            elif kernel == "wait":
+                assert not writers, (W, call, r, "the wait wrote")
+            else:
+                out0 = ranks.h[("out", r)]
+                assert not _outside(writers, [expand_ok[r]]), (W, call, r, "expand wrote "
+                                                               "outside its output")
+                assert _covered(writers, out0, out0 + ranks.rows[r] * D * 2)
+        # every word of those ranges was written (the rows and ids of the n tokens sent, count
+        # words, tags and counters of every (source, owner) pair)
+        written = set().union(*(w for k, _, w in ranks.writes if k == "send"))
+        for lo, hi in rows_ok + shared_ok:
+            assert _covered(written, lo, hi), (W, call, "a slot word not written", lo, hi)
+
+
+def _small_ranks(W=2):
+    """Ranks with one valid call's inputs (no reference needed: the negative cases)."""
+    El = CASES[W][0]
+    xs, ids = _inputs(W, 0)
+    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=El * W) for i in ids])
+    plans = [plan_combine(counts, r, tile_m=TILE_M, layout="aligned") for r in range(W)]
+    rows = [p.row_capacity for p in plans]
+    return xs, ids, counts, plans, rows
+
+
+NAN_ROW = 0x7FC0  # bf16 NaN, every element of every row after an error
+
+
+def _all_nan(ranks, r):
+    raw = ranks.out(r)
+    return raw == NAN_ROW.to_bytes(2, "little") * (len(raw) // 2)
+
+
+@pytest.mark.parametrize("what", ["fingerprint", "epoch"])
+def test_emulated_wait_records_a_call_tag_mismatch(what):
+    W = 2
+    xs, ids, counts, plans, rows = _small_ranks(W)
+    ranks = Ranks(W, max(x.shape[0] for x in xs), max(rows))
+    ranks.set_inputs(xs, ids, counts, plans, rows)
+    skew = None
+    if what == "fingerprint":  # rank 0 made its plan from other counts
+        ranks.h.put_words(("fp", 0), [int(plans[0].counts_fingerprint) ^ 0x10], 32)
+    else:  # rank 0 two calls ahead: same slot parity, so only the tag tells
+        skew = {0: 2}
+    ranks.call(epoch_skew=skew)
+    fp = [ranks.h.words(("fp", r), 1, bits=32)[0] for r in range(W)]
+    tags = [call_tag(ranks.epoch[r], fp[r]) for r in range(W)]
+    for r in range(W):
+        other = 1 - r
+        e = ranks.err(r)
+        # code, rank, source, source again, its tag, this rank's tag
+        assert e[:6] == [ERR_EPOCH_MISMATCH, r, other, other, tags[other], tags[r]], (r, e)
+        assert _all_nan(ranks, r), r
+    # sticky: rank 0's next send stores nothing and posts no marker; rank 1 then times out
+    ranks.writes = []
+    ranks.advance()
+    ranks.send(0)
+    assert ranks.writes[-1][2] == {}
+
+
+def test_emulated_wait_times_out_or_sees_the_peer_error():
+    W = 2
+    xs, ids, counts, plans, rows = _small_ranks(W)
+    ranks = Ranks(W, max(x.shape[0] for x in xs), max(rows), timeout_ns=200_000)
+    ranks.set_inputs(xs, ids, counts, plans, rows)
+    # rank 0 never sends; rank 1 waits first (rank 0's error word is still clear then)
+    ranks.call(senders=[1], owners=[1, 0])
+    # rank 1 waits for rank 0, rank 0 for itself: both time out on source 0 (index), epoch 1,
+    # counter 0 of the send CTAs expected
+    for r in range(W):
+        e = ranks.err(r)
+        assert e[:6] == [ERR_DISPATCH_TIMEOUT, r, 0, 1, 0, ranks.ctas], (r, e)
+        assert e[6] > 200_000
+        assert _all_nan(ranks, r)
+    # a peer's error word ends the wait before the timeout
+    xs, ids, counts, plans, rows = _small_ranks(W)
+    ranks = Ranks(W, max(x.shape[0] for x in xs), max(rows), timeout_ns=10_000_000)
+    ranks.set_inputs(xs, ids, counts, plans, rows)
+    ranks.h.put_words(("err", 0), [77])  # rank 0 has an error recorded: it sends nothing
+    ranks.call()
+    e1 = ranks.err(1)
+    assert e1[:5] == [ERR_PEER_ERROR, 1, 0, 1, 77], e1
+    assert e1[6] < 10_000_000
+    assert _all_nan(ranks, 1)
