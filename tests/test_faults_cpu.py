@@ -16,7 +16,7 @@ def test_error_codes_are_distinct_and_named():
              E.ERR_EPOCH_MISMATCH, E.ERR_PLAN_BOUNDS, E.ERR_SCALE_BAD_ROW,
              E.ERR_TILE_BAND_TIMEOUT, E.ERR_TILE_SEGMENT_TIMEOUT,
              E.ERR_PRODUCER_BOUNDS, E.ERR_PEER_ERROR, E.ERR_DISPATCH_TIMEOUT,
-             E.ERR_DISPATCH_BAD_ROUTE]
+             E.ERR_DISPATCH_BAD_ROUTE, E.ERR_ARRIVAL_TIMEOUT]
     assert len(set(codes)) == len(codes) and 0 not in codes
     assert E.ERR_PEER_ERROR == 10  # a new code: the existing ones keep their numbers
     assert (E.ERR_DISPATCH_TIMEOUT, E.ERR_DISPATCH_BAD_ROUTE) == (31, 32)  # past the FFN's
@@ -31,6 +31,8 @@ def test_describe_error_names_what_and_where():
     m = E.describe_error(_word(E.ERR_DISPATCH_TIMEOUT, rank=1, index=3, band=7, obs=16, exp=24))
     assert "dispatch" in m and "rank 1" in m and "source rank 3" in m and "epoch 7" in m
     assert "counter=16" in m and "expected>=24" in m
+    m = E.describe_error(_word(E.ERR_ARRIVAL_TIMEOUT, rank=1, index=5, band=5, obs=6, exp=7))
+    assert "band 5" in m and "band_arrived=6" in m and "epoch=7" in m and "6.0 ms" in m
     m = E.describe_error(_word(E.ERR_DISPATCH_BAD_ROUTE, rank=0, index=2, band=1, obs=9, exp=9))
     assert "source rank 2" in m and "past its (expert, source) group" in m
     m = E.describe_error(_word(E.ERR_EPOCH_MISMATCH, rank=0, index=1, band=1, obs=7, exp=9))

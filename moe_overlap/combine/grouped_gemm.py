@@ -65,8 +65,12 @@ from ..kernels.host_checks import check_tensors
 from ..runtime.device import num_sms
 from .band_groups import GROUP_BY, WORKSPACE_TABLES, band_groups, check_group
 
-__all__ = ["GroupedGemm", "band_faults", "grouped_gemm_reference", "prepare_weights",
-           "tile_order_reference"]
+__all__ = ["ARRIVAL_SCOPES", "GroupedGemm", "band_faults", "grouped_gemm_reference",
+           "interleave_gate_up", "prepare_weights", "tile_order_reference",
+           "up_projection_reference"]
+
+ARRIVAL_SCOPES = ("gpu", "sys")  # scope of the arrival wait's acquire (wait_arrival=True)
+DEFAULT_ARRIVAL_TIMEOUT_NS = 10_000_000_000
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,6 +158,49 @@ def tile_order_reference(num_bands, n_tiles, cluster=1, group=1, tables=None):
     return out
 
 
+def interleave_gate_up(w_gate_up, tile_n):
+    """The SwiGLU kernel's weight layout: w_gate_up [E, K, 2I] (gate half first, as
+    ``MoELayer.w_gate_up``) -> [E, K, 2I] with the halves interleaved in blocks of tile_n / 2
+    columns: block 2j = gate[:, j h:(j+1) h], block 2j+1 = up[:, j h:(j+1) h] (h = tile_n / 2),
+    so that N tile j of the GEMM holds the gate and up columns of output columns
+    [j h, (j+1) h). I must be a multiple of h. A copy, made once per weight update."""
+    E, K, N2 = w_gate_up.shape
+    if N2 % tile_n:
+        raise ValueError(f"2I={N2} must be a multiple of tile_n={tile_n}")
+    h = tile_n // 2
+    gate, up = w_gate_up[..., :N2 // 2], w_gate_up[..., N2 // 2:]
+    return torch.stack([gate.reshape(E, K, -1, h), up.reshape(E, K, -1, h)],
+                       dim=3).reshape(E, K, N2).contiguous()
+
+
+def up_projection_reference(x, w_gate_up, y, band_expert, band_src_row, schedule, num_bands,
+                            tile_m, band_arrived=None, epoch=None):
+    """The arrival-gated SwiGLU up-projection in torch, in place on y [rows, I] (tests only):
+    for each scheduled band b (the skips of ``band_faults``), and, where ``band_arrived`` is
+    given, only for bands with band_arrived[b] == epoch (a band that never arrived is not
+    stored, as the kernel after its timeout):
+        y[r:r+tile_m] = silu(x_b @ w_gate_up[e][:, :I]) * (x_b @ w_gate_up[e][:, I:])
+    in fp32 (the products of the bf16 inputs accumulated in fp32), cast to y.dtype once. Takes
+    the ``MoELayer`` layout (gate half first), not the kernel's interleaved one."""
+    faults = band_faults(band_expert, band_src_row, schedule, num_bands, tile_m, x.shape[0],
+                         w_gate_up.shape[0], y.shape[0])
+    if faults and faults[0][0] < 0:
+        return y
+    skip = {p for p, _, _, _ in faults}
+    nb = int(num_bands.reshape(-1)[0].item())
+    half = w_gate_up.shape[2] // 2
+    ep = None if epoch is None else int(epoch.reshape(-1)[0].item())
+    for p, b in enumerate(schedule[:nb].tolist()):
+        if p in skip:
+            continue
+        if band_arrived is not None and int(band_arrived[b].item()) != ep:
+            continue
+        r, e = int(band_src_row[b].item()), int(band_expert[b].item())
+        h = x[r:r + tile_m].float() @ w_gate_up[e].float()
+        y[r:r + tile_m] = (torch.nn.functional.silu(h[:, :half]) * h[:, half:]).to(y.dtype)
+    return y
+
+
 def prepare_weights(w):
     """Identity: the kernel reads w [E, K, N] (N contiguous) directly as an MN-major WGMMA B
     operand, so no pre-transposed copy is needed."""
@@ -218,7 +265,9 @@ class GroupedGemm:
     @staticmethod
     def check_options(tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                       signal_k_tile=None, epi_n=32, epi_stages=4, cluster_n=None, flag_warp=None,
-                      band_group=DEFAULT_BAND_GROUP, group_by="position"):
+                      band_group=DEFAULT_BAND_GROUP, group_by="position", wait_arrival=False,
+                      arrival_scope="gpu", arrival_timeout_ns=DEFAULT_ARRIVAL_TIMEOUT_NS,
+                      swiglu=False):
         """ValueError for any option value the kernel does not implement (CPU only, no CuTe
         DSL); the keywords are the constructor's."""
         if tile_m not in (64, 128):
@@ -241,12 +290,30 @@ class GroupedGemm:
             raise ValueError(f"group_by={group_by!r}; choose from {GROUP_BY}")
         if group_by == "expert":
             check_group(band_group)
+        if wait_arrival and signal:
+            raise ValueError("wait_arrival (a consumer of arrival flags) needs signal=False: "
+                             "the up-projection raises no band flags")
+        if arrival_scope not in ARRIVAL_SCOPES:
+            raise ValueError(f"arrival_scope={arrival_scope!r}; choose from {ARRIVAL_SCOPES}")
+        if isinstance(arrival_timeout_ns, bool) or not isinstance(arrival_timeout_ns, int) \
+                or arrival_timeout_ns < 1:
+            raise ValueError(f"arrival_timeout_ns must be an int >= 1, got {arrival_timeout_ns!r}")
+        if swiglu and epi_n > tile_n // 2:
+            raise ValueError(f"swiglu pairs the halves of a tile: epi_n={epi_n} must be <= "
+                             f"tile_n / 2 = {tile_n // 2}")
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, cluster_n=None, flag_warp=None,
-                 band_group=DEFAULT_BAND_GROUP, group_by="position"):
+                 band_group=DEFAULT_BAND_GROUP, group_by="position", wait_arrival=False,
+                 arrival_scope="gpu", arrival_timeout_ns=DEFAULT_ARRIVAL_TIMEOUT_NS,
+                 swiglu=False):
         GroupedGemm.check_options(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
-                                  epi_stages, cluster_n, flag_warp, band_group, group_by)
+                                  epi_stages, cluster_n, flag_warp, band_group, group_by,
+                                  wait_arrival, arrival_scope, arrival_timeout_ns, swiglu)
+        self.wait_arrival = bool(wait_arrival)
+        self.arrival_scope = arrival_scope
+        self.arrival_timeout_ns = int(arrival_timeout_ns)
+        self.swiglu = bool(swiglu)
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
         self.stages = stages
         self.signal = bool(signal)
@@ -268,7 +335,8 @@ class GroupedGemm:
 
     # ---------------------------------------------------------------- validation
     def _check(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-               band_counter, ccta, need_cuda=True, err=None, rank=0, band_groups=None):
+               band_counter, ccta, need_cuda=True, err=None, rank=0, band_groups=None,
+               band_arrived=None):
         tensors = dict(x=x, w=w, y=y, band_expert=band_expert, band_src_row=band_src_row,
                        schedule=schedule, num_bands=num_bands, band_ready=band_ready, epoch=epoch)
         if band_counter is not None:
@@ -288,8 +356,9 @@ class GroupedGemm:
         E, Kw, N = w.shape
         if Kw != K:
             raise ValueError(f"K mismatch: x has K={K}, w has K={Kw}")
-        if y.shape[0] != rows or y.shape[1] != N:
-            raise ValueError(f"y must be [{rows}, {N}], got {tuple(y.shape)}")
+        n_out = N // 2 if self.swiglu else N
+        if y.shape[0] != rows or y.shape[1] != n_out:
+            raise ValueError(f"y must be [{rows}, {n_out}], got {tuple(y.shape)}")
         if N % self.tile_n != 0:
             raise ValueError(f"N={N} must be a multiple of tile_n={self.tile_n}")
         if (N // self.tile_n) % self.cluster_for(N) != 0:
@@ -316,6 +385,15 @@ class GroupedGemm:
                              f"{x.device}, got {err!r:.80}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        if self.wait_arrival != (band_arrived is not None):
+            raise ValueError("band_arrived is the arrival flags of wait_arrival=True (and "
+                             "needed there)")
+        if band_arrived is not None and (
+                not isinstance(band_arrived, torch.Tensor) or band_arrived.dtype != torch.int32
+                or band_arrived.dim() != 1 or band_arrived.numel() != b_cap
+                or band_arrived.device != x.device or not band_arrived.is_contiguous()):
+            raise ValueError(f"band_arrived must be a contiguous int32 [{b_cap}] tensor on "
+                             f"{x.device}")
         if band_groups is not None:
             if self.group_by != "expert":
                 raise ValueError("band_groups are the tables of group_by='expert'; this GEMM "
@@ -333,14 +411,17 @@ class GroupedGemm:
     def _key(self, N, K):
         return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.cluster_for(N),
-                self.flag_warp, self.band_group, self.group_by, int(N), int(K))
+                self.flag_warp, self.band_group, self.group_by, int(N), int(K)) + (
+                    (self.wait_arrival, self.arrival_scope, self.arrival_timeout_ns, self.swiglu)
+                    if self.wait_arrival or self.swiglu else ())
 
     def _kernel(self, N):
         from .grouped_gemm_sm90 import GroupedGemmKernel
         return GroupedGemmKernel(self.tile_m, self.tile_n, self.tile_k, self.stages, self.signal,
                                  self.signal_k_tile, self.epi_n, self.epi_stages,
                                  self.cluster_for(N), self.flag_warp, self.band_group,
-                                 self.group_by == "expert")
+                                 self.group_by == "expert", self.wait_arrival,
+                                 self.arrival_scope, self.arrival_timeout_ns, self.swiglu)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
@@ -352,16 +433,19 @@ class GroupedGemm:
         if fn is not None:
             return fn
         import cutlass.cute as cute
-        fn = cute.compile(self._kernel(N), *self.example_args(N, K, self.group_by == "expert"),
+        fn = cute.compile(self._kernel(N), *self.example_args(N, K, self.group_by == "expert",
+                                                              self.wait_arrival, self.swiglu),
                           options="--keep-ptx" if keep_ptx else None)
         GroupedGemm._compiled[key] = fn
         return fn
 
     @staticmethod
-    def example_args(N, K, group_tables=False):
+    def example_args(N, K, group_tables=False, arrived=False, swiglu=False):
         """The kernel's arguments as symbolic ("fake") tensors, rows / E_local / B_cap dynamic,
         for ``cute.compile`` without a GPU (``compile``, and the tests that keep the cubin);
-        group_tables: with the two band group tables (group_by="expert")."""
+        group_tables: with the two band group tables (group_by="expert"); arrived: with the
+        arrival flags (wait_arrival; None in the group tables' places without them); swiglu: y
+        is [rows, N / 2]."""
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_tensor
@@ -374,10 +458,12 @@ class GroupedGemm:
         # band_counter, epoch; err, rank, grid, stream
         return (make_fake_tensor(bf16, (rows, K), (K, 1), assumed_align=16),
                 make_fake_tensor(bf16, (N, K, E), (1, N, K * N), assumed_align=16),
-                make_fake_tensor(bf16, (rows, N), (N, 1), assumed_align=16),
+                make_fake_tensor(bf16, (rows, N // 2 if swiglu else N),
+                                 (N // 2 if swiglu else N, 1), assumed_align=16),
                 fv(), fv(), fv(), f1(), fv(), fv(), f1(), cutlass.Int64(0),
                 cutlass.Int32(0), cutlass.Int32(1), make_fake_stream()) + (
-                    (fv(), fv()) if group_tables else ())
+                    (fv(), fv()) if group_tables else ((None, None) if arrived else ())) + (
+                    (fv(),) if arrived else ())
 
     # ---------------------------------------------------------------- launch
     @staticmethod
@@ -426,10 +512,14 @@ class GroupedGemm:
                            impl="kernel", stream=stream)
 
     def __call__(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-                 ccta=0, band_counter=None, stream=None, err=None, rank=0, band_groups=None):
+                 ccta=0, band_counter=None, stream=None, err=None, rank=0, band_groups=None,
+                 band_arrived=None):
+        """band_arrived: int32 [B_cap], the arrival flags (wait_arrival only): band b's A rows
+        are read once band_arrived[b] == epoch[0]. With swiglu, w is the interleaved layout
+        (``interleave_gate_up``) and y [rows, N / 2]."""
         rows, K, E, N = self._check(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                     band_ready, epoch, band_counter, ccta, err=err, rank=rank,
-                                    band_groups=band_groups)
+                                    band_groups=band_groups, band_arrived=band_arrived)
         if err is None:
             err = self.error_word(x.device)
         grid = num_sms(x.device) - ccta
@@ -451,6 +541,10 @@ class GroupedGemm:
             band_groups = self.band_groups(schedule, band_expert, num_bands, torch_stream)
         args, tables = self._cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                        band_ready, band_counter, epoch, band_groups)
+        if band_arrived is not None:
+            from cutlass.cute.runtime import from_dlpack
+            tables = (tables or (None, None)) + (from_dlpack(band_arrived, assumed_align=4)
+                                                 .mark_compact_shape_dynamic(mode=0),)
         key = ("dlpack",) + self._key(N, K)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:

@@ -28,6 +28,23 @@ What this subclass adds to the base's mainloop pieces:
   WGMMA warpgroup. See ``kernels.primitives.count_band_after_bulk_stores`` /
   ``relay_band_after_bulk_stores`` for the memory-ordering argument.
 
+Arrival-gated variant (``wait_arrival``: the up-projection as a consumer of the dispatch's
+arrivals, issue 39 item 2): before the first TMA load of a tile's A rows, lane 0 of the producer
+warp waits (bounded, ``arrival_timeout_ns`` by %globaltimer) until band_arrived[b] == epoch with
+ld.acquire at ``arrival_scope`` ("gpu": the dispatch's expand kernel runs on this GPU), polling
+the error word; then ``fence.proxy.async.global`` (the rows were written by generic stores, the
+TMA reads them through the async proxy) and ``bar.warp.sync``. A timeout records
+ERR_ARRIVAL_TIMEOUT (rank, band, flag value, epoch); the loads go on (every warp walks the same
+tiles, so the pipeline stays matched) and the store warp issues no TMA store for any tile whose
+epilogue starts after it sees the error word set (a warp vote on one relaxed load per tile).
+
+SwiGLU epilogue (``swiglu``): w holds [gate | up] column blocks interleaved per N tile
+(``combine.grouped_gemm.interleave_gate_up``): columns [j * tile_n, j * tile_n + tile_n / 2) of
+w are gate columns [j * tile_n / 2, (j + 1) * tile_n / 2), the next tile_n / 2 the matching up
+columns, so one tile's accumulator holds both halves: epilogue sub-tile n (< half) is paired
+with sub-tile n + half (the same fragment positions), y = silu(g) * u in fp32, bf16 out; y is
+[rows, N / 2].
+
 Imports cutlass (the host wrapper imports this module when it compiles).
 """
 from __future__ import annotations
@@ -38,12 +55,14 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from ..kernels.errors import (ERR_PRODUCER_BOUNDS, PRF_EXPERT, PRF_GROUP_END, PRF_GROUP_FIRST,
+from ..kernels.errors import (ERR_ARRIVAL_TIMEOUT, ERR_PRODUCER_BOUNDS, PRF_EXPERT, PRF_GROUP_END, PRF_GROUP_FIRST,
                               PRF_NUM_BANDS, PRF_SCHEDULE, PRF_SRC_ROW)
 from ..kernels.gemm_sm90 import SMEM_CAPACITY_SM90, GemmSm90, smem_layout_staged
-from ..kernels.primitives import (RELAY_BYTES, band_relay_loop, in_range_s64,
+from ..kernels.primitives import (RELAY_BYTES, act_f32, band_relay_loop, error_set,
+                                  fence_proxy_async_global, in_range_s64,
                                   multicast_rank_and_mask, post_band_after_bulk_stores,
-                                  record_error, relay_end, relay_init)
+                                  record_error, relay_end, relay_init, wait_eq_s32_or_error,
+                                  warp_all)
 from ..kernels.tile_scheduler import BandTileScheduler
 
 __all__ = ["GroupedGemmKernel"]
@@ -61,7 +80,9 @@ class GroupedGemmKernel(GemmSm90):
     relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
 
     def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
-                 epi_stages=4, cluster_n=1, flag_warp=False, band_group=1, group_tables=False):
+                 epi_stages=4, cluster_n=1, flag_warp=False, band_group=1, group_tables=False,
+                 wait_arrival=False, arrival_scope="gpu", arrival_timeout_ns=10_000_000_000,
+                 swiglu=False):
         # two consumer warpgroups (stacked along M) for the 128 x 256 tile, else one
         super().__init__(2 if (tile_m > 64 and tile_n > 128) else 1)
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
@@ -75,6 +96,12 @@ class GroupedGemmKernel(GemmSm90):
         self.flag_warp = flag_warp and signal
         self.scheduler = BandTileScheduler(cluster_n, band_group)
         self.group_tables = group_tables
+        self.wait_arrival = wait_arrival
+        self.arrival_scope = arrival_scope  # scope of the acquire of band_arrived
+        self.arrival_timeout_ns = int(arrival_timeout_ns)
+        self.swiglu = swiglu
+        # output columns per tile: half of the accumulator's with swiglu (gate | up pairs)
+        self.tile_n_out = tile_n // 2 if swiglu else tile_n
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, a_dtype, b_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -105,7 +132,7 @@ class GroupedGemmKernel(GemmSm90):
                  mNumBands: cute.Tensor, mReady: cute.Tensor, mCounter: cute.Tensor,
                  mEpoch: cute.Tensor, err: cutlass.Int64, rank: cutlass.Int32,
                  num_ctas: cutlass.Int32, stream, mGroupFirst: cute.Tensor = None,
-                 mGroupSize: cute.Tensor = None):
+                 mGroupSize: cute.Tensor = None, mArrived: cute.Tensor = None):
         a_dtype, b_dtype, c_dtype = mA.element_type, mB.element_type, mC.element_type
         self.a_dtype, self.b_dtype, self.c_dtype = a_dtype, b_dtype, c_dtype
         self.a_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mA)
@@ -136,7 +163,7 @@ class GroupedGemmKernel(GemmSm90):
                     self.epi_smem_layout_staged, mBandExpert, mBandSrcRow, mSchedule,
                     mNumBands, mReady, mCounter, mEpoch, err, rank, cute.size(mA, mode=[0]),
                     cute.size(mC, mode=[0]), cute.size(mB, mode=[2]),
-                    cute.size(mSchedule, mode=[0]), mGroupFirst, mGroupSize).launch(
+                    cute.size(mSchedule, mode=[0]), mGroupFirst, mGroupSize, mArrived).launch(
             grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
             cluster=[self.cluster_n, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -220,6 +247,25 @@ class GroupedGemmKernel(GemmSm90):
                 t = t + gdim
         return t, n_tile, b, e, r // self.tile_m
 
+    @cute.jit
+    def wait_band_arrived(self, mArrived: cute.Tensor, b: cutlass.Int32, epoch: cutlass.Int32,
+                          err: cutlass.Int64, rank: cutlass.Int32):
+        """Producer warp, before a tile's first A load: lane 0 waits until band_arrived[b] ==
+        epoch (ld.acquire.<arrival_scope>, bounded, polling the error word); a timeout records
+        ERR_ARRIVAL_TIMEOUT (rank, band, flag value, epoch, elapsed). Then the async-proxy fence
+        (the TMA loads that follow read rows the expand wrote with generic stores) and a warp
+        sync (whichever lane issues the TMA is ordered after lane 0's acquire)."""
+        if cute.arch.lane_idx() == 0:
+            flag = cutlass.Int64(mArrived.iterator.toint()) + cutlass.Int64(b) * cutlass.Int64(4)
+            st, v, el = wait_eq_s32_or_error(flag, epoch, err, cute.arch.globaltimer(),
+                                             cutlass.Int64(self.arrival_timeout_ns),
+                                             self.arrival_scope)
+            if st == cutlass.Int32(1):
+                record_error(err, cutlass.Int32(ERR_ARRIVAL_TIMEOUT), rank, b, b,
+                             cutlass.Int64(v), cutlass.Int64(epoch), el)
+            fence_proxy_async_global()
+        cute.arch.sync_warp()
+
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, tma_atom_b: cute.CopyAtom,
                mB: cute.Tensor, tma_atom_c: cute.CopyAtom, mC: cute.Tensor,
@@ -230,7 +276,7 @@ class GroupedGemmKernel(GemmSm90):
                mReady: cute.Tensor, mCounter: cute.Tensor, mEpoch: cute.Tensor,
                err: cutlass.Int64, rank: cutlass.Int32, x_rows: cutlass.Int32,
                y_rows: cutlass.Int32, n_experts: cutlass.Int32, band_cap: cutlass.Int32,
-               mGroupFirst: cute.Tensor, mGroupSize: cute.Tensor):
+               mGroupFirst: cute.Tensor, mGroupSize: cute.Tensor, mArrived: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -269,7 +315,7 @@ class GroupedGemmKernel(GemmSm90):
         # (bN, bK, RestN, RestK, E)
         gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None, None))
         # (bM, bN, RestM, RestN)
-        gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (None, None))
+        gC = cute.local_tile(mC, (self.tile_m, self.tile_n_out), (None, None))
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_atom_a, cta_rank, cute.make_layout(self.cluster_n), cute.group_modes(sA, 0, 2),
@@ -285,7 +331,12 @@ class GroupedGemmKernel(GemmSm90):
         tCrA = tiled_mma.make_fragment_A(tCsA)
         tCrB = tiled_mma.make_fragment_B(tCsB)
         tCgC = thr_mma.partition_C(gC)
-        accumulators = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
+        if cutlass.const_expr(self.swiglu):
+            # the accumulator spans the whole tile_n (gate and up columns), y the half of it
+            accumulators = cute.make_rmem_tensor(
+                tiled_mma.partition_shape_C((self.tile_m, self.tile_n)), self.acc_dtype)
+        else:
+            accumulators = cute.make_rmem_tensor(tCgC.shape[:3], self.acc_dtype)
 
         k_tile_cnt = cute.size(gA, mode=[3])
         n_tiles = cute.size(gC, mode=[3])
@@ -315,7 +366,11 @@ class GroupedGemmKernel(GemmSm90):
                 cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
                 mBandExpert, mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst,
                 mGroupSize)
+            if cutlass.const_expr(self.wait_arrival):
+                epoch_p = mEpoch[0]
             while t < total_tiles:
+                if cutlass.const_expr(self.wait_arrival):
+                    self.wait_band_arrived(mArrived, b, epoch_p, err, rank)
                 tAgA_k = tAgA[(None, m_tile, None)]
                 tBgB_k = tBgB[(None, n_tile, None, e)]
                 prod_state.reset_count()
@@ -416,19 +471,35 @@ class GroupedGemmKernel(GemmSm90):
                         pend_band = cutlass.Int32(-1)
 
                 # ---- epilogue: acc -> bf16 -> smem (stmatrix) -> gmem (TMA store)
+                store_warp_tile = is_store_warp
+                if cutlass.const_expr(self.wait_arrival):
+                    # an arrival wait that failed (or any error recorded): no more stores (one
+                    # decision per warp: a vote over the lanes' loads of the code word)
+                    ok = warp_all(error_set(err) == cutlass.Int32(0))
+                    store_warp_tile = is_store_warp & (ok != cutlass.Int32(0))
                 gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
                 epi_tile_num = cute.size(gC_epi, mode=[1])
                 epi_tile_shape = gC_epi.shape[1]
                 epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
                 num_prev_epi = tiles_done * epi_tile_num
                 for epi_idx in cutlass.range_constexpr(epi_tile_num):
-                    for v in cutlass.range_constexpr(size_tRS_rD):
-                        tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
+                    if cutlass.const_expr(self.swiglu):
+                        # output sub-tile (m, n) <- accumulator sub-tiles (m, n) (gate) and
+                        # (m, n + half) (up) of the tile's row-major (m, n) sub-tile order
+                        half = epi_tile_shape[1]
+                        g_idx = (epi_idx // half) * 2 * half + epi_idx % half
+                        for v in cutlass.range_constexpr(size_tRS_rD):
+                            tRS_rD[v] = act_f32(tRS_rAcc[g_idx * size_tRS_rD + v], "silu") * \
+                                tRS_rAcc[(g_idx + half) * size_tRS_rD + v]
+                    else:
+                        for v in cutlass.range_constexpr(size_tRS_rD):
+                            tRS_rD[v] = tRS_rAcc[epi_idx * size_tRS_rD + v]
                     tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
                     epi_buffer = (num_prev_epi + epi_idx) % self.epi_stage
                     self.store_epi_subtile(tiled_copy_r2s, tRS_rD_out, tRS_sD, sC, tma_atom_c,
                                            gC_epi, epi_tile_layout, epi_idx, epi_buffer,
-                                           tma_store_pipeline, is_store_warp)
+                                           tma_store_pipeline,
+                                           store_warp_tile if self.wait_arrival else is_store_warp)
                 if cutlass.const_expr(self.signal):
                     pend_band = b
                 tiles_done = tiles_done + 1

@@ -247,21 +247,7 @@ def device_lib():
     def pack_bf16x2(lo, hi):
         return ptx("cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", [Int32], [hi, lo])
 
-    def act(x, name):
-        """act2 on one fp32 value (name is a Python constant)."""
-        if name == "none":
-            return x
-        if name == "relu":
-            return cute.arch.fmax(x, Float32(0.0))
-        if name == "silu":
-            return x / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
-        if name == "gelu":
-            e = cute.math.erf(x * Float32(0.7071067811865476))
-            return Float32(0.5) * x * (Float32(1.0) + e)
-        if name == "gelu_tanh":
-            u = Float32(0.7978845608028654) * (x + Float32(0.044715) * x * x * x)
-            return Float32(0.5) * x * (Float32(1.0) + cute.math.tanh(u, fastmath=True))
-        raise ValueError(f"act2={name!r}")
+    from ..kernels.primitives import act_f32 as act  # noqa: F401 (act2 on one fp32 value)
 
     return types.SimpleNamespace(**{k: v for k, v in locals().items()
                                     if callable(v) and not k.startswith("_")})

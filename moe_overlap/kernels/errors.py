@@ -65,6 +65,7 @@ ERR_PRODUCER_BOUNDS = 9  # producer GEMM: a band entry outside its tables / x, y
 ERR_PEER_ERROR = 10  # scale: the source rank it waited for has an error recorded (its word 0)
 ERR_DISPATCH_TIMEOUT = 31  # dispatch expand waited too long for a source's tokens (its markers)
 ERR_DISPATCH_BAD_ROUTE = 32  # dispatch expand: received tokens disagree with the counts / plan
+ERR_ARRIVAL_TIMEOUT = 33  # arrival-gated GEMM waited too long for a band's arrival flag
 
 ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
@@ -79,7 +80,9 @@ ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_PEER_ERROR: "scale stopped waiting: the source rank recorded an error",
              ERR_DISPATCH_TIMEOUT: "dispatch timed out waiting for a source's tokens to arrive",
              ERR_DISPATCH_BAD_ROUTE: "dispatch refused received tokens that disagree with the "
-                                     "counts / plan"}
+                                     "counts / plan",
+             ERR_ARRIVAL_TIMEOUT: "up-projection GEMM timed out waiting for a band's rows to "
+                                  "arrive (its arrival flag)"}
 
 # what word 3 of ERR_DISPATCH_BAD_ROUTE names (combine/dispatch_expand.py DF_*)
 DISPATCH_FIELDS = {0: "the source's token count outside [0, max_tokens_per_rank]",
@@ -174,6 +177,10 @@ def describe_error(err_host) -> str | None:
         field = DISPATCH_FIELDS.get(band, f"field {band}")
         return (f"{what}: rank {rank}, source rank {index}: {field}: value {obs}, bound {exp} "
                 "(topk_ids, counts and plan of another call, or validate=False input)")
+    if code == ERR_ARRIVAL_TIMEOUT:
+        return (f"{what}: rank {rank}, band {index}: band_arrived={obs}, epoch={exp} after "
+                f"{el / 1e6:.1f} ms (the dispatch's expand did not run, did not finish the "
+                "band's expert, or ran at another epoch); no output tile was stored after it")
     if code == ERR_TILE_BAND_TIMEOUT:
         return (f"{what}: rank {rank}, tile {index}, band {band}: band_ready={obs}, epoch={exp} "
                 f"after {el / 1e6:.1f} ms (producer stalled, or tiles prepared for another plan)")

@@ -206,6 +206,25 @@ def st_v4(addr, v):
                          read_only_args=[addr, v[0], v[1], v[2], v[3]])
 
 
+# ---- activations on one fp32 value (epilogues: the FFN's act1 / act2, the up-projection's SwiGLU)
+def act_f32(x, name):
+    """``name`` (a Python constant: none, relu, silu, gelu, gelu_tanh) of one fp32 value."""
+    from cutlass import Float32
+    if name == "none":
+        return x
+    if name == "relu":
+        return cute.arch.fmax(x, Float32(0.0))
+    if name == "silu":
+        return x / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
+    if name == "gelu":
+        e = cute.math.erf(x * Float32(0.7071067811865476))
+        return Float32(0.5) * x * (Float32(1.0) + e)
+    if name == "gelu_tanh":
+        u = Float32(0.7978845608028654) * (x + Float32(0.044715) * x * x * x)
+        return Float32(0.5) * x * (Float32(1.0) + cute.math.tanh(u, fastmath=True))
+    raise ValueError(f"activation {name!r}")
+
+
 # ---- fences, timer, CTA-wide vote --------------------------------------------------------------
 def fence_acq_rel_gpu():
     cute.arch.inline_ptx("fence.acq_rel.gpu;")
@@ -582,6 +601,37 @@ def wait_eq_gpu_s32_or_error(addr: Int64, expected: Int32, err_addr: Int64, t0: 
         if elapsed > timeout_ns:
             status = Int32(1)
         v = ld_acquire_gpu_s32(addr)
+        if error_set(err_addr) != Int32(0):
+            status = Int32(2)
+    if v == expected:
+        status = Int32(0)
+    return status, v, elapsed
+
+
+def ld_acquire_s32(addr, scope: str):
+    """32-bit ``ld.acquire.<scope>`` (scope "gpu" or "sys", a trace-time choice)."""
+    if scope not in ("gpu", "sys"):
+        raise ValueError(f"scope={scope!r}: choose 'gpu' or 'sys'")
+    return cute.arch.inline_ptx(f"ld.acquire.{scope}.global.s32 {{$w0}}, [{{$r0}}];",
+                                write_only_types=[Int32], read_only_args=[addr])
+
+
+@cute.jit
+def wait_eq_s32_or_error(addr: Int64, expected: Int32, err_addr: Int64, t0: Int64,
+                         timeout_ns: Int64, scope: cutlass.Constexpr):
+    """``wait_eq_gpu_s32_or_error`` with the acquire's scope an argument (``scope`` "gpu": the
+    flag's writer runs on this GPU; "sys": on another one). Returns (status: Int32 0 = equal,
+    1 = timed out, 2 = error word set; last value: Int32; now - t0: Int64)."""
+    v = ld_acquire_s32(addr, scope)
+    status = Int32(0)
+    elapsed = Int64(0)
+    if v != expected:
+        status = error_set(err_addr) * Int32(2)
+    while v != expected and status == Int32(0):
+        elapsed = globaltimer() - t0
+        if elapsed > timeout_ns:
+            status = Int32(1)
+        v = ld_acquire_s32(addr, scope)
         if error_set(err_addr) != Int32(0):
             status = Int32(2)
     if v == expected:
