@@ -26,7 +26,10 @@ be aligned to their size, as on the GPU.
 """
 from __future__ import annotations
 
+import math
 import re
+import struct
+from fractions import Fraction
 
 M32, M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 
@@ -38,6 +41,57 @@ def _s(v, bits):
 
 def _bits(t):
     return int(t[1:]) if t[1:].isdigit() else 32
+
+
+def _f32(bits):
+    return struct.unpack("<f", struct.pack("<I", bits & M32))[0]
+
+
+def _f32_bits_rn(x: Fraction) -> int:
+    """The bits of the fp32 nearest to the exact value x (ties to even; overflow to inf)."""
+    if x == 0:
+        return 0
+    sign = 0x80000000 if x < 0 else 0
+    x = abs(x)
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    if Fraction(2) ** e > x:
+        e -= 1
+    e = max(e, -126)  # subnormals: the quantum of the smallest exponent
+    q = x / Fraction(2) ** (e - 23)  # the significand in units of the last place
+    n = q.numerator // q.denominator
+    rem = q - n
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and n & 1):
+        n += 1
+    if n >= 1 << 24:  # carried into the next binade
+        n >>= 1
+        e += 1
+    if e > 127:
+        return sign | 0x7F800000
+    if n < 1 << 23:  # subnormal
+        return sign | n
+    return sign | (e + 127) << 23 | (n - (1 << 23))
+
+
+def _fma_f32(a, b, c):
+    """fma.rn.f32 on bit patterns: a * b + c rounded once."""
+    fa, fb, fc = _f32(a), _f32(b), _f32(c)
+    if not all(math.isfinite(v) for v in (fa, fb, fc)):
+        v = fa * fb + fc  # inf / NaN propagation (the exact path needs finite operands)
+        return struct.unpack("<I", struct.pack("<f", v))[0] if not math.isnan(v) else 0x7FFFFFFF
+    v = Fraction(fa) * Fraction(fb) + Fraction(fc)
+    if v == 0:  # an exact zero is -0 only as -0 + -0 (round to nearest), else +0
+        p_neg = math.copysign(1, fa) * math.copysign(1, fb) < 0
+        both = fa * fb == 0 and fc == 0 and p_neg and math.copysign(1, fc) < 0
+        return 0x80000000 if both else 0
+    return _f32_bits_rn(v)
+
+
+def _bf16_rn(bits):
+    """cvt.rn.bf16.f32 on a bit pattern: the upper 16 bits rounded to nearest even."""
+    bits &= M32
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:
+        return 0x7FFF  # a NaN: the canonical one
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
 
 
 class _Kernel:
@@ -181,6 +235,9 @@ class Emulator:
         if re.fullmatch(r"-?0[xX][0-9a-fA-F]+", a):
             c = int(a, 16) & m
             return lambda t, r: c
+        if re.fullmatch(r"0[fF][0-9a-fA-F]{8}", a) and bits == 32:  # an f32 constant's bits
+            c = int(a[2:], 16)
+            return lambda t, r: c
         if a in self.param:
             c = self.param[a] & m
             return lambda t, r: c
@@ -256,6 +313,24 @@ class Emulator:
                 raise NotImplementedError(f"fence form {op}")
             return lambda t, r, sh: nxt
         d = args[0] if args else None
+        if op == "fma.rn.f32":
+            a, b, c = O(args[1]), O(args[2]), O(args[3])
+
+            def f(t, r, sh):
+                r[d] = _fma_f32(a(t, r), b(t, r), c(t, r))
+                return nxt
+            return f
+        if op == "cvt.rn.bf16x2.f32":  # d = {bf16(a) high, bf16(b) low}
+            a, b = O(args[1]), O(args[2])
+
+            def f(t, r, sh):
+                r[d] = _bf16_rn(a(t, r)) << 16 | _bf16_rn(b(t, r))
+                return nxt
+            return f
+        if typ[0] == "f" and name not in ("mov", "selp", "ld", "st"):
+            # only the float forms above are modelled: an integer reading of another would be
+            # silently wrong
+            raise NotImplementedError(f"float op {op}")
         if name == "mov":
             if typ == "pred":
                 v = args[1]
@@ -420,7 +495,8 @@ class Emulator:
         atomic = name in ("red", "atom")
         if (len(spaces) != 1 or rest or len(vec) > 1 or len(rop) != atomic
                 or (atomic and (vec or spaces[0] != "global" or (name, rop[0]) == ("red", "cas")))
-                or typ[0] not in "sub" or not typ[1:].isdigit()):
+                or typ[0] not in "subf" or not typ[1:].isdigit()
+                or (typ[0] == "f" and atomic)):
             raise NotImplementedError(f"memory op {op}")
         space, bits = spaces[0], _bits(typ)
         nb, m = bits // 8, (1 << bits) - 1
