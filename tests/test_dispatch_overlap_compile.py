@@ -50,3 +50,23 @@ def test_expand_compiles_with_a_bounded_sys_acquire_wait(W, topk):
     assert "ld.acquire" not in expand and "red.release" not in expand  # ordered by the boundary
     for e in entries:
         assert ".local" not in e
+
+
+@pytest.mark.parametrize("W,topk", [(2, 2), (8, 8)])
+def test_expand_signal_arrival_releases_the_flags_after_the_rows(W, topk):
+    """signal_arrival: every row / gap store of an item, then bar.sync, then thread 0's
+    fence.acq_rel.gpu and atom.acq_rel.gpu add on the expert's count, then (the completing
+    item) st.release.gpu of the band flags; the default expand has none of it."""
+    from moe_overlap.combine.dispatch_expand import build_dispatch_expand, expand_example_args
+    ptx = _ptx(build_dispatch_expand(W, topk, signal_arrival=True), *expand_example_args(True))
+    expand = next(e for e in ptx.split(".entry")[1:] if "ld.acquire" not in e)
+    i_atom = expand.index("atom.acq_rel.gpu.global.add.s32")
+    assert expand.count("atom.acq_rel.gpu.global.add.s32") == 1
+    assert expand.rindex("st.global.v4.u32") < expand.rindex("bar.sync", 0, i_atom)  # rows
+    assert expand.rindex("bar.sync", 0, i_atom) < expand.rindex("fence.acq_rel.gpu", 0, i_atom)
+    i_flag = expand.index("st.release.gpu.global.s32")  # band_arrived[b] = epoch
+    assert i_atom < i_flag
+    assert "st.global.v4.u32" not in expand[i_atom:]  # no row store after the count
+    assert "ld.acquire" not in expand and ".local" not in expand
+    plain = _ptx(build_dispatch_expand(W, topk), *expand_example_args())
+    assert "atom.acq_rel" not in plain and "st.release" not in plain

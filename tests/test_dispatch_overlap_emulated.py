@@ -88,13 +88,14 @@ def _reference_worker(rank, W):
     return res
 
 
-def _ptx(W, nt_send, nt_exp):
-    key = (W, nt_send, nt_exp)
+def _ptx(W, nt_send, nt_exp, arrival=False):
+    key = (W, nt_send, nt_exp, arrival)
     if key not in _PTX:
         from moe_overlap.combine.dispatch_expand import build_dispatch_expand, expand_example_args
         from moe_overlap.combine.dispatch_send import build_dispatch_send, send_example_args
         send = compile_ptx(build_dispatch_send(W, K, nt_send), *send_example_args())
-        exp = compile_ptx(build_dispatch_expand(W, K, nt_exp), *expand_example_args())
+        exp = compile_ptx(build_dispatch_expand(W, K, nt_exp, signal_arrival=arrival),
+                          *expand_example_args(arrival))
         _PTX[key] = (send, exp, *(re.search(rf"\.entry\s+(\w*{n}_kernel\w*)", exp).group(1)
                                   for n in ("wait", "expand")))
     return _PTX[key]
@@ -105,8 +106,8 @@ class Ranks:
     receive slots, the communication block, the error word, the epoch, the expected counts,
     the peer tables) and per-call inputs; ``call`` launches the kernels as MoEDispatch does."""
 
-    def __init__(self, W, Tmax, rows_max, timeout_ns=TIMEOUT_NS):
-        self.W = W
+    def __init__(self, W, Tmax, rows_max, timeout_ns=TIMEOUT_NS, arrival=False):
+        self.W, self.arrival = W, arrival
         El, D, _, _, nt_send, ctas, nt_exp, grid_exp = CASES[W]
         self.El, self.D, self.Tmax = El, D, Tmax
         self.nt_send, self.ctas, self.nt_exp, self.grid_exp = nt_send, ctas, nt_exp, grid_exp
@@ -122,11 +123,12 @@ class Ranks:
                             ("expected", W * 8), ("recv_peers", W * 8), ("ctr_peers", W * 8),
                             ("err_peers", W * 8), ("ers", El * 4), ("grs", El * W * 4),
                             ("erows", El * 4), ("total", 4), ("counts", W * E * 8),
-                            ("out", rows_max * D * 2)):
+                            ("out", rows_max * D * 2), ("arr_count", El * 4),
+                            ("band_arrived", rows_max // TILE_M * 4)):
                 h.alloc((name, r), n)
         self.mem = h.make()
         for r in range(W):
-            for name in ("block", "err", "expected"):
+            for name in ("block", "err", "expected", "arr_count", "band_arrived"):
                 h.put((name, r), bytes(h.regions[(name, r)][1]))
             h.put_words(("epoch", r), [0], 32)
             for table, name in (("recv_peers", "recv"), ("ctr_peers", "block"),
@@ -134,6 +136,7 @@ class Ranks:
                 h.put_words((table, r), [h[(name, d)] for d in range(W)])
         self.epoch = [0] * W
         self.writes = []  # (kernel, rank, {word address: CTAs})
+        self.flags_before = {}  # rank -> band_arrived words as the expand found them
 
     def set_inputs(self, xs, ids, counts, plans, rows):
         h, W = self.h, self.W
@@ -155,7 +158,7 @@ class Ranks:
 
     def send(self, r):
         h, lay = self.h, self.lay
-        ptx = _ptx(self.W, self.nt_send, self.nt_exp)[0]
+        ptx = _ptx(self.W, self.nt_send, self.nt_exp, self.arrival)[0]
         em = self._emu(ptx)
         em.launch(self.ctas, self.nt_send, [
             h[("x", r)], h[("ids", r)], self.T[r], self.El, lay["row_bytes"], r, self.Tmax,
@@ -165,18 +168,20 @@ class Ranks:
 
     def wait_expand(self, r):
         h, lay = self.h, self.lay
-        _, ptx, wait_name, expand_name = _ptx(self.W, self.nt_send, self.nt_exp)
+        _, ptx, wait_name, expand_name = _ptx(self.W, self.nt_send, self.nt_exp, self.arrival)
         em = self._emu(ptx, wait_name)
         em.launch(self.W, 32, [h[("block", r)], h[("expected", r)], r, h[("err", r)],
                                self.timeout_ns, h[("epoch", r)], h[("err_peers", r)],
                                h[("fp", r)]])
         self.writes.append(("wait", r, em.writers))
+        self.flags_before[r] = self.flags(r)
         em = self._emu(ptx, expand_name)
+        arrival = [h[("arr_count", r)], h[("band_arrived", r)], TILE_M] if self.arrival else []
         em.launch(self.grid_exp, self.nt_exp, [
             h[("recv", r)], self.stride, lay["ids_offset"], lay["count_offset"],
             lay["row_bytes"], self.Tmax, h[("out", r)], self.rows[r], self.El, r,
             h[("ers", r)], h[("grs", r)], h[("erows", r)], h[("counts", r)], h[("total", r)],
-            h[("err", r)], h[("epoch", r)]])
+            h[("err", r)], h[("epoch", r)]] + arrival)
         self.writes.append(("expand", r, em.writers))
 
     def advance(self, epoch_skew=None):
@@ -200,6 +205,10 @@ class Ranks:
 
     def err(self, r):
         return self.h.words(("err", r), ERR_WORDS)
+
+    def flags(self, r):
+        h = self.h
+        return h.words(("band_arrived", r), h.regions[("band_arrived", r)][1] // 4, bits=32)
 
 
 def _goes(ids, El, d):
@@ -248,8 +257,16 @@ def _reference(W):
     return _REF[W]
 
 
+def _expert_bands(plan):
+    """The band indices (row // TILE_M) of the plan's local experts with rows."""
+    return {b for e in range(plan.experts_per_rank)
+            for b in range(int(plan.expert_row_start[e]) // TILE_M,
+                           (int(plan.expert_row_start[e]) + int(plan.expert_rows[e])) // TILE_M)}
+
+
+@pytest.mark.parametrize("arrival", [False, True], ids=["plain", "signal_arrival"])
 @pytest.mark.parametrize("W", [2, 3])
-def test_emulated_dispatch_kernels_are_bitwise_the_reference(W):
+def test_emulated_dispatch_kernels_are_bitwise_the_reference(W, arrival):
     El, D, tokens = CASES[W][:3]
     assert any(0 in t for t in tokens) and all(sum(t) for t in tokens)  # a rank with none
     ref = _reference(W)
@@ -259,7 +276,7 @@ def test_emulated_dispatch_kernels_are_bitwise_the_reference(W):
         counts = ref[0][call][0]
         plans_of.append([plan_combine(counts, r, tile_m=TILE_M, layout=_layout_of(call))
                          for r in range(W)])
-    ranks = Ranks(W, Tmax, max(p.row_capacity for ps in plans_of for p in ps))
+    ranks = Ranks(W, Tmax, max(p.row_capacity for ps in plans_of for p in ps), arrival=arrival)
     # rows past a plan's total (zeroed by the expand's last item) occur
     assert any(p.row_capacity > int(p.total_rows) for ps in plans_of for p in ps)
     for call in range(2):
@@ -283,6 +300,15 @@ def test_emulated_dispatch_kernels_are_bitwise_the_reference(W):
             slot_counts = ranks.h.words(("recv", r), W, parity * ranks.stride
                                         + ranks.lay["count_offset"], 32)
             assert slot_counts == [int(_goes(ids[s], El, r).sum()) for s in range(W)]
+            if arrival:  # every band of every local expert with rows flagged by this expand
+                bands = _expert_bands(plans[r])
+                assert bands and len(bands) < len(ranks.flags(r))  # bands past the experts
+                before, after = ranks.flags_before[r], ranks.flags(r)
+                assert [b for b, f in enumerate(before) if f == epoch] == [], (W, call, r)
+                assert [b for b, f in enumerate(after) if f == epoch] == sorted(bands), \
+                    (W, call, r, after)
+                assert all(after[b] == before[b] for b in range(len(after)) if b not in bands)
+                assert ranks.h.words(("arr_count", r), El, bits=32) == [0] * El  # reset
         rows_ok, shared_ok, expand_ok = _allowed_writes(ranks, ids, parity)
         for kernel, r, writers in ranks.writes:
             if kernel == "send":
@@ -296,8 +322,13 @@ def test_emulated_dispatch_kernels_are_bitwise_the_reference(W):
                 assert not writers, (W, call, r, "the wait wrote")
             else:
                 out0 = ranks.h[("out", r)]
-                assert not _outside(writers, [expand_ok[r]]), (W, call, r, "expand wrote "
-                                                               "outside its output")
+                ok = [expand_ok[r]]
+                if arrival:  # and the arrival counts and flags
+                    for name in ("arr_count", "band_arrived"):
+                        a, n = ranks.h.regions[(name, r)]
+                        ok.append((a, a + n))
+                assert not _outside(writers, ok), (W, call, r, "expand wrote outside its "
+                                                   "output")
                 assert _covered(writers, out0, out0 + ranks.rows[r] * D * 2)
         # every word of those ranges was written (the rows and ids of the n tokens sent, count
         # words, tags and counters of every (source, owner) pair)

@@ -25,6 +25,14 @@ kernels on the stream, as the combine's scale (combine/scale.py):
    expert's end), and item (e, 0) the gap before the expert's first group: every row of
    [0, total_rows) that carries no token is zero, as in the reference; the last item zeroes
    [total_rows, rows).
+
+Arrival flags (``signal_arrival``, default off: for ``GroupedGemm(wait_arrival=True)`` on this
+GPU): after item (e, s)'s rows and gaps, ``bar.sync``, then thread 0 ``fence.acq_rel.gpu`` and
+``atom.acq_rel.gpu`` add 1 on ``arr_count[e]`` (int32 [El]); the item that sees W - 1 resets the
+count and stores ``band_arrived[b] = epoch`` (st.release.gpu) for every band b of expert e,
+[ers[e], ers[e] + erows[e]) / tile_m. Every row of e (tokens and zero padding) is written by the
+W items of e, so the flags follow all of them. After an error no item counts (rows NaN, no
+flag); a count left part-way by an error is zeroed by the reset that clears the error word.
 """
 DEFAULT_THREADS = 256
 DEFAULT_CTAS_PER_SM = 2
@@ -36,9 +44,12 @@ BF16X2_NAN = 0x7FC07FC0
 DF_COUNT, DF_ROW_PAST_GROUP, DF_GROUP_SHORT, DF_ROW_PAST_OUT = range(4)
 
 
-def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THREADS):
-    """@cute.jit launcher of the wait + expand kernels for W = ``world_size`` sources."""
-    W, K, NT = int(world_size), int(topk), int(threads)
+def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THREADS,
+                          signal_arrival: bool = False):
+    """@cute.jit launcher of the wait + expand kernels for W = ``world_size`` sources;
+    ``signal_arrival``: the expand also raises the per-band arrival flags (module docstring;
+    the launcher then takes arr_count, band_arrived and tile_m after fingerprint_ptr)."""
+    W, K, NT, ARR = int(world_size), int(topk), int(threads), bool(signal_arrival)
     if not 1 <= W <= 1024:
         raise ValueError(f"world_size={W} must be in [1, 1024]")
     if not 1 <= K <= 64:
@@ -54,6 +65,11 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
     from .plan_kernel import simt_helpers
     H = simt_helpers()
     lds, sts, block_scan = H.lds, H.sts, H.block_scan
+
+    def atom_add_acq_rel_gpu_s32(addr, val):
+        """The expert's arrival count: acquire the earlier items' rows, release this item's."""
+        return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
+                                    write_only_types=[Int32], read_only_args=[addr, Int32(val)])
 
     def ld_cg_s32(addr):
         """32-bit load cached in L2 only (the peers wrote the slot: no L1 line of it)."""
@@ -88,11 +104,28 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
                 P.st_v4(out + Int64(lo) * row_bytes + i * Int64(16), [z, z, z, z])
                 i = i + Int64(NT)
 
-    @cute.kernel
-    def expand_kernel(recv: Int64, slot_stride: Int64, ids_offset: Int64, count_offset: Int64,
-                      row_bytes: Int64, tmax: Int32, out: Int64, out_rows: Int32, El: Int32,
-                      rank: Int32, ers: Int64, grs: Int64, erows: Int64, counts: Int64,
-                      total_ptr: Int64, err: Int64, epoch_ptr: Int64):
+    @cute.jit
+    def signal_expert(e: Int32, e_start: Int32, e_end: Int32, arr_count: Int64,
+                      band_arrived: Int64, tile_m: Int32, epoch: Int32, tidx: Int32):
+        """After item (e, s)'s rows and gaps: the CTA's stores, then thread 0's acq_rel count;
+        the W-th item of expert e resets the count and releases every band flag of e."""
+        P.block_sync()
+        if tidx == Int32(0):
+            P.fence_acq_rel_gpu()
+            old = atom_add_acq_rel_gpu_s32(arr_count + Int64(e) * Int64(4), Int32(1))
+            if old == Int32(W - 1):
+                P.st_s32(arr_count + Int64(e) * Int64(4), Int32(0))
+                b = e_start // tile_m
+                while b < e_end // tile_m:
+                    P.st_release_gpu_s32(band_arrived + Int64(b) * Int64(4), epoch)
+                    b = b + Int32(1)
+
+    @cute.jit
+    def expand_body(recv: Int64, slot_stride: Int64, ids_offset: Int64, count_offset: Int64,
+                    row_bytes: Int64, tmax: Int32, out: Int64, out_rows: Int32, El: Int32,
+                    rank: Int32, ers: Int64, grs: Int64, erows: Int64, counts: Int64,
+                    total_ptr: Int64, err: Int64, epoch_ptr: Int64, arr_count: Int64,
+                    band_arrived: Int64, tile_m: Int32):
         tidx, bidx, nblk = P.thread_block_grid()
         lane = tidx & Int32(31)
         warp = tidx >> Int32(5)
@@ -210,7 +243,56 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
                     zero_rows(out, a + c, nxt, out_rows, n_ch, row_bytes, tidx)
                     if s == Int32(0):
                         zero_rows(out, e_start, first, out_rows, n_ch, row_bytes, tidx)
+                    if cutlass.const_expr(ARR):
+                        signal_expert(e, e_start, e_end, arr_count, band_arrived, tile_m,
+                                      P.ld_s32(epoch_ptr), tidx)
                 q = q + nblk
+
+    if ARR:
+        @cute.kernel
+        def expand_kernel(recv: Int64, slot_stride: Int64, ids_offset: Int64,
+                          count_offset: Int64, row_bytes: Int64, tmax: Int32, out: Int64,
+                          out_rows: Int32, El: Int32, rank: Int32, ers: Int64, grs: Int64,
+                          erows: Int64, counts: Int64, total_ptr: Int64, err: Int64,
+                          epoch_ptr: Int64, arr_count: Int64, band_arrived: Int64,
+                          tile_m: Int32):
+            expand_body(recv, slot_stride, ids_offset, count_offset, row_bytes, tmax, out,
+                        out_rows, El, rank, ers, grs, erows, counts, total_ptr, err, epoch_ptr,
+                        arr_count, band_arrived, tile_m)
+    else:
+        @cute.kernel
+        def expand_kernel(recv: Int64, slot_stride: Int64, ids_offset: Int64,
+                          count_offset: Int64, row_bytes: Int64, tmax: Int32, out: Int64,
+                          out_rows: Int32, El: Int32, rank: Int32, ers: Int64, grs: Int64,
+                          erows: Int64, counts: Int64, total_ptr: Int64, err: Int64,
+                          epoch_ptr: Int64):
+            expand_body(recv, slot_stride, ids_offset, count_offset, row_bytes, tmax, out,
+                        out_rows, El, rank, ers, grs, erows, counts, total_ptr, err, epoch_ptr,
+                        Int64(0), Int64(0), Int32(1))
+
+    @cute.jit
+    def launch_both(recv: Int64, slot_stride: Int64, ids_offset: Int64, count_offset: Int64,
+                    row_bytes: Int64, tmax: Int32, out: Int64, out_rows: Int32, El: Int32,
+                    rank: Int32, ers: Int64, grs: Int64, erows: Int64, counts: Int64,
+                    total_ptr: Int64, err: Int64, epoch_ptr: Int64, counters: Int64,
+                    expected: Int64, timeout_ns: Int64, err_peers: Int64,
+                    fingerprint_ptr: Int64, arr_count: Int64, band_arrived: Int64,
+                    tile_m: Int32, grid: Int32, stream: cuda.CUstream):
+        wait_kernel(counters, expected, rank, err, timeout_ns, epoch_ptr, err_peers,
+                    fingerprint_ptr).launch(grid=[W, 1, 1], block=[WAIT_THREADS, 1, 1],
+                                            stream=stream)
+        if cutlass.const_expr(ARR):
+            expand_kernel(recv, slot_stride, ids_offset, count_offset, row_bytes, tmax, out,
+                          out_rows, El, rank, ers, grs, erows, counts, total_ptr, err,
+                          epoch_ptr, arr_count, band_arrived,
+                          tile_m).launch(grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+        else:
+            expand_kernel(recv, slot_stride, ids_offset, count_offset, row_bytes, tmax, out,
+                          out_rows, El, rank, ers, grs, erows, counts, total_ptr, err,
+                          epoch_ptr).launch(grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+
+    if ARR:
+        return launch_both
 
     @cute.jit
     def launch(recv: Int64, slot_stride: Int64, ids_offset: Int64, count_offset: Int64,
@@ -219,30 +301,31 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
                total_ptr: Int64, err: Int64, epoch_ptr: Int64, counters: Int64,
                expected: Int64, timeout_ns: Int64, err_peers: Int64, fingerprint_ptr: Int64,
                grid: Int32, stream: cuda.CUstream):
-        wait_kernel(counters, expected, rank, err, timeout_ns, epoch_ptr, err_peers,
-                    fingerprint_ptr).launch(grid=[W, 1, 1], block=[WAIT_THREADS, 1, 1],
-                                            stream=stream)
-        expand_kernel(recv, slot_stride, ids_offset, count_offset, row_bytes, tmax, out,
-                      out_rows, El, rank, ers, grs, erows, counts, total_ptr, err,
-                      epoch_ptr).launch(grid=[grid, 1, 1], block=[NT, 1, 1], stream=stream)
+        launch_both(recv, slot_stride, ids_offset, count_offset, row_bytes, tmax, out,
+                    out_rows, El, rank, ers, grs, erows, counts, total_ptr, err, epoch_ptr,
+                    counters, expected, timeout_ns, err_peers, fingerprint_ptr, Int64(0),
+                    Int64(0), Int32(1), grid, stream)
 
     return launch
 
 
-def expand_example_args():
+def expand_example_args(signal_arrival: bool = False):
     """Example arguments of the expand launcher (types only), for cute.compile."""
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
+    arrival = [Int64(0), Int64(0), Int32(64)] if signal_arrival else []
     return [Int64(0)] * 5 + [Int32(1), Int64(0), Int32(0), Int32(1), Int32(0)] + \
-        [Int64(0)] * 11 + [Int64(0), Int32(1), cuda.CUstream(0)]
+        [Int64(0)] * 11 + [Int64(0)] + arrival + [Int32(1), cuda.CUstream(0)]
 
 
 class DispatchExpand:
     """Compiled wait + expand + launch helper (torch tensors in, never synchronizes)."""
 
     def __init__(self, world_size: int, topk: int, threads: int = DEFAULT_THREADS,
-                 timeout_ns: int = DEFAULT_TIMEOUT_NS, ctas_per_sm: int = DEFAULT_CTAS_PER_SM):
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS, ctas_per_sm: int = DEFAULT_CTAS_PER_SM,
+                 signal_arrival: bool = False):
         self.world_size, self.topk, self.threads = int(world_size), int(topk), int(threads)
+        self.signal_arrival = bool(signal_arrival)
         self.timeout_ns, self.ctas_per_sm = int(timeout_ns), int(ctas_per_sm)
         self._fn = None
         self._launcher = None
@@ -251,15 +334,18 @@ class DispatchExpand:
         if self._fn is None:
             import cutlass.cute as cute
             self._fn = cute.compile(build_dispatch_expand(self.world_size, self.topk,
-                                                          self.threads), *expand_example_args())
+                                                          self.threads, self.signal_arrival),
+                                    *expand_example_args(self.signal_arrival))
         return self._fn
 
     def launch(self, *, recv, slot_stride: int, layout: dict, max_tokens: int, out, plan,
-               counts, err, epoch, counters, expected, err_peers, num_sms: int, stream=None):
+               counts, err, epoch, counters, expected, err_peers, num_sms: int, stream=None,
+               arr_count=None, band_arrived=None, tile_m: int = 0):
         """recv: this rank's receive buffer (slot 0; symmetric); out: [rows, D] bf16 contiguous;
         counts: int64 [W, E] contiguous (the plan's); counters: the first W words of this rank's
         communication block (its call tags follow); expected: int64 [W] (already advanced for
-        this call); err_peers: int64 [W] or None."""
+        this call); err_peers: int64 [W] or None. signal_arrival only: arr_count int32 [El]
+        (0 between calls), band_arrived int32 [rows // tile_m], tile_m the plan's."""
         import torch
         from ..kernels.primitives import LaunchCache
         fn = self.compile()
@@ -269,6 +355,8 @@ class DispatchExpand:
             stream = torch.cuda.current_stream(out.device)
         El = plan.experts_per_rank
         grid = max(1, min(num_sms * self.ctas_per_sm, El * self.world_size + 1))
+        arrival = ((arr_count.data_ptr(), band_arrived.data_ptr(), int(tile_m))
+                   if self.signal_arrival else ())
         self._launcher((recv.data_ptr(), int(slot_stride), layout["ids_offset"],
                         layout["count_offset"], layout["row_bytes"], int(max_tokens),
                         out.data_ptr(), out.shape[0], El, plan.rank,
@@ -277,4 +365,5 @@ class DispatchExpand:
                         plan.total_rows.data_ptr(), err.data_ptr(), epoch.data_ptr(),
                         counters.data_ptr(), expected.data_ptr(), self.timeout_ns,
                         0 if err_peers is None else err_peers.data_ptr(),
-                        plan.counts_fingerprint.data_ptr(), grid), stream.cuda_stream)
+                        plan.counts_fingerprint.data_ptr(), *arrival, grid),
+                       stream.cuda_stream)
