@@ -87,9 +87,8 @@ def rank_env(place: Placement | None) -> dict:
     """The environment a rank of ``place`` must start with: how many ranks share its GPU and,
     where they do, its MPS share (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``). MPS reads the share
     when the process first initialises CUDA, which a spawned rank may do while it unpickles its
-    function, before any of its code runs (importing a module that asks for the device count:
-    seen with every pytest module, whose ranks read all 132 SMs of an H100 under MPS while a
-    script's ranks read their 66), so the parent sets it around the start (``_start``)."""
+    function, before any of its code runs (importing a module that asks for the device count),
+    so the parent sets it around the start (``_start``)."""
     if place is None:
         return {}
     env = {RANKS_PER_GPU_ENV: str(place.ranks_per_gpu)}

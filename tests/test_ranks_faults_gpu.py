@@ -364,11 +364,11 @@ def kill_results(request):
     except RuntimeError as e:
         if not (os.environ.get("CUDA_MPS_PIPE_DIRECTORY") and "died without a result" in str(e)):
             raise
-        # under MPS the survivors died with the victim (session 21: every survivor aborted on
-        # "an illegal memory access", exit -6); the likely cause is MPS's error containment,
-        # which hands a fatal fault of one client to every client of the GPU (not proven: the
-        # time-sliced run, each rank its own context, tells it from our kernels touching the
-        # victim's memory, and checks the fault itself)
+        # under MPS the survivors die with the victim (an abort on an illegal memory access);
+        # the likely cause is MPS's error containment, which hands a fatal fault of one client
+        # to every client of the GPU (not proven: the time-sliced run, each rank its own
+        # context, tells it from our kernels touching the victim's memory, and checks the
+        # fault itself; bench/NOTES.md, session 21)
         return dict(mps_contained=str(e), seconds=time.time() - t0)
     print(json.dumps(res, indent=1))
     return res

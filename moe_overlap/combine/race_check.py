@@ -207,7 +207,7 @@ def soak(ov, tokens: int, mode: str, calls: int = 1000, routing_every: int = 10,
     for i in range(calls):
         if i == 1:
             # warm-up = the capture and the first replay cycle: the eager non-overlapped call
-            # and the checks allocate their buffers once there (seen: 8 MiB, then flat)
+            # and the checks allocate their buffers once there
             torch.cuda.synchronize(dev)
             mem_before = torch.cuda.memory_allocated(dev)
             free_before = torch.cuda.mem_get_info(dev)[0]

@@ -588,24 +588,8 @@ def wait_eq_gpu_s32_or_error(addr: Int64, expected: Int32, err_addr: Int64, t0: 
                              timeout_ns: Int64):
     """``wait_eq_gpu_s32`` that also gives up as soon as the error word's code is set (an error
     recorded by another kernel of this GPU while we wait, e.g. the producer GEMM refusing the
-    band whose flag this is: that flag never comes). The flag and the error word are loaded
-    back to back (independent loads: one round trip per spin, as before). Returns (status:
-    Int32 0 = equal, 1 = timed out, 2 = error word set; last value: Int32; now - t0: Int64)."""
-    v = ld_acquire_gpu_s32(addr)
-    status = Int32(0)
-    elapsed = Int64(0)
-    if v != expected:
-        status = error_set(err_addr) * Int32(2)
-    while v != expected and status == Int32(0):
-        elapsed = globaltimer() - t0
-        if elapsed > timeout_ns:
-            status = Int32(1)
-        v = ld_acquire_gpu_s32(addr)
-        if error_set(err_addr) != Int32(0):
-            status = Int32(2)
-    if v == expected:
-        status = Int32(0)
-    return status, v, elapsed
+    band whose flag this is: that flag never comes): ``wait_eq_s32_or_error`` at gpu scope."""
+    return wait_eq_s32_or_error(addr, expected, err_addr, t0, timeout_ns, "gpu")
 
 
 def ld_acquire_s32(addr, scope: str):
@@ -619,9 +603,11 @@ def ld_acquire_s32(addr, scope: str):
 @cute.jit
 def wait_eq_s32_or_error(addr: Int64, expected: Int32, err_addr: Int64, t0: Int64,
                          timeout_ns: Int64, scope: cutlass.Constexpr):
-    """``wait_eq_gpu_s32_or_error`` with the acquire's scope an argument (``scope`` "gpu": the
-    flag's writer runs on this GPU; "sys": on another one). Returns (status: Int32 0 = equal,
-    1 = timed out, 2 = error word set; last value: Int32; now - t0: Int64)."""
+    """Spin (acquire at ``scope``: "gpu" where the flag's writer runs on this GPU, "sys" where
+    on another one) until ``*addr == expected``, giving up after ``timeout_ns`` since ``t0`` or
+    as soon as the error word's code is set (flag and error word loaded back to back: one
+    round trip per spin). Returns (status: Int32 0 = equal, 1 = timed out, 2 = error word set;
+    last value: Int32; now - t0: Int64)."""
     v = ld_acquire_s32(addr, scope)
     status = Int32(0)
     elapsed = Int64(0)
