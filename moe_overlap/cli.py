@@ -1,5 +1,5 @@
 """moe-overlap command line: demo | plan-stats | validate | sweep | report | project |
-project-ffn (also `project --ffn`) | heap."""
+project-ffn (also `project --ffn`) | project-layer (also `project --layer`) | heap."""
 from __future__ import annotations
 
 import argparse
@@ -393,6 +393,58 @@ def cmd_project_ffn(args) -> int:
     return 0
 
 
+def cmd_project_layer(args) -> int:
+    import datetime
+
+    from .combine.projection import PRODUCER_FILE, Fabric, ProducerRates, check_producer
+    from .combine.projection_layer import (BYTES_FILE, LayerRates, check_bytes, format_table,
+                                           input_sources, plot, project_layer, summary, write)
+    from .combine.projection import format_sources
+    from .combine.tuning import CostModel
+    cost = CostModel()
+    fabric = Fabric(gpus_per_node=args.gpus_per_node, ib_gbps=args.ib_gbps,
+                    ib_latency_us=args.ib_latency_us)
+    root = checkout_root()
+    producer = producer_check = bytes_doc = None
+    if root:
+        with open(os.path.join(root, RESULTS, PRODUCER_FILE)) as f:
+            pdoc = json.load(f)
+        producer, producer_check = ProducerRates.from_doc(pdoc), check_producer(pdoc)
+        with open(os.path.join(root, RESULTS, BYTES_FILE)) as f:
+            bytes_doc = json.load(f)
+    rates = LayerRates.from_results(root)
+    inputs = input_sources(root, cost, fabric, rates, producer)
+    rows = project_layer(models=args.models, worlds=args.world_sizes, tokens=args.tokens,
+                         mode=args.mode, cost=cost, fabric=fabric, rates=rates,
+                         producer=producer,
+                         progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+    bcheck = check_bytes(rows, bytes_doc) if bytes_doc else None
+    print(f"Projection of the MoE layer (not a measurement): {args.mode} routing, rank 0; times "
+          "in ms; layer = dispatch || up-projection, then down-projection || combine; (a) NCCL "
+          "all-to-all per assignment + library GEMMs + NCCL all-to-all, sequential; (b) today's "
+          "layer: (a)'s dispatch and up-projection, then the overlapped combine. Inputs:")
+    print(format_sources(inputs))
+    if bcheck:
+        print(f"Dispatch bytes against {BYTES_FILE}: {bcheck['points']} points, equal: "
+              f"{bcheck['equal']}")
+    print(format_table(rows))
+    meta = dict(device="model", kind="projection",
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                git_commit=_git_commit(root) if root else "?", tokens=args.tokens,
+                worlds=args.world_sizes, mode=args.mode, summary=summary(rows),
+                command="moe-overlap project-layer " + " ".join(args.argv))
+    out = args.out
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    write(rows, out, fabric, cost, rates, meta, inputs, bcheck, producer_check)
+    png = os.path.splitext(out)[0] + ".png"
+    try:
+        plot(rows, png, fabric, rates, inputs, bcheck)
+        print(f"wrote {out} and {png}")
+    except ImportError:
+        print(f"wrote {out} (matplotlib is not installed: no plot)")
+    return 0
+
+
 # ------------------------------------------------------------------------------- validate
 VALIDATE_DEFAULTS = {"world_sizes": [2, 3, 4], "experts": 12, "tokens": 96, "topk": 2,
                      "dtype": "float32", "device": "cpu"}
@@ -529,7 +581,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(prog="moe-overlap", description=__doc__, formatter_class=fmt)
     sub = p.add_subparsers(
-        dest="cmd", metavar="{demo,plan-stats,validate,sweep,report,project,project-ffn,heap}")
+        dest="cmd", metavar="{demo,plan-stats,validate,sweep,report,project,project-ffn,project-layer,heap}")
     d = sub.add_parser("demo", help="CPU ranks: router -> dispatch -> combine, vs the baseline "
                        "(the default command)", formatter_class=fmt,
                        description="W CPU ranks (gloo) run router -> dispatch -> combine for each "
@@ -659,6 +711,31 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     f.add_argument("--out", default=os.path.join("out", "project-ffn", "projection_ffn.json"),
                    help="JSON to write, the PNG beside it (relative: under the current folder; "
                    "the tracked result is bench/results/projection_ffn_g2_8.json)")
+    ly = sub.add_parser(
+        "project-layer", help="projection of the whole MoE layer (dispatch || up-projection, "
+        "down-projection || combine), W = 2..64 (also `project --layer`)", formatter_class=fmt,
+        description="Projected time of one MoE layer call against NCCL all-to-all + library "
+        "GEMMs (all sequential) and against today's combine-only overlap, for the model shapes, "
+        "from measured and stated rates (moe_overlap/combine/projection_layer.py: what is "
+        "measured, stated and assumed). Writes the JSON (every input with its source, the "
+        "assumptions) and a PNG beside it. A projection, not a measurement.")
+    ly.add_argument("--models", type=_name_list(MODEL_NAMES),
+                    default="deepseek-v3,qwen3-235b-a22b",
+                    help="comma-separated model shapes (moe_overlap.combine.shapes.MODELS)")
+    ly.add_argument("--world-sizes", type=_int_list(), default="2,4,8,16,32,64",
+                    help="comma-separated world sizes (those the experts divide)")
+    ly.add_argument("--tokens", type=_int_list(), default="4096,16384",
+                    help="comma-separated tokens per rank")
+    ly.add_argument("--mode", default="balanced", choices=ROUTER_MODES, help="router mode")
+    ly.add_argument("--gpus-per-node", type=_positive_int, default=8,
+                    help="GPUs per NVLink domain")
+    ly.add_argument("--ib-gbps", type=_positive_float, default=50.0,
+                    help="InfiniBand bandwidth per GPU between nodes, GB/s (stated, > 0)")
+    ly.add_argument("--ib-latency-us", type=_nonnegative_float, default=10.0,
+                    help="InfiniBand latency, us (>= 0)")
+    ly.add_argument("--out", default=os.path.join("out", "project-layer", "projection_layer.json"),
+                    help="JSON to write, the PNG beside it (relative: under the current folder; "
+                    "the tracked result is bench/results/projection_layer.json)")
     hp = sub.add_parser(
         "heap", help="symmetric (NVSHMEM) heap the combine needs, with and without sharing",
         formatter_class=fmt,
@@ -682,7 +759,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     hp.add_argument("--json", action="store_true",
                     help="also print the numbers as JSON")
     return p, {"demo": d, "plan-stats": s, "validate": v, "project": j, "project-ffn": f,
-               "heap": hp}
+               "project-layer": ly, "heap": hp}
 
 
 def _report_root_error(argv) -> str | None:
@@ -759,6 +836,8 @@ def main(argv=None) -> int:
         return sweep_main(argv[1:])
     if argv[:1] == ["project"] and "--ffn" in argv:  # the FFN's projection, same command family
         argv = ["project-ffn"] + [x for x in argv[1:] if x != "--ffn"]
+    if argv[:1] == ["project"] and "--layer" in argv:  # the whole layer's projection
+        argv = ["project-layer"] + [x for x in argv[1:] if x != "--layer"]
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["demo"] + argv  # the main job: the CPU demo
     args = p.parse_args(argv)
@@ -786,8 +865,16 @@ def main(argv=None) -> int:
     elif args.cmd == "project-ffn":
         _check_project_ffn_args(args, sp)
         args.argv = argv[1:]
+    elif args.cmd == "project-layer":
+        for m in args.models:
+            if all(MODELS[m][0] % W for W in args.world_sizes):
+                sp.error(f"--world-sizes {','.join(map(str, args.world_sizes))}: none divides "
+                         f"the {MODELS[m][0]} experts of {m} (each model needs one)")
+        _check_out(sp, "--out", args.out, folder=False)
+        args.argv = argv[1:]
     return {"demo": cmd_demo, "plan-stats": cmd_plan_stats, "validate": cmd_validate,
             "project": cmd_project, "project-ffn": cmd_project_ffn,
+            "project-layer": cmd_project_layer,
             "heap": cmd_heap}[args.cmd](args)
 
 

@@ -95,6 +95,8 @@ READ_BY = {
     "projection_ffn_g2_8.png": ("README.md",),
     "projection_combine_w2_64.json": ("README.md",),
     "projection_combine_w2_64.png": ("README.md",),
+    "projection_layer.json": ("README.md", "tests/test_projection_layer.py"),
+    "projection_layer.png": ("README.md",),
     "packed_gemm_h200_expert_order_70a95b6.json": ("README.md",),
 }
 

@@ -1,0 +1,181 @@
+"""The whole layer's projection (issue 39 goal 4): its dispatch bytes are `dispatch_wire_bytes`'
+and the counted file's, an overlapped stage never beats the stages it overlaps nor loses to
+running them one after another, more bandwidth never makes anything slower, the IB-bound limit
+is the byte ratio, a planted defect in a stage moves the result, every input is named, and the
+tracked JSON is what the code gives."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moe_overlap.combine.dispatch_dedup import dispatch_wire_bytes
+from moe_overlap.combine.projection import Fabric, ProducerRates
+from moe_overlap.combine.projection_layer import (LayerRates, best_layer, check_bytes, draw_ids,
+                                                  layer_rows, predict_layer, project_layer)
+from moe_overlap.combine.shapes import MODELS
+from moe_overlap.combine.tuning import CostModel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+MODEL = "qwen3-30b-a3b"  # the smallest model shape: quick routings and plans
+
+
+def _load(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def rates():
+    prod = ProducerRates.from_doc(_load("producer_models_h100_f213944_s1.json"))
+    ours, lib = prod.cost_models(MODEL, 1024, CostModel())
+    return ours, lib, LayerRates.from_results(ROOT)
+
+
+@pytest.fixture(scope="module")
+def rows16():
+    """W = 16 over two nodes of 8: every link class has rows."""
+    return layer_rows(MODEL, 16, 512, fabric=Fabric())
+
+
+def test_dispatch_bytes_are_dispatch_wire_bytes_for_every_rank():
+    W, T, f = 4, 128, Fabric(gpus_per_node=2)  # 1 local, 1 NVLink, 2 IB peers per rank
+    E, k, _, D = MODELS[MODEL]
+    ids = draw_ids(MODEL, W, T)
+    wire = dispatch_wire_bytes(ids, E // W, D, 2)
+    recv = 0
+    for r in range(W):
+        lr = layer_rows(MODEL, W, T, fabric=f, rank=r, ids=ids)
+        assert lr["once_sent_nvlink"] > 0 and lr["once_sent_ib"] > 0
+        assert 2 * D * (lr["once_sent_nvlink"] + lr["once_sent_ib"]) == wire[r].once
+        assert 2 * D * (lr["assign_sent_nvlink"] + lr["assign_sent_ib"]) == wire[r].per_assignment
+        assert lr["once_sent_nvlink"] + lr["once_sent_ib"] == wire[r].tokens
+        recv += lr["once_recv_nvlink"] + lr["once_recv_ib"]
+        # the tokens a rank receives from each source, summed, are its off-rank receipts
+        assert sum(v for s, v in enumerate(lr["once_recv_by_source"]) if s != r) == (
+            lr["once_recv_nvlink"] + lr["once_recv_ib"])
+    assert recv == sum(w.tokens for w in wire)  # what leaves the ranks is what arrives
+
+
+def test_bytes_equal_the_counted_file():
+    rows = project_layer(models=("qwen3-235b-a22b",), worlds=(2, 8), tokens=(4096,))
+    chk = check_bytes(rows, _load("dispatch_bytes_30cb093.json"))
+    assert chk["points"] == 2 and chk["equal"], chk
+    bad = [dict(r, rows=dict(r["rows"], once_sent_nvlink=r["rows"]["once_sent_nvlink"] + 1))
+           for r in rows]
+    assert not check_bytes(bad, _load("dispatch_bytes_30cb093.json"))["equal"]
+
+
+@pytest.mark.parametrize("W", [2, 16])
+@pytest.mark.parametrize("arrival", ["designed", "built"])
+def test_overlap_between_its_stages_max_and_sum(rates, W, arrival):
+    ours, lib, lrates = rates
+    lr = layer_rows(MODEL, W, 512)
+    for dctas in (4, 12, 32):
+        p = predict_layer(lr, MODEL, ours, lib, Fabric(), lrates, dctas=dctas, ccta=8,
+                          arrival=arrival)
+        stages = (p["t_up"], p["t_arrive_nvlink"], p["t_arrive_ib"])
+        assert p["t_dispatch_up"] >= max(stages) - 1e-12
+        assert p["t_dispatch_up"] <= p["t_send"] + p["t_expand"] + p["t_up"] + 1e-9
+        assert p["t_layer"] >= p["t_dispatch_up"] + max(p["t_down"], p["t_comm"])
+        assert p["t_seq"] > p["t_a2a_dispatch"] + p["t_up_lib"] + p["t_down_lib"] + p[
+            "t_a2a_combine"]
+    d = predict_layer(lr, MODEL, ours, lib, Fabric(), lrates, arrival="designed")
+    b = predict_layer(lr, MODEL, ours, lib, Fabric(), lrates, arrival="built")
+    assert d["t_dispatch_up"] <= b["t_dispatch_up"]
+
+
+def test_more_bandwidth_is_never_slower(rates, rows16):
+    ours, lib, lrates = rates
+    last = None
+    for ib in (6.25, 12.5, 25.0, 50.0, 100.0, 400.0):
+        r = best_layer(rows16, MODEL, ours, lib, Fabric(ib_gbps=ib), lrates)
+        now = (r["t_layer"], r["t_seq"], r["t_combine_only"])
+        if last:
+            assert all(n <= p + 1e-12 for n, p in zip(now, last)), (ib, now, last)
+        last = now
+    assert last[0] < best_layer(rows16, MODEL, ours, lib, Fabric(ib_gbps=6.25), lrates)["t_layer"]
+    last = None
+    for scale in (0.5, 1.0, 2.0):
+        o = dataclasses.replace(ours, copy_gbps={c: v * scale for c, v in ours.copy_gbps.items()})
+        t = best_layer(layer_rows(MODEL, 8, 512), MODEL, o, lib, Fabric(), lrates)["t_layer"]
+        assert last is None or t <= last + 1e-12
+        last = t
+
+
+def test_ib_bound_limit_is_the_byte_ratio(rates, rows16):
+    """With IB far slower than everything else, both the layer and the sequential baseline are
+    the IB bytes over the IB rate: the speedup is (per-assignment + combine) / (once + combine
+    + the combine's last band, which the combine model sends after its stream) IB bytes, a
+    number of the routing alone."""
+    ours, lib, lrates = rates
+    f = Fabric(ib_gbps=0.05, ib_latency_us=0.0)
+    r = best_layer(rows16, MODEL, ours, lib, f, lrates)
+    D, k = MODELS[MODEL][3], MODELS[MODEL][1]
+    lr = rows16
+    once = max(lr["once_sent_ib"], lr["once_recv_ib"]) * (2 * D + 4 * k)
+    pa = max(lr["assign_sent_ib"], lr["assign_recv_ib"]) * 2 * D
+    comb = lr["assign_recv_ib"] * 2 * D
+    tail = min(128, lr["assign_recv_nvlink"] + lr["assign_recv_ib"]) * 2 * D
+    assert r["speedup_vs_seq"] == pytest.approx((pa + comb) / (once + comb + tail), rel=0.01)
+    assert r["speedup_vs_seq"] > 1.0
+
+
+def test_a_planted_defect_in_a_stage_moves_the_result(rates, rows16):
+    ours, lib, lrates = rates
+    good = predict_layer(rows16, MODEL, ours, lib, Fabric(), lrates)
+    # the dispatch sending per assignment instead of once per rank
+    bad = dict(rows16, once_sent_ib=rows16["assign_sent_ib"],
+               once_recv_ib=rows16["assign_recv_ib"])
+    worse = predict_layer(bad, MODEL, ours, lib, Fabric(), lrates)
+    assert worse["t_arrive_ib"] > good["t_arrive_ib"]
+    assert worse["t_layer"] > good["t_layer"]
+    assert worse["t_seq"] == pytest.approx(good["t_seq"])  # the baseline never used them
+    # the up-projection at half its rate: the layer slows, the baselines (library) do not
+    slow = predict_layer(rows16, MODEL, dataclasses.replace(ours, gemm_tflops=ours.gemm_tflops / 2),
+                         lib, Fabric(), lrates)
+    assert slow["t_up"] == pytest.approx(2 * good["t_up"])
+    assert slow["t_dispatch_up"] > good["t_dispatch_up"]
+    assert slow["t_seq"] == pytest.approx(good["t_seq"])
+
+
+def test_cli_names_every_input(tmp_path):
+    out = tmp_path / "p" / "layer.json"
+    r = subprocess.run([sys.executable, "-m", "moe_overlap", "project", "--layer", "--models",
+                        MODEL, "--world-sizes", "2,16", "--tokens", "256", "--out", str(out)],
+                       capture_output=True, text=True, cwd=str(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stderr
+    doc = json.load(open(out))
+    assert doc["meta"]["kind"] == "projection" and doc["meta"]["device"] == "model"
+    assert [x["world_size"] for x in doc["rows"]] == [2, 16]
+    for name, e in doc["inputs"].items():
+        src = e["source"]
+        if src.get("file"):
+            assert src["card"] in ("H100", "H200") and src["date"] and src["commit"] or (
+                src["file"].endswith("consumer_run3_fastlaunch.json")), (name, src)
+        else:
+            assert src.get("stated"), name
+    # the stages never run on a GPU say what they assume
+    for name in ("up_tflops", "dispatch_send_gbps", "dispatch_ib", "expand_gbps_per_sm"):
+        assert doc["inputs"][name].get("assumption"), name
+    assert "not a measurement" in doc["assumptions_text"]
+
+
+def test_tracked_result_is_what_the_code_gives():
+    doc = _load("projection_layer.json")
+    assert doc["bytes_check"]["equal"] and doc["bytes_check"]["points"] >= 4
+    row = next(r for r in doc["rows"] if r["model"] == "qwen3-235b-a22b"
+               and r["world_size"] == 2 and r["tokens_per_rank"] == 4096)
+    prod = ProducerRates(doc["inputs"]["producer_tflops"]["value"],
+                         doc["inputs"]["library_tflops"]["value"])
+    cost = dict(doc["cost_model"])
+    cost["copy_gbps"] = {int(c): v for c, v in cost["copy_gbps"].items()}  # JSON keys: text
+    again = project_layer(models=("qwen3-235b-a22b",), worlds=(2,), tokens=(4096,),
+                          mode=doc["meta"]["mode"], cost=CostModel(**cost),
+                          fabric=Fabric(**doc["fabric"]), rates=LayerRates(**doc["rates"]),
+                          producer=prod)[0]
+    for k in ("t_layer", "t_seq", "t_combine_only", "t_dispatch_up"):
+        assert again[k] == pytest.approx(row[k], rel=1e-9), k
