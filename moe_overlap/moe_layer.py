@@ -14,13 +14,153 @@ owns any of its experts); ``AllToAllDispatch`` is the per-assignment all-to-all 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from .combine import (CombineOptions, MoECombine, MoEDispatch, dispatch_to_plan, exchange_counts,
                       grouped_matmul)
 from .combine.checks import agree_on_call, as_int, error_of, world
+from .combine.grouped_gemm import (GroupedGemm, deinterleave_gate_up, interleave_gate_up,
+                                   split_gate_up)
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+BACKENDS = ("auto", "reference", "overlap")
+UP_STREAMS = ("side", "same")
+WEIGHT_LAYOUTS = ("auto", "halves", "interleaved")
+UP_TILE_M = (64, 128)  # the up-projection GEMM's band heights (GroupedGemm)
+TILE_K = 64  # the GEMMs' K tile (bf16): D and K must be multiples of it
+
+
+@dataclass(frozen=True)
+class MoELayerOptions:
+    """The layer's own knobs (the combine's are ``CombineOptions``), resolved once by
+    ``resolve_layer`` at construction (``MoELayer.options``: no "auto" left).
+
+    send_ctas: CTAs of the overlapped dispatch's send kernel (the same on every rank).
+    dispatch_timeout_s: the dispatch's bounded wait for every source's tokens.
+    arrival_timeout_s: the up-projection's bounded wait for a band's arrival flag.
+    up_tile_n: the SwiGLU GEMM's N tile (64, 128, 256): gate and up halves of up_tile_n / 2
+        output columns each, the weights interleaved in blocks of that (``interleave_gate_up``).
+    up_stream: where the arrival-gated up-projection runs. "side": a second stream forked after
+        the dispatch's epoch is advanced and before its send is launched, so the GEMM runs
+        beside the send, wait and expand, each band starting when its flag comes (its grid
+        leaves up_ccta SMs to the dispatch's kernels: the wait and expand must get SMs while
+        the persistent GEMM spins, or it waits until its timeout). "same": on the layer's
+        stream after the expand (every flag already raised: no overlap; the comparison path).
+        The same stream before the wait is not offered: the wait + expand would queue behind a
+        GEMM waiting for them.
+    up_ccta: "auto" or an int >= 1: SMs the side-stream GEMM leaves free ("auto": send_ctas,
+        the send kernel's CTAs, whose SMs the wait and expand take over); 0 with "same".
+    weight_layout: "halves" (w_gate_up's gate half first), "interleaved" (the SwiGLU kernel's
+        layout, blocks of up_tile_n / 2) or "auto" (interleaved on the overlap backend, halves
+        on the reference). The parameter is stored once in this layout; the reference path reads
+        the same tensor (``split_gate_up``).
+    """
+    send_ctas: int = 8
+    dispatch_timeout_s: float = 10.0
+    arrival_timeout_s: float = 10.0
+    up_tile_n: int = 256
+    up_stream: str = "side"
+    up_ccta: int | str = "auto"
+    weight_layout: str = "auto"
+
+    def validate(self) -> None:
+        """ValueError / TypeError for a value no backend accepts (host only)."""
+        as_int("send_ctas", self.send_ctas, minimum=1)
+        for name in ("dispatch_timeout_s", "arrival_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e6:
+                raise ValueError(f"{name} must be a number of seconds in (0, 1e6), got {v!r}")
+        if self.up_tile_n not in (64, 128, 256):
+            raise ValueError(f"up_tile_n must be 64, 128 or 256, got {self.up_tile_n!r}")
+        if self.up_stream not in UP_STREAMS:
+            raise ValueError(f"up_stream={self.up_stream!r}; choose from {UP_STREAMS}")
+        if self.up_ccta != "auto":
+            as_int("up_ccta", self.up_ccta, minimum=0)
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout={self.weight_layout!r}; choose from "
+                             f"{WEIGHT_LAYOUTS}")
+
+
+def _overlap_refusal(world_size, dtype, hidden_size, intermediate_size, tile_m, transport,
+                     options, custom_dispatch) -> tuple[type, str] | None:
+    """Why the overlap layer cannot run these sizes (exception type, text), or None."""
+    D, K = hidden_size, intermediate_size
+    if dtype != torch.bfloat16:
+        return TypeError, f"the overlap backend needs dtype=torch.bfloat16, got {dtype}"
+    if D % TILE_K:
+        return ValueError, (f"hidden_size={D} must be a multiple of {TILE_K} (the "
+                            "up-projection's K tile)")
+    if K % TILE_K:
+        return ValueError, (f"intermediate_size={K} must be a multiple of {TILE_K} (the "
+                            "down-projection's K tile)")
+    if (2 * K) % options.up_tile_n:
+        return ValueError, (f"intermediate_size={K} must be a multiple of up_tile_n / 2 = "
+                            f"{options.up_tile_n // 2} (one SwiGLU N tile holds that many gate "
+                            "and up columns)")
+    if tile_m not in UP_TILE_M:
+        return ValueError, f"tile_m={tile_m}: the up-projection GEMM takes {UP_TILE_M}"
+    if transport != "nvlink":
+        return ValueError, (f"the combine's transport={transport!r}: the overlapped dispatch "
+                            "shares its buffer and runs over NVLink only (NVSHMEM put not "
+                            "built)")
+    if options.weight_layout == "halves":
+        return ValueError, ("weight_layout='halves' on the overlap backend: the SwiGLU kernel "
+                            "reads the interleaved layout")
+    if custom_dispatch:
+        return ValueError, ("a dispatch= seam on the overlap backend: the layer's overlapped "
+                            "dispatch raises the flags its up-projection waits for")
+    return None
+
+
+def resolve_layer(backend: str, options: MoELayerOptions | None, *, world_size: int,
+                  dtype: torch.dtype, hidden_size: int, intermediate_size: int, tile_m: int,
+                  transport: str, overlap_ok: tuple[bool, str], custom_dispatch: bool = False
+                  ) -> tuple[str, MoELayerOptions]:
+    """The layer's backend and options, resolved once (pure: the device facts come in as
+    ``overlap_ok`` = ``combine.overlap_available(device)``). "auto" is "overlap" where it can
+    run (overlap_ok, W > 1, the sizes and dtype it takes), else "reference"; "overlap" asked
+    where it cannot run raises (RuntimeError without the device, TypeError for the dtype,
+    ValueError for sizes and options). W = 1 with "overlap" runs it (the dispatch stores into
+    this rank's own slot; every band's flag comes from this rank's expand)."""
+    options = MoELayerOptions() if options is None else options
+    if not isinstance(options, MoELayerOptions):
+        raise TypeError(f"layer_options must be a MoELayerOptions, got {type(options).__name__}")
+    options.validate()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; choose from {BACKENDS}")
+    why = _overlap_refusal(world_size, dtype, hidden_size, intermediate_size, tile_m, transport,
+                           options, custom_dispatch)
+    if backend == "overlap":
+        if not overlap_ok[0]:
+            raise RuntimeError(f"backend 'overlap' cannot run: {overlap_ok[1]}")
+        if why is not None:
+            raise why[0](why[1])
+    elif backend == "auto":
+        backend = "overlap" if overlap_ok[0] and world_size > 1 and why is None else "reference"
+    if backend == "reference":
+        layout = "halves" if options.weight_layout == "auto" else options.weight_layout
+        if layout == "interleaved" and (2 * intermediate_size) % options.up_tile_n:
+            raise ValueError(f"weight_layout='interleaved' needs intermediate_size="
+                             f"{intermediate_size} a multiple of up_tile_n / 2 = "
+                             f"{options.up_tile_n // 2}")
+        return backend, replace(options, weight_layout=layout, up_ccta=0)
+    ccta = options.send_ctas if options.up_ccta == "auto" else int(options.up_ccta)
+    if options.up_stream == "same":
+        ccta = 0
+    elif ccta < 1:
+        raise ValueError("up_ccta=0 with up_stream='side': the dispatch's wait and expand need "
+                         "an SM beside the persistent up-projection")
+    return backend, replace(options, weight_layout="interleaved", up_ccta=ccta)
+
+
+def up_projection_gemm(options: MoELayerOptions, tile_m: int) -> GroupedGemm:
+    """The overlap layer's up-projection kernel object (not compiled): SwiGLU, waiting for the
+    dispatch's per-band arrival flags, no flags of its own."""
+    return GroupedGemm(tile_m=tile_m, tile_n=options.up_tile_n, signal=False,
+                       wait_arrival=True, arrival_scope="gpu",
+                       arrival_timeout_ns=int(options.arrival_timeout_s * 1e9), swiglu=True)
 
 
 class AllToAllDispatch:
@@ -62,19 +202,32 @@ class MoELayer(torch.nn.Module):
         seed: ``int``, the initial weights: the router from ``seed``, global expert e's weights
             from ``seed + 1 + e``, so that the same seed gives the same global layer at any W.
             ``from_full_weights`` sets given weights instead.
-        tile_m, backend, validate, options, comm_buffer: the combine's (``MoECombine``);
-            ``backend`` picks the combine's backend ("auto": the overlap kernels on Hopper GPUs
-            with W > 1, else "reference"); the router, the dispatch and the up-projection are
-            torch ops on every backend. ``validate=True``: every step's input is checked and the
-            ranks agree on it (a few small all-reduces) before data moves; False: no host reads
-            beyond the reference backend's own, the caller vouches (see ``MoECombine``).
-        dispatch: the dispatch seam (see the module doc); default ``MoEDispatch``.
+        tile_m, validate, options, comm_buffer: the combine's (``MoECombine``).
+            ``validate=True``: every step's input is checked and the ranks agree on it (a few
+            small all-reduces) before data moves; False: no host reads beyond the reference
+            backend's own, the caller vouches (see ``MoECombine``).
+        backend: "reference" (torch ops and process-group exchanges, any device and float
+            dtype), "overlap" (CUDA, bf16: ``MoEDispatch(backend="overlap",
+            signal_arrival=True)`` || the arrival-gated SwiGLU ``GroupedGemm`` -> the
+            overlapped ``MoECombine``; inference only) or "auto": "overlap" where it can run
+            (Hopper, W > 1, bf16, the sizes ``resolve_layer`` lists), else "reference".
+            Resolved once here (``self.backend``).
+        layer_options: ``MoELayerOptions`` (send_ctas, timeouts, the up-projection's tile,
+            stream and SMs, the weight layout), resolved once (``self.options``).
+        comm_buffer (overlap): the one ``CommBuffer`` the layer's dispatch and combine share
+            (default: ``CommBuffer.shared(group, "nvlink")``, shared with the process's other
+            layers as ``MoECombine``'s default); ``self.comm_buffer``.
+        dispatch: the dispatch seam (see the module doc; reference backend); default
+            ``MoEDispatch``.
 
     Parameters (this rank's; the math convention ``x @ w``):
         router: ``[D, E]``, every rank the same (replicated: its gradient on a rank is that
             rank's tokens' share; sum it over the ranks as for any data-parallel weight).
-        w_gate_up: ``[E // W, D, 2 * K]``, this rank's experts, the gate half first:
-            ``h = silu(x @ w_gate_up[e][:, :K]) * (x @ w_gate_up[e][:, K:])``.
+        w_gate_up: ``[E // W, D, 2 * K]``, this rank's experts, in ``self.options.
+            weight_layout``: "halves" (the gate half first, ``h = silu(x @ w_gate_up[e][:, :K])
+            * (x @ w_gate_up[e][:, K:])``) or "interleaved" (``interleave_gate_up`` of that in
+            blocks of up_tile_n / 2: what the SwiGLU kernel reads). ``gate_up_halves()`` gives
+            the first layout either way; a state dict moves between layers of one layout.
         w_down: ``[E // W, K, D]``, this rank's experts.
 
     Forward: ``x`` ``[..., D]`` (e.g. [T, D] or [batch, seq, D]; at most max_tokens_per_rank
@@ -92,7 +245,8 @@ class MoELayer(torch.nn.Module):
                  max_tokens_per_rank: int, group=None, norm_topk_prob: bool = False,
                  dtype: torch.dtype = torch.float32, device=None, seed: int = 0,
                  tile_m: int = 128, backend: str = "auto", validate: bool = True,
-                 options: CombineOptions | None = None, comm_buffer=None, dispatch=None):
+                 options: CombineOptions | None = None, comm_buffer=None, dispatch=None,
+                 layer_options: MoELayerOptions | None = None):
         super().__init__()
         D, K = as_int("hidden_size", hidden_size, 1), as_int("intermediate_size",
                                                              intermediate_size, 1)
@@ -101,21 +255,46 @@ class MoELayer(torch.nn.Module):
             raise TypeError(f"norm_topk_prob must be a bool, got {norm_topk_prob!r}")
         if dtype not in _FLOAT:
             raise TypeError(f"dtype must be one of {_FLOAT}, got {dtype!r}")
-        # the combine checks E % W, topk <= E, the capacity, tile_m, backend and its options
+        from .combine.layer import overlap_available
+        dev = torch.empty(0, device=device).device
+        W = world(group)[1]
+        self.requested_backend = backend
+        self.backend, self.options = resolve_layer(
+            backend, layer_options, world_size=W, dtype=dtype, hidden_size=D,
+            intermediate_size=K, tile_m=tile_m,
+            transport=(options or CombineOptions()).transport,
+            overlap_ok=((False, "backend='reference' asked") if backend == "reference" else
+                        overlap_available(dev)), custom_dispatch=dispatch is not None)
+        overlap = self.backend == "overlap"
+        if overlap and comm_buffer is None:
+            from .combine.comm_buffer import CommBuffer
+            comm_buffer = CommBuffer.shared(group, "nvlink", torch.bfloat16)
+        # the combine checks E % W, topk <= E, the capacity, tile_m and its options
         self.combine = MoECombine(num_experts=E, intermediate_size=K, out_features=D, topk=k,
                                   max_tokens_per_rank=max_tokens_per_rank, group=group,
-                                  tile_m=tile_m, backend=backend, validate=validate,
-                                  options=options, comm_buffer=comm_buffer)
+                                  tile_m=tile_m, backend=self.backend, validate=validate,
+                                  options=options, comm_buffer=comm_buffer if overlap else None)
+        self.comm_buffer = self.combine.comm_buffer
         self.group, (self.rank, self.world_size) = group, world(group)
         self.hidden_size, self.intermediate_size = D, K
         self.num_experts, self.topk = E, k
         self.experts_per_rank = E // self.world_size
         self.max_tokens_per_rank = self.combine.max_tokens_per_rank
         self.norm_topk_prob, self.validate, self.dtype = norm_topk_prob, validate, dtype
-        if dispatch is None:
+        o = self.options
+        if overlap:  # collective: attaches to (allocates) the buffer the combine reserved on
+            dispatch = MoEDispatch(E, D, k, self.max_tokens_per_rank, group, backend="overlap",
+                                   validate=validate, comm_buffer=self.comm_buffer,
+                                   send_ctas=o.send_ctas, timeout_s=o.dispatch_timeout_s,
+                                   signal_arrival=True)
+            self.up_gemm = up_projection_gemm(o, tile_m)
+        elif dispatch is None:
             dispatch = MoEDispatch(E, D, k, self.max_tokens_per_rank, group, backend="reference",
                                    validate=validate)
         self.dispatch = dispatch
+        self._side_stream = self._band_ready = None  # overlap: made at the first call
+        # the weights' column blocks (None: the gate half first)
+        self.gate_up_tile_n = o.up_tile_n if o.weight_layout == "interleaved" else None
         El = self.experts_per_rank
         fw = dict(dtype=dtype, device=device)
         self.router = torch.nn.Parameter(torch.empty(D, E, **fw))
@@ -135,7 +314,8 @@ class MoELayer(torch.nn.Module):
         self.router.copy_(normal((D, self.num_experts), seed, D))
         for i in range(El):
             e = self.rank * El + i
-            self.w_gate_up[i].copy_(normal((D, 2 * K), seed + 1 + e, D))
+            self.w_gate_up[i].copy_(self._gate_up_layout(normal((1, D, 2 * K), seed + 1 + e,
+                                                                D))[0])
             self.w_down[i].copy_(normal((K, D), seed + 1 + self.num_experts + e, K))
 
     @classmethod
@@ -168,9 +348,23 @@ class MoELayer(torch.nn.Module):
         mine = slice(r * El, (r + 1) * El)
         with torch.no_grad():
             layer.router.copy_(router)
-            layer.w_gate_up.copy_(torch.cat([w_gate[mine], w_up[mine]], dim=2))
+            layer.w_gate_up.copy_(layer._gate_up_layout(torch.cat([w_gate[mine], w_up[mine]],
+                                                                  dim=2)))
             layer.w_down.copy_(w_down[mine])
         return layer
+
+    def _gate_up_layout(self, halves: torch.Tensor) -> torch.Tensor:
+        """[n, D, 2K] with the gate half first -> the parameter's layout."""
+        if self.gate_up_tile_n is None:
+            return halves
+        return interleave_gate_up(halves, self.gate_up_tile_n)
+
+    def gate_up_halves(self) -> torch.Tensor:
+        """w_gate_up with the gate half first ([E // W, D, 2K]; the parameter itself where it
+        is stored so, else a copy)."""
+        if self.gate_up_tile_n is None:
+            return self.w_gate_up
+        return deinterleave_gate_up(self.w_gate_up, self.gate_up_tile_n)
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [T, D] -> (topk_weights [T, k] float32 (float64 for float64 tokens), topk_ids
@@ -188,7 +382,7 @@ class MoELayer(torch.nn.Module):
         """SwiGLU of the plan-layout rows [rows, D] with this rank's experts -> [rows, K]
         (padding rows stay zero: silu(0) * 0)."""
         y = grouped_matmul(x_plan, self.w_gate_up, plan.expert_rows.tolist())  # [rows, 2K]
-        gate, up = y.split(self.intermediate_size, dim=1)
+        gate, up = split_gate_up(y, self.gate_up_tile_n)  # the parameter's column order
         return torch.nn.functional.silu(gate) * up
 
     def _check(self, x) -> None:
@@ -206,6 +400,11 @@ class MoELayer(torch.nn.Module):
         if T > self.max_tokens_per_rank:
             raise ValueError(f"capacity exceeded: {T} tokens > max_tokens_per_rank="
                              f"{self.max_tokens_per_rank}")
+        if self.backend == "overlap" and torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise RuntimeError("MoELayer(backend='overlap') is inference-only (its kernels have "
+                               "no backward): call it under torch.no_grad() / "
+                               "torch.inference_mode(), or train with backend='reference'")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> [..., D]; collective (see the class doc)."""
@@ -215,10 +414,13 @@ class MoELayer(torch.nn.Module):
                 "hidden_size (D)": self.hidden_size, "intermediate_size (K)":
                     self.intermediate_size, "num_experts": self.num_experts, "topk": self.topk,
                 "norm_topk_prob": self.norm_topk_prob, "dtype": x.dtype,
-                "device type": x.device.type}, err, self.group)
+                "device type": x.device.type, "backend": self.backend,
+                "layer options": repr(self.options)}, err, self.group)
         else:
             self._check(x)
         tokens = x.reshape(-1, self.hidden_size)
+        if self.backend == "overlap":
+            return self._forward_overlap(tokens).reshape(x.shape)
         topk_weights, topk_ids = self.route(tokens)
         counts = exchange_counts(topk_ids, self.num_experts, self.group,
                                  validate=self.validate)  # [W, E]
@@ -229,8 +431,53 @@ class MoELayer(torch.nn.Module):
         out = self.combine(h, self.w_down, plan, topk_ids, topk_weights, routes=routes)
         return out.reshape(x.shape)
 
+    def _forward_overlap(self, tokens: torch.Tensor) -> torch.Tensor:
+        """router -> top-k -> counts -> plan + prepare -> dispatch (send, wait, expand raising
+        band flags) || the arrival-gated SwiGLU GEMM -> the overlapped combine. Device-only with
+        validate=False (capturable: the side stream forks from and joins the layer's stream)."""
+        o = self.options
+        topk_weights, topk_ids = self.route(tokens)
+        counts = exchange_counts(topk_ids, self.num_experts, self.group,
+                                 validate=self.validate)  # [W, E]
+        plan = self.combine.plan(counts)
+        routes = self.combine.prepare(plan, topk_ids)
+        dev = tokens.device
+        main = torch.cuda.current_stream(dev)
+        plan_rows = plan.row_capacity
+        h = torch.empty(plan_rows, self.intermediate_size, dtype=torch.bfloat16, device=dev)
+        if self._band_ready is None or self._band_ready.numel() != plan.band_capacity:
+            self._band_ready = torch.zeros(plan.band_capacity, dtype=torch.int32, device=dev)
+        side = None
+        if o.up_stream == "side":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(dev)
+            side = self._side_stream
+
+        def up(x_plan, stream, ccta):
+            self.up_gemm(x_plan, self.w_gate_up, h, plan.band_expert, plan.band_src_row,
+                         plan.schedule, plan.num_bands, self._band_ready,
+                         self.comm_buffer.epoch, ccta=ccta, stream=stream,
+                         err=self.comm_buffer.err, rank=self.rank,
+                         band_arrived=self.dispatch.band_arrived)
+
+        def fork(x_plan):  # the dispatch's epoch is advanced on `main`; its send comes next
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                up(x_plan, side, o.up_ccta)
+
+        x_plan = self.dispatch(tokens, topk_ids, plan, counts, rows=plan_rows,
+                               consumer=fork if side is not None else None)
+        if side is None:
+            up(x_plan, main, 0)
+        else:
+            main.wait_stream(side)  # before the combine advances the epoch the GEMM read
+            if not torch.cuda.is_current_stream_capturing():
+                x_plan.record_stream(side)
+                h.record_stream(side)
+        return self.combine(h, self.w_down, plan, topk_ids, topk_weights, routes=routes)
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, topk={self.topk}, "
                 f"experts_per_rank={self.experts_per_rank}, norm_topk_prob={self.norm_topk_prob}, "
-                f"backend={self.combine.requested_backend!r}")
+                f"backend={self.backend!r}")

@@ -72,7 +72,7 @@ class MoEDispatch(torch.nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, topk: int,
                  max_tokens_per_rank: int, group=None, backend: str = "reference",
                  validate: bool = True, comm_buffer=None, send_ctas: int = 8,
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, signal_arrival: bool = False):
         super().__init__()
         rank, W = world(group)
         ints = {}
@@ -92,6 +92,13 @@ class MoEDispatch(torch.nn.Module):
         self.num_experts, self.experts_per_rank = ints["num_experts"], ints["num_experts"] // W
         self.hidden_size, self.topk = ints["hidden_size"], ints["topk"]
         self.max_tokens_per_rank = ints["max_tokens_per_rank"]
+        if not isinstance(signal_arrival, bool):
+            raise TypeError(f"signal_arrival must be a bool, got {signal_arrival!r}")
+        if signal_arrival and backend != "overlap":
+            raise ValueError(f"signal_arrival is an option of backend='overlap' (the expand "
+                             f"kernel raises the flags), got backend={backend!r}")
+        self.signal_arrival = signal_arrival
+        self.band_arrived = self.arrival_counts = None  # signal_arrival: made at the first call
         self.requested_backend = backend
         # "auto" resolves here, once: "reference" until the overlap backend has passed its GPU
         # tests (tests/test_dispatch_overlap_gpu.py, not run yet)
@@ -106,9 +113,7 @@ class MoEDispatch(torch.nn.Module):
     def _build_overlap(self, comm_buffer, send_ctas, timeout_s):
         """Collective (every rank builds its layers in the same order): attach to the buffer."""
         from .comm_buffer import CommBuffer
-        from .dispatch_expand import DispatchExpand
         from .dispatch_index import slot_layout
-        from .dispatch_send import DispatchSend
         if not torch.cuda.is_available():
             raise RuntimeError("MoEDispatch(backend='overlap') needs a CUDA GPU; use "
                                "backend='reference' (or 'auto') on a CPU")
@@ -125,14 +130,43 @@ class MoEDispatch(torch.nn.Module):
         comm_buffer.attach(self, 1, self.layout["slot_bytes"])
         comm_buffer.buffers.require_p2p("MoEDispatch(backend='overlap')")
         self.comm = comm_buffer
-        self.sender = DispatchSend(self.world_size, self.topk, ctas=self.send_ctas)
-        self.expander = DispatchExpand(self.world_size, self.topk,
-                                       timeout_ns=int(float(timeout_s) * 1e9))
+        self.sender, self.expander = self.overlap_kernels(
+            self.world_size, self.topk, self.send_ctas, timeout_s, self.signal_arrival)
         from ..runtime.device import num_sms
         self.num_sms = num_sms(comm_buffer.runtime.device)
 
+    @staticmethod
+    def overlap_kernels(world_size: int, topk: int, send_ctas: int = 8,
+                        timeout_s: float = 10.0, signal_arrival: bool = False):
+        """The overlap backend's kernel objects (DispatchSend, DispatchExpand), not compiled:
+        what a layer of these options launches (the compile-only tests build them here too)."""
+        from .dispatch_expand import DispatchExpand
+        from .dispatch_send import DispatchSend
+        return (DispatchSend(world_size, topk, ctas=send_ctas),
+                DispatchExpand(world_size, topk, timeout_ns=int(float(timeout_s) * 1e9),
+                               signal_arrival=signal_arrival))
+
     def _clear_band_flags(self):
-        """CommBuffer.reset's hook for its layers: the dispatch keeps no flags of its own."""
+        """CommBuffer.reset's hook for its layers: the arrival flags and counts (signal_arrival)
+        restart at 0 with the epoch and the error word."""
+        for t in (self.band_arrived, self.arrival_counts):
+            if t is not None:
+                t.zero_()
+
+    def arrival_flags(self, plan: CombinePlan) -> torch.Tensor:
+        """signal_arrival: the int32 [plan.band_capacity] flags (made zero once, kept; a plan of
+        another capacity is refused: a captured consumer holds the address)."""
+        if not self.signal_arrival:
+            raise ValueError("arrival flags are raised with signal_arrival=True only")
+        dev = self.comm.runtime.device
+        if self.band_arrived is None:
+            self.band_arrived = torch.zeros(plan.band_capacity, dtype=torch.int32, device=dev)
+            self.arrival_counts = torch.zeros(self.experts_per_rank, dtype=torch.int32,
+                                              device=dev)
+        elif self.band_arrived.numel() != plan.band_capacity:
+            raise ValueError(f"plan has band capacity {plan.band_capacity}, this dispatch's "
+                             f"arrival flags {self.band_arrived.numel()} (one max_rows per layer)")
+        return self.band_arrived
 
     def check_errors(self):
         """Synchronize; OverlapError if a call on the communication buffer recorded a device
@@ -146,7 +180,7 @@ class MoEDispatch(torch.nn.Module):
         if self.comm is not None:
             self.comm.reset()
 
-    def _forward_overlap(self, x, topk_ids, plan, counts, rows):
+    def _forward_overlap(self, x, topk_ids, plan, counts, rows, consumer=None):
         from .comm_buffer import OverlapError
         if torch.is_grad_enabled() and x.requires_grad:
             raise OverlapError("MoEDispatch(backend='overlap') is inference-only (its kernels "
@@ -161,10 +195,13 @@ class MoEDispatch(torch.nn.Module):
         ids = topk_ids.to(torch.int32).contiguous()
         cnt = counts.to(dev, torch.int64).contiguous()
         out = torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device=dev)
+        flags = self.arrival_flags(plan) if self.signal_arrival else None
         stream = torch.cuda.current_stream(dev)
         comm.note_call()
         comm.epoch.add_(1)  # the buffer's epoch: slot parity and tags count calls on it
         comm.expected.add_(self.send_ctas)  # one marker per sending CTA from every source
+        if consumer is not None:
+            consumer(out)
         b = comm.buffers
         self.sender.launch(x=x, ids=ids, experts_per_rank=self.experts_per_rank, rank=self.rank,
                            max_tokens=self.max_tokens_per_rank, recv_peers=b.recv_peers,
@@ -175,7 +212,9 @@ class MoEDispatch(torch.nn.Module):
                              max_tokens=self.max_tokens_per_rank, out=out, plan=plan,
                              counts=cnt, err=comm.err, epoch=comm.epoch, counters=b.counters,
                              expected=comm.expected, err_peers=comm.err_peers,
-                             num_sms=self.num_sms, stream=stream)
+                             num_sms=self.num_sms, stream=stream,
+                             arr_count=self.arrival_counts, band_arrived=flags,
+                             tile_m=plan.tile_m)
         if not torch.cuda.is_current_stream_capturing():
             for t in (x, ids, cnt):
                 t.record_stream(stream)
@@ -225,7 +264,8 @@ class MoEDispatch(torch.nn.Module):
                             f"got {x.dtype} on {x.device}")
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
-                counts: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+                counts: torch.Tensor, rows: int | None = None, *,
+                consumer=None) -> torch.Tensor:
         """This rank's expert inputs [rows, D] in the plan layout (x's dtype), padding rows zero;
         rows defaults to the plan's padded row count (plan.total_rows).
 
@@ -240,7 +280,10 @@ class MoEDispatch(torch.nn.Module):
         dtype, the backend and the whole counts matrix against every rank's topk_ids) before any
         data moves: bad input on one rank raises on every rank, naming it. The backward agrees
         too. validate=False: only the host facts are checked, locally; the caller vouches for
-        the rest."""
+        the rest. consumer: overlap backend only, see the class doc."""
+        if consumer is not None and self.backend != "overlap":
+            raise ValueError("consumer= forks a consumer of the overlap backend's arrival flags; "
+                             f"this dispatch has backend={self.backend!r}")
         backward_check = None
         if self.validate:
             self._calls += 1
@@ -254,7 +297,8 @@ class MoEDispatch(torch.nn.Module):
                                "max_tokens_per_rank": self.max_tokens_per_rank,
                                "backend": self.backend, "plan layout": plan.layout,
                                "plan tile_m": plan.tile_m,
-                               "send_ctas": getattr(self, "send_ctas", None)})
+                               "send_ctas": getattr(self, "send_ctas", None),
+                               "signal_arrival": self.signal_arrival})
                 result["row"], result["fields"] = row, fields
 
             err = error_of(check)
@@ -266,7 +310,7 @@ class MoEDispatch(torch.nn.Module):
         else:
             self._check_local(x, topk_ids, plan)
         if self.backend == "overlap":
-            return self._forward_overlap(x, topk_ids, plan, counts, rows)
+            return self._forward_overlap(x, topk_ids, plan, counts, rows, consumer)
         return dispatch_tokens_once(x, topk_ids, plan, self.group, rows, backward_check)
 
 

@@ -65,9 +65,9 @@ from ..kernels.host_checks import check_tensors
 from ..runtime.device import num_sms
 from .band_groups import GROUP_BY, WORKSPACE_TABLES, band_groups, check_group
 
-__all__ = ["ARRIVAL_SCOPES", "GroupedGemm", "band_faults", "grouped_gemm_reference",
-           "interleave_gate_up", "prepare_weights", "tile_order_reference",
-           "up_projection_reference"]
+__all__ = ["ARRIVAL_SCOPES", "GroupedGemm", "band_faults", "deinterleave_gate_up",
+           "grouped_gemm_reference", "interleave_gate_up", "prepare_weights", "split_gate_up",
+           "tile_order_reference", "up_projection_reference"]
 
 ARRIVAL_SCOPES = ("gpu", "sys")  # scope of the arrival wait's acquire (wait_arrival=True)
 DEFAULT_ARRIVAL_TIMEOUT_NS = 10_000_000_000
@@ -171,6 +171,31 @@ def interleave_gate_up(w_gate_up, tile_n):
     gate, up = w_gate_up[..., :N2 // 2], w_gate_up[..., N2 // 2:]
     return torch.stack([gate.reshape(E, K, -1, h), up.reshape(E, K, -1, h)],
                        dim=3).reshape(E, K, N2).contiguous()
+
+
+def deinterleave_gate_up(w_interleaved, tile_n):
+    """The inverse of ``interleave_gate_up``: [E, K, 2I] in the kernel's layout -> the gate half
+    first (a copy)."""
+    E, K, N2 = w_interleaved.shape
+    if N2 % tile_n:
+        raise ValueError(f"2I={N2} must be a multiple of tile_n={tile_n}")
+    h = tile_n // 2
+    blocks = w_interleaved.reshape(E, K, -1, 2, h)
+    return torch.cat([blocks[..., 0, :].reshape(E, K, -1), blocks[..., 1, :].reshape(E, K, -1)],
+                     dim=2).contiguous()
+
+
+def split_gate_up(y, tile_n=None):
+    """(gate, up) columns of y [rows, 2I] = x @ w_gate_up, for w_gate_up with the gate half
+    first (tile_n None) or interleaved in blocks of tile_n / 2 (``interleave_gate_up``): views
+    (halves) or copies (interleaved), each [rows, I] in output column order."""
+    rows, N2 = y.shape
+    if tile_n is None:
+        return y.split(N2 // 2, dim=1)
+    if N2 % tile_n:
+        raise ValueError(f"2I={N2} must be a multiple of tile_n={tile_n}")
+    blocks = y.reshape(rows, -1, 2, tile_n // 2)
+    return blocks[:, :, 0, :].reshape(rows, -1), blocks[:, :, 1, :].reshape(rows, -1)
 
 
 def up_projection_reference(x, w_gate_up, y, band_expert, band_src_row, schedule, num_bands,

@@ -1,0 +1,181 @@
+"""GPU checks of MoELayer(backend="overlap") (issue 39 items 2-3), ranks as processes: 2 / 4 GPUs,
+or one GPU shared with MOE_OVERLAP_SHARE_GPU=1 (tests/conftest.py spawn_ranks). NOT RUN yet
+(written on a machine without a GPU).
+
+Per rank, W = 2 and 4, the receive slots NaN-poisoned after construction:
+- the layer (dispatch with arrival flags || arrival-gated SwiGLU GEMM on a side stream ->
+  overlapped combine) is bitwise equal to the same layer with up_stream="same" (the GEMM after
+  the expand) and to its pieces run one after another without arrivals: MoEDispatch's
+  reference backend, the same SwiGLU GroupedGemm without the wait, the same combine;
+- within 8e-3 (max error over max |truth|) of a plain fp32 MoE from the full weights (each
+  token's experts and weights taken from the layer's router, the rest shares no code);
+- cases: random and skewed routings, a rank with 0 tokens, a rank that receives nothing;
+- a CUDA graph of the validate=False layer captured once and replayed with new tokens (new
+  routings) written into the captured input: bitwise the eager layer on the same tokens;
+- the error words stay 0.
+
+Run: ``MOE_OVERLAP_SHARE_GPU=1 CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1
+python -m pytest -q tests/test_moe_layer_overlap_gpu.py``.
+"""
+import pytest
+import torch
+
+from conftest import require_module, spawn_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
+
+require_module(gpus=2)
+
+EL, D, K, TOPK, T_MAX, TILE_M = 4, 512, 256, 4, 96, 128
+
+
+def _full_weights(W):
+    """The same full weights on every rank (bf16 values), x @ w layout."""
+    E = EL * W
+    g = torch.Generator().manual_seed(1234)
+    router = torch.randn(D, E, generator=g) / D ** 0.5
+    w_gate = torch.randn(E, D, K, generator=g) / D ** 0.5
+    w_up = torch.randn(E, D, K, generator=g) / D ** 0.5
+    w_down = torch.randn(E, K, D, generator=g) / K ** 0.5
+    return [t.to(torch.bfloat16) for t in (router, w_gate, w_up, w_down)]
+
+
+def _tokens(rank, W, T, seed, skew_to=None):
+    """[T, D] bf16 tokens; skew_to: every token pushed towards the experts of that rank (a large
+    multiple of those experts' router columns), so that the other ranks receive nothing."""
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(T, D, generator=g)
+    if skew_to is not None and T:
+        router = _full_weights(W)[0].float()
+        cols = router[:, skew_to * EL:(skew_to + 1) * EL]
+        x = x + 32.0 * cols.sum(1) / cols.sum(1).norm()
+    return x.to(torch.bfloat16)
+
+
+def _fp32_truth(x, ids, weights, full):
+    """out[t] = sum_j w[t, j] * (silu(x_t Wg[e]) * (x_t Wu[e])) @ Wd[e] in fp32 from the full
+    weights (the routing is the layer's; everything else written here)."""
+    _, wg, wu, wd = (t.float() for t in full)
+    x = x.float()
+    out = torch.zeros(x.shape[0], D)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            hidden = torch.nn.functional.silu(x[t] @ wg[e]) * (x[t] @ wu[e])
+            out[t] += float(weights[t, j]) * (hidden @ wd[e])
+    return out
+
+
+def _bitwise(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _pieces_not_overlapped(layer, tokens):
+    """The same step from the public pieces, one after another: the reference dispatch, the
+    same SwiGLU GEMM without arrivals, the same combine."""
+    from moe_overlap import MoEDispatch
+    from moe_overlap.combine import exchange_counts
+    from moe_overlap.combine.grouped_gemm import GroupedGemm
+    o = layer.options
+    weights, ids = layer.route(tokens)
+    counts = exchange_counts(ids, layer.num_experts)
+    plan = layer.combine.plan(counts)
+    ref = MoEDispatch(layer.num_experts, D, TOPK, T_MAX, backend="reference")
+    x_plan = ref(tokens, ids, plan, counts, rows=plan.row_capacity)
+    h = torch.zeros(plan.row_capacity, K, dtype=torch.bfloat16, device=tokens.device)
+    gemm = GroupedGemm(tile_m=TILE_M, tile_n=o.up_tile_n, signal=False, swiglu=True)
+    ready = torch.zeros(plan.band_capacity, dtype=torch.int32, device=tokens.device)
+    gemm(x_plan, layer.w_gate_up, h, plan.band_expert, plan.band_src_row, plan.schedule,
+         plan.num_bands, ready, layer.comm_buffer.epoch, err=layer.comm_buffer.err,
+         rank=layer.rank)
+    out = layer.combine(h, layer.w_down, plan, ids, weights)
+    return out, ids, weights, counts
+
+
+def _worker(rank, W):
+    from moe_overlap import MoELayer
+    from moe_overlap.combine.comm_buffer import CommBuffer
+    from moe_overlap.moe_layer import MoELayerOptions
+    dev = torch.device("cuda", torch.cuda.current_device())
+    full = [t.to(dev) for t in _full_weights(W)]
+    comm = CommBuffer(None, "nvlink")
+    kw = dict(backend="overlap", tile_m=TILE_M, comm_buffer=comm)
+    opts = dict(dispatch_timeout_s=5.0, arrival_timeout_s=5.0)
+    side = MoELayer.from_full_weights(*full, TOPK, T_MAX, **kw,
+                                      layer_options=MoELayerOptions(**opts))
+    same = MoELayer.from_full_weights(*full, TOPK, T_MAX, **kw,
+                                      layer_options=MoELayerOptions(up_stream="same", **opts))
+    graphed = MoELayer.from_full_weights(*full, TOPK, T_MAX, **kw, validate=False,
+                                         layer_options=MoELayerOptions(**opts))
+    comm.buffers.recv.fill_(float("nan"))  # poisoned slots: a stale row would show
+    res = {"cases": [], "graph": [], "W": W, "options": repr(side.options)}
+    cases = [(70, None), (0 if rank == 1 else 50, None), (T_MAX, None), (1 + 29 * rank, 0)]
+    with torch.inference_mode():
+        for i, (T, skew_to) in enumerate(cases):
+            x = _tokens(rank, W, T, seed=i, skew_to=skew_to).to(dev)
+            got = side(x)
+            got_same = same(x)
+            want, ids, weights, counts = _pieces_not_overlapped(side, x)
+            truth = _fp32_truth(x.cpu(), ids.cpu(), weights.cpu(), [t.cpu() for t in full])
+            scale = max(float(truth.abs().max()), 1e-6)
+            res["cases"].append(dict(
+                T=T, skew_to=skew_to, same=_bitwise(got, got_same), pieces=_bitwise(got, want),
+                err=float((got.float().cpu() - truth).abs().max()) / scale if T else 0.0,
+                received=int(counts[:, rank * EL:(rank + 1) * EL].sum())))
+        comm.check_errors()
+        # CUDA graph: captured once, replayed with new tokens (new routings)
+        T = 40 + 9 * rank
+        x_in = _tokens(rank, W, T, seed=50).to(dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            graphed(x_in)  # warm-up: compiles, allocates
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = graphed(x_in)
+        for r in range(8):
+            x_new = _tokens(rank, W, T, seed=60 + r, skew_to=(r % W) if r % 3 == 2 else None)
+            x_in.copy_(x_new.to(dev))
+            graph.replay()
+            torch.cuda.synchronize()
+            res["graph"].append(_bitwise(out_g.clone(), side(x_in.clone())))
+        comm.check_errors()
+        res["err_word"] = [int(v) for v in comm.err.tolist()]
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def results(request):
+    from conftest import gpu_ranks_available
+    if not gpu_ranks_available(request.param):
+        pytest.skip(f"needs {request.param} GPU ranks")
+    return spawn_ranks(_worker, request.param, backend="nccl", join_timeout_s=540,
+                       hard_exit=True)
+
+
+def test_overlapped_layer_is_bitwise_its_pieces_not_overlapped(results):
+    for rank, r in enumerate(results):
+        bad = [c for c in r["cases"] if not (c["same"] and c["pieces"])]
+        assert r["cases"] and not bad, (rank, bad)
+
+
+def test_overlapped_layer_within_8e3_of_an_fp32_moe(results):
+    for rank, r in enumerate(results):
+        worst = max(c["err"] for c in r["cases"])
+        assert worst <= 8e-3, (rank, r["cases"])
+
+
+def test_cases_hold_a_zero_token_rank_and_a_rank_receiving_nothing(results):
+    assert results[1]["cases"][1]["T"] == 0
+    # the skewed case: every token goes to rank 0's experts, the other ranks receive nothing
+    received = [[c["received"] for c in r["cases"]][3] for r in results]
+    assert received[0] > 0
+    assert all(n == 0 for n in received[1:]), received
+
+
+def test_graph_replays_with_new_routings(results):
+    for rank, r in enumerate(results):
+        assert len(r["graph"]) == 8 and all(r["graph"]), (rank, r["graph"])
+        assert r["err_word"] == [0] * 8, (rank, r["err_word"])
