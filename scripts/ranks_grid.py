@@ -87,8 +87,22 @@ def _sweep_args(world, transport, shapes, modes="balanced,moderate_skew,stress_s
             "--mgb", mgb, "--race-calls", str(race_calls), "--autotune", "0", *extra]
 
 
-def plan(part: str) -> list[Invocation]:
-    """The sweeps of a part, in the order they run (the most needed first)."""
+def plan(part: str, only: str = "") -> list[Invocation]:
+    """The sweeps of a part, in the order they run (the most needed first); ``only``: a
+    comma-separated list of sweep names (e.g. "w4_soak") to keep, in the part's order, so that
+    a part can be split over device calls."""
+    invs = _plan(part)
+    if not only:
+        return invs
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = sorted(set(names) - {i.name for i in invs})
+    if unknown or not names:
+        raise ValueError(f"--only {only!r}: part {part} has the sweeps "
+                         f"{', '.join(i.name for i in invs)}")
+    return [i for i in invs if i.name in names]
+
+
+def _plan(part: str) -> list[Invocation]:
     if part not in MODELS_AT:
         raise ValueError(f"part {part!r}: one of {', '.join(MODELS_AT)}")
     W = int(part[1:])
@@ -192,10 +206,11 @@ def last_line(path: str) -> str:
 
 
 def run_part(part: str, out_dir: str, budget_s: float, mode: str, runner=run_one,
-             clock=time.monotonic) -> list[dict]:
-    """Every sweep of the part within the budget; a stub for each that left no JSON. Returns
-    one summary dict per sweep (name, rc, seconds, estimate, timeout, result)."""
-    invs = plan(part)
+             clock=time.monotonic, only: str = "") -> list[dict]:
+    """Every sweep of the part (or those named in ``only``) within the budget; a stub for each
+    that left no JSON. Returns one summary dict per sweep (name, rc, seconds, estimate, timeout,
+    result)."""
+    invs = plan(part, only)
     est = [estimate_s(inv, mode) for inv in invs]
     env = dict(os.environ, NVSHMEM_SYMMETRIC_SIZE=os.environ.get("NVSHMEM_SYMMETRIC_SIZE", HEAP),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -236,13 +251,18 @@ def main(argv=None):
                     help="no sweep runs past this many seconds after the start")
     ap.add_argument("--mode", default=None, choices=["mps", "time-sliced"],
                     help="for the estimates (default: OUT/ranks_mode.txt, else mps)")
+    ap.add_argument("--only", default=os.environ.get("RANKS_GRID_ONLY", ""),
+                    help="comma-separated sweep names of the part to run (default: all)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     a = ap.parse_args(argv)
     mode = a.mode
     if mode is None:
         f = os.path.join(a.out, "ranks_mode.txt")
         mode = open(f).read().split(":", 1)[-1].strip() if os.path.exists(f) else "mps"
-    invs = plan(a.part)
+    try:
+        invs = plan(a.part, a.only)
+    except ValueError as e:
+        ap.error(str(e))
     est = [estimate_s(inv, mode) for inv in invs]
     print(f"ranks_grid {a.part} ({mode}): {sum(points(i) for i in invs)} points, "
           f"{sum(1 for i in invs if i.soak)} soak(s), estimated {sum(est):.0f} s of a "
@@ -254,7 +274,7 @@ def main(argv=None):
     if a.dry_run:
         return 0
     os.makedirs(a.out, exist_ok=True)
-    rows = run_part(a.part, a.out, a.budget_s, mode)
+    rows = run_part(a.part, a.out, a.budget_s, mode, only=a.only)
     with open(os.path.join(a.out, f"ranks_grid_{a.part}.json"), "w") as f:
         json.dump(dict(part=a.part, mode=mode, budget_s=a.budget_s, sweeps=rows), f, indent=1)
     ok = all(r["failures"] == 0 for r in rows)

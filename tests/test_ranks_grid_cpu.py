@@ -213,6 +213,26 @@ def test_sweeps_past_the_budget_leave_a_stub_and_fail(tmp_path):
     assert checks["passed"] == 0 and checks["points"] == 72
 
 
+def test_only_runs_the_named_sweeps_and_refuses_unknown_names(tmp_path):
+    """A part split over device calls: only the named sweeps run (and leave their JSON), in the
+    part's order; a name the part lacks is refused before anything runs."""
+    ran = []
+
+    def runner(inv, out_dir, t, env):
+        ran.append(inv.name)
+        return 1, 1.0
+
+    rows = RG.run_part("w8", str(tmp_path), 500, "mps", runner=runner,
+                       only="w8_nvshmem,w8_nvlink")
+    assert ran == [r["name"] for r in rows] == ["w8_nvlink", "w8_nvshmem"]
+    assert sorted(p.name for p in tmp_path.glob("validate_*.json")) == [
+        "validate_w8_nvlink.json", "validate_w8_nvshmem.json"]
+    assert [i.name for i in RG.plan("w4", "w4_soak")] == ["w4_soak"]
+    for bad in ("w4_soak", "w8_x", ","):
+        with pytest.raises(ValueError, match="has the sweeps"):
+            RG.plan("w8", bad)
+
+
 def test_verdicts_of_a_broken_run_and_a_soak():
     from moe_overlap.combine.sweep import verdict
     # the broken ordering: a point that passes means the check missed it
