@@ -26,6 +26,10 @@ from .combine.grouped_gemm import (GroupedGemm, deinterleave_gate_up, interleave
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BACKENDS = ("auto", "reference", "overlap")
+# "auto" picks the overlapped dispatch + arrival-gated up-projection only once they have run on a
+# GPU (tests/test_moe_layer_overlap_gpu.py; bench/NOTES.md); until then "auto" keeps the layer's
+# dispatch and up-projection on torch ops and leaves the combine's own "auto" to MoECombine.
+AUTO_PICKS_OVERLAP = False
 UP_STREAMS = ("side", "same")
 WEIGHT_LAYOUTS = ("auto", "halves", "interleaved")
 UP_TILE_M = (64, 128)  # the up-projection GEMM's band heights (GroupedGemm)
@@ -123,7 +127,8 @@ def resolve_layer(backend: str, options: MoELayerOptions | None, *, world_size: 
     run (overlap_ok, W > 1, the sizes and dtype it takes), else "reference"; "overlap" asked
     where it cannot run raises (RuntimeError without the device, TypeError for the dtype,
     ValueError for sizes and options). W = 1 with "overlap" runs it (the dispatch stores into
-    this rank's own slot; every band's flag comes from this rank's expand)."""
+    this rank's own slot; every band's flag comes from this rank's expand). While
+    ``AUTO_PICKS_OVERLAP`` is False "auto" is "reference" (the combine keeps its own "auto")."""
     options = MoELayerOptions() if options is None else options
     if not isinstance(options, MoELayerOptions):
         raise TypeError(f"layer_options must be a MoELayerOptions, got {type(options).__name__}")
@@ -138,7 +143,8 @@ def resolve_layer(backend: str, options: MoELayerOptions | None, *, world_size: 
         if why is not None:
             raise why[0](why[1])
     elif backend == "auto":
-        backend = "overlap" if overlap_ok[0] and world_size > 1 and why is None else "reference"
+        backend = ("overlap" if AUTO_PICKS_OVERLAP and overlap_ok[0] and world_size > 1
+                   and why is None else "reference")
     if backend == "reference":
         layout = "halves" if options.weight_layout == "auto" else options.weight_layout
         if layout == "interleaved" and (2 * intermediate_size) % options.up_tile_n:
@@ -266,14 +272,17 @@ class MoELayer(torch.nn.Module):
             overlap_ok=((False, "backend='reference' asked") if backend == "reference" else
                         overlap_available(dev)), custom_dispatch=dispatch is not None)
         overlap = self.backend == "overlap"
+        # a layer left on torch ops by "auto" keeps the combine's own choice (its overlap
+        # kernels where they run); "reference" asked means the reference everywhere
+        combine_backend = "auto" if backend == "auto" and not overlap else self.backend
         if overlap and comm_buffer is None:
             from .combine.comm_buffer import CommBuffer
             comm_buffer = CommBuffer.shared(group, "nvlink", torch.bfloat16)
         # the combine checks E % W, topk <= E, the capacity, tile_m and its options
         self.combine = MoECombine(num_experts=E, intermediate_size=K, out_features=D, topk=k,
                                   max_tokens_per_rank=max_tokens_per_rank, group=group,
-                                  tile_m=tile_m, backend=self.backend, validate=validate,
-                                  options=options, comm_buffer=comm_buffer if overlap else None)
+                                  tile_m=tile_m, backend=combine_backend, validate=validate,
+                                  options=options, comm_buffer=comm_buffer)
         self.comm_buffer = self.combine.comm_buffer
         self.group, (self.rank, self.world_size) = group, world(group)
         self.hidden_size, self.intermediate_size = D, K

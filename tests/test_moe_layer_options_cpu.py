@@ -8,6 +8,7 @@ import torch
 from moe_overlap import MoEDispatch, MoELayer
 from moe_overlap.combine.grouped_gemm import (deinterleave_gate_up, interleave_gate_up,
                                               split_gate_up)
+from moe_overlap import moe_layer
 from moe_overlap.moe_layer import MoELayerOptions, resolve_layer
 
 D, K, E, TOPK, T_MAX = 128, 128, 8, 2, 16
@@ -21,7 +22,17 @@ def _resolve(backend="auto", options=None, **kw):
     return resolve_layer(backend, options, **facts)
 
 
-def test_auto_resolves_to_overlap_only_where_it_runs_and_once():
+def test_auto_stays_on_the_reference_until_the_overlap_layer_ran_on_a_gpu():
+    # the overlapped dispatch and gated up-projection have not run on a GPU: "auto" must not
+    # pick them even where they could run; "overlap" asked still resolves to them
+    assert moe_layer.AUTO_PICKS_OVERLAP is False
+    backend, o = _resolve()
+    assert (backend, o.weight_layout, o.up_ccta) == ("reference", "halves", 0)
+    assert _resolve("overlap")[0] == "overlap"
+
+
+def test_auto_resolves_to_overlap_only_where_it_runs_and_once(monkeypatch):
+    monkeypatch.setattr(moe_layer, "AUTO_PICKS_OVERLAP", True)
     backend, o = _resolve()
     assert backend == "overlap"
     # nothing left to resolve: the kernel's layout and the SMs left to the dispatch's kernels
@@ -53,7 +64,9 @@ def test_auto_resolves_to_overlap_only_where_it_runs_and_once():
     (dict(custom_dispatch=True), ValueError, "dispatch= seam"),
     (dict(options=MoELayerOptions(up_ccta=0)), ValueError, "up_ccta=0"),
 ])
-def test_overlap_asked_where_it_cannot_run_says_why_and_auto_falls_back(kw, exc, words):
+def test_overlap_asked_where_it_cannot_run_says_why_and_auto_falls_back(kw, exc, words,
+                                                                         monkeypatch):
+    monkeypatch.setattr(moe_layer, "AUTO_PICKS_OVERLAP", True)
     options = kw.pop("options", None)
     with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
         _resolve("overlap", options, **kw)
@@ -79,7 +92,11 @@ def test_layer_refuses_overlap_without_a_gpu_before_any_collective():
         MoELayer(D, K, E, TOPK, T_MAX, dtype=torch.bfloat16, backend="overlap")
     layer = MoELayer(D, K, E, TOPK, T_MAX, dtype=torch.bfloat16)  # auto: the reference here
     assert layer.backend == "reference" and layer.options.weight_layout == "halves"
-    assert layer.comm_buffer is None and "backend='reference'" in repr(layer)
+    assert "backend='reference'" in repr(layer)
+    # the combine kept its own "auto" (the reference on this CPU); "reference" asked: everywhere
+    assert layer.combine.requested_backend == "auto"
+    ref = MoELayer(D, K, E, TOPK, T_MAX, dtype=torch.bfloat16, backend="reference")
+    assert ref.combine.requested_backend == "reference" and ref.comm_buffer is None
 
 
 def test_dispatch_signal_arrival_is_an_overlap_option():
