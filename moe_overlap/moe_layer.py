@@ -462,8 +462,10 @@ class MoELayer(torch.nn.Module):
                 self._side_stream = torch.cuda.Stream(dev)
             side = self._side_stream
 
+        w_gate_up = self.w_gate_up.detach()  # inference only: the kernel takes no autograd
+
         def up(x_plan, stream, ccta):
-            self.up_gemm(x_plan, self.w_gate_up, h, plan.band_expert, plan.band_src_row,
+            self.up_gemm(x_plan, w_gate_up, h, plan.band_expert, plan.band_src_row,
                          plan.schedule, plan.num_bands, self._band_ready,
                          self.comm_buffer.epoch, ccta=ccta, stream=stream,
                          err=self.comm_buffer.err, rank=self.rank,
@@ -483,7 +485,8 @@ class MoELayer(torch.nn.Module):
             if not torch.cuda.is_current_stream_capturing():
                 x_plan.record_stream(side)
                 h.record_stream(side)
-        return self.combine(h, self.w_down, plan, topk_ids, topk_weights, routes=routes)
+        return self.combine(h, self.w_down.detach(), plan, topk_ids, topk_weights,
+                            routes=routes)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

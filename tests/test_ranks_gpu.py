@@ -69,6 +69,24 @@ def _worker(rank, world):
     return res
 
 
+def _whole_gpu_sms() -> int:
+    """The GPU's SM count as a client with no thread percentage sees it (a fresh process: under
+    MPS a rank's own device properties show its share once its context exists, so they cannot
+    be the reference; this process stays free of CUDA)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda."
+                          "get_device_properties(0).multi_processor_count)"],
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    return int(out.stdout.split()[-1])
+
+
+@pytest.fixture(scope="module")
+def whole_gpu_sms():
+    return _whole_gpu_sms()
+
+
 @pytest.fixture(scope="module", params=[2, 4])
 def results(request):
     return spawn_ranks(_worker, request.param, backend="nccl", join_timeout_s=300,
@@ -83,7 +101,7 @@ def test_collectives_and_peers_on_every_rank(results):
             assert r[k], (r["rank"], k)
 
 
-def test_sm_share_is_read_from_the_device(results):
+def test_sm_share_is_read_from_the_device(results, whole_gpu_sms):
     for r in results:
         assert "error" not in r, r.get("error")
         if r["ranks_per_gpu"] == 1:
@@ -93,8 +111,8 @@ def test_sm_share_is_read_from_the_device(results):
         assert int(r["mps_percentage"]) == 100 // r["ranks_per_gpu"]
         # the library sizes its grids from num_sms: under MPS the rank's share of the GPU (its
         # context's execution affinity), never more than the device has
-        assert r["num_sms"] <= r["device_sms"]
+        assert r["num_sms"] <= r["device_sms"] <= whole_gpu_sms
         if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
-            want = r["device_sms"] * int(r["mps_percentage"]) // 100
-            assert r["num_sms"] < r["device_sms"], r
+            want = whole_gpu_sms * int(r["mps_percentage"]) // 100
+            assert r["num_sms"] < whole_gpu_sms, (r, whole_gpu_sms)
             assert abs(r["num_sms"] - want) <= 2, (r, want)

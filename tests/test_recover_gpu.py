@@ -3,7 +3,7 @@ default, collective ``reset()``, and the launch order under ``CUDA_LAUNCH_BLOCKI
 
 - ``skip``: rank 0 skips one call (as an application that caught an exception before the call
   and carried on); rank 1's call times out (its scale / all-reduce waits for rank 0), returns
-  without a sync, and rank 1's NEXT call raises ``OverlapError`` (rank, what timed out) before
+  without a sync, and rank 1's NEXT call raises ``OverlapError`` (``DeviceError`` for the FFN: rank, what timed out) before
   any launch; then ``reset()`` on both ranks and 100 correct calls (fp32 reference), with the
   error word clear at the end. For ``OverlapCombine`` (v1 and v2 consumers) and ``FusedFFN``.
 - ``blocking``: with ``CUDA_LAUNCH_BLOCKING=1`` every call ends well under its timeout with a
@@ -109,7 +109,9 @@ def _x(seed, T=TF):
 
 
 def _ffn_skip(rank, res):
-    from moe_overlap.combine.overlap import OverlapError
+    # the fused FFN's device errors are DeviceError (README: Failures and recovery), not the
+    # combine's OverlapError
+    from moe_overlap.runtime.error_watch import DeviceError
     fused, ref = _ffn_pair(rank)
     with torch.no_grad():
         res["ffn_good_rel"] = _rel(fused(_x(1)), ref(_x(1)))
@@ -125,7 +127,7 @@ def _ffn_skip(rank, res):
             try:
                 fused(_x(3))
                 res["ffn_next_raised"] = ""
-            except OverlapError as e:
+            except DeviceError as e:
                 res["ffn_next_raised"] = str(e)
         fused.reset()
         worst = 0.0
@@ -138,7 +140,7 @@ def _ffn_skip(rank, res):
         try:
             fused.check_errors()
             res["ffn_reset_err"] = ""
-        except OverlapError as e:
+        except DeviceError as e:
             res["ffn_reset_err"] = str(e)
 
 

@@ -565,9 +565,9 @@ class _FusedBackend:
         return out
 
     def check_errors(self):
-        """Fused backend: synchronize and raise (``OverlapError``, a RuntimeError, with the
-        all-reduce's error record and this rank) if a device wait timed out since construction
-        or the last ``reset()``; also the way to check after CUDA-graph replays. Nothing to
+        """Fused backend: synchronize and raise (``runtime.error_watch.DeviceError``, a
+        RuntimeError, with the all-reduce's error record and this rank) if a device wait timed
+        out since construction or the last ``reset()``; also the way to check after CUDA-graph replays. Nothing to
         check on the reference backend."""
         if getattr(self, "_watch", None) is not None:
             self._watch.check()
