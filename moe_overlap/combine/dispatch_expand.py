@@ -33,6 +33,40 @@ count and stores ``band_arrived[b] = epoch`` (st.release.gpu) for every band b o
 [ers[e], ers[e] + erows[e]) / tile_m. Every row of e (tokens and zero padding) is written by the
 W items of e, so the flags follow all of them. After an error no item counts (rows NaN, no
 flag); a count left part-way by an error is zeroed by the reset that clears the error word.
+
+Per-source path (``wait="per_source"``, ``MoEDispatch(expand_wait="per_source")``, the layer's
+default): one kernel, no wait kernel. Items in arrival order: item 0 the rows past the total,
+then (source s = (rank + d) mod W, expert e) for d = 0 .. W-1, e < El: this rank's own source
+first (its rows need no transfer), then by rank distance. Each item's thread 0 waits for source
+s itself (``primitives.wait_source_call``, the wait kernel's code: bounded acquire.sys, the
+peer's error word, the call tag, fence.acq_rel.sys; the same error records), the CTA-wide vote
+on the error word orders it before the CTA's slot loads; so items of sources already landed
+proceed while others wait. The item's rows are copied as above, but an empty group zeroes no
+gap (the previous non-empty group's item zeroes it), so the items' write ranges are disjoint:
+non-empty group (e, s) writes [start, next non-empty start or the expert's end), item (e, 0)
+also [expert start, first non-empty start) (empty for the plans plan_combine makes).
+Flags (signal_arrival): after the item's stores, bar.sync, thread 0 fence.acq_rel.gpu, then for
+every band its ranges meet (below out_rows // tile_m): a band inside one range (every band of
+the aligned layout, where each band holds one group and its padding) gets band_arrived[b] =
+epoch at once (st.release.gpu); an edge band counts its writers from the plan (the range
+holding its first row plus one per non-empty group starting inside it, plus (e, 0)'s leading
+range where it meets it: packed bands straddling groups) and the item whose atom.acq_rel.gpu
+add on ``state[1 + b]`` completes that count resets it and releases the flag. So a band's flag
+comes once the sources with rows in it have landed, not after all W. Errors: an item that sees
+the error word set after its wait writes nothing and raises no flag; the last CTA to finish
+(``state[0]``, atom.acq_rel.gpu after bar.sync + fence, reset by that CTA) NaNs every row of
+``out`` when the error word is set, also the rows of items that finished before the error
+(their flags may be up: the consumer's own wait polls the error word, and the combine's error
+path NaNs the layer's output).
+Co-residency: waiting items hold their SMs. This rank's send precedes the kernel on the stream
+(done before any item waits); the peers' sends run on their own GPUs (or, ranks sharing one
+GPU, in their own processes' SM share), so the waits need none of this kernel's SMs, and each is
+bounded. Beside a persistent consumer (the layer's side-stream GEMM leaves up_ccta SMs) the grid
+is bounded by ``max_ctas`` (the layer: 2 per left SM) so that every item's CTA is resident on the
+SMs left: a CTA queued behind the GEMM would hold its items back until a resident one ends.
+What the two-kernel path keeps: a dispatch that nothing consumes early holds no SM while it
+waits (W one-warp CTAs do) and then expands on every SM; its flags need El counts, not one per
+band. Both stay (``WAITS``).
 """
 DEFAULT_THREADS = 256
 WAITS = ("all", "per_source")  # build_dispatch_expand(wait=): MoEDispatch(expand_wait=)
