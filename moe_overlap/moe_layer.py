@@ -21,6 +21,8 @@ import torch
 from .combine import (CombineOptions, MoECombine, MoEDispatch, dispatch_to_plan, exchange_counts,
                       grouped_matmul)
 from .combine.checks import agree_on_call, as_int, error_of, world
+from .combine.dispatch_expand import DEFAULT_CTAS_PER_SM
+from .combine.dispatch_index import arrival_schedule
 from .combine.grouped_gemm import (GroupedGemm, deinterleave_gate_up, interleave_gate_up,
                                    split_gate_up)
 
@@ -31,6 +33,7 @@ BACKENDS = ("auto", "reference", "overlap")
 # dispatch and up-projection on torch ops and leaves the combine's own "auto" to MoECombine.
 AUTO_PICKS_OVERLAP = False
 UP_STREAMS = ("side", "same")
+EXPAND_WAITS = ("per_source", "all")  # MoEDispatch(expand_wait=), the layer's default first
 WEIGHT_LAYOUTS = ("auto", "halves", "interleaved")
 UP_TILE_M = (64, 128)  # the up-projection GEMM's band heights (GroupedGemm)
 TILE_K = 64  # the GEMMs' K tile (bf16): D and K must be multiples of it
@@ -56,6 +59,14 @@ class MoELayerOptions:
         GEMM waiting for them.
     up_ccta: "auto" or an int >= 1: SMs the side-stream GEMM leaves free ("auto": send_ctas,
         the send kernel's CTAs, whose SMs the wait and expand take over); 0 with "same".
+    expand_wait: the dispatch's expand (``MoEDispatch(expand_wait=)``). "per_source": each
+        (expert, source) item waits for its own source, this rank's first, and a band's flag
+        comes once the sources with rows in it have landed, so the up-projection (walking
+        ``arrival_schedule``: local bands first, then by rank distance) starts on the local
+        rows while the peers' sends are in flight; its grid is at most 2 CTAs per SM of the
+        up_ccta SMs the side-stream GEMM leaves (its waiting items then hold only those: the
+        send, which precedes it on the stream, has finished there). "all": the wait kernel
+        for every source, then the expand (flags only once every source has landed).
     weight_layout: "halves" (w_gate_up's gate half first), "interleaved" (the SwiGLU kernel's
         layout, blocks of up_tile_n / 2) or "auto" (interleaved on the overlap backend, halves
         on the reference). The parameter is stored once in this layout; the reference path reads
@@ -68,6 +79,7 @@ class MoELayerOptions:
     up_stream: str = "side"
     up_ccta: int | str = "auto"
     weight_layout: str = "auto"
+    expand_wait: str = "per_source"
 
     def validate(self) -> None:
         """ValueError / TypeError for a value no backend accepts (host only)."""
@@ -82,6 +94,8 @@ class MoELayerOptions:
             raise ValueError(f"up_stream={self.up_stream!r}; choose from {UP_STREAMS}")
         if self.up_ccta != "auto":
             as_int("up_ccta", self.up_ccta, minimum=0)
+        if self.expand_wait not in EXPAND_WAITS:
+            raise ValueError(f"expand_wait={self.expand_wait!r}; choose from {EXPAND_WAITS}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout={self.weight_layout!r}; choose from "
                              f"{WEIGHT_LAYOUTS}")
@@ -159,6 +173,14 @@ def resolve_layer(backend: str, options: MoELayerOptions | None, *, world_size: 
         raise ValueError("up_ccta=0 with up_stream='side': the dispatch's wait and expand need "
                          "an SM beside the persistent up-projection")
     return backend, replace(options, weight_layout="interleaved", up_ccta=ccta)
+
+
+def expand_ctas(options: MoELayerOptions) -> int | None:
+    """The per-source expand's grid bound: 2 CTAs (its ctas_per_sm) on each of the up_ccta
+    SMs the side-stream GEMM leaves; None (every SM) where no GEMM runs beside it."""
+    if options.expand_wait != "per_source" or options.up_ccta == 0:
+        return None
+    return DEFAULT_CTAS_PER_SM * int(options.up_ccta)
 
 
 def up_projection_gemm(options: MoELayerOptions, tile_m: int) -> GroupedGemm:
@@ -295,7 +317,8 @@ class MoELayer(torch.nn.Module):
             dispatch = MoEDispatch(E, D, k, self.max_tokens_per_rank, group, backend="overlap",
                                    validate=validate, comm_buffer=self.comm_buffer,
                                    send_ctas=o.send_ctas, timeout_s=o.dispatch_timeout_s,
-                                   signal_arrival=True)
+                                   signal_arrival=True, expand_wait=o.expand_wait,
+                                   expand_ctas=expand_ctas(o))
             self.up_gemm = up_projection_gemm(o, tile_m)
         elif dispatch is None:
             dispatch = MoEDispatch(E, D, k, self.max_tokens_per_rank, group, backend="reference",
@@ -463,10 +486,11 @@ class MoELayer(torch.nn.Module):
             side = self._side_stream
 
         w_gate_up = self.w_gate_up.detach()  # inference only: the kernel takes no autograd
+        schedule = arrival_schedule(plan, counts)  # local bands first, as the flags come
 
         def up(x_plan, stream, ccta):
             self.up_gemm(x_plan, w_gate_up, h, plan.band_expert, plan.band_src_row,
-                         plan.schedule, plan.num_bands, self._band_ready,
+                         schedule, plan.num_bands, self._band_ready,
                          self.comm_buffer.epoch, ccta=ccta, stream=stream,
                          err=self.comm_buffer.err, rank=self.rank,
                          band_arrived=self.dispatch.band_arrived)

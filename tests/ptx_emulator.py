@@ -190,11 +190,18 @@ class Emulator:
 
     def __init__(self, ptx: str, global_bytes: int = 0, shared_bytes: int = 1 << 16,
                  name: str | None = None, mem: bytearray | None = None,
-                 timer_step_ns: int = 1000):
+                 timer_step_ns: int = 1000, load_hooks: dict | None = None,
+                 log_stores: tuple[int, int] | None = None):
         self.k = _Kernel(ptx, name)
         self.mem = bytearray(global_bytes) if mem is None else mem
         self.shared_bytes = shared_bytes
         self.writers: dict[int, set] = {}
+        # load_hooks {global address: fn(emulator)}: fn runs before every global load of that
+        # address (e.g. another emulated rank's kernel delivering what a wait polls for: an
+        # arrival between two items of one CTA); log_stores (lo, hi): every global store /
+        # atomic to [lo, hi) appended to ``stores`` as (address, value, CTA), in order
+        self.load_hooks = dict(load_hooks or {})
+        self.log_stores, self.stores = log_stores, []
         self.executed = 0
         self.clock, self.timer_step_ns = 0, int(timer_step_ns)
 
@@ -516,9 +523,13 @@ class Emulator:
             if x + size > limit:
                 raise IndexError(f"{space} {what} at {x:#x} outside the {space} memory")
 
-        def wrote(t, x, size):
+        log = self.log_stores
+
+        def wrote(t, x, size, value=None):
             for w in range(x - x % 4, x + size, 4):
                 writers.setdefault(w, set()).add(t["cta"])
+            if log is not None and log[0] <= x < log[1]:
+                self.stores.append((x, value, t["cta"]))
 
         if atomic:
             dst = args[0] if name == "atom" else None
@@ -536,7 +547,7 @@ class Emulator:
                 else:
                     new = ops[1](t, r) if old == ops[0](t, r) else old
                 mem[x:x + nb] = new.to_bytes(nb, "little")
-                wrote(t, x, nb)
+                wrote(t, x, nb, _s(new, bits))
                 if dst:
                     r[dst] = old
                 return nxt
@@ -554,9 +565,12 @@ class Emulator:
                     return nxt
                 return f
             glob = space == "global"
+            hooks = self.load_hooks if glob else {}
 
             def f(t, r, sh):
                 x = addr(t, r) & (M64 if glob else M32)
+                if hooks and x in hooks:
+                    hooks[x](self)
                 src = mem if glob else sh
                 at(x, width, "load", len(src))
                 for j, dd in enumerate(dsts):
@@ -573,10 +587,11 @@ class Emulator:
             x = addr(t, r) & (M64 if glob else M32)
             dst_mem = mem if glob else sh
             at(x, width, "store", len(dst_mem))
-            for j, v in enumerate(vals):
-                dst_mem[x + nb * j:x + nb * (j + 1)] = (v(t, r) & m).to_bytes(nb, "little")
+            vs = [v(t, r) & m for v in vals]
+            for j, v in enumerate(vs):
+                dst_mem[x + nb * j:x + nb * (j + 1)] = v.to_bytes(nb, "little")
             if glob:
-                wrote(t, x, width)
+                wrote(t, x, width, _s(vs[0], bits) if nv == 1 else None)
             return nxt
         return f
 

@@ -6,6 +6,7 @@ then releases the marker (fence.acq_rel.sys, red.release.sys.add) after its data
 waits with ld.acquire.sys bounded by %globaltimer, polls the peer's error word and reads the tag
 with ld.relaxed.sys, and reads the slot with L2-only loads. No stack arrays."""
 import os
+import re
 
 import pytest
 
@@ -70,3 +71,47 @@ def test_expand_signal_arrival_releases_the_flags_after_the_rows(W, topk):
     assert "ld.acquire" not in expand and ".local" not in expand
     plain = _ptx(build_dispatch_expand(W, topk), *expand_example_args())
     assert "atom.acq_rel" not in plain and "st.release" not in plain
+
+
+@pytest.mark.parametrize("W,topk,arrival", [(2, 2, False), (2, 2, True), (8, 8, True),
+                                            (64, 4, True)])
+def test_expand_per_source_waits_per_item_and_releases_its_bands_after_the_rows(W, topk,
+                                                                                 arrival):
+    """wait='per_source': one kernel. Each item's thread 0 waits (ld.acquire.sys bounded by
+    %globaltimer, the peer's error word and the tag by ld.relaxed.sys) then fence.acq_rel.sys,
+    and the CTA-wide vote (bar.red) orders it before the CTA's L2-only loads of the slot.
+    signal_arrival: the item's row and gap stores, bar.sync, thread 0's fence.acq_rel.gpu, then
+    the band flags (st.release.gpu) and the shared bands' writer counts (atom.acq_rel.gpu);
+    the finished-CTA count (atom.acq_rel.gpu after a bar.sync and fence) comes last, then the
+    error path's NaN stores."""
+    from moe_overlap.combine.dispatch_expand import build_dispatch_expand, expand_example_args
+    ptx = _ptx(build_dispatch_expand(W, topk, signal_arrival=arrival, wait="per_source"),
+               *expand_example_args(arrival, "per_source"))
+    entries = ptx.split(".entry")[1:]
+    assert len(entries) == 1
+    k = entries[0]
+    i_acq = k.index("ld.acquire.sys.global.s64")  # the source's arrival counter
+    assert "%globaltimer" in k and k.count("ld.relaxed.sys.global.s64") >= 2
+    i_load = k.index("ld.global.cg.s32")  # the first slot read (its count word)
+    i_vote = k.rindex("bar.red.or.pred", 0, i_load)
+    i_fsys = k.rindex("fence.acq_rel.sys", 0, i_vote)
+    assert i_acq < i_fsys < i_vote < i_load < k.index("ld.global.cg.v4.u32")  # then its rows
+    atoms = [m.start() for m in re.finditer(r"atom\.acq_rel\.gpu\.global\.add\.s32", k)]
+    i_done = atoms[-1]  # the finished-CTA count
+    assert k.rindex("fence.acq_rel.gpu", 0, i_done) > k.rindex("bar.sync", 0, i_done)
+    i_nan = k.rindex("st.global.v4.u32")
+    assert i_done < i_nan  # the error path's NaN rows after it
+    if arrival:
+        flags = [m.start() for m in re.finditer(r"st\.release\.gpu\.global\.s32", k)]
+        # (the compiler may duplicate the flag blocks: the count of copies is its choice)
+        assert flags and len(atoms) >= 2 and flags[-1] < i_done
+        for f in flags:
+            i_fgpu = k.rindex("fence.acq_rel.gpu", 0, f)
+            i_bar = k.rindex("bar.sync", 0, i_fgpu)
+            assert k.rindex("st.global.v4.u32", 0, f) < i_bar < i_fgpu < f
+        assert k.rindex("fence.acq_rel.gpu", 0, atoms[0]) > k.rindex("st.global.v4.u32", 0,
+                                                                          atoms[0])
+        assert "st.global.v4.u32" not in k[flags[0]:i_done]  # no row store among the flags
+    else:
+        assert "st.release" not in k and len(atoms) == 1
+    assert ".local" not in k

@@ -29,7 +29,7 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 
 from moe_overlap import MoEDispatch  # noqa: E402
 from moe_overlap.combine import exchange_counts  # noqa: E402
-from moe_overlap.combine.dispatch_index import slot_layout  # noqa: E402
+from moe_overlap.combine.dispatch_index import arrival_schedule, slot_layout  # noqa: E402
 from moe_overlap.combine.plan import plan_combine  # noqa: E402
 from moe_overlap.kernels.errors import (ERR_DISPATCH_TIMEOUT, ERR_EPOCH_MISMATCH,  # noqa: E402
                                         ERR_PEER_ERROR, ERR_WORDS, call_tag)
@@ -88,16 +88,19 @@ def _reference_worker(rank, W):
     return res
 
 
-def _ptx(W, nt_send, nt_exp, arrival=False):
-    key = (W, nt_send, nt_exp, arrival)
+def _ptx(W, nt_send, nt_exp, arrival=False, wait="all"):
+    """(send PTX, expand PTX, its kernels' entry names: wait and expand, or the per-source
+    kernel's alone)."""
+    key = (W, nt_send, nt_exp, arrival, wait)
     if key not in _PTX:
         from moe_overlap.combine.dispatch_expand import build_dispatch_expand, expand_example_args
         from moe_overlap.combine.dispatch_send import build_dispatch_send, send_example_args
         send = compile_ptx(build_dispatch_send(W, K, nt_send), *send_example_args())
-        exp = compile_ptx(build_dispatch_expand(W, K, nt_exp, signal_arrival=arrival),
-                          *expand_example_args(arrival))
+        exp = compile_ptx(build_dispatch_expand(W, K, nt_exp, signal_arrival=arrival, wait=wait),
+                          *expand_example_args(arrival, wait))
+        kernels = ("wait", "expand") if wait == "all" else ("per_source",)
         _PTX[key] = (send, exp, *(re.search(rf"\.entry\s+(\w*{n}_kernel\w*)", exp).group(1)
-                                  for n in ("wait", "expand")))
+                                  for n in kernels))
     return _PTX[key]
 
 
@@ -106,11 +109,13 @@ class Ranks:
     receive slots, the communication block, the error word, the epoch, the expected counts,
     the peer tables) and per-call inputs; ``call`` launches the kernels as MoEDispatch does."""
 
-    def __init__(self, W, Tmax, rows_max, timeout_ns=TIMEOUT_NS, arrival=False):
-        self.W, self.arrival = W, arrival
-        El, D, _, _, nt_send, ctas, nt_exp, grid_exp = CASES[W]
+    def __init__(self, W, Tmax, rows_max, timeout_ns=TIMEOUT_NS, arrival=False, wait="all",
+                 grid_exp=None):
+        self.W, self.arrival, self.wait = W, arrival, wait
+        El, D, _, _, nt_send, ctas, nt_exp, grid = CASES[W]
         self.El, self.D, self.Tmax = El, D, Tmax
-        self.nt_send, self.ctas, self.nt_exp, self.grid_exp = nt_send, ctas, nt_exp, grid_exp
+        self.nt_send, self.ctas, self.nt_exp = nt_send, ctas, nt_exp
+        self.grid_exp = grid if grid_exp is None else grid_exp
         self.timeout_ns = timeout_ns
         self.lay = slot_layout(W, Tmax, D, K)
         self.stride = self.lay["slot_bytes"] + 64  # CommBuffer.slot_bytes may exceed the layout
@@ -124,11 +129,12 @@ class Ranks:
                             ("err_peers", W * 8), ("ers", El * 4), ("grs", El * W * 4),
                             ("erows", El * 4), ("total", 4), ("counts", W * E * 8),
                             ("out", rows_max * D * 2), ("arr_count", El * 4),
-                            ("band_arrived", rows_max // TILE_M * 4)):
+                            ("band_arrived", rows_max // TILE_M * 4),
+                            ("state", (1 + rows_max // TILE_M) * 4)):
                 h.alloc((name, r), n)
         self.mem = h.make()
         for r in range(W):
-            for name in ("block", "err", "expected", "arr_count", "band_arrived"):
+            for name in ("block", "err", "expected", "arr_count", "band_arrived", "state"):
                 h.put((name, r), bytes(h.regions[(name, r)][1]))
             h.put_words(("epoch", r), [0], 32)
             for table, name in (("recv_peers", "recv"), ("ctr_peers", "block"),
@@ -137,6 +143,8 @@ class Ranks:
         self.epoch = [0] * W
         self.writes = []  # (kernel, rank, {word address: CTAs})
         self.flags_before = {}  # rank -> band_arrived words as the expand found them
+        self.hooks = {}  # rank -> {address: fn(emulator)}: the expand's load hooks
+        self.flag_stores = {}  # rank -> [(band, value)]: the expand's band_arrived stores
 
     def set_inputs(self, xs, ids, counts, plans, rows):
         h, W = self.h, self.W
@@ -166,10 +174,23 @@ class Ranks:
             lay["count_offset"], h[("epoch", r)], h[("fp", r)], h[("err", r)]])
         self.writes.append(("send", r, em.writers))
 
+    def counter_addr(self, r, s):
+        """Rank r's arrival counter of source s (the word its wait polls)."""
+        return self.h[("block", r)] + 8 * s
+
+    def _expand_args(self, r):
+        h, lay = self.h, self.lay
+        return [h[("recv", r)], self.stride, lay["ids_offset"], lay["count_offset"],
+                lay["row_bytes"], self.Tmax, h[("out", r)], self.rows[r], self.El, r,
+                h[("ers", r)], h[("grs", r)], h[("erows", r)], h[("counts", r)],
+                h[("total", r)], h[("err", r)], h[("epoch", r)]]
+
     def wait_expand(self, r):
+        if self.wait == "per_source":
+            return self.expand_per_source(r)
         h, lay = self.h, self.lay
         _, ptx, wait_name, expand_name = _ptx(self.W, self.nt_send, self.nt_exp, self.arrival)
-        em = self._emu(ptx, wait_name)
+        em = Emulator(ptx, mem=self.mem, name=wait_name, load_hooks=self.hooks.get(r))
         em.launch(self.W, 32, [h[("block", r)], h[("expected", r)], r, h[("err", r)],
                                self.timeout_ns, h[("epoch", r)], h[("err_peers", r)],
                                h[("fp", r)]])
@@ -182,6 +203,22 @@ class Ranks:
             lay["row_bytes"], self.Tmax, h[("out", r)], self.rows[r], self.El, r,
             h[("ers", r)], h[("grs", r)], h[("erows", r)], h[("counts", r)], h[("total", r)],
             h[("err", r)], h[("epoch", r)]] + arrival)
+        self.writes.append(("expand", r, em.writers))
+
+    def expand_per_source(self, r):
+        """The one-kernel wait + expand (wait="per_source"), with this rank's load hooks;
+        its band_arrived stores kept in ``flag_stores[r]``."""
+        h = self.h
+        _, ptx, name = _ptx(self.W, self.nt_send, self.nt_exp, self.arrival, "per_source")
+        self.flags_before[r] = self.flags(r)
+        fa, fn = h.regions[("band_arrived", r)]
+        em = Emulator(ptx, mem=self.mem, name=name, load_hooks=self.hooks.get(r),
+                      log_stores=(fa, fa + fn))
+        em.launch(self.grid_exp, self.nt_exp, self._expand_args(r) + [
+            h[("block", r)], h[("expected", r)], self.timeout_ns, h[("err_peers", r)],
+            h[("fp", r)], h[("state", r)], fa if self.arrival else 0,
+            TILE_M if self.arrival else 1])
+        self.flag_stores[r] = [((a - fa) // 4, v) for a, v, _ in em.stores]
         self.writes.append(("expand", r, em.writers))
 
     def advance(self, epoch_skew=None):
@@ -264,9 +301,10 @@ def _expert_bands(plan):
                            (int(plan.expert_row_start[e]) + int(plan.expert_rows[e])) // TILE_M)}
 
 
+@pytest.mark.parametrize("wait", ["all", "per_source"])
 @pytest.mark.parametrize("arrival", [False, True], ids=["plain", "signal_arrival"])
 @pytest.mark.parametrize("W", [2, 3])
-def test_emulated_dispatch_kernels_are_bitwise_the_reference(W, arrival):
+def test_emulated_dispatch_kernels_are_bitwise_the_reference(W, arrival, wait):
     El, D, tokens = CASES[W][:3]
     assert any(0 in t for t in tokens) and all(sum(t) for t in tokens)  # a rank with none
     ref = _reference(W)
@@ -276,7 +314,8 @@ def test_emulated_dispatch_kernels_are_bitwise_the_reference(W, arrival):
         counts = ref[0][call][0]
         plans_of.append([plan_combine(counts, r, tile_m=TILE_M, layout=_layout_of(call))
                          for r in range(W)])
-    ranks = Ranks(W, Tmax, max(p.row_capacity for ps in plans_of for p in ps), arrival=arrival)
+    ranks = Ranks(W, Tmax, max(p.row_capacity for ps in plans_of for p in ps), arrival=arrival,
+                  wait=wait)
     # rows past a plan's total (zeroed by the expand's last item) occur
     assert any(p.row_capacity > int(p.total_rows) for ps in plans_of for p in ps)
     for call in range(2):
@@ -309,6 +348,13 @@ def test_emulated_dispatch_kernels_are_bitwise_the_reference(W, arrival):
                     (W, call, r, after)
                 assert all(after[b] == before[b] for b in range(len(after)) if b not in bands)
                 assert ranks.h.words(("arr_count", r), El, bits=32) == [0] * El  # reset
+                if wait == "per_source":  # each band's flag stored once, with the epoch
+                    stores = ranks.flag_stores[r]
+                    assert sorted(b for b, _ in stores) == sorted(bands), (W, call, r, stores)
+                    assert {v for _, v in stores} == {epoch}
+            if wait == "per_source":  # the finished-CTA and band writer counts back to 0
+                words = ranks.h.regions[("state", r)][1] // 4
+                assert ranks.h.words(("state", r), words, bits=32) == [0] * words
         rows_ok, shared_ok, expand_ok = _allowed_writes(ranks, ids, parity)
         for kernel, r, writers in ranks.writes:
             if kernel == "send":
@@ -323,10 +369,11 @@ def test_emulated_dispatch_kernels_are_bitwise_the_reference(W, arrival):
             else:
                 out0 = ranks.h[("out", r)]
                 ok = [expand_ok[r]]
-                if arrival:  # and the arrival counts and flags
-                    for name in ("arr_count", "band_arrived"):
-                        a, n = ranks.h.regions[(name, r)]
-                        ok.append((a, a + n))
+                names = (("arr_count", "band_arrived") if arrival else ()) + (
+                    ("state",) if wait == "per_source" else ())
+                for name in names:  # and the arrival counts and flags, the kernel's state
+                    a, n = ranks.h.regions[(name, r)]
+                    ok.append((a, a + n))
                 assert not _outside(writers, ok), (W, call, r, "expand wrote outside its "
                                                    "output")
                 assert _covered(writers, out0, out0 + ranks.rows[r] * D * 2)
@@ -355,11 +402,13 @@ def _all_nan(ranks, r):
     return raw == NAN_ROW.to_bytes(2, "little") * (len(raw) // 2)
 
 
+@pytest.mark.parametrize("wait", ["all", "per_source"])
 @pytest.mark.parametrize("what", ["fingerprint", "epoch"])
-def test_emulated_wait_records_a_call_tag_mismatch(what):
+def test_emulated_wait_records_a_call_tag_mismatch(what, wait):
     W = 2
     xs, ids, counts, plans, rows = _small_ranks(W)
-    ranks = Ranks(W, max(x.shape[0] for x in xs), max(rows))
+    per_source = wait == "per_source"
+    ranks = Ranks(W, max(x.shape[0] for x in xs), max(rows), arrival=per_source, wait=wait)
     ranks.set_inputs(xs, ids, counts, plans, rows)
     skew = None
     if what == "fingerprint":  # rank 0 made its plan from other counts
@@ -374,7 +423,10 @@ def test_emulated_wait_records_a_call_tag_mismatch(what):
         e = ranks.err(r)
         # code, rank, source, source again, its tag, this rank's tag
         assert e[:6] == [ERR_EPOCH_MISMATCH, r, other, other, tags[other], tags[r]], (r, e)
-        assert _all_nan(ranks, r), r
+        assert _all_nan(ranks, r), r  # per_source: also the rows its own source's items wrote
+        if per_source:  # raised before the error: only bands holding none of its rows
+            flagged = {b for b, f in enumerate(ranks.flags(r)) if f == ranks.epoch[r]}
+            assert flagged <= _expert_bands(plans[r]) - _source_bands(plans[r], other)
     # sticky: rank 0's next send stores nothing and posts no marker; rank 1 then times out
     ranks.writes = []
     ranks.advance()
@@ -382,10 +434,11 @@ def test_emulated_wait_records_a_call_tag_mismatch(what):
     assert ranks.writes[-1][2] == {}
 
 
-def test_emulated_wait_times_out_or_sees_the_peer_error():
+@pytest.mark.parametrize("wait", ["all", "per_source"])
+def test_emulated_wait_times_out_or_sees_the_peer_error(wait):
     W = 2
     xs, ids, counts, plans, rows = _small_ranks(W)
-    ranks = Ranks(W, max(x.shape[0] for x in xs), max(rows), timeout_ns=200_000)
+    ranks = Ranks(W, max(x.shape[0] for x in xs), max(rows), timeout_ns=200_000, wait=wait)
     ranks.set_inputs(xs, ids, counts, plans, rows)
     # rank 0 never sends; rank 1 waits first (rank 0's error word is still clear then)
     ranks.call(senders=[1], owners=[1, 0])
@@ -398,7 +451,7 @@ def test_emulated_wait_times_out_or_sees_the_peer_error():
         assert _all_nan(ranks, r)
     # a peer's error word ends the wait before the timeout
     xs, ids, counts, plans, rows = _small_ranks(W)
-    ranks = Ranks(W, max(x.shape[0] for x in xs), max(rows), timeout_ns=10_000_000)
+    ranks = Ranks(W, max(x.shape[0] for x in xs), max(rows), timeout_ns=10_000_000, wait=wait)
     ranks.set_inputs(xs, ids, counts, plans, rows)
     ranks.h.put_words(("err", 0), [77])  # rank 0 has an error recorded: it sends nothing
     ranks.call()
@@ -406,3 +459,88 @@ def test_emulated_wait_times_out_or_sees_the_peer_error():
     assert e1[:5] == [ERR_PEER_ERROR, 1, 0, 1, 77], e1
     assert e1[6] < 10_000_000
     assert _all_nan(ranks, 1)
+
+
+def _source_bands(plan, s):
+    """The band indices (row // TILE_M) holding any row of source s (the plan's own tables:
+    group_row_start, the counts it was made from)."""
+    El, r = plan.experts_per_rank, plan.rank
+    out = set()
+    for e in range(El):
+        c = int(plan.source_counts[s, r * El + e])
+        if c:
+            a = int(plan.expert_row_start[e]) + int(plan.group_row_start[e, s])
+            out |= set(range(a // TILE_M, (a + c - 1) // TILE_M + 1))
+    return out
+
+
+def _plan_rows(xs, ids, plan):
+    """The owner's expert inputs by definition: source s's (token, k) rows of expert g in
+    (token, k) order from row expert_row_start + group_row_start[e, s]; every other row 0."""
+    El, r, D = plan.experts_per_rank, plan.rank, xs[0].shape[1]
+    out = torch.zeros(plan.row_capacity, D, dtype=xs[0].dtype)
+    for e in range(El):
+        for s, (x, t) in enumerate(zip(xs, ids)):
+            i, _ = (t == r * El + e).nonzero(as_tuple=True)  # row-major: (token, k) order
+            a = int(plan.expert_row_start[e]) + int(plan.group_row_start[e, s])
+            out[a:a + i.numel()] = x[i]
+    return out
+
+
+@pytest.mark.parametrize("wait", ["per_source", "all"])
+@pytest.mark.parametrize("layout", ["aligned", "packed"])
+@pytest.mark.parametrize("W", [2, 3])
+def test_emulated_band_flag_comes_before_a_later_source_arrives(W, layout, wait):
+    """Owner 1; source 0 (the farthest in rank distance from 1: the last the per-source
+    kernel's items wait for, though the first in index order) sends only when the owner's
+    expand first polls its counter, on one CTA (every earlier item has run then). At that moment
+    the per-source kernel must have raised every band holding no row of source 0, and none
+    holding one (the two-kernel path: none at all, its wait kernel polls every source before
+    any expand item); after it, every band once, every output its rows by definition. Two
+    calls (an old epoch's flags stay behind)."""
+    El, D = CASES[W][:2]
+    owner, late = 1, 0
+    g = torch.Generator().manual_seed(5 + W)
+    tokens = [70, 90, 40][:W]
+    xs, ids = [], []
+    for T in tokens:  # most picks on the owner's experts: bands of one source and of several
+        own = torch.randint(owner * El, (owner + 1) * El, (T, K), generator=g)
+        anyw = torch.randint(0, El * W, (T, K), generator=g)
+        ids.append(torch.where(torch.rand(T, K, generator=g) < 0.8, own, anyw))
+        xs.append(torch.randn(T, D, generator=g).to(torch.bfloat16))
+    counts = torch.stack([torch.bincount(t.reshape(-1), minlength=El * W) for t in ids])
+    plans = [plan_combine(counts, r, tile_m=TILE_M, layout=layout) for r in range(W)]
+    rows = [p.row_capacity for p in plans]
+    ranks = Ranks(W, max(tokens), max(rows), arrival=True, wait=wait, grid_exp=1)
+    ranks.set_inputs(xs, ids, counts, plans, rows)
+    p = plans[owner]
+    bands = _expert_bands(p)
+    holds_late = _source_bands(p, late)
+    early = sorted(bands - holds_late)
+    assert early and holds_late and holds_late <= bands  # the case has both kinds of band
+    for epoch in (1, 2):
+        seen = []
+
+        def arrive(em):
+            if not seen:
+                seen.append([b for b, f in enumerate(ranks.flags(owner)) if f == epoch])
+                ranks.send(late)
+        ranks.writes = []
+        ranks.advance()
+        ranks.hooks[owner] = {ranks.counter_addr(owner, late): arrive}
+        for r in range(W):
+            if r != late:
+                ranks.send(r)
+        ranks.wait_expand(owner)
+        for r in range(W):
+            if r != owner:
+                ranks.wait_expand(r)
+        assert seen, "the owner's expand never polled the late source"
+        assert seen[0] == (early if wait == "per_source" else []), (W, layout, seen[0], early)
+        assert [b for b, f in enumerate(ranks.flags(owner)) if f == epoch] == sorted(bands)
+        for r in range(W):
+            assert ranks.err(r) == [0] * ERR_WORDS, (r, ranks.err(r))
+            assert ranks.out(r) == _tobytes(_plan_rows(xs, ids, plans[r])), (W, layout, r)
+        if wait == "per_source":  # one CTA: the flags in the up-projection's band order
+            order = arrival_schedule(p, counts)[:int(p.num_bands)].tolist()
+            assert [b for b, _ in ranks.flag_stores[owner]] == order

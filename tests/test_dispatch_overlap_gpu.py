@@ -5,8 +5,10 @@ or one GPU shared with MOE_OVERLAP_SHARE_GPU=1 (tests/conftest.py spawn_ranks). 
 Per rank: bitwise equal to the reference backend (the same x, ids, plan, counts; rows =
 plan.row_capacity) at W = 2 and 4 over random, skewed and duplicate routings with ranks of 0
 tokens; the receive slots NaN-poisoned before the calls (a row read from a stale slot shows);
-a CUDA graph captured once and replayed with new routings written into the same input tensors
-(plan and counts recomputed inside the graph, validate=False); and a rank that skips a call:
+the per-source expand (expand_wait="per_source", signal_arrival, a 4-CTA grid) bitwise too,
+every band of the plan flagged with the call's epoch; a CUDA graph captured once and replayed
+with new routings written into the same input tensors (plan and counts recomputed inside the
+graph, validate=False); and a rank that skips a call:
 the others' waits time out (timeout_s=2) naming it, reset() recovers.
 
 Run: ``MOE_OVERLAP_SHARE_GPU=1 CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1
@@ -50,11 +52,14 @@ def _worker(rank, W):
     from moe_overlap.combine.comm_buffer import CommBuffer, OverlapError
     from moe_overlap.combine.plan import plan_combine
     from moe_overlap.kernels import errors as Er
-    res = {"bitwise": [], "graph": []}
+    res = {"bitwise": [], "graph": [], "per_source": []}
     E = EL * W
     comm = CommBuffer(None, "nvlink")
     ov = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, timeout_s=2.0)
     ref = MoEDispatch(E, D, K, T_MAX, backend="reference")
+    # the layer's expand: items waiting per source on a bounded grid, per-band flags
+    ps = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, timeout_s=2.0,
+                     signal_arrival=True, expand_wait="per_source", expand_ctas=4)
     comm.buffers.recv.fill_(float("nan"))  # poisoned slots: stale rows would show
     cases = [(T, kind) for kind in ("uniform", "skew", "dup")
              for T in ((0 if rank == 1 else 70), 1 + 29 * rank, T_MAX)]
@@ -68,6 +73,10 @@ def _worker(rank, W):
                 got = ov(x, ids, plan, counts, rows=rows)
                 want = ref(x, ids, plan, counts, rows=rows)
                 res["bitwise"].append((i, layout, T, _bitwise(got, want)))
+                got = ps(x, ids, plan, counts, rows=rows)
+                flags = ps.band_arrived[:int(plan.num_bands)]
+                res["per_source"].append((i, layout, T, _bitwise(got, want),
+                                          bool((flags == comm.epoch).all())))
         ov.check_errors()
         # autograd refused
         try:
@@ -147,6 +156,12 @@ def test_bitwise_equal_to_the_reference_with_poisoned_slots(results):
         bad = [c for c in r["bitwise"] if not c[-1]]
         assert r["bitwise"] and not bad, (rank, bad)
         assert r["grad_refused"], rank
+
+
+def test_per_source_expand_is_bitwise_and_flags_every_band(results):
+    for rank, r in enumerate(results):
+        bad = [c for c in r["per_source"] if not all(c[-2:])]
+        assert r["per_source"] and not bad, (rank, bad)
 
 
 def test_graph_replays_with_new_routings(results):

@@ -78,6 +78,7 @@ def test_overlap_asked_where_it_cannot_run_says_why_and_auto_falls_back(kw, exc,
     (dict(send_ctas=0), "send_ctas"), (dict(up_stream="next"), "up_stream"),
     (dict(arrival_timeout_s=-1), "arrival_timeout_s"), (dict(up_tile_n=96), "up_tile_n"),
     (dict(weight_layout="gate_first"), "weight_layout"), (dict(up_ccta="many"), "up_ccta"),
+    (dict(expand_wait="each"), "expand_wait"),
 ])
 def test_bad_option_values_are_refused_on_every_backend(bad, words):
     for backend in ("reference", "auto", "overlap"):
@@ -112,6 +113,22 @@ def test_dispatch_signal_arrival_is_an_overlap_option():
     with pytest.raises(ValueError, match="consumer="):
         ref(torch.zeros(2, D), ids, plan_combine(counts, 0, tile_m=64), counts,
             consumer=lambda out: None)
+
+
+def test_the_per_source_expand_is_bounded_to_the_sms_the_gemm_leaves():
+    from moe_overlap.moe_layer import expand_ctas
+    _, o = _resolve("overlap", MoELayerOptions(send_ctas=6))
+    assert o.expand_wait == "per_source" and expand_ctas(o) == 12  # 2 CTAs on each of 6 SMs
+    _, o = _resolve("overlap", MoELayerOptions(up_ccta=3))
+    assert expand_ctas(o) == 6
+    # no GEMM beside it (same stream) or the two-kernel path: no bound
+    assert expand_ctas(_resolve("overlap", MoELayerOptions(up_stream="same"))[1]) is None
+    assert expand_ctas(_resolve("overlap", MoELayerOptions(expand_wait="all"))[1]) is None
+    for kw, words in ((dict(expand_wait="per_source"), "backend='overlap'"),
+                      (dict(expand_wait="each"), "expand_wait"),
+                      (dict(expand_ctas=4), "backend='overlap'")):
+        with pytest.raises(ValueError, match=words):
+            MoEDispatch(E, D, TOPK, T_MAX, backend="reference", **kw)
 
 
 # ------------------------------------------------------------------------- the weight layout

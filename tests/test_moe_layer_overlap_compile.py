@@ -21,13 +21,16 @@ D, K, TOPK, W, TILE_M = 512, 384, 4, 4, 128
 
 def _layer_kernels(**options):
     from moe_overlap import MoEDispatch
-    from moe_overlap.moe_layer import MoELayerOptions, resolve_layer, up_projection_gemm
+    from moe_overlap.moe_layer import (MoELayerOptions, expand_ctas, resolve_layer,
+                                       up_projection_gemm)
     backend, o = resolve_layer("overlap", MoELayerOptions(**options), world_size=W,
                                dtype=torch.bfloat16, hidden_size=D, intermediate_size=K,
                                tile_m=TILE_M, transport="nvlink", overlap_ok=(True, ""))
     assert backend == "overlap"
     send, expand = MoEDispatch.overlap_kernels(W, TOPK, o.send_ctas, o.dispatch_timeout_s,
-                                               signal_arrival=True)
+                                               signal_arrival=True,
+                                               expand_wait=o.expand_wait,
+                                               expand_ctas=expand_ctas(o))
     return o, send, expand, up_projection_gemm(o, TILE_M)
 
 
@@ -36,9 +39,13 @@ def test_the_layers_dispatch_kernels_compile_with_the_arrival_flags():
     o, send, expand, _ = _layer_kernels(send_ctas=6, dispatch_timeout_s=2.5)
     assert (send.world_size, send.topk, send.ctas) == (W, TOPK, 6)
     assert expand.signal_arrival and expand.timeout_ns == 2_500_000_000
+    # the per-source expand on 2 CTAs per SM of the 6 the side-stream GEMM leaves
+    assert (expand.wait, expand.max_ctas) == ("per_source", 12)
+    assert expand.grid(132, 64) == 12 and expand.grid(132, 2) == 2 * W + 1
     assert send.compile() is not None
-    ptx = compile_ptx(build_dispatch_expand(W, TOPK, expand.threads, expand.signal_arrival),
-                      *expand_example_args(expand.signal_arrival))
+    ptx = compile_ptx(build_dispatch_expand(W, TOPK, expand.threads, expand.signal_arrival,
+                                            expand.wait),
+                      *expand_example_args(expand.signal_arrival, expand.wait))
     # the flags the up-projection waits for: the expert's count, then a release store per band
     count = ptx.index("atom.acq_rel.gpu.global.add.s32")
     assert re.search(r"st\.release\.gpu\.global\.(s|b|u)32", ptx[count:])

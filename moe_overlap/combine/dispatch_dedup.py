@@ -67,12 +67,25 @@ class MoEDispatch(torch.nn.Module):
     overlapped combine's. ``rows=None`` gives ``plan.row_capacity`` rows (no host read of
     ``plan.total_rows``): the reference's rows, then zero rows. Inference-only: raises under
     autograd. ``send_ctas`` must be the same on every rank (the validated call agrees on it).
+
+    signal_arrival (overlap): the expand raises ``band_arrived[b] = epoch`` (int32 [band
+    capacity], ``arrival_flags``) once band b's rows are written, for a consumer forked by
+    ``forward(consumer=)`` (``GroupedGemm(wait_arrival=True)``). expand_wait (overlap): "all"
+    (default: a wait kernel for every source, then the expand; flags per expert, after all W
+    sources) or "per_source" (one kernel whose (expert, source) items each wait for their own
+    source, this rank's first, then by rank distance; a band's flag as soon as the items
+    writing it are done, so bands of sources already arrived go while others are in flight).
+    "all" stays the default for a dispatch nothing consumes early: its expand holds no SM
+    while it waits (W one-warp CTAs do) and then runs on every SM, where the per-source grid
+    spins on the SMs it holds. expand_ctas (per_source): the most CTAs of its grid (None:
+    2 per SM): where a persistent consumer holds the other SMs, the SMs left to the dispatch.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, topk: int,
                  max_tokens_per_rank: int, group=None, backend: str = "reference",
                  validate: bool = True, comm_buffer=None, send_ctas: int = 8,
-                 timeout_s: float = 10.0, signal_arrival: bool = False):
+                 timeout_s: float = 10.0, signal_arrival: bool = False,
+                 expand_wait: str = "all", expand_ctas: int | None = None):
         super().__init__()
         rank, W = world(group)
         ints = {}
@@ -97,8 +110,21 @@ class MoEDispatch(torch.nn.Module):
         if signal_arrival and backend != "overlap":
             raise ValueError(f"signal_arrival is an option of backend='overlap' (the expand "
                              f"kernel raises the flags), got backend={backend!r}")
-        self.signal_arrival = signal_arrival
-        self.band_arrived = self.arrival_counts = None  # signal_arrival: made at the first call
+        from .dispatch_expand import WAITS
+        if expand_wait not in WAITS:
+            raise ValueError(f"expand_wait={expand_wait!r}; choose from {WAITS}")
+        if (expand_wait != "all" or expand_ctas is not None) and backend != "overlap":
+            raise ValueError("expand_wait / expand_ctas are options of backend='overlap', got "
+                             f"backend={backend!r}")
+        if expand_ctas is not None:
+            if expand_wait != "per_source":
+                raise ValueError("expand_ctas bounds the per-source expand's grid: pass "
+                                 "expand_wait='per_source'")
+            expand_ctas = as_int("expand_ctas", expand_ctas, minimum=1)
+        self.signal_arrival, self.expand_wait = signal_arrival, expand_wait
+        self.expand_ctas = expand_ctas
+        # signal_arrival / per_source: made at the first call
+        self.band_arrived = self.arrival_counts = None
         self.requested_backend = backend
         # "auto" resolves here, once: "reference" until the overlap backend has passed its GPU
         # tests (tests/test_dispatch_overlap_gpu.py, not run yet)
@@ -131,20 +157,23 @@ class MoEDispatch(torch.nn.Module):
         comm_buffer.buffers.require_p2p("MoEDispatch(backend='overlap')")
         self.comm = comm_buffer
         self.sender, self.expander = self.overlap_kernels(
-            self.world_size, self.topk, self.send_ctas, timeout_s, self.signal_arrival)
+            self.world_size, self.topk, self.send_ctas, timeout_s, self.signal_arrival,
+            self.expand_wait, self.expand_ctas)
         from ..runtime.device import num_sms
         self.num_sms = num_sms(comm_buffer.runtime.device)
 
     @staticmethod
     def overlap_kernels(world_size: int, topk: int, send_ctas: int = 8,
-                        timeout_s: float = 10.0, signal_arrival: bool = False):
+                        timeout_s: float = 10.0, signal_arrival: bool = False,
+                        expand_wait: str = "all", expand_ctas: int | None = None):
         """The overlap backend's kernel objects (DispatchSend, DispatchExpand), not compiled:
         what a layer of these options launches (the compile-only tests build them here too)."""
         from .dispatch_expand import DispatchExpand
         from .dispatch_send import DispatchSend
         return (DispatchSend(world_size, topk, ctas=send_ctas),
                 DispatchExpand(world_size, topk, timeout_ns=int(float(timeout_s) * 1e9),
-                               signal_arrival=signal_arrival))
+                               signal_arrival=signal_arrival, wait=expand_wait,
+                               max_ctas=expand_ctas))
 
     def _clear_band_flags(self):
         """CommBuffer.reset's hook for its layers: the arrival flags and counts (signal_arrival)
@@ -161,12 +190,24 @@ class MoEDispatch(torch.nn.Module):
         dev = self.comm.runtime.device
         if self.band_arrived is None:
             self.band_arrived = torch.zeros(plan.band_capacity, dtype=torch.int32, device=dev)
-            self.arrival_counts = torch.zeros(self.experts_per_rank, dtype=torch.int32,
-                                              device=dev)
+            self._expand_state(plan)
         elif self.band_arrived.numel() != plan.band_capacity:
             raise ValueError(f"plan has band capacity {plan.band_capacity}, this dispatch's "
                              f"arrival flags {self.band_arrived.numel()} (one max_rows per layer)")
         return self.band_arrived
+
+    def _expand_state(self, plan: CombinePlan):
+        """The expand's counts (0 between calls, kept): wait="all" with signal_arrival one per
+        local expert; wait="per_source" its finished-CTA count and one writer count per band
+        (``DispatchExpand.state_words``). None where the expand keeps none."""
+        if self.arrival_counts is None:
+            n = (self.expander.state_words(plan.band_capacity)
+                 if self.expand_wait == "per_source" else
+                 self.experts_per_rank if self.signal_arrival else 0)
+            if n:
+                self.arrival_counts = torch.zeros(n, dtype=torch.int32,
+                                                  device=self.comm.runtime.device)
+        return self.arrival_counts
 
     def check_errors(self):
         """Synchronize; OverlapError if a call on the communication buffer recorded a device
@@ -196,6 +237,7 @@ class MoEDispatch(torch.nn.Module):
         cnt = counts.to(dev, torch.int64).contiguous()
         out = torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device=dev)
         flags = self.arrival_flags(plan) if self.signal_arrival else None
+        state = self._expand_state(plan)
         stream = torch.cuda.current_stream(dev)
         comm.note_call()
         comm.epoch.add_(1)  # the buffer's epoch: slot parity and tags count calls on it
@@ -213,7 +255,7 @@ class MoEDispatch(torch.nn.Module):
                              counts=cnt, err=comm.err, epoch=comm.epoch, counters=b.counters,
                              expected=comm.expected, err_peers=comm.err_peers,
                              num_sms=self.num_sms, stream=stream,
-                             arr_count=self.arrival_counts, band_arrived=flags,
+                             arr_count=state, band_arrived=flags,
                              tile_m=plan.tile_m)
         if not torch.cuda.is_current_stream_capturing():
             for t in (x, ids, cnt):
@@ -298,7 +340,9 @@ class MoEDispatch(torch.nn.Module):
                                "backend": self.backend, "plan layout": plan.layout,
                                "plan tile_m": plan.tile_m,
                                "send_ctas": getattr(self, "send_ctas", None),
-                               "signal_arrival": self.signal_arrival})
+                               "signal_arrival": self.signal_arrival,
+                               "expand_wait": self.expand_wait,
+                               "expand_ctas": self.expand_ctas})
                 result["row"], result["fields"] = row, fields
 
             err = error_of(check)

@@ -151,3 +151,31 @@ def dispatch_host(xs, topk_ids_per_rank, plans, counts, max_tokens_per_rank: int
             n_from[d, s] = n_to[d]
     return [expand_host(tok[d], ids[d], n_from[d], plans[d], counts, d, rows[d], threads)
             for d in range(W)]
+
+
+def arrival_schedule(plan, counts: torch.Tensor) -> torch.Tensor:
+    """The up-projection's band order for the per-source expand (``MoEDispatch(expand_wait=
+    "per_source")``): int32 [plan.band_capacity], the plan's bands by the farthest rank distance
+    ``(s - rank) mod W`` of the sources with rows in the band (this rank's own rows first: they
+    need no transfer; a band goes when its last source has), then by band id, which is the
+    order in which the expand's items (distance by distance, experts ascending) raise the flags;
+    the bands past ``num_bands`` last. ``counts`` [W, E]: the routing counts the plan was made
+    from. Torch ops on the plan's device, no host sync (capturable with the plan).
+
+    Why not the plan's own schedule: "remote_first" puts every band holding a remote row before
+    the local-only ones (the combine ships remote bands early: the opposite of what arrives
+    first), and "expert" interleaves sources expert by expert."""
+    W, r, El, tm = plan.world_size, plan.rank, plan.experts_per_rank, plan.tile_m
+    B = plan.band_capacity
+    dev = plan.band_expert.device
+    b = torch.arange(B, device=dev)
+    valid = b < plan.num_bands.to(dev).long()
+    e = plan.band_expert.long().clamp(0, El - 1)
+    lo = plan.band_src_row.long()[:, None]  # [B, 1] the band's first row
+    g_lo = plan.expert_row_start.long()[e][:, None] + plan.group_row_start.long()[e]  # [B, W]
+    c = counts.to(dev).long()[:, r * El:(r + 1) * El].t()[e]  # [B, W] rows of (e, s)
+    meets = (c > 0) & (g_lo < lo + tm) & (g_lo + c > lo)
+    dist = (torch.arange(W, device=dev) - r) % W
+    far = torch.where(meets, dist[None, :], torch.full_like(c, -1)).amax(1).clamp(min=0)
+    key = torch.where(valid, far * B + b, W * B + b)
+    return torch.argsort(key).to(torch.int32)
