@@ -36,7 +36,10 @@ DEPENDENCIES = {
     "ranks": ("moe_overlap/launch.py", "moe_overlap/runtime/collectives.py",
               "moe_overlap/runtime/device.py", "moe_overlap/runtime/nvshmem.py",
               _C + "overlap.py", _C + "consumer.py", _C + "comm_buffer.py", _C + "scale.py",
-              _C + "sweep.py", _C + "race_check.py", _C + "checks.py", _C + "reference.py")
+              _C + "sweep.py", _C + "race_check.py", _C + "checks.py", _C + "reference.py",
+              _C + "dispatch_dedup.py", _C + "dispatch_send.py", _C + "dispatch_expand.py",
+              _C + "dispatch_index.py", "moe_overlap/moe_layer.py", "moe_overlap/ffn/layers.py",
+              "moe_overlap/ffn/band_allreduce.py")
              + _PRODUCER + ("tests/conftest.py", "scripts/ranks_report.py"),
     "dispatch_bytes": (_C + "dispatch_dedup.py", "moe_overlap/routing.py",
                        "bench/bench_dispatch_bytes.py"),

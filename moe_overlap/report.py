@@ -47,7 +47,7 @@ HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
                  ("producer_models_h100_f213944_s1.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
-              ("ranks_onegpu_h100_1869f38.json",)),
+              ("ranks_onegpu_h100_5ffc161.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
                        "assignment (counted from routings, no GPU)",
                        ("dispatch_bytes_30cb093.json",)),
