@@ -6,19 +6,20 @@ emulated memory), every global load and store checked against the allocations (a
 or a row past a tensor raises as an illegal address would on the GPU). The first GPU run
 (session 22, H100, 2 ranks under MPS) ended the first call of tests/test_dispatch_overlap_gpu.py
 in an illegal address; tests/test_dispatch_overlap_emulated.py builds its own argument lists, so
-this file runs that exact case through the wrappers: D = 256, K = 4, T_MAX = 96, W = 2,
-tile_m 64, aligned, rank 0 70 tokens, rank 1 none (its x / ids at address 0), rows =
+this file runs that exact case through the wrappers: D = 256, K = 4, T_MAX = 96, W = 2 and 4,
+tile_m 64, aligned, rank 1 no tokens (its x / ids at address 0), the others 70, rows =
 plan.row_capacity, the plan's tensors laid out as the kernel planner's (views of one int32
-buffer, combine/plan_kernel.py _Layout), 8 send CTAs of 256 threads, the expand grid of 66 SMs.
+buffer, combine/plan_kernel.py _Layout), 8 send CTAs of 256 threads, the expand grid from the
+MPS share of SMs (132 // W).
 
 The ranks run in one process: a fake symmetric runtime (CPU tensors, peer tables filled once
 every rank has allocated) stands in for NVSHMEM; the launches are queued per rank and run as the
 GPU would order them across ranks (every send, then every owner's wait + expand). Which
 launcher int reaches which kernel parameter, each launch's grid and block and its dynamic shared
 memory are read from the launchers' host code as CuTe DSL generates it (its IR), not restated
-here; a shared access past the launch's bytes raises too. Two more calls follow the GPU case
-(1 / 30 and 96 / 96 tokens: slot parity 0, cumulative counters); the per-source expand (signal
-arrival, 4 CTAs) runs the same calls."""
+here; a shared access past the launch's bytes raises too. The GPU test's next two token counts
+follow (1 + 29 * rank, then T_MAX: slot parity 0, cumulative counters); the per-source expand
+(signal_arrival, 4 CTAs) runs the same calls at W = 2; W = 4 runs the first call only."""
 import os
 import re
 from types import SimpleNamespace
@@ -35,8 +36,8 @@ from ptx_emulator import Emulator  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
-W, EL, D, K, T_MAX, TILE_M = 2, 4, 256, 4, 96, 64
-SMS = 66  # an MPS share of an H100 at W = 2 (session 22)
+W = 2  # the world size of the running case (the test sets it)
+EL, D, K, T_MAX, TILE_M = 4, 256, 4, 96, 64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
@@ -304,12 +305,15 @@ def _inputs(tokens, seed):
     return xs, ids
 
 
-@pytest.mark.parametrize("opts", [dict(), dict(signal_arrival=True, expand_wait="per_source",
-                                               expand_ctas=4)],
-                         ids=["all", "per_source"])
-def test_forward_overlap_through_the_real_launchers(monkeypatch, opts):
-    """The GPU test's first case through _forward_overlap and the launch wrappers: bitwise the
-    plan layout on both owners, no load or store outside an allocation, error words 0."""
+PER_SOURCE = dict(signal_arrival=True, expand_wait="per_source", expand_ctas=4)
+
+
+@pytest.mark.parametrize("w,opts", [(2, {}), (2, PER_SOURCE), (4, {})],
+                         ids=["w2-all", "w2-per_source", "w4-all"])
+def test_forward_overlap_through_the_real_launchers(monkeypatch, w, opts):
+    """The GPU test's cases through _forward_overlap and the launch wrappers (its first: rank 1
+    with no tokens, the others 70; then 1 + 29 * rank and T_MAX each): bitwise the plan layout on
+    every owner, no load or store outside an allocation, error words 0."""
     import moe_overlap.combine.dispatch_dedup as DD
     import moe_overlap.runtime.device as DV
     from moe_overlap import MoEDispatch
@@ -319,6 +323,9 @@ def test_forward_overlap_through_the_real_launchers(monkeypatch, opts):
     from moe_overlap.combine.plan import plan_combine
     from moe_overlap.kernels import primitives as P
 
+    import sys
+    monkeypatch.setattr(sys.modules[__name__], "W", w)
+    sms = 132 // W  # the MPS share of an H100 each rank reads (session 22: 66 at W = 2)
     world, dev = World(), Device()
     L = Launches(dev)
     cur = {"rank": 0}
@@ -327,7 +334,7 @@ def test_forward_overlap_through_the_real_launchers(monkeypatch, opts):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # no
     # record_stream on CPU tensors; note_call then marks the buffer captured (no growth here)
     monkeypatch.setattr(DD, "world", lambda group: (cur["rank"], W))
-    monkeypatch.setattr(DV, "num_sms", lambda device: SMS)
+    monkeypatch.setattr(DV, "num_sms", lambda device: sms)
     monkeypatch.setattr(DispatchSend, "compile", lambda self: ("send", self))
     monkeypatch.setattr(DispatchExpand, "compile", lambda self: ("expand", self))
     monkeypatch.setattr(P, "LaunchCache", L.launcher)
@@ -353,7 +360,9 @@ def test_forward_overlap_through_the_real_launchers(monkeypatch, opts):
     for comm in comms:
         comm.buffers.recv.fill_(float("nan"))  # poisoned slots, as the GPU test
     E = EL * W
-    for call, tokens in enumerate([(70, 0), (1, 30), (T_MAX, T_MAX)]):
+    cases = [[0 if r == 1 else 70 for r in range(W)], [1 + 29 * r for r in range(W)],
+             [T_MAX] * W][:1 if W > 2 else None]  # W = 4: the failing first call (time)
+    for call, tokens in enumerate(cases):
         xs, ids = _inputs(tokens, seed=call)
         counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in ids])
         plans, outs = [], []
