@@ -164,6 +164,7 @@ def _host_launches(kind, obj):
     the wrappers' ints to the kernels' parameters is the compiled one, not restated here."""
     import subprocess
     import sys
+    import tempfile
     key = (kind, obj.world_size, obj.topk, obj.threads, getattr(obj, "signal_arrival", None),
            getattr(obj, "wait", None))
     if key in _HOST:
@@ -181,8 +182,9 @@ def _host_launches(kind, obj):
              "print('LOWERED_HOST_IR_BEGIN')\nprint(str(c.ir_module))\n")
     env = dict(os.environ, CUTE_DSL_PRINT_IR="1", CUTE_DSL_ARCH="sm_90a",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    ir = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                        check=True, timeout=600).stdout
+    with tempfile.TemporaryDirectory() as d:  # whatever the compile dumps stays out of the repo
+        ir = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, check=True, timeout=600, cwd=d).stdout
     ir, lowered = ir.split("LOWERED_HOST_IR_BEGIN", 1)
     host = ir[ir.rindex("func.func @cutlass_"):]
     consts = {m.group(1): int(m.group(2))
