@@ -2,10 +2,12 @@
 device fault: run with CUDA_LAUNCH_BLOCKING=1 (the failing launch raises) or under
 compute-sanitizer (W = 1); W > 1 shares one GPU with MOE_OVERLAP_SHARE_GPU=1 under MPS.
 
-    CUDA_LAUNCH_BLOCKING=1 python scripts/diag_dispatch.py 2
+    CUDA_LAUNCH_BLOCKING=1 python scripts/diag_dispatch.py 2 [zero]
 
-Prints each rank's slot sizes, whether the call finished, bitwise against the reference
-backend and the error word."""
+Prints each rank's addresses and peer tables before the call (a fault kills the process), then
+its slot sizes, whether the call finished, bitwise against the reference backend and the error
+word. ``zero``: rank 1 routes no tokens (its x / ids at address 0), the GPU test's first case;
+without it every rank routes 70."""
 import os
 import sys
 
@@ -13,7 +15,7 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 
 
-def one_call(rank, W):
+def one_call(rank, W, zero_rank=None):
     import torch
     import test_dispatch_overlap_gpu as T
     from moe_overlap import MoEDispatch
@@ -27,13 +29,22 @@ def one_call(rank, W):
     ref = MoEDispatch(E, T.D, T.K, T.T_MAX, backend="reference")
     out = {}
     with torch.no_grad():
-        x, ids = T._inputs(rank, W, 70, seed=0)
+        x, ids = T._inputs(rank, W, 0 if rank == zero_rank else 70, seed=0)
         counts = exchange_counts(ids, E)
         plan = plan_combine(counts, rank, tile_m=T.TILE_M, layout="aligned")
         torch.cuda.synchronize()
         out["slot_bytes"] = comm.slot_bytes
         out["recv_numel"] = comm.buffers.recv.numel()
         out["layout"] = {k: v for k, v in ov.layout.items()}
+        # printed now: a fault kills the process before its result comes back
+        b = comm.buffers
+        print(f"rank {rank}: tokens {x.shape[0]} x@{x.data_ptr():#x} ids@{ids.data_ptr():#x}; "
+              f"recv {b.recv.data_ptr():#x}+{b.recv.numel() * 2} block "
+              f"{b.block.data_ptr():#x}+{b.block.numel() * 8} err {comm.err.data_ptr():#x}; "
+              f"recv_peers {[hex(v) for v in b.recv_peers.tolist()]} ctr_peers "
+              f"{[hex(v) for v in b.ctr_peers.tolist()]} err_peers "
+              f"{[hex(v) for v in comm.err_peers.tolist()]}; rows {plan.row_capacity}, "
+              f"total {int(plan.total_rows)}, sms {ov.num_sms}", flush=True)
         got = ov(x, ids, plan, counts, rows=plan.row_capacity)
         torch.cuda.synchronize()
         out["after_call"] = "ok"
@@ -46,8 +57,10 @@ def one_call(rank, W):
 if __name__ == "__main__":
     from moe_overlap.launch import spawn
     W = int(sys.argv[1])
+    # "zero": rank 1 routes no tokens (tests/test_dispatch_overlap_gpu.py's first case)
+    zero = 1 if len(sys.argv) > 2 and sys.argv[2] == "zero" and W > 1 else None
     try:
-        for r in spawn(one_call, W, backend="cuda" if W > 1 else "nccl", join_timeout_s=150,
+        for r in spawn(one_call, W, zero, backend="cuda" if W > 1 else "nccl", join_timeout_s=150,
                        hard_exit=True):
             print(r, flush=True)
     except Exception as e:  # noqa: BLE001

@@ -26,6 +26,10 @@ class Heap:
         self.mem = bytearray([POISON]) * (self.top + 0x1000)
         return self.mem
 
+    def ranges(self):
+        """[(start, end)] of every region: the emulator's ``valid`` (loads checked too)."""
+        return [(a, a + n) for a, n in self.regions.values()]
+
     def __getitem__(self, name):
         return self.regions[name][0]
 

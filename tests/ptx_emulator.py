@@ -26,6 +26,7 @@ be aligned to their size, as on the GPU.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import struct
@@ -191,7 +192,8 @@ class Emulator:
     def __init__(self, ptx: str, global_bytes: int = 0, shared_bytes: int = 1 << 16,
                  name: str | None = None, mem: bytearray | None = None,
                  timer_step_ns: int = 1000, load_hooks: dict | None = None,
-                 log_stores: tuple[int, int] | None = None):
+                 log_stores: tuple[int, int] | None = None,
+                 valid: list[tuple[int, int]] | None = None):
         self.k = _Kernel(ptx, name)
         self.mem = bytearray(global_bytes) if mem is None else mem
         self.shared_bytes = shared_bytes
@@ -201,6 +203,11 @@ class Emulator:
         # arrival between two items of one CTA); log_stores (lo, hi): every global store /
         # atomic to [lo, hi) appended to ``stores`` as (address, value, CTA), in order
         self.load_hooks = dict(load_hooks or {})
+        # valid [(lo, hi)]: the allocated global ranges; any global load, store or atomic not
+        # wholly inside one of them raises (as on the GPU, where address 0 or a gap faults),
+        # not only the stores the callers' write logs check. None: the whole bytearray.
+        self.valid = None if valid is None else sorted((int(a), int(b)) for a, b in valid)
+        self._valid_lo = None if valid is None else [a for a, _ in self.valid]
         self.log_stores, self.stores = log_stores, []
         self.executed = 0
         self.clock, self.timer_step_ns = 0, int(timer_step_ns)
@@ -517,11 +524,18 @@ class Emulator:
                 raise NotImplementedError(f"{op}: {len(out)} operands for .v{nv}")
             return out
 
+        strict = self.valid is not None and space == "global"
+
         def at(x, size, what, limit):
             if x % size:
                 raise RuntimeError(f"misaligned {space} {what} at {x:#x} ({size} bytes)")
             if x + size > limit:
                 raise IndexError(f"{space} {what} at {x:#x} outside the {space} memory")
+            if strict:
+                i = bisect.bisect_right(self._valid_lo, x) - 1
+                if i < 0 or x + size > self.valid[i][1]:
+                    raise IndexError(f"global {what} at {x:#x} ({size} bytes) outside every "
+                                     "allocation (an illegal address on the GPU)")
 
         log = self.log_stores
 

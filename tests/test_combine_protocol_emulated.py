@@ -210,7 +210,7 @@ class Ranks:
     def consume(self, r, c):
         _, _, plan, _, _ = self.inputs[c][r]
         h = self.h
-        em = Emulator(_ptx()["consumer"], mem=self.mem)
+        em = Emulator(_ptx()["consumer"], mem=self.mem, valid=self.h.ranges())
         em.launch(CCTA, CONSUMER_THREADS, [
             h[("y", r)], self.row_bytes, r, *(h[(f, r, c)] for f in PLAN_FIELDS[:13]),
             h[("band_ready", r)], h[("epoch", r)], h[("counts_fingerprint", r, c)],
@@ -223,13 +223,13 @@ class Ranks:
     def scale(self, r, c):
         ids, _, plan, _, _ = self.inputs[c][r]
         h, p = self.h, _ptx()
-        em = Emulator(p["owner"], mem=self.mem, name=p["wait_entry"])
+        em = Emulator(p["owner"], mem=self.mem, name=p["wait_entry"], valid=self.h.ranges())
         em.launch(self.W, 32, [h[("block", r)], h[("expected", r)], self.W, r, h[("err", r)],
                                self.timeout_ns, h[("epoch", r)], 1, h[("err_peers", r)],
                                h[("counts_fingerprint", r, c)]])
         self.writes.append(("wait", r, em.writers))
         T = ids.shape[0]
-        em = Emulator(p["owner"], mem=self.mem, name=p["scale_entry"])
+        em = Emulator(p["owner"], mem=self.mem, name=p["scale_entry"], valid=self.h.ranges())
         em.launch(SCALE_GRID, SCALE_THREADS, [
             h[("recv", r)], h[("rows", r, c)], h[("weights", r, c)], h[("out", r, c)], T, N // 8,
             self.row_bytes, r, h[("err", r)], h[("epoch", r)], self.slot_bytes, h[("y", r)],

@@ -162,14 +162,16 @@ class Ranks:
             h.put(("counts", r), _tobytes(counts.to(torch.int64)))
 
     def _emu(self, ptx, name=None):
-        return Emulator(ptx, mem=self.mem, name=name)
+        return Emulator(ptx, mem=self.mem, name=name, valid=self.h.ranges())
 
     def send(self, r):
         h, lay = self.h, self.lay
         ptx = _ptx(self.W, self.nt_send, self.nt_exp, self.arrival)[0]
         em = self._emu(ptx)
         em.launch(self.ctas, self.nt_send, [
-            h[("x", r)], h[("ids", r)], self.T[r], self.El, lay["row_bytes"], r, self.Tmax,
+            # a rank of 0 tokens passes address 0, as torch's empty CUDA tensors do
+            h[("x", r)] if self.T[r] else 0, h[("ids", r)] if self.T[r] else 0, self.T[r],
+            self.El, lay["row_bytes"], r, self.Tmax,
             h[("recv_peers", r)], h[("ctr_peers", r)], self.stride, lay["ids_offset"],
             lay["count_offset"], h[("epoch", r)], h[("fp", r)], h[("err", r)]])
         self.writes.append(("send", r, em.writers))
@@ -190,7 +192,8 @@ class Ranks:
             return self.expand_per_source(r)
         h, lay = self.h, self.lay
         _, ptx, wait_name, expand_name = _ptx(self.W, self.nt_send, self.nt_exp, self.arrival)
-        em = Emulator(ptx, mem=self.mem, name=wait_name, load_hooks=self.hooks.get(r))
+        em = Emulator(ptx, mem=self.mem, name=wait_name, load_hooks=self.hooks.get(r),
+                      valid=self.h.ranges())
         em.launch(self.W, 32, [h[("block", r)], h[("expected", r)], r, h[("err", r)],
                                self.timeout_ns, h[("epoch", r)], h[("err_peers", r)],
                                h[("fp", r)]])
@@ -213,7 +216,7 @@ class Ranks:
         self.flags_before[r] = self.flags(r)
         fa, fn = h.regions[("band_arrived", r)]
         em = Emulator(ptx, mem=self.mem, name=name, load_hooks=self.hooks.get(r),
-                      log_stores=(fa, fa + fn))
+                      log_stores=(fa, fa + fn), valid=self.h.ranges())
         em.launch(self.grid_exp, self.nt_exp, self._expand_args(r) + [
             h[("block", r)], h[("expected", r)], self.timeout_ns, h[("err_peers", r)],
             h[("fp", r)], h[("state", r)], fa if self.arrival else 0,
