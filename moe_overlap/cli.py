@@ -255,8 +255,6 @@ def _plot_plan_stats(rows, modes, tile_ms, path, meta):
 
 # ------------------------------------------------------------------------------- project
 def cmd_project(args) -> int:
-    import datetime
-
     from .combine.projection import (PRODUCER_FILE, Fabric, ProducerRates, check_producer,
                                      check_sweep_files, format_sources, format_table,
                                      input_sources, plot, project, write)
@@ -322,18 +320,12 @@ def cmd_project(args) -> int:
         print("Not checked against a measured sweep (--sweep ''; a checkout's bench/results/ "
               "holds one).")
     print(format_table(rows))
-    os.makedirs(args.out, exist_ok=True)
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), tokens=args.tokens,
-                mode=args.mode, sweep=list(args.sweep_docs), kind="projection", device="model",
-                git_commit=_git_commit(root) if root else "?")
-    write(rows, os.path.join(args.out, "projection.json"), fabric, cost, check, meta, inputs,
-          producer_check, check_inputs)
-    try:
-        plot(rows, os.path.join(args.out, "projection.png"), fabric, check, inputs,
-             producer_check)
-        print(f"wrote {args.out}/projection.json and projection.png")
-    except ImportError:
-        print(f"wrote {args.out}/projection.json (install matplotlib for the plot)")
+    meta = _projection_meta(root, tokens=args.tokens, mode=args.mode,
+                            sweep=list(args.sweep_docs))
+    _write_and_plot(os.path.join(args.out, "projection.json"),
+                    lambda out: write(rows, out, fabric, cost, check, meta, inputs,
+                                      producer_check, check_inputs),
+                    lambda png: plot(rows, png, fabric, check, inputs, producer_check))
     return 0
 
 
@@ -346,12 +338,30 @@ def _git_commit(root: str) -> str:
         return "?"
 
 
+def _projection_meta(root, **fields) -> dict:
+    """The meta of a projection JSON: a model, not a device; when and from which commit."""
+    import datetime
+    return dict(device="model", kind="projection",
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                git_commit=_git_commit(root) if root else "?", **fields)
+
+
+def _write_and_plot(out: str, write, plot) -> None:
+    """write(out), then plot(<out>.png) where matplotlib is installed (the JSON either way)."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    write(out)
+    png = os.path.splitext(out)[0] + ".png"
+    try:
+        plot(png)
+        print(f"wrote {out} and {png}")
+    except ImportError:
+        print(f"wrote {out} (matplotlib is not installed: no plot)")
+
+
 FFN_CHECK_FILE = "ffn_fused_v7_final_2xh200.json"  # the measured 2-GPU layer project-ffn checks
 
 
 def cmd_project_ffn(args) -> int:
-    import datetime
-
     from .ffn.projection import (Assumptions, FFNRates, check_reduce, format_check,
                                  format_sources, format_table, input_sources, plot, project,
                                  write)
@@ -377,25 +387,14 @@ def cmd_project_ffn(args) -> int:
     print("Projection (ms per call and GPU; x = reference / fused; goal x: the chained path with "
           "the all-reduce goal met, NCCL's bandwidth on 16 SMs):")
     print(format_table(rows))
-    meta = dict(device="model", kind="projection",
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                git_commit=_git_commit(args.root), tokens=args.tokens, worlds=args.world_sizes,
-                command="moe-overlap project-ffn " + " ".join(args.argv))
-    out = args.out
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    write(rows, out, rates, a, check, meta, inputs)
-    png = os.path.splitext(out)[0] + ".png"
-    try:
-        plot(rows, png, a, check, rates, inputs)
-        print(f"wrote {out} and {png}")
-    except ImportError:
-        print(f"wrote {out} (matplotlib is not installed: no plot)")
+    meta = _projection_meta(args.root, tokens=args.tokens, worlds=args.world_sizes,
+                            command="moe-overlap project-ffn " + " ".join(args.argv))
+    _write_and_plot(args.out, lambda out: write(rows, out, rates, a, check, meta, inputs),
+                    lambda png: plot(rows, png, a, check, rates, inputs))
     return 0
 
 
 def cmd_project_layer(args) -> int:
-    import datetime
-
     from .combine.projection import PRODUCER_FILE, Fabric, ProducerRates, check_producer
     from .combine.projection_layer import (BYTES_FILE, LayerRates, check_bytes, format_table,
                                            input_sources, plot, project_layer, summary, write)
@@ -428,20 +427,13 @@ def cmd_project_layer(args) -> int:
         print(f"Dispatch bytes against {BYTES_FILE}: {bcheck['points']} points, equal: "
               f"{bcheck['equal']}")
     print(format_table(rows))
-    meta = dict(device="model", kind="projection",
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                git_commit=_git_commit(root) if root else "?", tokens=args.tokens,
-                worlds=args.world_sizes, mode=args.mode, summary=summary(rows),
-                command="moe-overlap project-layer " + " ".join(args.argv))
-    out = args.out
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    write(rows, out, fabric, cost, rates, meta, inputs, bcheck, producer_check)
-    png = os.path.splitext(out)[0] + ".png"
-    try:
-        plot(rows, png, fabric, rates, inputs, bcheck)
-        print(f"wrote {out} and {png}")
-    except ImportError:
-        print(f"wrote {out} (matplotlib is not installed: no plot)")
+    meta = _projection_meta(root, tokens=args.tokens, worlds=args.world_sizes, mode=args.mode,
+                            summary=summary(rows),
+                            command="moe-overlap project-layer " + " ".join(args.argv))
+    _write_and_plot(args.out,
+                    lambda out: write(rows, out, fabric, cost, rates, meta, inputs, bcheck,
+                                      producer_check),
+                    lambda png: plot(rows, png, fabric, rates, inputs, bcheck))
     return 0
 
 
