@@ -214,6 +214,13 @@ def load_bench(name: str):
     return mod
 
 
+def bitwise_equal(a, b) -> bool:
+    """Two 16-bit float tensors (bf16 / fp16) of one shape holding the same bits (NaNs
+    included: an equal-by-value check would miss a NaN in both or a -0 against 0)."""
+    import torch
+    return a.shape == b.shape and bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+
+
 def worker_error(e: BaseException) -> str:
     """What a spawned rank records for an exception it caught (type, message and the tail of the
     traceback), so that the test reading its JSON fails with the rank's own reason."""

@@ -46,7 +46,8 @@ import os
 import pytest
 import torch
 
-from conftest import record_single_rank, require_module, single_rank_json, worker_error
+from conftest import (bitwise_equal, record_single_rank, require_module, single_rank_json,
+                      worker_error)
 
 pytestmark = pytest.mark.gpu
 
@@ -105,9 +106,6 @@ def _rel(out, ref):
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _bitwise(a, b):
-    return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
-
 
 def _poison(layer, h, plan):
     """NaN into the producer output y this call will use and into the receive slots."""
@@ -126,7 +124,7 @@ def _forward(layer, h, wd, plan, ids, w):
         _poison(layer, h, plan)
         outs.append(layer(h, wd, plan, ids, w))
         layer.check_errors()
-    return outs[1], _bitwise(*outs)
+    return outs[1], bitwise_equal(*outs)
 
 
 def _config(tag, cfg, dev, res, cache):
@@ -166,7 +164,7 @@ def _config(tag, cfg, dev, res, cache):
     direct = torch.full((T_CHECK, N), float("nan"), dtype=torch.bfloat16, device=dev)
     impl.forward(h2, wd2, plan_a, ids2, w2, out=direct, ccta=a.ccta)
     a.check_errors()
-    res[p + "direct_bitwise"] = _bitwise(out_a, direct)
+    res[p + "direct_bitwise"] = bitwise_equal(out_a, direct)
 
     other = ORDERS[1 - ORDERS.index(a.options.order)]
     b = _layer(cfg, ccta=a.ccta, mgb=a.mgb, order=other)
@@ -178,7 +176,7 @@ def _config(tag, cfg, dev, res, cache):
     out_b, res[p + "repeat_bitwise_b"] = _forward(b, h2b, wd2, plan_b, ids2, w2)
     res[p + "finite_b"] = bool(torch.isfinite(out_b.float()).all())
     res[p + "rel_b"] = _rel(out_b, ref)
-    res[p + "other_bitwise"] = _bitwise(out_a, out_b)
+    res[p + "other_bitwise"] = bitwise_equal(out_a, out_b)
 
     # ---- a new order="auto" layer resolves the tuned pair and order from the entry ----
     d = _layer(cfg, order="auto")

@@ -22,7 +22,7 @@ Run: ``CUDA_MODULE_LOADING=EAGER python -m pytest -q tests/test_no_consumer_gpu.
 import pytest
 import torch
 
-from conftest import record_single_rank, require_module, single_rank_json
+from conftest import bitwise_equal, record_single_rank, require_module, single_rank_json
 
 pytestmark = pytest.mark.gpu
 
@@ -30,9 +30,6 @@ require_module(gpus=1)
 
 E, TOPK, K, N, TILE_M, T_MAX, T = 8, 2, 512, 1024, 128, 512, 400
 
-
-def _bitwise(a, b):
-    return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
 
 def _run(dev, res):
@@ -81,7 +78,7 @@ def _run(dev, res):
     alone.check_errors()
     res["alone_consumer_launches"] = launches["consumer"]
     res["alone_producer_launches"] = list(launches["producer"])
-    res["alone_repeat_bitwise"] = _bitwise(*outs)
+    res["alone_repeat_bitwise"] = bitwise_equal(*outs)
     res["alone_finite"] = bool(torch.isfinite(outs[0].float()).all())
     res["alone_rel"] = float((outs[0].float() - ref).norm() / ref.norm())
 
@@ -97,14 +94,14 @@ def _run(dev, res):
         graph.replay()
     torch.cuda.synchronize()
     alone.check_errors()
-    res["graph_bitwise"] = _bitwise(static, outs[0])
+    res["graph_bitwise"] = bitwise_equal(static, outs[0])
     res["graph_consumer_launches"] = launches["consumer"]
 
     # the same layer with a per-call consumer (the tuner's candidates) after those calls
     launches["producer"].clear()
     per_call = alone._impl.forward(h, wd, plan, ids, gates, ccta=8)
     alone.check_errors()
-    res["per_call_bitwise"] = _bitwise(per_call, outs[0])
+    res["per_call_bitwise"] = bitwise_equal(per_call, outs[0])
     res["per_call_consumer_launches"] = launches["consumer"]  # warm-up + this call
     res["per_call_producer_launches"] = list(launches["producer"])
 
@@ -117,8 +114,8 @@ def _run(dev, res):
     out8_seq = impl8.forward(h8, wd, plan8, ids, gates, overlap=False)
     beside.check_errors()
     res["beside_consumer_launches"] = launches["consumer"]
-    res["beside_bitwise"] = _bitwise(out8, outs[0])
-    res["beside_sequential_bitwise"] = _bitwise(out8_seq, outs[0])
+    res["beside_bitwise"] = bitwise_equal(out8, outs[0])
+    res["beside_sequential_bitwise"] = bitwise_equal(out8_seq, outs[0])
 
     # scale="ordered" resolves to ccta 0 too: the same call, the same bits
     launches["consumer"] = 0
@@ -126,7 +123,7 @@ def _run(dev, res):
     plan_o = ordered.plan(counts)
     out_o = ordered(dispatch_to_plan(x, ids, plan_o, counts), wd, plan_o, ids, gates)
     ordered.check_errors()
-    res["ordered_bitwise"] = _bitwise(out_o, outs[0])
+    res["ordered_bitwise"] = bitwise_equal(out_o, outs[0])
     res["ordered_consumer_launches"] = launches["consumer"]
     res["err_final"] = [int(v) for v in impl0.err.tolist()]
 
