@@ -189,16 +189,22 @@ def test_combine_launches_the_producer_before_the_consumer(no_cuda, monkeypatch)
                    "s0 waits cs"], log
 
 
-def test_combine_scale_polls_the_peers_symmetric_error_words(no_cuda, monkeypatch):
-    """The call's scale gets the buffer's table of every rank's (symmetric) error word, so its
-    arrival wait can stop at a peer's error (ERR_PEER_ERROR) instead of its timeout."""
-    log = no_cuda
+def _scale_launch_of_one_call(log, monkeypatch):
+    """(ov, args, the keywords of its scale's launch) after one warm forward of the fake
+    combine."""
     ov, args = _fake_combine(log, monkeypatch=monkeypatch)
     ov._warm = ov._prod_warm = True
     kw = {}
     launch = ov.scale.launch
     ov.scale.launch = lambda **k: (kw.update(k), launch(**k))
     ov.forward(*args)
+    return ov, args, kw
+
+
+def test_combine_scale_polls_the_peers_symmetric_error_words(no_cuda, monkeypatch):
+    """The call's scale gets the buffer's table of every rank's (symmetric) error word, so its
+    arrival wait can stop at a peer's error (ERR_PEER_ERROR) instead of its timeout."""
+    ov, args, kw = _scale_launch_of_one_call(no_cuda, monkeypatch)
     assert kw["err_peers"] is ov.comm.err_peers and kw["err"] is ov.comm.err
     assert ov.comm.err_peers.shape == (2,)
     assert any(t is ov.comm.err for t in ov.rt._tensors)  # a symmetric allocation
@@ -208,13 +214,7 @@ def test_combine_scale_checks_the_tags_against_the_calls_plan(no_cuda, monkeypat
     """The call's scale checks the epoch tags against this call's plan's counts fingerprint
     (every rank's plan of one call holds the same one; a rank that skipped a call ships with
     another routing's), beside the epoch."""
-    log = no_cuda
-    ov, args = _fake_combine(log, monkeypatch=monkeypatch)
-    ov._warm = ov._prod_warm = True
-    kw = {}
-    launch = ov.scale.launch
-    ov.scale.launch = lambda **k: (kw.update(k), launch(**k))
-    ov.forward(*args)
+    ov, args, kw = _scale_launch_of_one_call(no_cuda, monkeypatch)
     assert kw["epoch_tags"] and kw["epoch"] is ov.epoch
     assert kw["fingerprint"] is args[2].counts_fingerprint
 
