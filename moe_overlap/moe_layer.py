@@ -25,6 +25,7 @@ from .combine.dispatch_expand import DEFAULT_CTAS_PER_SM
 from .combine.dispatch_index import arrival_schedule
 from .combine.grouped_gemm import (GroupedGemm, deinterleave_gate_up, interleave_gate_up,
                                    split_gate_up)
+from .kernels.host_checks import require_tensors
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BACKENDS = ("auto", "reference", "overlap")
@@ -359,10 +360,7 @@ class MoELayer(torch.nn.Module):
         ``nn.Linear`` weight is the transpose). Rank r keeps experts r * E / W ... (r + 1) * E /
         W - 1 (copies: the layer's parameters share no memory with the arguments). dtype and
         device default to router's; other keywords go to the constructor."""
-        for name, t in (("router", router), ("w_gate", w_gate), ("w_up", w_up),
-                        ("w_down", w_down)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        require_tensors(dict(router=router, w_gate=w_gate, w_up=w_up, w_down=w_down))
         if router.dim() != 2:
             raise ValueError(f"router must be [D, E], got {tuple(router.shape)}")
         D, E = router.shape

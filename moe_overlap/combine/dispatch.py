@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.host_checks import require_tensors
 from .checks import (agree_on_call, as_int, backward_agreement, check_routing_matches,
                      error_of)
 from .plan import CombinePlan, count_assignments
@@ -51,9 +52,7 @@ def _check_dispatch(x, topk_ids, plan, expert_counts, group, rows):
     if (rank, W) != (plan.rank, plan.world_size):
         raise ValueError(f"plan is for rank {plan.rank} of {plan.world_size}, process group is "
                          f"rank {rank} of {W}")
-    for name, t in (("x", x), ("topk_ids", topk_ids), ("expert_counts", expert_counts)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require_tensors(dict(x=x, topk_ids=topk_ids, expert_counts=expert_counts))
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [tokens, topk], got {tuple(topk_ids.shape)}")
     if x.dim() != 2 or x.shape[0] != topk_ids.shape[0]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.host_checks import require_tensors
 from .checks import agree_on_call, as_int, backward_agreement, error_of
 from .dispatch import _check_dispatch
 from .plan import CombinePlan
@@ -270,9 +271,7 @@ class MoEDispatch(torch.nn.Module):
 
     def _check_local(self, x, topk_ids, plan):
         """Host facts only (shapes, dtypes, devices, the plan's rank): no data read."""
-        for name, t in (("x", x), ("topk_ids", topk_ids)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        require_tensors(dict(x=x, topk_ids=topk_ids))
         if not isinstance(plan, CombinePlan):
             raise TypeError(f"plan must be a CombinePlan, got {type(plan).__name__}")
         if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from ..kernels.host_checks import require_tensors
 from .checks import (agree_on_call, as_int, backward_agreement, check_routing_matches,
                      error_of)
 from .options import ORDER_DEFAULT, ORDERS, CombineFacts, CombineOptions, options_from_kwargs
@@ -260,10 +261,7 @@ class MoECombine(torch.nn.Module):
     def check_inputs(self, h, w_down, plan, topk_ids, topk_weights):
         """Clear errors for bad input, before any work. Returns this rank's assignments per
         expert ([E], from topk_ids) where the layer validates, else None."""
-        for name, t in (("h", h), ("w_down", w_down), ("topk_ids", topk_ids),
-                        ("topk_weights", topk_weights)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        require_tensors(dict(h=h, w_down=w_down, topk_ids=topk_ids, topk_weights=topk_weights))
         if not isinstance(plan, CombinePlan):
             raise TypeError(f"plan must be a CombinePlan, got {type(plan).__name__}")
         if h.dim() != 2 or h.shape[1] != self.hidden_size:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import torch
 
 
-def check_tensors(tensors: dict, like: torch.Tensor, need_cuda: bool) -> None:
-    """Every value a contiguous torch.Tensor on ``like``'s device (a CUDA one if need_cuda);
-    TypeError / ValueError naming the argument otherwise."""
+def require_tensors(tensors: dict) -> None:
+    """Every value a torch.Tensor; TypeError naming the first argument that is not."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_tensors(tensors: dict, like: torch.Tensor, need_cuda: bool) -> None:
+    """Every value a contiguous torch.Tensor on ``like``'s device (a CUDA one if need_cuda);
+    TypeError / ValueError naming the argument otherwise."""
+    require_tensors(tensors)
+    for name, t in tensors.items():
         if need_cuda and t.device.type != "cuda":
             raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
         if t.device != like.device:
