@@ -45,7 +45,7 @@ from .provenance import DEPENDENCIES, Git, freshness
 # area -> (title, current headline files, in bench/results/)
 HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
-                 ("producer_models_h100_f213944_s1.json",)),
+                 ("producer_models_h100_f213944_s1.json", "producer_models_h200_fc47bea_s23.json")),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
               ("ranks_onegpu_h100_5ffc161.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
@@ -188,8 +188,18 @@ def _table(header, rows):
 
 # ------------------------------------------------------------------------------ areas
 def producer(root):
-    (name,) = HEADLINE["producer"][1]
-    d = _load(root, name)
+    """One section and one cell part per file (each file is one card's run)."""
+    lines, cells, docs = [], [], []
+    for name in HEADLINE["producer"][1]:
+        d = _load(root, name)
+        sec, cell = _producer_file(name, d)
+        lines += sec
+        cells.append(cell)
+        docs.append((name, d))
+    return lines, " | ".join(cells), docs
+
+
+def _producer_file(name, d):
     ours = d["ours_variant"]
     lines = [_src(name, d, "producer"), "", f"Method: {d['method']}.", ""]
     rows = []
@@ -213,12 +223,13 @@ def producer(root):
                      f"({_losses(scaled)}; goal >= {g['goal_scaled']} everywhere and mean >= "
                      f"{g['goal_geomean']}: {'met' if g['met'] else 'not met'})")
     models = sorted({p["model"] for p in d["points"]})
-    cell = (f"our speed / the faster of torch._grouped_mm and a per-expert cuBLAS loop on the "
-            f"unpadded rows, options as MoECombine resolves them, {len(d['points'])} points "
+    cell = (f"{_card(d.get('device', '?'))}: our speed / the faster of torch._grouped_mm and a "
+            f"per-expert cuBLAS loop on the unpadded rows, options as MoECombine resolves them, "
+            f"{len(d['points'])} points "
             f"({', '.join(models)}; W {sorted({p['world_size'] for p in d['points']})}; "
             f"routings {sorted({p['routing'] for p in d['points']})}): " + "; ".join(parts)
             + f"; every output correct: {d['all_correct']}")
-    return lines, cell, [(name, d)]
+    return lines, cell
 
 
 def ranks(root):
