@@ -126,7 +126,8 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None,
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kw)
         initialized = True
         results[rank] = ("ok", fn(rank, world_size, *args))
-    except Exception:  # noqa: BLE001 - returned to the parent with the traceback
+    except BaseException:  # noqa: BLE001 - returned to the parent with the traceback (also
+        # SystemExit or a pytest outcome: uncaught, rank 0 would wait for a result never sent)
         results[rank] = ("error", traceback.format_exc())
     finally:
         if hard_exit:  # e.g. after NVSHMEM: its and NCCL's teardown order can hang

@@ -16,7 +16,10 @@ sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 
 
 def one_call(rank, W, zero_rank=None):
+    import faulthandler
     import torch
+    if os.environ.get("DIAG_DUMP_S"):  # a hang prints every thread's stack, then exits
+        faulthandler.dump_traceback_later(float(os.environ["DIAG_DUMP_S"]), exit=True)
     import test_dispatch_overlap_gpu as T
     from moe_overlap import MoEDispatch
     from moe_overlap.combine import exchange_counts
@@ -45,12 +48,55 @@ def one_call(rank, W, zero_rank=None):
               f"{[hex(v) for v in b.ctr_peers.tolist()]} err_peers "
               f"{[hex(v) for v in comm.err_peers.tolist()]}; rows {plan.row_capacity}, "
               f"total {int(plan.total_rows)}, sms {ov.num_sms}", flush=True)
-        got = ov(x, ids, plan, counts, rows=plan.row_capacity)
+        if os.environ.get("DIAG_STAGES"):  # the call's launches one at a time, synchronized
+            got = staged_call(ov, comm, x, ids, plan, counts, rank)
+        else:
+            got = ov(x, ids, plan, counts, rows=plan.row_capacity)
         torch.cuda.synchronize()
         out["after_call"] = "ok"
         want = ref(x, ids, plan, counts, rows=plan.row_capacity)
         out["bitwise"] = T._bitwise(got, want)
         out["err"] = [int(v) for v in comm.err.tolist()]
+    return out
+
+
+def staged_call(ov, comm, x, ids, plan, counts, rank):
+    """MoEDispatch._forward_overlap's launches with a synchronize and a barrier after each (the
+    rank and stage printed), so the launch that faults is named, and on which rank."""
+    import torch
+    import torch.distributed as dist
+
+    def stage(name):
+        torch.cuda.synchronize()
+        print(f"rank {rank}: {name} done", flush=True)
+        dist.barrier()
+
+    dev = comm.runtime.device
+    ids32 = ids.to(torch.int32).contiguous()
+    cnt = counts.to(dev, torch.int64).contiguous()
+    rows = plan.row_capacity
+    out = torch.full((rows, ov.hidden_size), float("nan"), dtype=torch.bfloat16, device=dev)
+    ov.sender.compile()
+    ov.expander.compile()
+    stage("compile")
+    comm.note_call()
+    comm.epoch.add_(1)
+    comm.expected.add_(ov.send_ctas)
+    stage("epoch")
+    b = comm.buffers
+    ov.sender.launch(x=x.contiguous(), ids=ids32, experts_per_rank=ov.experts_per_rank,
+                     rank=ov.rank, max_tokens=ov.max_tokens_per_rank, recv_peers=b.recv_peers,
+                     ctr_peers=b.ctr_peers, layout=ov.layout, slot_stride=comm.slot_bytes,
+                     epoch=comm.epoch, fingerprint=plan.counts_fingerprint, err=comm.err)
+    stage("send")
+    print(f"rank {rank}: counters {b.counters.tolist()} expected {comm.expected.tolist()} "
+          f"block {b.block.tolist()}", flush=True)
+    ov.expander.launch(recv=b.recv, slot_stride=comm.slot_bytes, layout=ov.layout,
+                       max_tokens=ov.max_tokens_per_rank, out=out, plan=plan, counts=cnt,
+                       err=comm.err, epoch=comm.epoch, counters=b.counters,
+                       expected=comm.expected, err_peers=comm.err_peers, num_sms=ov.num_sms,
+                       tile_m=plan.tile_m)
+    stage("wait + expand")
     return out
 
 

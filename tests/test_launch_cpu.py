@@ -207,3 +207,18 @@ def test_a_shared_ranks_mps_share_is_in_its_environment_from_its_start():
     p.join(120)
     assert seen == env, seen
     assert {k: os.environ.get(k) for k in env} == before  # the parent's own left as it was
+
+
+def _exit_on_rank1(rank, world):
+    if rank == 1:
+        raise SystemExit("rank 1 left through SystemExit")  # not an Exception: pytest.skip too
+    return rank
+
+
+def test_a_rank_raising_a_base_exception_is_reported_not_waited_for():
+    # with hard_exit rank 0 waits for every result: a rank ending in a BaseException that the
+    # worker does not record would leave it waiting its full 300 s
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)ranks \[1\] failed.*SystemExit: rank 1 left"):
+        spawn_ranks(_exit_on_rank1, 2, hard_exit=True, join_timeout_s=200)
+    assert time.monotonic() - t0 < 60
