@@ -547,3 +547,55 @@ def test_emulated_band_flag_comes_before_a_later_source_arrives(W, layout, wait)
         if wait == "per_source":  # one CTA: the flags in the up-projection's band order
             order = arrival_schedule(p, counts)[:int(p.num_bands)].tolist()
             assert [b for b, _ in ranks.flag_stores[owner]] == order
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_emulated_send_goes_to_owners_in_their_wait_order_each_marked_when_done(rank):
+    """Each send CTA stores to destination (rank - k) mod W at step k (the k-th source every
+    owner's per-source expand waits for is (owner + k) mod W), and posts that destination's
+    marker after its rows, ids, count and tag and before any store to the next one."""
+    W = 3
+    El, D, tokens = CASES[W][:3]
+    Tmax = max(max(t) for t in tokens)
+    xs, ids = _inputs(W, 0)
+    assert all((ids[rank] // El == d).any() for d in range(W))  # rows to every owner
+    counts = exchange_counts_of(ids, El * W)
+    plans = [plan_combine(counts, r, tile_m=TILE_M) for r in range(W)]
+    ranks = Ranks(W, Tmax, max(p.row_capacity for p in plans))
+    ranks.set_inputs(xs, ids, counts, plans, [p.row_capacity for p in plans])
+    ranks.advance()
+    h = ranks.h
+    owner_of = []  # (start, end, owner, what) of every region a send may store to
+    for d in range(W):
+        owner_of.append((h[("recv", d)], h[("recv", d)] + 2 * ranks.stride, d, "slot"))
+        blk = h[("block", d)]
+        owner_of.append((blk + 8 * rank, blk + 8 * rank + 8, d, "marker"))
+        owner_of.append((blk + 8 * W, blk + 8 * 3 * W, d, "tag"))
+    ptx = _ptx(W, ranks.nt_send, ranks.nt_exp)[0]
+    lo, hi = min(a for a, _, _, _ in owner_of), max(b for _, b, _, _ in owner_of)
+    em = Emulator(ptx, mem=ranks.mem, log_stores=(lo, hi), valid=h.ranges())
+    lay = ranks.lay
+    em.launch(ranks.ctas, ranks.nt_send, [
+        h[("x", rank)], h[("ids", rank)], ranks.T[rank], El, lay["row_bytes"], rank, Tmax,
+        h[("recv_peers", rank)], h[("ctr_peers", rank)], ranks.stride, lay["ids_offset"],
+        lay["count_offset"], h[("epoch", rank)], h[("fp", rank)], h[("err", rank)]])
+    want = [(rank - k) % W for k in range(W)]
+    for cta in range(ranks.ctas):
+        seq = []
+        for addr, _, c in em.stores:
+            if c != cta:
+                continue
+            (d, what), = [(o, w) for a, b, o, w in owner_of if a <= addr < b]
+            if not seq or seq[-1][0] != d:
+                seq.append((d, []))
+            seq[-1][1].append(what)
+        assert [d for d, _ in seq] == want, (cta, [d for d, _ in seq])
+        for d, whats in seq:  # one marker, last, after the tag
+            assert whats.count("marker") == 1 and whats[-1] == "marker", (cta, d, whats)
+            assert whats[-2] == "tag", (cta, d, whats)
+
+
+def exchange_counts_of(ids, E):
+    """[W, E] int64 counts of every rank's ids (what exchange_counts all-gathers)."""
+    return torch.stack([torch.bincount(i.reshape(-1).to(torch.int64), minlength=E)
+                        for i in ids])

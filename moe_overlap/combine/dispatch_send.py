@@ -8,22 +8,27 @@ epoch & 1):
 1. thread 0 reads the error word: if any error is recorded on this rank (sticky until a reset)
    the CTA stores nothing and posts no arrival, so the owners' waits end on this rank's error
    word or time out (as the combine's consumer).
-2. every CTA walks all tokens in batches of NT, a thread per token: its destination bits (rank
-   id // El of each id in [0, E); other ids are ignored), one ``vote.ballot`` per destination
-   and warp, the popcounts summed over the warps before (shared memory) and a running count of
-   the earlier batches: token t's row in destination d's slot is the number of tokens t' < t
-   that also go to d (token order, compacted per destination; computed by every CTA, so no
-   CTA waits on another). Batch b is stored by CTA b % ctas: per destination, the batch's
-   tokens (a shared list) as 16-byte vectors flattened over (row, chunk), then their int32 ids.
-   Stores to a peer go through the CommBuffer's peer table (``recv_peers``: NVLink load/store
-   mapping; the own rank's entry is local). NVSHMEM put is not built yet.
-3. arrival: bar.sync (every store of the CTA before it), then thread d < W: the count of tokens
-   sent to d (its slot's count word of this source), the call tag (``call_tag(epoch, the plan's
-   counts fingerprint)``, st.relaxed.sys into word W + parity * W + rank of d's communication
-   block), fence.acq_rel.sys and red.release.sys.add of 1 on d's counter[rank]. So each call
-   adds exactly ``ctas`` to every owner's counter of this source (one marker per CTA, 0 tokens
-   or not): the owner's expected count advances by ``ctas`` per source and call with no data
-   read (the CTA count must be the same on every rank: MoEDispatch agrees on it).
+2. every CTA takes the destinations in the order d = (rank - k) mod W, k = 0 .. W-1: its own
+   rank first, then the rank before it, ... That is the order in which each owner's per-source
+   expand takes its sources (owner o waits for source (o + k) mod W k-th, dispatch_expand.py),
+   so at step k every rank sends to the owner that waits for it k-th. Per destination d, every
+   CTA walks all tokens in batches of NT, a thread per token: whether any of its ids in
+   [0, E) is owned by d (rank id // El; other ids are ignored), one ``vote.ballot`` per warp,
+   the warps' popcounts before it (shared memory) and a running count of the earlier batches:
+   token t's row in d's slot is the number of tokens t' < t that also go to d (token order,
+   compacted per destination; computed by every CTA, so no CTA waits on another). Batch b is
+   stored by CTA b % ctas: its tokens to d (a shared list) as 16-byte vectors flattened over
+   (row, chunk), then their int32 ids. Stores to a peer go through the CommBuffer's peer table
+   (``recv_peers``: NVLink load/store mapping; the own rank's entry is local). NVSHMEM put is
+   not built yet.
+3. d's arrival, right after the CTA's stores to d (not after every destination's): bar.sync,
+   then thread 0: the count of tokens sent to d (its slot's count word of this source), the
+   call tag (``call_tag(epoch, the plan's counts fingerprint)``, st.relaxed.sys into word W +
+   parity * W + rank of d's communication block), fence.acq_rel.sys and red.release.sys.add of
+   1 on d's counter[rank]. So each call adds exactly ``ctas`` to every owner's counter of this
+   source (one marker per CTA, 0 tokens or not): the owner's expected count advances by
+   ``ctas`` per source and call with no data read (the CTA count must be the same on every
+   rank: MoEDispatch agrees on it).
    Why a marker per CTA and not the rows: the owner cannot know how many tokens a source sends
    it (deduplicated per destination) without the data; the count travels in the slot and the
    marker tells that it and the rows have landed.
@@ -48,8 +53,6 @@ def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREA
         raise ValueError(f"topk={K} must be in [1, 64]")
     if NT % 32 or not 32 <= NT <= 1024 or NT < W:
         raise ValueError(f"threads={NT} must be a multiple of 32 in [max(32, W), 1024]")
-    if W * NT * 4 > 64 * 1024:
-        raise ValueError(f"W x threads = {W * NT} list entries exceed 64 KiB of shared memory")
     import cutlass
     import cutlass.cute as cute
     import cuda.bindings.driver as cuda
@@ -81,13 +84,9 @@ def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREA
         warp = tidx >> Int32(5)
         lt_mask = (Int32(1) << lane) - Int32(1)
         alloc = cutlass.memory.SmemAllocator()
-        arr = alloc.allocate_array(cutlass.Int32, 2 * NW * W + 2 * W + W * NT,
-                                   byte_alignment=16).toint()
-        BAL = arr  # [NW][W] ballots of the batch
-        PRE = BAL + Int32(4 * NW * W)  # [NW][W] tokens to d in the warps before
-        TOT = PRE + Int32(4 * NW * W)  # [W] tokens to d in the batch
-        BASE = TOT + Int32(4 * W)  # [W] tokens to d in the batches before
-        LIST = BASE + Int32(4 * W)  # [W][NT] the batch's tokens to d, in token order
+        arr = alloc.allocate_array(cutlass.Int32, NW + NT, byte_alignment=16).toint()
+        CNT = arr  # [NW] the batch's tokens to d per warp
+        LIST = CNT + Int32(4 * NW)  # [NT] the batch's tokens to d, in token order
         E = El * Int32(W)
         epoch = P.ld_s32(epoch_ptr)
         slot_off = Int64(epoch & Int32(1)) * slot_bytes
@@ -95,54 +94,46 @@ def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREA
         if tidx == Int32(0):
             e0 = P.error_set(err)
         failed = P.block_any(e0)
-        if tidx < Int32(W):
-            sts(BASE, tidx, Int32(0))
         nb = (T + Int32(NT - 1)) // Int32(NT)
         if failed != Int32(0):
             nb = Int32(0)
         n_ch = row_bytes // Int64(16)
-        b = Int32(0)
-        while b < nb:
-            t = b * Int32(NT) + tidx
-            mask = Int64(0)
-            if t < T:
-                for j in cutlass.range_constexpr(K):
-                    v = P.ld_s32(ids + (Int64(t) * Int64(K) + Int64(j)) * Int64(4))
-                    if P.in_range_s64(Int64(v), Int64(0), Int64(E)) != Int32(0):
-                        mask = mask | (Int64(1) << Int64(v // El))
-            d = Int32(0)
-            while d < Int32(W):
-                bl = ballot(bit(mask, d))
+        k = Int32(0)
+        while k < Int32(W):
+            d = (rank - k + Int32(W)) % Int32(W)
+            dst0 = P.ld_s64(recv_peers + Int64(d) * Int64(8)) + slot_off
+            sent = Int32(0)  # tokens to d in the batches before
+            b = Int32(0)
+            while b < nb:
+                t = b * Int32(NT) + tidx
+                hit = Int32(0)
+                if t < T:
+                    for j in cutlass.range_constexpr(K):
+                        v = P.ld_s32(ids + (Int64(t) * Int64(K) + Int64(j)) * Int64(4))
+                        if P.in_range_s64(Int64(v), Int64(0), Int64(E)) != Int32(0):
+                            if v // El == d:
+                                hit = Int32(1)
+                bl = ballot(hit)
                 if lane == Int32(0):
-                    sts(BAL, warp * Int32(W) + d, bl)
-                d = d + Int32(1)
-            P.block_sync()
-            if tidx < Int32(W):
-                run = Int32(0)
-                for w in cutlass.range_constexpr(NW):
-                    sts(PRE, Int32(w * W) + tidx, run)
-                    run = run + popc(lds(BAL, Int32(w * W) + tidx))
-                sts(TOT, tidx, run)
-            P.block_sync()
-            if b % nblk == bidx:  # this CTA stores batch b
-                d = Int32(0)
-                while d < Int32(W):
-                    if bit(mask, d) != Int32(0):
-                        r = lds(PRE, warp * Int32(W) + d) + popc(
-                            lds(BAL, warp * Int32(W) + d) & lt_mask)
-                        sts(LIST, d * Int32(NT) + r, tidx)
-                    d = d + Int32(1)
+                    sts(CNT, warp, popc(bl))
                 P.block_sync()
-                d = Int32(0)
-                while d < Int32(W):
-                    n = lds(TOT, d)
-                    base = Int64(rank) * Int64(tmax) + Int64(lds(BASE, d))
-                    dst0 = P.ld_s64(recv_peers + Int64(d) * Int64(8)) + slot_off
+                before = Int32(0)
+                n = Int32(0)
+                for w in cutlass.range_constexpr(NW):
+                    cw = lds(CNT, Int32(w))
+                    if Int32(w) < warp:
+                        before = before + cw
+                    n = n + cw
+                if b % nblk == bidx:  # this CTA stores batch b
+                    if hit != Int32(0):
+                        sts(LIST, before + popc(bl & lt_mask), tidx)
+                    P.block_sync()
+                    base = Int64(rank) * Int64(tmax) + Int64(sent)
                     i = Int64(tidx)
                     while i < Int64(n) * n_ch:
                         r = i // n_ch
                         c = i - r * n_ch
-                        tok = Int64(b * Int32(NT) + lds(LIST, d * Int32(NT) + Int32(r)))
+                        tok = Int64(b * Int32(NT) + lds(LIST, Int32(r)))
                         P.st_v4(dst0 + (base + r) * row_bytes + c * Int64(16),
                                 P.ld_v4(x + tok * row_bytes + c * Int64(16)))
                         i = i + Int64(NT)
@@ -150,27 +141,24 @@ def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREA
                     while i < Int64(n) * Int64(K):
                         r = i // Int64(K)
                         j = i - r * Int64(K)
-                        tok = Int64(b * Int32(NT) + lds(LIST, d * Int32(NT) + Int32(r)))
+                        tok = Int64(b * Int32(NT) + lds(LIST, Int32(r)))
                         P.st_s32(dst0 + ids_offset + ((base + r) * Int64(K) + j) * Int64(4),
                                  P.ld_s32(ids + (tok * Int64(K) + j) * Int64(4)))
                         i = i + Int64(NT)
-                    d = d + Int32(1)
-            P.block_sync()  # the list and BASE are read before they change
-            if tidx < Int32(W):
-                sts(BASE, tidx, lds(BASE, tidx) + lds(TOT, tidx))
-            P.block_sync()
-            b = b + Int32(1)
-        # ---- arrival: count word, call tag, one marker per CTA on every owner (this one too)
-        P.block_sync()  # every store of the CTA precedes the release below
-        if tidx < Int32(W) and failed == Int32(0):
-            dst0 = P.ld_s64(recv_peers + Int64(tidx) * Int64(8)) + slot_off
-            P.st_s32(dst0 + count_offset + Int64(rank) * Int64(4), lds(BASE, tidx))
-            peer_ctr = P.ld_s64(ctr_peers + Int64(tidx) * Int64(8))
-            P.st_relaxed_sys_s64(peer_ctr + (Int64(W) + Int64(epoch & Int32(1)) * Int64(W)
-                                             + Int64(rank)) * Int64(8),
-                                 P.call_tag(epoch, P.ld_s32(fingerprint_ptr)))
-            P.fence_acq_rel_sys()
-            P.red_release_sys_add_s64(peer_ctr + Int64(rank) * Int64(8), Int64(1))
+                P.block_sync()  # the counts and the list are read before the next batch
+                sent = sent + n
+                b = b + Int32(1)
+            # ---- d's arrival: count word, call tag, this CTA's marker (0 tokens or not)
+            P.block_sync()  # every store of the CTA to d precedes the release below
+            if tidx == Int32(0) and failed == Int32(0):
+                P.st_s32(dst0 + count_offset + Int64(rank) * Int64(4), sent)
+                peer_ctr = P.ld_s64(ctr_peers + Int64(d) * Int64(8))
+                P.st_relaxed_sys_s64(peer_ctr + (Int64(W) + Int64(epoch & Int32(1)) * Int64(W)
+                                                 + Int64(rank)) * Int64(8),
+                                     P.call_tag(epoch, P.ld_s32(fingerprint_ptr)))
+                P.fence_acq_rel_sys()
+                P.red_release_sys_add_s64(peer_ctr + Int64(rank) * Int64(8), Int64(1))
+            k = k + Int32(1)
 
     @cute.jit
     def launch(x: Int64, ids: Int64, T: Int32, El: Int32, row_bytes: Int64, rank: Int32,
