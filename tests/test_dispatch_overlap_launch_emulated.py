@@ -389,3 +389,43 @@ def test_forward_overlap_through_the_real_launchers(monkeypatch, w, opts):
             if opts.get("signal_arrival"):
                 nb = int(plans[r].num_bands)
                 assert (layers[r].band_arrived[:nb] == comms[r].epoch).all(), (call, r)
+
+
+@pytest.mark.parametrize("opts", [{}, dict(signal_arrival=True),
+                                  dict(signal_arrival=True, wait="per_source"),
+                                  dict(wait="per_source")],
+                         ids=["all", "all-signal", "per_source-signal", "per_source"])
+def test_warmup_launches_change_nothing(monkeypatch, opts):
+    """MoEDispatch's first-call warm-up runs the send and the wait + expand through their real
+    launch wrappers with an error word of their own set: no load or store outside what they
+    pass (a store through the zero peer table would hit address 0), and every tensor they pass
+    is as it was (no marker, no flag, no count left)."""
+    import sys
+    from moe_overlap.combine.dispatch_expand import DispatchExpand
+    from moe_overlap.combine.dispatch_send import DispatchSend
+    from moe_overlap.kernels import primitives as P
+    monkeypatch.setattr(sys.modules[__name__], "W", 2)
+    dev = Device()
+    L = Launches(dev)
+    monkeypatch.setattr(DispatchSend, "compile", lambda self: ("send", self))
+    monkeypatch.setattr(DispatchExpand, "compile", lambda self: ("expand", self))
+    monkeypatch.setattr(P, "LaunchCache", L.launcher)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: L.run())
+    real_ptr = torch.Tensor.data_ptr
+    passed = []
+
+    def data_ptr(t):
+        dev.register(t)
+        passed.append((t, t.clone()))
+        return real_ptr(t)
+
+    monkeypatch.setattr(torch.Tensor, "data_ptr", data_ptr)
+    try:
+        DispatchSend(2, K, ctas=3).warmup("cpu")
+        DispatchExpand(2, K, **opts).warmup("cpu", EL, 66)
+    finally:
+        monkeypatch.setattr(torch.Tensor, "data_ptr", real_ptr)
+    assert len(passed) >= 4 and not L.queue
+    for t, before in passed:
+        assert torch.equal(t, before)

@@ -162,6 +162,19 @@ class MoEDispatch(torch.nn.Module):
             self.expand_wait, self.expand_ctas)
         from ..runtime.device import num_sms
         self.num_sms = num_sms(comm_buffer.runtime.device)
+        self._warm = False
+
+    def _warmup(self):
+        """Collective, at the first call outside a graph capture: compile, load and run the send
+        and the wait + expand once with no effect (DispatchSend.warmup, DispatchExpand.warmup),
+        then a barrier. Without it a rank's first call compiles for seconds while its peers'
+        waits spin on its markers (a short timeout_s then times them out), and loads a module
+        next to a spinning kernel."""
+        dev = self.comm.runtime.device
+        self.sender.warmup(dev)
+        self.expander.warmup(dev, self.experts_per_rank, self.num_sms)
+        self.comm.runtime.barrier()
+        self._warm = True
 
     @staticmethod
     def overlap_kernels(world_size: int, topk: int, send_ctas: int = 8,
@@ -233,6 +246,8 @@ class MoEDispatch(torch.nn.Module):
         rows = plan.row_capacity if rows is None else as_int("rows", rows, minimum=0)
         comm = self.comm
         comm.watch.poll()  # an earlier call's device error raises here, before any launch
+        if not self._warm and not torch.cuda.is_current_stream_capturing():
+            self._warmup()
         x = x.contiguous()
         ids = topk_ids.to(torch.int32).contiguous()
         cnt = counts.to(dev, torch.int64).contiguous()

@@ -580,6 +580,32 @@ class DispatchExpand:
             cap = self.max_ctas
         return max(1, min(cap, experts_per_rank * self.world_size + 1))
 
+    def warmup(self, device, experts_per_rank: int, num_sms: int, stream=None):
+        """Compile, load and run the kernel(s) once with no effect (an error word of their own
+        set, an output of 0 rows: no wait, no slot read, no store outside scratch), so that a
+        call's first launch does not compile or load a module while the peers' sends run."""
+        import torch
+        from ..kernels.errors import ERR_WORDS
+        from ..kernels.primitives import LaunchCache
+        if self._launcher is None:
+            self._launcher = LaunchCache(self.compile())
+        if stream is None:
+            stream = torch.cuda.current_stream(device)
+        W, El = self.world_size, int(experts_per_rank)
+        err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=device)
+        err[0] = 1
+        z = torch.zeros(max(W * W * El * 2, 16), dtype=torch.int64, device=device)
+        p = z.data_ptr()
+        arrival = ((p, p if self.signal_arrival else 0, 64 if self.signal_arrival else 1)
+                   if self.wait == "per_source" else (p, p, 64) if self.signal_arrival else ())
+        self._launcher((p, 0, 0, 0, 16, 1, p, 0, El, 0, p, p, p, p, p, err.data_ptr(), p, p, p,
+                        self.timeout_ns, p, p, *arrival, self.grid(num_sms, El)),
+                       stream.cuda_stream)
+        torch.cuda.synchronize(device)
+        if int(z.abs().sum()) != 0:  # the kernels must not have touched their scratch
+            raise RuntimeError("dispatch expand warm-up wrote its scratch: the error path "
+                               "changed")
+
     def launch(self, *, recv, slot_stride: int, layout: dict, max_tokens: int, out, plan,
                counts, err, epoch, counters, expected, err_peers, num_sms: int, stream=None,
                arr_count=None, band_arrived=None, tile_m: int = 0):

@@ -199,6 +199,26 @@ class DispatchSend:
                                                         self.threads), *send_example_args())
         return self._fn
 
+    def warmup(self, device, stream=None):
+        """Compile, load and run the kernel once with no effect (an error word of its own set,
+        0 tokens: it stores nothing and posts no marker), so that a call's first launch does
+        not compile or load a module while a peer's wait spins on its markers."""
+        import torch
+        from ..kernels.errors import ERR_WORDS
+        from ..kernels.primitives import LaunchCache
+        if self._launcher is None:
+            self._launcher = LaunchCache(self.compile())
+        if stream is None:
+            stream = torch.cuda.current_stream(device)
+        err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=device)
+        err[0] = 1
+        table = torch.zeros(max(self.world_size, 1), dtype=torch.int64, device=device)
+        word = torch.zeros(1, dtype=torch.int32, device=device)
+        self._launcher((0, 0, 0, 1, 16, 0, 1, table.data_ptr(), table.data_ptr(), 0, 0, 0,
+                        word.data_ptr(), word.data_ptr(), err.data_ptr(), self.ctas),
+                       stream.cuda_stream)
+        torch.cuda.synchronize(device)
+
     def launch(self, *, x, ids, experts_per_rank: int, rank: int, max_tokens: int, recv_peers,
                ctr_peers, layout: dict, slot_stride: int, epoch, fingerprint, err, stream=None):
         """x: [T, D] bf16 contiguous; ids: int32 [T, topk] contiguous; recv_peers / ctr_peers:
