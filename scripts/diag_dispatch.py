@@ -27,14 +27,19 @@ def one_call(rank, W, zero_rank=None):
     from moe_overlap.combine.plan import plan_combine
     E = T.EL * W
     comm = CommBuffer(None, "nvlink")
+    # DIAG_PER_SOURCE: the layer's expand (items waiting per source, band flags), as the GPU
+    # test's `ps`
+    ps = dict(signal_arrival=True, expand_wait="per_source", expand_ctas=4) \
+        if os.environ.get("DIAG_PER_SOURCE") else {}
     ov = MoEDispatch(E, T.D, T.K, T.T_MAX, backend="overlap", comm_buffer=comm, timeout_s=2.0,
-                     validate=False)
+                     validate=False, **ps)
     ref = MoEDispatch(E, T.D, T.K, T.T_MAX, backend="reference")
     out = {}
     with torch.no_grad():
         x, ids = T._inputs(rank, W, 0 if rank == zero_rank else 70, seed=0)
         counts = exchange_counts(ids, E)
-        plan = plan_combine(counts, rank, tile_m=T.TILE_M, layout="aligned")
+        plan = plan_combine(counts, rank, tile_m=T.TILE_M, layout="aligned",
+                            max_rows=W * T.T_MAX * T.K)
         torch.cuda.synchronize()
         out["slot_bytes"] = comm.slot_bytes
         out["recv_numel"] = comm.buffers.recv.numel()
@@ -55,7 +60,7 @@ def one_call(rank, W, zero_rank=None):
         torch.cuda.synchronize()
         out["after_call"] = "ok"
         want = ref(x, ids, plan, counts, rows=plan.row_capacity)
-        out["bitwise"] = T._bitwise(got, want)
+        out["bitwise"] = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
         out["err"] = [int(v) for v in comm.err.tolist()]
     return out
 
@@ -95,7 +100,8 @@ def staged_call(ov, comm, x, ids, plan, counts, rank):
                        max_tokens=ov.max_tokens_per_rank, out=out, plan=plan, counts=cnt,
                        err=comm.err, epoch=comm.epoch, counters=b.counters,
                        expected=comm.expected, err_peers=comm.err_peers, num_sms=ov.num_sms,
-                       tile_m=plan.tile_m)
+                       tile_m=plan.tile_m, arr_count=ov._expand_state(plan),
+                       band_arrived=ov.arrival_flags(plan) if ov.signal_arrival else None)
     stage("wait + expand")
     return out
 
