@@ -473,8 +473,9 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
     ours = OursLayer(s, data, combine, dev, rt, opts.wrong)
     base = BaseLayer(s, data, group, dev, rt, counts, ids)
     backend = combine.backend_for(dev.dev)
-    # the reference backend reads plan values on the host: not capturable, timed eagerly
-    graph = dev.cuda and backend == "overlap"
+    # the reference backend reads plan values on the host: not capturable, timed eagerly; so
+    # are gloo's collectives (ranks sharing one GPU: NCCL refuses), staged through the host
+    graph = dev.cuda and backend == "overlap" and dist.get_backend(group) != "gloo"
     with torch.inference_mode():
         ours()  # first calls: compile and load kernels, pick the baseline's GEMM variant
         base()

@@ -62,6 +62,13 @@ def one_call(rank, W, zero_rank=None):
         want = ref(x, ids, plan, counts, rows=plan.row_capacity)
         out["bitwise"] = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
         out["err"] = [int(v) for v in comm.err.tolist()]
+        if not out["bitwise"]:  # where: the differing rows, what they hold, the plan
+            bad = (got.view(torch.int16) != want.view(torch.int16)).any(1).nonzero().flatten()
+            out["diff_rows"] = [len(bad)] + bad[:12].tolist() + bad[-4:].tolist()
+            out["diff_got_nan"] = bool(torch.isnan(got[bad].float()).all())
+            out["diff_want_zero"] = bool((want[bad] == 0).all())
+            out["plan"] = {n: getattr(plan, n).tolist() for n in (
+                "expert_row_start", "expert_rows", "group_row_start", "total_rows")}
     return out
 
 
