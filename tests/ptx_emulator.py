@@ -95,6 +95,8 @@ def _bf16_rn(bits):
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
 
 
+SHARED_POISON = 0xA7  # the byte every CTA's shared memory starts as
+
 class _Kernel:
     """One .entry: its parameters and its statements (scoped .reg names made unique)."""
 
@@ -639,7 +641,9 @@ class Emulator:
                 self._operand(args[2], 32), self._operand(args[3], 32))
 
     def _run_cta(self, cta, grid, block):
-        shared = bytearray(self.shared_bytes)
+        # not zeroed: on the GPU a CTA's shared memory holds what the SM's last kernel left
+        # there, so a kernel that reads a word it did not write must not pass by luck
+        shared = bytearray([SHARED_POISON]) * self.shared_bytes
         threads = [dict(tid=i, cta=cta, grid=grid, block=block, pc=0, regs={}, state=0)
                    for i in range(block)]
         while True:

@@ -198,7 +198,7 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
                 vs.append(v)
                 if v == g:
                     m = m + Int32(1)
-            (ex,), (tot,) = block_scan([m], SCR, lane, warp)
+            (ex,), (tot,) = block_scan([m], SCR, lane, warp, NT // 32)
             kk = Int32(0)
             for j in cutlass.range_constexpr(K):
                 if vs[j] == g:

@@ -238,7 +238,7 @@ def build_tiles_kernels(NTT: int):
             if tid > Int32(0):
                 if lds64(SK, tid - Int32(1)) == d:
                     new = Int32(0)
-        (ex,), (tot,) = block_scan([new], SCR, lane, warp)
+        (ex,), (tot,) = block_scan([new], SCR, lane, warp, NTT // 32)
         if new == Int32(1):
             P.st_s64(stage + (Int64(j_tile) * Int64(cap) + Int64(ex)) * Int64(8), d)
         if tid == Int32(0):

@@ -174,16 +174,22 @@ def simt_helpers():
             v = v + ptx1(f"shfl.sync.bfly.b32 {{$w0}}, {{$r0}}, {off}, 31, -1;", v)
         return v
 
-    def block_scan(vals, scratch, lane, warp):
+    def block_scan(vals, scratch, lane, warp, num_warps: int = 32):
         """Exclusive prefix sums over the CTA's threads (thread order) of each value, and the
-        totals. Every thread calls it (two CTA barriers); `scratch` holds 32 words per value."""
+        totals. Every thread calls it (two CTA barriers); `scratch` holds 32 words per value.
+        num_warps: the CTA's warps (its threads / 32); below 32 the scratch words of warps the
+        CTA does not have are read as 0 (shared memory is not cleared between kernels: they
+        hold whatever the SM's last kernel left there)."""
         incl = [warp_incl_scan(Int32(v)) for v in vals]
         for i, x in enumerate(incl):
             sts_if_eq(lane, 31, scratch, i * 32 + warp, x)
         P.block_sync()
         ex, tot = [], []
         for i, (v, x) in enumerate(zip(vals, incl)):
-            wt = warp_incl_scan(lds(scratch, Int32(i * 32) + lane))  # inclusive over warps
+            w = lds(scratch, Int32(i * 32) + lane)
+            if num_warps < 32:
+                w = sel_lt(lane, Int32(num_warps), w, Int32(0))
+            wt = warp_incl_scan(w)  # inclusive over warps
             before = shfl_idx(wt, smax(warp - Int32(1), Int32(0)))
             before = sel_eq(warp, 0, Int32(0), before)
             ex.append(x - Int32(v) + before)
