@@ -25,6 +25,7 @@ from .combine.dispatch_expand import DEFAULT_CTAS_PER_SM
 from .combine.dispatch_index import arrival_schedule
 from .combine.grouped_gemm import (GroupedGemm, deinterleave_gate_up, interleave_gate_up,
                                    split_gate_up)
+from .combine.options import TRANSPORTS
 from .kernels.host_checks import require_tensors
 
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -102,8 +103,8 @@ class MoELayerOptions:
                              f"{WEIGHT_LAYOUTS}")
 
 
-def _overlap_refusal(world_size, dtype, hidden_size, intermediate_size, tile_m, transport,
-                     options, custom_dispatch) -> tuple[type, str] | None:
+def _overlap_refusal(world_size, dtype, hidden_size, intermediate_size, tile_m, options,
+                     custom_dispatch) -> tuple[type, str] | None:
     """Why the overlap layer cannot run these sizes (exception type, text), or None."""
     D, K = hidden_size, intermediate_size
     if dtype != torch.bfloat16:
@@ -120,10 +121,6 @@ def _overlap_refusal(world_size, dtype, hidden_size, intermediate_size, tile_m, 
                             "and up columns)")
     if tile_m not in UP_TILE_M:
         return ValueError, f"tile_m={tile_m}: the up-projection GEMM takes {UP_TILE_M}"
-    if transport != "nvlink":
-        return ValueError, (f"the combine's transport={transport!r}: the overlapped dispatch "
-                            "shares its buffer and runs over NVLink only (NVSHMEM put not "
-                            "built)")
     if options.weight_layout == "halves":
         return ValueError, ("weight_layout='halves' on the overlap backend: the SwiGLU kernel "
                             "reads the interleaved layout")
@@ -142,7 +139,8 @@ def resolve_layer(backend: str, options: MoELayerOptions | None, *, world_size: 
     run (overlap_ok, W > 1, the sizes and dtype it takes), else "reference"; "overlap" asked
     where it cannot run raises (RuntimeError without the device, TypeError for the dtype,
     ValueError for sizes and options). W = 1 with "overlap" runs it (the dispatch stores into
-    this rank's own slot; every band's flag comes from this rank's expand). While
+    this rank's own slot; every band's flag comes from this rank's expand). ``transport``, the
+    combine's, may be either: the dispatch sends over the buffer they share. While
     ``AUTO_PICKS_OVERLAP`` is False "auto" is "reference" (the combine keeps its own "auto")."""
     options = MoELayerOptions() if options is None else options
     if not isinstance(options, MoELayerOptions):
@@ -150,8 +148,10 @@ def resolve_layer(backend: str, options: MoELayerOptions | None, *, world_size: 
     options.validate()
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; choose from {BACKENDS}")
-    why = _overlap_refusal(world_size, dtype, hidden_size, intermediate_size, tile_m, transport,
-                           options, custom_dispatch)
+    if transport not in TRANSPORTS:  # either one: the dispatch shares the combine's buffer
+        raise ValueError(f"transport={transport!r}; choose from {TRANSPORTS}")
+    why = _overlap_refusal(world_size, dtype, hidden_size, intermediate_size, tile_m, options,
+                           custom_dispatch)
     if backend == "overlap":
         if not overlap_ok[0]:
             raise RuntimeError(f"backend 'overlap' cannot run: {overlap_ok[1]}")
@@ -244,8 +244,8 @@ class MoELayer(torch.nn.Module):
         layer_options: ``MoELayerOptions`` (send_ctas, timeouts, the up-projection's tile,
             stream and SMs, the weight layout), resolved once (``self.options``).
         comm_buffer (overlap): the one ``CommBuffer`` the layer's dispatch and combine share
-            (default: ``CommBuffer.shared(group, "nvlink")``, shared with the process's other
-            layers as ``MoECombine``'s default); ``self.comm_buffer``.
+            (default: ``CommBuffer.shared(group, options.transport)``, shared with the
+            process's other layers as ``MoECombine``'s default); ``self.comm_buffer``.
         dispatch: the dispatch seam (see the module doc; reference backend); default
             ``MoEDispatch``.
 
@@ -298,9 +298,10 @@ class MoELayer(torch.nn.Module):
         # a layer left on torch ops by "auto" keeps the combine's own choice (its overlap
         # kernels where they run); "reference" asked means the reference everywhere
         combine_backend = "auto" if backend == "auto" and not overlap else self.backend
-        if overlap and comm_buffer is None:
+        if overlap and comm_buffer is None:  # the combine's transport: the dispatch shares it
             from .combine.comm_buffer import CommBuffer
-            comm_buffer = CommBuffer.shared(group, "nvlink", torch.bfloat16)
+            comm_buffer = CommBuffer.shared(group, (options or CombineOptions()).transport,
+                                            torch.bfloat16)
         # the combine checks E % W, topk <= E, the capacity, tile_m and its options
         self.combine = MoECombine(num_experts=E, intermediate_size=K, out_features=D, topk=k,
                                   max_tokens_per_rank=max_tokens_per_rank, group=group,

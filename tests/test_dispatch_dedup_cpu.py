@@ -185,6 +185,46 @@ def test_constructor_checks():
     assert MoEDispatch(8, 4, 2, 16, backend="auto").backend == "reference"
 
 
+class _UnmappedRuntime:
+    """A two-rank symmetric allocator on the host (CommBuffer's runtime surface) whose peer,
+    rank 1, has no load/store mapping: what a node without NVLink / P2P between the GPUs
+    gives."""
+    rank, world_size, device = 0, 2, torch.device("cpu")
+
+    def alloc(self, shape, dtype, note=""):
+        return torch.zeros(shape, dtype=dtype)
+
+    def peer_table(self, t):
+        return torch.tensor([t.data_ptr(), 0], dtype=torch.int64), (1,)
+
+    def barrier(self):
+        pass
+
+
+def test_overlap_takes_an_nvshmem_buffer_and_refuses_nvlink_without_peer_mappings(monkeypatch):
+    """The overlap backend's construction (host side, no kernel compiled): a CommBuffer of
+    transport "nvshmem" gives a send of that transport (its puts need no load/store mapping of
+    the peers), an "nvlink" one over the same unmapped peer is refused naming the rank, and a
+    buffer of another process group is refused."""
+    import moe_overlap.combine.dispatch_dedup as DD
+    import moe_overlap.runtime.device as DV
+    from moe_overlap.combine.comm_buffer import CommBuffer
+    from moe_overlap.runtime.nvshmem import NvshmemError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(DD, "world", lambda group: (0, 2))
+    monkeypatch.setattr(DV, "num_sms", lambda device: 132)
+    comm = CommBuffer(None, "nvshmem", runtime=_UnmappedRuntime())
+    ov = MoEDispatch(8, 64, 2, 16, backend="overlap", comm_buffer=comm, send_ctas=3)
+    assert ov.comm is comm and comm.num_layers == 1
+    assert (ov.sender.transport, ov.sender.world_size, ov.sender.ctas) == ("nvshmem", 2, 3)
+    with pytest.raises(NvshmemError, match=r"ranks \[1\] are not reachable"):
+        MoEDispatch(8, 64, 2, 16, backend="overlap",
+                    comm_buffer=CommBuffer(None, "nvlink", runtime=_UnmappedRuntime()))
+    with pytest.raises(ValueError, match="this process group"):
+        MoEDispatch(8, 64, 2, 16, backend="overlap",
+                    comm_buffer=CommBuffer(object(), "nvshmem", runtime=_UnmappedRuntime()))
+
+
 def _brute_force(all_ids, El, hidden, nbytes):
     """Python loops over every (token, k): what leaves each source rank."""
     W = len(all_ids)

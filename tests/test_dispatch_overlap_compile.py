@@ -4,7 +4,9 @@ compile at several world sizes and top-k, and their PTX carries the ordering the
 on: the sender reads its error word before any store, stores the call tag (st.relaxed.sys) and
 then releases the marker (fence.acq_rel.sys, red.release.sys.add) after its data; the owner
 waits with ld.acquire.sys bounded by %globaltimer, polls the peer's error word and reads the tag
-with ld.relaxed.sys, and reads the slot with L2-only loads. No stack arrays."""
+with ld.relaxed.sys, and reads the slot with L2-only loads. No stack arrays. The send's nvshmem
+transport (W = 2, 4, 8): NVSHMEM puts of the rows and ids, then the count, the tag signal, a
+fence and the marker signal, per destination, and a quiet; no direct peer store or release."""
 import os
 import re
 
@@ -15,7 +17,7 @@ pytestmark = pytest.mark.compile
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (read at import)
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from conftest import compile_ptx as _ptx, ptx_body  # noqa: E402
+from conftest import compile_ptx as _ptx, nvshmem_calls, ptx_body  # noqa: E402
 
 
 @pytest.mark.parametrize("W,topk,threads", [(2, 2, 256), (4, 8, 256), (8, 8, 128), (64, 4, 256)])
@@ -40,6 +42,71 @@ def test_send_compiles_with_its_release_after_the_data(W, topk, threads):
         assert -1 < i_data < i_bar < i_tag < i_fence, (i_data, i_bar, i_tag, i_fence)
         prev = i_mark + 1
     assert "ld.acquire" not in body  # the sender never waits
+    assert ".local" not in body
+    assert not re.search(r"\bcall", body)  # nothing linked in: no NVSHMEM call
+
+
+def _callees(body: str) -> list[tuple[int, str]]:
+    """(offset, callee name) of every call in a PTX body: direct calls by name, indirect ones
+    (call %rdN) through the function address a mov.b64 put in that register."""
+    addr, out = {}, []
+    for m in re.finditer(r"mov\.b64\s+(%rd\d+),\s*([A-Za-z_$][\w$]*);"
+                         r"|\bcall(?:\.uni)?\s+(?:\([^)]*\),\s*)?(%rd\d+|[A-Za-z_$][\w$]*)", body):
+        if m.group(1):
+            addr[m.group(1)] = m.group(2)
+        else:
+            out.append((m.start(), addr.get(m.group(3), m.group(3))))
+    return out
+
+
+# the send's NVSHMEM calls, by the device function each resolves to (nvshmem4py 0.4)
+SEND_CALLS = (("bfloat16_put_nbi_block", "row"), ("int32_put_nbi", "ids"), ("int32_p", "count"),
+              ("signal_op", "signal"), ("transfer_fence", "fence"), ("transfer_quiet", "quiet"))
+
+
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_send_nvshmem_puts_the_data_before_the_tag_fence_and_marker(W):
+    """transport="nvshmem": the error word read first; per destination, after the CTA's
+    block-scoped row puts and its threads' id puts, the CTA barrier, then thread 0's count (p),
+    tag (signal set), fence and marker (signal add), in that order (the compiler may lay the
+    destination loop out more than once: checked in the text from one marker to the next); a
+    quiet after the last marker; no direct store to a peer and no release of the nvlink
+    path."""
+    pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed")
+    import nvshmem.core
+    import torch
+    nvshmem.core.find_device_bitcode_library(arch="90")  # installed without it: an error
+    from moe_overlap.combine.consumer import use_sm90_nvshmem_bitcode
+    from moe_overlap.combine.dispatch_send import build_dispatch_send, send_example_args
+    if not torch.cuda.is_available():  # as DispatchSend.compile: no GPU to pick the bitcode by
+        use_sm90_nvshmem_bitcode()
+    body = ptx_body(_ptx(build_dispatch_send(W, 4, 256, "nvshmem"), *send_example_args()))
+    body = body[:body.index("\n}\n")]  # the kernel, not the NVSHMEM functions linked after it
+    calls = [(i, next((k for sub, k in SEND_CALLS if sub in name), name))
+             for i, name in _callees(body)]
+    kinds = [k for _, k in calls]
+    assert set(kinds) <= {k for _, k in SEND_CALLS}, kinds  # nothing else is called
+    # the generic finder of the consumer's tests sees the same signals, fence and quiet
+    assert [k for _, k in nvshmem_calls(body)] == [k for k in kinds if k not in
+                                                   ("row", "ids", "count")]
+    assert body.index("ld.relaxed.gpu.global.s64") < calls[0][0]  # the error word first
+    assert "vote.sync.ballot.b32" in body
+    marks = [i for n, (i, k) in enumerate(calls) if k == "signal" and n and
+             calls[n - 1][1] == "fence"]
+    assert marks and kinds.count("signal") == 2 * len(marks)  # a tag and a marker each
+    prev = 0
+    for i_mark in marks:
+        seg = [(i, k) for i, k in calls if prev <= i < i_mark]
+        last = {k: i for i, k in seg}
+        i_bar = body.rindex("bar.sync", prev, last["count"])
+        assert "row" in last and "ids" in last, seg
+        assert last["row"] < i_bar and last["ids"] < i_bar, seg
+        assert [k for _, k in seg[-3:]] == ["count", "signal", "fence"], seg
+        # no data put between the barrier and the marker
+        assert not [k for i, k in seg if i > i_bar and k in ("row", "ids")], seg
+        prev = i_mark + 1
+    assert kinds[-1] == "quiet" and calls[-1][0] > marks[-1]
+    assert "st.global" not in body and "red.release" not in body and "ld.acquire" not in body
     assert ".local" not in body
 
 

@@ -2,14 +2,15 @@
 or one GPU shared with MOE_OVERLAP_SHARE_GPU=1 (tests/conftest.py spawn_ranks). Not run yet
 (written on a machine without a GPU): "auto" stays "reference" until this file passes.
 
-Per rank: bitwise equal to the reference backend (the same x, ids, plan, counts; rows =
-plan.row_capacity) at W = 2 and 4 over random, skewed and duplicate routings with ranks of 0
-tokens; the receive slots NaN-poisoned before the calls (a row read from a stale slot shows);
-the per-source expand (expand_wait="per_source", signal_arrival, a 4-CTA grid) bitwise too,
-every band of the plan flagged with the call's epoch; a CUDA graph captured once and replayed
-with new routings written into the same input tensors (plan and counts recomputed inside the
-graph, validate=False); and a rank that skips a call:
-the others' waits time out (timeout_s=2) naming it, reset() recovers.
+Per rank, for both transports of the send (a CommBuffer of transport "nvlink": peer stores;
+"nvshmem": NVSHMEM puts and signals): bitwise equal to the reference backend (the same x, ids, plan,
+counts; rows = plan.row_capacity) at W = 2 and 4 over random, skewed and duplicate routings with
+ranks of 0 tokens; the receive slots NaN-poisoned before the calls (a row read from a stale slot
+shows); the per-source expand (expand_wait="per_source", signal_arrival, a 4-CTA grid) bitwise too,
+every band of the plan flagged with the call's epoch; a CUDA graph captured once and replayed with
+new routings written into the same input tensors (plan and counts recomputed inside the graph,
+validate=False); and a rank that skips a call: the others' waits time out (timeout_s=2) naming it,
+reset() recovers.
 
 Run: ``MOE_OVERLAP_SHARE_GPU=1 CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1
 python -m pytest -q tests/test_dispatch_overlap_gpu.py``.
@@ -43,14 +44,14 @@ def _inputs(rank, W, T, seed, kind="uniform"):
 
 
 
-def _worker(rank, W):
+def _worker(rank, W, transport):
     from moe_overlap import MoEDispatch
     from moe_overlap.combine import exchange_counts
     from moe_overlap.combine.comm_buffer import CommBuffer, OverlapError
     from moe_overlap.combine.plan import plan_combine
     res = {"bitwise": [], "graph": [], "per_source": []}
     E = EL * W
-    comm = CommBuffer(None, "nvlink")
+    comm = CommBuffer(None, transport)
     ov = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, timeout_s=2.0)
     ref = MoEDispatch(E, D, K, T_MAX, backend="reference")
     # the layer's expand: items waiting per source on a bounded grid, per-band flags
@@ -136,14 +137,18 @@ def _worker(rank, W):
         out = ov(x, ids, plan, counts, rows=plan.row_capacity)
         res["after_reset"] = bitwise_equal(out, ref(x, ids, plan, counts, rows=plan.row_capacity))
         ov.check_errors()
-    res["W"] = W
+    res["W"], res["transport"] = W, ov.sender.transport
     return res
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[(2, "nvlink"), (2, "nvshmem"), (4, "nvlink"),
+                                        (4, "nvshmem")], ids=lambda p: f"W{p[0]}-{p[1]}")
 def results(request):  # spawn_ranks skips, naming why, where these GPU ranks cannot run
-    return spawn_ranks(_worker, request.param, backend="nccl", join_timeout_s=540,
-                       hard_exit=True)
+    W, transport = request.param
+    res = spawn_ranks(_worker, W, transport, backend="nccl", join_timeout_s=540,
+                      hard_exit=True)
+    assert all(r["transport"] == transport for r in res)  # the send of the buffer's transport
+    return res
 
 
 def test_bitwise_equal_to_the_reference_with_poisoned_slots(results):

@@ -59,7 +59,6 @@ def test_auto_resolves_to_overlap_only_where_it_runs_and_once(monkeypatch):
     (dict(intermediate_size=96), ValueError, "intermediate_size=96 must be a multiple of 64"),
     (dict(intermediate_size=64), ValueError, "up_tile_n / 2 = 128"),
     (dict(tile_m=256), ValueError, "tile_m=256"),
-    (dict(transport="nvshmem"), ValueError, "NVLink only"),
     (dict(options=MoELayerOptions(weight_layout="halves")), ValueError, "interleaved layout"),
     (dict(custom_dispatch=True), ValueError, "dispatch= seam"),
     (dict(options=MoELayerOptions(up_ccta=0)), ValueError, "up_ccta=0"),
@@ -72,6 +71,17 @@ def test_overlap_asked_where_it_cannot_run_says_why_and_auto_falls_back(kw, exc,
         _resolve("overlap", options, **kw)
     if "up_ccta" not in repr(options):  # a bad option value is no fallback: it raises anyway
         assert _resolve("auto", options, **kw)[0] == "reference"
+
+
+def test_overlap_runs_over_either_transport_of_the_combine(monkeypatch):
+    """The layer's dispatch sends over the CommBuffer it shares with the combine, of the
+    combine's transport: nvshmem resolves to the overlap layer as nvlink does (it was refused
+    while the dispatch had no NVSHMEM send); an unknown transport raises."""
+    monkeypatch.setattr(moe_layer, "AUTO_PICKS_OVERLAP", True)
+    assert _resolve("overlap", transport="nvshmem") == _resolve("overlap")
+    assert _resolve("auto", transport="nvshmem")[0] == "overlap"
+    with pytest.raises(ValueError, match="transport='ib'"):
+        _resolve("overlap", transport="ib")
 
 
 @pytest.mark.parametrize("bad, words", [

@@ -2,7 +2,8 @@
 or one GPU shared with MOE_OVERLAP_SHARE_GPU=1 (tests/conftest.py spawn_ranks). NOT RUN yet
 (written on a machine without a GPU).
 
-Per rank, W = 2 and 4, the receive slots NaN-poisoned after construction:
+Per rank, W = 2 and 4, each transport of the combine (nvlink, nvshmem: the dispatch sends over
+the CommBuffer they share), the receive slots NaN-poisoned after construction:
 - the layer (dispatch with arrival flags || arrival-gated SwiGLU GEMM on a side stream ->
   overlapped combine) is bitwise equal to the same layer with up_stream="same" (the GEMM after
   the expand) and to its pieces run one after another without arrivals: MoEDispatch's
@@ -89,14 +90,15 @@ def _pieces_not_overlapped(layer, tokens):
     return out, ids, weights, counts
 
 
-def _worker(rank, W):
-    from moe_overlap import MoELayer
+def _worker(rank, W, transport):
+    from moe_overlap import CombineOptions, MoELayer
     from moe_overlap.combine.comm_buffer import CommBuffer
     from moe_overlap.moe_layer import MoELayerOptions
     dev = torch.device("cuda", torch.cuda.current_device())
     full = [t.to(dev) for t in _full_weights(W)]
-    comm = CommBuffer(None, "nvlink")
-    kw = dict(backend="overlap", tile_m=TILE_M, comm_buffer=comm)
+    comm = CommBuffer(None, transport)
+    kw = dict(backend="overlap", tile_m=TILE_M, comm_buffer=comm,
+              options=CombineOptions(transport=transport))
     opts = dict(dispatch_timeout_s=5.0, arrival_timeout_s=5.0)
     side = MoELayer.from_full_weights(*full, TOPK, T_MAX, **kw,
                                       layer_options=MoELayerOptions(**opts))
@@ -105,7 +107,8 @@ def _worker(rank, W):
     graphed = MoELayer.from_full_weights(*full, TOPK, T_MAX, **kw, validate=False,
                                          layer_options=MoELayerOptions(**opts))
     comm.buffers.recv.fill_(float("nan"))  # poisoned slots: a stale row would show
-    res = {"cases": [], "graph": [], "W": W, "options": repr(side.options)}
+    res = {"cases": [], "graph": [], "W": W, "options": repr(side.options),
+           "transport": side.dispatch.sender.transport}
     cases = [(70, None), (0 if rank == 1 else 50, None), (T_MAX, None), (1 + 29 * rank, 0)]
     with torch.inference_mode():
         for i, (T, skew_to) in enumerate(cases):
@@ -143,10 +146,14 @@ def _worker(rank, W):
     return res
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+@pytest.fixture(scope="module", params=[(2, "nvlink"), (2, "nvshmem"), (4, "nvlink"),
+                                        (4, "nvshmem")], ids=lambda p: f"W{p[0]}-{p[1]}")
 def results(request):  # spawn_ranks skips, naming why, where these GPU ranks cannot run
-    return spawn_ranks(_worker, request.param, backend="nccl", join_timeout_s=540,
-                       hard_exit=True)
+    W, transport = request.param
+    res = spawn_ranks(_worker, W, transport, backend="nccl", join_timeout_s=540,
+                      hard_exit=True)
+    assert all(r["transport"] == transport for r in res)  # the dispatch of the buffer's
+    return res
 
 
 def test_overlapped_layer_is_bitwise_its_pieces_not_overlapped(results):

@@ -55,19 +55,22 @@ class MoEDispatch(torch.nn.Module):
     Overlap backend (CUDA, bf16 x with hidden_size % 8 == 0, int32 or int64 ids; issue 39 item
     1): device-only, no host sync, capturable in a CUDA graph with the plan. A send kernel on
     ``send_ctas`` CTAs (combine/dispatch_send.py) stores each token once per destination rank,
-    with its int32 ids row, into that owner's receive slot for this source (NVLink peer stores
-    through the CommBuffer's peer tables; an NVSHMEM put transport is not built yet), then the
-    count, the call tag and one arrival marker per CTA (release, sys scope); the owner's wait +
-    expand kernels (combine/dispatch_expand.py) wait for every source's markers (bounded; a
-    peer's error word ends the wait), check the tags and copy each received token into its
-    (token, k) rows of the plan layout, zero padding: bitwise the reference. Communication
-    state: a ``CommBuffer`` (``comm_buffer=None``: ``CommBuffer.shared(group, "nvlink")``, the
-    one ``MoECombine`` uses by default, so dispatch and combine calls alternate its slots under
-    one epoch; slot layout: combine/dispatch_index.py). Errors: recorded on the device, raised
-    by the next call (or ``check_errors()``), cleared by ``reset()`` (collective), as the
-    overlapped combine's. ``rows=None`` gives ``plan.row_capacity`` rows (no host read of
-    ``plan.total_rows``): the reference's rows, then zero rows. Inference-only: raises under
-    autograd. ``send_ctas`` must be the same on every rank (the validated call agrees on it).
+    with its int32 ids row, into that owner's receive slot for this source, then the count, the
+    call tag and one arrival marker per CTA, by the CommBuffer's transport: "nvlink" (peer
+    stores through its peer tables, the marker a sys-scope release) or "nvshmem" (NVSHMEM puts
+    into the owner's symmetric slot, the tag and the marker as signals after a fence); the
+    owner's wait + expand kernels (combine/dispatch_expand.py) wait for every source's markers
+    (bounded; a peer's error word ends the wait), check the tags and copy each received token
+    into its (token, k) rows of the plan layout, zero padding: bitwise the reference.
+    Communication state: a ``CommBuffer`` of either transport (``comm_buffer=None``:
+    ``CommBuffer.shared(group, "nvlink")``, the one ``MoECombine`` uses by default, so dispatch
+    and combine calls alternate its slots under one epoch; an nvshmem one is shared the same
+    way with an ``MoECombine`` of that transport; slot layout: combine/dispatch_index.py).
+    Errors: recorded on the device, raised by the next call (or ``check_errors()``), cleared by
+    ``reset()`` (collective), as the overlapped combine's. ``rows=None`` gives
+    ``plan.row_capacity`` rows (no host read of ``plan.total_rows``): the reference's rows, then
+    zero rows. Inference-only: raises under autograd. ``send_ctas`` and the buffer's transport
+    must be the same on every rank (the validated call agrees on them).
 
     signal_arrival (overlap): the expand raises ``band_arrived[b] = epoch`` (int32 [band
     capacity], ``arrival_flags``) once band b's rows are written, for a consumer forked by
@@ -149,17 +152,17 @@ class MoEDispatch(torch.nn.Module):
             comm_buffer = CommBuffer.shared(self.group, "nvlink", torch.bfloat16)
         if not isinstance(comm_buffer, CommBuffer):
             raise TypeError(f"comm_buffer must be a CommBuffer, got {type(comm_buffer).__name__}")
-        if comm_buffer.group is not self.group or comm_buffer.transport != "nvlink":
-            raise ValueError("comm_buffer must be an nvlink CommBuffer of this process group "
-                             "(the dispatch's NVSHMEM transport is not built yet)")
+        if comm_buffer.group is not self.group:
+            raise ValueError("comm_buffer must be a CommBuffer of this process group")
         self.layout = slot_layout(self.world_size, self.max_tokens_per_rank, self.hidden_size,
                                   self.topk)
         comm_buffer.attach(self, 1, self.layout["slot_bytes"])
-        comm_buffer.buffers.require_p2p("MoEDispatch(backend='overlap')")
+        if comm_buffer.transport == "nvlink":  # peer stores: every peer must be mapped
+            comm_buffer.buffers.require_p2p("MoEDispatch(backend='overlap')")
         self.comm = comm_buffer
         self.sender, self.expander = self.overlap_kernels(
             self.world_size, self.topk, self.send_ctas, timeout_s, self.signal_arrival,
-            self.expand_wait, self.expand_ctas)
+            self.expand_wait, self.expand_ctas, transport=comm_buffer.transport)
         from ..runtime.device import num_sms
         self.num_sms = num_sms(comm_buffer.runtime.device)
         self._warm = False
@@ -179,12 +182,14 @@ class MoEDispatch(torch.nn.Module):
     @staticmethod
     def overlap_kernels(world_size: int, topk: int, send_ctas: int = 8,
                         timeout_s: float = 10.0, signal_arrival: bool = False,
-                        expand_wait: str = "all", expand_ctas: int | None = None):
+                        expand_wait: str = "all", expand_ctas: int | None = None,
+                      transport: str = "nvlink"):
         """The overlap backend's kernel objects (DispatchSend, DispatchExpand), not compiled:
-        what a layer of these options launches (the compile-only tests build them here too)."""
+        what a layer of these options launches (the compile-only tests build them here too).
+        transport: the send's (the expand reads its own slot and counters either way)."""
         from .dispatch_expand import DispatchExpand
         from .dispatch_send import DispatchSend
-        return (DispatchSend(world_size, topk, ctas=send_ctas),
+        return (DispatchSend(world_size, topk, ctas=send_ctas, transport=transport),
                 DispatchExpand(world_size, topk, timeout_ns=int(float(timeout_s) * 1e9),
                                signal_arrival=signal_arrival, wait=expand_wait,
                                max_ctas=expand_ctas))
@@ -354,6 +359,7 @@ class MoEDispatch(torch.nn.Module):
                                "backend": self.backend, "plan layout": plan.layout,
                                "plan tile_m": plan.tile_m,
                                "send_ctas": getattr(self, "send_ctas", None),
+                               "transport": getattr(self.comm, "transport", None),
                                "signal_arrival": self.signal_arrival,
                                "expand_wait": self.expand_wait,
                                "expand_ctas": self.expand_ctas})

@@ -17,18 +17,35 @@ epoch & 1):
    the warps' popcounts before it (shared memory) and a running count of the earlier batches:
    token t's row in d's slot is the number of tokens t' < t that also go to d (token order,
    compacted per destination; computed by every CTA, so no CTA waits on another). Batch b is
-   stored by CTA b % ctas: its tokens to d (a shared list) as 16-byte vectors flattened over
-   (row, chunk), then their int32 ids. Stores to a peer go through the CommBuffer's peer table
-   (``recv_peers``: NVLink load/store mapping; the own rank's entry is local). NVSHMEM put is
-   not built yet.
-3. d's arrival, right after the CTA's stores to d (not after every destination's): bar.sync,
+   stored by CTA b % ctas: its tokens to d (a shared list) into rows base + 0, 1, ... of d's
+   slot, then their int32 ids, by the transport:
+   - ``nvlink``: 16-byte vector stores flattened over (row, chunk), then the ids one int32 per
+     thread, through the CommBuffer's peer table (``recv_peers``: NVLink load/store mapping);
+   - ``nvshmem``: one block-scoped ``put_nbi_block`` per row (a row is contiguous at both
+     ends, rows are not: the list picks them from x), then every thread of a row puts that
+     row's K ids (thread-scoped ``put_nbi``, the rows' ids in parallel: a block-scoped put of K
+     ids per row would cost a barrier for a few dozen bytes), into d's symmetric slot address.
+     The symmetric addresses are this rank's own entries of the same tables (recv_peers[rank],
+     ctr_peers[rank]: the local receive buffer and communication block, which NVSHMEM
+     translates for PE d), so both variants take one argument list. The sources (x, ids) are
+     read by the GPU's threads: NVSHMEM's P2P (NVLink) transport, as the combine's consumer;
+     a network transport would need them registered with NVSHMEM.
+3. d's arrival, right after the CTA's data to d (not after every destination's): bar.sync,
    then thread 0: the count of tokens sent to d (its slot's count word of this source), the
-   call tag (``call_tag(epoch, the plan's counts fingerprint)``, st.relaxed.sys into word W +
-   parity * W + rank of d's communication block), fence.acq_rel.sys and red.release.sys.add of
-   1 on d's counter[rank]. So each call adds exactly ``ctas`` to every owner's counter of this
-   source (one marker per CTA, 0 tokens or not): the owner's expected count advances by
-   ``ctas`` per source and call with no data read (the CTA count must be the same on every
-   rank: MoEDispatch agrees on it).
+   call tag (``call_tag(epoch, the plan's counts fingerprint)``, into word W + parity * W + rank
+   of d's communication block), then the marker, 1 added to d's counter[rank]:
+   - ``nvlink``: st.global of the count, st.relaxed.sys of the tag, fence.acq_rel.sys,
+     red.release.sys.add (cumulative over the CTA's stores ordered before it by the barrier);
+   - ``nvshmem``: ``p`` of the count, ``signal_op`` SET of the tag, ``fence`` (NVSHMEM delivers
+     every earlier put and signal of this CTA to d before any later one: the pattern of its
+     own ``put_signal_nbi_block``: the block's puts, a barrier, one thread's fence + signal),
+     ``signal_op`` ADD of the marker; the kernel ends with ``quiet`` (x and ids may be reused
+     once the kernel is done).
+   So each call adds exactly ``ctas`` to every owner's counter of this source (one marker per
+   CTA, 0 tokens or not): the owner's expected count advances by ``ctas`` per source and call
+   with no data read (the CTA count must be the same on every rank: MoEDispatch agrees on it).
+   The owner's wait and expand are the same for both transports: they read its own counters,
+   tags and slot.
    Why a marker per CTA and not the rows: the owner cannot know how many tokens a source sends
    it (deduplicated per destination) without the data; the count travels in the slot and the
    marker tells that it and the rows have landed.
@@ -41,11 +58,19 @@ of this slot.
 
 DEFAULT_THREADS = 256
 DEFAULT_CTAS = 8
+TRANSPORTS = ("nvlink", "nvshmem")
 
 
-def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREADS):
+def check_transport(transport: str):
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}; choose from {TRANSPORTS}")
+
+
+def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREADS,
+                        transport: str = "nvlink"):
     """@cute.jit launcher of the send kernel for W = ``world_size`` ranks (shared arrays of W
-    destinations) and ``topk`` ids per token."""
+    destinations), ``topk`` ids per token and the ``transport`` of its data and arrivals."""
+    check_transport(transport)
     W, K, NT = int(world_size), int(topk), int(threads)
     if not 1 <= W <= 64:
         raise ValueError(f"world_size={W} must be in [1, 64] (a 64-bit destination mask)")
@@ -62,6 +87,17 @@ def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREA
     H = simt_helpers()
     lds, sts, ptx1 = H.lds, H.sts, H.ptx1
     NW = NT // 32
+    use_nvshmem = transport == "nvshmem"
+    if use_nvshmem:
+        import nvshmem.core.device.cute as nvdev
+        from nvshmem.core import SignalOp
+
+        def gmem(dtype, addr, n):
+            """Tensor view of n elements at a (symmetric or local) global address; its pointer
+            claims the element's own alignment (the only one nvshmem4py's externs match)."""
+            return cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.gmem,
+                                                  assumed_align=dtype.width // 8),
+                                    cute.make_layout(n))
 
     def ballot(pred):
         return ptx1("{ .reg .pred p; setp.ne.s32 p, {$r0}, 0; "
@@ -90,6 +126,9 @@ def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREA
         E = El * Int32(W)
         epoch = P.ld_s32(epoch_ptr)
         slot_off = Int64(epoch & Int32(1)) * slot_bytes
+        if cutlass.const_expr(use_nvshmem):
+            recv_sym = P.ld_s64(recv_peers + Int64(rank) * Int64(8))  # local = symmetric
+            ctr_sym = P.ld_s64(ctr_peers + Int64(rank) * Int64(8))
         e0 = Int32(0)
         if tidx == Int32(0):
             e0 = P.error_set(err)
@@ -101,7 +140,10 @@ def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREA
         k = Int32(0)
         while k < Int32(W):
             d = (rank - k + Int32(W)) % Int32(W)
-            dst0 = P.ld_s64(recv_peers + Int64(d) * Int64(8)) + slot_off
+            if cutlass.const_expr(use_nvshmem):
+                dst0 = recv_sym + slot_off  # d's slot: this address on PE d
+            else:
+                dst0 = P.ld_s64(recv_peers + Int64(d) * Int64(8)) + slot_off
             sent = Int32(0)  # tokens to d in the batches before
             b = Int32(0)
             while b < nb:
@@ -129,36 +171,67 @@ def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREA
                         sts(LIST, before + popc(bl & lt_mask), tidx)
                     P.block_sync()
                     base = Int64(rank) * Int64(tmax) + Int64(sent)
-                    i = Int64(tidx)
-                    while i < Int64(n) * n_ch:
-                        r = i // n_ch
-                        c = i - r * n_ch
-                        tok = Int64(b * Int32(NT) + lds(LIST, Int32(r)))
-                        P.st_v4(dst0 + (base + r) * row_bytes + c * Int64(16),
-                                P.ld_v4(x + tok * row_bytes + c * Int64(16)))
-                        i = i + Int64(NT)
-                    i = Int64(tidx)
-                    while i < Int64(n) * Int64(K):
-                        r = i // Int64(K)
-                        j = i - r * Int64(K)
-                        tok = Int64(b * Int32(NT) + lds(LIST, Int32(r)))
-                        P.st_s32(dst0 + ids_offset + ((base + r) * Int64(K) + j) * Int64(4),
-                                 P.ld_s32(ids + (tok * Int64(K) + j) * Int64(4)))
-                        i = i + Int64(NT)
+                    if cutlass.const_expr(use_nvshmem):
+                        row_elems = Int32(row_bytes // Int64(2))  # bf16
+                        r = Int32(0)
+                        while r < n:  # CTA-uniform: every thread takes part in each put
+                            tok = Int64(b * Int32(NT) + lds(LIST, r))
+                            nvdev.put_nbi_block(
+                                gmem(cutlass.BFloat16, dst0 + (base + Int64(r)) * row_bytes,
+                                     row_elems),
+                                gmem(cutlass.BFloat16, x + tok * row_bytes, row_elems), d)
+                            r = r + Int32(1)
+                        if tidx < n:
+                            tok = Int64(b * Int32(NT) + lds(LIST, tidx))
+                            nvdev.put_nbi(
+                                gmem(cutlass.Int32, dst0 + ids_offset
+                                     + (base + Int64(tidx)) * Int64(K * 4), K),
+                                gmem(cutlass.Int32, ids + tok * Int64(K * 4), K), d)
+                    else:
+                        i = Int64(tidx)
+                        while i < Int64(n) * n_ch:
+                            r = i // n_ch
+                            c = i - r * n_ch
+                            tok = Int64(b * Int32(NT) + lds(LIST, Int32(r)))
+                            P.st_v4(dst0 + (base + r) * row_bytes + c * Int64(16),
+                                    P.ld_v4(x + tok * row_bytes + c * Int64(16)))
+                            i = i + Int64(NT)
+                        i = Int64(tidx)
+                        while i < Int64(n) * Int64(K):
+                            r = i // Int64(K)
+                            j = i - r * Int64(K)
+                            tok = Int64(b * Int32(NT) + lds(LIST, Int32(r)))
+                            P.st_s32(dst0 + ids_offset + ((base + r) * Int64(K) + j) * Int64(4),
+                                     P.ld_s32(ids + (tok * Int64(K) + j) * Int64(4)))
+                            i = i + Int64(NT)
                 P.block_sync()  # the counts and the list are read before the next batch
                 sent = sent + n
                 b = b + Int32(1)
             # ---- d's arrival: count word, call tag, this CTA's marker (0 tokens or not)
             P.block_sync()  # every store of the CTA to d precedes the release below
             if tidx == Int32(0) and failed == Int32(0):
-                P.st_s32(dst0 + count_offset + Int64(rank) * Int64(4), sent)
-                peer_ctr = P.ld_s64(ctr_peers + Int64(d) * Int64(8))
-                P.st_relaxed_sys_s64(peer_ctr + (Int64(W) + Int64(epoch & Int32(1)) * Int64(W)
-                                                 + Int64(rank)) * Int64(8),
-                                     P.call_tag(epoch, P.ld_s32(fingerprint_ptr)))
-                P.fence_acq_rel_sys()
-                P.red_release_sys_add_s64(peer_ctr + Int64(rank) * Int64(8), Int64(1))
+                if cutlass.const_expr(use_nvshmem):
+                    nvdev.p(gmem(cutlass.Int32, dst0 + count_offset + Int64(rank) * Int64(4),
+                                 1), sent, d)
+                    tag_off = (Int64(W) + Int64(epoch & Int32(1)) * Int64(W)
+                               + Int64(rank)) * Int64(8)
+                    nvdev.signal_op(gmem(cutlass.Uint64, ctr_sym + tag_off, 1),
+                                    P.call_tag(epoch, P.ld_s32(fingerprint_ptr)),
+                                    SignalOp.SIGNAL_SET, d)
+                    nvdev.fence()  # rows, ids, count and tag delivered before the marker
+                    nvdev.signal_op(gmem(cutlass.Uint64, ctr_sym + Int64(rank) * Int64(8), 1),
+                                    Int64(1), SignalOp.SIGNAL_ADD, d)
+                else:
+                    P.st_s32(dst0 + count_offset + Int64(rank) * Int64(4), sent)
+                    peer_ctr = P.ld_s64(ctr_peers + Int64(d) * Int64(8))
+                    P.st_relaxed_sys_s64(peer_ctr + (Int64(W) + Int64(epoch & Int32(1))
+                                                     * Int64(W) + Int64(rank)) * Int64(8),
+                                         P.call_tag(epoch, P.ld_s32(fingerprint_ptr)))
+                    P.fence_acq_rel_sys()
+                    P.red_release_sys_add_s64(peer_ctr + Int64(rank) * Int64(8), Int64(1))
             k = k + Int32(1)
+        if cutlass.const_expr(use_nvshmem):
+            nvdev.quiet()  # this thread's puts complete: x and ids free once the kernel ends
 
     @cute.jit
     def launch(x: Int64, ids: Int64, T: Int32, El: Int32, row_bytes: Int64, rank: Int32,
@@ -180,23 +253,54 @@ def send_example_args():
         [Int64(0)] * 8 + [Int32(1), cuda.CUstream(0)]
 
 
+# The nvshmem sends compiled in this process, kept until it ends: (W, topk, threads, NVSHMEM
+# initialisation) -> (compiled, NvshmemKernelObject). Why they are never released: the
+# consumer's _NVSHMEM_COMPILED (combine/consumer.py): NVSHMEM keeps the address of a registered
+# library's device state, which a collected compiled function would leave stale.
+_NVSHMEM_COMPILED: dict = {}
+
+
+def _nvshmem_send(world_size: int, topk: int, threads: int):
+    """(compiled send, its NvshmemKernelObject) of the nvshmem transport, compiled and
+    registered with NVSHMEM on first use in this process's NVSHMEM initialisation."""
+    from ..runtime.nvshmem import NvshmemRuntime
+    key = (world_size, topk, threads, NvshmemRuntime.inits)
+    hit = _NVSHMEM_COMPILED.get(key)
+    if hit is None:
+        from nvshmem.core.interop.cute import cute_compile_helper
+        hit = _NVSHMEM_COMPILED[key] = cute_compile_helper(
+            build_dispatch_send(world_size, topk, threads, "nvshmem"), *send_example_args())
+    return hit
+
+
 class DispatchSend:
-    """Compiled send kernel + launch helper (torch tensors in, never synchronizes)."""
+    """Compiled send kernel + launch helper (torch tensors in, never synchronizes). transport:
+    "nvlink" (peer stores) or "nvshmem" (NVSHMEM puts and signals; its compiled kernel is
+    shared by every DispatchSend of the same build in the process, never unloaded)."""
 
     def __init__(self, world_size: int, topk: int, threads: int = DEFAULT_THREADS,
-                 ctas: int = DEFAULT_CTAS):
+                 ctas: int = DEFAULT_CTAS, transport: str = "nvlink"):
         if not 1 <= int(ctas) <= 1024:
             raise ValueError(f"ctas={ctas} must be in [1, 1024]")
+        check_transport(transport)
         self.world_size, self.topk = int(world_size), int(topk)
         self.threads, self.ctas = int(threads), int(ctas)
+        self.transport = transport
         self._fn = None
         self._launcher = None
 
     def compile(self):
         if self._fn is None:
-            import cutlass.cute as cute
-            self._fn = cute.compile(build_dispatch_send(self.world_size, self.topk,
-                                                        self.threads), *send_example_args())
+            from .consumer import _have_gpu, use_sm90_nvshmem_bitcode
+            if self.transport == "nvshmem" and _have_gpu():
+                self._fn = _nvshmem_send(self.world_size, self.topk, self.threads)[0]
+            else:
+                import cutlass.cute as cute
+                if self.transport == "nvshmem":
+                    use_sm90_nvshmem_bitcode()  # no GPU to pick the bitcode by
+                self._fn = cute.compile(build_dispatch_send(self.world_size, self.topk,
+                                                            self.threads, self.transport),
+                                        *send_example_args())
         return self._fn
 
     def warmup(self, device, stream=None):
@@ -223,7 +327,8 @@ class DispatchSend:
                ctr_peers, layout: dict, slot_stride: int, epoch, fingerprint, err, stream=None):
         """x: [T, D] bf16 contiguous; ids: int32 [T, topk] contiguous; recv_peers / ctr_peers:
         int64 [W] (the CommBuffer's receive-buffer / communication-block base on every rank,
-        mapped here); layout: ``dispatch_index.slot_layout``; slot_stride: bytes between the
+        mapped here; the nvshmem transport reads only this rank's entries: its symmetric
+        addresses); layout: ``dispatch_index.slot_layout``; slot_stride: bytes between the
         buffer's two slots (``CommBuffer.slot_bytes``, >= layout's); epoch / fingerprint: int32
         [1]."""
         import torch
