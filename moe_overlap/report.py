@@ -47,7 +47,7 @@ HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
                  ("producer_models_h100_f213944_s1.json", "producer_models_h200_fc47bea_s23.json")),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
-              ("ranks_onegpu_h100_5ffc161.json",)),
+              ("ranks_onegpu_h100_fce64ed.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
                        "assignment (counted from routings, no GPU)",
                        ("dispatch_bytes_30cb093.json",)),
@@ -246,7 +246,7 @@ def ranks(root):
     ok = [k for k, c in d["checks"].items() if c["points"] and not c["failures"]]
     bad = [k for k, c in d["checks"].items() if c["failures"]]
     t = d["totals"]
-    cell = (f"W = 2 ranks as processes on one GPU ({', '.join(d.get('modes', [d['mode']]))}): "
+    cell = (f"W = 2 and 4 ranks as processes on one GPU ({', '.join(d.get('modes', [d['mode']]))}): "
             f"{t['passed']} of {t['points']} checks passed; passing: {', '.join(ok)}; "
             f"failing: {', '.join(bad) or 'none'} (reasons in docs/RESULTS.md); timings of this "
             "mode are not speedups")

@@ -76,11 +76,13 @@ def merge(paths: list[str]) -> dict:
     checks = {}
     for d in sorted(docs, key=lambda d: d["date"]):
         for name, c in d["checks"].items():
-            checks[name] = dict(c, commit=d["commit"], date=d["date"], mode=d["mode"])
+            # a merged file's checks carry their own run's commit, date and mode already
+            checks[name] = dict(c, commit=c.get("commit", d["commit"]),
+                                date=c.get("date", d["date"]), mode=c.get("mode", d["mode"]))
     last = max(docs, key=lambda d: d["date"])
     return dict(last, checks=checks, totals=totals(checks),
-                commits=sorted({d["commit"] for d in docs}),
-                modes=sorted({d["mode"] for d in docs}))
+                commits=sorted({c["commit"] for c in checks.values()}),
+                modes=sorted({c["mode"] for c in checks.values()}))
 
 
 def main(argv=None):

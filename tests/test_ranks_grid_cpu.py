@@ -352,3 +352,26 @@ def test_the_worker_builds_the_layer_the_arguments_ask_for(monkeypatch):
     with pytest.raises(Stop):
         sweep.worker(0, 2, RG.parsed(grid))
     assert seen["producer"] is None and seen["transport"] == "nvshmem" and seen["ccta"] == 8
+
+
+def test_merging_a_merged_file_keeps_each_checks_own_run(tmp_path):
+    # a session's file merged again (the next session's runs added) must not restamp its
+    # checks with the file's newest commit or mode (a time-sliced check read as MPS)
+    old = dict(device="H100", commit="bbb", date="2026-12-02", mode="mps", checks={
+        "faults": dict(points=2, passed=2, failures=[], commit="aaa", date="2026-12-01",
+                       mode="time-sliced"),
+        "grid": dict(points=3, passed=3, failures=[], commit="bbb", date="2026-12-02",
+                     mode="mps")})
+    new = dict(device="H100", commit="ccc", date="2026-12-03", mode="mps", checks={
+        "grid": dict(points=3, passed=2, failures=[{"test": "x", "reason": "y"}])})
+    paths = []
+    for i, doc in enumerate((old, new)):
+        paths.append(str(tmp_path / f"r{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(doc, f)
+    d = REPORT.merge(paths)
+    assert d["checks"]["faults"]["commit"] == "aaa"
+    assert d["checks"]["faults"]["mode"] == "time-sliced"
+    assert d["checks"]["grid"]["commit"] == "ccc" and d["checks"]["grid"]["passed"] == 2
+    assert d["commits"] == ["aaa", "ccc"] and d["modes"] == ["mps", "time-sliced"]
+
