@@ -227,8 +227,10 @@ def card_of(device_name: str) -> str:
     return (m.group(1) if m else re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")).lower()
 
 
-def result_name(device_name: str, commit: str, tag: str = "") -> str:
-    return f"producer_models_{card_of(device_name)}_{commit}{'_' + tag if tag else ''}.json"
+def result_name(device_name: str, commit: str, tag: str = "",
+                prefix: str = "producer_models") -> str:
+    """<prefix>_<card>_<commit>[_<tag>].json (bench_upproj passes its own prefix)."""
+    return f"{prefix}_{card_of(device_name)}_{commit}{'_' + tag if tag else ''}.json"
 
 
 def ours_variant_name(variants: list[dict]) -> str:

@@ -76,6 +76,7 @@ plan)
     [ "$quick" = quick ] && args=(--models deepseek-v3 --worlds 2 --modes balanced --rounds 5)
     run packed_gemm_bench 450 python bench/bench_packed_gemm.py "${args[@]}" --out "$OUT"
     run plan_bench 400 python bench/bench_plan.py --out "$OUT"
+    run upproj_bench 500 python bench/bench_upproj.py --quick --out "$OUT"  # issue 39 goal 3
     ;;
 combine)
     heap=6G  # the synthetic shapes; the model shapes' receive buffers need far more
