@@ -1,10 +1,12 @@
-"""A small PTX interpreter for SIMT kernels (integer ops, predicates, shuffles and ballots, CTA
-barriers and barrier reductions, global / shared / param memory with scalar and .v2 / .v4
-accesses, red / atom add and cas, fences, %globaltimer): runs the PTX the CuTe DSL compiles for
-sm_90a on the host, so a compile-only machine can execute a kernel's exact instructions on
+"""A small PTX interpreter for SIMT kernels (integer ops, dp4a, predicates, shuffles, ballots and
+match.any, warp and CTA barriers and barrier reductions, global / shared / param memory with
+scalar and .v2 / .v4 accesses, red / atom add, min, max and cas on global and shared memory,
+fences, %globaltimer, grids of x and y): runs the PTX the CuTe DSL compiles for sm_90a on the
+host, so a compile-only machine can execute a kernel's exact instructions on
 given inputs (tests/test_plan_kernel_emulated.py: the planner; tests/
 test_dispatch_overlap_emulated.py: the dispatch's send, wait and expand kernels of several
-emulated ranks in one memory).
+emulated ranks in one memory; tests/test_ordered_routes_emulated.py: the ordered scale's table
+kernels and prepare's routes kernels).
 
 Scope: the instruction forms those kernels use (an unknown one raises NotImplementedError, so a
 kernel change that needs more fails loudly, never silently). Every thread runs until it reaches
@@ -232,12 +234,15 @@ class Emulator:
     def _operand(self, a, bits):
         """A reader (thread, regs) -> value of operand `a` as an unsigned `bits`-bit word."""
         m = (1 << bits) - 1
-        special = {"%tid.x": "tid", "%ctaid.x": "cta", "%nctaid.x": "grid", "%ntid.x": "block"}
+        special = {"%tid.x": "tid", "%ctaid.x": "cta", "%nctaid.x": "grid", "%ntid.x": "block",
+                   "%ctaid.y": "cta_y", "%nctaid.y": "grid_y"}
         if a in special:
             key = special[a]
             return lambda t, r: t[key]
-        if a in ("%tid.y", "%tid.z", "%ctaid.y", "%ctaid.z"):
+        if a in ("%tid.y", "%tid.z", "%ctaid.z"):
             return lambda t, r: 0
+        if a in ("%ntid.y", "%ntid.z", "%nctaid.z"):
+            return lambda t, r: 1
         if a == "__dynamic_shmem__0":
             return lambda t, r: 0
         if a == "%globaltimer":
@@ -311,6 +316,10 @@ class Emulator:
         if name in ("ret", "exit"):
             return lambda t, r, sh: _DONE
         if name == "bar":
+            if op == "bar.warp.sync":
+                if args[0] not in ("-1", "0xffffffff", "0xFFFFFFFF"):
+                    raise NotImplementedError(f"bar.warp.sync {args} (full mask only)")
+                return lambda t, r, sh: _SHFL  # every lane of the warp stands here, then goes on
             if base[1] == "red" and base[2] in ("or", "and") and typ == "pred":
                 return lambda t, r, sh: _BAR  # the reduction is done at the release
             if op != "bar.sync" or len(args) != 1:
@@ -321,6 +330,10 @@ class Emulator:
         if name == "vote":
             if op != "vote.sync.ballot.b32" or args[2] not in ("-1", "0xffffffff", "0xFFFFFFFF"):
                 raise NotImplementedError(f"vote form {op} {args} (full-mask ballot only)")
+            return lambda t, r, sh: _SHFL  # a warp collective, resolved as the shuffles
+        if name == "match":
+            if op != "match.any.sync.b32" or args[2] not in ("-1", "0xffffffff", "0xFFFFFFFF"):
+                raise NotImplementedError(f"match form {op} {args} (full-mask any.b32 only)")
             return lambda t, r, sh: _SHFL  # a warp collective, resolved as the shuffles
         if name == "fence":
             # memory ordering is invisible in a sequential model: the proxy / mbarrier fences
@@ -334,6 +347,21 @@ class Emulator:
 
             def f(t, r, sh):
                 r[d] = _fma_f32(a(t, r), b(t, r), c(t, r))
+                return nxt
+            return f
+        if name == "dp4a":  # d = c + sum of the 4 byte products of a and b (each byte u8 / s8)
+            if len(base) != 3 or base[1] not in ("u32", "s32") or base[2] not in ("u32", "s32"):
+                raise NotImplementedError(op)
+            a, b, c = O(args[1], 32), O(args[2], 32), O(args[3], 32)
+            sa, sb = base[1] == "s32", base[2] == "s32"
+
+            def byte(v, j, sgn):
+                x = (v >> (8 * j)) & 0xFF
+                return x - 256 if sgn and x >= 128 else x
+
+            def f(t, r, sh):
+                x, y = a(t, r), b(t, r)
+                r[d] = (c(t, r) + sum(byte(x, j, sa) * byte(y, j, sb) for j in range(4))) & M32
                 return nxt
             return f
         if op == "cvt.rn.bf16x2.f32":  # d = {bf16(a) high, bf16(b) low}
@@ -359,6 +387,28 @@ class Emulator:
                     return f
                 def f(t, r, sh):  # noqa: E306
                     r[d] = r[v]
+                    return nxt
+                return f
+            if d.startswith("{") or args[1].startswith("{"):  # unpack / pack: low part first
+                if typ not in ("b64", "b32") or d.startswith("{") == args[1].startswith("{"):
+                    raise NotImplementedError(f"mov form {op} {args}")
+                vec = (d if d.startswith("{") else args[1]).strip("{}").split("|")
+                parts = [x.strip() for x in vec]
+                pb = bits // len(parts)
+                if d.startswith("{"):
+                    a = O(args[1])
+
+                    def f(t, r, sh):
+                        v = a(t, r)
+                        for j, x in enumerate(parts):
+                            if x != "_":  # the sink: that part is dropped
+                                r[x] = (v >> (pb * j)) & ((1 << pb) - 1)
+                        return nxt
+                    return f
+                srcs = [O(x, pb) for x in parts]
+
+                def f(t, r, sh):
+                    r[d] = sum(g(t, r) << (pb * j) for j, g in enumerate(srcs)) & m
                     return nxt
                 return f
             a = O(args[1])
@@ -498,19 +548,19 @@ class Emulator:
         raise NotImplementedError(f"PTX op {op}")
 
     def _compile_memory(self, op, base, args, nxt):
-        """ld / st (scalar or .v2 / .v4; global, shared, param) and red / atom (add, cas) on
-        global memory. Order and scope qualifiers and cache operators are accepted and mean
-        nothing here (one thread at a time); global and shared accesses must be aligned to
-        their size, as on the GPU."""
+        """ld / st (scalar or .v2 / .v4; global, shared, param) and red / atom (add, min, max,
+        cas; min / max signed for .s types) on global and shared memory. Order and scope
+        qualifiers and cache operators are accepted and mean nothing here (one thread at a
+        time); global and shared accesses must be aligned to their size, as on the GPU."""
         name, typ = base[0], base[-1]
         quals = base[1:-1]
         spaces = [q for q in quals if q in ("global", "shared", "param")]
         vec = [q for q in quals if q in ("v2", "v4")]
-        rop = [q for q in quals if q in ("add", "cas")]
+        rop = [q for q in quals if q in ("add", "cas", "min", "max")]
         rest = [q for q in quals if q not in _ORDER_QUALS and q not in spaces + vec + rop]
         atomic = name in ("red", "atom")
         if (len(spaces) != 1 or rest or len(vec) > 1 or len(rop) != atomic
-                or (atomic and (vec or spaces[0] != "global" or (name, rop[0]) == ("red", "cas")))
+                or (atomic and (vec or spaces[0] == "param" or (name, rop[0]) == ("red", "cas")))
                 or typ[0] not in "subf" or not typ[1:].isdigit()
                 or (typ[0] == "f" and atomic)):
             raise NotImplementedError(f"memory op {op}")
@@ -543,9 +593,9 @@ class Emulator:
 
         def wrote(t, x, size, value=None):
             for w in range(x - x % 4, x + size, 4):
-                writers.setdefault(w, set()).add(t["cta"])
+                writers.setdefault(w, set()).add(t.get("who", t["cta"]))
             if log is not None and log[0] <= x < log[1]:
-                self.stores.append((x, value, t["cta"]))
+                self.stores.append((x, value, t.get("who", t["cta"])))
 
         if atomic:
             dst = args[0] if name == "atom" else None
@@ -554,16 +604,23 @@ class Emulator:
             if len(ops) != (2 if rop[0] == "cas" else 1):
                 raise NotImplementedError(f"{op} {args}")
 
+            glob = space == "global"
+            sg = (lambda v: _s(v, bits)) if typ[0] == "s" else (lambda v: v)
+
             def f(t, r, sh):
-                x = addr(t, r) & M64
-                at(x, nb, name, len(mem))
-                old = int.from_bytes(mem[x:x + nb], "little")
+                x = addr(t, r) & (M64 if glob else M32)
+                dst_mem = mem if glob else sh
+                at(x, nb, name, len(dst_mem))
+                old = int.from_bytes(dst_mem[x:x + nb], "little")
                 if rop[0] == "add":
                     new = (old + ops[0](t, r)) & m
-                else:
+                elif rop[0] == "cas":
                     new = ops[1](t, r) if old == ops[0](t, r) else old
-                mem[x:x + nb] = new.to_bytes(nb, "little")
-                wrote(t, x, nb, _s(new, bits))
+                else:
+                    new = (min if rop[0] == "min" else max)(sg(old), sg(ops[0](t, r))) & m
+                dst_mem[x:x + nb] = new.to_bytes(nb, "little")
+                if glob:
+                    wrote(t, x, nb, _s(new, bits))
                 if dst:
                     r[dst] = old
                 return nxt
@@ -613,8 +670,10 @@ class Emulator:
 
     # ---- execution ------------------------------------------------------------------------
     def launch(self, grid, block, params):
-        """Run the kernel over `grid` CTAs of `block` threads (x only), `params` in the entry's
-        order (ints)."""
+        """Run the kernel over `grid` CTAs (an int: x only; (x, y): y outer, CTA (x, y) in
+        ``writers`` as that pair) of `block` threads (x only), `params` in the entry's order
+        (ints)."""
+        gx, gy = (grid, 1) if isinstance(grid, int) else (int(grid[0]), int(grid[1]))
         self.param = {nm: int(v) for (_, nm), v in zip(self.k.params, params)}
         self._code = [self._compile(i, s) for i, s in enumerate(self.k.stmts)]
         self._args = [None] * len(self.k.stmts)
@@ -624,14 +683,20 @@ class Emulator:
             elif s.startswith("vote"):  # vote.sync.ballot.b32 d, p, -1 (checked when compiled)
                 d, p = [a.strip() for a in s.split(None, 1)[1].split(",")][:2]
                 self._args[i] = ("ballot", d, p)
+            elif s.startswith("match"):  # match.any.sync.b32 d, a, -1 (checked when compiled)
+                d, a = [x.strip() for x in s.split(None, 1)[1].split(",")][:2]
+                self._args[i] = ("match", d, self._operand(a, 32))
+            elif s.startswith("bar.warp.sync"):
+                self._args[i] = ("warp_sync",)
             elif s.startswith("bar.red"):  # bar.red.{or,and}.pred d, 0, p
                 op, rest = s.split(None, 1)
                 d, bar_id, p = [a.strip() for a in rest.split(",")]
                 if bar_id != "0":
                     raise NotImplementedError(f"barrier {bar_id}: {s}")
                 self._args[i] = (op.split(".")[2], d, p)
-        for cta in range(grid):
-            self._run_cta(cta, grid, block)
+        for y in range(gy):
+            for x in range(gx):
+                self._run_cta(x, gx, block, y, gy, isinstance(grid, int))
 
     def _shfl_args(self, s):
         op, rest = s.split(None, 1)
@@ -640,12 +705,15 @@ class Emulator:
         return (op.split(".")[2], dst, dp, self._operand(args[1], 32),
                 self._operand(args[2], 32), self._operand(args[3], 32))
 
-    def _run_cta(self, cta, grid, block):
+    def _run_cta(self, cta, grid, block, cta_y=0, grid_y=1, x_only=True):
         # not zeroed: on the GPU a CTA's shared memory holds what the SM's last kernel left
         # there, so a kernel that reads a word it did not write must not pass by luck
         shared = bytearray([SHARED_POISON]) * self.shared_bytes
-        threads = [dict(tid=i, cta=cta, grid=grid, block=block, pc=0, regs={}, state=0)
-                   for i in range(block)]
+        threads = [dict(tid=i, cta=cta, grid=grid, block=block, pc=0, regs={}, state=0,
+                        cta_y=cta_y, grid_y=grid_y) for i in range(block)]
+        if not x_only:  # the CTA's writes recorded as (x, y)
+            for t in threads:
+                t["who"] = (cta, cta_y)
         while True:
             for t in threads:
                 if t["state"] == 0:
@@ -687,7 +755,19 @@ class Emulator:
                                f"{sorted({t['state'] for t in live})}")
 
     def _shfl(self, lanes):
-        if self._args[lanes[0]["pc"]][0] == "ballot":
+        kind = self._args[lanes[0]["pc"]][0]
+        if kind in ("match", "warp_sync"):
+            if kind == "match":  # each lane: the lanes whose value equals its own
+                _, dst, a = self._args[lanes[0]["pc"]]
+                vals = [a(t, t["regs"]) for t in lanes]
+                masks = [sum(1 << j for j, v in enumerate(vals) if v == u) for u in vals]
+            for li, t in enumerate(lanes):
+                if kind == "match":
+                    t["regs"][dst] = masks[li]
+                t["pc"] += 1
+                t["state"] = 0
+            return
+        if kind == "ballot":
             _, dst, p = self._args[lanes[0]["pc"]]
             neg, p = p.startswith("!"), p.lstrip("!")
             v = sum(1 << li for li, t in enumerate(lanes) if t["regs"][p] != neg)
