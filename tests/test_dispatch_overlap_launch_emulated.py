@@ -31,6 +31,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from conftest import compile_ptx  # noqa: E402
+from emulated_launch import host_launches  # noqa: E402
 from emulated_memory import Heap  # noqa: E402
 from ptx_emulator import Emulator  # noqa: E402
 
@@ -159,7 +160,7 @@ _HOST = {}
 def _host_launches(kind, obj):
     """The @cute.jit launcher's host code as CuTe DSL generates it (CUTE_DSL_PRINT_IR, in a
     fresh process: the IR is printed by MLIR to the process's stdout): its launches in order,
-    each (kernel entry name, operands, grid x, block x, dynamic shared bytes), an operand /
+    each (kernel entry name, operands, (grid x, grid y), block x, dynamic shared bytes), an operand /
     size being ("arg", i) for the launcher's i-th int or ("const", value). So the routing of
     the wrappers' ints to the kernels' parameters is the compiled one, not restated here."""
     import subprocess
@@ -186,47 +187,8 @@ def _host_launches(kind, obj):
         ir = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True, check=True, timeout=600, cwd=d).stdout
     ir, lowered = ir.split("LOWERED_HOST_IR_BEGIN", 1)
-    host = ir[ir.rindex("func.func @cutlass_"):]
-    consts = {m.group(1): int(m.group(2))
-              for m in re.finditer(r"(%c\w+) = arith\.constant (-?\d+) :", host)}
-
-    def operand(v):
-        v = v.strip()
-        m = re.fullmatch(r"%arg(\d+)", v)
-        if m:
-            return ("arg", int(m.group(1)))
-        return ("const", consts[v])
-
-    cfgs = {m.group(1): (operand(m.group(3)), operand(m.group(2)))
-            for m in re.finditer(r"(%\w+) = cuda\.launch_cfg\.create<[^>]*> \(blockDim = "
-                                 r"\(([^,]+),[^)]*\), dynamicSmemBytes = [^,]+, gridDim = "
-                                 r"\(([^,]+),", host)}
-    out = []
-    for m in re.finditer(r"cuda\.launch_ex @kernels::@(\w+)<(%\w+)> \(([^)]*)\)", host):
-        grid, block = cfgs[m.group(2)]
-        out.append((m.group(1), [operand(v) for v in m.group(3).split(",")], grid, block))
-    assert out, "no launch found in the launcher's IR"
-    smem = _launch_smem(lowered)
-    assert len(smem) == len(out), (smem, out)
-    _HOST[key] = [launch + (b,) for launch, b in zip(out, smem)]
+    _HOST[key] = host_launches(ir, lowered)
     return _HOST[key]
-
-
-def _launch_smem(lowered):
-    """Each launch's dynamic shared memory bytes (what CuTe DSL infers from the kernel's
-    SmemAllocator), in launch order, from the lowered host code: the i64 field 2 of each launch
-    config struct (array<3 x i32> grid, array<3 x i32> block, i64 smem, ...)."""
-    consts = dict(re.findall(r"(%\w+) = llvm\.mlir\.constant\((-?\d+) : i64\) : i64", lowered))
-    lines = lowered.splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        m = re.search(r"(%\w+) = llvm\.getelementptr %\w+\[0, 2\] : \(!llvm\.ptr\) -> "
-                      r"!llvm\.ptr, !llvm\.struct<\(array<3 x i32>, array<3 x i32>, i64,", line)
-        if m:
-            st = next(re.search(rf"llvm\.store (%\w+), {m.group(1)} : i64", x)
-                      for x in lines[i + 1:i + 4] if re.search(rf", {m.group(1)} : i64", x))
-            out.append(int(consts[st.group(1)]))
-    return out
 
 
 class Launches:
@@ -254,7 +216,8 @@ class Launches:
             for name, ops, grid, block, smem in _host_launches(kind, obj):
                 entry = re.search(rf"\.entry\s+{name}\(([^)]*)\)", ptx)
                 assert entry and entry.group(1).count(".param") == len(ops), name
-                self.dev.run(ptx, name, val(grid), val(block), [val(o) for o in ops], smem)
+                assert val(grid[1]) == 1, (name, grid)  # the dispatch's grids are 1-D
+                self.dev.run(ptx, name, val(grid[0]), val(block), [val(o) for o in ops], smem)
 
 
 def _kernel_layout(plan):

@@ -30,6 +30,7 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (read at import)
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
+from emulated_launch import host_launches  # noqa: E402
 from emulated_memory import Heap  # noqa: E402
 from ptx_emulator import Emulator  # noqa: E402
 from moe_overlap.combine import ordered_routes_kernel as ork  # noqa: E402
@@ -66,43 +67,7 @@ def _compile(real_compile, launcher, args):
         dsl.envar.print_ir = was
     ir = out.getvalue()
     assert ptx and "func.func @cutlass_" in ir, "CuTe DSL printed no host IR / kept no PTX"
-    host = ir[ir.rindex("func.func @cutlass_"):]
-    consts = {m.group(1): int(m.group(2))
-              for m in re.finditer(r"(%c\w+) = arith\.constant (-?\d+) :", host)}
-
-    def operand(v):
-        v = v.strip()
-        m = re.fullmatch(r"%arg(\d+)", v)
-        return ("arg", int(m.group(1))) if m else ("const", consts[v])
-
-    cfgs = {m.group(1): ((operand(m.group(3)), operand(m.group(4))), operand(m.group(2)))
-            for m in re.finditer(r"(%\w+) = cuda\.launch_cfg\.create<[^>]*> \(blockDim = "
-                                 r"\(([^,]+),[^)]*\), dynamicSmemBytes = [^,]+, gridDim = "
-                                 r"\(([^,]+),([^,]+),", host)}
-    launches = []
-    for m in re.finditer(r"cuda\.launch_ex @kernels::@(\w+)<(%\w+)> \(([^)]*)\)", host):
-        grid, block = cfgs[m.group(2)]
-        launches.append((m.group(1), [operand(v) for v in m.group(3).split(",")], grid, block))
-    smem = _launch_smem(str(c.ir_module))
-    assert launches and len(smem) == len(launches), (smem, launches)
-    return ptx, [x + (b,) for x, b in zip(launches, smem)]
-
-
-def _launch_smem(lowered):
-    """Each launch's dynamic shared bytes in launch order: the i64 field 2 of each launch config
-    struct (array<3 x i32> grid, array<3 x i32> block, i64 smem, ...) in the lowered host code
-    (as tests/test_dispatch_overlap_launch_emulated.py reads it)."""
-    consts = dict(re.findall(r"(%\w+) = llvm\.mlir\.constant\((-?\d+) : i64\) : i64", lowered))
-    lines = lowered.splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        m = re.search(r"(%\w+) = llvm\.getelementptr %\w+\[0, 2\] : \(!llvm\.ptr\) -> "
-                      r"!llvm\.ptr, !llvm\.struct<\(array<3 x i32>, array<3 x i32>, i64,", line)
-        if m:
-            st = next(re.search(rf"llvm\.store (%\w+), {m.group(1)} : i64", x)
-                      for x in lines[i + 1:i + 4] if re.search(rf", {m.group(1)} : i64", x))
-            out.append(int(consts[st.group(1)]))
-    return out
+    return ptx, host_launches(ir, str(c.ir_module))
 
 
 class Device:
