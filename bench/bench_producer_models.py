@@ -386,9 +386,8 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
     return rec
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_point_arguments(ap):
+    """The point selection and timing arguments this bench shares with bench_upproj.py."""
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the JSON")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, MODEL_TOKENS)),
@@ -399,20 +398,32 @@ def main(argv=None) -> int:
     ap.add_argument("--points", default="", help="fnmatch patterns of point labels to run "
                     "(model@tokens/W<w>/routing, e.g. 'deepseek-v3@*/W2/*'); all where empty")
     ap.add_argument("--skip-points", default="", help="fnmatch patterns of labels to skip")
-    ap.add_argument("--variants", default="default",
-                    help="comma-separated: default, or key=value[+key=value] (module doc)")
-    ap.add_argument("--gemm-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="producer GEMM option for every variant (repeatable)")
     ap.add_argument("--rounds", type=int, default=8, help="timed rounds per point")
     ap.add_argument("--quick", action="store_true",
                     help="4096 tokens, W = 1 and 8, skewed routings, 5 rounds (a smoke run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="", help="suffix of the JSON name (split runs)")
+
+
+def parse_point_arguments(ap, argv):
+    """ap.parse_args(argv) with --quick applied and --rounds checked."""
     a = ap.parse_args(argv)
     if a.quick:
         a.tokens, a.worlds, a.routings, a.rounds = "4096", "1,8", "skewed", min(a.rounds, 5)
     if a.rounds < 1:
         ap.error("--rounds must be >= 1")
+    return a
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_point_arguments(ap)
+    ap.add_argument("--variants", default="default",
+                    help="comma-separated: default, or key=value[+key=value] (module doc)")
+    ap.add_argument("--gemm-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="producer GEMM option for every variant (repeatable)")
+    a = parse_point_arguments(ap, argv)
     try:
         gemm_opts = {}
         for kv in a.gemm_option:

@@ -49,7 +49,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_producer_models as P  # noqa: E402
 from bench_results import git_commit, result_header, write_result  # noqa: E402
 from moe_overlap.combine.options import CombineOptions  # noqa: E402
-from moe_overlap.combine.shapes import MODELS, MODEL_TOKENS  # noqa: E402
 from moe_overlap.moe_layer import (MoELayer, MoELayerOptions, resolve_layer,  # noqa: E402
                                    up_projection_gemm)
 
@@ -303,32 +302,14 @@ def dry_run(points, worlds, num_sms: int, device_name: str, cache, plans: bool) 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder of the JSON")
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--tokens", default=",".join(map(str, MODEL_TOKENS)),
-                    help="tokens per rank")
-    ap.add_argument("--worlds", default=",".join(map(str, P.WORLDS)),
-                    help="world sizes W of rank 0's plans")
-    ap.add_argument("--routings", default=",".join(P.ROUTINGS))
-    ap.add_argument("--points", default="", help="fnmatch patterns of point labels to run "
-                    "(model@tokens/W<w>/routing); all where empty")
-    ap.add_argument("--skip-points", default="", help="fnmatch patterns of labels to skip")
-    ap.add_argument("--rounds", type=int, default=8, help="timed rounds per point")
-    ap.add_argument("--quick", action="store_true",
-                    help="4096 tokens, W = 1 and 8, skewed routings, 5 rounds (a smoke run)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tag", default="", help="suffix of the JSON name (split runs)")
+    P.add_point_arguments(ap)
     ap.add_argument("--dry-run", action="store_true",
                     help="no GPU: list the points, the options resolved for a device of "
                          "--num-sms SMs named --device-name, the rows (and, --plans, padding)")
     ap.add_argument("--num-sms", type=int, default=DRY_SMS, help="--dry-run's SM count")
     ap.add_argument("--device-name", default=DRY_DEVICE, help="--dry-run's device name")
     ap.add_argument("--plans", action="store_true", help="--dry-run: also make the plans")
-    a = ap.parse_args(argv)
-    if a.quick:
-        a.tokens, a.worlds, a.routings, a.rounds = "4096", "1,8", "skewed", min(a.rounds, 5)
-    if a.rounds < 1:
-        ap.error("--rounds must be >= 1")
+    a = P.parse_point_arguments(ap, argv)
     points, skipped = _points(a, ap)
     worlds = [int(w) for w in a.worlds.split(",")]
     from moe_overlap.combine.tuning import TuneCache
