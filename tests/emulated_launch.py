@@ -47,3 +47,71 @@ def launch_smem(lowered: str) -> list:
                       for x in lines[i + 1:i + 4] if re.search(rf", {m.group(1)} : i64", x))
             out.append(int(consts[st.group(1)]))
     return out
+
+
+class Device:
+    """The emulated device memory of tests that call the library's real launch wrappers: every
+    CPU storage whose address reaches a launch gets a Heap region (poisoned gaps between them,
+    so a stray access raises); before each launch the host bytes are copied in (pointer tables,
+    ``register(t, table=True)``, translated to the regions they point into), after it copied
+    back, so the torch ops between launches act on the same data in stream order."""
+
+    def __init__(self):
+        from emulated_memory import Heap
+        self.h = Heap()
+        self.h.top = 0x100000
+        self.mem = bytearray(0)
+        self.storages = {}  # base -> (nbytes, heap address, uint8 view of the whole storage)
+        self.tables = set()  # storage bases of pointer tables
+        self.launches = []  # (entry, grid, block, smem) in launch order
+
+    def register(self, t, table=False):
+        import torch
+        st = t.untyped_storage()
+        base, n = st.data_ptr(), st.nbytes()
+        if n == 0 or base in self.storages:
+            return
+        whole = torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,))
+        self.storages[base] = (n, self.h.alloc(("s", base), n), whole)
+        if table:
+            self.tables.add(base)
+        need = self.h.top + 0x1000
+        if len(self.mem) < need:
+            self.mem.extend(bytes([0x5A]) * (need - len(self.mem)))
+
+    def translate(self, v):
+        for base, (n, addr, _) in self.storages.items():
+            if base <= v < base + n:
+                return addr + (v - base)
+        return v
+
+    def to_device(self):
+        import torch
+        for base, (n, addr, whole) in self.storages.items():
+            if base in self.tables:
+                vals = whole.view(torch.int64).tolist()
+                data = b"".join((self.translate(v) if v else 0).to_bytes(8, "little", signed=True)
+                                for v in vals)
+            else:
+                data = whole.numpy().tobytes()
+            self.mem[addr:addr + n] = data
+
+    def to_host(self):
+        import torch
+        for base, (n, addr, whole) in self.storages.items():
+            if base not in self.tables:
+                whole.copy_(torch.frombuffer(bytearray(self.mem[addr:addr + n]), dtype=torch.uint8))
+
+    def run(self, ptx, entry, grid, block, params, smem):
+        """One launch; shared memory exactly the launch's dynamic bytes (an access past them
+        raises, as it faults on the GPU)."""
+        from ptx_emulator import Emulator
+        self.to_device()
+        em = Emulator(ptx, mem=self.mem, name=entry, valid=self.h.ranges(), shared_bytes=smem)
+        try:
+            em.launch(grid, block, params)
+        except Exception as e:
+            e.add_note(f"in {entry}, grid {grid}, block {block}, {smem} shared bytes")
+            raise
+        self.to_host()
+        self.launches.append((entry, grid, block, smem))

@@ -31,9 +31,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from conftest import compile_ptx  # noqa: E402
-from emulated_launch import host_launches  # noqa: E402
-from emulated_memory import Heap  # noqa: E402
-from ptx_emulator import Emulator  # noqa: E402
+from emulated_launch import Device, host_launches  # noqa: E402
 
 pytestmark = pytest.mark.compile
 
@@ -77,62 +75,6 @@ class FakeRuntime:
 
     def barrier(self):
         pass
-
-
-class Device:
-    """The emulated device memory: every CPU storage whose address reaches a launch gets a Heap
-    region; a launch's ints that point into such a storage are moved to its region; before a
-    kernel the host bytes are copied in (pointer tables translated), after it copied back."""
-
-    def __init__(self):
-        self.h = Heap()
-        self.h.top = 0x100000
-        self.mem = bytearray(0)
-        self.storages = {}  # base -> (nbytes, heap address, tensor viewing the whole storage)
-        self.tables = set()  # storage bases of pointer tables
-
-    def register(self, t, table=False):
-        st = t.untyped_storage()
-        base, n = st.data_ptr(), st.nbytes()
-        if n == 0 or base in self.storages:
-            return
-        whole = torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,))
-        addr = self.h.alloc(("s", base), n)
-        self.storages[base] = (n, addr, whole)
-        if table:
-            self.tables.add(base)
-        need = self.h.top + 0x1000
-        if len(self.mem) < need:
-            self.mem.extend(bytes([0x5A]) * (need - len(self.mem)))
-
-    def translate(self, v):
-        for base, (n, addr, _) in self.storages.items():
-            if base <= v < base + n:
-                return addr + (v - base)
-        return v
-
-    def to_device(self):
-        for base, (n, addr, whole) in self.storages.items():
-            if base in self.tables:
-                vals = whole.view(torch.int64).tolist()
-                data = b"".join((self.translate(v) if v else 0).to_bytes(8, "little", signed=True)
-                                for v in vals)
-            else:
-                data = bytes(whole.tolist())
-            self.mem[addr:addr + n] = data
-
-    def to_host(self):
-        for base, (n, addr, whole) in self.storages.items():
-            if base not in self.tables:
-                whole.copy_(torch.frombuffer(bytearray(self.mem[addr:addr + n]), dtype=torch.uint8))
-
-    def run(self, ptx, name, grid, block, params, smem):
-        """One launch; shared memory exactly the launch's dynamic bytes (an access past them
-        raises, as it faults on the GPU)."""
-        self.to_device()
-        em = Emulator(ptx, mem=self.mem, name=name, valid=self.h.ranges(), shared_bytes=smem)
-        em.launch(grid, block, params)
-        self.to_host()
 
 
 _PTX = {}

@@ -30,8 +30,7 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported (read at import)
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from emulated_launch import host_launches  # noqa: E402
-from emulated_memory import Heap  # noqa: E402
+from emulated_launch import Device, host_launches  # noqa: E402
 from ptx_emulator import Emulator  # noqa: E402
 from moe_overlap.combine import ordered_routes_kernel as ork  # noqa: E402
 from moe_overlap.combine import routes as R  # noqa: E402
@@ -68,49 +67,6 @@ def _compile(real_compile, launcher, args):
     ir = out.getvalue()
     assert ptx and "func.func @cutlass_" in ir, "CuTe DSL printed no host IR / kept no PTX"
     return ptx, host_launches(ir, str(c.ir_module))
-
-
-class Device:
-    """The emulated device memory: every CPU storage whose address reaches a launch gets a Heap
-    region (poisoned gaps between them); before each launch the host bytes are copied in, after
-    it copied back, so the torch ops between the launches (the wrappers' memsets, views) act on
-    the same data in stream order."""
-
-    def __init__(self):
-        self.h = Heap()
-        self.mem = bytearray(0)
-        self.storages = {}  # base -> (nbytes, heap address, uint8 view of the whole storage)
-        self.launches = []  # (entry, grid, block, smem) in launch order
-
-    def register(self, t):
-        st = t.untyped_storage()
-        base, n = st.data_ptr(), st.nbytes()
-        if n == 0 or base in self.storages:
-            return
-        whole = torch.empty(0, dtype=torch.uint8).set_(st, 0, (n,), (1,))
-        self.storages[base] = (n, self.h.alloc(("s", base), n), whole)
-        need = self.h.top + 0x1000
-        if len(self.mem) < need:
-            self.mem.extend(bytes([0x5A]) * (need - len(self.mem)))
-
-    def translate(self, v):
-        for base, (n, addr, _) in self.storages.items():
-            if base <= v < base + n:
-                return addr + (v - base)
-        return v
-
-    def run(self, ptx, entry, grid, block, params, smem):
-        for n, addr, whole in self.storages.values():
-            self.mem[addr:addr + n] = whole.numpy().tobytes()
-        em = Emulator(ptx, mem=self.mem, name=entry, valid=self.h.ranges(), shared_bytes=smem)
-        try:
-            em.launch(grid, block, params)
-        except Exception as e:
-            e.add_note(f"in {entry}, grid {grid}, block {block}, {smem} shared bytes")
-            raise
-        for n, addr, whole in self.storages.values():
-            whole.copy_(torch.frombuffer(bytearray(self.mem[addr:addr + n]), dtype=torch.uint8))
-        self.launches.append((entry, grid, block, smem))
 
 
 _DEVICE = []  # the running test's Device
