@@ -1,8 +1,8 @@
 """The SIMT kernels' CTA-wide exclusive scan (``plan_kernel.simt_helpers().block_scan``) on CTAs
 of fewer than 32 warps, run as compiled PTX on the host emulator, whose shared memory starts
 poisoned as a GPU's holds an earlier kernel's data: the totals and prefixes must not include
-the scratch words of warps the CTA does not have (session 23: the dispatch expand's 256-thread
-CTAs summed 24 stale words into their totals, read rows past their lists and faulted)."""
+the scratch words of warps the CTA does not have (a wrong total sends the dispatch expand's
+copy loop past its lists: bench/NOTES.md, "The overlapped dispatch's fault, found")."""
 import os
 
 import pytest
