@@ -167,6 +167,24 @@ def spawn_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float |
                  join_timeout_s=join_timeout_s, hard_exit=hard_exit, expect_killed=expect_killed)
 
 
+# (W, transport) of the overlapped dispatch's and layer's GPU tests: both sends at W = 2 and 4
+WORLD_TRANSPORTS = [(2, "nvlink"), (2, "nvshmem"), (4, "nvlink"), (4, "nvshmem")]
+
+
+def world_transport_id(param) -> str:
+    return f"W{param[0]}-{param[1]}"
+
+
+def spawn_over_transport(worker, param):
+    """``worker(rank, W, transport)`` on W GPU ranks (``spawn_ranks``, skipping where they cannot
+    run); each rank's result names the transport its send used (``"transport"``), which must be
+    the one asked for."""
+    W, transport = param
+    res = spawn_ranks(worker, W, transport, backend="nccl", join_timeout_s=540, hard_exit=True)
+    assert all(r["transport"] == transport for r in res)
+    return res
+
+
 def require_module(gpus: int, nvshmem: bool = True):
     """Module-level skip of a GPU test file of the combine, called at import: fewer than
     ``gpus`` CUDA GPUs, nvidia-cutlass-dsl missing or (``nvshmem``, default) nvshmem4py missing,

@@ -21,7 +21,8 @@ python -m pytest -q tests/test_moe_layer_overlap_gpu.py``.
 import pytest
 import torch
 
-from conftest import bitwise_equal, require_module, spawn_ranks
+from conftest import (WORLD_TRANSPORTS, bitwise_equal, require_module,
+                      spawn_over_transport, world_transport_id)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
@@ -146,14 +147,9 @@ def _worker(rank, W, transport):
     return res
 
 
-@pytest.fixture(scope="module", params=[(2, "nvlink"), (2, "nvshmem"), (4, "nvlink"),
-                                        (4, "nvshmem")], ids=lambda p: f"W{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=WORLD_TRANSPORTS, ids=world_transport_id)
 def results(request):  # spawn_ranks skips, naming why, where these GPU ranks cannot run
-    W, transport = request.param
-    res = spawn_ranks(_worker, W, transport, backend="nccl", join_timeout_s=540,
-                      hard_exit=True)
-    assert all(r["transport"] == transport for r in res)  # the dispatch of the buffer's
-    return res
+    return spawn_over_transport(_worker, request.param)
 
 
 def test_overlapped_layer_is_bitwise_its_pieces_not_overlapped(results):
