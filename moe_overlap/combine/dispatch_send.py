@@ -56,9 +56,10 @@ owner's markers of c - 1, which each owner posted after its own reader of c - 2,
 of this slot.
 """
 
+from .options import TRANSPORTS
+
 DEFAULT_THREADS = 256
 DEFAULT_CTAS = 8
-TRANSPORTS = ("nvlink", "nvshmem")
 
 
 def check_transport(transport: str):
