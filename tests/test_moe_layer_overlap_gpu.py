@@ -13,7 +13,10 @@ the CommBuffer they share), the receive slots NaN-poisoned after construction:
 - cases: random and skewed routings, a rank with 0 tokens, a rank that receives nothing;
 - a CUDA graph of the validate=False layer captured once and replayed with new tokens (new
   routings) written into the captured input: bitwise the eager layer on the same tokens;
-- the error words stay 0.
+- the error words stay 0;
+- soak (W = 2, both transports): the captured layer replayed ``MOE_LAYER_SOAK_REPLAYS`` times
+  (default 1000), new tokens (a new routing) before every replay, every replay bitwise the eager
+  layer on the same tokens, device memory flat after the first 10 replays.
 
 Run: ``MOE_OVERLAP_SHARE_GPU=1 CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1
 python -m pytest -q tests/test_moe_layer_overlap_gpu.py``.
@@ -147,6 +150,63 @@ def _worker(rank, W, transport):
     return res
 
 
+SOAK_SLACK_BYTES = 1 << 20  # the caching allocator's rounding, not a growth per replay
+
+
+def _soak_worker(rank, W, transport):
+    import os
+    from moe_overlap import CombineOptions, MoELayer
+    from moe_overlap.combine.comm_buffer import CommBuffer
+    from moe_overlap.moe_layer import MoELayerOptions
+    dev = torch.device("cuda", torch.cuda.current_device())
+    full = [t.to(dev) for t in _full_weights(W)]
+    comm = CommBuffer(None, transport)
+    kw = dict(backend="overlap", tile_m=TILE_M, comm_buffer=comm,
+              options=CombineOptions(transport=transport),
+              layer_options=MoELayerOptions(dispatch_timeout_s=5.0, arrival_timeout_s=5.0))
+    eager = MoELayer.from_full_weights(*full, TOPK, T_MAX, **kw)
+    graphed = MoELayer.from_full_weights(*full, TOPK, T_MAX, **kw, validate=False)
+    replays = int(os.environ.get("MOE_LAYER_SOAK_REPLAYS", "1000"))
+    res = {"transport": eager.dispatch.sender.transport, "replays": replays, "failed": [],
+           "checked": 0}
+    with torch.inference_mode():
+        T = 60 + 7 * rank
+        x_in = _tokens(rank, W, T, seed=500).to(dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            graphed(x_in)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = graphed(x_in)
+        g = torch.Generator(device=dev).manual_seed(7 + rank)
+        for r in range(replays):
+            x_in.copy_(torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16))
+            if r % 5 == 4:  # every fifth routing skewed to one rank's experts
+                x_in.add_(_tokens(rank, W, T, seed=501 + r, skew_to=r % W).to(dev))
+            graph.replay()
+            want = eager(x_in.clone())
+            res["checked"] += 1
+            if not bitwise_equal(out_g.clone(), want):
+                res["failed"].append(r)
+            if r == 9:
+                torch.cuda.synchronize()
+                res["memory_after_warmup"] = torch.cuda.memory_allocated(dev)
+        torch.cuda.synchronize()
+        res["memory_end"] = torch.cuda.memory_allocated(dev)
+        comm.check_errors()
+        res["err_word"] = [int(v) for v in comm.err.tolist()]
+    return res
+
+
+@pytest.fixture(scope="module", params=[p for p in WORLD_TRANSPORTS if p[0] == 2],
+                ids=world_transport_id)
+def soak(request):
+    return spawn_over_transport(_soak_worker, request.param)
+
+
 @pytest.fixture(scope="module", params=WORLD_TRANSPORTS, ids=world_transport_id)
 def results(request):  # spawn_ranks skips, naming why, where these GPU ranks cannot run
     return spawn_over_transport(_worker, request.param)
@@ -175,4 +235,12 @@ def test_cases_hold_a_zero_token_rank_and_a_rank_receiving_nothing(results):
 def test_graph_replays_with_new_routings(results):
     for rank, r in enumerate(results):
         assert len(r["graph"]) == 8 and all(r["graph"]), (rank, r["graph"])
+        assert r["err_word"] == [0] * 8, (rank, r["err_word"])
+
+
+def test_soak_of_graph_replays_each_bitwise_the_eager_layer(soak):
+    for rank, r in enumerate(soak):
+        assert r["checked"] == r["replays"] >= 1 and not r["failed"], (rank, r["failed"][:20])
+        grown = r["memory_end"] - r["memory_after_warmup"]
+        assert grown <= SOAK_SLACK_BYTES, (rank, grown)
         assert r["err_word"] == [0] * 8, (rank, r["err_word"])
