@@ -100,6 +100,20 @@ def check_gemm_options(options, tile_m):
     return CombineOptions(gemm_options=options).check_gemm_options(tile_m)
 
 
+def consumer_for(options: CombineOptions):
+    """The ``Consumer`` the overlapped combine launches for resolved ``options`` (its variant,
+    threads, ring, timeout; per-segment arrivals with scale="ordered"). Host only, nothing
+    compiled yet; the producer bench builds its loopback consumer here too."""
+    from .consumer import Consumer
+    if not options.is_resolved:
+        raise ValueError("consumer_for needs resolved options (CombineOptions.resolve)")
+    return Consumer(options.transport, options.consumer_threads, options.consumer_unroll,
+                    int(options.timeout_s * 1e9), local_copy=options.local_copy,
+                    copy=options.copy, stages=options.consumer_stages,
+                    chunk_bytes=options.consumer_chunk, lookahead=options.consumer_lookahead,
+                    **({"arrival": "segment"} if options.scale == "ordered" else {}))
+
+
 class CombineRoutes:
     """A routing's per-call inputs of the overlapped combine (``OverlapCombine.prepare``)."""
 
@@ -185,7 +199,6 @@ class OverlapCombine:
                           "loaded module can deadlock; OverlapCombine warms every kernel up, "
                           "but set CUDA_MODULE_LOADING=EAGER before CUDA starts", RuntimeWarning)
 
-        from .consumer import Consumer
         from .scale import Scale
         if comm_buffer is None:
             comm_buffer = CommBuffer(group, opts.transport)
@@ -225,11 +238,7 @@ class OverlapCombine:
         self._async_errors = opts.error_check == "async"
         self._y = None
         self.cs = torch.cuda.Stream(device=dev, priority=-1)
-        self.consumer = Consumer(opts.transport, opts.consumer_threads, opts.consumer_unroll,
-                                 self.timeout_ns, local_copy=opts.local_copy, copy=opts.copy,
-                                 stages=opts.consumer_stages, chunk_bytes=opts.consumer_chunk,
-                                 lookahead=opts.consumer_lookahead,
-                                 **({"arrival": "segment"} if self.ordered else {}))
+        self.consumer = consumer_for(opts)
         self.scale = Scale(topk, timeout_ns=self.timeout_ns, y_src=not opts.local_copy)
         self.oscale = self.queue = None
         if self.ordered:
