@@ -5,6 +5,8 @@ library on the same rows unpadded (one GPU; issue 36's measurement).
     PYTHONPATH=$PWD python bench/bench_producer_models.py --quick --out $OUT
     PYTHONPATH=$PWD python bench/bench_producer_models.py \\
         --variants default,group_by=expert,tile_m=64 --points 'deepseek-v3@4096/*' --out $OUT
+    PYTHONPATH=$PWD python bench/bench_producer_models.py --beside consumer \\
+        --variants default,cluster_n=2 --worlds 2,8,16 --out $OUT
 
 Points: model (deepseek-v3, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x7b:
 moe_overlap/combine/shapes.py) x tokens per rank (4096, 16384) x W (1, 2, 8, 16; W must divide
@@ -34,6 +36,26 @@ the valid rows. Goals (issue 36), per variant: SM-scaled ratio >= 0.95 on every 
 geometric mean >= 1.0. The run fails (``failed`` in the JSON, exit status 1) on a wrong output or
 where the variant `MoECombine` launches ("default", else the first) misses a goal.
 JSON: ``producer_models_<card>_<commit>[_<tag>].json`` in --out.
+
+--beside consumer (default none; issue 36's open question: do clusters of 2 leave part of the
+persistent grid without a free SM pair beside a real consumer?): each variant of ccta > 0 is
+also launched as ``OverlapCombine._forward_overlap`` launches it, inside one timed CUDA graph:
+epoch += 1, the side stream (high priority) waits on the main one, the producer on the main
+stream, then the real consumer (``overlap.consumer_for`` the resolved options: its variant,
+ccta CTAs, the resolved piece rows) on the side stream, spinning on the band flags and shipping
+rank 0's segments, the main stream waits on the side one. One process, no NVSHMEM: the
+consumer's peers are loopback copies on this GPU (moe_overlap/combine/loopback.py: a
+``CommBuffer`` on a ``LoopbackRuntime``, each of the W ranks' receive slots and communication
+block of the size the combine allocates), so every segment lands in local memory (nvlink
+transport only; W x one rank's buffer must fit in free memory, else the point is recorded in
+``beside_skipped``). Per variant: ``beside_consumer_ms`` (the makespan, timed in the same
+rounds as the rest), ``beside_consumer_over_alone`` (/ ``ms``, the producer alone: today's
+time, kept), ``beside_consumer_ratio`` / ``_scaled_ratio``; the goals stay on ``ms``. Checked
+first, per point: y and every receive slot poisoned, one call, then every shipped row bitwise
+y's row, no other receive row written, each copy's counter (call marker + rows) and epoch tag,
+the band flags at the epoch, the error word clear, y bitwise the producer's output alone
+(``beside_consumer_check``; a failure makes the point wrong). The JSON's ``time_fields`` says
+what each time is; ``beside_consumer`` per variant: geomean / max of the over-alone factor.
 
 Variants (--variants, comma-separated): "default" (the library's options) or key=value pairs
 joined by "+": keys of ``CombineOptions`` (ccta, mgb, order, layout, ...) change the options
@@ -73,6 +95,16 @@ TOL = 1e-2  # relative norm error against the per-expert loop (bf16 outputs)
 TILE_M = 128  # MoECombine's default
 TILE_MS = (64, 128)  # the band heights a variant may ask for (tile_m=64: less padding)
 LEAD_MS = 2.0  # GPU sleep before each timed call (time_interleaved)
+LOOPBACK_HEADROOM = 4 << 30  # free bytes left beside the loopback buffers (graphs, checks)
+BESIDE = ("none", "consumer")  # --beside
+TIME_FIELDS = {  # what each time of a variant's record is (the JSON's "time_fields")
+    "none": {"ms": "the producer alone, ccta SMs left out of its grid and idle"},
+    "consumer": {
+        "ms": "the producer alone, ccta SMs left out of its grid and idle",
+        "beside_consumer_ms": "makespan of one graph replay of the combine's order: epoch += 1, "
+                              "producer, the real consumer on the ccta SMs (side stream) "
+                              "shipping into loopback peers; ccta > 0 only",
+        "beside_consumer_over_alone": "beside_consumer_ms / ms"}}
 DEVICE = "cuda"  # (the CPU test of run_point swaps the kernel and the clock for stand-ins)
 OPTION_FIELDS = {f.name for f in dataclasses.fields(CombineOptions)} - {"gemm_options"}
 
@@ -126,6 +158,17 @@ def variant_options(variant: dict) -> CombineOptions:
     o = CombineOptions(**variant["options"], gemm_options=variant["gemm_options"] or None)
     o.check_gemm_options(variant.get("tile_m", TILE_M))
     return o
+
+
+def check_beside(options: CombineOptions, beside: str, name: str) -> CombineOptions:
+    """ValueError where --beside consumer cannot run the variant: the loopback peers take the
+    nvlink consumer only (its stores go through the peer table; nvshmem's through NVSHMEM)."""
+    if beside not in BESIDE:
+        raise ValueError(f"--beside {beside!r}; choose from {BESIDE}")
+    if beside == "consumer" and options.transport != "nvlink":
+        raise ValueError(f"--beside consumer: variant {name!r} has transport="
+                         f"{options.transport!r}; the loopback peers ship nvlink only")
+    return options
 
 
 def point_label(p: dict) -> str:
@@ -250,7 +293,30 @@ def summarize(doc: dict) -> dict:
     correct = all(p.get("correct", False) for p in doc["points"]) and bool(doc["points"])
     doc.update(goals=goals, ours_variant=ours, all_correct=correct,
                failed=not (correct and goals[ours]["met"]))
+    if doc.get("beside") == "consumer":
+        doc["beside_consumer"] = {v["name"]: beside_summary(doc["points"], v["name"])
+                                  for v in doc["variants"]}
     return doc
+
+
+def beside_summary(points: list, name: str) -> dict:
+    """A variant's producer time beside the consumer over its time alone, over the points
+    where both were timed (geometric mean, max), and the labels of the points not timed
+    beside it (ccta 0: no consumer; or the loopback did not fit: ``beside_skipped``)."""
+    over, not_timed = {}, []
+    for p in points:
+        r = p.get("variants", {}).get(name)
+        if r is None:
+            continue
+        if "beside_consumer_over_alone" in r:
+            over[p["label"]] = r["beside_consumer_over_alone"]
+        else:
+            not_timed.append(p["label"])
+    vals = list(over.values())
+    return dict(points=len(vals), not_timed=not_timed,
+                geomean_over_alone=math.exp(sum(math.log(v) for v in vals) / len(vals))
+                if vals else None, max_over_alone=max(vals) if vals else None,
+                worst=max(over, key=over.get) if vals else None)
 
 
 # ------------------------------------------------------------------------------ the GPU part
@@ -271,9 +337,40 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, seed: int):
+def side_stream(dev):
+    """The consumer's stream beside the producer (high priority, as ``OverlapCombine.cs``)."""
+    return torch.cuda.Stream(device=dev, priority=-1)
+
+
+def free_device_bytes(dev) -> int | None:
+    """Free memory of the device (None off CUDA: not checked)."""
+    return torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else None
+
+
+def loopback_layers(point: dict, resolved: dict) -> dict:
+    """{variant name: LayerShape} of the variants a consumer runs beside (ccta > 0): the
+    communication size ``OverlapCombine`` attaches for the point's layer (T x topk rows of N;
+    with scale="ordered" its per-segment arrival words)."""
+    from moe_overlap.combine.comm_buffer import LayerShape
+    return {name: LayerShape(point["tokens"], point["topk"], point["N"],
+                             experts=point["E"] if opts.scale == "ordered" else 0,
+                             tile_m=tile_m)
+            for name, (_, opts, _, tile_m) in resolved.items() if opts.ccta > 0}
+
+
+def loopback_bytes(layers, world_size: int) -> int:
+    """Device bytes of the loopback buffer for these layers: W copies of what one rank's shared
+    CommBuffer holds (``heap_report``'s shared bytes: the combine's own sizing)."""
+    from moe_overlap.combine.comm_buffer import heap_report
+    return world_size * heap_report(list(layers), world_size)["shared_bytes"]
+
+
+def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, seed: int,
+              beside: str = "none"):
     """One point: every variant's launch and both baselines checked, then timed in the same
-    interleaved rounds. resolved: {variant name: (requested, resolved options, tuned, tile_m)}."""
+    interleaved rounds. resolved: {variant name: (requested, resolved options, tuned, tile_m)}.
+    beside="consumer": each variant with ccta > 0 is also launched and timed with the real
+    consumer beside it (``beside_consumer``), checked first (``check_loopback``)."""
     from moe_overlap.combine.baseline import plan_to_compact_rows
     from moe_overlap.combine.grouped_gemm import GroupedGemm
     from moe_overlap.combine.options import producer_gemm_options, producer_tile_n
@@ -325,7 +422,8 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         nb = int(plan.num_bands.item())
         cluster = gemm.cluster_for(N)
         grid = (S - opts.ccta) - (S - opts.ccta) % cluster
-        ours[name] = dict(y=y, idx=idx, ready=ready, err=err, plan=plan, signal=gemm.signal)
+        ours[name] = dict(y=y, idx=idx, ready=ready, err=err, plan=plan, signal=gemm.signal,
+                          gemm=gemm, x=x, opts=opts, tile_m=tile_m)
         rec["variants"][name] = dict(
             requested=dict({f.name: getattr(req, f.name) for f in dataclasses.fields(req)},
                            gemm_options=dict(req.gemm_options)),
@@ -358,6 +456,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         want = torch.where(valid, epoch, torch.zeros_like(epoch)) if o["signal"] else 0
         r["flags_ok"] = bool((o["ready"] == want).all())
         r["error_word"] = describe_error(o["err"].tolist()) or ""
+        o["alone_rows"] = got if beside == "consumer" else None  # (a copy: y[idx])
         if first is None:
             first = got
         r["bitwise_vs_first_variant"] = bool(torch.equal(got.view(torch.int16),
@@ -365,6 +464,18 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         r["correct"] = (r["finite"] and r["err_vs_loop"] <= TOL and r["flags_ok"]
                         and not r["error_word"] and r["bitwise_vs_first_variant"])
         ok &= r["correct"]
+    # ---- the real consumer beside the producer (--beside consumer): set up and checked ---
+    rec["beside"] = beside
+    if beside == "consumer":
+        for name, fn in beside_consumer(point, ours, w, rec, dev).items():
+            fns[name + BESIDE_KEY] = fn
+            r = rec["variants"][name]
+            r["bitwise_beside_vs_alone"] = bool(torch.equal(
+                ours[name]["y"][ours[name]["idx"]].view(torch.int16),
+                ours[name]["alone_rows"].view(torch.int16)))
+            r["correct"] = (r["correct"] and r["beside_consumer_check"]["ok"]
+                            and r["bitwise_beside_vs_alone"])
+            ok &= r["correct"]
     rec["correct"] = bool(ok)
     # ---- timing: CUDA graphs, interleaved rounds in a random order ----------------------
     graphs = {k: timing.graphed(f) for k, f in fns.items()}
@@ -383,7 +494,123 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         r["scaled_ratio"] = scaled_ratio(r["ratio"], S, r["ccta"])
         r["ratio_paired"] = sorted(a / b for a, b in zip(t[best]["times"], t[name]["times"])
                                    )[rounds // 2]
+        b = name + BESIDE_KEY
+        if b in t:  # the makespan of producer + consumer (one graph replay)
+            r["beside_consumer_ms"], r["beside_consumer_p10_ms"], r["beside_consumer_p90_ms"] = (
+                t[b][q] for q in ("median_ms", "p10_ms", "p90_ms"))
+            r["beside_consumer_ratio"] = rec["base_ms"] / r["beside_consumer_ms"]
+            r["beside_consumer_scaled_ratio"] = scaled_ratio(r["beside_consumer_ratio"], S,
+                                                             r["ccta"])
+            r["beside_consumer_over_alone"] = r["beside_consumer_ms"] / r["ms"]
     return rec
+
+
+BESIDE_KEY = "|beside_consumer"  # timing key suffix of a variant's launch beside the consumer
+
+
+def beside_consumer(point: dict, ours: dict, w, rec: dict, dev) -> dict:
+    """The combine's launch order, with the real consumer, for every variant of ccta > 0:
+    {variant name: fn}. One loopback communication buffer (moe_overlap/combine/loopback.py:
+    one copy of rank 0's buffers per rank of W on this GPU, sized by the combine's
+    CommBuffer) serves them all, as one CommBuffer serves the layers of a model; each fn is
+    OverlapCombine._forward_overlap's producer and consumer part: epoch += 1 (begin_call), the
+    side stream waits on the main one, the producer (the variant's GroupedGemm, the buffer's
+    epoch and error word), the consumer (``consumer_for`` the resolved options, ccta CTAs,
+    the resolved piece rows) on the side stream, the main stream waits on it. Before timing,
+    each is run once alone (modules loaded) and once checked: y and the receive slots
+    poisoned, one call, then ``check_loopback`` (every shipped row bitwise y's, nothing else
+    written, counters, tags, error word) and the band flags at the epoch; into
+    rec["variants"][name]["beside_consumer_check"]. A point whose loopback does not fit in
+    free memory is recorded in rec["beside_skipped"] (no fn)."""
+    from moe_overlap.combine.comm_buffer import ordered_segment_capacity
+    from moe_overlap.combine.loopback import (attach_layer, check_loopback, loopback_comm_buffer,
+                                              loopback_copies, poison_slots)
+    from moe_overlap.combine.overlap import consumer_for
+    W, T, topk, N, E = (point[k] for k in ("world_size", "tokens", "topk", "N", "E"))
+    layers = loopback_layers(point, {n: (None, o["opts"], None, o["tile_m"])
+                                     for n, o in ours.items()})
+    if not layers:
+        return {}
+    for name in layers:
+        if ours[name]["opts"].transport != "nvlink":
+            raise ValueError(f"--beside consumer: variant {name!r} resolves transport="
+                             f"{ours[name]['opts'].transport!r}; the loopback ships nvlink only")
+    need, free = loopback_bytes(layers.values(), W), free_device_bytes(dev)
+    rec["beside_loopback_bytes"] = need
+    if free is not None and need + LOOPBACK_HEADROOM > free:
+        rec["beside_skipped"] = (f"the loopback buffers need {need / 2**30:.1f} GiB, "
+                                 f"{free / 2**30:.1f} GiB free")
+        return {}
+    buf = loopback_comm_buffer(W, dev)
+    cs = side_stream(dev)
+    fns = {}
+    for name in layers:
+        o = ours[name]
+        opts, p, gemm, x, y = o["opts"], o["plan"], o["gemm"], o["x"], o["y"]
+        ordered = opts.scale == "ordered"
+        seg_cap = ordered_segment_capacity(W, T, topk, E // W, o["tile_m"]) if ordered else 0
+        if ordered and p.segment_capacity != seg_cap:  # the arrival words' row stride
+            raise ValueError(f"{name}: plan segment capacity {p.segment_capacity} != the "
+                             f"layer's {seg_cap} (plans of MoECombine.plan's max_rows)")
+        ready = torch.zeros(p.band_capacity, dtype=torch.int32, device=dev)
+        o["attached"] = attach_layer(buf, T * topk, N * 2, W * seg_cap, band_ready=ready)
+        consumer = consumer_for(opts)
+
+        def produce(gemm=gemm, x=x, y=y, p=p, ready=ready, c=opts.ccta):
+            gemm(x, w, y, p.band_expert, p.band_src_row, p.schedule, p.num_bands, ready,
+                 buf.epoch, ccta=c, err=buf.err)
+
+        def ship(consumer=consumer, y=y, p=p, ready=ready, c=opts.ccta,
+                 pr=opts.consumer_piece_rows):
+            b = buf.buffers
+            consumer.launch(y=y, plan=p, band_ready=ready, epoch=buf.epoch,
+                            recv_peers=b.recv_peers, ctr_peers=b.ctr_peers,
+                            recv_sym=b.recv.data_ptr(), ctr_sym=b.counters.data_ptr(),
+                            err=buf.err, ccta=c, slot_bytes=buf.slot_bytes, piece_rows=pr,
+                            stream=cs)
+
+        def call(produce=produce, ship=ship):
+            s0 = torch.cuda.current_stream(dev)
+            buf.epoch.add_(1)  # begin_call: a new epoch, so last call's flags do not match
+            cs.wait_stream(s0)  # on begin_call, not on the producer (launched first)
+            produce()
+            with torch.cuda.stream(cs):
+                ship()
+            s0.wait_stream(cs)
+        fns[name] = call
+        o["beside"] = dict(produce=produce, ship=ship, seg_cap=seg_cap,
+                           arrival="segment" if ordered else "counter")
+    for name, call in fns.items():
+        o, r = ours[name], rec["variants"][name]
+        # alone first: the producer, then the consumer finding every flag set (loads its
+        # module while nothing spins, as OverlapCombine's warm-up)
+        buf.epoch.add_(1)
+        o["beside"]["produce"]()
+        torch.cuda.synchronize()
+        o["beside"]["ship"]()
+        torch.cuda.synchronize()
+        o["y"].fill_(float("nan"))
+        poison_slots(buf)
+        blocks = [b.clone() for b in loopback_copies(buf)["block"]]
+        call()
+        torch.cuda.synchronize()
+        epoch = int(buf.epoch.item())
+        chk = check_loopback(o["plan"], o["y"], buf, blocks, epoch, o["opts"].local_copy,
+                             o["beside"]["arrival"], o["beside"]["seg_cap"])
+        p, nb = o["plan"], r["bands"]
+        valid = torch.zeros(p.band_capacity, dtype=torch.bool, device=dev)
+        valid[p.schedule[:nb].long()] = True
+        chk["flags_ok"] = bool((o["attached"].band_ready[valid] == epoch).all())
+        chk["ok"] = chk["ok"] and chk["flags_ok"]
+        opts = o["opts"]
+        chk.update(epoch=epoch, consumer=dict(
+            ccta=opts.ccta, piece_rows=opts.consumer_piece_rows, copy=opts.copy,
+            local_copy=opts.local_copy, scale=opts.scale, threads=opts.consumer_threads,
+            stages=opts.consumer_stages, chunk=opts.consumer_chunk))
+        r["beside_consumer_check"] = chk
+    rec["beside_loopback"] = dict(world_size=W, slot_bytes=buf.slot_bytes,
+                                  block_words=int(buf.buffers.block.numel()))
+    return fns
 
 
 def add_point_arguments(ap):
@@ -423,14 +650,20 @@ def main(argv=None) -> int:
                     help="comma-separated: default, or key=value[+key=value] (module doc)")
     ap.add_argument("--gemm-option", action="append", default=[], metavar="KEY=VALUE",
                     help="producer GEMM option for every variant (repeatable)")
+    ap.add_argument("--beside", choices=BESIDE, default="none",
+                    help="consumer: also time each variant of ccta > 0 with the real consumer "
+                    "beside it, into loopback peers (module doc)")
     a = parse_point_arguments(ap, argv)
+    if a.beside == "consumer":
+        # a spinning kernel next to a lazily loaded module can stall (OverlapCombine's warning)
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     try:
         gemm_opts = {}
         for kv in a.gemm_option:
             gemm_opts.update(parse_pairs(kv, "--gemm-option"))
         variants = parse_variants(a.variants, gemm_opts)
         for v in variants:
-            variant_options(v)  # every option checked before any GPU work
+            check_beside(variant_options(v), a.beside, v["name"])  # before any GPU work
         points, skipped = make_points(
             [m for m in a.models.split(",") if m], [int(t) for t in a.tokens.split(",")],
             [int(w) for w in a.worlds.split(",")], [r for r in a.routings.split(",") if r])
@@ -447,6 +680,7 @@ def main(argv=None) -> int:
     cache = TuneCache()
     doc = dict(result_header("producer_models"), card=card_of(dev_name), gpus=1, num_sms=S,
                tune_cache=cache.path, rounds=a.rounds, lead_ms=LEAD_MS, tol=TOL,
+               beside=a.beside, time_fields=TIME_FIELDS[a.beside],
                variants=variants, skipped_points=skipped, routings={}, points=[],
                method="ours: GroupedGemm with the options CombineOptions.resolve gives the "
                       "layer (producer_gemm_options), ccta SMs left out of its grid; base: the "
@@ -472,18 +706,29 @@ def main(argv=None) -> int:
             counts_cache[key] = routing_counts_for(p["model"], p["tokens"], p["routing"], w_max)
             doc["routings"]["{}@{}/{}".format(*key)] = dict(counts_cache[key][1], ranks=w_max)
         counts, info = counts_cache[key]
-        rec = run_point(p, counts, resolved[p["label"]], a.rounds, a.seed + i)
+        rec = run_point(p, counts, resolved[p["label"]], a.rounds, a.seed + i, a.beside)
         torch.cuda.empty_cache()  # the point's tensors and graphs went with run_point's frame
         rec["routing_mode"], rec["routing_seed"] = info["mode"], info["seed"]
         doc["points"].append(rec)
         vs = " ".join(f"{n}: ccta {r['ccta']} {r['ms']:.3f} ms {r['ratio']:.3f}x "
-                      f"({r['scaled_ratio']:.3f}x scaled)" for n, r in rec["variants"].items())
+                      f"({r['scaled_ratio']:.3f}x scaled)"
+                      + (f", beside the consumer {r['beside_consumer_ms']:.3f} ms "
+                         f"({r['beside_consumer_over_alone']:.3f}x alone)"
+                         if "beside_consumer_ms" in r else "")
+                      for n, r in rec["variants"].items())
+        if rec.get("beside_skipped"):
+            vs += f" | beside: skipped ({rec['beside_skipped']})"
         el = time.time() - t0
         print(f"[{i + 1}/{len(points)} {el:5.0f} s, ~{el / (i + 1) * (len(points) - i - 1):.0f} "
               f"s left] {p['label']:<36} rows {rec['valid_rows']:>6} base {rec['base']} "
               f"{rec['base_ms']:.3f} ms | {vs} | correct {rec['correct']}", flush=True)
     summarize(doc)
     path = write_result(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag))
+    for name, bs in doc.get("beside_consumer", {}).items():
+        if bs["points"]:
+            print(f"{name} beside the consumer: {bs['geomean_over_alone']:.3f}x its time alone "
+                  f"(geomean of {bs['points']} points; max {bs['max_over_alone']:.3f}x at "
+                  f"{bs['worst']}); not timed beside: {len(bs['not_timed'])}")
     for name, gl in doc["goals"].items():
         print(f"{name}: SM-scaled min {gl['min_scaled']:.3f} (goal {GOAL_SCALED}, below on "
               f"{len(gl['below'])}), geomean {gl['geomean_scaled']:.3f} (goal {GOAL_GEOMEAN}): "

@@ -195,3 +195,175 @@ def test_one_point_on_the_cpu_with_stand_ins(monkeypatch):
     assert r1["correct"] and d1["ccta"] == 0 and d1["grid"] == 132, d1
     assert not d1["gemm"]["signal"] and d1["flags_ok"]
     assert d1["scaled_ratio"] == d1["ratio"]
+
+
+def _cpu_stand_ins(monkeypatch, ms):
+    """The producer kernel by its torch reference, graphs and clock by plain calls and the
+    fixed times ``ms`` (keys: timing names), streams by no-ops."""
+    import contextlib
+    import torch
+    from types import SimpleNamespace
+    from moe_overlap import timing
+    from moe_overlap.combine import grouped_gemm as gg
+
+    def reference_call(self, x, w, y, be, bs, sched, nb, ready, epoch, ccta=0, err=None, **kw):
+        return gg.grouped_gemm_reference(x, w, y, be, bs, sched, nb, self.tile_m,
+                                         band_ready=ready if self.signal else None, epoch=epoch)
+    monkeypatch.setattr(gg.GroupedGemm, "__call__", reference_call)
+    monkeypatch.setattr(B, "DEVICE", "cpu")
+    monkeypatch.setattr("moe_overlap.timing.graphed", lambda fn: SimpleNamespace(replay=fn))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(multi_processor_count=132))
+    no_stream = SimpleNamespace(wait_stream=lambda s: None)
+    monkeypatch.setattr(B, "side_stream", lambda dev: no_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: no_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    called = []
+
+    def fake_time(fns, rounds, **kw):
+        for f in fns.values():
+            f()
+        called.append(sorted(fns))
+        return {k: dict(median_ms=ms[k], p10_ms=ms[k], p90_ms=ms[k], times=[ms[k]] * rounds)
+                for k in fns}
+    monkeypatch.setattr(timing, "time_interleaved", fake_time)
+    return called
+
+
+def _reference_consumer(monkeypatch, plant=None):
+    """Consumer.launch replaced by a plain shipper (the loopback buffers found through the
+    bench's loopback_comm_buffer): each valid segment whose bands' flags equal the epoch goes
+    to its destination's slot, with its arrival, the call marker and the tag, as the kernel
+    does. plant="row": the first segment's first row arrives wrong."""
+    import torch
+    from moe_overlap.combine import consumer as C
+    from moe_overlap.combine import loopback as L
+    from moe_overlap.kernels.errors import call_tag, epoch_tag_word
+    bufs, launches = [], []
+    make = L.loopback_comm_buffer
+
+    def recording(*a, **k):
+        bufs.append(make(*a, **k))
+        return bufs[-1]
+    monkeypatch.setattr(L, "loopback_comm_buffer", recording)
+
+    def launch(self, *, y, plan, band_ready, epoch, recv_peers, ctr_peers, recv_sym, ctr_sym,
+               err, ccta, slot_bytes, piece_rows=0, stream=None):
+        buf = next(b for b in bufs if b.buffers.recv_peers is recv_peers)
+        cp = L.loopback_copies(buf)
+        W, rank, e, n_w = plan.world_size, plan.rank, int(epoch[0]), y.shape[1]
+        launches.append(dict(ccta=ccta, piece_rows=piece_rows, epoch=e, copy=self.copy))
+        rows = slot_bytes // (2 * n_w)
+        for d in range(W):
+            cp["block"][d][epoch_tag_word(W, e & 1, rank)] = call_tag(
+                e, int(plan.counts_fingerprint[0]))
+            cp["block"][d][rank] += 1
+        for s in range(int(plan.num_segments[0])):
+            a, nb = int(plan.segment_start[s]), int(plan.segment_bands[s])
+            assert all(int(band_ready[int(b)]) == e for b in plan.schedule[a:a + nb])
+            d, src, dst, n = (int(t[s]) for t in (plan.segment_dest, plan.segment_src_row,
+                                                   plan.segment_dest_row, plan.segment_rows))
+            slot = cp["recv"][d][(e & 1) * rows * n_w:((e & 1) + 1) * rows * n_w].view(rows, n_w)
+            slot[dst:dst + n] = y[src:src + n]
+            if plant == "row" and s == 0:
+                slot[dst] = y[src] + 1
+            cp["block"][d][rank] += n
+    monkeypatch.setattr(C.Consumer, "launch", launch)
+    return launches
+
+
+def _tiny():
+    from moe_overlap.routing import routing_counts
+    point = dict(model="tiny", tokens=96, world_size=2, routing="skewed", E=8, topk=2, K=64,
+                 N=256, label="tiny@96/W2/skewed")
+    return point, routing_counts(2, 96, 8, 2, "moderate_skew", 1)
+
+
+@pytest.mark.parametrize("plant", [None, "row"])
+def test_one_point_beside_the_consumer_on_the_cpu(monkeypatch, plant):
+    """--beside consumer end to end on the CPU, the consumer kernel replaced by a plain
+    shipper: per variant of ccta > 0 a call of the combine's order into loopback peers,
+    checked (rows, counters, tags, flags, error word), timed under its own key; a planted
+    wrong row makes the point wrong. W = 1 (ccta 0): nothing beside, nothing timed."""
+    ms = {"base:grouped_mm": 2.0, "base:mm_loop": 1.0, "default": 1.25, "cluster_n=2": 1.2,
+          "default" + B.BESIDE_KEY: 1.5, "cluster_n=2" + B.BESIDE_KEY: 1.8}
+    called = _cpu_stand_ins(monkeypatch, ms)
+    launches = _reference_consumer(monkeypatch, plant)
+    point, counts = _tiny()
+    cache = TuneCache("/nonexistent/moe-overlap-test/tune.json")  # read only, empty
+    variants = B.parse_variants("default,cluster_n=2")
+    resolved = {v["name"]: B.resolve(point, v, 132, "FakeGPU", cache) for v in variants}
+    rec = B.run_point(point, counts, resolved, rounds=3, seed=0, beside="consumer")
+    json.dumps(rec)
+    assert called[-1] == sorted(ms)  # both launches of both variants in the same rounds
+    d, c2 = rec["variants"]["default"], rec["variants"]["cluster_n=2"]
+    assert d["gemm"]["cluster_n"] == 1 and c2["gemm"]["cluster_n"] == 2
+    ccta, pr = resolved["default"][1].ccta, resolved["default"][1].consumer_piece_rows
+    # the resolved ccta and piece rows, a new epoch per call (warm-up, check, graph warm-up..)
+    assert all(x["ccta"] == ccta and x["piece_rows"] == pr and x["copy"] == "tma"
+               for x in launches)
+    epochs = [x["epoch"] for x in launches]
+    assert epochs == sorted(set(epochs))
+    chk = d["beside_consumer_check"]
+    assert chk["shipped_rows"] == int(counts[1, :4].sum()) > 0  # rank 1's rows of rank 0
+    assert chk["consumer"]["ccta"] == ccta and chk["flags_ok"]
+    assert rec["beside_loopback"]["world_size"] == 2
+    if plant is None:
+        assert rec["correct"] and chk["ok"] and c2["beside_consumer_check"]["ok"], chk
+        assert d["bitwise_beside_vs_alone"]
+        assert d["ms"] == 1.25 and d["beside_consumer_ms"] == 1.5
+        assert d["beside_consumer_over_alone"] == pytest.approx(1.5 / 1.25)
+        assert d["beside_consumer_ratio"] == pytest.approx(1.0 / 1.5)
+        assert d["beside_consumer_scaled_ratio"] == pytest.approx(132 / (132 - ccta) / 1.5)
+    else:
+        assert not rec["correct"] and not chk["ok"] and not chk["rows_ok"], chk
+        assert chk["untouched_ok"] and chk["counters_ok"] and chk["tags_ok"]
+    # W = 1: ccta 0, no consumer beside, only the alone launches timed
+    one = dict(point, world_size=1, label="tiny@96/W1/skewed")
+    res1 = {v["name"]: B.resolve(one, v, 132, "FakeGPU", cache) for v in variants}
+    n = len(launches)
+    r1 = B.run_point(one, counts, res1, rounds=3, seed=0, beside="consumer")
+    assert r1["correct"] and len(launches) == n and called[-1] == sorted(
+        ["base:grouped_mm", "base:mm_loop", "default", "cluster_n=2"])
+    assert "beside_consumer_ms" not in r1["variants"]["default"]
+
+
+def test_beside_consumer_that_does_not_fit_is_recorded(monkeypatch):
+    ms = {"base:grouped_mm": 2.0, "base:mm_loop": 1.0, "default": 1.25}
+    _cpu_stand_ins(monkeypatch, ms)
+    launches = _reference_consumer(monkeypatch)
+    point, counts = _tiny()
+    res = {"default": B.resolve(point, B.parse_variants("default")[0], 132, "FakeGPU",
+                                TuneCache("/nonexistent/moe-overlap-test/tune.json"))}
+    need = B.loopback_bytes(B.loopback_layers(point, res).values(), 2)
+    monkeypatch.setattr(B, "free_device_bytes", lambda dev: need + B.LOOPBACK_HEADROOM - 1)
+    rec = B.run_point(point, counts, res, rounds=3, seed=0, beside="consumer")
+    assert "GiB" in rec["beside_skipped"] and not launches and rec["correct"]
+    assert "beside_consumer_ms" not in rec["variants"]["default"]
+    doc = B.summarize(dict(beside="consumer", variants=[dict(name="default")], points=[
+        dict(rec, label=point["label"])]))
+    assert doc["beside_consumer"]["default"] == dict(
+        points=0, not_timed=[point["label"]], geomean_over_alone=None, max_over_alone=None,
+        worst=None)
+
+
+def test_beside_summary_and_arguments():
+    pts = [dict(label=lab, variants={"default": dict(beside_consumer_over_alone=v)})
+           for lab, v in (("a", 1.0), ("b", 1.21))] + [dict(label="c", variants={
+               "default": dict(ccta=0)})]
+    s = B.beside_summary(pts, "default")
+    assert s["points"] == 2 and s["not_timed"] == ["c"] and s["worst"] == "b"
+    assert s["geomean_over_alone"] == pytest.approx(1.1) and s["max_over_alone"] == 1.21
+    assert "beside_consumer" not in B.summarize(_doc([(1.0,), (1.05,)]))  # off by default
+    # the loopback ships nvlink only: an nvshmem variant stops before any GPU work
+    for argv in (["--beside", "consumer", "--variants", "transport=nvshmem"],
+                 ["--beside", "pigeon"]):
+        with pytest.raises(SystemExit) as e:
+            B.main(argv + ["--out", "unused"])
+        assert e.value.code == 2
+    o = B.variant_options(B.parse_variants("transport=nvshmem")[0])
+    assert B.check_beside(o, "none", "x") is o
+    with pytest.raises(ValueError):
+        B.check_beside(o, "consumer", "x")
+    assert set(B.TIME_FIELDS["consumer"]) >= {"ms", "beside_consumer_ms"}
