@@ -50,7 +50,8 @@ block of the size the combine allocates), so every segment lands in local memory
 transport only; W x one rank's buffer must fit in free memory, else the point is recorded in
 ``beside_skipped``). Per variant: ``beside_consumer_ms`` (the makespan, timed in the same
 rounds as the rest), ``beside_consumer_over_alone`` (/ ``ms``, the producer alone: today's
-time, kept), ``beside_consumer_ratio`` / ``_scaled_ratio``; the goals stay on ``ms``. Checked
+time, kept), ``beside_consumer_ratio`` (base / it; not SM-scaled: the consumer uses those SMs);
+the goals stay on ``ms``. Checked
 first, per point: y and every receive slot poisoned, one call, then every shipped row bitwise
 y's row, no other receive row written, each copy's counter (call marker + rows) and epoch tag,
 the band flags at the epoch, the error word clear, y bitwise the producer's output alone
@@ -499,8 +500,6 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
             r["beside_consumer_ms"], r["beside_consumer_p10_ms"], r["beside_consumer_p90_ms"] = (
                 t[b][q] for q in ("median_ms", "p10_ms", "p90_ms"))
             r["beside_consumer_ratio"] = rec["base_ms"] / r["beside_consumer_ms"]
-            r["beside_consumer_scaled_ratio"] = scaled_ratio(r["beside_consumer_ratio"], S,
-                                                             r["ccta"])
             r["beside_consumer_over_alone"] = r["beside_consumer_ms"] / r["ms"]
     return rec
 
