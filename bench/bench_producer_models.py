@@ -422,7 +422,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
                           epoch, ccta=c, err=err))
         nb = int(plan.num_bands.item())
         cluster = gemm.cluster_for(N)
-        grid = (S - opts.ccta) - (S - opts.ccta) % cluster
+        grid = gemm.grid_size(S, opts.ccta, N)
         ours[name] = dict(y=y, idx=idx, ready=ready, err=err, plan=plan, signal=gemm.signal,
                           gemm=gemm, x=x, opts=opts, tile_m=tile_m)
         rec["variants"][name] = dict(

@@ -268,7 +268,10 @@ class GroupedGemm:
         split evenly where longer than band_group, runs of <= band_group packed by aligned
         windows), read from per-position tables built on the device each call (one small
         launch, or ``band_groups=`` passed in); band_group is then the most positions a group
-        holds (<= band_groups.MAX_GROUP).
+        holds (<= band_groups.MAX_GROUP);
+        cluster_slack: beside ccta consumer CTAs, leave cluster_n x ccta SMs out of the grid
+        (not ccta): each consumer CTA can break at most one free SM pair, so every cluster of the
+        persistent grid finds its SMs wherever the consumer's CTAs land (no second wave).
     All option checks are ``GroupedGemm.check_options`` (a static function, no CuTe DSL needed).
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
@@ -331,7 +334,7 @@ class GroupedGemm:
                  signal_k_tile=None, epi_n=32, epi_stages=4, cluster_n=None, flag_warp=None,
                  band_group=DEFAULT_BAND_GROUP, group_by="position", wait_arrival=False,
                  arrival_scope="gpu", arrival_timeout_ns=DEFAULT_ARRIVAL_TIMEOUT_NS,
-                 swiglu=False):
+                 swiglu=False, cluster_slack=False):
         GroupedGemm.check_options(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
                                   epi_stages, cluster_n, flag_warp, band_group, group_by,
                                   wait_arrival, arrival_scope, arrival_timeout_ns, swiglu)
@@ -339,6 +342,7 @@ class GroupedGemm:
         self.arrival_scope = arrival_scope
         self.arrival_timeout_ns = int(arrival_timeout_ns)
         self.swiglu = bool(swiglu)
+        self.cluster_slack = bool(cluster_slack)
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
         self.stages = stages
         self.signal = bool(signal)
@@ -351,6 +355,14 @@ class GroupedGemm:
         self._counters = {}
         self._errors = {}
         self._group_ws = {}  # group_by="expert": the tables' workspace per (device, B_cap)
+
+    def grid_size(self, sms: int, ccta: int, N: int) -> int:
+        """The persistent grid's CTAs on a device of ``sms`` SMs beside ``ccta`` consumer CTAs:
+        the SMs left (less cluster_n - 1 more per consumer CTA with cluster_slack), rounded down
+        to whole clusters."""
+        cluster = self.cluster_for(N)
+        grid = sms - ccta * (cluster if self.cluster_slack else 1)
+        return grid - grid % cluster
 
     def cluster_for(self, N):
         """Cluster size used for output width N."""
@@ -547,8 +559,7 @@ class GroupedGemm:
                                     band_groups=band_groups, band_arrived=band_arrived)
         if err is None:
             err = self.error_word(x.device)
-        grid = num_sms(x.device) - ccta
-        grid -= grid % self.cluster_for(N)
+        grid = self.grid_size(num_sms(x.device), ccta, N)
         if grid < 1:
             raise ValueError(f"ccta={ccta} leaves no SM for the producer")
         if band_counter is None:
