@@ -87,35 +87,6 @@ def _worker(rank, W, transport):
             res["grad_refused"] = False
         except OverlapError:
             res["grad_refused"] = True
-        # CUDA graph: new routings per replay, written into the captured inputs
-        g_ov = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, validate=False)
-        T = 50 + 7 * rank
-        x_in, ids_in = _inputs(rank, W, T, seed=500)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-
-        def step():
-            c = exchange_counts(ids_in, E, validate=False)
-            p = plan_combine(c, rank, tile_m=TILE_M, validate=False,
-                             max_rows=W * T_MAX * K)
-            return g_ov(x_in, ids_in, p, c, rows=p.row_capacity), p, c
-
-        with torch.cuda.stream(s):
-            step()  # warm: compiles, allocates
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_g, plan_g, counts_g = step()
-        for r in range(6):
-            x_new, ids_new = _inputs(rank, W, T, seed=600 + r, kind=("skew", "dup")[r % 2])
-            x_in.copy_(x_new)
-            ids_in.copy_(ids_new)
-            graph.replay()
-            torch.cuda.synchronize()
-            want = ref(x_new, ids_new, plan_g, counts_g, rows=out_g.shape[0])
-            res["graph"].append(bitwise_equal(out_g, want))
-        comm.check_errors()
         # a rank that skips a call: the others time out naming it
         x, ids = _inputs(rank, W, 20, seed=7)
         counts = exchange_counts(ids, E)
@@ -137,6 +108,39 @@ def _worker(rank, W, transport):
         out = ov(x, ids, plan, counts, rows=plan.row_capacity)
         res["after_reset"] = bitwise_equal(out, ref(x, ids, plan, counts, rows=plan.row_capacity))
         ov.check_errors()
+        # CUDA graph, last: new routings per replay, written into the captured inputs. A failed
+        # capture is recorded, not raised, so the eager checks above keep their verdicts
+        try:
+            g_ov = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, validate=False)
+            T = 50 + 7 * rank
+            x_in, ids_in = _inputs(rank, W, T, seed=500)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+
+            def step():
+                c = exchange_counts(ids_in, E, validate=False)
+                p = plan_combine(c, rank, tile_m=TILE_M, validate=False,
+                                 max_rows=W * T_MAX * K)
+                return g_ov(x_in, ids_in, p, c, rows=p.row_capacity), p, c
+
+            with torch.cuda.stream(s):
+                step()  # warm: compiles, allocates
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out_g, plan_g, counts_g = step()
+            for r in range(6):
+                x_new, ids_new = _inputs(rank, W, T, seed=600 + r, kind=("skew", "dup")[r % 2])
+                x_in.copy_(x_new)
+                ids_in.copy_(ids_new)
+                graph.replay()
+                torch.cuda.synchronize()
+                want = ref(x_new, ids_new, plan_g, counts_g, rows=out_g.shape[0])
+                res["graph"].append(bitwise_equal(out_g, want))
+            comm.check_errors()
+        except Exception as e:  # noqa: BLE001 - reported by test_graph_replays_with_new_routings
+            res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]
     res["W"], res["transport"] = W, ov.sender.transport
     return res
 
@@ -160,6 +164,8 @@ def test_per_source_expand_is_bitwise_and_flags_every_band(results):
 
 
 def test_graph_replays_with_new_routings(results):
+    for rank, r in enumerate(results):
+        assert "graph_error" not in r, (rank, r["graph_error"])
     for rank, r in enumerate(results):
         assert len(r["graph"]) == 6 and all(r["graph"]), (rank, r["graph"])
 

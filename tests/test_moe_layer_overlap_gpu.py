@@ -127,25 +127,29 @@ def _worker(rank, W, transport):
                 err=float((got.float().cpu() - truth).abs().max()) / scale if T else 0.0,
                 received=int(counts[:, rank * EL:(rank + 1) * EL].sum())))
         comm.check_errors()
-        # CUDA graph: captured once, replayed with new tokens (new routings)
-        T = 40 + 9 * rank
-        x_in = _tokens(rank, W, T, seed=50).to(dev)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            graphed(x_in)  # warm-up: compiles, allocates
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_g = graphed(x_in)
-        for r in range(8):
-            x_new = _tokens(rank, W, T, seed=60 + r, skew_to=(r % W) if r % 3 == 2 else None)
-            x_in.copy_(x_new.to(dev))
-            graph.replay()
+        # CUDA graph, last: captured once, replayed with new tokens (new routings); a failed
+        # capture is recorded, not raised, so the eager cases keep their verdicts
+        try:
+            T = 40 + 9 * rank
+            x_in = _tokens(rank, W, T, seed=50).to(dev)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                graphed(x_in)  # warm-up: compiles, allocates
+            torch.cuda.current_stream().wait_stream(s)
             torch.cuda.synchronize()
-            res["graph"].append(bitwise_equal(out_g.clone(), side(x_in.clone())))
-        comm.check_errors()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out_g = graphed(x_in)
+            for r in range(8):
+                x_new = _tokens(rank, W, T, seed=60 + r, skew_to=(r % W) if r % 3 == 2 else None)
+                x_in.copy_(x_new.to(dev))
+                graph.replay()
+                torch.cuda.synchronize()
+                res["graph"].append(bitwise_equal(out_g.clone(), side(x_in.clone())))
+            comm.check_errors()
+        except Exception as e:  # noqa: BLE001 - reported by test_graph_replays_with_new_routings
+            res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]
         res["err_word"] = [int(v) for v in comm.err.tolist()]
     return res
 
@@ -234,6 +238,7 @@ def test_cases_hold_a_zero_token_rank_and_a_rank_receiving_nothing(results):
 
 def test_graph_replays_with_new_routings(results):
     for rank, r in enumerate(results):
+        assert "graph_error" not in r, (rank, r["graph_error"])
         assert len(r["graph"]) == 8 and all(r["graph"]), (rank, r["graph"])
         assert r["err_word"] == [0] * 8, (rank, r["err_word"])
 
