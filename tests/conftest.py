@@ -180,7 +180,9 @@ def spawn_over_transport(worker, param):
     run); each rank's result names the transport its send used (``"transport"``), which must be
     the one asked for."""
     W, transport = param
-    res = spawn_ranks(worker, W, transport, backend="nccl", join_timeout_s=540, hard_exit=True)
+    # MOE_TEST_JOIN_TIMEOUT_S: a device call shorter than the default turns a hang into an error
+    join_s = float(os.environ.get("MOE_TEST_JOIN_TIMEOUT_S", "540"))
+    res = spawn_ranks(worker, W, transport, backend="nccl", join_timeout_s=join_s, hard_exit=True)
     assert all(r["transport"] == transport for r in res)
     return res
 
