@@ -511,6 +511,20 @@ class MoELayer(torch.nn.Module):
         return self.combine(h, self.w_down.detach(), plan, topk_ids, topk_weights,
                             routes=routes)
 
+    def check_errors(self) -> None:
+        """Synchronize; ``OverlapError`` if a device wait of any call on this layer's
+        communication buffer (its dispatch, up-projection or combine, or another layer sharing
+        it) timed out or recorded an error since construction or the last ``reset()``, naming
+        the rank and what it waited for. Nothing to check on the reference backend."""
+        self.combine.check_errors()
+
+    def reset(self) -> None:
+        """Collective (every rank, between calls, not under capture): usable again after a
+        device error. Clears the communication buffer the dispatch and the combine share
+        (error word, counters, epoch tags, epoch, the attached layers' band and arrival flags;
+        ``CommBuffer.reset``); on the reference backend a barrier."""
+        self.combine.reset()
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, topk={self.topk}, "
