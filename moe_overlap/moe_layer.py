@@ -37,6 +37,7 @@ AUTO_PICKS_OVERLAP = False
 UP_STREAMS = ("side", "same")
 EXPAND_WAITS = ("per_source", "all")  # MoEDispatch(expand_wait=), the layer's default first
 WEIGHT_LAYOUTS = ("auto", "halves", "interleaved")
+COUNTS_EXCHANGES = ("auto", "device", "host")
 UP_TILE_M = (64, 128)  # the up-projection GEMM's band heights (GroupedGemm)
 TILE_K = 64  # the GEMMs' K tile (bf16): D and K must be multiples of it
 
@@ -73,6 +74,13 @@ class MoELayerOptions:
         layout, blocks of up_tile_n / 2) or "auto" (interleaved on the overlap backend, halves
         on the reference). The parameter is stored once in this layout; the reference path reads
         the same tensor (``split_gate_up``).
+    counts_exchange: how the step's routing counts are all-gathered. "device" (the overlap
+        backend's "auto"): through the layer's CommBuffer by its post + gather kernels
+        (combine/counts_exchange.py, bounded by dispatch_timeout_s), so that with
+        validate=False the step holds no host collective and a CUDA graph captures it on any
+        process group (gloo, ranks sharing one GPU); "host": the process group's all-gather
+        (the reference, also the reference backend's resolved value: it has no CommBuffer).
+        Both give the same counts, bitwise; validate=True keeps its host checks either way.
     """
     send_ctas: int = 8
     dispatch_timeout_s: float = 10.0
@@ -82,6 +90,7 @@ class MoELayerOptions:
     up_ccta: int | str = "auto"
     weight_layout: str = "auto"
     expand_wait: str = "per_source"
+    counts_exchange: str = "auto"
 
     def validate(self) -> None:
         """ValueError / TypeError for a value no backend accepts (host only)."""
@@ -98,6 +107,9 @@ class MoELayerOptions:
             as_int("up_ccta", self.up_ccta, minimum=0)
         if self.expand_wait not in EXPAND_WAITS:
             raise ValueError(f"expand_wait={self.expand_wait!r}; choose from {EXPAND_WAITS}")
+        if self.counts_exchange not in COUNTS_EXCHANGES:
+            raise ValueError(f"counts_exchange={self.counts_exchange!r}; choose from "
+                             f"{COUNTS_EXCHANGES}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout={self.weight_layout!r}; choose from "
                              f"{WEIGHT_LAYOUTS}")
@@ -166,14 +178,17 @@ def resolve_layer(backend: str, options: MoELayerOptions | None, *, world_size: 
             raise ValueError(f"weight_layout='interleaved' needs intermediate_size="
                              f"{intermediate_size} a multiple of up_tile_n / 2 = "
                              f"{options.up_tile_n // 2}")
-        return backend, replace(options, weight_layout=layout, up_ccta=0)
+        return backend, replace(options, weight_layout=layout, up_ccta=0,
+                                counts_exchange="host")
     ccta = options.send_ctas if options.up_ccta == "auto" else int(options.up_ccta)
     if options.up_stream == "same":
         ccta = 0
     elif ccta < 1:
         raise ValueError("up_ccta=0 with up_stream='side': the dispatch's wait and expand need "
                          "an SM beside the persistent up-projection")
-    return backend, replace(options, weight_layout="interleaved", up_ccta=ccta)
+    counts = "device" if options.counts_exchange == "auto" else options.counts_exchange
+    return backend, replace(options, weight_layout="interleaved", up_ccta=ccta,
+                            counts_exchange=counts)
 
 
 def expand_ctas(options: MoELayerOptions) -> int | None:
@@ -468,8 +483,8 @@ class MoELayer(torch.nn.Module):
         validate=False (capturable: the side stream forks from and joins the layer's stream)."""
         o = self.options
         topk_weights, topk_ids = self.route(tokens)
-        counts = exchange_counts(topk_ids, self.num_experts, self.group,
-                                 validate=self.validate)  # [W, E]
+        counts = self.dispatch.exchange_counts(  # [W, E]; "device": no host collective
+            topk_ids, device=o.counts_exchange == "device")
         plan = self.combine.plan(counts)
         routes = self.combine.prepare(plan, topk_ids)
         dev = tokens.device

@@ -9,7 +9,9 @@ ranks of 0 tokens; the receive slots NaN-poisoned before the calls (a row read f
 shows); the per-source expand (expand_wait="per_source", signal_arrival, a 4-CTA grid) bitwise too,
 every band of the plan flagged with the call's epoch; a CUDA graph captured once and replayed with
 new routings written into the same input tensors (plan and counts recomputed inside the graph,
-validate=False); and a rank that skips a call: the others' waits time out (timeout_s=2) naming it,
+validate=False; the counts exchanged on the device, ``MoEDispatch.exchange_counts``, so the graph
+holds no host collective and captures on the gloo group of ranks sharing one GPU, and equal the
+host exchange's); and a rank that skips a call: the others' waits time out (timeout_s=2) naming it,
 reset() recovers.
 
 Run: ``MOE_OVERLAP_SHARE_GPU=1 CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1
@@ -117,8 +119,8 @@ def _worker(rank, W, transport):
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
 
-            def step():
-                c = exchange_counts(ids_in, E, validate=False)
+            def step():  # the counts on the device: no host collective (gloo captures it)
+                c = g_ov.exchange_counts(ids_in)
                 p = plan_combine(c, rank, tile_m=TILE_M, validate=False,
                                  max_rows=W * T_MAX * K)
                 return g_ov(x_in, ids_in, p, c, rows=p.row_capacity), p, c
@@ -137,7 +139,8 @@ def _worker(rank, W, transport):
                 graph.replay()
                 torch.cuda.synchronize()
                 want = ref(x_new, ids_new, plan_g, counts_g, rows=out_g.shape[0])
-                res["graph"].append(bitwise_equal(out_g, want))
+                host = exchange_counts(ids_new, E, validate=False)  # the host path's counts
+                res["graph"].append(bitwise_equal(out_g, want) and torch.equal(counts_g, host))
             comm.check_errors()
         except Exception as e:  # noqa: BLE001 - reported by test_graph_replays_with_new_routings
             res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]

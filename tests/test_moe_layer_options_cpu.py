@@ -49,7 +49,21 @@ def test_auto_resolves_to_overlap_only_where_it_runs_and_once(monkeypatch):
     assert _resolve("overlap", world_size=1)[0] == "overlap"
     # "reference" keeps a layout asked for (a converted checkpoint read on the CPU)
     ref = _resolve("reference", MoELayerOptions(weight_layout="interleaved"))
-    assert ref == ("reference", MoELayerOptions(weight_layout="interleaved", up_ccta=0))
+    assert ref == ("reference", MoELayerOptions(weight_layout="interleaved", up_ccta=0,
+                                                counts_exchange="host"))
+
+
+def test_counts_exchange_resolves_to_the_device_on_the_overlap_backend_only():
+    """The overlap backend exchanges the counts through its CommBuffer unless "host" is asked;
+    the reference backend (no CommBuffer) always on the host; a bad value is refused."""
+    assert _resolve("overlap")[1].counts_exchange == "device"
+    assert _resolve("overlap", MoELayerOptions(counts_exchange="host"))[1].counts_exchange \
+        == "host"
+    for asked in ("auto", "device", "host"):
+        o = _resolve("reference", MoELayerOptions(counts_exchange=asked))[1]
+        assert o.counts_exchange == "host", asked
+    with pytest.raises(ValueError, match="counts_exchange='nccl'"):
+        MoELayerOptions(counts_exchange="nccl").validate()
 
 
 @pytest.mark.parametrize("kw, exc, words", [

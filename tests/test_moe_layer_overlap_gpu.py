@@ -12,7 +12,9 @@ the CommBuffer they share), the receive slots NaN-poisoned after construction:
   token's experts and weights taken from the layer's router, the rest shares no code);
 - cases: random and skewed routings, a rank with 0 tokens, a rank that receives nothing;
 - a CUDA graph of the validate=False layer captured once and replayed with new tokens (new
-  routings) written into the captured input: bitwise the eager layer on the same tokens;
+  routings) written into the captured input: bitwise the eager layer on the same tokens; its
+  counts exchanged on the device (counts_exchange="device", the overlap default: no host
+  collective in the step, so it captures on the gloo group of ranks sharing one GPU);
 - the error words stay 0;
 - soak (W = 2, both transports): the captured layer replayed ``MOE_LAYER_SOAK_REPLAYS`` times
   (default 1000), new tokens (a new routing) before every replay, every replay bitwise the eager
@@ -112,7 +114,8 @@ def _worker(rank, W, transport):
                                          layer_options=MoELayerOptions(**opts))
     comm.buffers.recv.fill_(float("nan"))  # poisoned slots: a stale row would show
     res = {"cases": [], "graph": [], "W": W, "options": repr(side.options),
-           "transport": side.dispatch.sender.transport}
+           "transport": side.dispatch.sender.transport,
+           "graph_counts_exchange": graphed.options.counts_exchange}
     cases = [(70, None), (0 if rank == 1 else 50, None), (T_MAX, None), (1 + 29 * rank, 0)]
     with torch.inference_mode():
         for i, (T, skew_to) in enumerate(cases):
@@ -241,6 +244,8 @@ def test_graph_replays_with_new_routings(results):
         assert "graph_error" not in r, (rank, r["graph_error"])
         assert len(r["graph"]) == 8 and all(r["graph"]), (rank, r["graph"])
         assert r["err_word"] == [0] * 8, (rank, r["err_word"])
+        # the step's counts on the device: no host collective in the graph (gloo captures it)
+        assert r["graph_counts_exchange"] == "device", rank
 
 
 def test_soak_of_graph_replays_each_bitwise_the_eager_layer(soak):

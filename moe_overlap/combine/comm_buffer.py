@@ -13,7 +13,12 @@ One ``CommBuffer`` owns, on this rank:
   communication block, whose layout the kernels fix) with its peer address table
   ``err_peers``, so that the peers' scales see this rank's error code and stop waiting for rows
   it will not ship (ERR_PEER_ERROR); its asynchronous read-back (``ErrorWatch``),
-- the call epoch (int32 [1]) and the cumulative expected arrivals (int64 [W]).
+- the call epoch (int32 [1]) and the cumulative expected arrivals (int64 [W]),
+- with a dispatch of backend="overlap" attached, the routing counts table (symmetric int64,
+  ``counts_table_words(W, E)`` for the most experts E of any layer on it, its peer table
+  ``counts_peers``) and the counts exchange's own epoch (int64 [1], ``counts_epoch``: calls
+  completed, advanced by its gather kernel): ``exchange_counts`` all-gathers the per-expert
+  counts through it on the device (combine/counts_exchange.py), no host collective.
 
 Why the word itself is symmetric rather than a peer-visible mirror of its code: every kernel
 that records an error (consumer, producer GEMM, scales) keeps writing the one word it is given,
@@ -62,6 +67,7 @@ import torch
 
 from ..runtime.error_watch import ErrorWatch
 from ..runtime.nvshmem import COMM_BLOCK_WORDS_PER_RANK, NvshmemError, symmetric_size_mib
+from .counts_exchange import counts_table_bytes, counts_table_words
 from .options import TRANSPORTS
 from .plan import band_capacity_for
 
@@ -117,6 +123,7 @@ class LayerShape:
     count: int = 1  # layers of this shape
     experts: int = 0  # > 0: scale="ordered", per-segment arrival words for this many experts
     tile_m: int = 128
+    counts_experts: int = 0  # > 0: the counts table of a device counts exchange of E experts
 
     def slot_bytes(self, dtype=torch.bfloat16) -> int:
         return slot_bytes_for(self.max_tokens_per_rank, self.topk, self.n, dtype)
@@ -150,6 +157,9 @@ def heap_report(layers, world_size: int, dtype=torch.bfloat16) -> dict:
             v = getattr(s, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"layer {s}: {name}={v!r} must be a positive int")
+        v = s.counts_experts
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"layer {s}: counts_experts={v!r} must be an int >= 0")
         if isinstance(s.experts, bool) or not isinstance(s.experts, int) or s.experts < 0 or \
                 s.experts % world_size:
             raise ValueError(f"layer {s}: experts={s.experts!r} must be 0 (plain scale) or a "
@@ -159,15 +169,19 @@ def heap_report(layers, world_size: int, dtype=torch.bfloat16) -> dict:
         raise ValueError("heap_report needs at least one layer")
     block = comm_block_bytes(world_size) + ERR_BYTES
     num = sum(s.count for s in shapes)
-    unshared = sum(s.count * (2 * s.slot_bytes(dtype) + block + 8 * s.seg_words(world_size))
-                   for s in shapes)
+    def counts(s):
+        return counts_table_bytes(world_size, s.counts_experts) if s.counts_experts else 0
+
+    unshared = sum(s.count * (2 * s.slot_bytes(dtype) + block + 8 * s.seg_words(world_size)
+                              + counts(s)) for s in shapes)
     slot = max(s.slot_bytes(dtype) for s in shapes)
     seg = 8 * max(s.seg_words(world_size) for s in shapes)
-    shared = 2 * slot + block + seg
+    cnt = max(counts(s) for s in shapes)
+    shared = 2 * slot + block + seg + cnt
     mib = symmetric_size_mib(shared)
     return {"layers": num, "world_size": world_size, "dtype": str(dtype).removeprefix("torch."),
             "slot_bytes": slot, "block_bytes": block - ERR_BYTES, "err_bytes": ERR_BYTES,
-            "seg_bytes": seg, "unshared_bytes": unshared,
+            "seg_bytes": seg, "counts_bytes": cnt, "unshared_bytes": unshared,
             "shared_bytes": shared, "symmetric_size_mib": mib,
             "symmetric_size": f"{mib}M",
             "unshared_symmetric_size": f"{symmetric_size_mib(unshared)}M"}
@@ -183,7 +197,9 @@ def format_heap_report(r: dict) -> str:
         f"({r['shared_bytes'] / gib:.3f} GiB) = 2 slots x {r['slot_bytes']} + "
         f"{r['block_bytes']} block + "
         + (f"{r['seg_bytes']} per-segment arrival words (scale='ordered') + "
-           if r.get("seg_bytes") else "") + f"{r['err_bytes']} error word",
+           if r.get("seg_bytes") else "")
+        + (f"{r['counts_bytes']} counts table (device counts exchange) + "
+           if r.get("counts_bytes") else "") + f"{r['err_bytes']} error word",
         f"  set NVSHMEM_SYMMETRIC_SIZE={r['symmetric_size']} on every rank before NVSHMEM "
         "starts (plus what other symmetric users, e.g. the fused FFN, need)"])
 
@@ -222,6 +238,12 @@ class CommBuffer:
         self.reserved_seg_words = 0  # the most per-segment arrival words any layer asked for
         self.seg_words = 0  # allocated per-segment arrival words (after the 3W)
         self.seg_expected = None  # int64 [seg_words] on this rank (None: seg_words == 0)
+        self.reserved_counts_experts = 0  # the most experts any layer exchanges counts of
+        self.counts_experts = 0  # the allocated counts table's experts (0: none)
+        self.counts_table = self.counts_peers = None  # symmetric int64 table, its peer table
+        self.counts_epoch = None  # int64 [1]: counts exchanges completed (device-advanced)
+        self._counts_exchange = None  # CountsExchange of this buffer's (W, transport)
+        self._counts_warm = False  # its kernels compiled, loaded and run once (collective)
         self._layers = weakref.WeakSet()  # attached layers (their band flags on reset)
 
     @classmethod
@@ -253,7 +275,8 @@ class CommBuffer:
         """Symmetric bytes this buffer holds now (0 before the first attach)."""
         if not self.allocated:
             return 0
-        return 2 * self.slot_bytes + self.buffers.block.numel() * 8 + self.err.numel() * 8
+        return 2 * self.slot_bytes + self.buffers.block.numel() * 8 + self.err.numel() * 8 + \
+            (0 if self.counts_table is None else self.counts_table.numel() * 8)
 
     def reserve(self, rows: int, row_bytes: int) -> int:
         """Record that a layer will need slots of ``rows x row_bytes`` (host only, no
@@ -268,18 +291,26 @@ class CommBuffer:
         return need
 
     # ---- attach / allocate / grow (collective) -----------------------------------------
-    def attach(self, layer, rows: int, row_bytes: int, seg_words: int = 0):
+    def attach(self, layer, rows: int, row_bytes: int, seg_words: int = 0,
+               counts_experts: int = 0):
         """Collective (every rank, same order): make the buffer hold slots of ``rows x
-        row_bytes`` and ``seg_words`` per-segment arrival words (W x the layer's segment
-        capacity; 0 without scale="ordered") for ``layer`` (allocating, or growing as the module
-        doc says) and register the layer (its ``_clear_band_flags()`` runs on reset)."""
+        row_bytes``, ``seg_words`` per-segment arrival words (W x the layer's segment
+        capacity; 0 without scale="ordered") and a counts table of ``counts_experts`` experts
+        (0: the layer exchanges no counts on the device) for ``layer`` (allocating, or growing
+        as the module doc says) and register the layer (its ``_clear_band_flags()`` runs on
+        reset)."""
         need = self.reserve(rows, row_bytes)
         if isinstance(seg_words, bool) or not isinstance(seg_words, int) or seg_words < 0:
             raise ValueError(f"seg_words={seg_words!r} must be an int >= 0")
+        if isinstance(counts_experts, bool) or not isinstance(counts_experts, int) or \
+                counts_experts < 0:
+            raise ValueError(f"counts_experts={counts_experts!r} must be an int >= 0")
         self.reserved_seg_words = max(self.reserved_seg_words, seg_words)
+        self.reserved_counts_experts = max(self.reserved_counts_experts, counts_experts)
         if not self.allocated:
             self._allocate(self.reserved_slot_bytes)
-        elif need > self.slot_bytes or seg_words > self.seg_words:
+        elif need > self.slot_bytes or seg_words > self.seg_words or \
+                counts_experts > self.counts_experts:
             self._grow(max(self.reserved_slot_bytes, self.slot_bytes))
         self._layers.add(layer)
         if self.watch is not None and len(self._layers) > 1:
@@ -309,7 +340,18 @@ class CommBuffer:
         except BaseException:
             rt.free(recv)
             raise
+        counts = None
+        if self.reserved_counts_experts:
+            try:  # zeroed by alloc: no flag reaches an epoch before it is posted
+                counts = rt.alloc((counts_table_words(W, self.reserved_counts_experts),),
+                                  torch.int64, note=note)
+            except BaseException:
+                rt.free(block)
+                rt.free(recv)
+                raise
         (rp, bad), (cp, _) = rt.peer_table(recv), rt.peer_table(block)
+        self.counts_table, self.counts_experts = counts, self.reserved_counts_experts
+        self.counts_peers = None if counts is None else rt.peer_table(counts)[0]
         self.buffers = CombineBuffers(recv, block[:W], rp, cp, block=block, unreachable=bad)
         self.slot_bytes = slot_bytes
         self.seg_words = self.reserved_seg_words
@@ -329,6 +371,9 @@ class CommBuffer:
                 raise
             self.err_peers, self._err_unreachable = rt.peer_table(self.err)
             self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+            # a new table after growth is zero too, so the kept epoch stays valid: its flags
+            # only ever hold epochs posted into it
+            self.counts_epoch = torch.zeros(1, dtype=torch.int64, device=dev)
             self.expected = torch.zeros(W, dtype=torch.int64, device=dev)  # = fresh counters
             # every layer's read-back of the one word; a layer with error_check="off" skips
             # poll / after_call itself (OverlapCombine)
@@ -352,6 +397,9 @@ class CommBuffer:
         self.buffers = None
         rt.free(old.recv)
         rt.free(old.block)
+        if self.counts_table is not None:
+            rt.free(self.counts_table)
+            self.counts_table = self.counts_peers = None
         self._allocate(slot_bytes)
         self.expected.zero_()  # the new counters start at 0; epoch and error word are kept
         if self.seg_expected is not None:
@@ -389,6 +437,47 @@ class CommBuffer:
                                   "bytes")
         step = self.slot_bytes // _esize(self.dtype)
         return torch.as_strided(self.buffers.recv, (2, rows, n), (step, n, 1))
+
+    def exchange_counts(self, counts: torch.Tensor, timeout_s: float = 10.0) -> torch.Tensor:
+        """Collective on the device (every rank of the group, same E): this rank's per-expert
+        counts (int64 [E] on this rank's GPU) -> every rank's, int64 [W, E] (row s: rank s's),
+        bitwise the host all-gather; through the counts table (combine/counts_exchange.py):
+        no host collective and no host synchronization, so a CUDA graph captures it, on any
+        process group (gloo, ranks sharing a GPU). Needs a table of E experts or more (a layer
+        attached with ``counts_experts``). A source that does not post within ``timeout_s``
+        records ERR_COUNTS_TIMEOUT (naming it and the epoch) in the error word, raised by the
+        next call on the buffer (its rows read here are zero)."""
+        E = int(counts.numel())
+        if counts.dim() != 1 or counts.dtype != torch.int64:
+            raise ValueError(f"counts must be int64 [E], got {counts.dtype} "
+                             f"{tuple(counts.shape)}")
+        if not self.allocated or self.counts_table is None or E > self.counts_experts:
+            raise CommBufferError(
+                f"the communication buffer has a counts table of {self.counts_experts} experts, "
+                f"the exchange needs {E}: attach a layer with counts_experts (MoEDispatch("
+                "backend='overlap') does) before the first exchange")
+        rt = self.runtime
+        if self._counts_exchange is None:
+            from .counts_exchange import CountsExchange
+            self._counts_exchange = CountsExchange(rt.world_size, self.transport)
+        ex = self._counts_exchange
+        self.watch.poll()  # an earlier call's device error raises here, before any launch
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not self._counts_warm and not capturing:
+            # collective, once: compiled and loaded before any peer spins on this rank's flag
+            ex.warmup(rt.device, E)
+            rt.barrier()
+            self._counts_warm = True
+        self.note_call()
+        counts = counts.contiguous()
+        out = torch.empty(rt.world_size, E, dtype=torch.int64, device=counts.device)
+        stream = torch.cuda.current_stream(counts.device)
+        ex.launch(counts=counts, out=out, rank=rt.rank, table=self.counts_table,
+                  table_peers=self.counts_peers, epoch=self.counts_epoch, err=self.err,
+                  err_peers=self.err_peers, timeout_ns=int(float(timeout_s) * 1e9),
+                  stream=stream)
+        self.watch.after_call(stream)
+        return out
 
     # ---- errors / reset -----------------------------------------------------------------
     def peer_error_word(self, pe: int):
@@ -454,6 +543,9 @@ class CommBuffer:
         if self.seg_expected is not None:
             self.seg_expected.zero_()  # the arrival words after the 3W were zeroed with the block
         self.epoch.zero_()
+        if self.counts_table is not None:  # its flags would pass the restarted epoch
+            self.counts_table.zero_()
+        self.counts_epoch.zero_()
         for layer in list(self._layers):
             layer._clear_band_flags()
         self.watch.clear()

@@ -11,16 +11,30 @@ from .reference import all_gather_counts, exchange, world
 
 
 def exchange_counts(topk_ids: torch.Tensor, num_experts: int, group=None,
-                    validate: bool = True) -> torch.Tensor:
+                    validate: bool = True, comm_buffer=None,
+                    timeout_s: float = 10.0) -> torch.Tensor:
     """All-gather the routing counts: [W, E], entry [s, e] = assignments rank s sends to expert e.
 
     Collective. Ids outside [0, num_experts) raise ValueError on every rank, naming the rank and
     the bad id, and ranks with another num_experts (or device type) raise RankMismatchError
     naming them, before the counts are exchanged (validate=False: no check, no extra collective
-    and no host synchronization, so it can be captured in a CUDA graph; the caller vouches for
-    the ids: ids outside [0, num_experts) are not counted)."""
+    and no host synchronization; the caller vouches for the ids: ids outside [0, num_experts)
+    are not counted).
+
+    comm_buffer: None (the reference: a host all-gather through the process group, which a
+    CUDA graph captures only on NCCL) or a ``CommBuffer`` of this group with a counts table
+    (``CommBuffer.exchange_counts``: the counts all-gathered on the device through its
+    symmetric memory, bitwise the same result; with validate=False no host collective at all,
+    so the call is captured on any process group). validate=True keeps its host checks and
+    agreement first either way. timeout_s: the device exchange's bounded wait for each rank's
+    counts."""
+    if comm_buffer is not None and comm_buffer.group is not group:
+        raise ValueError("comm_buffer must be a CommBuffer of this process group")
     if not validate:
-        return all_gather_counts(_count_unchecked(topk_ids, num_experts), group)
+        local = _count_unchecked(topk_ids, num_experts)
+        if comm_buffer is not None:
+            return comm_buffer.exchange_counts(local, timeout_s)
+        return all_gather_counts(local, group)
     result = {}
 
     def local():
@@ -33,6 +47,8 @@ def exchange_counts(topk_ids: torch.Tensor, num_experts: int, group=None,
 
     err = error_of(local)
     agree_on_call("exchange_counts", result.get("fields"), err, group)
+    if comm_buffer is not None:
+        return comm_buffer.exchange_counts(result["counts"].to(torch.int64), timeout_s)
     return all_gather_counts(result["counts"], group)
 
 

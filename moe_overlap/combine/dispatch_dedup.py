@@ -148,6 +148,7 @@ class MoEDispatch(torch.nn.Module):
             raise RuntimeError("MoEDispatch(backend='overlap') needs a CUDA GPU; use "
                                "backend='reference' (or 'auto') on a CPU")
         self.send_ctas = as_int("send_ctas", send_ctas, minimum=1)
+        self.timeout_s = float(timeout_s)
         if comm_buffer is None:
             comm_buffer = CommBuffer.shared(self.group, "nvlink", torch.bfloat16)
         if not isinstance(comm_buffer, CommBuffer):
@@ -156,7 +157,8 @@ class MoEDispatch(torch.nn.Module):
             raise ValueError("comm_buffer must be a CommBuffer of this process group")
         self.layout = slot_layout(self.world_size, self.max_tokens_per_rank, self.hidden_size,
                                   self.topk)
-        comm_buffer.attach(self, 1, self.layout["slot_bytes"])
+        # the counts table too: the step's counts may be exchanged through this buffer
+        comm_buffer.attach(self, 1, self.layout["slot_bytes"], counts_experts=self.num_experts)
         if comm_buffer.transport == "nvlink":  # peer stores: every peer must be mapped
             comm_buffer.buffers.require_p2p("MoEDispatch(backend='overlap')")
         self.comm = comm_buffer
@@ -227,6 +229,17 @@ class MoEDispatch(torch.nn.Module):
                 self.arrival_counts = torch.zeros(n, dtype=torch.int32,
                                                   device=self.comm.runtime.device)
         return self.arrival_counts
+
+    def exchange_counts(self, topk_ids: torch.Tensor, device: bool = True) -> torch.Tensor:
+        """The step's routing counts, int64 [W, E] (``exchange_counts(topk_ids, num_experts,
+        group, validate=self.validate)``): on the overlap backend with ``device`` through the
+        communication buffer's counts table (device kernels, no host collective: captured in a
+        CUDA graph on any process group), else the host all-gather. Bitwise the same counts.
+        Collective."""
+        from .dispatch import exchange_counts
+        comm = self.comm if device and self.backend == "overlap" else None
+        return exchange_counts(topk_ids, self.num_experts, self.group, validate=self.validate,
+                               comm_buffer=comm, timeout_s=getattr(self, "timeout_s", 10.0))
 
     def check_errors(self):
         """Synchronize; OverlapError if a call on the communication buffer recorded a device

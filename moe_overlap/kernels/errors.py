@@ -66,6 +66,7 @@ ERR_PEER_ERROR = 10  # scale: the source rank it waited for has an error recorde
 ERR_DISPATCH_TIMEOUT = 31  # dispatch expand waited too long for a source's tokens (its markers)
 ERR_DISPATCH_BAD_ROUTE = 32  # dispatch expand: received tokens disagree with the counts / plan
 ERR_ARRIVAL_TIMEOUT = 33  # arrival-gated GEMM waited too long for a band's arrival flag
+ERR_COUNTS_TIMEOUT = 34  # device counts exchange waited too long for a source's row (its flag)
 
 ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_SCALE_TIMEOUT: "scale timed out waiting for a source's rows to arrive",
@@ -82,7 +83,9 @@ ERR_NAMES = {ERR_CONSUMER_TIMEOUT: "consumer timed out waiting for a band flag",
              ERR_DISPATCH_BAD_ROUTE: "dispatch refused received tokens that disagree with the "
                                      "counts / plan",
              ERR_ARRIVAL_TIMEOUT: "up-projection GEMM timed out waiting for a band's rows to "
-                                  "arrive (its arrival flag)"}
+                                  "arrive (its arrival flag)",
+             ERR_COUNTS_TIMEOUT: "counts exchange timed out waiting for a source's routing "
+                                 "counts (its flag)"}
 
 # what word 3 of ERR_DISPATCH_BAD_ROUTE names (combine/dispatch_expand.py DF_*)
 DISPATCH_FIELDS = {0: "the source's token count outside [0, max_tokens_per_rank]",
@@ -173,6 +176,11 @@ def describe_error(err_host) -> str | None:
                 f"expected>={exp} after {el / 1e6:.1f} ms (rank {index} did not make this "
                 "dispatch call, its send did not run, or it refused after an error of its own); "
                 "the output rows are NaN")
+    if code == ERR_COUNTS_TIMEOUT:
+        return (f"{what}: rank {rank} at epoch {band}, source rank {index}: flag={obs}, "
+                f"expected>={exp} after {el / 1e6:.1f} ms (rank {index} did not make this "
+                "counts exchange, its post did not run, or it refused after an error of its "
+                "own); the exchanged counts are zero")
     if code == ERR_DISPATCH_BAD_ROUTE:
         field = DISPATCH_FIELDS.get(band, f"field {band}")
         return (f"{what}: rank {rank}, source rank {index}: {field}: value {obs}, bound {exp} "
