@@ -16,6 +16,8 @@ the CommBuffer they share), the receive slots NaN-poisoned after construction:
   counts exchanged on the device (counts_exchange="device", the overlap default: no host
   collective in the step, so it captures on the gloo group of ranks sharing one GPU);
 - the error words stay 0;
+- a rank that skips one call (W = 2, both transports): the others raise in check_errors naming
+  it within the bounded wait + 10 s; reset(), then 20 calls bitwise the not-overlapped layer;
 - soak (W = 2, both transports): the captured layer replayed ``MOE_LAYER_SOAK_REPLAYS`` times
   (default 1000), new tokens (a new routing) before every replay, every replay bitwise the eager
   layer on the same tokens, device memory flat after the first 10 replays.
@@ -208,6 +210,62 @@ def _soak_worker(rank, W, transport):
     return res
 
 
+FAULT_TIMEOUT_S = 2.0
+GOOD_CALLS_AFTER_RESET = 20
+
+
+def _fault_worker(rank, W, transport):
+    """A rank that skips one layer call (validate=False: no host collective in the step, the
+    counts exchanged on the device); the others' bounded waits end it, check_errors raises on
+    each, naming the rank; then reset() and GOOD_CALLS_AFTER_RESET calls bitwise the
+    not-overlapped layer (up_stream="same") on the same buffer."""
+    import time
+    from moe_overlap import CombineOptions, MoELayer
+    from moe_overlap.combine.comm_buffer import CommBuffer, OverlapError
+    from moe_overlap.moe_layer import MoELayerOptions
+    dev = torch.device("cuda", torch.cuda.current_device())
+    full = [t.to(dev) for t in _full_weights(W)]
+    comm = CommBuffer(None, transport)
+    kw = dict(backend="overlap", tile_m=TILE_M, comm_buffer=comm,
+              options=CombineOptions(transport=transport, timeout_s=FAULT_TIMEOUT_S))
+    opts = dict(dispatch_timeout_s=FAULT_TIMEOUT_S, arrival_timeout_s=FAULT_TIMEOUT_S)
+    layer = MoELayer.from_full_weights(*full, TOPK, T_MAX, **kw, validate=False,
+                                       layer_options=MoELayerOptions(**opts))
+    same = MoELayer.from_full_weights(*full, TOPK, T_MAX, **kw,
+                                      layer_options=MoELayerOptions(up_stream="same", **opts))
+    res = {"transport": layer.dispatch.sender.transport, "good": []}
+    with torch.inference_mode():
+        x = _tokens(rank, W, 40, seed=900).to(dev)
+        res["before"] = bitwise_equal(layer(x), same(x))
+        layer.check_errors()
+        torch.distributed.barrier()
+        if rank != W - 1:  # rank W - 1 skips this call
+            t0 = time.monotonic()
+            try:  # the error may come from the call itself (an async poll) or from the check
+                layer(_tokens(rank, W, 40, seed=901).to(dev))
+                layer.check_errors()
+                res["raised"] = ""
+            except OverlapError as e:
+                res["raised"] = str(e)
+            res["seconds"] = time.monotonic() - t0
+            res["err_word"] = [int(v) for v in comm.err.tolist()]
+        torch.distributed.barrier()
+        layer.reset()
+        for i in range(GOOD_CALLS_AFTER_RESET):
+            x = _tokens(rank, W, 1 + (37 * i + 11 * rank) % T_MAX, seed=1000 + i,
+                        skew_to=(i % W) if i % 4 == 3 else None).to(dev)
+            res["good"].append(bitwise_equal(layer(x), same(x)))
+        layer.check_errors()
+        res["err_after"] = [int(v) for v in comm.err.tolist()]
+    return res
+
+
+@pytest.fixture(scope="module", params=[p for p in WORLD_TRANSPORTS if p[0] == 2],
+                ids=world_transport_id)
+def fault(request):
+    return spawn_over_transport(_fault_worker, request.param)
+
+
 @pytest.fixture(scope="module", params=[p for p in WORLD_TRANSPORTS if p[0] == 2],
                 ids=world_transport_id)
 def soak(request):
@@ -254,3 +312,17 @@ def test_soak_of_graph_replays_each_bitwise_the_eager_layer(soak):
         grown = r["memory_end"] - r["memory_after_warmup"]
         assert grown <= SOAK_SLACK_BYTES, (rank, grown)
         assert r["err_word"] == [0] * 8, (rank, r["err_word"])
+
+
+def test_a_rank_that_skips_a_call_is_named_on_every_other_rank_and_reset_recovers(fault):
+    W = len(fault)
+    for rank, r in enumerate(fault):
+        assert r["before"], rank
+        if rank != W - 1:
+            assert r["raised"], (rank, r["err_word"])
+            # the first error names the skipping rank as the source its wait missed, or a peer
+            # that saw it (every rank that called records one)
+            assert f"rank {W - 1}" in r["raised"], (rank, r["raised"][:600])
+            assert r["seconds"] <= FAULT_TIMEOUT_S + 10.0, (rank, r["seconds"])
+        assert len(r["good"]) == GOOD_CALLS_AFTER_RESET and all(r["good"]), (rank, r["good"])
+        assert r["err_after"] == [0] * 8, (rank, r["err_after"])
