@@ -33,6 +33,9 @@ DEPENDENCIES = {
     "producer": _PRODUCER + _PLANNER + (
         _C + "band_groups.py", _C + "options.py", _C + "overlap.py", _C + "tuning.py",
         "bench/bench_producer_models.py", "moe_overlap/timing.py"),
+    "upproj": _PRODUCER + _PLANNER + (
+        _C + "band_groups.py", _C + "options.py", "moe_overlap/moe_layer.py",
+        "bench/bench_upproj.py", "bench/bench_producer_models.py", "moe_overlap/timing.py"),
     "ranks": ("moe_overlap/launch.py", "moe_overlap/runtime/collectives.py",
               "moe_overlap/runtime/device.py", "moe_overlap/runtime/nvshmem.py",
               _C + "overlap.py", _C + "consumer.py", _C + "comm_buffer.py", _C + "scale.py",

@@ -45,7 +45,10 @@ from .provenance import DEPENDENCIES, Git, freshness
 # area -> (title, current headline files, in bench/results/)
 HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
-                 ("producer_models_h100_f213944_s1.json", "producer_models_h200_fc47bea_s23.json")),
+                 ("producer_models_h100_f213944_s1.json", "producer_models_h200_fc47bea_s23.json",
+                  "producer_models_h100_c8ff9cb_beside.json")),
+    "upproj": ("Arrival-gated SwiGLU up-projection as MoELayer launches it, every band arrived",
+               ("upproj_models_h100_2f299c9.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
               ("ranks_onegpu_h100_fce64ed.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
@@ -213,6 +216,12 @@ def _producer_file(name, d):
     lines += _table(("point", "valid rows", "library ms (best)", "variant", "ccta", "cluster",
                      "padding", "ours ms", "library / ours", "scaled by SMs", "correct"), rows)
     lines.append("")
+    for vname, b in d.get("beside_consumer", {}).items():
+        lines.append(f"Beside the real consumer ({d['time_fields']['beside_consumer_ms']}), "
+                     f"{vname}: {b['geomean_over_alone']:.2f}x its time alone on geometric mean "
+                     f"of {b['points']} points, at most {b['max_over_alone']:.2f}x "
+                     f"({b['worst']}); not timed beside: {', '.join(b['not_timed']) or 'none'}.")
+        lines.append("")
     parts = []
     for vname, g in d["goals"].items():
         scaled = [p["variants"][vname]["scaled_ratio"] for p in d["points"]]
@@ -257,6 +266,29 @@ def _losses(ratios) -> str:
     """"a loss on n of m" for speed ratios (ours / theirs, below 1: ours slower)."""
     n = sum(r < 1 for r in ratios)
     return f"a loss on {n} of {len(ratios)}" if n else f"no loss on {len(ratios)}"
+
+
+def upproj(root):
+    (name,) = HEADLINE["upproj"][1]
+    d = _load(root, name)
+    lines = [_src(name, d, "upproj"), "", f"Method: {d['method']}.", ""]
+    rows = [(p["label"], str(p["valid_rows"]), f"{p['base_ms']:.3f} ({p['base']})",
+             f"{p['base_gemm_alone_ms']:.3f}", str(p["up_ccta"]), str(p["gemm"]["cluster_n"]),
+             f"{p['padding']:.2f}", f"{p['ms']:.3f}", f"{p['ratio']:.3f}",
+             f"{p['scaled_ratio']:.3f}", str(p["correct"])) for p in d["points"]]
+    lines += _table(("point", "valid rows", "library ms (GEMM + SwiGLU)", "library GEMM alone ms",
+                     "SMs left", "cluster", "padding", "ours ms", "library / ours",
+                     "scaled by SMs", "correct"), rows) + [""]
+    scaled = [p["scaled_ratio"] for p in d["points"]]
+    g = d["goals"]
+    cell = (f"{_card(d.get('device', '?'))}: our fused SwiGLU GEMM / the faster of "
+            f"torch._grouped_mm and a per-expert loop plus SwiGLU on the unpadded rows, "
+            f"{len(scaled)} points ({', '.join(sorted({p['model'] for p in d['points']}))}; "
+            f"W {sorted({p['world_size'] for p in d['points']})}; skewed): "
+            f"{_rng(scaled, '{:.2f}')}x scaled by SMs, geometric mean {g['geomean_scaled']:.3f} "
+            f"({_losses(scaled)}; goal >= {g['goal_scaled']} everywhere: "
+            f"{'met' if g['met'] else 'not met'}); every output correct: {d['all_correct']}")
+    return lines, cell, [(name, d)]
 
 
 def dispatch_bytes(root):
@@ -629,7 +661,7 @@ def chained(root):
     return lines, cell, [(name, d)]
 
 
-AREAS = {"producer": producer, "ranks": ranks, "dispatch_bytes": dispatch_bytes,
+AREAS = {"producer": producer, "upproj": upproj, "ranks": ranks, "dispatch_bytes": dispatch_bytes,
          "consumer": consumer, "combine": combine, "ffn": ffn,
          "scale": scale, "packed": packed, "chained": chained, "plan": plan,
          "ordered_tables": ordered_tables}
@@ -643,6 +675,7 @@ def _src(name, doc, area):
 
 # ------------------------------------------------------------------------------ outputs
 ROW_OF = {"producer": "producer grouped GEMM as `MoECombine` launches it (CuTe DSL)",
+          "upproj": "arrival-gated SwiGLU up-projection as `MoELayer` launches it (CuTe DSL)",
           "ranks": "multi-rank correctness, ranks sharing one GPU",
           "dispatch_bytes": "dispatch bytes (`MoEDispatch`, counted; no GPU)",
           "consumer": "consumer (CuTe DSL)",
