@@ -16,7 +16,7 @@ def test_error_codes_are_distinct_and_named():
              E.ERR_EPOCH_MISMATCH, E.ERR_PLAN_BOUNDS, E.ERR_SCALE_BAD_ROW,
              E.ERR_TILE_BAND_TIMEOUT, E.ERR_TILE_SEGMENT_TIMEOUT,
              E.ERR_PRODUCER_BOUNDS, E.ERR_PEER_ERROR, E.ERR_DISPATCH_TIMEOUT,
-             E.ERR_DISPATCH_BAD_ROUTE, E.ERR_ARRIVAL_TIMEOUT]
+             E.ERR_DISPATCH_BAD_ROUTE, E.ERR_ARRIVAL_TIMEOUT, E.ERR_COUNTS_TIMEOUT]
     assert len(set(codes)) == len(codes) and 0 not in codes
     assert E.ERR_PEER_ERROR == 10  # a new code: the existing ones keep their numbers
     assert (E.ERR_DISPATCH_TIMEOUT, E.ERR_DISPATCH_BAD_ROUTE) == (31, 32)  # past the FFN's
