@@ -50,7 +50,7 @@ HEADLINE = {
     "upproj": ("Arrival-gated SwiGLU up-projection as MoELayer launches it, every band arrived",
                ("upproj_models_h100_2f299c9.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
-              ("ranks_onegpu_h100_fce64ed.json",)),
+              ("ranks_onegpu_h100_2f299c9.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
                        "assignment (counted from routings, no GPU)",
                        ("dispatch_bytes_30cb093.json",)),
