@@ -297,7 +297,8 @@ class GroupedGemm:
         beforehand by ``band_groups.band_groups`` for this schedule and G (e.g. once per plan, off
         the call's path); None: built here on the call's stream (one launch, into a workspace
         kept per device and capacity).
-    Compile cache key: (tile config, stages, signal, flag options, band_group, group_by, N, K);
+    Compile cache key: (tile config, stages, signal, flag options, band_group, group_by, N, K,
+    and the non-default wait_arrival / swiglu / tile_fetch);
     rows, E_local, B_cap and the grid size (number of SMs - ccta) are runtime values.
     """
 

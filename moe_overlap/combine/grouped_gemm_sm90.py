@@ -18,6 +18,11 @@ What this subclass adds to the base's mainloop pieces:
   Every warp walks the same tiles, so the pipeline stays matched; a skipped band's flag never
   comes, and the consumer's band wait stops at the error word;
 * clusters of ``cluster_n`` CTAs along N sharing the band's A tile by TMA multicast;
+* ``tile_fetch="dynamic"``: after its first (static) tile, a cluster's next unit of cluster_n
+  tiles comes from a global counter (``kernels.tile_scheduler.ClusterTileFetch``: the rank-0
+  CTA's TMA warp fetches, a shared-memory ring hands the unit to every other tile walker of the
+  cluster); ``band_tile``'s skip of a refused band fetches the next unit too, so every walker
+  still walks the same tiles;
 * the epilogue: acc -> bf16 -> stmatrix -> TMA store per epi_n-column sub-tile, and the band
   flag: a finished tile is counted on band_counter[b] once its TMA stores are complete
   (``cp.async.bulk.wait_group 0`` + ``fence.proxy.async.global``), the tile that completes the
