@@ -33,6 +33,12 @@ Work: linear tile t over (schedule position p in [0, num_bands), n tile); persis
 t = i, i + G, i + 2G, ... with G = number of SMs - ccta (a launch argument, not a recompile).
 With the default cluster_n=2 (even N/tile_n), CTAs 2c and 2c+1 form a cluster that takes tiles
 t, t+1 (same band) and shares the band's A tile by TMA multicast; G is rounded down to even.
+tile_fetch="dynamic": CTA i's first tile is still i, but each next unit of cluster_n tiles comes
+from a global counter (``kernels.tile_scheduler.ClusterTileFetch``: one atomic per unit by the
+cluster's leader, handed to its walkers through shared memory), so a cluster that starts late
+(its SMs busy with the consumer) takes only the tiles left instead of its 1/G share; the counter
+is zeroed on the launch stream before each launch. Which CTA computes a tile changes, not the
+tile: the output and the flags are bitwise the static ones.
 
 Flags: each finished tile is counted on band_counter[b] (acq_rel atomic, gpu scope) once its TMA
 stores are complete (wait_group 0 + fence.proxy.async.global); the tile that completes the band
@@ -65,12 +71,13 @@ from ..kernels.host_checks import check_tensors
 from ..runtime.device import num_sms
 from .band_groups import GROUP_BY, WORKSPACE_TABLES, band_groups, check_group
 
-__all__ = ["ARRIVAL_SCOPES", "GroupedGemm", "band_faults", "deinterleave_gate_up",
+__all__ = ["ARRIVAL_SCOPES", "TILE_FETCH", "GroupedGemm", "band_faults", "deinterleave_gate_up",
            "grouped_gemm_reference", "interleave_gate_up", "prepare_weights", "split_gate_up",
            "tile_order_reference", "up_projection_reference"]
 
 ARRIVAL_SCOPES = ("gpu", "sys")  # scope of the arrival wait's acquire (wait_arrival=True)
 DEFAULT_ARRIVAL_TIMEOUT_NS = 10_000_000_000
+TILE_FETCH = ("static", "dynamic")  # how a persistent CTA finds its next tile (tile_fetch=)
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,7 +278,13 @@ class GroupedGemm:
         holds (<= band_groups.MAX_GROUP);
         cluster_slack: beside ccta consumer CTAs, leave cluster_n x ccta SMs out of the grid
         (not ccta): each consumer CTA can break at most one free SM pair, so every cluster of the
-        persistent grid finds its SMs wherever the consumer's CTAs land (no second wave).
+        persistent grid finds its SMs wherever the consumer's CTAs land (no second wave);
+        tile_fetch: "static" (default): CTA i takes tiles i, i + G, ...; "dynamic": after tile i,
+        each cluster takes the next unit of cluster_n tiles from a global counter (kept per
+        device, zeroed on the call's stream before each launch: one memset node more in a CUDA
+        graph), so that clusters that start late (a second wave beside the consumer) take only
+        the tiles left; same output bits. One launch at a time per object and device (the
+        counter is shared by its calls).
     All option checks are ``GroupedGemm.check_options`` (a static function, no CuTe DSL needed).
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
@@ -284,7 +297,8 @@ class GroupedGemm:
         beforehand by ``band_groups.band_groups`` for this schedule and G (e.g. once per plan, off
         the call's path); None: built here on the call's stream (one launch, into a workspace
         kept per device and capacity).
-    Compile cache key: (tile config, stages, signal, flag options, band_group, group_by, N, K);
+    Compile cache key: (tile config, stages, signal, flag options, band_group, group_by, N, K,
+    and the non-default wait_arrival / swiglu / tile_fetch);
     rows, E_local, B_cap and the grid size (number of SMs - ccta) are runtime values.
     """
 
@@ -295,7 +309,7 @@ class GroupedGemm:
                       signal_k_tile=None, epi_n=32, epi_stages=4, cluster_n=None, flag_warp=None,
                       band_group=DEFAULT_BAND_GROUP, group_by="position", wait_arrival=False,
                       arrival_scope="gpu", arrival_timeout_ns=DEFAULT_ARRIVAL_TIMEOUT_NS,
-                      swiglu=False):
+                      swiglu=False, tile_fetch="static"):
         """ValueError for any option value the kernel does not implement (CPU only, no CuTe
         DSL); the keywords are the constructor's."""
         if tile_m not in (64, 128):
@@ -329,15 +343,19 @@ class GroupedGemm:
         if swiglu and epi_n > tile_n // 2:
             raise ValueError(f"swiglu pairs the halves of a tile: epi_n={epi_n} must be <= "
                              f"tile_n / 2 = {tile_n // 2}")
+        if not isinstance(tile_fetch, str) or tile_fetch not in TILE_FETCH:
+            raise ValueError(f"tile_fetch={tile_fetch!r}; choose from {TILE_FETCH}")
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, cluster_n=None, flag_warp=None,
                  band_group=DEFAULT_BAND_GROUP, group_by="position", wait_arrival=False,
                  arrival_scope="gpu", arrival_timeout_ns=DEFAULT_ARRIVAL_TIMEOUT_NS,
-                 swiglu=False, cluster_slack=False):
+                 swiglu=False, cluster_slack=False, tile_fetch="static"):
         GroupedGemm.check_options(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
                                   epi_stages, cluster_n, flag_warp, band_group, group_by,
-                                  wait_arrival, arrival_scope, arrival_timeout_ns, swiglu)
+                                  wait_arrival, arrival_scope, arrival_timeout_ns, swiglu,
+                                  tile_fetch)
+        self.tile_fetch = tile_fetch
         self.wait_arrival = bool(wait_arrival)
         self.arrival_scope = arrival_scope
         self.arrival_timeout_ns = int(arrival_timeout_ns)
@@ -355,6 +373,7 @@ class GroupedGemm:
         self._counters = {}
         self._errors = {}
         self._group_ws = {}  # group_by="expert": the tables' workspace per (device, B_cap)
+        self._fetch_counters = {}  # tile_fetch="dynamic": the work counter per (device, B_cap)
 
     def grid_size(self, sms: int, ccta: int, N: int) -> int:
         """The persistent grid's CTAs on a device of ``sms`` SMs beside ``ccta`` consumer CTAs:
@@ -450,7 +469,8 @@ class GroupedGemm:
                 self.signal_k_tile, self.epi_n, self.epi_stages, self.cluster_for(N),
                 self.flag_warp, self.band_group, self.group_by, int(N), int(K)) + (
                     (self.wait_arrival, self.arrival_scope, self.arrival_timeout_ns, self.swiglu)
-                    if self.wait_arrival or self.swiglu else ())
+                    if self.wait_arrival or self.swiglu else ()) + (
+                    ("dynamic",) if self.tile_fetch == "dynamic" else ())
 
     def _kernel(self, N):
         from .grouped_gemm_sm90 import GroupedGemmKernel
@@ -458,7 +478,8 @@ class GroupedGemm:
                                  self.signal_k_tile, self.epi_n, self.epi_stages,
                                  self.cluster_for(N), self.flag_warp, self.band_group,
                                  self.group_by == "expert", self.wait_arrival,
-                                 self.arrival_scope, self.arrival_timeout_ns, self.swiglu)
+                                 self.arrival_scope, self.arrival_timeout_ns, self.swiglu,
+                                 self.tile_fetch)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
@@ -471,18 +492,19 @@ class GroupedGemm:
             return fn
         import cutlass.cute as cute
         fn = cute.compile(self._kernel(N), *self.example_args(N, K, self.group_by == "expert",
-                                                              self.wait_arrival, self.swiglu),
+                                                              self.wait_arrival, self.swiglu,
+                                                              self.tile_fetch == "dynamic"),
                           options="--keep-ptx" if keep_ptx else None)
         GroupedGemm._compiled[key] = fn
         return fn
 
     @staticmethod
-    def example_args(N, K, group_tables=False, arrived=False, swiglu=False):
+    def example_args(N, K, group_tables=False, arrived=False, swiglu=False, fetch=False):
         """The kernel's arguments as symbolic ("fake") tensors, rows / E_local / B_cap dynamic,
         for ``cute.compile`` without a GPU (``compile``, and the tests that keep the cubin);
         group_tables: with the two band group tables (group_by="expert"); arrived: with the
-        arrival flags (wait_arrival; None in the group tables' places without them); swiglu: y
-        is [rows, N / 2]."""
+        arrival flags (wait_arrival); fetch: with the work counter (tile_fetch="dynamic"); None
+        in the places of the optional ones before the last given; swiglu: y is [rows, N / 2]."""
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_tensor
@@ -498,9 +520,18 @@ class GroupedGemm:
                 make_fake_tensor(bf16, (rows, N // 2 if swiglu else N),
                                  (N // 2 if swiglu else N, 1), assumed_align=16),
                 fv(), fv(), fv(), f1(), fv(), fv(), f1(), cutlass.Int64(0),
-                cutlass.Int32(0), cutlass.Int32(1), make_fake_stream()) + (
-                    (fv(), fv()) if group_tables else ((None, None) if arrived else ())) + (
-                    (fv(),) if arrived else ())
+                cutlass.Int32(0), cutlass.Int32(1), make_fake_stream()) + GroupedGemm._trailing(
+                    (fv(), fv()) if group_tables else None, fv() if arrived else None,
+                    f1() if fetch else None)
+
+    @staticmethod
+    def _trailing(tables, arrived, fetch):
+        """The kernel's optional trailing arguments (group tables, arrival flags, work counter):
+        None in the places of those not given before the last one given, nothing after it."""
+        tail = (tables or (None, None)) + (arrived, fetch)
+        while tail and tail[-1] is None:
+            tail = tail[:-1]
+        return tail
 
     # ---------------------------------------------------------------- launch
     @staticmethod
@@ -531,6 +562,29 @@ class GroupedGemm:
             word = self._errors[device] = torch.zeros(ERR_WORDS, dtype=torch.int64,
                                                       device=device)
         return word
+
+    def fetch_counter(self, device, capacity, stream=None):
+        """The work counter of tile_fetch="dynamic" for ``device`` (int32 [1], kept per (device,
+        capacity) like the band counter), zeroed on ``stream`` (default: the current one; a
+        memset: capturable in a CUDA graph, so every replay starts from zero). The kernel's
+        atomic on it hands out the units past the first wave; a launch that started from a
+        stale count would skip tiles."""
+        if self.tile_fetch != "dynamic":
+            raise ValueError(f"the work counter is for tile_fetch='dynamic', this GEMM has "
+                             f"tile_fetch={self.tile_fetch!r}")
+        device = torch.device(device)
+        key = (device, int(capacity))
+        counter = self._fetch_counters.get(key)
+        if counter is None:
+            counter = self._fetch_counters[key] = torch.zeros(1, dtype=torch.int32,
+                                                              device=device)
+        if device.type == "cuda":
+            with torch.cuda.stream(stream if stream is not None
+                                   else torch.cuda.current_stream(device)):
+                counter.zero_()
+        else:
+            counter.zero_()
+        return counter
 
     def band_groups(self, schedule, band_expert, num_bands, stream=None):
         """This GEMM's band group tables (group_by="expert") for a plan's schedule, on
@@ -577,10 +631,14 @@ class GroupedGemm:
             band_groups = self.band_groups(schedule, band_expert, num_bands, torch_stream)
         args, tables = self._cute_args(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                        band_ready, band_counter, epoch, band_groups)
-        if band_arrived is not None:
-            from cutlass.cute.runtime import from_dlpack
-            tables = (tables or (None, None)) + (from_dlpack(band_arrived, assumed_align=4)
-                                                 .mark_compact_shape_dynamic(mode=0),)
+        from cutlass.cute.runtime import from_dlpack
+        arrived = None if band_arrived is None else from_dlpack(
+            band_arrived, assumed_align=4).mark_compact_shape_dynamic(mode=0)
+        fetch = None
+        if self.tile_fetch == "dynamic":  # zeroed right before the launch, on its stream
+            fetch = from_dlpack(self.fetch_counter(x.device, band_ready.numel(), torch_stream),
+                                assumed_align=4)
+        tables = self._trailing(tables or None, arrived, fetch)
         key = ("dlpack",) + self._key(N, K)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:

@@ -18,6 +18,11 @@ What this subclass adds to the base's mainloop pieces:
   Every warp walks the same tiles, so the pipeline stays matched; a skipped band's flag never
   comes, and the consumer's band wait stops at the error word;
 * clusters of ``cluster_n`` CTAs along N sharing the band's A tile by TMA multicast;
+* ``tile_fetch="dynamic"``: after its first (static) tile, a cluster's next unit of cluster_n
+  tiles comes from a global counter (``kernels.tile_scheduler.ClusterTileFetch``: the rank-0
+  CTA's TMA warp fetches, a shared-memory ring hands the unit to every other tile walker of the
+  cluster); ``band_tile``'s skip of a refused band fetches the next unit too, so every walker
+  still walks the same tiles;
 * the epilogue: acc -> bf16 -> stmatrix -> TMA store per epi_n-column sub-tile, and the band
   flag: a finished tile is counted on band_counter[b] once its TMA stores are complete
   (``cp.async.bulk.wait_group 0`` + ``fence.proxy.async.global``), the tile that completes the
@@ -63,18 +68,21 @@ from ..kernels.primitives import (RELAY_BYTES, act_f32, band_relay_loop, error_s
                                   multicast_rank_and_mask, post_band_after_bulk_stores,
                                   record_error, relay_end, relay_init, wait_eq_s32_or_error,
                                   warp_all)
-from ..kernels.tile_scheduler import BandTileScheduler
+from ..kernels.tile_scheduler import BandTileScheduler, ClusterTileFetch
 
 __all__ = ["GroupedGemmKernel"]
 
 
 class GroupedGemmKernel(GemmSm90):
     """GroupedGemmKernel(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
-    epi_stages, cluster_n, flag_warp, band_group, group_tables): options as ``GroupedGemm``
-    (already checked there); ``__call__(mA, mB, mC, mBandExpert, mBandSrcRow, mSchedule,
-    mNumBands, mReady, mCounter, mEpoch, err, rank, num_ctas, stream, mGroupFirst,
-    mGroupSize)`` traces and launches it (err: the int64[8] error word's address, rank: the rank
-    it names; mGroupFirst / mGroupSize: the band group tables with group_tables, else None)."""
+    epi_stages, cluster_n, flag_warp, band_group, group_tables, wait_arrival, arrival_scope,
+    arrival_timeout_ns, swiglu, tile_fetch): options as ``GroupedGemm`` (already checked there);
+    ``__call__(mA, mB, mC, mBandExpert, mBandSrcRow, mSchedule, mNumBands, mReady, mCounter,
+    mEpoch, err, rank, num_ctas, stream, mGroupFirst, mGroupSize, mArrived, mFetch)`` traces and
+    launches it (err: the int64[8] error word's address, rank: the rank it names; mGroupFirst /
+    mGroupSize: the band group tables with group_tables, else None; mArrived: the arrival flags
+    with wait_arrival; mFetch: the int32[1] work counter, zero at launch, with
+    tile_fetch="dynamic")."""
 
     relay_warp_id = 2  # producer-warpgroup warp that posts the flags (flag_warp)
     relay_bar0 = 4  # named barriers 4, 5: the relay mailbox's "full" signals
@@ -82,7 +90,7 @@ class GroupedGemmKernel(GemmSm90):
     def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
                  epi_stages=4, cluster_n=1, flag_warp=False, band_group=1, group_tables=False,
                  wait_arrival=False, arrival_scope="gpu", arrival_timeout_ns=10_000_000_000,
-                 swiglu=False):
+                 swiglu=False, tile_fetch="static"):
         # two consumer warpgroups (stacked along M) for the 128 x 256 tile, else one
         super().__init__(2 if (tile_m > 64 and tile_n > 128) else 1)
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
@@ -102,6 +110,11 @@ class GroupedGemmKernel(GemmSm90):
         self.swiglu = swiglu
         # output columns per tile: half of the accumulator's with swiglu (gate | up pairs)
         self.tile_n_out = tile_n // 2 if swiglu else tile_n
+        # tile_fetch="dynamic": after its first tile (static), a cluster takes the next unit of
+        # cluster_n tiles from a global counter; the unit reaches every tile walker of the
+        # cluster (its producer warps and consumer warps) through a shared-memory ring
+        self.dynamic = tile_fetch == "dynamic"
+        self.fetch = ClusterTileFetch(cluster_n, 4 * self.num_mma_wg * cluster_n + cluster_n - 1)
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self, a_dtype, b_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -132,7 +145,8 @@ class GroupedGemmKernel(GemmSm90):
                  mNumBands: cute.Tensor, mReady: cute.Tensor, mCounter: cute.Tensor,
                  mEpoch: cute.Tensor, err: cutlass.Int64, rank: cutlass.Int32,
                  num_ctas: cutlass.Int32, stream, mGroupFirst: cute.Tensor = None,
-                 mGroupSize: cute.Tensor = None, mArrived: cute.Tensor = None):
+                 mGroupSize: cute.Tensor = None, mArrived: cute.Tensor = None,
+                 mFetch: cute.Tensor = None):
         a_dtype, b_dtype, c_dtype = mA.element_type, mB.element_type, mC.element_type
         self.a_dtype, self.b_dtype, self.c_dtype = a_dtype, b_dtype, c_dtype
         self.a_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mA)
@@ -149,7 +163,9 @@ class GroupedGemmKernel(GemmSm90):
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
-            relay: cute.struct.MemRange[cutlass.Int64, RELAY_BYTES // 8 if self.flag_warp else 1]
+            # the relay mailbox (flag_warp), then the tile fetch ring (dynamic)
+            relay: cute.struct.MemRange[cutlass.Int64, (RELAY_BYTES // 8 if self.flag_warp else 1)
+                                        + (ClusterTileFetch.BYTES // 8 if self.dynamic else 0)]
             sA: cute.struct.Align[cute.struct.MemRange[a_dtype, cute.cosize(self.a_smem_layout_staged)],
                                   self.buffer_align_bytes]
             sB: cute.struct.Align[cute.struct.MemRange[b_dtype, cute.cosize(self.b_smem_layout_staged)],
@@ -163,7 +179,8 @@ class GroupedGemmKernel(GemmSm90):
                     self.epi_smem_layout_staged, mBandExpert, mBandSrcRow, mSchedule,
                     mNumBands, mReady, mCounter, mEpoch, err, rank, cute.size(mA, mode=[0]),
                     cute.size(mC, mode=[0]), cute.size(mB, mode=[2]),
-                    cute.size(mSchedule, mode=[0]), mGroupFirst, mGroupSize, mArrived).launch(
+                    cute.size(mSchedule, mode=[0]), mGroupFirst, mGroupSize, mArrived,
+                    mFetch).launch(
             grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
             cluster=[self.cluster_n, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -174,7 +191,7 @@ class GroupedGemmKernel(GemmSm90):
                   mBandExpert: cute.Tensor, mBandSrcRow: cute.Tensor,
                   n_experts: cutlass.Int32, rows: cutlass.Int32, err: cutlass.Int64,
                   rank: cutlass.Int32, record: cutlass.Constexpr, mGroupFirst=None,
-                  mGroupSize=None):
+                  mGroupSize=None, fetch_state=None):
         """This CTA's next tile at or after linear tile t (t, t + G, ...) whose band passes the
         bounds checks: (t, n tile, band, expert, m tile); t >= total_tiles when none is left.
         num_bands is already within the tables (so a position p < num_bands reads the schedule in
@@ -185,12 +202,17 @@ class GroupedGemmKernel(GemmSm90):
         ERR_PRODUCER_BOUNDS (schedule position, field, value, bound; the first error wins).
         Scalar work once per tile: a few compares, no per-element check. group_tables: the
         position's group entry is checked first (a bad one: the tile is skipped at p0, which
-        the fallback group [p0, p0 + 1) walks to, and recorded at p0)."""
+        the fallback group [p0, p0 + 1) walks to, and recorded at p0). ``fetch_state``
+        (tile_fetch="dynamic"): (ring, fetched, role, cta_rank, counter, num_clusters) of
+        ``next_fetched_tile``: a skipped tile's successor is the next unit fetched, not t + G;
+        the count of units taken is returned last."""
         n_tile = cutlass.Int32(0)
         b = cutlass.Int32(0)
         e = cutlass.Int32(0)
         r = cutlass.Int32(0)
         bad = cutlass.Int32(1)
+        if cutlass.const_expr(self.dynamic):
+            ring, fetched, role, cta_rank, counter, num_clusters = fetch_state
         while bad != 0 and t < total_tiles:
             if cutlass.const_expr(self.group_tables):
                 # p0 < num_bands <= capacity: the table reads are in bounds
@@ -244,8 +266,35 @@ class GroupedGemmKernel(GemmSm90):
                         record_error(err, cutlass.Int32(ERR_PRODUCER_BOUNDS), rank, p, field,
                                      cutlass.Int64(value), cutlass.Int64(bound),
                                      cutlass.Int64(0))
-                t = t + gdim
-        return t, n_tile, b, e, r // self.tile_m
+                if cutlass.const_expr(self.dynamic):
+                    t, fetched = self.next_fetched_tile(ring, fetched, role, cta_rank, counter,
+                                                      num_clusters)
+                else:
+                    t = t + gdim
+        out = (t, n_tile, b, e, r // self.tile_m)
+        if cutlass.const_expr(self.dynamic):
+            out = out + (fetched,)
+        return out
+
+    @cute.jit
+    def next_fetched_tile(self, ring: cutlass.Int32, fetched: cutlass.Int32,
+                          role: cutlass.Constexpr, cta_rank, counter: cutlass.Int64,
+                          num_clusters: cutlass.Int32):
+        """tile_fetch="dynamic": this CTA's next linear tile u * cluster_n + cta_rank, u the
+        cluster's next unit (``ClusterTileFetch``: posted by the rank-0 CTA's producer warp
+        (``role`` "producer"), taken from the ring by the rank-1 CTA's producer warp and the
+        consumer warps (role "consumer")); and fetched + 1 (the units taken after the first)."""
+        u = cutlass.Int32(0)
+        if cutlass.const_expr(role == "producer" and self.cluster_n == 1):
+            u = self.fetch.post(ring, fetched, counter, num_clusters)
+        elif cutlass.const_expr(role == "producer"):
+            if cta_rank == 0:
+                u = self.fetch.post(ring, fetched, counter, num_clusters)
+            else:
+                u = self.fetch.take(ring, fetched)
+        else:
+            u = self.fetch.take(ring, fetched)
+        return u * cutlass.Int32(self.cluster_n) + cta_rank, fetched + cutlass.Int32(1)
 
     @cute.jit
     def wait_band_arrived(self, mArrived: cute.Tensor, b: cutlass.Int32, epoch: cutlass.Int32,
@@ -276,7 +325,8 @@ class GroupedGemmKernel(GemmSm90):
                mReady: cute.Tensor, mCounter: cute.Tensor, mEpoch: cute.Tensor,
                err: cutlass.Int64, rank: cutlass.Int32, x_rows: cutlass.Int32,
                y_rows: cutlass.Int32, n_experts: cutlass.Int32, band_cap: cutlass.Int32,
-               mGroupFirst: cute.Tensor, mGroupSize: cute.Tensor, mArrived: cute.Tensor):
+               mGroupFirst: cute.Tensor, mGroupSize: cute.Tensor, mArrived: cute.Tensor,
+               mFetch: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -304,6 +354,13 @@ class GroupedGemmKernel(GemmSm90):
             relay = cutlass.Int32(storage.relay.data_ptr().toint())
             if tidx == 0:
                 relay_init(relay)
+        if cutlass.const_expr(self.dynamic):
+            ring = cutlass.Int32(storage.relay.data_ptr().toint()) + cutlass.Int32(
+                RELAY_BYTES if self.flag_warp else 8)
+            fetch_counter = cutlass.Int64(mFetch.iterator.toint())
+            num_clusters = gdim // cutlass.Int32(self.cluster_n)
+            if tidx == 0:
+                self.fetch.init(ring)
         pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
@@ -362,10 +419,18 @@ class GroupedGemmKernel(GemmSm90):
         # ------------------------------------------------------------ producer (TMA) warp
         if warp_idx == self.load_warp_id:
             prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-            t, n_tile, b, e, m_tile = self.band_tile(
-                cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
-                mBandExpert, mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst,
-                mGroupSize)
+            if cutlass.const_expr(self.dynamic):
+                # the first tile is the static one (no fetch); fetched: units taken after it
+                t, n_tile, b, e, m_tile, fetched = self.band_tile(
+                    cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
+                    mBandExpert, mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst,
+                    mGroupSize, (ring, cutlass.Int32(0), "producer", cta_rank, fetch_counter,
+                                 num_clusters))
+            else:
+                t, n_tile, b, e, m_tile = self.band_tile(
+                    cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
+                    mBandExpert, mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst,
+                    mGroupSize)
             if cutlass.const_expr(self.wait_arrival):
                 epoch_p = mEpoch[0]
             while t < total_tiles:
@@ -384,10 +449,21 @@ class GroupedGemmKernel(GemmSm90):
                               tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
                     mainloop_pipeline.producer_commit(prod_state)
                     prod_state.advance()
-                t, n_tile, b, e, m_tile = self.band_tile(
-                    t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
-                    mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst, mGroupSize)
+                if cutlass.const_expr(self.dynamic):
+                    t, fetched = self.next_fetched_tile(ring, fetched, "producer", cta_rank,
+                                                      fetch_counter, num_clusters)
+                    t, n_tile, b, e, m_tile, fetched = self.band_tile(
+                        t, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
+                        mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst, mGroupSize,
+                        (ring, fetched, "producer", cta_rank, fetch_counter, num_clusters))
+                else:
+                    t, n_tile, b, e, m_tile = self.band_tile(
+                        t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
+                        mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst, mGroupSize)
             mainloop_pipeline.producer_tail(prod_state)
+            if cutlass.const_expr(self.dynamic and self.cluster_n > 1):
+                if cta_rank == 0:  # the peer's last remote arrives land before this CTA exits
+                    self.fetch.tail(ring, fetched)
 
         # ------------------------------------------------------------ relay warp (flag_warp)
         if cutlass.const_expr(self.flag_warp):
@@ -425,10 +501,17 @@ class GroupedGemmKernel(GemmSm90):
             signal_k = self.signal_k_index(k_tile_cnt)
             tiles_done = cutlass.Int32(0)
 
-            t, n_tile, b, e, m_tile = self.band_tile(
-                cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
-                mBandExpert, mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
-                mGroupSize)
+            if cutlass.const_expr(self.dynamic):
+                t, n_tile, b, e, m_tile, fetched = self.band_tile(
+                    cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
+                    mBandExpert, mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
+                    mGroupSize, (ring, cutlass.Int32(0), "consumer", cta_rank, fetch_counter,
+                                 num_clusters))
+            else:
+                t, n_tile, b, e, m_tile = self.band_tile(
+                    cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
+                    mBandExpert, mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
+                    mGroupSize)
             while t < total_tiles:
                 gC_tile = gC[(None, None, m_tile, n_tile)]
 
@@ -503,10 +586,19 @@ class GroupedGemmKernel(GemmSm90):
                 if cutlass.const_expr(self.signal):
                     pend_band = b
                 tiles_done = tiles_done + 1
-                t, n_tile, b, e, m_tile = self.band_tile(
-                    t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
-                    mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
-                    mGroupSize)
+                if cutlass.const_expr(self.dynamic):
+                    t, fetched = self.next_fetched_tile(ring, fetched, "consumer", cta_rank,
+                                                      fetch_counter, num_clusters)
+                    t, n_tile, b, e, m_tile, fetched = self.band_tile(
+                        t, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
+                        mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
+                        mGroupSize, (ring, fetched, "consumer", cta_rank, fetch_counter,
+                                     num_clusters))
+                else:
+                    t, n_tile, b, e, m_tile = self.band_tile(
+                        t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
+                        mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
+                        mGroupSize)
 
             if cutlass.const_expr(self.signal):
                 if pend_band >= 0:
