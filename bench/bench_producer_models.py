@@ -51,12 +51,25 @@ transport only; W x one rank's buffer must fit in free memory, else the point is
 ``beside_skipped``). Per variant: ``beside_consumer_ms`` (the makespan, timed in the same
 rounds as the rest), ``beside_consumer_over_alone`` (/ ``ms``, the producer alone: today's
 time, kept), ``beside_consumer_ratio`` (base / it; not SM-scaled: the consumer uses those SMs);
-the goals stay on ``ms``. Checked
+the goals stay on ``ms``. The makespan mixes the producer slowed beside the consumer with the
+consumer's tail after it; device stamps separate them (moe_overlap/kernels/stamps.py: a
+one-thread kernel storing %globaltimer, in the same graph: before the producer on the main
+stream, after it on the main stream, after the consumer on the side stream):
+``beside_producer_ms`` (producer end - start, median of the timed replays, p10 / p90),
+``beside_producer_over_alone`` (/ ``ms``) and ``beside_consumer_end_ms`` (consumer end -
+start). Resolution: the clock's step, about 1 us or finer (``stamp_step_ns``: the gcd of the
+point's stamp differences); the stamps are kernels of their own, so the launch gaps between
+the start stamp and the producer and between the producer's end and its stamp (a few us
+each) count in both. A replay whose stamps are not increasing (an end at or
+before the start, a slot never written) makes the variant's stamped times invalid
+(``beside_stamps``: valid, bad_rounds, every replay's intervals; ``stamps_valid`` per point),
+listed in the summary's ``stamps_invalid``, not summarized. Checked
 first, per point: y and every receive slot poisoned, one call, then every shipped row bitwise
 y's row, no other receive row written, each copy's counter (call marker + rows) and epoch tag,
 the band flags at the epoch, the error word clear, y bitwise the producer's output alone
 (``beside_consumer_check``; a failure makes the point wrong). The JSON's ``time_fields`` says
-what each time is; ``beside_consumer`` per variant: geomean / max of the over-alone factor.
+what each time is; ``beside_consumer`` per variant: geomean / max of the over-alone factors
+(the makespan's and the producer's own).
 
 Variants (--variants, comma-separated): "default" (the library's options) or key=value pairs
 joined by "+": keys of ``CombineOptions`` (ccta, mgb, order, layout, ...) change the options
@@ -104,8 +117,23 @@ TIME_FIELDS = {  # what each time of a variant's record is (the JSON's "time_fie
         "ms": "the producer alone, ccta SMs left out of its grid and idle",
         "beside_consumer_ms": "makespan of one graph replay of the combine's order: epoch += 1, "
                               "producer, the real consumer on the ccta SMs (side stream) "
-                              "shipping into loopback peers; ccta > 0 only",
-        "beside_consumer_over_alone": "beside_consumer_ms / ms"}}
+                              "shipping into loopback peers, with the three stamp kernels "
+                              "of beside_producer_ms in it; ccta > 0 only",
+        "beside_consumer_over_alone": "beside_consumer_ms / ms",
+        "beside_producer_ms": "the producer's own time beside the consumer in the same replays: "
+                              "device stamps (%globaltimer, moe_overlap/kernels/stamps.py) of "
+                              "the producer's end (a stamp kernel after it on its stream) minus "
+                              "the start (a stamp kernel launched just before it); the two "
+                              "launch gaps between the stamps and the producer count (a few "
+                              "us each); median over the timed replays, p10 / p90; good to "
+                              "the clock's step (stamp_step_ns, about 1 us or finer)",
+        "beside_producer_over_alone": "beside_producer_ms / ms (ms: CUDA events around a "
+                                      "replay of the producer alone)",
+        "beside_consumer_end_ms": "the consumer's end (a stamp after it on the side stream) "
+                                  "minus the same start: until its last shipment, the "
+                                  "producer's time plus the consumer's tail after it"}}
+STAMP_START, STAMP_PRODUCER_END, STAMP_CONSUMER_END = range(3)  # slots of a call's stamps
+STAMP_SPARE_ROWS = 8  # rows beyond the timed rounds (the check and warm-up calls' stamps)
 DEVICE = "cuda"  # (the CPU test of run_point swaps the kernel and the clock for stand-ins)
 OPTION_FIELDS = {f.name for f in dataclasses.fields(CombineOptions)} - {"gemm_options"}
 
@@ -301,10 +329,14 @@ def summarize(doc: dict) -> dict:
 
 
 def beside_summary(points: list, name: str) -> dict:
-    """A variant's producer time beside the consumer over its time alone, over the points
-    where both were timed (geometric mean, max), and the labels of the points not timed
-    beside it (ccta 0: no consumer; or the loopback did not fit: ``beside_skipped``)."""
-    over, not_timed = {}, []
+    """A variant's times beside the consumer over its time alone, over the points where both
+    were timed (geometric mean, max, the worst point): the makespan's
+    (``beside_consumer_over_alone``: geomean_over_alone, max_over_alone, worst) and the
+    producer's own, stamped (``beside_producer_over_alone``: geomean_producer_over_alone,
+    max_producer_over_alone, worst_producer); the labels of the points not timed beside it
+    (ccta 0: no consumer; or the loopback did not fit: ``beside_skipped``) and of those whose
+    stamps failed their check (stamps_invalid: timed, not summarized)."""
+    over, prod, not_timed, invalid = {}, {}, [], []
     for p in points:
         r = p.get("variants", {}).get(name)
         if r is None:
@@ -313,11 +345,61 @@ def beside_summary(points: list, name: str) -> dict:
             over[p["label"]] = r["beside_consumer_over_alone"]
         else:
             not_timed.append(p["label"])
-    vals = list(over.values())
-    return dict(points=len(vals), not_timed=not_timed,
-                geomean_over_alone=math.exp(sum(math.log(v) for v in vals) / len(vals))
-                if vals else None, max_over_alone=max(vals) if vals else None,
-                worst=max(over, key=over.get) if vals else None)
+        if "beside_producer_over_alone" in r:
+            prod[p["label"]] = r["beside_producer_over_alone"]
+        elif "beside_stamps" in r:
+            invalid.append(p["label"])
+
+    def geomean(d):
+        return math.exp(sum(math.log(v) for v in d.values()) / len(d)) if d else None
+    return dict(points=len(over), not_timed=not_timed, geomean_over_alone=geomean(over),
+                max_over_alone=max(over.values()) if over else None,
+                worst=max(over, key=over.get) if over else None,
+                producer_points=len(prod), stamps_invalid=invalid,
+                geomean_producer_over_alone=geomean(prod),
+                max_producer_over_alone=max(prod.values()) if prod else None,
+                worst_producer=max(prod, key=prod.get) if prod else None)
+
+
+def quantiles_ms(times: list) -> dict:
+    """median, p10, p90 of a list of ms, as ``timing.time_interleaved`` takes them."""
+    import statistics
+    ts = sorted(times)
+
+    def q(f):
+        return ts[min(len(ts) - 1, int(f * len(ts)))]
+    return dict(median_ms=statistics.median(ts), p10_ms=q(0.1), p90_ms=q(0.9))
+
+
+def stamp_intervals(rows) -> dict:
+    """The timed replays' stamps (int64 [rounds, 3]: start, producer end, consumer end per
+    replay, round order) as intervals in ms: producer_ms (producer end - start),
+    consumer_end_ms (consumer end - start). Checked: every stamp set and both ends after the
+    start; a replay where not is listed in bad_rounds and makes the whole record invalid
+    (its intervals are still given, for a look, never summarized)."""
+    producer, consumer_end, bad = [], [], []
+    for i, (s, p, c) in enumerate(rows.tolist()):
+        if not (s > 0 and p > s and c > s):
+            bad.append(i)
+        producer.append((p - s) / 1e6)
+        consumer_end.append((c - s) / 1e6)
+    return dict(valid=not bad and bool(producer), bad_rounds=bad, producer_ms=producer,
+                consumer_end_ms=consumer_end)
+
+
+def add_stamped_times(r: dict, st: dict) -> dict:
+    """A variant's record r (its ``ms`` set) with ``beside_stamps`` = st and, where st is valid,
+    beside_producer_ms / _p10_ms / _p90_ms, beside_producer_over_alone and
+    beside_consumer_end_ms / _p10_ms / _p90_ms."""
+    r["beside_stamps"] = st
+    if st["valid"]:
+        for field, key in (("beside_producer", "producer_ms"),
+                           ("beside_consumer_end", "consumer_end_ms")):
+            q = quantiles_ms(st[key])
+            r[field + "_ms"], r[field + "_p10_ms"], r[field + "_p90_ms"] = (
+                q["median_ms"], q["p10_ms"], q["p90_ms"])
+        r["beside_producer_over_alone"] = r["beside_producer_ms"] / r["ms"]
+    return r
 
 
 # ------------------------------------------------------------------------------ the GPU part
@@ -377,6 +459,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
     from moe_overlap.combine.options import producer_gemm_options, producer_tile_n
     from moe_overlap.combine.plan import plan_combine
     from moe_overlap.kernels.errors import describe_error
+    from moe_overlap.kernels.stamps import timer_step_ns
     from moe_overlap import timing
     E, topk, K, N, W, T = (point[k] for k in ("E", "topk", "K", "N", "world_size", "tokens"))
     El, dev = E // W, torch.device(DEVICE)
@@ -468,7 +551,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
     # ---- the real consumer beside the producer (--beside consumer): set up and checked ---
     rec["beside"] = beside
     if beside == "consumer":
-        for name, fn in beside_consumer(point, ours, w, rec, dev).items():
+        for name, fn in beside_consumer(point, ours, w, rec, dev, rounds).items():
             fns[name + BESIDE_KEY] = fn
             r = rec["variants"][name]
             r["bitwise_beside_vs_alone"] = bool(torch.equal(
@@ -486,6 +569,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         rec[k.replace("base:", "base_") + "_ms"] = t[k]["median_ms"]
     best = min(("base:grouped_mm", "base:mm_loop"), key=lambda k: t[k]["median_ms"])
     rec["base"], rec["base_ms"] = best.replace("base:", ""), t[best]["median_ms"]
+    steps = []
     for name in ours:
         r = rec["variants"][name]
         r["ms"], r["p10_ms"], r["p90_ms"] = (t[name][q] for q in ("median_ms", "p10_ms",
@@ -501,21 +585,34 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
                 t[b][q] for q in ("median_ms", "p10_ms", "p90_ms"))
             r["beside_consumer_ratio"] = rec["base_ms"] / r["beside_consumer_ms"]
             r["beside_consumer_over_alone"] = r["beside_consumer_ms"] / r["ms"]
+            # the same replays' device stamps: the last `rounds` calls are the timed ones
+            # (time_interleaved's warm-up calls come first), in round order as t[b]["times"]
+            rows = ours[name]["beside"]["stamps"].last_calls(rounds)
+            add_stamped_times(r, stamp_intervals(rows))
+            steps.append(rows)
+    if steps:  # the clock's step seen in this point's stamps, and their check
+        rec["stamp_step_ns"] = timer_step_ns(int(v) for x in steps for v in x.reshape(-1))
+        rec["stamps_valid"] = all(r["beside_stamps"]["valid"] for r in rec["variants"].values()
+                                  if "beside_stamps" in r)
     return rec
 
 
 BESIDE_KEY = "|beside_consumer"  # timing key suffix of a variant's launch beside the consumer
 
 
-def beside_consumer(point: dict, ours: dict, w, rec: dict, dev) -> dict:
+def beside_consumer(point: dict, ours: dict, w, rec: dict, dev, rounds: int) -> dict:
     """The combine's launch order, with the real consumer, for every variant of ccta > 0:
     {variant name: fn}. One loopback communication buffer (moe_overlap/combine/loopback.py:
     one copy of rank 0's buffers per rank of W on this GPU, sized by the combine's
     CommBuffer) serves them all, as one CommBuffer serves the layers of a model; each fn is
     OverlapCombine._forward_overlap's producer and consumer part: epoch += 1 (begin_call), the
-    side stream waits on the main one, the producer (the variant's GroupedGemm, the buffer's
-    epoch and error word), the consumer (``consumer_for`` the resolved options, ccta CTAs,
-    the resolved piece rows) on the side stream, the main stream waits on it. Before timing,
+    start stamp, the side stream waits on the main one, the producer (the variant's
+    GroupedGemm, the buffer's epoch and error word), the consumer (``consumer_for`` the
+    resolved options, ccta CTAs, the resolved piece rows) then the consumer-end stamp on the
+    side stream, the producer-end stamp on the main stream, the main stream waits on the side
+    one. The stamps (``DeviceStamps`` of rounds + STAMP_SPARE_ROWS calls, one per variant, in
+    ours[name]["beside"]["stamps"]) come before the fork and after each part, so the side
+    stream's stamp reads the call count the start stamp advanced. Before timing,
     each is run once alone (modules loaded) and once checked: y and the receive slots
     poisoned, one call, then ``check_loopback`` (every shipped row bitwise y's, nothing else
     written, counters, tags, error word) and the band flags at the epoch; into
@@ -525,6 +622,7 @@ def beside_consumer(point: dict, ours: dict, w, rec: dict, dev) -> dict:
     from moe_overlap.combine.loopback import (attach_layer, check_loopback, loopback_comm_buffer,
                                               loopback_copies, poison_slots)
     from moe_overlap.combine.overlap import consumer_for
+    from moe_overlap.kernels.stamps import DeviceStamps
     W, T, topk, N, E = (point[k] for k in ("world_size", "tokens", "topk", "N", "E"))
     layers = loopback_layers(point, {n: (None, o["opts"], None, o["tile_m"])
                                      for n, o in ours.items()})
@@ -542,6 +640,7 @@ def beside_consumer(point: dict, ours: dict, w, rec: dict, dev) -> dict:
         return {}
     buf = loopback_comm_buffer(W, dev)
     cs = side_stream(dev)
+    DeviceStamps.warmup(dev)  # its module loaded before any consumer spins
     fns = {}
     for name in layers:
         o = ours[name]
@@ -554,6 +653,7 @@ def beside_consumer(point: dict, ours: dict, w, rec: dict, dev) -> dict:
         ready = torch.zeros(p.band_capacity, dtype=torch.int32, device=dev)
         o["attached"] = attach_layer(buf, T * topk, N * 2, W * seg_cap, band_ready=ready)
         consumer = consumer_for(opts)
+        stamps = DeviceStamps(rounds + STAMP_SPARE_ROWS, 3, dev)
 
         def produce(gemm=gemm, x=x, y=y, p=p, ready=ready, c=opts.ccta):
             gemm(x, w, y, p.band_expert, p.band_src_row, p.schedule, p.num_bands, ready,
@@ -568,16 +668,19 @@ def beside_consumer(point: dict, ours: dict, w, rec: dict, dev) -> dict:
                             err=buf.err, ccta=c, slot_bytes=buf.slot_bytes, piece_rows=pr,
                             stream=cs)
 
-        def call(produce=produce, ship=ship):
+        def call(produce=produce, ship=ship, stamps=stamps):
             s0 = torch.cuda.current_stream(dev)
             buf.epoch.add_(1)  # begin_call: a new epoch, so last call's flags do not match
+            stamps.stamp(STAMP_START, first=True, stream=s0)
             cs.wait_stream(s0)  # on begin_call, not on the producer (launched first)
             produce()
             with torch.cuda.stream(cs):
                 ship()
+                stamps.stamp(STAMP_CONSUMER_END, stream=cs)
+            stamps.stamp(STAMP_PRODUCER_END, stream=s0)  # after the consumer's launch (eager)
             s0.wait_stream(cs)
         fns[name] = call
-        o["beside"] = dict(produce=produce, ship=ship, seg_cap=seg_cap,
+        o["beside"] = dict(produce=produce, ship=ship, seg_cap=seg_cap, stamps=stamps,
                            arrival="segment" if ordered else "counter")
     for name, call in fns.items():
         o, r = ours[name], rec["variants"][name]
@@ -610,6 +713,17 @@ def beside_consumer(point: dict, ours: dict, w, rec: dict, dev) -> dict:
     rec["beside_loopback"] = dict(world_size=W, slot_bytes=buf.slot_bytes,
                                   block_words=int(buf.buffers.block.numel()))
     return fns
+
+
+def stamped_text(r: dict) -> str:
+    """The printed part of a variant's stamped times beside the consumer ("" if none)."""
+    if "beside_stamps" not in r:
+        return ""
+    if not r["beside_stamps"]["valid"]:
+        return f"; stamps INVALID (rounds {r['beside_stamps']['bad_rounds']})"
+    return (f"; producer itself {r['beside_producer_ms']:.3f} ms "
+            f"({r['beside_producer_over_alone']:.3f}x alone), consumer end "
+            f"{r['beside_consumer_end_ms']:.3f} ms")
 
 
 def add_point_arguments(ap):
@@ -713,7 +827,7 @@ def main(argv=None) -> int:
                       f"({r['scaled_ratio']:.3f}x scaled)"
                       + (f", beside the consumer {r['beside_consumer_ms']:.3f} ms "
                          f"({r['beside_consumer_over_alone']:.3f}x alone)"
-                         if "beside_consumer_ms" in r else "")
+                         if "beside_consumer_ms" in r else "") + stamped_text(r)
                       for n, r in rec["variants"].items())
         if rec.get("beside_skipped"):
             vs += f" | beside: skipped ({rec['beside_skipped']})"
@@ -728,6 +842,14 @@ def main(argv=None) -> int:
             print(f"{name} beside the consumer: {bs['geomean_over_alone']:.3f}x its time alone "
                   f"(geomean of {bs['points']} points; max {bs['max_over_alone']:.3f}x at "
                   f"{bs['worst']}); not timed beside: {len(bs['not_timed'])}")
+        if bs["producer_points"]:
+            print(f"{name}'s producer itself beside the consumer (stamped): "
+                  f"{bs['geomean_producer_over_alone']:.3f}x alone (geomean of "
+                  f"{bs['producer_points']} points; max {bs['max_producer_over_alone']:.3f}x "
+                  f"at {bs['worst_producer']})")
+        if bs["stamps_invalid"]:
+            print(f"{name}: stamps failed their check (timing invalid) at "
+                  f"{', '.join(bs['stamps_invalid'])}")
     for name, gl in doc["goals"].items():
         print(f"{name}: SM-scaled min {gl['min_scaled']:.3f} (goal {GOAL_SCALED}, below on "
               f"{len(gl['below'])}), geomean {gl['geomean_scaled']:.3f} (goal {GOAL_GEOMEAN}): "

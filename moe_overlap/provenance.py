@@ -32,7 +32,7 @@ _PLANNER = (_C + "plan.py", _C + "plan_kernel.py", _C + "routes.py")
 DEPENDENCIES = {
     "producer": _PRODUCER + _PLANNER + (
         _C + "band_groups.py", _C + "options.py", _C + "overlap.py", _C + "tuning.py",
-        "bench/bench_producer_models.py", "moe_overlap/timing.py"),
+        _K + "stamps.py", "bench/bench_producer_models.py", "moe_overlap/timing.py"),
     "upproj": _PRODUCER + _PLANNER + (
         _C + "band_groups.py", _C + "options.py", "moe_overlap/moe_layer.py",
         "bench/bench_upproj.py", "bench/bench_producer_models.py", "moe_overlap/timing.py"),

@@ -197,14 +197,30 @@ def test_one_point_on_the_cpu_with_stand_ins(monkeypatch):
     assert d1["scaled_ratio"] == d1["ratio"]
 
 
-def _cpu_stand_ins(monkeypatch, ms):
-    """The producer kernel by its torch reference, graphs and clock by plain calls and the
-    fixed times ``ms`` (keys: timing names), streams by no-ops."""
+def _stamp_clock(n, slot):
+    """The stand-in device clock (ns) of call n's stamp in ``slot``: call n starts at 1e12 +
+    n x 100 ms; its producer takes n ms, its consumer ends 0.5 ms after that."""
+    start = 10**12 + n * 10**8
+    return {B.STAMP_START: start, B.STAMP_PRODUCER_END: start + n * 10**6,
+            B.STAMP_CONSUMER_END: start + n * 10**6 + 5 * 10**5}[slot]
+
+
+def _cpu_stand_ins(monkeypatch, ms, clock=_stamp_clock):
+    """The producer kernel by its torch reference, graphs by plain calls, the event clock by
+    the fixed times ``ms`` (keys: timing names; each fn called 3 warm-up times then once per
+    round, as time_interleaved does), the stamp kernel by ``stamp_reference`` reading
+    ``clock(call number, slot)``, streams by no-ops."""
     import contextlib
     import torch
     from types import SimpleNamespace
     from moe_overlap import timing
     from moe_overlap.combine import grouped_gemm as gg
+    from moe_overlap.kernels import stamps as st
+
+    def reference_stamp(self, slot, first=False, stream=None):
+        n = int(self.counter[0]) + (1 if first else 0)
+        st.stamp_reference(self.table, self.counter, slot, first, clock(n, slot))
+    monkeypatch.setattr(st.DeviceStamps, "stamp", reference_stamp)
 
     def reference_call(self, x, w, y, be, bs, sched, nb, ready, epoch, ccta=0, err=None, **kw):
         return gg.grouped_gemm_reference(x, w, y, be, bs, sched, nb, self.tile_m,
@@ -221,9 +237,10 @@ def _cpu_stand_ins(monkeypatch, ms):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     called = []
 
-    def fake_time(fns, rounds, **kw):
-        for f in fns.values():
-            f()
+    def fake_time(fns, rounds, warmup=3, **kw):
+        for _ in range(warmup + rounds):
+            for f in fns.values():
+                f()
         called.append(sorted(fns))
         return {k: dict(median_ms=ms[k], p10_ms=ms[k], p90_ms=ms[k], times=[ms[k]] * rounds)
                 for k in fns}
@@ -315,6 +332,17 @@ def test_one_point_beside_the_consumer_on_the_cpu(monkeypatch, plant):
         assert d["ms"] == 1.25 and d["beside_consumer_ms"] == 1.5
         assert d["beside_consumer_over_alone"] == pytest.approx(1.5 / 1.25)
         assert d["beside_consumer_ratio"] == pytest.approx(1.0 / 1.5)
+        # stamped (_stamp_clock: call n's producer n ms, its consumer end 0.5 ms later): the
+        # check call is call 1, time_interleaved's 3 warm-ups calls 2-4, the 3 timed ones 5-7
+        for r, ms_alone in ((d, 1.25), (c2, 1.2)):
+            assert r["beside_stamps"]["valid"] and r["beside_stamps"]["bad_rounds"] == []
+            assert r["beside_stamps"]["producer_ms"] == [5.0, 6.0, 7.0]
+            assert (r["beside_producer_ms"], r["beside_producer_p10_ms"],
+                    r["beside_producer_p90_ms"]) == (6.0, 5.0, 7.0)
+            assert r["beside_consumer_end_ms"] == 6.5
+            assert r["beside_producer_over_alone"] == pytest.approx(6.0 / ms_alone)
+        assert rec["stamps_valid"] and rec["stamp_step_ns"] == 5 * 10**5
+        assert "producer itself 6.000 ms" in B.stamped_text(d)
     else:
         assert not rec["correct"] and not chk["ok"] and not chk["rows_ok"], chk
         assert chk["untouched_ok"] and chk["counters_ok"] and chk["tags_ok"]
@@ -326,6 +354,57 @@ def test_one_point_beside_the_consumer_on_the_cpu(monkeypatch, plant):
     assert r1["correct"] and len(launches) == n and called[-1] == sorted(
         ["base:grouped_mm", "base:mm_loop", "default", "cluster_n=2"])
     assert "beside_consumer_ms" not in r1["variants"]["default"]
+    assert "beside_stamps" not in r1["variants"]["default"] and "stamps_valid" not in r1
+
+
+def test_a_stamp_out_of_order_makes_the_stamped_times_invalid(monkeypatch):
+    """A timed replay whose producer-end stamp is before its start (call 6: the second timed
+    one): the variant's stamped times are invalid, recorded with the round, not summarized;
+    the makespan and the output check stand."""
+    def clock(n, slot):
+        t = _stamp_clock(n, slot)
+        return t - 2 * n * 10**6 if (n, slot) == (6, B.STAMP_PRODUCER_END) else t
+    ms = {"base:grouped_mm": 2.0, "base:mm_loop": 1.0, "default": 1.25,
+          "default" + B.BESIDE_KEY: 1.5}
+    _cpu_stand_ins(monkeypatch, ms, clock)
+    _reference_consumer(monkeypatch)
+    point, counts = _tiny()
+    res = {"default": B.resolve(point, B.parse_variants("default")[0], 132, "FakeGPU",
+                                TuneCache("/nonexistent/moe-overlap-test/tune.json"))}
+    rec = B.run_point(point, counts, res, rounds=3, seed=0, beside="consumer")
+    json.dumps(rec)
+    d = rec["variants"]["default"]
+    assert rec["correct"] and d["beside_consumer_ms"] == 1.5
+    assert not rec["stamps_valid"] and not d["beside_stamps"]["valid"]
+    assert d["beside_stamps"]["bad_rounds"] == [1]
+    assert d["beside_stamps"]["producer_ms"] == [5.0, -6.0, 7.0]  # kept for a look
+    assert "beside_producer_ms" not in d and "beside_producer_over_alone" not in d
+    assert "INVALID" in B.stamped_text(d)
+    doc = B.summarize(dict(beside="consumer", variants=[dict(name="default")], points=[
+        dict(rec, label=point["label"])]))
+    s = doc["beside_consumer"]["default"]
+    assert s["points"] == 1 and s["stamps_invalid"] == [point["label"]]
+    assert s["producer_points"] == 0 and s["geomean_producer_over_alone"] is None
+
+
+def test_stamp_intervals_check_every_replay():
+    import torch
+    ok = B.stamp_intervals(torch.tensor([[10**12, 10**12 + 2 * 10**6, 10**12 + 3 * 10**6]]))
+    assert ok == dict(valid=True, bad_rounds=[], producer_ms=[2.0], consumer_end_ms=[3.0])
+    t0 = 10**12
+    rows = torch.tensor([[t0, t0 + 10, t0 + 20],  # fine
+                         [t0, t0, t0 + 20],  # producer end not after the start
+                         [t0, t0 + 10, t0],  # consumer end not after the start
+                         [0, t0 + 10, t0 + 20],  # the start never stamped
+                         [t0, t0 + 10, t0 + 20]])
+    bad = B.stamp_intervals(rows)
+    assert not bad["valid"] and bad["bad_rounds"] == [1, 2, 3]
+    assert not B.stamp_intervals(torch.zeros(0, 3, dtype=torch.int64))["valid"]
+    r = B.add_stamped_times(dict(ms=2.0), B.stamp_intervals(torch.tensor(
+        [[t0, t0 + k * 10**6, t0 + (k + 1) * 10**6] for k in (3, 1, 2, 4, 5, 6, 7, 8, 9, 10)])))
+    assert (r["beside_producer_ms"], r["beside_producer_p10_ms"],
+            r["beside_producer_p90_ms"]) == (5.5, 2.0, 10.0)
+    assert r["beside_producer_over_alone"] == 5.5 / 2.0 and r["beside_consumer_end_ms"] == 6.5
 
 
 def test_beside_consumer_that_does_not_fit_is_recorded(monkeypatch):
@@ -344,16 +423,22 @@ def test_beside_consumer_that_does_not_fit_is_recorded(monkeypatch):
         dict(rec, label=point["label"])]))
     assert doc["beside_consumer"]["default"] == dict(
         points=0, not_timed=[point["label"]], geomean_over_alone=None, max_over_alone=None,
-        worst=None)
+        worst=None, producer_points=0, stamps_invalid=[], geomean_producer_over_alone=None,
+        max_producer_over_alone=None, worst_producer=None)
 
 
 def test_beside_summary_and_arguments():
-    pts = [dict(label=lab, variants={"default": dict(beside_consumer_over_alone=v)})
-           for lab, v in (("a", 1.0), ("b", 1.21))] + [dict(label="c", variants={
+    pts = [dict(label=lab, variants={"default": dict(beside_consumer_over_alone=v,
+                                                     beside_producer_over_alone=u,
+                                                     beside_stamps=dict(valid=True))})
+           for lab, v, u in (("a", 1.0, 1.8), ("b", 1.21, 1.25))] + [dict(label="c", variants={
                "default": dict(ccta=0)})]
     s = B.beside_summary(pts, "default")
     assert s["points"] == 2 and s["not_timed"] == ["c"] and s["worst"] == "b"
     assert s["geomean_over_alone"] == pytest.approx(1.1) and s["max_over_alone"] == 1.21
+    assert s["producer_points"] == 2 and s["worst_producer"] == "a"
+    assert s["geomean_producer_over_alone"] == pytest.approx(1.5)
+    assert s["max_producer_over_alone"] == 1.8 and s["stamps_invalid"] == []
     assert "beside_consumer" not in B.summarize(_doc([(1.0,), (1.05,)]))  # off by default
     # the loopback ships nvlink only: an nvshmem variant stops before any GPU work
     for argv in (["--beside", "consumer", "--variants", "transport=nvshmem"],
@@ -365,4 +450,7 @@ def test_beside_summary_and_arguments():
     assert B.check_beside(o, "none", "x") is o
     with pytest.raises(ValueError):
         B.check_beside(o, "consumer", "x")
-    assert set(B.TIME_FIELDS["consumer"]) >= {"ms", "beside_consumer_ms"}
+    assert set(B.TIME_FIELDS["consumer"]) >= {
+        "ms", "beside_consumer_ms", "beside_producer_ms", "beside_producer_over_alone",
+        "beside_consumer_end_ms"}
+    assert "%globaltimer" in B.TIME_FIELDS["consumer"]["beside_producer_ms"]
