@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_producer_models as P  # noqa: E402
 from bench_results import git_commit, result_header, write_result  # noqa: E402
+from moe_overlap.combine.dispatch_index import ARRIVAL_ORDERS  # noqa: E402
 from moe_overlap.combine.options import CombineOptions  # noqa: E402
 from moe_overlap.moe_layer import (MoELayer, MoELayerOptions, resolve_layer,  # noqa: E402
                                    up_projection_gemm)
@@ -67,26 +68,29 @@ def up_shape(point: dict) -> tuple[int, int]:
     return point["N"], 2 * point["K"]
 
 
-def layer_options(point: dict) -> MoELayerOptions:
-    """MoELayer's options resolved for the overlap backend at the point's W and sizes."""
+def layer_options(point: dict, up_order: str = "arrival") -> MoELayerOptions:
+    """MoELayer's options resolved for the overlap backend at the point's W and sizes (the
+    default options but ``up_order``)."""
     D, two_k = up_shape(point)
-    _, opts = resolve_layer("overlap", MoELayerOptions(), world_size=point["world_size"],
+    _, opts = resolve_layer("overlap", MoELayerOptions(up_order=up_order),
+                            world_size=point["world_size"],
                             dtype=torch.bfloat16, hidden_size=D, intermediate_size=two_k // 2,
                             tile_m=LAYER_TILE_M, transport=CombineOptions().transport,
                             overlap_ok=(True, "taken as met: the bench launches the GEMM only"))
     return opts
 
 
-def resolve(point: dict, num_sms: int, device_name: str, cache) -> dict:
+def resolve(point: dict, num_sms: int, device_name: str, cache, up_order: str = "arrival"
+            ) -> dict:
     """What the layer launches at the point: its options (``layer``), the combine's resolved
     options the plan is made with (``combine``; bench_producer_models.resolve), whether the tune
     cache held them, the band height, the GEMM object (not compiled) and its grid."""
     variant = dict(P.parse_variants("default")[0], tile_m=LAYER_TILE_M)
     _, copts, tuned, tile_m = P.resolve(point, variant, num_sms, device_name, cache)
-    lopts = layer_options(point)
+    lopts = layer_options(point, up_order)
     gemm = up_projection_gemm(lopts, tile_m)
     cluster = gemm.cluster_for(up_shape(point)[1])
-    grid = (num_sms - lopts.up_ccta) - (num_sms - lopts.up_ccta) % cluster
+    grid = gemm.grid_size(num_sms, lopts.up_ccta, up_shape(point)[1])
     return dict(layer=lopts, combine=copts, tuned=tuned, tile_m=tile_m, gemm=gemm,
                 cluster_n=cluster, grid=grid, num_sms=num_sms)
 
@@ -120,6 +124,7 @@ def describe(point: dict, counts: torch.Tensor, res: dict, plan=None) -> dict:
                rank0_skew=P.skew(rows_e) if rows_e.numel() > 1 else None,
                global_skew=P.skew(counts[:point["world_size"]].sum(0)),
                up_tile_n=lo.up_tile_n, up_ccta=lo.up_ccta, send_ctas=lo.send_ctas,
+               up_order=lo.up_order,
                weight_layout=lo.weight_layout, ccta=co.ccta, mgb=co.mgb, order=co.order,
                layout=co.layout, tuned=res["tuned"], grid=res["grid"],
                sm_scale=res["num_sms"] / (res["num_sms"] - lo.up_ccta),
@@ -220,7 +225,7 @@ def run_point(point: dict, counts: torch.Tensor, res: dict, rounds: int, seed: i
     arrived = torch.full((plan.band_capacity,), int(epoch), dtype=torch.int32, device=dev)
     ready = torch.zeros(plan.band_capacity, dtype=torch.int32, device=dev)
     err = torch.zeros(8, dtype=torch.int64, device=dev)
-    schedule = arrival_schedule(plan, counts)
+    schedule = arrival_schedule(plan, counts, res["layer"].up_order)
     gemm, ccta = res["gemm"], res["layer"].up_ccta
     fns["ours"] = lambda: gemm(x, w_i, h, plan.band_expert, plan.band_src_row, schedule,
                                plan.num_bands, ready, epoch, ccta=ccta, err=err, rank=0,
@@ -289,12 +294,13 @@ def _points(a, ap):
     return points, skipped
 
 
-def dry_run(points, worlds, num_sms: int, device_name: str, cache, plans: bool) -> list[dict]:
+def dry_run(points, worlds, num_sms: int, device_name: str, cache, plans: bool,
+            up_order: str = "arrival") -> list[dict]:
     """Every point's record before timing (CPU): options resolved, rows, (plans) padding."""
     out, counts_cache = [], {}
     for p in points:
         counts, _, _ = rank0_counts(p, worlds, counts_cache)
-        res = resolve(p, num_sms, device_name, cache)
+        res = resolve(p, num_sms, device_name, cache, up_order)
         out.append(describe(p, counts, res, make_plan(p, counts, res) if plans else None))
     return out
 
@@ -303,6 +309,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     P.add_point_arguments(ap)
+    ap.add_argument("--up-order", default="arrival", choices=ARRIVAL_ORDERS,
+                    help="the GEMM's band order (MoELayerOptions.up_order)")
     ap.add_argument("--dry-run", action="store_true",
                     help="no GPU: list the points, the options resolved for a device of "
                          "--num-sms SMs named --device-name, the rows (and, --plans, padding)")
@@ -315,15 +323,16 @@ def main(argv=None) -> int:
     from moe_overlap.combine.tuning import TuneCache
     cache = TuneCache()
     if a.dry_run:
-        recs = dry_run(points, worlds, a.num_sms, a.device_name, cache, a.plans)
+        recs = dry_run(points, worlds, a.num_sms, a.device_name, cache, a.plans,
+                       a.up_order)
         for r in recs:
             pad = f" plan rows {r['plan_rows']:>7} ({r['padding']:.3f}x)" if a.plans else ""
             print(f"{r['label']:<36} D {r['D']:>5} 2K {r['two_k']:>5} experts "
                   f"{len(r['base_rows']):>3} rows {r['valid_rows']:>7} (per expert "
                   f"{min(r['base_rows'])}-{max(r['base_rows'])}){pad} | up_tile_n "
                   f"{r['up_tile_n']} up_ccta {r['up_ccta']} grid {r['grid']} tile_m "
-                  f"{r['gemm']['tile_m']} | combine ccta {r['ccta']} mgb {r['mgb']} "
-                  f"{r['order']} {r['layout']}")
+                  f"{r['gemm']['tile_m']} up_order {r['up_order']} | combine ccta {r['ccta']} "
+                  f"mgb {r['mgb']} {r['order']} {r['layout']}")
         print(f"{len(recs)} points ({a.device_name}, {a.num_sms} SMs), skipped "
               f"{len(skipped)}; would write {result_name(a.device_name, git_commit(), a.tag)}")
         return 0
@@ -331,13 +340,14 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU (or --dry-run)")
     dev_name = torch.cuda.get_device_name()
     S = torch.cuda.get_device_properties(0).multi_processor_count
-    resolved = {p["label"]: resolve(p, S, dev_name, cache) for p in points}
+    resolved = {p["label"]: resolve(p, S, dev_name, cache, a.up_order) for p in points}
     doc = dict(result_header(PREFIX), card=P.card_of(dev_name), gpus=1, num_sms=S,
                tune_cache=cache.path, rounds=a.rounds, lead_ms=P.LEAD_MS, rtol=RTOL, atol=ATOL,
                skipped_points=skipped, routings={}, points=[],
                method="ours: the arrival-gated SwiGLU GroupedGemm MoELayer(backend='overlap') "
                       "launches (moe_layer.up_projection_gemm, resolve_layer's options), on "
-                      "MoECombine's plan rows (padded), arrival_schedule order, weights "
+                      "MoECombine's plan rows (padded), arrival_schedule order (the point's "
+                      "up_order), weights "
                       "interleaved, every band_arrived flag already equal to the epoch (the "
                       "GEMM's rate, no waiting), up_ccta SMs left out of its grid; base: the "
                       "faster of torch._grouped_mm and a per-expert torch.mm loop on the valid "

@@ -22,7 +22,7 @@ from .combine import (CombineOptions, MoECombine, MoEDispatch, dispatch_to_plan,
                       grouped_matmul)
 from .combine.checks import agree_on_call, as_int, error_of, world
 from .combine.dispatch_expand import DEFAULT_CTAS_PER_SM
-from .combine.dispatch_index import arrival_schedule
+from .combine.dispatch_index import ARRIVAL_ORDERS, arrival_schedule
 from .combine.grouped_gemm import (GroupedGemm, deinterleave_gate_up, interleave_gate_up,
                                    split_gate_up)
 from .combine.options import TRANSPORTS
@@ -81,6 +81,11 @@ class MoELayerOptions:
         process group (gloo, ranks sharing one GPU); "host": the process group's all-gather
         (the reference, also the reference backend's resolved value: it has no CommBuffer).
         Both give the same counts, bitwise; validate=True keeps its host checks either way.
+    up_order: the up-projection's band order (``arrival_schedule(order=)``). "arrival": as the
+        expand raises the flags (local bands first, then by rank distance), so the GEMM starts
+        on what has landed; "expert": every band of an expert side by side, each weight slice
+        read once per band group, the first tiles waiting for every source of the first expert.
+        Same output bits.
     """
     send_ctas: int = 8
     dispatch_timeout_s: float = 10.0
@@ -91,6 +96,7 @@ class MoELayerOptions:
     weight_layout: str = "auto"
     expand_wait: str = "per_source"
     counts_exchange: str = "auto"
+    up_order: str = "arrival"
 
     def validate(self) -> None:
         """ValueError / TypeError for a value no backend accepts (host only)."""
@@ -110,6 +116,8 @@ class MoELayerOptions:
         if self.counts_exchange not in COUNTS_EXCHANGES:
             raise ValueError(f"counts_exchange={self.counts_exchange!r}; choose from "
                              f"{COUNTS_EXCHANGES}")
+        if self.up_order not in ARRIVAL_ORDERS:
+            raise ValueError(f"up_order={self.up_order!r}; choose from {ARRIVAL_ORDERS}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout={self.weight_layout!r}; choose from "
                              f"{WEIGHT_LAYOUTS}")
@@ -500,7 +508,7 @@ class MoELayer(torch.nn.Module):
             side = self._side_stream
 
         w_gate_up = self.w_gate_up.detach()  # inference only: the kernel takes no autograd
-        schedule = arrival_schedule(plan, counts)  # local bands first, as the flags come
+        schedule = arrival_schedule(plan, counts, o.up_order)
 
         def up(x_plan, stream, ccta):
             self.up_gemm(x_plan, w_gate_up, h, plan.band_expert, plan.band_src_row,

@@ -51,3 +51,28 @@ def test_bands_in_order_of_their_last_sources_distance(W, layout, skew):
             assert sched[n:].tolist() == list(range(n, B))
             if far and any(f == 0 for f in far.values()):  # this rank's own rows first
                 assert far[got[0]] == 0
+
+
+@pytest.mark.parametrize("layout", ["aligned", "packed"])
+@pytest.mark.parametrize("W", [2, 4])
+def test_expert_order_keeps_each_experts_bands_together_then_arrival(W, layout):
+    """order="expert": every valid band once, experts ascending, within an expert the arrival
+    order (farthest source distance, then band id), the bands past num_bands last."""
+    El, tm = 3, 64
+    for seed in range(3):
+        counts = _counts(W, El, seed, skew=seed == 2)
+        for r in range(W):
+            p = plan_combine(counts, r, tile_m=tm, layout=layout)
+            sched = arrival_schedule(p, counts, order="expert")
+            n, B = int(p.num_bands), p.band_capacity
+            assert sorted(sched.tolist()) == list(range(B))
+            far = _far_by_rows(p, counts)
+            expert = [int(p.band_expert[b]) for b in range(n)]
+            assert sched[:n].tolist() == sorted(range(n), key=lambda b: (expert[b], far[b], b))
+            assert sched[n:].tolist() == list(range(n, B))
+
+
+def test_unknown_order_is_refused():
+    counts = _counts(2, 2, 0, False)
+    with pytest.raises(ValueError, match="order"):
+        arrival_schedule(plan_combine(counts, 0, tile_m=64), counts, order="band")

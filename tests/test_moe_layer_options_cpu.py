@@ -206,3 +206,12 @@ def test_layer_stores_the_kernel_layout_once_and_the_reference_reads_it():
                      deinterleave_gate_up(gw, layer.gate_up_tile_n))
     assert torch.allclose(outs[0], outs[1], rtol=0, atol=1e-12)
     assert torch.allclose(grads[0], grads[1], rtol=0, atol=1e-10)
+
+
+def test_up_order_is_kept_by_both_backends_and_checked():
+    for backend in ("overlap", "reference"):
+        for order in ("arrival", "expert"):
+            assert _resolve(backend, MoELayerOptions(up_order=order))[1].up_order == order
+    assert MoELayerOptions().up_order == "arrival"
+    with pytest.raises(ValueError, match="up_order='band'"):
+        _resolve("overlap", MoELayerOptions(up_order="band"))

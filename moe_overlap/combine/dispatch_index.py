@@ -153,18 +153,31 @@ def dispatch_host(xs, topk_ids_per_rank, plans, counts, max_tokens_per_rank: int
             for d in range(W)]
 
 
-def arrival_schedule(plan, counts: torch.Tensor) -> torch.Tensor:
+ARRIVAL_ORDERS = ("arrival", "expert")  # arrival_schedule(order=)
+
+
+def arrival_schedule(plan, counts: torch.Tensor, order: str = "arrival") -> torch.Tensor:
     """The up-projection's band order for the per-source expand (``MoEDispatch(expand_wait=
-    "per_source")``): int32 [plan.band_capacity], the plan's bands by the farthest rank distance
-    ``(s - rank) mod W`` of the sources with rows in the band (this rank's own rows first: they
-    need no transfer; a band goes when its last source has), then by band id, which is the
-    order in which the expand's items (distance by distance, experts ascending) raise the flags;
-    the bands past ``num_bands`` last. ``counts`` [W, E]: the routing counts the plan was made
-    from. Torch ops on the plan's device, no host sync (capturable with the plan).
+    "per_source")``): int32 [plan.band_capacity], the bands past ``num_bands`` last.
+    order="arrival": the plan's bands by the farthest rank distance ``(s - rank) mod W`` of the
+    sources with rows in the band (this rank's own rows first: they need no transfer; a band
+    goes when its last source has), then by band id, which is the order in which the expand's
+    items (distance by distance, experts ascending) raise the flags.
+    order="expert": by expert first, then as "arrival" within the expert: every band of an
+    expert side by side, so that the GEMM's band groups (bands at equal n tiles) read each
+    weight slice once; the first tiles then wait for every source of the first expert.
+    ``counts`` [W, E]: the routing counts the plan was made from. Torch ops on the plan's
+    device, no host sync (capturable with the plan).
 
     Why not the plan's own schedule: "remote_first" puts every band holding a remote row before
     the local-only ones (the combine ships remote bands early: the opposite of what arrives
-    first), and "expert" interleaves sources expert by expert."""
+    first), and "expert" interleaves sources expert by expert.
+    Why "expert" exists: in "arrival" order consecutive positions hold other experts (one or two
+    bands per (expert, source) at W = 8), so a band group shares no weights and every band reads
+    its expert's whole [D, 2K] slice from DRAM (bench/NOTES.md, session 24: deepseek-v3 W = 8
+    at 0.62x the library, about bands x weight bytes / DRAM rate)."""
+    if order not in ARRIVAL_ORDERS:
+        raise ValueError(f"order={order!r}; choose from {ARRIVAL_ORDERS}")
     W, r, El, tm = plan.world_size, plan.rank, plan.experts_per_rank, plan.tile_m
     B = plan.band_capacity
     dev = plan.band_expert.device
@@ -177,5 +190,8 @@ def arrival_schedule(plan, counts: torch.Tensor) -> torch.Tensor:
     meets = (c > 0) & (g_lo < lo + tm) & (g_lo + c > lo)
     dist = (torch.arange(W, device=dev) - r) % W
     far = torch.where(meets, dist[None, :], torch.full_like(c, -1)).amax(1).clamp(min=0)
-    key = torch.where(valid, far * B + b, W * B + b)
+    key = far * B + b
+    if order == "expert":
+        key = e * (W * B) + key
+    key = torch.where(valid, key, El * W * B + b)
     return torch.argsort(key).to(torch.int32)
