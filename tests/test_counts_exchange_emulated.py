@@ -54,6 +54,7 @@ class Ranks:
     word and its peer table, the counts epoch) plus each rank's input counts and output."""
 
     def __init__(self, W, E, nt=32, timeout_ns=TIMEOUT_NS):
+        """E: the table's capacity (the most experts of any call); a call may pass fewer."""
         self.W, self.E, self.nt, self.timeout_ns = W, E, nt, timeout_ns
         h = self.h = Heap()
         self.words = counts_table_words(W, E)
@@ -79,22 +80,24 @@ class Ranks:
         entry = ptx[1] if name == "post" else ptx[2]
         return Emulator(ptx[0], mem=self.mem, name=entry, valid=self.h.ranges())
 
-    def post(self, r):
+    def post(self, r, E=None):
         h = self.h
         em = self._emu("post")
-        em.launch(1, self.nt, [h[("counts", r)], self.E, r, h[("table", r)], h[("peers", r)],
-                               h[("epoch", r)], h[("err", r)]])
+        em.launch(1, self.nt, [h[("counts", r)], E or self.E, self.E, r, h[("table", r)],
+                               h[("peers", r)], h[("epoch", r)], h[("err", r)]])
         self.writes.append(("post", r, em.writers))
 
-    def gather(self, r):
+    def gather(self, r, E=None):
         h = self.h
         em = self._emu("gather")
-        em.launch(1, self.nt, [h[("out", r)], self.E, r, h[("table", r)], h[("epoch", r)],
-                               h[("err", r)], h[("err_peers", r)], self.timeout_ns])
+        em.launch(1, self.nt, [h[("out", r)], E or self.E, self.E, r, h[("table", r)],
+                               h[("epoch", r)], h[("err", r)], h[("err_peers", r)],
+                               self.timeout_ns])
         self.writes.append(("gather", r, em.writers))
 
-    def out(self, r):
-        return torch.tensor(self.h.words(("out", r), self.W * self.E)).view(self.W, self.E)
+    def out(self, r, E=None):
+        E = E or self.E
+        return torch.tensor(self.h.words(("out", r), self.W * E)).view(self.W, E)
 
     def err(self, r):
         return self.h.words(("err", r), ERR_WORDS)
@@ -290,3 +293,23 @@ def test_emulated_ranks_out_of_step_record_an_epoch_mismatch():
     e = ranks.err(1)
     assert e[:6] == [ERR_EPOCH_MISMATCH, 1, 0, 0, call_tag(3, 0), call_tag(1, 0)], e
     assert torch.equal(ranks.out(1), torch.zeros(W, E, dtype=torch.int64))
+
+
+def test_layers_of_different_expert_counts_share_the_table_with_a_fast_rank():
+    """Two layers of E 4 and 8 on one table (its capacity 8): call 1 of the E = 4 layer, rank 1
+    gathers it and posts call 2 of the E = 8 layer before rank 0 gathers call 1. Rows strided by
+    the capacity keep the parities apart, so rank 0 still reads call 1's counts (strided by the
+    call's E, the E = 8 row of parity 0 overlapped the E = 4 row of parity 1)."""
+    W, E_small, E_cap = 2, 4, 8
+    rk = Ranks(W, E_cap)
+    small = [torch.arange(E_small, dtype=torch.int64) + 10 * (r + 1) for r in range(W)]
+    for r in range(W):
+        rk.set_counts(r, small[r])
+        rk.post(r, E_small)
+    rk.gather(1, E_small)
+    assert torch.equal(rk.out(1, E_small), torch.stack(small))
+    rk.set_counts(1, torch.full((E_cap,), 999, dtype=torch.int64))
+    rk.post(1, E_cap)
+    rk.gather(0, E_small)
+    assert torch.equal(rk.out(0, E_small), torch.stack(small)), rk.out(0, E_small)
+    assert rk.err(0)[0] == 0

@@ -5,11 +5,15 @@ int64 [W, E] that ``exchange_counts`` returns (``CommBuffer.exchange_counts``;
 the reference: bitwise the same counts, but a host collective per call, which a CUDA graph on a
 gloo group (or ranks sharing one GPU, where NCCL refuses) cannot capture.
 
-Counts table (``CommBuffer.counts_table``, symmetric int64, ``counts_table_words(W, E)``):
-flags first, ``[p * W + s]`` for parity p in {0, 1} and source s (the epoch of the call with
-which source s last wrote row p of this rank), then the rows, ``[2W + (p * W + s) * E + e]``.
-The flags come first so that layers of different E that share the buffer find them at the same
-words (a row word of one E is never read as another E's flag).
+Counts table (``CommBuffer.counts_table``, symmetric int64, ``counts_table_words(W, E_cap)``
+for the most experts E_cap of any layer attached): flags first, ``[p * W + s]`` for parity p
+in {0, 1} and source s (the epoch of the call with which source s last wrote row p of this
+rank), then the rows, ``[2W + (p * W + s) * E_cap + e]``, a call of E experts using the first E
+words of each. Rows strided by the capacity, not by the call's E, so that layers of different
+E sharing the buffer keep one row per (parity, source): with a stride of E, a larger E's row of
+parity 0 would cover a smaller E's row of parity 1 and a fast rank's next call could overwrite
+what a slow rank still reads (the argument below is per row). The flags come first, at the same
+words for every E.
 
 Per call, two kernels of one CTA (NT threads) on the stream, epoch = ``epoch[0] + 1`` (int64,
 ``CommBuffer.counts_epoch``: the calls completed on the buffer; it advances on the device, so
@@ -63,6 +67,12 @@ def counts_table_words(world_size: int, num_experts: int) -> int:
     return 2 * int(world_size) * (int(num_experts) + 1)
 
 
+def table_capacity(world_size: int, words: int) -> int:
+    """The most experts E_cap a counts table of ``words`` int64 words holds for W ranks (the
+    rows' stride): the inverse of ``counts_table_words``."""
+    return int(words) // (2 * int(world_size)) - 1
+
+
 def counts_table_bytes(world_size: int, num_experts: int) -> int:
     return 8 * counts_table_words(world_size, num_experts)
 
@@ -110,8 +120,8 @@ def build_counts_exchange(world_size: int, threads: int = DEFAULT_THREADS,
                                     write_only_types=[Int64], read_only_args=[addr])
 
     @cute.kernel
-    def post_kernel(counts: Int64, E: Int32, rank: Int32, table: Int64, table_peers: Int64,
-                    epoch_ptr: Int64, err: Int64):
+    def post_kernel(counts: Int64, E: Int32, E_cap: Int32, rank: Int32, table: Int64,
+                    table_peers: Int64, epoch_ptr: Int64, err: Int64):
         tidx, _, _ = P.thread_block_grid()
         e0 = Int32(0)
         if tidx == Int32(0):
@@ -120,7 +130,7 @@ def build_counts_exchange(world_size: int, threads: int = DEFAULT_THREADS,
         epoch = P.ld_s64(epoch_ptr) + Int64(1)
         p = epoch & Int64(1)
         flag_off = (p * Int64(W) + Int64(rank)) * Int64(8)
-        row_off = (Int64(2 * W) + (p * Int64(W) + Int64(rank)) * Int64(E)) * Int64(8)
+        row_off = (Int64(2 * W) + (p * Int64(W) + Int64(rank)) * Int64(E_cap)) * Int64(8)
         if failed == Int32(0):
             if cutlass.const_expr(use_nvshmem):
                 d = Int32(0)
@@ -149,8 +159,8 @@ def build_counts_exchange(world_size: int, threads: int = DEFAULT_THREADS,
                     d = d + Int32(NT)
 
     @cute.kernel
-    def gather_kernel(out: Int64, E: Int32, rank: Int32, table: Int64, epoch_ptr: Int64,
-                      err: Int64, err_peers: Int64, timeout_ns: Int64):
+    def gather_kernel(out: Int64, E: Int32, E_cap: Int32, rank: Int32, table: Int64,
+                      epoch_ptr: Int64, err: Int64, err_peers: Int64, timeout_ns: Int64):
         tidx, _, _ = P.thread_block_grid()
         epoch = P.ld_s64(epoch_ptr) + Int64(1)
         p = epoch & Int64(1)
@@ -178,12 +188,13 @@ def build_counts_exchange(world_size: int, threads: int = DEFAULT_THREADS,
         if tidx == Int32(0):
             e1 = P.error_set(err)
         failed = P.block_any(e1)
-        rows = table + (Int64(2 * W) + p * Int64(W) * Int64(E)) * Int64(8)
+        rows = table + (Int64(2 * W) + p * Int64(W) * Int64(E_cap)) * Int64(8)
         i = Int64(tidx)
         while i < Int64(W) * Int64(E):
             v = Int64(0)
             if failed == Int32(0):
-                v = ld_cg_s64(rows + i * Int64(8))
+                s_i = i // Int64(E)
+                v = ld_cg_s64(rows + (s_i * Int64(E_cap) + i - s_i * Int64(E)) * Int64(8))
             P.st_s64(out + i * Int64(8), v)
             i = i + Int64(NT)
         P.block_sync()  # every thread has read the epoch before it advances
@@ -191,12 +202,12 @@ def build_counts_exchange(world_size: int, threads: int = DEFAULT_THREADS,
             P.st_s64(epoch_ptr, epoch)
 
     @cute.jit
-    def launch(counts: Int64, out: Int64, E: Int32, rank: Int32, table: Int64,
+    def launch(counts: Int64, out: Int64, E: Int32, E_cap: Int32, rank: Int32, table: Int64,
                table_peers: Int64, epoch_ptr: Int64, err: Int64, err_peers: Int64,
                timeout_ns: Int64, stream: cuda.CUstream):
-        post_kernel(counts, E, rank, table, table_peers, epoch_ptr, err).launch(
+        post_kernel(counts, E, E_cap, rank, table, table_peers, epoch_ptr, err).launch(
             grid=[1, 1, 1], block=[NT, 1, 1], stream=stream)
-        gather_kernel(out, E, rank, table, epoch_ptr, err, err_peers, timeout_ns).launch(
+        gather_kernel(out, E, E_cap, rank, table, epoch_ptr, err, err_peers, timeout_ns).launch(
             grid=[1, 1, 1], block=[NT, 1, 1], stream=stream)
 
     return launch
@@ -206,7 +217,7 @@ def counts_exchange_example_args():
     """Example arguments of the launcher (types only), for cute.compile."""
     import cuda.bindings.driver as cuda
     from cutlass import Int32, Int64
-    return [Int64(0), Int64(0), Int32(1), Int32(0)] + [Int64(0)] * 5 + \
+    return [Int64(0), Int64(0), Int32(1), Int32(1), Int32(0)] + [Int64(0)] * 5 + \
         [Int64(DEFAULT_TIMEOUT_NS), cuda.CUstream(0)]
 
 
@@ -272,21 +283,23 @@ class CountsExchange:
         table = torch.zeros(counts_table_words(W, E), dtype=torch.int64, device=device)
         peers = torch.full((W,), table.data_ptr(), dtype=torch.int64, device=device)
         epoch = torch.zeros(1, dtype=torch.int64, device=device)
-        self._launch((counts.data_ptr(), out.data_ptr(), E, 0, table.data_ptr(),
+        self._launch((counts.data_ptr(), out.data_ptr(), E, E, 0, table.data_ptr(),
                       peers.data_ptr(), epoch.data_ptr(), err.data_ptr(), 0, 1), stream)
         torch.cuda.synchronize(device)
 
     def launch(self, *, counts, out, rank: int, table, table_peers, epoch, err, err_peers,
                timeout_ns: int, stream=None):
         """counts: int64 [E] contiguous (this rank's); out: int64 [W, E] contiguous; table:
-        this rank's counts table (symmetric, ``counts_table_words(W, E)`` words or more);
+        this rank's counts table (symmetric, ``counts_table_words(W, E_cap)`` words for its
+        capacity E_cap >= E: the rows' stride, read from its size);
         table_peers: int64 [W] (every rank's table as mapped here; the nvshmem transport reads
         none: its symmetric address is ``table``); epoch: int64 [1]; err: this rank's error
         word; err_peers: int64 [W] (or None)."""
         import torch
         if stream is None:
             stream = torch.cuda.current_stream(out.device)
-        self._launch((counts.data_ptr(), out.data_ptr(), counts.numel(), int(rank),
+        self._launch((counts.data_ptr(), out.data_ptr(), counts.numel(),
+                      table_capacity(self.world_size, table.numel()), int(rank),
                       table.data_ptr(), table_peers.data_ptr(), epoch.data_ptr(),
                       err.data_ptr(), 0 if err_peers is None else err_peers.data_ptr(),
                       int(timeout_ns)), stream)
