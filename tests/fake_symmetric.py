@@ -7,7 +7,10 @@ import types
 import torch
 
 
-def fake_runtime(monkeypatch, log=None, world=2, rank=0, heap_limit=None, patch_sync=True):
+def fake_runtime(monkeypatch, log=None, world=2, rank=0, heap_limit=None, patch_sync=True,
+                 unreachable=()):
+    """unreachable: peers without a load/store mapping (their peer views are None, as
+    nvshmem4py's get_peer_tensor gives where NVSHMEM has no P2P path)."""
     from moe_overlap.runtime import nvshmem as N
     log = [] if log is None else log
     rt = N.NvshmemRuntime.__new__(N.NvshmemRuntime)
@@ -33,7 +36,8 @@ def fake_runtime(monkeypatch, log=None, world=2, rank=0, heap_limit=None, patch_
         log.append(("free", tuple(t.shape)))
 
     rt._nc = types.SimpleNamespace(tensor=tensor, free_tensor=free_tensor,
-                                   get_peer_tensor=lambda t, pe: torch.zeros_like(t))
+                                   get_peer_tensor=lambda t, pe: None if pe in unreachable
+                                   else torch.zeros_like(t))
     if patch_sync:  # (a test that records syncs patches them itself)
         monkeypatch.setattr(N.torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(N.dist, "barrier", lambda *a, **k: log.append("barrier"))

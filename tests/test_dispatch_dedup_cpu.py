@@ -204,18 +204,21 @@ class _UnmappedRuntime:
 def test_overlap_takes_an_nvshmem_buffer_and_refuses_nvlink_without_peer_mappings(monkeypatch):
     """The overlap backend's construction (host side, no kernel compiled): a CommBuffer of
     transport "nvshmem" gives a send of that transport (its puts need no load/store mapping of
-    the peers), an "nvlink" one over the same unmapped peer is refused naming the rank, and a
-    buffer of another process group is refused."""
+    the peers; stage_source="auto" stages its source there), an "nvlink" one over the same
+    unmapped peer is refused naming the rank, and a buffer of another process group is
+    refused."""
     import moe_overlap.combine.dispatch_dedup as DD
+    import moe_overlap.runtime.collectives as C
     import moe_overlap.runtime.device as DV
     from moe_overlap.combine.comm_buffer import CommBuffer
     from moe_overlap.runtime.nvshmem import NvshmemError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(DD, "world", lambda group: (0, 2))
     monkeypatch.setattr(DV, "num_sms", lambda device: 132)
+    monkeypatch.setattr(C, "all_reduce", lambda t, *a, **k: t)  # the peer's flag: as this one
     comm = CommBuffer(None, "nvshmem", runtime=_UnmappedRuntime())
     ov = MoEDispatch(8, 64, 2, 16, backend="overlap", comm_buffer=comm, send_ctas=3)
-    assert ov.comm is comm and comm.num_layers == 1
+    assert ov.comm is comm and comm.num_layers == 1 and ov.staged
     assert (ov.sender.transport, ov.sender.world_size, ov.sender.ctas) == ("nvshmem", 2, 3)
     with pytest.raises(NvshmemError, match=r"ranks \[1\] are not reachable"):
         MoEDispatch(8, 64, 2, 16, backend="overlap",

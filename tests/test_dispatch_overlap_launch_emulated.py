@@ -213,14 +213,26 @@ def _inputs(tokens, seed):
 
 
 PER_SOURCE = dict(signal_arrival=True, expand_wait="per_source", expand_ctas=4)
+# the nvshmem transport's staged source (MoEDispatch(stage_source="always")): its puts cannot run
+# here (no NVSHMEM device library in the emulator), so the send's launches run the nvlink
+# kernel's PTX (``_ptx`` builds the default transport): both kernels read their source at the
+# same addresses (row x + t * row_bytes, ids + t * K * 4) and deliver to the same slot words,
+# so the staged call's launch ints through it show whether the staged copies are the tokens,
+# in the layout the kernel reads, at the addresses the send gets
+STAGED = dict(transport="nvshmem", stage_source="always")
 
 
-@pytest.mark.parametrize("w,opts", [(2, {}), (2, PER_SOURCE), (4, {})],
-                         ids=["w2-all", "w2-per_source", "w4-all"])
+@pytest.mark.parametrize("w,opts", [(2, {}), (2, PER_SOURCE), (4, {}), (2, STAGED)],
+                         ids=["w2-all", "w2-per_source", "w4-all", "w2-nvshmem-staged"])
 def test_forward_overlap_through_the_real_launchers(monkeypatch, w, opts):
     """The GPU test's cases through _forward_overlap and the launch wrappers (its first: rank 1
     with no tokens, the others 70; then 1 + 29 * rank and T_MAX each): bitwise the plan layout on
-    every owner, no load or store outside an allocation, error words 0."""
+    every owner, no load or store outside an allocation, error words 0. Staged (nvshmem,
+    stage_source="always"): the send's x and ids are the CommBuffer's staging region (x rows at
+    its start, ids at stage_x_bytes), which holds the call's tokens and int32 ids when the send
+    runs, and the owners' rows are bitwise the plan layout (as the unstaged cases')."""
+    opts = dict(opts)
+    transport = opts.pop("transport", "nvlink")
     import moe_overlap.combine.dispatch_dedup as DD
     import moe_overlap.runtime.device as DV
     from moe_overlap import MoEDispatch
@@ -254,10 +266,12 @@ def test_forward_overlap_through_the_real_launchers(monkeypatch, w, opts):
     layers, comms = [], []
     for r in range(W):
         cur["rank"] = r
-        comm = CommBuffer(None, "nvlink", runtime=FakeRuntime(world, r))
+        comm = CommBuffer(None, transport, runtime=FakeRuntime(world, r))
         layers.append(MoEDispatch(EL * W, D, K, T_MAX, backend="overlap", comm_buffer=comm,
                                   timeout_s=2.0, validate=False, **opts))
         comms.append(comm)
+        assert layers[-1].staged == (opts.get("stage_source") == "always")
+        assert (comm.stage is not None) == layers[-1].staged
     world.fill_tables()
     for r in range(W):
         for a in world.allocs[r]:
@@ -285,7 +299,19 @@ def test_forward_overlap_through_the_real_launchers(monkeypatch, w, opts):
                 outs.append(layers[r](xs[r], ids[r], plan, counts, rows=plan.row_capacity))
         finally:
             monkeypatch.setattr(torch.Tensor, "data_ptr", real_ptr)
-        assert tokens[1] or real_ptr(xs[1]) == 0  # the 0-token rank's x at address 0
+        assert tokens[1] or layers[1].staged or real_ptr(xs[1]) == 0  # 0 tokens: x at 0
+        sends = {r: a for r, kind, _, a in L.queue if kind == "send"}
+        assert sorted(sends) == list(range(W))
+        for r in range(W):
+            if not layers[r].staged:
+                continue
+            st = comms[r].stage
+            want = [dev.translate(real_ptr(st)),
+                    dev.translate(real_ptr(st) + comms[r].stage_x_bytes)]
+            assert sends[r][:2] == (want if tokens[r] else [0, 0])  # empty views: address 0
+            sx, sids = comms[r].staged_source(tokens[r], D, K)
+            assert torch.equal(sx.view(torch.int16), xs[r].view(torch.int16))
+            assert torch.equal(sids, ids[r].to(torch.int32))
         L.run()
         for r in range(W):
             assert [int(v) for v in comms[r].err.tolist()] == [0] * 8, (call, r)

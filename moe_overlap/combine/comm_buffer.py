@@ -18,7 +18,15 @@ One ``CommBuffer`` owns, on this rank:
   ``counts_table_words(W, E)`` for the most experts E of any layer on it, its peer table
   ``counts_peers``) and the counts exchange's own epoch (int64 [1], ``counts_epoch``: calls
   completed, advanced by its gather kernel): ``exchange_counts`` all-gathers the per-expert
-  counts through it on the device (combine/counts_exchange.py), no host collective.
+  counts through it on the device (combine/counts_exchange.py), no host collective,
+- with a dispatch that stages its source attached (``MoEDispatch(stage_source=)``, the nvshmem
+  transport's puts where a peer has no P2P mapping), the staging region (symmetric, its own
+  allocation ``stage``): ``stage_x_bytes`` for the most ``max_tokens_per_rank x D`` bf16 rows of
+  any such layer, then ``stage_ids_bytes`` for their top-k int32 ids (each rounded up to 16
+  bytes); a layer views them as [T, D] and [T, topk] (``staged_source``). Grown, freed and
+  zeroed with the other regions (growth, ``reset``). Why symmetric: an NVSHMEM put over a
+  network transport (IB between nodes) reads its source by RDMA, which reaches symmetric (or
+  registered) memory only; over P2P the GPU's threads read any address.
 
 Why the word itself is symmetric rather than a peer-visible mirror of its code: every kernel
 that records an error (consumer, producer GEMM, scales) keeps writing the one word it is given,
@@ -244,6 +252,10 @@ class CommBuffer:
         self.counts_epoch = None  # int64 [1]: counts exchanges completed (device-advanced)
         self._counts_exchange = None  # CountsExchange of this buffer's (W, transport)
         self._counts_warm = False  # its kernels compiled, loaded and run once (collective)
+        self.reserved_stage = (0, 0)  # the most (x bytes, ids bytes) any staging layer asked for
+        self.stage_x_bytes = self.stage_ids_bytes = 0  # the allocated staging region's parts
+        self.stage = None  # symmetric int64 words: x rows, then ids (None: no staging layer)
+        self._unreachable_anywhere = None  # unreachable_anywhere()'s agreed answer, once
         self._layers = weakref.WeakSet()  # attached layers (their band flags on reset)
 
     @classmethod
@@ -276,7 +288,8 @@ class CommBuffer:
         if not self.allocated:
             return 0
         return 2 * self.slot_bytes + self.buffers.block.numel() * 8 + self.err.numel() * 8 + \
-            (0 if self.counts_table is None else self.counts_table.numel() * 8)
+            (0 if self.counts_table is None else self.counts_table.numel() * 8) + \
+            (0 if self.stage is None else self.stage.numel() * 8)
 
     def reserve(self, rows: int, row_bytes: int) -> int:
         """Record that a layer will need slots of ``rows x row_bytes`` (host only, no
@@ -292,14 +305,20 @@ class CommBuffer:
 
     # ---- attach / allocate / grow (collective) -----------------------------------------
     def attach(self, layer, rows: int, row_bytes: int, seg_words: int = 0,
-               counts_experts: int = 0):
+               counts_experts: int = 0, stage_x_bytes: int = 0, stage_ids_bytes: int = 0):
         """Collective (every rank, same order): make the buffer hold slots of ``rows x
         row_bytes``, ``seg_words`` per-segment arrival words (W x the layer's segment
-        capacity; 0 without scale="ordered") and a counts table of ``counts_experts`` experts
-        (0: the layer exchanges no counts on the device) for ``layer`` (allocating, or growing
-        as the module doc says) and register the layer (its ``_clear_band_flags()`` runs on
-        reset)."""
+        capacity; 0 without scale="ordered"), a counts table of ``counts_experts`` experts
+        (0: the layer exchanges no counts on the device) and a staging region of
+        ``stage_x_bytes`` + ``stage_ids_bytes`` (each rounded up to 16; 0: the layer stages
+        nothing) for ``layer`` (allocating, or growing as the module doc says) and register the
+        layer (its ``_clear_band_flags()`` runs on reset)."""
         need = self.reserve(rows, row_bytes)
+        for name, v in (("stage_x_bytes", stage_x_bytes), ("stage_ids_bytes", stage_ids_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}={v!r} must be an int >= 0")
+        stage = (-(-stage_x_bytes // 16) * 16, -(-stage_ids_bytes // 16) * 16)
+        self.reserved_stage = tuple(max(a, b) for a, b in zip(self.reserved_stage, stage))
         if isinstance(seg_words, bool) or not isinstance(seg_words, int) or seg_words < 0:
             raise ValueError(f"seg_words={seg_words!r} must be an int >= 0")
         if isinstance(counts_experts, bool) or not isinstance(counts_experts, int) or \
@@ -312,6 +331,8 @@ class CommBuffer:
         elif need > self.slot_bytes or seg_words > self.seg_words or \
                 counts_experts > self.counts_experts:
             self._grow(max(self.reserved_slot_bytes, self.slot_bytes))
+        elif stage[0] > self.stage_x_bytes or stage[1] > self.stage_ids_bytes:
+            self._grow_stage()
         self._layers.add(layer)
         if self.watch is not None and len(self._layers) > 1:
             self.watch.what = (f"OverlapCombine (rank {self.runtime.rank}; communication "
@@ -326,7 +347,9 @@ class CommBuffer:
                 f"{max(1, self.num_layers)} layer(s) on it so far, plus the {block}-byte "
                 "communication block and error word); layers sharing one CommBuffer (the "
                 "MoECombine default) need it once, whatever their number; `moe-overlap heap` "
-                "reports a model's total")
+                "reports a model's total"
+                + (f"; plus {sum(self.reserved_stage)} bytes of the dispatch's staged source "
+                   "(MoEDispatch stage_source)" if any(self.reserved_stage) else ""))
 
     def _allocate(self, slot_bytes: int):
         from ..runtime.nvshmem import CombineBuffers
@@ -349,6 +372,18 @@ class CommBuffer:
                 rt.free(block)
                 rt.free(recv)
                 raise
+        stage = None
+        if any(self.reserved_stage):
+            try:  # zeroed by alloc, as reset leaves it
+                stage = rt.alloc((sum(self.reserved_stage) // 8,), torch.int64, note=note)
+            except BaseException:
+                for t in (counts, block, recv):
+                    if t is not None:
+                        rt.free(t)
+                raise
+        self.stage = stage
+        self.stage_x_bytes, self.stage_ids_bytes = self.reserved_stage if stage is not None \
+            else (0, 0)
         (rp, bad), (cp, _) = rt.peer_table(recv), rt.peer_table(block)
         self.counts_table, self.counts_experts = counts, self.reserved_counts_experts
         self.counts_peers = None if counts is None else rt.peer_table(counts)[0]
@@ -365,9 +400,11 @@ class CommBuffer:
             try:
                 self.err = rt.alloc((ERR_WORDS,), torch.int64, note=note)
             except BaseException:
-                rt.free(block)
-                rt.free(recv)
-                self.buffers = None
+                for t in (stage, counts, block, recv):
+                    if t is not None:
+                        rt.free(t)
+                self.buffers = self.stage = self.counts_table = None
+                self.stage_x_bytes = self.stage_ids_bytes = 0
                 raise
             self.err_peers, self._err_unreachable = rt.peer_table(self.err)
             self.epoch = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -400,12 +437,39 @@ class CommBuffer:
         if self.counts_table is not None:
             rt.free(self.counts_table)
             self.counts_table = self.counts_peers = None
+        if self.stage is not None:
+            rt.free(self.stage)
+            self.stage = None
         self._allocate(slot_bytes)
         self.expected.zero_()  # the new counters start at 0; epoch and error word are kept
         if self.seg_expected is not None:
             self.seg_expected.zero_()
         self.growths += 1
         rt.barrier()
+
+    def _grow_stage(self):
+        """The staging region alone, where nothing else needs growth (a layer that stages,
+        attached after the buffer was allocated: MoEDispatch resolves stage_source="auto" from
+        the allocated buffer's peer tables): a first one is just allocated (no kernel reads it
+        yet); a larger one replaces the old as growth does (synchronize, barrier, free,
+        allocate; refused once a call was captured: the graph holds its address)."""
+        rt = self.runtime
+        if self.stage is not None:
+            if self.captured:
+                raise CommBufferError(
+                    f"a layer needs a staging region of {sum(self.reserved_stage)} bytes, the "
+                    f"buffer has {self.stage_x_bytes + self.stage_ids_bytes} and a call on it "
+                    "was captured in a CUDA graph, whose replays use the current address: build "
+                    "every layer before the first capture")
+            torch.cuda.synchronize(rt.device)
+            rt.barrier()  # no send of any rank reads the old region past this point
+            rt.free(self.stage)
+            self.stage = None
+            self.stage_x_bytes = self.stage_ids_bytes = 0
+            self.growths += 1
+        self.stage = rt.alloc((sum(self.reserved_stage) // 8,), torch.int64,
+                              note=self._note(self.slot_bytes))
+        self.stage_x_bytes, self.stage_ids_bytes = self.reserved_stage
 
     def seg_tables(self, seg_cap: int):
         """(seg_arrivals, seg_expected) as a layer of segment capacity ``seg_cap`` sees them:
@@ -419,6 +483,39 @@ class CommBuffer:
         base = COMM_BLOCK_WORDS_PER_RANK * W
         return (self.buffers.block[base:base + W * seg_cap].view(W, seg_cap),
                 self.seg_expected[:W * seg_cap].view(W, seg_cap))
+
+    def staged_source(self, tokens: int, hidden: int, topk: int):
+        """(x [tokens, hidden] bf16, ids [tokens, topk] int32): a staging layer's views of the
+        staging region (x rows from its start, ids from ``stage_x_bytes``), the symmetric
+        source of the nvshmem send's puts."""
+        xb, ib = tokens * hidden * 2, tokens * topk * 4
+        if self.stage is None or xb > self.stage_x_bytes or ib > self.stage_ids_bytes:
+            raise CommBufferError(
+                f"the staging region holds {self.stage_x_bytes} + {self.stage_ids_bytes} bytes, "
+                f"[{tokens}, {hidden}] bf16 + [{tokens}, {topk}] int32 need {xb} + {ib} "
+                "(attach with stage_x_bytes / stage_ids_bytes)")
+        b = self.stage.view(torch.uint8)
+        x = b[:xb].view(torch.bfloat16).view(tokens, hidden)
+        ids = b[self.stage_x_bytes:self.stage_x_bytes + ib].view(torch.int32).view(tokens, topk)
+        return x, ids
+
+    def unreachable_anywhere(self) -> bool:
+        """Collective once (every rank, same order; later calls return the kept answer):
+        whether any rank of the group has a peer without a load/store (P2P) mapping
+        (``buffers.unreachable`` of some rank), agreed by a host all-reduce (max) over the
+        group, so that every rank takes the same decision from it (a symmetric allocation made
+        on it must be made on every rank)."""
+        if not self.allocated:
+            raise CommBufferError("the communication buffer is not allocated yet (attach)")
+        if self._unreachable_anywhere is None:
+            flag = torch.tensor([1 if self.buffers.unreachable else 0], dtype=torch.int64,
+                                device=self.runtime.device)
+            if self.runtime.world_size > 1:
+                import torch.distributed as dist
+                from ..runtime.collectives import all_reduce
+                all_reduce(flag, dist.ReduceOp.MAX, self.group)
+            self._unreachable_anywhere = bool(int(flag.item()))
+        return self._unreachable_anywhere
 
     # ---- calls ------------------------------------------------------------------------
     def note_call(self):
@@ -545,6 +642,8 @@ class CommBuffer:
         self.epoch.zero_()
         if self.counts_table is not None:  # its flags would pass the restarted epoch
             self.counts_table.zero_()
+        if self.stage is not None:  # no call's tokens outlive the reset
+            self.stage.zero_()
         self.counts_epoch.zero_()
         for layer in list(self._layers):
             layer._clear_band_flags()

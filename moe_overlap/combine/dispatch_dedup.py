@@ -22,6 +22,7 @@ from .plan import CombinePlan
 from .reference import all_to_all, exchange, world
 
 BACKENDS = ("auto", "reference", "overlap")
+STAGE_SOURCES = ("auto", "always", "never")  # MoEDispatch(stage_source=)
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 IDS_DTYPE = torch.int32  # the top-k ids sent with each token (and the per-destination counts)
 
@@ -83,13 +84,33 @@ class MoEDispatch(torch.nn.Module):
     while it waits (W one-warp CTAs do) and then runs on every SM, where the per-source grid
     spins on the SMs it holds. expand_ctas (per_source): the most CTAs of its grid (None:
     2 per SM): where a persistent consumer holds the other SMs, the SMs left to the dispatch.
+
+    stage_source (overlap, nvshmem transport; resolved once here, ``self.staged``): "always"
+    copies x and the int32 ids into the CommBuffer's symmetric staging region on the stream
+    before the send (two device copies, capturable, no host sync) and the send's puts read
+    them there; "never" puts straight from x and ids; "auto" (default) stages exactly when
+    some rank of the group has a peer without a P2P mapping (``CommBuffer.unreachable_anywhere``,
+    one host all-reduce here: the region is a symmetric allocation, made on every rank or on
+    none, so the ranks must agree). Why: x and ids are ordinary torch memory, which NVSHMEM's
+    P2P transport reads with the GPU's threads but a network transport (IB between nodes)
+    cannot read: its puts need a symmetric or registered source. The cost: one more copy of
+    T x D bf16 (+ T x topk ids) per call, about T x D x 4 bytes of HBM traffic, so single-node
+    groups (every peer P2P) do not pay it. "never" with an unreachable peer is refused here
+    (its puts would fault); the nvlink transport never stages (its stores need every peer
+    mapped: refused there as before) and refuses "always". Why the staging region is free to
+    overwrite at call c: the copies of call c run on the stream after everything of call c - 1,
+    whose send ended with ``quiet`` (each of its threads' puts complete at the source side,
+    the region read) before the kernel ended; and the send of call c starts after the copies
+    (same stream, kernel boundary), so its puts read this call's tokens. Layers sharing the
+    buffer share the region under the buffer's rule (one call at a time on a stream).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, topk: int,
                  max_tokens_per_rank: int, group=None, backend: str = "reference",
                  validate: bool = True, comm_buffer=None, send_ctas: int = 8,
                  timeout_s: float = 10.0, signal_arrival: bool = False,
-                 expand_wait: str = "all", expand_ctas: int | None = None):
+                 expand_wait: str = "all", expand_ctas: int | None = None,
+                 stage_source: str = "auto"):
         super().__init__()
         rank, W = world(group)
         ints = {}
@@ -125,6 +146,12 @@ class MoEDispatch(torch.nn.Module):
                 raise ValueError("expand_ctas bounds the per-source expand's grid: pass "
                                  "expand_wait='per_source'")
             expand_ctas = as_int("expand_ctas", expand_ctas, minimum=1)
+        if stage_source not in STAGE_SOURCES:
+            raise ValueError(f"stage_source={stage_source!r}; choose from {STAGE_SOURCES}")
+        if stage_source != "auto" and backend != "overlap":
+            raise ValueError(f"stage_source is an option of backend='overlap' (the nvshmem "
+                             f"send's source), got backend={backend!r}")
+        self.stage_source, self.staged = stage_source, False  # staged: resolved by the overlap
         self.signal_arrival, self.expand_wait = signal_arrival, expand_wait
         self.expand_ctas = expand_ctas
         # signal_arrival / per_source: made at the first call
@@ -155,12 +182,34 @@ class MoEDispatch(torch.nn.Module):
             raise TypeError(f"comm_buffer must be a CommBuffer, got {type(comm_buffer).__name__}")
         if comm_buffer.group is not self.group:
             raise ValueError("comm_buffer must be a CommBuffer of this process group")
+        if comm_buffer.transport == "nvlink" and self.stage_source == "always":
+            raise ValueError("stage_source='always' stages the nvshmem transport's source; the "
+                             "nvlink transport stores from x with the GPU's threads through "
+                             "P2P mappings and never stages (use transport='nvshmem')")
         self.layout = slot_layout(self.world_size, self.max_tokens_per_rank, self.hidden_size,
                                   self.topk)
         # the counts table too: the step's counts may be exchanged through this buffer
-        comm_buffer.attach(self, 1, self.layout["slot_bytes"], counts_experts=self.num_experts)
+        attach = dict(counts_experts=self.num_experts)
+        stage = dict(stage_x_bytes=self.max_tokens_per_rank * self.hidden_size * 2,
+                     stage_ids_bytes=self.max_tokens_per_rank * self.topk * 4)
+        comm_buffer.attach(self, 1, self.layout["slot_bytes"], **attach,
+                           **(stage if self.stage_source == "always" else {}))
         if comm_buffer.transport == "nvlink":  # peer stores: every peer must be mapped
             comm_buffer.buffers.require_p2p("MoEDispatch(backend='overlap')")
+        self.staged = self.stage_source == "always" or (
+            comm_buffer.transport == "nvshmem" and self.stage_source == "auto"
+            and comm_buffer.unreachable_anywhere())
+        if comm_buffer.transport == "nvshmem" and self.stage_source == "never" and \
+                comm_buffer.unreachable_anywhere():
+            from ..runtime.nvshmem import NvshmemError
+            raise NvshmemError(
+                "MoEDispatch(stage_source='never') puts from x and topk_ids as passed (ordinary "
+                "memory, read by the GPU's threads over P2P), but some rank of the group has a "
+                f"peer without a P2P mapping (this rank: {list(comm_buffer.buffers.unreachable)}"
+                "), which a network transport reaches only from symmetric memory: use "
+                "stage_source='auto' or 'always'")
+        if self.staged and self.stage_source == "auto":  # collective: the region alone
+            comm_buffer.attach(self, 1, self.layout["slot_bytes"], **attach, **stage)
         self.comm = comm_buffer
         self.sender, self.expander = self.overlap_kernels(
             self.world_size, self.topk, self.send_ctas, timeout_s, self.signal_arrival,
@@ -266,8 +315,15 @@ class MoEDispatch(torch.nn.Module):
         comm.watch.poll()  # an earlier call's device error raises here, before any launch
         if not self._warm and not torch.cuda.is_current_stream_capturing():
             self._warmup()
-        x = x.contiguous()
-        ids = topk_ids.to(torch.int32).contiguous()
+        keep = (x, topk_ids)
+        if self.staged:  # the send's symmetric source (class doc: stage_source)
+            x_send, ids = comm.staged_source(topk_ids.shape[0], self.hidden_size, self.topk)
+            x_send.copy_(x)
+            ids.copy_(topk_ids)
+        else:
+            x_send = x.contiguous()
+            ids = topk_ids.to(torch.int32).contiguous()
+            keep = (x_send, ids)
         cnt = counts.to(dev, torch.int64).contiguous()
         out = torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device=dev)
         flags = self.arrival_flags(plan) if self.signal_arrival else None
@@ -279,7 +335,7 @@ class MoEDispatch(torch.nn.Module):
         if consumer is not None:
             consumer(out)
         b = comm.buffers
-        self.sender.launch(x=x, ids=ids, experts_per_rank=self.experts_per_rank, rank=self.rank,
+        self.sender.launch(x=x_send, ids=ids, experts_per_rank=self.experts_per_rank, rank=self.rank,
                            max_tokens=self.max_tokens_per_rank, recv_peers=b.recv_peers,
                            ctr_peers=b.ctr_peers, layout=self.layout,
                            slot_stride=comm.slot_bytes, epoch=comm.epoch,
@@ -292,7 +348,7 @@ class MoEDispatch(torch.nn.Module):
                              arr_count=state, band_arrived=flags,
                              tile_m=plan.tile_m)
         if not torch.cuda.is_current_stream_capturing():
-            for t in (x, ids, cnt):
+            for t in (*keep, cnt):
                 t.record_stream(stream)
         comm.watch.after_call(stream)
         return out
@@ -375,7 +431,8 @@ class MoEDispatch(torch.nn.Module):
                                "transport": getattr(self.comm, "transport", None),
                                "signal_arrival": self.signal_arrival,
                                "expand_wait": self.expand_wait,
-                               "expand_ctas": self.expand_ctas})
+                               "expand_ctas": self.expand_ctas,
+                               "staged source": self.staged})
                 result["row"], result["fields"] = row, fields
 
             err = error_of(check)

@@ -28,8 +28,11 @@ epoch & 1):
      The symmetric addresses are this rank's own entries of the same tables (recv_peers[rank],
      ctr_peers[rank]: the local receive buffer and communication block, which NVSHMEM
      translates for PE d), so both variants take one argument list. The sources (x, ids) are
-     read by the GPU's threads: NVSHMEM's P2P (NVLink) transport, as the combine's consumer;
-     a network transport would need them registered with NVSHMEM.
+     whatever addresses the launch passes: the caller's tensors, which NVSHMEM's P2P (NVLink)
+     transport reads with the GPU's threads, or, where a peer is reachable only by a network
+     transport (IB: RDMA reads symmetric or registered memory only), their copies in the
+     CommBuffer's symmetric staging region (``MoEDispatch(stage_source=)``, "Staged source"
+     below). The kernel is the same either way.
 3. d's arrival, right after the CTA's data to d (not after every destination's): bar.sync,
    then thread 0: the count of tokens sent to d (its slot's count word of this source), the
    call tag (``call_tag(epoch, the plan's counts fingerprint)``, into word W + parity * W + rank
@@ -49,6 +52,16 @@ epoch & 1):
    Why a marker per CTA and not the rows: the owner cannot know how many tokens a source sends
    it (deduplicated per destination) without the data; the count travels in the slot and the
    marker tells that it and the rows have landed.
+
+Staged source (nvshmem transport, ``MoEDispatch(stage_source=)``): the call copies x and the
+int32 ids into the staging region (``CommBuffer.staged_source``: [T, D] bf16 rows, then [T, K]
+int32 ids, the layout the kernel reads x and ids in) on the stream, then launches this kernel
+with the region's addresses as x and ids. Order: (a) the copies of call c happen-before its
+puts: the same stream, and a kernel starts after the stream's earlier work is complete and
+visible to it; (b) the region is free to overwrite at call c: the send of call c - 1 (this
+layer's or another's on the buffer, one call at a time on the stream) ended with ``quiet``,
+which returns once each of its threads' puts is complete at the source side (the source read,
+free for reuse), before the kernel ended and so before the copies of call c began.
 
 Why the slots are free to write (the combine's argument, docs/CONTRACTS.md): this rank's send
 of call c runs after its expand (or scale) of call c - 1 on the stream, which waited for every
@@ -326,7 +339,8 @@ class DispatchSend:
 
     def launch(self, *, x, ids, experts_per_rank: int, rank: int, max_tokens: int, recv_peers,
                ctr_peers, layout: dict, slot_stride: int, epoch, fingerprint, err, stream=None):
-        """x: [T, D] bf16 contiguous; ids: int32 [T, topk] contiguous; recv_peers / ctr_peers:
+        """x: [T, D] bf16 contiguous; ids: int32 [T, topk] contiguous (the caller's, or their
+        staged copies: the module doc's "Staged source"); recv_peers / ctr_peers:
         int64 [W] (the CommBuffer's receive-buffer / communication-block base on every rank,
         mapped here; the nvshmem transport reads only this rank's entries: its symmetric
         addresses); layout: ``dispatch_index.slot_layout``; slot_stride: bytes between the
