@@ -110,15 +110,6 @@ def build_counts_exchange(world_size: int, threads: int = DEFAULT_THREADS,
                                                   assumed_align=dtype.width // 8),
                                     cute.make_layout(n))
 
-    def st_release_sys_s64(addr, val):
-        cute.arch.inline_ptx("st.release.sys.global.s64 [{$r0}], {$r1};",
-                             read_only_args=[addr, Int64(val)])
-
-    def ld_cg_s64(addr):
-        """64-bit load cached in L2 only (the peers wrote the table: no L1 line of it)."""
-        return cute.arch.inline_ptx("ld.global.cg.s64 {$w0}, [{$r0}];",
-                                    write_only_types=[Int64], read_only_args=[addr])
-
     @cute.kernel
     def post_kernel(counts: Int64, E: Int32, E_cap: Int32, rank: Int32, table: Int64,
                     table_peers: Int64, epoch_ptr: Int64, err: Int64):
@@ -155,7 +146,7 @@ def build_counts_exchange(world_size: int, threads: int = DEFAULT_THREADS,
                 while d < Int32(W):
                     peer = P.ld_s64(table_peers + Int64(d) * Int64(8))
                     P.fence_acq_rel_sys()
-                    st_release_sys_s64(peer + flag_off, epoch)
+                    P.st_release_sys_s64(peer + flag_off, epoch)
                     d = d + Int32(NT)
 
     @cute.kernel
@@ -194,7 +185,7 @@ def build_counts_exchange(world_size: int, threads: int = DEFAULT_THREADS,
             v = Int64(0)
             if failed == Int32(0):
                 s_i = i // Int64(E)
-                v = ld_cg_s64(rows + (s_i * Int64(E_cap) + i - s_i * Int64(E)) * Int64(8))
+                v = P.ld_cg_s64(rows + (s_i * Int64(E_cap) + i - s_i * Int64(E)) * Int64(8))
             P.st_s64(out + i * Int64(8), v)
             i = i + Int64(NT)
         P.block_sync()  # every thread has read the epoch before it advances

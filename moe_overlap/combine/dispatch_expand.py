@@ -112,11 +112,6 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
         return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
                                     write_only_types=[Int32], read_only_args=[addr, Int32(val)])
 
-    def ld_cg_s32(addr):
-        """32-bit load cached in L2 only (the peers wrote the slot: no L1 line of it)."""
-        return cute.arch.inline_ptx("ld.global.cg.s32 {$w0}, [{$r0}];",
-                                    write_only_types=[Int32], read_only_args=[addr])
-
     @cute.kernel
     def wait_kernel(counters: Int64, expected: Int64, rank: Int32, err: Int64,
                     timeout_ns: Int64, epoch_ptr: Int64, err_peers: Int64,
@@ -177,7 +172,7 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
         e_end = e_start + P.ld_s32(erows + Int64(e) * Int64(4))
         a = e_start + P.ld_s32(grs + (Int64(e) * Int64(W) + Int64(s)) * Int64(4))
         c = Int32(P.ld_s64(counts + (Int64(s) * Int64(E) + Int64(g)) * Int64(8)))
-        n = ld_cg_s32(slot + count_offset + Int64(s) * Int64(4))
+        n = P.ld_cg_s32(slot + count_offset + Int64(s) * Int64(4))
         if P.in_range_s64(Int64(n), Int64(0), Int64(tmax) + Int64(1)) == Int32(0):
             if tidx == Int32(0):
                 P.record_error(err, Int32(ERR_DISPATCH_BAD_ROUTE), rank, s,
@@ -192,9 +187,9 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
             for j in cutlass.range_constexpr(K):
                 v = Int32(-1)
                 if i < n:
-                    v = ld_cg_s32(slot + ids_offset + ((Int64(s) * Int64(tmax)
-                                                        + Int64(i)) * Int64(K)
-                                                       + Int64(j)) * Int64(4))
+                    v = P.ld_cg_s32(slot + ids_offset + ((Int64(s) * Int64(tmax)
+                                                          + Int64(i)) * Int64(K)
+                                                         + Int64(j)) * Int64(4))
                 vs.append(v)
                 if v == g:
                     m = m + Int32(1)

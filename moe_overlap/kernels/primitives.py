@@ -95,6 +95,24 @@ def st_release_sys_s32(addr, val):
                          read_only_args=[addr, Int32(val)])
 
 
+def st_release_sys_s64(addr, val):
+    cute.arch.inline_ptx("st.release.sys.global.s64 [{$r0}], {$r1};",
+                         read_only_args=[addr, Int64(val)])
+
+
+def ld_cg_s32(addr):
+    """32-bit load cached in L2 only (written by a peer or another running kernel: no L1
+    line of it may be stale)."""
+    return cute.arch.inline_ptx("ld.global.cg.s32 {$w0}, [{$r0}];",
+                                write_only_types=[Int32], read_only_args=[addr])
+
+
+def ld_cg_s64(addr):
+    """64-bit load cached in L2 only (as ``ld_cg_s32``)."""
+    return cute.arch.inline_ptx("ld.global.cg.s64 {$w0}, [{$r0}];",
+                                write_only_types=[Int64], read_only_args=[addr])
+
+
 def red_release_gpu_add_s64(addr, val):
     cute.arch.inline_ptx("red.release.gpu.global.add.u64 [{$r0}], {$r1};",
                          read_only_args=[addr, Int64(val)])
