@@ -30,7 +30,9 @@ require_module(gpus=2)
 EL, D, K, T_MAX, TILE_M = 4, 256, 4, 96, 64
 
 
-def _inputs(rank, W, T, seed, kind="uniform"):
+def _inputs(rank, W, T, seed, kind="uniform", strided=False):
+    """x [T, D] bf16 (strided: a non-contiguous view of a [T, 2D] tensor) and ids [T, K] on
+    this rank's GPU: uniform (distinct experts), skew (stress_skew) or dup (repeats) routing."""
     from moe_overlap.routing import route
     dev = torch.device("cuda", torch.cuda.current_device())
     E = EL * W
@@ -42,6 +44,9 @@ def _inputs(rank, W, T, seed, kind="uniform"):
     else:
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
             torch.zeros(0, K, dtype=torch.long)
+    if strided:
+        wide = torch.randn(T, 2 * D, generator=g).to(torch.bfloat16).to(dev)
+        return wide[:, D:], ids.to(dev)
     x = torch.randn(T, D, generator=g).to(torch.bfloat16)
     return x.to(dev), ids.to(dev)
 
@@ -110,42 +115,54 @@ def _worker(rank, W, transport):
         out = ov(x, ids, plan, counts, rows=plan.row_capacity)
         res["after_reset"] = bitwise_equal(out, ref(x, ids, plan, counts, rows=plan.row_capacity))
         ov.check_errors()
-        # CUDA graph, last: new routings per replay, written into the captured inputs. A failed
-        # capture is recorded, not raised, so the eager checks above keep their verdicts
-        try:
-            g_ov = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, validate=False)
-            T = 50 + 7 * rank
-            x_in, ids_in = _inputs(rank, W, T, seed=500)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-
-            def step():  # the counts on the device: no host collective (gloo captures it)
-                c = g_ov.exchange_counts(ids_in)
-                p = plan_combine(c, rank, tile_m=TILE_M, validate=False,
-                                 max_rows=W * T_MAX * K)
-                return g_ov(x_in, ids_in, p, c, rows=p.row_capacity), p, c
-
-            with torch.cuda.stream(s):
-                step()  # warm: compiles, allocates
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out_g, plan_g, counts_g = step()
-            for r in range(6):
-                x_new, ids_new = _inputs(rank, W, T, seed=600 + r, kind=("skew", "dup")[r % 2])
-                x_in.copy_(x_new)
-                ids_in.copy_(ids_new)
-                graph.replay()
-                torch.cuda.synchronize()
-                want = ref(x_new, ids_new, plan_g, counts_g, rows=out_g.shape[0])
-                host = exchange_counts(ids_new, E, validate=False)  # the host path's counts
-                res["graph"].append(bitwise_equal(out_g, want) and torch.equal(counts_g, host))
-            comm.check_errors()
-        except Exception as e:  # noqa: BLE001 - reported by test_graph_replays_with_new_routings
-            res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]
+        # CUDA graph, last: a failed capture is recorded, not raised, so the eager checks above
+        # keep their verdicts
+        graph_replays(lambda: MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm,
+                                          validate=False), ref, comm, rank, W, 6, res)
     res["W"], res["transport"] = W, ov.sender.transport
     return res
+
+
+def graph_replays(make, ref, comm, rank, W, replays, res, strided=False):
+    """A CUDA graph of one step of the validate=False dispatch ``make()`` (counts on the device,
+    plan, dispatch) captured once and replayed ``replays`` times with new routings written into
+    its inputs: each replay appended to res["graph"], True where it is bitwise ``ref`` on the
+    same inputs and plan and its counts equal the host exchange's; a failure is recorded in
+    res["graph_error"], not raised. strided: x a non-contiguous view."""
+    from moe_overlap.combine import exchange_counts
+    from moe_overlap.combine.plan import plan_combine
+    E = EL * W
+    try:
+        g = make()
+        T = 50 + 7 * rank
+        x_in, ids_in = _inputs(rank, W, T, seed=500, strided=strided)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+
+        def step():  # the counts on the device: no host collective (gloo captures it)
+            c = g.exchange_counts(ids_in)
+            p = plan_combine(c, rank, tile_m=TILE_M, validate=False, max_rows=W * T_MAX * K)
+            return g(x_in, ids_in, p, c, rows=p.row_capacity), p, c
+
+        with torch.cuda.stream(s):
+            step()  # warm: compiles, allocates
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g, plan_g, counts_g = step()
+        for r in range(replays):
+            x_new, ids_new = _inputs(rank, W, T, seed=600 + r, kind=("skew", "dup")[r % 2])
+            x_in.copy_(x_new)
+            ids_in.copy_(ids_new)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = ref(x_new, ids_new, plan_g, counts_g, rows=out_g.shape[0])
+            host = exchange_counts(ids_new, E, validate=False)  # the host path's counts
+            res["graph"].append(bitwise_equal(out_g, want) and torch.equal(counts_g, host))
+        comm.check_errors()
+    except Exception as e:  # noqa: BLE001 - reported by the graph tests
+        res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]
 
 
 @pytest.fixture(scope="module", params=WORLD_TRANSPORTS, ids=world_transport_id)

@@ -17,39 +17,24 @@ python -m pytest -q tests/test_dispatch_stage_gpu.py``.
 import pytest
 import torch
 
-from conftest import bitwise_equal, require_module, spawn_ranks
+from conftest import bitwise_equal, require_module, spawn_over_transport
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
 require_module(gpus=2)
 
-EL, D, K, T_MAX, TILE_M = 4, 256, 4, 96, 64
+from test_dispatch_overlap_gpu import (D, EL, K, T_MAX, TILE_M, _inputs,  # noqa: E402
+                                       graph_replays)
 
 
-def _inputs(rank, W, T, seed, kind="uniform"):
-    from moe_overlap.routing import route
-    dev = torch.device("cuda", torch.cuda.current_device())
-    E = EL * W
-    g = torch.Generator().manual_seed(seed * 100 + rank)
-    if kind == "dup":
-        ids = torch.randint(0, E, (T, K), generator=g)
-    elif kind == "skew" and T:
-        ids = route(T, E, K, "stress_skew", seed=seed, rank=rank)[0]
-    else:
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
-            torch.zeros(0, K, dtype=torch.long)
-    wide = torch.randn(T, 2 * D, generator=g).to(torch.bfloat16).to(dev)
-    return wide[:, D:], ids.to(dev)  # x: a non-contiguous [T, D] view
-
-
-def _worker(rank, W):
+def _worker(rank, W, transport):
     from moe_overlap import MoEDispatch
     from moe_overlap.combine import exchange_counts
     from moe_overlap.combine.comm_buffer import CommBuffer
     from moe_overlap.combine.plan import plan_combine
     res = {"calls": [], "graph": []}
     E = EL * W
-    comm = CommBuffer(None, "nvshmem")
+    comm = CommBuffer(None, transport)
     staged = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, timeout_s=2.0,
                          stage_source="always")
     direct = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, timeout_s=2.0,
@@ -61,7 +46,7 @@ def _worker(rank, W):
              for T in ((0 if rank == 1 else 70), 1 + 29 * rank, T_MAX)]
     with torch.no_grad():
         for i, (T, kind) in enumerate(cases):
-            x, ids = _inputs(rank, W, T, seed=i, kind=kind)
+            x, ids = _inputs(rank, W, T, seed=i, kind=kind, strided=True)
             counts = exchange_counts(ids, E)
             plan = plan_combine(counts, rank, tile_m=TILE_M, max_rows=W * T_MAX * K)
             rows = plan.row_capacity
@@ -73,49 +58,17 @@ def _worker(rank, W):
             res["calls"].append((i, T, kind, bitwise_equal(got, plain),
                                  bitwise_equal(got, want), held))
         staged.check_errors()
-        try:  # a CUDA graph of the staged layer; a failed capture is recorded, not raised
-            T = 50 + 7 * rank
-            x_in, ids_in = _inputs(rank, W, T, seed=500)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-
-            g_st = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm,
-                               validate=False, stage_source="always")
-
-            def step():
-                c = g_st.exchange_counts(ids_in)
-                p = plan_combine(c, rank, tile_m=TILE_M, validate=False, max_rows=W * T_MAX * K)
-                return g_st(x_in, ids_in, p, c, rows=p.row_capacity), p, c
-
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out_g, plan_g, counts_g = step()
-            for r in range(4):
-                x_new, ids_new = _inputs(rank, W, T, seed=600 + r, kind=("skew", "dup")[r % 2])
-                x_in.copy_(x_new)
-                ids_in.copy_(ids_new)
-                graph.replay()
-                torch.cuda.synchronize()
-                want = ref(x_new, ids_new, plan_g, counts_g, rows=out_g.shape[0])
-                res["graph"].append(bitwise_equal(out_g, want))
-            comm.check_errors()
-        except Exception as e:  # noqa: BLE001 - reported by test_staged_graph_replays
-            res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]
+        # a CUDA graph of the staged layer; a failed capture is recorded, not raised
+        graph_replays(lambda: MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm,
+                                          validate=False, stage_source="always"),
+                      ref, comm, rank, W, 4, res, strided=True)
     res["transport"] = staged.sender.transport
     return res
 
 
 @pytest.fixture(scope="module")
 def results():  # spawn_ranks skips, naming why, where these GPU ranks cannot run
-    import os
-    join_s = float(os.environ.get("MOE_TEST_JOIN_TIMEOUT_S", "540"))
-    res = spawn_ranks(_worker, 2, backend="nccl", join_timeout_s=join_s, hard_exit=True)
-    assert all(r["transport"] == "nvshmem" for r in res)
-    return res
+    return spawn_over_transport(_worker, (2, "nvshmem"))
 
 
 def test_staged_send_is_bitwise_the_unstaged_one(results):
