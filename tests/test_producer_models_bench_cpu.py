@@ -135,26 +135,34 @@ def test_run_verdict_and_json_fields():
         "producer_models_h100_abc1234_t4096.json"
 
 
+def gpu_stand_ins(monkeypatch, bench, kernel=None):
+    """A bench's CUDA parts swapped for plain CPU calls: the grouped GEMM's launch by
+    ``kernel`` (default: ``grouped_gemm_reference``, which sets the flags the kernel sets),
+    ``bench.DEVICE`` by "cpu", CUDA graphs by plain calls, synchronize by a no-op and the
+    device by one of 132 SMs. The clock stays each test's own."""
+    import torch
+    from types import SimpleNamespace
+    from moe_overlap.combine import grouped_gemm as gg
+
+    def reference_call(self, x, w, y, be, bs, sched, nb, ready, epoch, ccta=0, err=None, **kw):
+        return gg.grouped_gemm_reference(x, w, y, be, bs, sched, nb, self.tile_m,
+                                         band_ready=ready if self.signal else None, epoch=epoch)
+    monkeypatch.setattr(gg.GroupedGemm, "__call__", kernel or reference_call)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr("moe_overlap.timing.graphed", lambda fn: SimpleNamespace(replay=fn))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(multi_processor_count=132))
+
+
 def test_one_point_on_the_cpu_with_stand_ins(monkeypatch):
     """run_point end to end on the CPU: the producer kernel replaced by its torch reference
     (``grouped_gemm_reference``, which sets the flags the kernel sets), CUDA graphs and the
     clock by plain calls and fixed times. Checks what a record holds: both baselines, each
     variant's resolved options, plan and GEMM options, correctness fields, the ratios."""
-    import torch
     from moe_overlap import timing
-    from moe_overlap.combine import grouped_gemm as gg
     from moe_overlap.routing import routing_counts
-    from types import SimpleNamespace
-
-    def reference_call(self, x, w, y, be, bs, sched, nb, ready, epoch, ccta=0, err=None, **kw):
-        return gg.grouped_gemm_reference(x, w, y, be, bs, sched, nb, self.tile_m,
-                                         band_ready=ready if self.signal else None, epoch=epoch)
-    monkeypatch.setattr(gg.GroupedGemm, "__call__", reference_call)
-    monkeypatch.setattr(B, "DEVICE", "cpu")
-    monkeypatch.setattr("moe_overlap.timing.graphed", lambda fn: SimpleNamespace(replay=fn))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda *a: SimpleNamespace(multi_processor_count=132))
+    gpu_stand_ins(monkeypatch, B)
     ms = {"base:grouped_mm": 2.0, "base:mm_loop": 1.0, "default": 1.25, "band_group=2": 0.8,
           "tile_m=64": 1.1}
 
@@ -214,7 +222,6 @@ def _cpu_stand_ins(monkeypatch, ms, clock=_stamp_clock):
     import torch
     from types import SimpleNamespace
     from moe_overlap import timing
-    from moe_overlap.combine import grouped_gemm as gg
     from moe_overlap.kernels import stamps as st
 
     def reference_stamp(self, slot, first=False, stream=None):
@@ -222,15 +229,7 @@ def _cpu_stand_ins(monkeypatch, ms, clock=_stamp_clock):
         st.stamp_reference(self.table, self.counter, slot, first, clock(n, slot))
     monkeypatch.setattr(st.DeviceStamps, "stamp", reference_stamp)
 
-    def reference_call(self, x, w, y, be, bs, sched, nb, ready, epoch, ccta=0, err=None, **kw):
-        return gg.grouped_gemm_reference(x, w, y, be, bs, sched, nb, self.tile_m,
-                                         band_ready=ready if self.signal else None, epoch=epoch)
-    monkeypatch.setattr(gg.GroupedGemm, "__call__", reference_call)
-    monkeypatch.setattr(B, "DEVICE", "cpu")
-    monkeypatch.setattr("moe_overlap.timing.graphed", lambda fn: SimpleNamespace(replay=fn))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda *a: SimpleNamespace(multi_processor_count=132))
+    gpu_stand_ins(monkeypatch, B)
     no_stream = SimpleNamespace(wait_stream=lambda s: None)
     monkeypatch.setattr(B, "side_stream", lambda dev: no_stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: no_stream)
@@ -253,7 +252,6 @@ def _reference_consumer(monkeypatch, plant=None):
     bench's loopback_comm_buffer): each valid segment whose bands' flags equal the epoch goes
     to its destination's slot, with its arrival, the call marker and the tag, as the kernel
     does. plant="row": the first segment's first row arrives wrong."""
-    import torch
     from moe_overlap.combine import consumer as C
     from moe_overlap.combine import loopback as L
     from moe_overlap.kernels.errors import call_tag, epoch_tag_word

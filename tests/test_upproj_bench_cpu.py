@@ -4,7 +4,6 @@ rows, one point end to end with the kernel and the clock replaced by stand-ins (
 correctness check catching a wrong kernel), the result's name and the goal's evaluation."""
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,13 +87,8 @@ def _stand_ins(monkeypatch, kernel):
     """The CUDA parts swapped for plain calls: the up-projection kernel (``kernel``), the
     graphs, the clock (fixed medians) and the device's SM count (132)."""
     from moe_overlap import timing
-    from moe_overlap.combine import grouped_gemm as gg
-    monkeypatch.setattr(gg.GroupedGemm, "__call__", kernel)
-    monkeypatch.setattr(U, "DEVICE", "cpu")
-    monkeypatch.setattr("moe_overlap.timing.graphed", lambda fn: SimpleNamespace(replay=fn))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda *a: SimpleNamespace(multi_processor_count=132))
+    from test_producer_models_bench_cpu import gpu_stand_ins
+    gpu_stand_ins(monkeypatch, U, kernel)
     ms = {"base:grouped_mm": 1.1, "base:mm_loop": 0.9, "base:grouped_mm+swiglu": 1.3,
           "base:mm_loop+swiglu": 1.0, "ours": 1.25}
     seen = {}
