@@ -171,11 +171,12 @@ def arrival_schedule(plan, counts: torch.Tensor, order: str = "arrival") -> torc
 
     Why not the plan's own schedule: "remote_first" puts every band holding a remote row before
     the local-only ones (the combine ships remote bands early: the opposite of what arrives
-    first), and "expert" interleaves sources expert by expert.
+    first), and the plan's order="expert" takes each expert's bands in band-id order, sources
+    interleaved (this function's "expert" takes them by arrival within the expert).
     Why "expert" exists: in "arrival" order consecutive positions hold other experts (one or two
     bands per (expert, source) at W = 8), so a band group shares no weights and every band reads
-    its expert's whole [D, 2K] slice from DRAM (bench/NOTES.md, session 24: deepseek-v3 W = 8
-    at 0.62x the library, about bands x weight bytes / DRAM rate)."""
+    its expert's whole [D, 2K] slice from DRAM: about bands x weight bytes of traffic where an
+    expert's weights do not stay in L2 (the count against the measurements: bench/NOTES.md)."""
     if order not in ARRIVAL_ORDERS:
         raise ValueError(f"order={order!r}; choose from {ARRIVAL_ORDERS}")
     W, r, El, tm = plan.world_size, plan.rank, plan.experts_per_rank, plan.tile_m
