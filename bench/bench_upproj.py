@@ -26,6 +26,11 @@ is one CUDA graph, timed in the same interleaved rounds in a fresh random order 
 (``moe_overlap.timing.time_interleaved``, a GPU sleep ahead of each call). ratio = t_base /
 t_ours, also scaled by SMs / (SMs - up_ccta).
 
+``--extra``: other launches of the same GEMM timed in the same rounds, beside the goal's:
+"plain" (no SwiGLU, no arrival wait: the main loop and tile order alone, against the base GEMM
+alone) or GroupedGemm keywords over the layer's (e.g. group_by=expert: against the base, bitwise
+ours). They tell where ours loses, not whether it meets the goal.
+
 Correct first, per point: ours' output (NaN-poisoned beforehand) on the valid rows finite and
 within rtol = atol = 2e-2 of ``up_projection_reference`` (fp32, tests/test_upproj_gpu.py's
 tolerance), the error word clear; each baseline (GEMM + SwiGLU) within the same tolerance of the
@@ -63,6 +68,23 @@ DRY_DEVICE, DRY_SMS = "NVIDIA H100 80GB HBM3", 132  # --dry-run's stand-in devic
 
 
 # ------------------------------------------------------------------------------ pure parts
+PLAIN = "plain"  # --extra: the same launch without the SwiGLU and the arrival wait
+
+
+def parse_extras(text: str) -> list[tuple[str, dict]]:
+    """[(name, GroupedGemm overrides)] of --extra: comma-separated names, each "plain" (swiglu
+    and wait_arrival off: the main loop and tile order alone, output [rows, 2K]) or key=value
+    pairs joined by "+" (GroupedGemm keywords over the layer's, e.g. group_by=expert)."""
+    out = []
+    for name in (v.strip() for v in text.split(",") if v.strip()):
+        over = (dict(swiglu=False, wait_arrival=False) if name == PLAIN
+                else P.parse_pairs(name, "--extra"))
+        if name in (n for n, _ in out):
+            raise ValueError(f"--extra: {name!r} given twice")
+        out.append((name, over))
+    return out
+
+
 def up_shape(point: dict) -> tuple[int, int]:
     """(D, 2K) of the point's up-projection weight per expert: [D, 2K] (MODELS' N, 2 x K)."""
     return point["N"], 2 * point["K"]
@@ -80,19 +102,21 @@ def layer_options(point: dict, up_order: str = "arrival") -> MoELayerOptions:
     return opts
 
 
-def resolve(point: dict, num_sms: int, device_name: str, cache, up_order: str = "arrival"
-            ) -> dict:
+def resolve(point: dict, num_sms: int, device_name: str, cache, up_order: str = "arrival",
+            extras=()) -> dict:
     """What the layer launches at the point: its options (``layer``), the combine's resolved
     options the plan is made with (``combine``; bench_producer_models.resolve), whether the tune
-    cache held them, the band height, the GEMM object (not compiled) and its grid."""
+    cache held them, the band height, the GEMM object (not compiled) and its grid; ``extra``:
+    the GEMM objects of ``extras`` (parse_extras), timed beside it, not the goal's."""
     variant = dict(P.parse_variants("default")[0], tile_m=LAYER_TILE_M)
     _, copts, tuned, tile_m = P.resolve(point, variant, num_sms, device_name, cache)
     lopts = layer_options(point, up_order)
     gemm = up_projection_gemm(lopts, tile_m)
     cluster = gemm.cluster_for(up_shape(point)[1])
     grid = gemm.grid_size(num_sms, lopts.up_ccta, up_shape(point)[1])
+    extra = {name: up_projection_gemm(lopts, tile_m, **over) for name, over in extras}
     return dict(layer=lopts, combine=copts, tuned=tuned, tile_m=tile_m, gemm=gemm,
-                cluster_n=cluster, grid=grid, num_sms=num_sms)
+                cluster_n=cluster, grid=grid, num_sms=num_sms, extra=extra)
 
 
 def expert_rows(counts: torch.Tensor, point: dict) -> torch.Tensor:
@@ -230,6 +254,14 @@ def run_point(point: dict, counts: torch.Tensor, res: dict, rounds: int, seed: i
     fns["ours"] = lambda: gemm(x, w_i, h, plan.band_expert, plan.band_src_row, schedule,
                                plan.num_bands, ready, epoch, ccta=ccta, err=err, rank=0,
                                band_arrived=arrived)
+    h_extra = {}
+    for name, eg in res.get("extra", {}).items():
+        h_extra[name] = torch.empty(rows, two_k if not eg.swiglu else K, device=dev,
+                                    dtype=torch.bfloat16)
+        fns["extra:" + name] = (lambda eg=eg, y=h_extra[name]: eg(
+            x, w_i, y, plan.band_expert, plan.band_src_row, schedule, plan.num_bands, ready,
+            epoch, ccta=ccta, err=err, rank=0,
+            band_arrived=arrived if eg.wait_arrival else None))
     # ---- correctness: poisoned outputs, one call each -----------------------------------
     h.fill_(float("nan"))
     out["loop"].fill_(float("nan"))
@@ -256,12 +288,23 @@ def run_point(point: dict, counts: torch.Tensor, res: dict, rounds: int, seed: i
     rec["base_err_grouped_mm_vs_loop"] = _rel(out["gm"], out["loop"])
     ok = ok and rec["base_err_grouped_mm_vs_loop"] <= P.TOL
     rec["correct"] = bool(ok)
+    extra_ok = {}
+    for name, y in h_extra.items():
+        y.fill_(float("nan"))
+        fns["extra:" + name]()
+        torch.cuda.synchronize()
+        if y.shape[1] == K:  # SwiGLU: the same bits as ours, whatever the order or cluster
+            extra_ok[name] = bool(torch.equal(y[idx], got)) and not describe_error(err.tolist())
+        else:  # plain: the interleaved columns of x @ w_i, per expert
+            want = torch.cat([x_c[starts[e]:starts[e + 1]] @ w_i[e] for e in range(El)])
+            extra_ok[name] = (bool(torch.isfinite(y[idx].float()).all())
+                              and _rel(y[idx], want) <= P.TOL)
     # ---- timing: CUDA graphs, interleaved rounds in a random order ----------------------
     graphs = {k: timing.graphed(f) for k, f in fns.items()}
     t = timing.time_interleaved({k: gr.replay for k, gr in graphs.items()}, rounds=rounds,
                                 lead_ms=P.LEAD_MS, shuffle_seed=seed)
     for k in fns:
-        if k != "ours":
+        if k.startswith("base:"):
             rec[k.replace("base:", "base_").replace("+", "_") + "_ms"] = t[k]["median_ms"]
     best = min(("base:grouped_mm+swiglu", "base:mm_loop+swiglu"),
                key=lambda k: t[k]["median_ms"])
@@ -277,6 +320,14 @@ def run_point(point: dict, counts: torch.Tensor, res: dict, rounds: int, seed: i
     rec["scaled_ratio_vs_gemm_alone"] = P.scaled_ratio(rec["ratio_vs_gemm_alone"], S, ccta)
     rec["ratio_paired"] = sorted(a / b for a, b in zip(t[best]["times"], t["ours"]["times"])
                                  )[rounds // 2]
+    if h_extra:  # beside the goal: each against the base it computes (SwiGLU or GEMM alone)
+        rec["extra"] = {}
+        for name, y in h_extra.items():
+            ms = t["extra:" + name]["median_ms"]
+            vs = rec["base_ms"] if y.shape[1] == K else rec["base_gemm_alone_ms"]
+            rec["extra"][name] = dict(ms=ms, correct=extra_ok[name], ratio=vs / ms,
+                                      scaled_ratio=P.scaled_ratio(vs / ms, S, ccta),
+                                      against="base" if y.shape[1] == K else "base_gemm_alone")
     return rec
 
 
@@ -311,6 +362,10 @@ def main(argv=None) -> int:
     P.add_point_arguments(ap)
     ap.add_argument("--up-order", default="arrival", choices=ARRIVAL_ORDERS,
                     help="the GEMM's band order (MoELayerOptions.up_order)")
+    ap.add_argument("--extra", default="",
+                    help="GEMM variants timed beside ours, not the goal's: 'plain' (no SwiGLU, "
+                         "no arrival wait; against the base GEMM alone) or GroupedGemm "
+                         "key=value pairs joined by '+', comma-separated")
     ap.add_argument("--dry-run", action="store_true",
                     help="no GPU: list the points, the options resolved for a device of "
                          "--num-sms SMs named --device-name, the rows (and, --plans, padding)")
@@ -320,6 +375,12 @@ def main(argv=None) -> int:
     a = P.parse_point_arguments(ap, argv)
     points, skipped = _points(a, ap)
     worlds = [int(w) for w in a.worlds.split(",")]
+    try:
+        extras = parse_extras(a.extra)
+        for _, over in extras:  # GroupedGemm's own checks, before any GPU time
+            up_projection_gemm(MoELayerOptions(), LAYER_TILE_M, **over)
+    except (ValueError, TypeError) as e:
+        ap.error(str(e))
     from moe_overlap.combine.tuning import TuneCache
     cache = TuneCache()
     if a.dry_run:
@@ -340,7 +401,8 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA GPU (or --dry-run)")
     dev_name = torch.cuda.get_device_name()
     S = torch.cuda.get_device_properties(0).multi_processor_count
-    resolved = {p["label"]: resolve(p, S, dev_name, cache, a.up_order) for p in points}
+    resolved = {p["label"]: resolve(p, S, dev_name, cache, a.up_order, extras)
+                for p in points}
     doc = dict(result_header(PREFIX), card=P.card_of(dev_name), gpus=1, num_sms=S,
                tune_cache=cache.path, rounds=a.rounds, lead_ms=P.LEAD_MS, rtol=RTOL, atol=ATOL,
                skipped_points=skipped, routings={}, points=[],
@@ -372,6 +434,9 @@ def main(argv=None) -> int:
               f" base {rec['base']} {rec['base_ms']:.3f} ms (GEMM alone "
               f"{rec['base_gemm_alone_ms']:.3f}) | ours {rec['ms']:.3f} ms {rec['ratio']:.3f}x "
               f"({rec['scaled_ratio']:.3f}x scaled) | correct {rec['correct']}", flush=True)
+        for name, x in rec.get("extra", {}).items():
+            print(f"    {name:<30} {x['ms']:.3f} ms {x['scaled_ratio']:.3f}x scaled against "
+                  f"{x['against']} | correct {x['correct']}", flush=True)
     summarize(doc)
     path = write_result(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag))
     gl, un, ga = doc["goals"], doc["unscaled"], doc["vs_gemm_alone_scaled"]

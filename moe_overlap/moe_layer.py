@@ -207,12 +207,14 @@ def expand_ctas(options: MoELayerOptions) -> int | None:
     return DEFAULT_CTAS_PER_SM * int(options.up_ccta)
 
 
-def up_projection_gemm(options: MoELayerOptions, tile_m: int) -> GroupedGemm:
+def up_projection_gemm(options: MoELayerOptions, tile_m: int, **overrides) -> GroupedGemm:
     """The overlap layer's up-projection kernel object (not compiled): SwiGLU, waiting for the
-    dispatch's per-band arrival flags, no flags of its own."""
-    return GroupedGemm(tile_m=tile_m, tile_n=options.up_tile_n, signal=False,
-                       wait_arrival=True, arrival_scope="gpu",
-                       arrival_timeout_ns=int(options.arrival_timeout_s * 1e9), swiglu=True)
+    dispatch's per-band arrival flags, no flags of its own. ``overrides``: GroupedGemm keywords
+    replacing the layer's (benches' variants of the same launch; the layer passes none)."""
+    kw = dict(tile_m=tile_m, tile_n=options.up_tile_n, signal=False, wait_arrival=True,
+              arrival_scope="gpu", arrival_timeout_ns=int(options.arrival_timeout_s * 1e9),
+              swiglu=True)
+    return GroupedGemm(**dict(kw, **overrides))
 
 
 class AllToAllDispatch:

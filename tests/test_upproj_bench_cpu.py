@@ -90,7 +90,8 @@ def _stand_ins(monkeypatch, kernel):
     from test_producer_models_bench_cpu import gpu_stand_ins
     gpu_stand_ins(monkeypatch, U, kernel)
     ms = {"base:grouped_mm": 1.1, "base:mm_loop": 0.9, "base:grouped_mm+swiglu": 1.3,
-          "base:mm_loop+swiglu": 1.0, "ours": 1.25}
+          "base:mm_loop+swiglu": 1.0, "ours": 1.25, "extra:plain": 1.125,
+          "extra:group_by=expert": 1.0}
     seen = {}
 
     def fake_time(fns, rounds, **kw):
@@ -116,18 +117,20 @@ def _reference_kernel(calls):
 
     def call(self, x, w, y, be, bs, sched, nb, ready, epoch, ccta=0, err=None, rank=0,
              band_arrived=None, **kw):
-        calls.append(dict(ccta=ccta, sched=sched.clone(), arrived=band_arrived.clone(),
-                          epoch=int(epoch), swiglu=self.swiglu))
+        calls.append(dict(ccta=ccta, sched=sched.clone(), epoch=int(epoch), swiglu=self.swiglu,
+                          arrived=None if band_arrived is None else band_arrived.clone()))
+        if not self.swiglu:  # the plain GEMM of the interleaved weights
+            return gg.grouped_gemm_reference(x, w, y, be, bs, sched, nb, self.tile_m)
         return gg.up_projection_reference(x, gg.deinterleave_gate_up(w, self.tile_n), y, be, bs,
                                           sched, nb, self.tile_m, band_arrived=band_arrived,
                                           epoch=epoch)
     return call
 
 
-def _run_tiny(monkeypatch, kernel, tmp_path):
+def _run_tiny(monkeypatch, kernel, tmp_path, extras=()):
     seen = _stand_ins(monkeypatch, kernel)
     counts = routing_counts(2, 96, 8, 2, "moderate_skew", 1)
-    res = U.resolve(TINY, 132, "FakeGPU", TuneCache(str(tmp_path / "t.json")))
+    res = U.resolve(TINY, 132, "FakeGPU", TuneCache(str(tmp_path / "t.json")), extras=extras)
     return U.run_point(TINY, counts, res, rounds=3, seed=0), counts, seen
 
 
@@ -177,6 +180,38 @@ def test_a_wrong_kernel_output_is_caught(monkeypatch, tmp_path):
         rec, _, _ = _run_tiny(monkeypatch, kernel, tmp_path)
         assert not rec["correct"], kernel.__name__
         assert U.summarize(dict(points=[rec]))["failed"]
+
+
+def test_extras_are_timed_beside_ours_and_checked(monkeypatch, tmp_path):
+    """--extra: the plain GEMM (no SwiGLU, no wait) against the base GEMM alone and checked
+    against x @ w per expert; a SwiGLU variant against the base and bitwise ours; neither
+    changes the goal's fields; a wrong extra is marked incorrect without failing ours."""
+    extras = U.parse_extras("plain,group_by=expert")
+    assert extras == [("plain", dict(swiglu=False, wait_arrival=False)),
+                      ("group_by=expert", dict(group_by="expert"))]
+    calls = []
+    rec, _, seen = _run_tiny(monkeypatch, _reference_kernel(calls), tmp_path, extras)
+    json.dumps(rec)
+    assert "extra:plain" in seen["names"] and "extra:group_by=expert" in seen["names"]
+    plain, grouped = rec["extra"]["plain"], rec["extra"]["group_by=expert"]
+    assert plain["correct"] and grouped["correct"] and rec["correct"]
+    assert plain["against"] == "base_gemm_alone" and grouped["against"] == "base"
+    assert plain["ratio"] == pytest.approx(0.9 / 1.125)
+    assert grouped["scaled_ratio"] == pytest.approx(1.0 * 132 / 124)
+    assert rec["ratio"] == pytest.approx(1.0 / 1.25)  # ours' fields are ours'
+    assert not next(c for c in calls if not c["swiglu"])["arrived"]  # plain: no wait
+    ref = _reference_kernel([])
+
+    def wrong_plain(self, x, w, y, *a, **kw):
+        out = ref(self, x, w, y, *a, **kw)
+        if not self.swiglu:
+            y.mul_(2)
+        return out
+    rec, _, _ = _run_tiny(monkeypatch, wrong_plain, tmp_path, extras)
+    assert rec["correct"] and not rec["extra"]["plain"]["correct"]
+    assert rec["extra"]["group_by=expert"]["correct"]
+    with pytest.raises(ValueError, match="given twice"):
+        U.parse_extras("plain,plain")
 
 
 def test_result_name():
