@@ -94,7 +94,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_results import result_header, write_result  # noqa: E402
+from bench_results import result_header, write_partial, write_result  # noqa: E402
 from moe_overlap.combine.options import CombineFacts, CombineOptions  # noqa: E402
 from moe_overlap.combine.shapes import MODELS, MODEL_TOKENS  # noqa: E402
 from moe_overlap.routing import expert_popularity, routing_counts  # noqa: E402
@@ -835,6 +835,8 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(points)} {el:5.0f} s, ~{el / (i + 1) * (len(points) - i - 1):.0f} "
               f"s left] {p['label']:<36} rows {rec['valid_rows']:>6} base {rec['base']} "
               f"{rec['base_ms']:.3f} ms | {vs} | correct {rec['correct']}", flush=True)
+        write_partial(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag), i + 1,
+                      len(points))
     summarize(doc)
     path = write_result(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag))
     for name, bs in doc.get("beside_consumer", {}).items():

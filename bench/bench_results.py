@@ -45,10 +45,28 @@ def result_header(bench: str, cuda: bool = True, area: str | None = None,
     return doc
 
 
+PARTIAL = ".partial"  # suffix of a run's points so far (not .json: no report reads it)
+
+
 def write_result(doc: dict, out: str, name: str) -> str:
-    """Writes doc to out/name (creating out); returns the path."""
+    """Writes doc to out/name (creating out) and removes the run's partial file; returns the
+    path."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, name)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
+    if os.path.exists(path + PARTIAL):
+        os.remove(path + PARTIAL)
+    return path
+
+
+def write_partial(doc: dict, out: str, name: str, done: int, total: int) -> str:
+    """Writes doc so far to out/name + ".partial" with ``partial = {done, of}``, replaced
+    atomically (a device call cut at its time limit keeps the points it finished); returns the
+    path. The run's write_result removes it."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name + PARTIAL)
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(doc, partial=dict(done=done, of=total)), f, indent=1)
+    os.replace(path + ".tmp", path)
     return path

@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_producer_models as P  # noqa: E402
-from bench_results import git_commit, result_header, write_result  # noqa: E402
+from bench_results import git_commit, result_header, write_partial, write_result  # noqa: E402
 from moe_overlap.combine.dispatch_index import ARRIVAL_ORDERS  # noqa: E402
 from moe_overlap.combine.options import CombineOptions  # noqa: E402
 from moe_overlap.moe_layer import (MoELayer, MoELayerOptions, resolve_layer,  # noqa: E402
@@ -437,6 +437,8 @@ def main(argv=None) -> int:
         for name, x in rec.get("extra", {}).items():
             print(f"    {name:<30} {x['ms']:.3f} ms {x['scaled_ratio']:.3f}x scaled against "
                   f"{x['against']} | correct {x['correct']}", flush=True)
+        write_partial(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag), i + 1,
+                      len(points))
     summarize(doc)
     path = write_result(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag))
     gl, un, ga = doc["goals"], doc["unscaled"], doc["vs_gemm_alone_scaled"]

@@ -61,3 +61,17 @@ def test_no_repository_is_unknown(tmp_path, no_env, monkeypatch):
     shutil.copy(SRC, copy / "bench_results.py")
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repository above tmp
     assert _load(copy / "bench_results.py").git_commit() == "unknown"
+
+
+def test_partial_file_holds_the_points_so_far_until_the_result(tmp_path):
+    import json
+    br = _load(SRC)
+    out = tmp_path / "o"
+    p = br.write_partial(dict(points=[1]), str(out), "r.json", 1, 3)
+    assert p.endswith("r.json.partial") and not (out / "r.json").exists()
+    assert json.load(open(p)) == dict(points=[1], partial=dict(done=1, of=3))
+    br.write_partial(dict(points=[1, 2]), str(out), "r.json", 2, 3)
+    assert json.load(open(p))["points"] == [1, 2]
+    assert sorted(f.name for f in out.iterdir()) == ["r.json.partial"]  # no .tmp left
+    br.write_result(dict(points=[1, 2, 3]), str(out), "r.json")
+    assert sorted(f.name for f in out.iterdir()) == ["r.json"]

@@ -237,3 +237,30 @@ def test_goal_on_synthetic_records():
     assert one_low["failed"] and one_low["goals"]["below"] == ["p0"]
     assert U.summarize(_doc([1.2, 1.3], correct=False))["failed"]  # a wrong output fails
     assert U.summarize(_doc([]))["failed"]  # no point: nothing met
+
+
+def test_a_run_cut_mid_way_keeps_the_points_it_finished(monkeypatch, tmp_path):
+    """The device call's time limit can end a run between points: the points done so far are
+    in <result>.partial (the final JSON is written only at the end)."""
+    monkeypatch.setenv("MOE_OVERLAP_TUNE_CACHE", str(tmp_path / "none.json"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    from test_producer_models_bench_cpu import gpu_stand_ins
+    gpu_stand_ins(monkeypatch, U)
+    done = []
+
+    def run_point(p, counts, res, rounds, seed):
+        if done:
+            raise RuntimeError("cut")
+        done.append(p["label"])
+        return dict(U.describe(p, counts, res), base="mm_loop+swiglu", base_ms=1.0,
+                    base_gemm_alone_ms=0.9, ms=1.25, ratio=0.8, scaled_ratio=0.85,
+                    correct=True)
+    monkeypatch.setattr(U, "run_point", run_point)
+    with pytest.raises(RuntimeError, match="cut"):
+        U.main(["--quick", "--models", "qwen3-30b-a3b", "--out", str(tmp_path / "o")])
+    files = list((tmp_path / "o").iterdir())
+    assert [f.name.endswith(".json.partial") for f in files] == [True]
+    doc = json.load(open(files[0]))
+    assert doc["partial"] == dict(done=1, of=2) and [p["label"] for p in doc["points"]] == done
