@@ -188,7 +188,7 @@ def _run_calls(W, E, calls, schedule, nt=32):
 
 
 @pytest.mark.parametrize("schedule", ["lockstep", "fast"])
-@pytest.mark.parametrize("W,E", [(1, 5), (2, 6), (4, 12)])
+@pytest.mark.parametrize("W,E", [(1, 5), (2, 6), (4, 12), (8, 24)])
 def test_emulated_exchange_is_the_host_all_gather(W, E, schedule):
     calls = 3
     ranks, inputs, outs = _run_calls(W, E, calls, schedule)
