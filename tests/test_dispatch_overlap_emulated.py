@@ -47,6 +47,7 @@ TIMEOUT_NS = 10_000_000_000
 CASES = {
     2: (3, 64, [(40, 0), (3, 37)], ["skew", "dup"], 32, 2, 32, 4),
     3: (2, 128, [(5, 0, 70), (0, 9, 2)], ["dup", "skew"], 64, 3, 32, 2),
+    4: (2, 64, [(20, 0, 33, 7), (0, 12, 5, 40)], ["skew", "dup"], 32, 2, 32, 2),
 }
 _PTX = {}
 
@@ -306,7 +307,7 @@ def _expert_bands(plan):
 
 @pytest.mark.parametrize("wait", ["all", "per_source"])
 @pytest.mark.parametrize("arrival", [False, True], ids=["plain", "signal_arrival"])
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", [2, 3, 4])
 def test_emulated_dispatch_kernels_are_bitwise_the_reference(W, arrival, wait):
     El, D, tokens = CASES[W][:3]
     assert any(0 in t for t in tokens) and all(sum(t) for t in tokens)  # a rank with none
