@@ -810,6 +810,7 @@ def main(argv=None) -> int:
           f"{len(skipped)} (W not dividing the experts)", flush=True)
     t0 = time.time()
     counts_cache = {}
+    result_file = result_name(dev_name, doc["git_commit"], a.tag)
     for i, p in enumerate(points):
         key = (p["model"], p["tokens"], p["routing"])
         if key not in counts_cache:
@@ -835,10 +836,9 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(points)} {el:5.0f} s, ~{el / (i + 1) * (len(points) - i - 1):.0f} "
               f"s left] {p['label']:<36} rows {rec['valid_rows']:>6} base {rec['base']} "
               f"{rec['base_ms']:.3f} ms | {vs} | correct {rec['correct']}", flush=True)
-        write_partial(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag), i + 1,
-                      len(points))
+        write_partial(doc, a.out, result_file, i + 1, len(points))
     summarize(doc)
-    path = write_result(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag))
+    path = write_result(doc, a.out, result_file)
     for name, bs in doc.get("beside_consumer", {}).items():
         if bs["points"]:
             print(f"{name} beside the consumer: {bs['geomean_over_alone']:.3f}x its time alone "

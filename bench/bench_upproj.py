@@ -254,9 +254,9 @@ def run_point(point: dict, counts: torch.Tensor, res: dict, rounds: int, seed: i
     fns["ours"] = lambda: gemm(x, w_i, h, plan.band_expert, plan.band_src_row, schedule,
                                plan.num_bands, ready, epoch, ccta=ccta, err=err, rank=0,
                                band_arrived=arrived)
-    h_extra = {}
-    for name, eg in res.get("extra", {}).items():
-        h_extra[name] = torch.empty(rows, two_k if not eg.swiglu else K, device=dev,
+    extra, h_extra = res.get("extra", {}), {}
+    for name, eg in extra.items():
+        h_extra[name] = torch.empty(rows, K if eg.swiglu else two_k, device=dev,
                                     dtype=torch.bfloat16)
         fns["extra:" + name] = (lambda eg=eg, y=h_extra[name]: eg(
             x, w_i, y, plan.band_expert, plan.band_src_row, schedule, plan.num_bands, ready,
@@ -293,7 +293,7 @@ def run_point(point: dict, counts: torch.Tensor, res: dict, rounds: int, seed: i
         y.fill_(float("nan"))
         fns["extra:" + name]()
         torch.cuda.synchronize()
-        if y.shape[1] == K:  # SwiGLU: the same bits as ours, whatever the order or cluster
+        if extra[name].swiglu:  # the same bits as ours, whatever the order or cluster
             extra_ok[name] = bool(torch.equal(y[idx], got)) and not describe_error(err.tolist())
         else:  # plain: the interleaved columns of x @ w_i, per expert
             want = torch.cat([x_c[starts[e]:starts[e + 1]] @ w_i[e] for e in range(El)])
@@ -320,14 +320,15 @@ def run_point(point: dict, counts: torch.Tensor, res: dict, rounds: int, seed: i
     rec["scaled_ratio_vs_gemm_alone"] = P.scaled_ratio(rec["ratio_vs_gemm_alone"], S, ccta)
     rec["ratio_paired"] = sorted(a / b for a, b in zip(t[best]["times"], t["ours"]["times"])
                                  )[rounds // 2]
-    if h_extra:  # beside the goal: each against the base it computes (SwiGLU or GEMM alone)
+    if extra:  # beside the goal: each against the base it computes (SwiGLU or GEMM alone)
         rec["extra"] = {}
-        for name, y in h_extra.items():
+        for name, eg in extra.items():
             ms = t["extra:" + name]["median_ms"]
-            vs = rec["base_ms"] if y.shape[1] == K else rec["base_gemm_alone_ms"]
+            against = "base" if eg.swiglu else "base_gemm_alone"
+            vs = rec[against + "_ms"]
             rec["extra"][name] = dict(ms=ms, correct=extra_ok[name], ratio=vs / ms,
                                       scaled_ratio=P.scaled_ratio(vs / ms, S, ccta),
-                                      against="base" if y.shape[1] == K else "base_gemm_alone")
+                                      against=against)
     return rec
 
 
@@ -421,6 +422,7 @@ def main(argv=None) -> int:
     print(f"{dev_name} ({S} SMs): {len(points)} points, {a.rounds} rounds; skipped "
           f"{len(skipped)} (W not dividing the experts)", flush=True)
     t0, counts_cache = time.time(), {}
+    result_file = result_name(dev_name, doc["git_commit"], a.tag)
     for i, p in enumerate(points):
         counts, info, w_max = rank0_counts(p, worlds, counts_cache)
         doc["routings"]["{}@{}/{}".format(p["model"], p["tokens"], p["routing"])] = dict(
@@ -437,10 +439,9 @@ def main(argv=None) -> int:
         for name, x in rec.get("extra", {}).items():
             print(f"    {name:<30} {x['ms']:.3f} ms {x['scaled_ratio']:.3f}x scaled against "
                   f"{x['against']} | correct {x['correct']}", flush=True)
-        write_partial(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag), i + 1,
-                      len(points))
+        write_partial(doc, a.out, result_file, i + 1, len(points))
     summarize(doc)
-    path = write_result(doc, a.out, result_name(dev_name, doc["git_commit"], a.tag))
+    path = write_result(doc, a.out, result_file)
     gl, un, ga = doc["goals"], doc["unscaled"], doc["vs_gemm_alone_scaled"]
     print(f"scaled: min {gl['min_scaled']:.3f} (goal {GOAL_SCALED} on every point, below on "
           f"{len(gl['below'])}: {', '.join(gl['below'])}), geomean {gl['geomean_scaled']:.3f}: "
