@@ -14,6 +14,7 @@ cross-GPU memory ordering (all ranks share one L2), multicast.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import signal
 import socket
@@ -116,6 +117,8 @@ def _start(procs, env: dict) -> None:
 def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None,
             hard_exit=False, place=None, expect_killed=()):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a rank the parent finds hung gets SIGUSR1 first: its threads' Python stacks go to stderr
+    faulthandler.register(HUNG_STACK_SIGNAL, all_threads=True)
     torch.set_num_threads(1)  # W ranks share the machine's cores
     initialized = False
     try:
@@ -136,6 +139,22 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s=None,
             os._exit(0)
         if initialized:
             dist.destroy_process_group()
+
+
+HUNG_STACK_SIGNAL = signal.SIGUSR1
+
+
+def _dump_stacks(procs, ranks, wait_s: float = 2.0) -> None:
+    """Ask each of ``ranks`` for its Python stacks (faulthandler, registered by ``_worker``,
+    writes them to the rank's stderr even while it blocks in C, e.g. a CUDA synchronize) and
+    give them ``wait_s`` to write before they are killed."""
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, HUNG_STACK_SIGNAL)
+        except (ProcessLookupError, TypeError):
+            pass
+    if ranks:
+        time.sleep(wait_s)
 
 
 def _wait_for_all_results(results, world_size, timeout_s, expect_killed=()):
@@ -188,13 +207,18 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
         for p in procs:
             p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        _dump_stacks(procs, hung)
         for r in hung:
             procs[r].kill()
             procs[r].join()
         out = dict(results)
     if hung:
+        # what the finished ranks handed back (e.g. a failure they recorded) tells why the others
+        # still wait; a rank that is hung only in leaving has a result too
+        told = "".join(f"\n--- rank {r} ({out[r][0]}): {str(out[r][1])[:1500]}" for r in sorted(out))
         raise RuntimeError(f"ranks {hung} of {world_size} still ran after {join_timeout_s} s "
-                           f"(hang?) and were killed; finished: {sorted(out)}")
+                           f"(hang?) and were killed (their Python stacks on stderr); finished: "
+                           f"{sorted(out)}{told}")
     errors = [(r, out[r][1]) for r in sorted(out) if out[r][0] == "error"]
     if errors:
         # every failed rank's traceback, and the ranks that left none with their exit codes:

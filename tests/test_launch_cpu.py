@@ -18,11 +18,14 @@ def _value(rank, world, base):
     return base + rank
 
 
-def test_join_timeout_names_the_hung_rank():
+def test_join_timeout_names_the_hung_rank_and_dumps_where_it_hangs(capfd):
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 still ran after 30 s"):
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 still ran after 30 s") as e:
         spawn_ranks(_hang_on_rank1, 2, join_timeout_s=30)
     assert time.monotonic() - t0 < 120  # killed, not waited for
+    assert "--- rank 0 (ok): 0" in str(e.value)  # what the finished rank handed back
+    err = capfd.readouterr().err  # the hung rank's stack, written before the kill
+    assert "_hang_on_rank1" in err and "test_launch_cpu.py" in err, err[-2000:]
 
 
 def test_hard_exit_returns_every_result():

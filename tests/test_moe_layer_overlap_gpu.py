@@ -92,10 +92,10 @@ def _pieces_not_overlapped(layer, tokens):
     h = torch.zeros(plan.row_capacity, K, dtype=torch.bfloat16, device=tokens.device)
     gemm = GroupedGemm(tile_m=TILE_M, tile_n=o.up_tile_n, signal=False, swiglu=True)
     ready = torch.zeros(plan.band_capacity, dtype=torch.int32, device=tokens.device)
-    gemm(x_plan, layer.w_gate_up, h, plan.band_expert, plan.band_src_row, plan.schedule,
+    gemm(x_plan, layer.w_gate_up.detach(), h, plan.band_expert, plan.band_src_row, plan.schedule,
          plan.num_bands, ready, layer.comm_buffer.epoch, err=layer.comm_buffer.err,
          rank=layer.rank)
-    out = layer.combine(h, layer.w_down, plan, ids, weights)
+    out = layer.combine(h, layer.w_down.detach(), plan, ids, weights)
     return out, ids, weights, counts
 
 
