@@ -17,6 +17,8 @@ reset() recovers.
 Run: ``MOE_OVERLAP_SHARE_GPU=1 CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1
 python -m pytest -q tests/test_dispatch_overlap_gpu.py``.
 """
+import sys
+
 import pytest
 import torch
 
@@ -163,6 +165,9 @@ def graph_replays(make, ref, comm, rank, W, replays, res, strided=False):
         comm.check_errors()
     except Exception as e:  # noqa: BLE001 - reported by the graph tests
         res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]
+        # also on stderr now: a peer left waiting on this rank fails the run by the join timeout,
+        # whose report shows only the head of this rank's result
+        print(f"rank {rank}: graph_error {res['graph_error']}", file=sys.stderr, flush=True)
 
 
 @pytest.fixture(scope="module", params=WORLD_TRANSPORTS, ids=world_transport_id)

@@ -26,6 +26,8 @@ the CommBuffer they share), the receive slots NaN-poisoned after construction:
 Run: ``MOE_OVERLAP_SHARE_GPU=1 CUDA_MODULE_LOADING=EAGER NVSHMEM_DISABLE_NVLS=1
 python -m pytest -q tests/test_moe_layer_overlap_gpu.py``.
 """
+import sys
+
 import pytest
 import torch
 
@@ -160,6 +162,9 @@ def _worker(rank, W, transport):
             comm.check_errors()
         except Exception as e:  # noqa: BLE001 - reported by test_graph_replays_with_new_routings
             res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]
+            # also on stderr now: a peer left waiting on this rank fails the run by the join
+            # timeout, whose report shows only the head of this rank's result
+            print(f"rank {rank}: graph_error {res['graph_error']}", file=sys.stderr, flush=True)
         res["err_word"] = [int(v) for v in comm.err.tolist()]
     return res
 
