@@ -83,11 +83,17 @@ def test_one_rank_without_local_copy_resolves_to_no_consumer(tmp_path):
 
 
 def test_producer_options_beside_and_without_a_consumer():
-    assert producer_gemm_options({}, 8) == {"cluster_n": 1}
+    assert producer_gemm_options({}, 8) == {"tile_fetch": "dynamic"}  # the GEMM's clusters
     assert producer_gemm_options({}, 0) == {"signal": False}  # every SM, its own clusters
     assert producer_gemm_options({}, 0, flags=True) == {}
     assert producer_gemm_options({"cluster_n": 2, "band_group": 4}, 8) == {"cluster_n": 2,
                                                                           "band_group": 4}
+    # a tile walk the user names is kept as named, with no fetch of the library's added
+    assert producer_gemm_options({"cluster_n": 1}, 8) == {"cluster_n": 1}
+    assert producer_gemm_options({"cluster_slack": True}, 8) == {"cluster_slack": True}
+    assert producer_gemm_options({"tile_fetch": "static"}, 8) == {"tile_fetch": "static"}
+    assert producer_gemm_options({"band_group": 4}, 8) == {"band_group": 4,
+                                                           "tile_fetch": "dynamic"}
     # a flag option of the user's does not stop the build without flags (GroupedGemm refuses
     # flag_warp without signal)
     from moe_overlap.combine.grouped_gemm import GroupedGemm

@@ -69,10 +69,10 @@ construction). The consumer variants they select:
   rank's counts (the plan holds only this rank's) and builds the tile tables on the device, no
   host sync (combine/ordered_routes.py; ``ordered_impl="host"``: the host reference).
 
-Producer: ``moe_overlap.combine.grouped_gemm.GroupedGemm`` (clusters of 1 beside the consumer,
-see ``_gemm_for``); without CuTe DSL (or with ``producer="torch"``) a torch stand-in: all-expert
-matmul + gather by band expert, then one torch op that sets the flags of all valid bands (no host
-sync; test-only speed).
+Producer: ``moe_overlap.combine.grouped_gemm.GroupedGemm`` (the dynamic tile fetch beside the
+consumer, see ``_gemm_for``); without CuTe DSL (or with ``producer="torch"``) a torch stand-in:
+all-expert matmul + gather by band expert, then one torch op that sets the flags of all valid
+bands (no host sync; test-only speed).
 """
 from __future__ import annotations
 
@@ -364,8 +364,9 @@ class OverlapCombine:
 
     def _gemm_for(self, ccta: int, flags: bool = True):
         """The producer GEMM for a launch beside ``ccta`` consumer SMs (0: alone, every SM):
-        its options are ``options.producer_gemm_options`` (clusters of 1 beside a consumer
-        unless gemm_options set cluster_n; flags=False: the build without band flags)."""
+        its options are ``options.producer_gemm_options`` (beside a consumer the dynamic tile
+        fetch unless gemm_options set the tile walk; flags=False: the build without band
+        flags)."""
         opts = producer_gemm_options(self.gemm_options, ccta, flags)
         key = tuple(sorted(opts.items()))
         gemm = self._gemms.get(key)
