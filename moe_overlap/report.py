@@ -46,7 +46,7 @@ from .provenance import DEPENDENCIES, Git, freshness
 HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
                  ("producer_models_h100_f213944_s1.json", "producer_models_h200_fc47bea_s23.json",
-                  "producer_models_h100_c8ff9cb_beside.json")),
+                  "producer_models_h100_b666d5d_beside2.json")),
     "upproj": ("Arrival-gated SwiGLU up-projection as MoELayer launches it, every band arrived",
                ("upproj_models_h100_2f299c9.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
@@ -226,7 +226,9 @@ def _producer_file(name, d):
     for vname, g in d["goals"].items():
         scaled = [p["variants"][vname]["scaled_ratio"] for p in d["points"]]
         raw = [p["variants"][vname]["ratio"] for p in d["points"]]
-        parts.append(f"{vname}{' (what MoECombine runs)' if vname == ours else ''}: "
+        # the file's "default" is what MoECombine ran at the file's commit
+        ran = f" (what MoECombine ran at {d.get('git_commit', '?')})" if vname == ours else ""
+        parts.append(f"{vname}{ran}: "
                      f"{_rng(raw, '{:.2f}')}x unscaled, {_rng(scaled, '{:.2f}')}x scaled by "
                      f"SMs / (SMs - ccta), geometric mean {g['geomean_scaled']:.3f} "
                      f"({_losses(scaled)}; goal >= {g['goal_scaled']} everywhere and mean >= "
