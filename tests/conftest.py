@@ -241,6 +241,23 @@ def bitwise_equal(a, b) -> bool:
     return a.shape == b.shape and bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
 
+def on_every_rank(step, group=None):
+    """``step()`` on this rank, then the ranks agree (``moe_overlap.combine.checks.
+    agree_on_error``, one all-reduce): where it raised on any rank, every rank raises (the failed
+    rank its own error, the others PeerInputError naming it). A spawned rank calls this around a
+    step that can fail on one rank only (a CUDA graph's capture or replay) before the next host
+    collective: otherwise its peers wait in that collective for a rank that left, until the
+    process group's timeout (30 minutes by default). Returns ``step()``'s value."""
+    from moe_overlap.combine.checks import agree_on_error
+    err, out = None, None
+    try:
+        out = step()
+    except Exception as e:  # noqa: BLE001 - every kind of failure is agreed on, then raised
+        err = e
+    agree_on_error(err, group)
+    return out
+
+
 def worker_error(e: BaseException) -> str:
     """What a spawned rank records for an exception it caught (type, message and the tail of the
     traceback), so that the test reading its JSON fails with the rank's own reason."""

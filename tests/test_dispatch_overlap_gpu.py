@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (WORLD_TRANSPORTS, bitwise_equal, require_module,
+from conftest import (WORLD_TRANSPORTS, bitwise_equal, on_every_rank, require_module,
                       spawn_over_transport, world_transport_id)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
@@ -146,19 +146,28 @@ def graph_replays(make, ref, comm, rank, W, replays, res, strided=False):
             p = plan_combine(c, rank, tile_m=TILE_M, validate=False, max_rows=W * T_MAX * K)
             return g(x_in, ids_in, p, c, rows=p.row_capacity), p, c
 
-        with torch.cuda.stream(s):
-            step()  # warm: compiles, allocates
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_g, plan_g, counts_g = step()
+        def capture():
+            with torch.cuda.stream(s):
+                step()  # warm: compiles, allocates
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            return graph, out
+
+        def replay():
+            graph.replay()
+            torch.cuda.synchronize()
+
+        # agreed on every rank: a rank whose capture or replay failed leaves no peer waiting in
+        # the reference's collectives below
+        graph, (out_g, plan_g, counts_g) = on_every_rank(capture)
         for r in range(replays):
             x_new, ids_new = _inputs(rank, W, T, seed=600 + r, kind=("skew", "dup")[r % 2])
             x_in.copy_(x_new)
             ids_in.copy_(ids_new)
-            graph.replay()
-            torch.cuda.synchronize()
+            on_every_rank(replay)
             want = ref(x_new, ids_new, plan_g, counts_g, rows=out_g.shape[0])
             host = exchange_counts(ids_new, E, validate=False)  # the host path's counts
             res["graph"].append(bitwise_equal(out_g, want) and torch.equal(counts_g, host))

@@ -31,7 +31,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (WORLD_TRANSPORTS, bitwise_equal, require_module,
+from conftest import (WORLD_TRANSPORTS, bitwise_equal, on_every_rank, require_module,
                       spawn_over_transport, world_transport_id)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
@@ -144,20 +144,13 @@ def _worker(rank, W, transport):
         try:
             T = 40 + 9 * rank
             x_in = _tokens(rank, W, T, seed=50).to(dev)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                graphed(x_in)  # warm-up: compiles, allocates
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out_g = graphed(x_in)
+            # agreed on every rank: a rank whose capture or replay failed leaves no peer waiting
+            # in the eager layer's collectives
+            graph, out_g = on_every_rank(lambda: _capture(graphed, x_in))
             for r in range(8):
                 x_new = _tokens(rank, W, T, seed=60 + r, skew_to=(r % W) if r % 3 == 2 else None)
                 x_in.copy_(x_new.to(dev))
-                graph.replay()
-                torch.cuda.synchronize()
+                on_every_rank(lambda: _replay(graph))
                 res["graph"].append(bitwise_equal(out_g.clone(), side(x_in.clone())))
             comm.check_errors()
         except Exception as e:  # noqa: BLE001 - reported by test_graph_replays_with_new_routings
@@ -167,6 +160,26 @@ def _worker(rank, W, transport):
             print(f"rank {rank}: graph_error {res['graph_error']}", file=sys.stderr, flush=True)
         res["err_word"] = [int(v) for v in comm.err.tolist()]
     return res
+
+
+def _capture(graphed, x_in):
+    """A CUDA graph of ``graphed(x_in)`` after one warm-up call on a side stream (compiles,
+    allocates): (graph, its output tensor)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        graphed(x_in)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = graphed(x_in)
+    return graph, out
+
+
+def _replay(graph):
+    graph.replay()
+    torch.cuda.synchronize()
 
 
 SOAK_SLACK_BYTES = 1 << 20  # the caching allocator's rounding, not a growth per replay
@@ -191,21 +204,13 @@ def _soak_worker(rank, W, transport):
     with torch.inference_mode():
         T = 60 + 7 * rank
         x_in = _tokens(rank, W, T, seed=500).to(dev)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            graphed(x_in)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out_g = graphed(x_in)
+        graph, out_g = on_every_rank(lambda: _capture(graphed, x_in))
         g = torch.Generator(device=dev).manual_seed(7 + rank)
         for r in range(replays):
             x_in.copy_(torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16))
             if r % 5 == 4:  # every fifth routing skewed to one rank's experts
                 x_in.add_(_tokens(rank, W, T, seed=501 + r, skew_to=r % W).to(dev))
-            graph.replay()
+            on_every_rank(lambda: _replay(graph))  # before the eager layer's collectives
             want = eager(x_in.clone())
             res["checked"] += 1
             if not bitwise_equal(out_g.clone(), want):
