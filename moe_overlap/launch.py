@@ -213,9 +213,12 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float | 
             procs[r].join()
         out = dict(results)
     if hung:
-        # what the finished ranks handed back (e.g. a failure they recorded) tells why the others
-        # still wait; a rank that is hung only in leaving has a result too
-        told = "".join(f"\n--- rank {r} ({out[r][0]}): {str(out[r][1])[:1500]}" for r in sorted(out))
+        # what the finished ranks handed back tells why the others still wait (a rank that
+        # failed and left while its peers wait for it in a collective); a traceback's end names
+        # the error, a result's head is enough
+        told = "".join(f"\n--- rank {r} ({out[r][0]}): "
+                       + (str(out[r][1])[-3000:] if out[r][0] == "error" else str(out[r][1])[:1500])
+                       for r in sorted(out))
         raise RuntimeError(f"ranks {hung} of {world_size} still ran after {join_timeout_s} s "
                            f"(hang?) and were killed (their Python stacks on stderr); finished: "
                            f"{sorted(out)}{told}")

@@ -14,6 +14,17 @@ def _hang_on_rank1(rank, world):  # module level: spawn pickles it by name
     return rank
 
 
+def _fail_then_peer_waits(rank, world):
+    """Rank 1 fails and leaves; rank 0 goes on waiting (as for a peer in a collective whose
+    process stays alive, so that the process group never sees it leave)."""
+    if rank == 1:  # a traceback longer than the report keeps: its end, the error, must show
+        try:
+            raise ValueError("y" * 4000)
+        except ValueError as e:
+            raise RuntimeError("rank 1's own failure") from e
+    time.sleep(600)
+
+
 def _value(rank, world, base):
     return base + rank
 
@@ -44,6 +55,15 @@ def test_join_timeout_names_the_hung_rank_and_dumps_where_it_hangs(capfd):
     assert "--- rank 0 (ok): 0" in str(e.value)  # what the finished rank handed back
     err = capfd.readouterr().err  # the hung rank's stack, written before the kill
     assert "_hang_on_rank1" in err and "test_launch_cpu.py" in err, err[-2000:]
+
+
+def test_a_hang_behind_a_failed_rank_reports_that_rank_s_error():
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] of 2 still ran after 20 s") as e:
+        spawn_ranks(_fail_then_peer_waits, 2, join_timeout_s=20)
+    msg = str(e.value)
+    assert "--- rank 1 (error): " in msg
+    assert msg.rstrip().endswith("RuntimeError: rank 1's own failure"), msg[-300:]
+    assert "y" * 3500 not in msg  # the head is what was cut
 
 
 def test_hard_exit_returns_every_result():
