@@ -146,11 +146,13 @@ def graph_replays(make, ref, comm, rank, W, replays, res, strided=False):
             p = plan_combine(c, rank, tile_m=TILE_M, validate=False, max_rows=W * T_MAX * K)
             return g(x_in, ids_in, p, c, rows=p.row_capacity), p, c
 
-        def capture():
+        def warm():  # compiles, allocates; the first exchange's barrier is in here
             with torch.cuda.stream(s):
-                step()  # warm: compiles, allocates
+                step()
             torch.cuda.current_stream().wait_stream(s)
             torch.cuda.synchronize()
+
+        def capture():  # no collective inside: a capture can fail on one rank alone
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = step()
@@ -160,8 +162,9 @@ def graph_replays(make, ref, comm, rank, W, replays, res, strided=False):
             graph.replay()
             torch.cuda.synchronize()
 
-        # agreed on every rank: a rank whose capture or replay failed leaves no peer waiting in
-        # the reference's collectives below
+        # agreed on every rank: a rank whose warm-up, capture or replay failed leaves no peer
+        # waiting in the next collective (the reference's, below)
+        on_every_rank(warm)
         graph, (out_g, plan_g, counts_g) = on_every_rank(capture)
         for r in range(replays):
             x_new, ids_new = _inputs(rank, W, T, seed=600 + r, kind=("skew", "dup")[r % 2])

@@ -146,7 +146,7 @@ def _worker(rank, W, transport):
             x_in = _tokens(rank, W, T, seed=50).to(dev)
             # agreed on every rank: a rank whose capture or replay failed leaves no peer waiting
             # in the eager layer's collectives
-            graph, out_g = on_every_rank(lambda: _capture(graphed, x_in))
+            graph, out_g = _capture(graphed, x_in)
             for r in range(8):
                 x_new = _tokens(rank, W, T, seed=60 + r, skew_to=(r % W) if r % 3 == 2 else None)
                 x_in.copy_(x_new.to(dev))
@@ -164,17 +164,23 @@ def _worker(rank, W, transport):
 
 def _capture(graphed, x_in):
     """A CUDA graph of ``graphed(x_in)`` after one warm-up call on a side stream (compiles,
-    allocates): (graph, its output tensor)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        graphed(x_in)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = graphed(x_in)
-    return graph, out
+    allocates; its first-call barriers are there), each agreed on every rank
+    (``on_every_rank``): (graph, its output tensor)."""
+    def warm():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            graphed(x_in)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+
+    def capture():  # no collective inside: a capture can fail on one rank alone
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = graphed(x_in)
+        return graph, out
+    on_every_rank(warm)
+    return on_every_rank(capture)
 
 
 def _replay(graph):
@@ -204,7 +210,7 @@ def _soak_worker(rank, W, transport):
     with torch.inference_mode():
         T = 60 + 7 * rank
         x_in = _tokens(rank, W, T, seed=500).to(dev)
-        graph, out_g = on_every_rank(lambda: _capture(graphed, x_in))
+        graph, out_g = _capture(graphed, x_in)
         g = torch.Generator(device=dev).manual_seed(7 + rank)
         for r in range(replays):
             x_in.copy_(torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16))
