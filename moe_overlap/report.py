@@ -260,7 +260,9 @@ def ranks(root):
     # the test modules run W = 2 and 4; the validation grid names its W in the check
     ws = sorted({2, 4} | {int(m.group(1)) for k in d["checks"]
                           if (m := re.match(r"validate_w(\d+)_", k))})
-    cell = (f"W = {', '.join(map(str, ws[:-1]))} and {ws[-1]} ranks as processes on one GPU ({', '.join(d.get('modes', [d['mode']]))}): "
+    modes = ", ".join(d.get("modes", [d["mode"]]))
+    cell = (f"W = {', '.join(map(str, ws[:-1]))} and {ws[-1]} ranks as processes on one GPU "
+            f"({modes}): "
             f"{t['passed']} of {t['points']} checks passed; passing: {', '.join(ok)}; "
             f"failing: {', '.join(bad) or 'none'} (reasons in docs/RESULTS.md); timings of this "
             "mode are not speedups")
