@@ -258,6 +258,41 @@ def on_every_rank(step, group=None):
     return out
 
 
+def agreed_graph(step):
+    """A CUDA graph of ``step()`` (spawned GPU ranks): one warm-up call on a side stream
+    (compiles, allocates; a first call's barriers are there), then the capture (no collective
+    inside, so it can fail on one rank alone), each agreed on every rank (``on_every_rank``).
+    Returns (graph, step's output in the graph)."""
+    import torch
+
+    def warm():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+
+    def capture():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        return graph, out
+    on_every_rank(warm)
+    return on_every_rank(capture)
+
+
+def agreed_replay(graph) -> None:
+    """``graph.replay()`` and a synchronize, agreed on every rank (``on_every_rank``): call it
+    before a host collective that a rank whose replay failed would never enter."""
+    import torch
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+    on_every_rank(replay)
+
+
 def worker_error(e: BaseException) -> str:
     """What a spawned rank records for an exception it caught (type, message and the tail of the
     traceback), so that the test reading its JSON fails with the rank's own reason."""

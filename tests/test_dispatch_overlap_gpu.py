@@ -22,8 +22,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (WORLD_TRANSPORTS, bitwise_equal, on_every_rank, require_module,
-                      spawn_over_transport, world_transport_id)
+from conftest import (WORLD_TRANSPORTS, agreed_graph, agreed_replay, bitwise_equal,
+                      require_module, spawn_over_transport, world_transport_id)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
@@ -138,46 +138,27 @@ def graph_replays(make, ref, comm, rank, W, replays, res, strided=False):
         g = make()
         T = 50 + 7 * rank
         x_in, ids_in = _inputs(rank, W, T, seed=500, strided=strided)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
 
         def step():  # the counts on the device: no host collective (gloo captures it)
             c = g.exchange_counts(ids_in)
             p = plan_combine(c, rank, tile_m=TILE_M, validate=False, max_rows=W * T_MAX * K)
             return g(x_in, ids_in, p, c, rows=p.row_capacity), p, c
 
-        def warm():  # compiles, allocates; the first exchange's barrier is in here
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-
-        def capture():  # no collective inside: a capture can fail on one rank alone
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
-            return graph, out
-
-        def replay():
-            graph.replay()
-            torch.cuda.synchronize()
-
-        # agreed on every rank: a rank whose warm-up, capture or replay failed leaves no peer
-        # waiting in the next collective (the reference's, below)
-        on_every_rank(warm)
-        graph, (out_g, plan_g, counts_g) = on_every_rank(capture)
+        # warm-up, capture and each replay agreed on every rank: a rank whose graph failed
+        # leaves no peer waiting in the next collective (the reference's, below)
+        graph, (out_g, plan_g, counts_g) = agreed_graph(step)
         for r in range(replays):
             x_new, ids_new = _inputs(rank, W, T, seed=600 + r, kind=("skew", "dup")[r % 2])
             x_in.copy_(x_new)
             ids_in.copy_(ids_new)
-            on_every_rank(replay)
+            agreed_replay(graph)
             want = ref(x_new, ids_new, plan_g, counts_g, rows=out_g.shape[0])
             host = exchange_counts(ids_new, E, validate=False)  # the host path's counts
             res["graph"].append(bitwise_equal(out_g, want) and torch.equal(counts_g, host))
         comm.check_errors()
     except Exception as e:  # noqa: BLE001 - reported by the graph tests
         res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]
-        # also on stderr now: a peer left waiting on this rank fails the run by the join timeout,
+        # also on stderr at once: a peer left waiting on this rank fails the run by the join timeout,
         # whose report shows only the head of this rank's result
         print(f"rank {rank}: graph_error {res['graph_error']}", file=sys.stderr, flush=True)
 

@@ -31,8 +31,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (WORLD_TRANSPORTS, bitwise_equal, on_every_rank, require_module,
-                      spawn_over_transport, world_transport_id)
+from conftest import (WORLD_TRANSPORTS, agreed_graph, agreed_replay, bitwise_equal,
+                      require_module, spawn_over_transport, world_transport_id)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.two_gpus]
 
@@ -146,46 +146,20 @@ def _worker(rank, W, transport):
             x_in = _tokens(rank, W, T, seed=50).to(dev)
             # agreed on every rank: a rank whose capture or replay failed leaves no peer waiting
             # in the eager layer's collectives
-            graph, out_g = _capture(graphed, x_in)
+            graph, out_g = agreed_graph(lambda: graphed(x_in))
             for r in range(8):
                 x_new = _tokens(rank, W, T, seed=60 + r, skew_to=(r % W) if r % 3 == 2 else None)
                 x_in.copy_(x_new.to(dev))
-                on_every_rank(lambda: _replay(graph))
+                agreed_replay(graph)
                 res["graph"].append(bitwise_equal(out_g.clone(), side(x_in.clone())))
             comm.check_errors()
         except Exception as e:  # noqa: BLE001 - reported by test_graph_replays_with_new_routings
             res["graph_error"] = f"{type(e).__name__}: {e}"[:2000]
-            # also on stderr now: a peer left waiting on this rank fails the run by the join
+            # also on stderr at once: a peer left waiting on this rank fails the run by the join
             # timeout, whose report shows only the head of this rank's result
             print(f"rank {rank}: graph_error {res['graph_error']}", file=sys.stderr, flush=True)
         res["err_word"] = [int(v) for v in comm.err.tolist()]
     return res
-
-
-def _capture(graphed, x_in):
-    """A CUDA graph of ``graphed(x_in)`` after one warm-up call on a side stream (compiles,
-    allocates; its first-call barriers are there), each agreed on every rank
-    (``on_every_rank``): (graph, its output tensor)."""
-    def warm():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            graphed(x_in)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-
-    def capture():  # no collective inside: a capture can fail on one rank alone
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = graphed(x_in)
-        return graph, out
-    on_every_rank(warm)
-    return on_every_rank(capture)
-
-
-def _replay(graph):
-    graph.replay()
-    torch.cuda.synchronize()
 
 
 SOAK_SLACK_BYTES = 1 << 20  # the caching allocator's rounding, not a growth per replay
@@ -210,13 +184,13 @@ def _soak_worker(rank, W, transport):
     with torch.inference_mode():
         T = 60 + 7 * rank
         x_in = _tokens(rank, W, T, seed=500).to(dev)
-        graph, out_g = _capture(graphed, x_in)
+        graph, out_g = agreed_graph(lambda: graphed(x_in))
         g = torch.Generator(device=dev).manual_seed(7 + rank)
         for r in range(replays):
             x_in.copy_(torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16))
             if r % 5 == 4:  # every fifth routing skewed to one rank's experts
                 x_in.add_(_tokens(rank, W, T, seed=501 + r, skew_to=r % W).to(dev))
-            on_every_rank(lambda: _replay(graph))  # before the eager layer's collectives
+            agreed_replay(graph)  # before the eager layer's collectives
             want = eager(x_in.clone())
             res["checked"] += 1
             if not bitwise_equal(out_g.clone(), want):
