@@ -102,6 +102,11 @@ def _worker(rank, W, transport):
         plan = plan_combine(counts, rank, tile_m=TILE_M)
         fast = MoEDispatch(E, D, K, T_MAX, backend="overlap", comm_buffer=comm, validate=False,
                            timeout_s=2.0)
+        # its first call, on every rank: that call is collective (the warm-up's barrier), so a
+        # rank skipping it would pair the peers' barriers wrongly instead of timing them out
+        fast(x, ids, plan, counts)
+        torch.cuda.synchronize()
+        comm.check_errors()
         if rank != W - 1:
             out = fast(x, ids, plan, counts)
             torch.cuda.synchronize()
