@@ -452,3 +452,48 @@ def test_beside_summary_and_arguments():
         "ms", "beside_consumer_ms", "beside_producer_ms", "beside_producer_over_alone",
         "beside_consumer_end_ms"}
     assert "%globaltimer" in B.TIME_FIELDS["consumer"]["beside_producer_ms"]
+
+
+def _run(ratios, commit="abc1234", partial=None):
+    """One run's document as main writes it (or its .partial), the points of _doc."""
+    doc = dict(_doc(ratios), device="NVIDIA H100 80GB HBM3", git_commit=commit, rounds=5,
+               beside="none", date=f"2026-12-07T0{len(ratios)}:00:00", skipped_points=[],
+               routings={f"r{len(ratios)}": {}})
+    if partial is not None:
+        doc["partial"] = partial
+    return doc
+
+
+def test_merged_runs_are_summarized_over_all_their_points():
+    a = _run([(1.2,)])  # qwen3-30b-a3b@4096/W1/skewed
+    b = _run([(1.2,), (0.5,)], partial=dict(done=2, of=3))
+    b["points"] = b["points"][1:]  # W8 alone: the two runs split the grid
+    merged = B.merge_runs([a, b], ["a.json", "b.json.partial"])
+    assert [p["label"] for p in merged["points"]] == [p["label"] for p in _doc([(1,), (1,)])[
+        "points"]]
+    g = merged["goals"]["default"]
+    assert g["points"] == 2 and g["min_scaled"] == 0.5 and not g["met"]
+    assert math.isclose(g["geomean_scaled"], math.sqrt(1.2 * 0.5))
+    assert merged["failed"] and "partial" not in merged
+    assert merged["merged_from"][1] == dict(name="b.json.partial", points=1,
+                                            partial=dict(done=2, of=3))
+    assert merged["date"] == b["date"] and set(merged["routings"]) == {"r1", "r2"}
+
+
+def test_runs_of_other_commits_or_with_a_common_point_are_not_merged():
+    with pytest.raises(ValueError, match="differ"):
+        B.merge_runs([_run([(1.0,)]), _run([(1.0,)], commit="def5678")], ["a", "b"])
+    with pytest.raises(ValueError, match="in two runs"):
+        B.merge_runs([_run([(1.0,)]), _run([(1.0,)])], ["a", "b"])
+
+
+def test_merge_command_writes_one_file(tmp_path):
+    a, b = _run([(1.0,), (1.1,)]), _run([(1.0,)])
+    a["points"] = a["points"][1:]
+    paths = []
+    for name, d in (("a.json", a), ("b.json", b)):
+        paths.append(str(tmp_path / name))
+        json.dump(d, open(paths[-1], "w"))
+    out = tmp_path / "m.json"
+    assert B.main(["merge", *paths, "--out", str(out)]) == 0
+    assert len(json.load(open(out))["points"]) == 2
