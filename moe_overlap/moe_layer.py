@@ -23,8 +23,8 @@ from .combine import (CombineOptions, MoECombine, MoEDispatch, dispatch_to_plan,
 from .combine.checks import agree_on_call, as_int, error_of, world
 from .combine.dispatch_expand import DEFAULT_CTAS_PER_SM
 from .combine.dispatch_index import ARRIVAL_ORDERS, arrival_schedule
-from .combine.grouped_gemm import (GroupedGemm, deinterleave_gate_up, interleave_gate_up,
-                                   split_gate_up)
+from .combine.grouped_gemm import (TILE_FETCH, GroupedGemm, deinterleave_gate_up,
+                                   interleave_gate_up, split_gate_up)
 from .combine.options import TRANSPORTS
 from .kernels.host_checks import require_tensors
 
@@ -86,6 +86,12 @@ class MoELayerOptions:
         on what has landed; "expert": every band of an expert side by side, each weight slice
         read once per band group, the first tiles waiting for every source of the first expert.
         Same output bits.
+    up_tile_fetch: how the up-projection's persistent CTAs find their next tile
+        (``GroupedGemm(tile_fetch=)``). "dynamic": each next pair of tiles from a shared work
+        counter, so CTAs that waited on an arrival or started late do not own a fixed share of
+        the tiles (on an H100 at 4096 tokens: 1.02-1.42x the static walk on 7 of 8 model
+        points, equal on mixtral W = 8; bench/NOTES.md, "Session 27"); "static": CTA i takes
+        tiles i, i + G, ... Same output bits.
     """
     send_ctas: int = 8
     dispatch_timeout_s: float = 10.0
@@ -97,6 +103,7 @@ class MoELayerOptions:
     expand_wait: str = "per_source"
     counts_exchange: str = "auto"
     up_order: str = "arrival"
+    up_tile_fetch: str = "dynamic"
 
     def validate(self) -> None:
         """ValueError / TypeError for a value no backend accepts (host only)."""
@@ -118,6 +125,8 @@ class MoELayerOptions:
                              f"{COUNTS_EXCHANGES}")
         if self.up_order not in ARRIVAL_ORDERS:
             raise ValueError(f"up_order={self.up_order!r}; choose from {ARRIVAL_ORDERS}")
+        if self.up_tile_fetch not in TILE_FETCH:
+            raise ValueError(f"up_tile_fetch={self.up_tile_fetch!r}; choose from {TILE_FETCH}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout={self.weight_layout!r}; choose from "
                              f"{WEIGHT_LAYOUTS}")
@@ -213,7 +222,7 @@ def up_projection_gemm(options: MoELayerOptions, tile_m: int, **overrides) -> Gr
     replacing the layer's (benches' variants of the same launch; the layer passes none)."""
     kw = dict(tile_m=tile_m, tile_n=options.up_tile_n, signal=False, wait_arrival=True,
               arrival_scope="gpu", arrival_timeout_ns=int(options.arrival_timeout_s * 1e9),
-              swiglu=True)
+              swiglu=True, tile_fetch=options.up_tile_fetch)
     return GroupedGemm(**dict(kw, **overrides))
 
 

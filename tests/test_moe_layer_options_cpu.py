@@ -102,7 +102,7 @@ def test_overlap_runs_over_either_transport_of_the_combine(monkeypatch):
     (dict(send_ctas=0), "send_ctas"), (dict(up_stream="next"), "up_stream"),
     (dict(arrival_timeout_s=-1), "arrival_timeout_s"), (dict(up_tile_n=96), "up_tile_n"),
     (dict(weight_layout="gate_first"), "weight_layout"), (dict(up_ccta="many"), "up_ccta"),
-    (dict(expand_wait="each"), "expand_wait"),
+    (dict(expand_wait="each"), "expand_wait"), (dict(up_tile_fetch="atomic"), "up_tile_fetch"),
 ])
 def test_bad_option_values_are_refused_on_every_backend(bad, words):
     for backend in ("reference", "auto", "overlap"):

@@ -61,3 +61,11 @@ def test_the_layers_up_projection_compiles_as_an_arrival_gated_swiglu():
     assert acq < re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", ptx).start()
     assert "ex2.approx" in ptx  # the SwiGLU epilogue
     assert "st.release.gpu" not in ptx  # signal=False: no band flags of its own
+    # up_tile_fetch="dynamic" (the layer's default): the next tiles come from the work counter
+    assert gemm.tile_fetch == "dynamic" and "atom.relaxed.gpu.global.add.s32" in ptx
+
+
+def test_the_layers_up_projection_walks_its_tiles_statically_when_asked():
+    _, _, _, gemm = _layer_kernels(up_tile_fetch="static")
+    ptx = gemm.compile(N=2 * K, K=D, keep_ptx=True).__ptx__
+    assert gemm.tile_fetch == "static" and "atom.relaxed.gpu.global.add.s32" not in ptx
