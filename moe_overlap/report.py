@@ -45,12 +45,12 @@ from .provenance import DEPENDENCIES, Git, freshness
 # area -> (title, current headline files, in bench/results/)
 HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
-                 ("producer_models_h100_f213944_s1.json", "producer_models_h200_fc47bea_s23.json",
-                  "producer_models_h100_b666d5d_beside2.json")),
+                 ("producer_models_h100_3efe759_full.json", "producer_models_h200_fc47bea_s23.json",
+                  "producer_models_h100_3efe759_beside3.json")),
     "upproj": ("Arrival-gated SwiGLU up-projection as MoELayer launches it, every band arrived",
-               ("upproj_models_h100_2f299c9.json",)),
+               ("upproj_models_h100_3efe759_fetch.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
-              ("ranks_onegpu_h100_b666d5d.json",)),
+              ("ranks_onegpu_h100_3efe759.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
                        "assignment (counted from routings, no GPU)",
                        ("dispatch_bytes_30cb093.json",)),
@@ -101,6 +101,8 @@ READ_BY = {
     "projection_layer.json": ("README.md", "tests/test_projection_layer.py"),
     "projection_layer.png": ("README.md",),
     "packed_gemm_h200_expert_order_70a95b6.json": ("README.md",),
+    "producer_models_h100_f213944_s1.json": ("moe_overlap/combine/projection.py",
+                                             "tests/test_projection_layer.py"),
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"
