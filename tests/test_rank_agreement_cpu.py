@@ -334,3 +334,34 @@ def test_agree_on_call_at_world_size_one_raises_the_error_itself():
     agree_on_call("x", {"a": 1})
     with pytest.raises(KeyError):
         agree_on_call("x", {"a": 1}, KeyError("boom"))
+
+
+# ---------------------------------------------------------------- the runtime's barrier
+def _barrier(rank, W, skip_rank):
+    """Every rank passes one bounded barrier; then every rank but skip_rank waits in a second
+    (skip_rank stays out of every collective for 12 s, as a rank that skipped the call holding
+    it). Returns per barrier (error type, message, seconds)."""
+    import os
+    from moe_overlap.combine.checks import bounded_barrier
+    os.environ[AGREE_TIMEOUT_ENV] = "3"
+    first = _outcome(lambda: bounded_barrier(None, f"rank {rank}: the first barrier"))
+    if rank == skip_rank:
+        time.sleep(12)
+        return dict(first=first, second=None)
+    return dict(first=first, second=_outcome(
+        lambda: bounded_barrier(None, f"rank {rank}: MoEDispatch's first call")))
+
+
+def test_a_rank_missing_from_a_runtime_barrier_is_a_named_timeout_not_a_hang():
+    """The runtime's barriers (a layer's first call, CommBuffer.reset) are bounded like the
+    agreement: the ranks left waiting raise AgreementTimeoutError naming their call after
+    $MOE_OVERLAP_AGREE_TIMEOUT_S (3 s), well before the process group's 20 s."""
+    res = spawn_ranks(_barrier, 3, 2, hard_exit=True, **SPAWN)
+    for rank in range(3):
+        assert res[rank]["first"][0] is None, res[rank]["first"]
+    for rank in (0, 1):
+        name, msg, seconds = res[rank]["second"]
+        assert name == "AgreementTimeoutError", (name, msg)
+        assert f"rank {rank}: MoEDispatch's first call: no answer from every rank within 3 s" \
+            in msg, msg
+        assert 2.5 < seconds < 10, seconds

@@ -221,6 +221,15 @@ def _exchange(rec: torch.Tensor, group, what: str) -> torch.Tensor:
     return rec_d.cpu()
 
 
+def bounded_barrier(group, what: str) -> None:
+    """Collective: a barrier over ``group`` bounded like the agreement (agree_timeout_s(), the
+    same all-reduce): a rank that never comes (it skipped the call that holds this barrier, is
+    in another collective or left) gives every waiting rank an AgreementTimeoutError naming
+    ``what`` instead of the process group's 30-minute hang. The library's runtime barriers (a
+    layer's first call, CommBuffer.reset and attach) go through it."""
+    _exchange(torch.zeros(1, dtype=torch.int64), group, what)
+
+
 def agree_on_call(call: str, fields: dict | None = None, err: BaseException | None = None,
                   group=None, routing: tuple | None = None, where: str = "") -> None:
     """Collective over `group` (every rank, at the same point, before any data moves): the ranks

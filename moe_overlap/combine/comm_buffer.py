@@ -429,7 +429,8 @@ class CommBuffer:
                 f"reserve({slot_bytes} bytes) to the layers")
         rt = self.runtime
         torch.cuda.synchronize(rt.device)
-        rt.barrier()  # no kernel of any rank uses the old memory past this point
+        # no kernel of any rank uses the old memory past this point
+        rt.barrier("CommBuffer growth (a layer attached with a larger size)")
         old = self.buffers
         self.buffers = None
         rt.free(old.recv)
@@ -445,7 +446,7 @@ class CommBuffer:
         if self.seg_expected is not None:
             self.seg_expected.zero_()
         self.growths += 1
-        rt.barrier()
+        rt.barrier("CommBuffer growth (a layer attached with a larger size)")
 
     def _grow_stage(self):
         """The staging region alone, where nothing else needs growth (a layer that stages,
@@ -462,7 +463,8 @@ class CommBuffer:
                     "was captured in a CUDA graph, whose replays use the current address: build "
                     "every layer before the first capture")
             torch.cuda.synchronize(rt.device)
-            rt.barrier()  # no send of any rank reads the old region past this point
+            # no send of any rank reads the old region past this point
+            rt.barrier("CommBuffer growth of its staging region")
             rt.free(self.stage)
             self.stage = None
             self.stage_x_bytes = self.stage_ids_bytes = 0
@@ -563,7 +565,7 @@ class CommBuffer:
         if not self._counts_warm and not capturing:
             # collective, once: compiled and loaded before any peer spins on this rank's flag
             ex.warmup(rt.device, E)
-            rt.barrier()
+            rt.barrier("the device counts exchange's first call (its warm-up barrier)")
             self._counts_warm = True
         self.note_call()
         counts = counts.contiguous()
@@ -633,7 +635,7 @@ class CommBuffer:
             return
         rt = self.runtime
         torch.cuda.synchronize(rt.device)
-        rt.barrier()
+        rt.barrier("CommBuffer.reset (its first barrier)")
         self.err.zero_()
         self.buffers.block.zero_()
         self.expected.zero_()
@@ -649,7 +651,7 @@ class CommBuffer:
             layer._clear_band_flags()
         self.watch.clear()
         torch.cuda.synchronize(rt.device)
-        rt.barrier()
+        rt.barrier("CommBuffer.reset (its second barrier)")
 
     def __repr__(self):
         return (f"CommBuffer(transport={self.transport!r}, slot_bytes={self.slot_bytes}, "

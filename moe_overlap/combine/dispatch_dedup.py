@@ -227,7 +227,8 @@ class MoEDispatch(torch.nn.Module):
         dev = self.comm.runtime.device
         self.sender.warmup(dev)
         self.expander.warmup(dev, self.experts_per_rank, self.num_sms)
-        self.comm.runtime.barrier()
+        self.comm.runtime.barrier("MoEDispatch's first call (its warm-up barrier: every rank "
+                                  "makes that call)")
         self._warm = True
 
     @staticmethod

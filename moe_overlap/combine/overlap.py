@@ -677,7 +677,8 @@ class OverlapCombine:
             torch.cuda.synchronize(self.device)
             # every rank has compiled and loaded every kernel before any rank's first
             # cross-rank wait starts its timeout clock (ranks compile at different speeds)
-            self.rt.barrier()
+            self.rt.barrier("the combine's first call (its warm-up barrier: every rank makes "
+                            "that call)")
             self._prod_warm = True
         y, band_ready = self.buffers_for(h, plan)
         s0 = torch.cuda.current_stream(self.device)

@@ -259,9 +259,13 @@ class NvshmemRuntime:
         ptrs = [v.data_ptr() for v in views]
         return torch.tensor(ptrs, dtype=torch.int64, device=self.device)
 
-    def barrier(self):
+    def barrier(self, what: str = "NvshmemRuntime.barrier"):
+        """Collective: synchronize this rank's device, then a barrier over the group, bounded
+        (``checks.bounded_barrier``: a rank that never comes raises a named error on the
+        others). what: the call that holds it, for that error."""
+        from ..combine.checks import bounded_barrier
         torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        bounded_barrier(self.group, f"rank {self.rank}: {what}")
 
     # ---- teardown -------------------------------------------------------------------------
     def _check_live(self):
