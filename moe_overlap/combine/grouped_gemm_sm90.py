@@ -276,6 +276,27 @@ class GroupedGemmKernel(GemmSm90):
             out = out + (fetched,)
         return out
 
+    def walk_tile(self, t, fetched, role: str, record: bool, walk: tuple, fetch: tuple):
+        """One step of a tile walker (the TMA warp: role "producer", record=True; the MMA
+        warps: "consumer", False), static or dynamic alike: with fetched None, this CTA's first
+        tile (t = its CTA index, nothing fetched); else the tile after linear tile t (t + G, or
+        the next unit fetched). Returns band_tile's (t, n tile, band, expert, m tile) and the
+        units fetched so far (0 with tile_fetch="static": a constant, no register). walk:
+        band_tile's arguments from total_tiles to rank, then mGroupFirst, mGroupSize; fetch:
+        (ring, cta_rank, counter, num_clusters), dynamic only."""
+        if cutlass.const_expr(self.dynamic):
+            ring, cta_rank, counter, num_clusters = fetch
+            if fetched is None:
+                fetched = cutlass.Int32(0)
+            else:
+                t, fetched = self.next_fetched_tile(ring, fetched, role, cta_rank, counter,
+                                                    num_clusters)
+            return self.band_tile(t, *walk[:11], record, *walk[11:],
+                                  (ring, fetched, role, cta_rank, counter, num_clusters))
+        if fetched is not None:
+            t = t + walk[1]  # + G
+        return self.band_tile(t, *walk[:11], record, *walk[11:]) + (cutlass.Int32(0),)
+
     @cute.jit
     def next_fetched_tile(self, ring: cutlass.Int32, fetched: cutlass.Int32,
                           role: cutlass.Constexpr, cta_rank, counter: cutlass.Int64,
@@ -354,6 +375,7 @@ class GroupedGemmKernel(GemmSm90):
             relay = cutlass.Int32(storage.relay.data_ptr().toint())
             if tidx == 0:
                 relay_init(relay)
+        fetch = ()  # the dynamic walk's (ring, cta_rank, counter, num_clusters)
         if cutlass.const_expr(self.dynamic):
             ring = cutlass.Int32(storage.relay.data_ptr().toint()) + cutlass.Int32(
                 RELAY_BYTES if self.flag_warp else 8)
@@ -361,6 +383,7 @@ class GroupedGemmKernel(GemmSm90):
             num_clusters = gdim // cutlass.Int32(self.cluster_n)
             if tidx == 0:
                 self.fetch.init(ring)
+            fetch = (ring, cta_rank, fetch_counter, num_clusters)
         pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
@@ -411,6 +434,9 @@ class GroupedGemmKernel(GemmSm90):
             rows = y_rows
         # linear tile t over (schedule position, n tile), CTA i takes i, i+G, ...
         total_tiles = num_bands * n_tiles
+        # every tile walker's tables and bounds (walk_tile)
+        walk = (total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert, mBandSrcRow,
+                n_experts, rows, err, rank, mGroupFirst, mGroupSize)
 
         pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
 
@@ -419,18 +445,9 @@ class GroupedGemmKernel(GemmSm90):
         # ------------------------------------------------------------ producer (TMA) warp
         if warp_idx == self.load_warp_id:
             prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-            if cutlass.const_expr(self.dynamic):
-                # the first tile is the static one (no fetch); fetched: units taken after it
-                t, n_tile, b, e, m_tile, fetched = self.band_tile(
-                    cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
-                    mBandExpert, mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst,
-                    mGroupSize, (ring, cutlass.Int32(0), "producer", cta_rank, fetch_counter,
-                                 num_clusters))
-            else:
-                t, n_tile, b, e, m_tile = self.band_tile(
-                    cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
-                    mBandExpert, mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst,
-                    mGroupSize)
+            # the first tile is the static one (no fetch); fetched: units taken after it
+            t, n_tile, b, e, m_tile, fetched = self.walk_tile(
+                cutlass.Int32(bidx), None, "producer", True, walk, fetch)
             if cutlass.const_expr(self.wait_arrival):
                 epoch_p = mEpoch[0]
             while t < total_tiles:
@@ -449,17 +466,8 @@ class GroupedGemmKernel(GemmSm90):
                               tBsB[(None, prod_state.index)], tma_bar_ptr=bar)
                     mainloop_pipeline.producer_commit(prod_state)
                     prod_state.advance()
-                if cutlass.const_expr(self.dynamic):
-                    t, fetched = self.next_fetched_tile(ring, fetched, "producer", cta_rank,
-                                                      fetch_counter, num_clusters)
-                    t, n_tile, b, e, m_tile, fetched = self.band_tile(
-                        t, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
-                        mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst, mGroupSize,
-                        (ring, fetched, "producer", cta_rank, fetch_counter, num_clusters))
-                else:
-                    t, n_tile, b, e, m_tile = self.band_tile(
-                        t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
-                        mBandSrcRow, n_experts, rows, err, rank, True, mGroupFirst, mGroupSize)
+                t, n_tile, b, e, m_tile, fetched = self.walk_tile(t, fetched, "producer", True,
+                                                                  walk, fetch)
             mainloop_pipeline.producer_tail(prod_state)
             if cutlass.const_expr(self.dynamic and self.cluster_n > 1):
                 if cta_rank == 0:  # the peer's last remote arrives land before this CTA exits
@@ -501,17 +509,8 @@ class GroupedGemmKernel(GemmSm90):
             signal_k = self.signal_k_index(k_tile_cnt)
             tiles_done = cutlass.Int32(0)
 
-            if cutlass.const_expr(self.dynamic):
-                t, n_tile, b, e, m_tile, fetched = self.band_tile(
-                    cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
-                    mBandExpert, mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
-                    mGroupSize, (ring, cutlass.Int32(0), "consumer", cta_rank, fetch_counter,
-                                 num_clusters))
-            else:
-                t, n_tile, b, e, m_tile = self.band_tile(
-                    cutlass.Int32(bidx), total_tiles, gdim, n_tiles, num_bands, mSchedule,
-                    mBandExpert, mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
-                    mGroupSize)
+            t, n_tile, b, e, m_tile, fetched = self.walk_tile(
+                cutlass.Int32(bidx), None, "consumer", False, walk, fetch)
             while t < total_tiles:
                 gC_tile = gC[(None, None, m_tile, n_tile)]
 
@@ -586,19 +585,8 @@ class GroupedGemmKernel(GemmSm90):
                 if cutlass.const_expr(self.signal):
                     pend_band = b
                 tiles_done = tiles_done + 1
-                if cutlass.const_expr(self.dynamic):
-                    t, fetched = self.next_fetched_tile(ring, fetched, "consumer", cta_rank,
-                                                      fetch_counter, num_clusters)
-                    t, n_tile, b, e, m_tile, fetched = self.band_tile(
-                        t, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
-                        mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
-                        mGroupSize, (ring, fetched, "consumer", cta_rank, fetch_counter,
-                                     num_clusters))
-                else:
-                    t, n_tile, b, e, m_tile = self.band_tile(
-                        t + gdim, total_tiles, gdim, n_tiles, num_bands, mSchedule, mBandExpert,
-                        mBandSrcRow, n_experts, rows, err, rank, False, mGroupFirst,
-                        mGroupSize)
+                t, n_tile, b, e, m_tile, fetched = self.walk_tile(t, fetched, "consumer", False,
+                                                                  walk, fetch)
 
             if cutlass.const_expr(self.signal):
                 if pend_band >= 0:
