@@ -509,7 +509,8 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         err = torch.zeros(8, dtype=torch.int64, device=dev)
         fns[name] = (lambda gemm=gemm, x=x, y=y, p=plan, ready=ready, err=err, c=opts.ccta:
                      gemm(x, w, y, p.band_expert, p.band_src_row, p.schedule, p.num_bands, ready,
-                          epoch, ccta=c, err=err))
+                          epoch, ccta=c, err=err,
+                          band_valid=p.band_valid if gemm.skip_padding else None))
         nb = int(plan.num_bands.item())
         cluster = gemm.cluster_for(N)
         grid = gemm.grid_size(S, opts.ccta, N)
@@ -664,7 +665,8 @@ def beside_consumer(point: dict, ours: dict, w, rec: dict, dev, rounds: int) -> 
 
         def produce(gemm=gemm, x=x, y=y, p=p, ready=ready, c=opts.ccta):
             gemm(x, w, y, p.band_expert, p.band_src_row, p.schedule, p.num_bands, ready,
-                 buf.epoch, ccta=c, err=buf.err)
+                 buf.epoch, ccta=c, err=buf.err,
+                 band_valid=p.band_valid if gemm.skip_padding else None)
 
         def ship(consumer=consumer, y=y, p=p, ready=ready, c=opts.ccta,
                  pr=opts.consumer_piece_rows):

@@ -284,11 +284,18 @@ class GroupedGemm:
         device, zeroed on the call's stream before each launch: one memset node more in a CUDA
         graph), so that clusters that start late (a second wave beside the consumer) take only
         the tiles left; same output bits. One launch at a time per object and device (the
-        counter is shared by its calls).
+        counter is shared by its calls);
+        skip_padding: a band with at most tile_m / 2 valid rows (``band_valid``: the plan's
+        count, its valid rows a prefix of the band) runs no WGMMA in the MMA warpgroup of rows
+        tile_m / 2 .. tile_m - 1: that half of the tensor-core work of an expert's short tail
+        band is padding. Those rows of y are then 0; the valid rows are bitwise the same (each
+        warpgroup accumulates its own rows). Needs the two MMA warpgroups (tile_m 128, tile_n
+        256). The loads stay: the saving is the MMA time, not the A and B traffic.
     All option checks are ``GroupedGemm.check_options`` (a static function, no CuTe DSL needed).
 
     __call__(x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
-             ccta=0, band_counter=None, stream=None, err=None, rank=0, band_groups=None) -> y
+             ccta=0, band_counter=None, stream=None, err=None, rank=0, band_groups=None,
+             band_arrived=None, band_valid=None) -> y
         band_counter: persistent int32 [>= len(band_ready)] zero scratch; allocated (zeros) and
         kept per device if not given.  stream: a torch.cuda.Stream (default: current stream).
         err: int64 [8] error word the kernel records a refused band entry in (ERR_PRODUCER_BOUNDS,
@@ -297,8 +304,10 @@ class GroupedGemm:
         beforehand by ``band_groups.band_groups`` for this schedule and G (e.g. once per plan, off
         the call's path); None: built here on the call's stream (one launch, into a workspace
         kept per device and capacity).
+        band_valid: skip_padding only (and needed there): int32 [B_cap], valid rows of each
+        band (``CombinePlan.band_valid``).
     Compile cache key: (tile config, stages, signal, flag options, band_group, group_by, N, K,
-    and the non-default wait_arrival / swiglu / tile_fetch);
+    and the non-default wait_arrival / swiglu / tile_fetch / skip_padding);
     rows, E_local, B_cap and the grid size (number of SMs - ccta) are runtime values.
     """
 
@@ -309,7 +318,7 @@ class GroupedGemm:
                       signal_k_tile=None, epi_n=32, epi_stages=4, cluster_n=None, flag_warp=None,
                       band_group=DEFAULT_BAND_GROUP, group_by="position", wait_arrival=False,
                       arrival_scope="gpu", arrival_timeout_ns=DEFAULT_ARRIVAL_TIMEOUT_NS,
-                      swiglu=False, tile_fetch="static"):
+                      swiglu=False, tile_fetch="static", skip_padding=False):
         """ValueError for any option value the kernel does not implement (CPU only, no CuTe
         DSL); the keywords are the constructor's."""
         if tile_m not in (64, 128):
@@ -345,17 +354,24 @@ class GroupedGemm:
                              f"tile_n / 2 = {tile_n // 2}")
         if not isinstance(tile_fetch, str) or tile_fetch not in TILE_FETCH:
             raise ValueError(f"tile_fetch={tile_fetch!r}; choose from {TILE_FETCH}")
+        if not isinstance(skip_padding, bool):
+            raise ValueError(f"skip_padding must be a bool, got {skip_padding!r}")
+        if skip_padding and not (tile_m == 128 and tile_n > 128):
+            raise ValueError(f"skip_padding skips the second MMA warpgroup's rows; tile_m="
+                             f"{tile_m}, tile_n={tile_n} has one (it needs tile_m 128 and "
+                             "tile_n 256)")
 
     def __init__(self, tile_m=128, tile_n=256, tile_k=64, stages=None, signal=True,
                  signal_k_tile=None, epi_n=32, epi_stages=4, cluster_n=None, flag_warp=None,
                  band_group=DEFAULT_BAND_GROUP, group_by="position", wait_arrival=False,
                  arrival_scope="gpu", arrival_timeout_ns=DEFAULT_ARRIVAL_TIMEOUT_NS,
-                 swiglu=False, cluster_slack=False, tile_fetch="static"):
+                 swiglu=False, cluster_slack=False, tile_fetch="static", skip_padding=False):
         GroupedGemm.check_options(tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n,
                                   epi_stages, cluster_n, flag_warp, band_group, group_by,
                                   wait_arrival, arrival_scope, arrival_timeout_ns, swiglu,
-                                  tile_fetch)
+                                  tile_fetch, skip_padding)
         self.tile_fetch = tile_fetch
+        self.skip_padding = skip_padding
         self.wait_arrival = bool(wait_arrival)
         self.arrival_scope = arrival_scope
         self.arrival_timeout_ns = int(arrival_timeout_ns)
@@ -392,7 +408,7 @@ class GroupedGemm:
     # ---------------------------------------------------------------- validation
     def _check(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
                band_counter, ccta, need_cuda=True, err=None, rank=0, band_groups=None,
-               band_arrived=None):
+               band_arrived=None, band_valid=None):
         tensors = dict(x=x, w=w, y=y, band_expert=band_expert, band_src_row=band_src_row,
                        schedule=schedule, num_bands=num_bands, band_ready=band_ready, epoch=epoch)
         if band_counter is not None:
@@ -441,15 +457,16 @@ class GroupedGemm:
                              f"{x.device}, got {err!r:.80}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-        if self.wait_arrival != (band_arrived is not None):
-            raise ValueError("band_arrived is the arrival flags of wait_arrival=True (and "
-                             "needed there)")
-        if band_arrived is not None and (
-                not isinstance(band_arrived, torch.Tensor) or band_arrived.dtype != torch.int32
-                or band_arrived.dim() != 1 or band_arrived.numel() != b_cap
-                or band_arrived.device != x.device or not band_arrived.is_contiguous()):
-            raise ValueError(f"band_arrived must be a contiguous int32 [{b_cap}] tensor on "
-                             f"{x.device}")
+        for name, t, on, what in (
+                ("band_arrived", band_arrived, self.wait_arrival, "arrival flags of wait_arrival"),
+                ("band_valid", band_valid, self.skip_padding, "valid rows of skip_padding")):
+            if on != (t is not None):
+                raise ValueError(f"{name} is the {what}=True (and needed there)")
+            if t is not None and (
+                    not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1
+                    or t.numel() != b_cap or t.device != x.device or not t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous int32 [{b_cap}] tensor on "
+                                 f"{x.device}")
         if band_groups is not None:
             if self.group_by != "expert":
                 raise ValueError("band_groups are the tables of group_by='expert'; this GEMM "
@@ -470,7 +487,8 @@ class GroupedGemm:
                 self.flag_warp, self.band_group, self.group_by, int(N), int(K)) + (
                     (self.wait_arrival, self.arrival_scope, self.arrival_timeout_ns, self.swiglu)
                     if self.wait_arrival or self.swiglu else ()) + (
-                    ("dynamic",) if self.tile_fetch == "dynamic" else ())
+                    ("dynamic",) if self.tile_fetch == "dynamic" else ()) + (
+                    ("skip_padding",) if self.skip_padding else ())
 
     def _kernel(self, N):
         from .grouped_gemm_sm90 import GroupedGemmKernel
@@ -479,7 +497,7 @@ class GroupedGemm:
                                  self.cluster_for(N), self.flag_warp, self.band_group,
                                  self.group_by == "expert", self.wait_arrival,
                                  self.arrival_scope, self.arrival_timeout_ns, self.swiglu,
-                                 self.tile_fetch)
+                                 self.tile_fetch, self.skip_padding)
 
     def compile(self, N, K, keep_ptx=False):
         """Compiles (or fetches from the cache) the kernel for output width N and depth K from
@@ -493,18 +511,21 @@ class GroupedGemm:
         import cutlass.cute as cute
         fn = cute.compile(self._kernel(N), *self.example_args(N, K, self.group_by == "expert",
                                                               self.wait_arrival, self.swiglu,
-                                                              self.tile_fetch == "dynamic"),
+                                                              self.tile_fetch == "dynamic",
+                                                              self.skip_padding),
                           options="--keep-ptx" if keep_ptx else None)
         GroupedGemm._compiled[key] = fn
         return fn
 
     @staticmethod
-    def example_args(N, K, group_tables=False, arrived=False, swiglu=False, fetch=False):
+    def example_args(N, K, group_tables=False, arrived=False, swiglu=False, fetch=False,
+                     valid=False):
         """The kernel's arguments as symbolic ("fake") tensors, rows / E_local / B_cap dynamic,
         for ``cute.compile`` without a GPU (``compile``, and the tests that keep the cubin);
         group_tables: with the two band group tables (group_by="expert"); arrived: with the
-        arrival flags (wait_arrival); fetch: with the work counter (tile_fetch="dynamic"); None
-        in the places of the optional ones before the last given; swiglu: y is [rows, N / 2]."""
+        arrival flags (wait_arrival); fetch: with the work counter (tile_fetch="dynamic"); valid:
+        with the bands' valid rows (skip_padding); None in the places of the optional ones
+        before the last given; swiglu: y is [rows, N / 2]."""
         import cutlass
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_tensor
@@ -522,13 +543,14 @@ class GroupedGemm:
                 fv(), fv(), fv(), f1(), fv(), fv(), f1(), cutlass.Int64(0),
                 cutlass.Int32(0), cutlass.Int32(1), make_fake_stream()) + GroupedGemm._trailing(
                     (fv(), fv()) if group_tables else None, fv() if arrived else None,
-                    f1() if fetch else None)
+                    f1() if fetch else None, fv() if valid else None)
 
     @staticmethod
-    def _trailing(tables, arrived, fetch):
-        """The kernel's optional trailing arguments (group tables, arrival flags, work counter):
-        None in the places of those not given before the last one given, nothing after it."""
-        tail = (tables or (None, None)) + (arrived, fetch)
+    def _trailing(tables, arrived, fetch, valid=None):
+        """The kernel's optional trailing arguments (group tables, arrival flags, work counter,
+        the bands' valid rows): None in the places of those not given before the last one
+        given, nothing after it."""
+        tail = (tables or (None, None)) + (arrived, fetch, valid)
         while tail and tail[-1] is None:
             tail = tail[:-1]
         return tail
@@ -604,13 +626,15 @@ class GroupedGemm:
 
     def __call__(self, x, w, y, band_expert, band_src_row, schedule, num_bands, band_ready, epoch,
                  ccta=0, band_counter=None, stream=None, err=None, rank=0, band_groups=None,
-                 band_arrived=None):
+                 band_arrived=None, band_valid=None):
         """band_arrived: int32 [B_cap], the arrival flags (wait_arrival only): band b's A rows
-        are read once band_arrived[b] == epoch[0]. With swiglu, w is the interleaved layout
+        are read once band_arrived[b] == epoch[0]. band_valid: int32 [B_cap], valid rows per
+        band (skip_padding only). With swiglu, w is the interleaved layout
         (``interleave_gate_up``) and y [rows, N / 2]."""
         rows, K, E, N = self._check(x, w, y, band_expert, band_src_row, schedule, num_bands,
                                     band_ready, epoch, band_counter, ccta, err=err, rank=rank,
-                                    band_groups=band_groups, band_arrived=band_arrived)
+                                    band_groups=band_groups, band_arrived=band_arrived,
+                                    band_valid=band_valid)
         if err is None:
             err = self.error_word(x.device)
         grid = self.grid_size(num_sms(x.device), ccta, N)
@@ -638,7 +662,9 @@ class GroupedGemm:
         if self.tile_fetch == "dynamic":  # zeroed right before the launch, on its stream
             fetch = from_dlpack(self.fetch_counter(x.device, band_ready.numel(), torch_stream),
                                 assumed_align=4)
-        tables = self._trailing(tables or None, arrived, fetch)
+        valid = None if band_valid is None else from_dlpack(
+            band_valid, assumed_align=4).mark_compact_shape_dynamic(mode=0)
+        tables = self._trailing(tables or None, arrived, fetch, valid)
         key = ("dlpack",) + self._key(N, K)
         fn = GroupedGemm._compiled.get(key)
         if fn is None:

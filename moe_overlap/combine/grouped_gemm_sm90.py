@@ -90,7 +90,7 @@ class GroupedGemmKernel(GemmSm90):
     def __init__(self, tile_m, tile_n, tile_k, stages, signal, signal_k_tile, epi_n=32,
                  epi_stages=4, cluster_n=1, flag_warp=False, band_group=1, group_tables=False,
                  wait_arrival=False, arrival_scope="gpu", arrival_timeout_ns=10_000_000_000,
-                 swiglu=False, tile_fetch="static"):
+                 swiglu=False, tile_fetch="static", skip_padding=False):
         # two consumer warpgroups (stacked along M) for the 128 x 256 tile, else one
         super().__init__(2 if (tile_m > 64 and tile_n > 128) else 1)
         self.tile_m, self.tile_n, self.tile_k = tile_m, tile_n, tile_k
@@ -114,6 +114,9 @@ class GroupedGemmKernel(GemmSm90):
         # cluster_n tiles from a global counter; the unit reaches every tile walker of the
         # cluster (its producer warps and consumer warps) through a shared-memory ring
         self.dynamic = tile_fetch == "dynamic"
+        # skip_padding: the second MMA warpgroup (rows tile_m / 2 ..) runs no WGMMA for a band
+        # whose valid rows (a prefix) all lie in the first half
+        self.skip_padding = skip_padding
         self.fetch = ClusterTileFetch(cluster_n, 4 * self.num_mma_wg * cluster_n + cluster_n - 1)
 
     # ---------------------------------------------------------------- host-side setup
@@ -146,7 +149,7 @@ class GroupedGemmKernel(GemmSm90):
                  mEpoch: cute.Tensor, err: cutlass.Int64, rank: cutlass.Int32,
                  num_ctas: cutlass.Int32, stream, mGroupFirst: cute.Tensor = None,
                  mGroupSize: cute.Tensor = None, mArrived: cute.Tensor = None,
-                 mFetch: cute.Tensor = None):
+                 mFetch: cute.Tensor = None, mBandValid: cute.Tensor = None):
         a_dtype, b_dtype, c_dtype = mA.element_type, mB.element_type, mC.element_type
         self.a_dtype, self.b_dtype, self.c_dtype = a_dtype, b_dtype, c_dtype
         self.a_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(mA)
@@ -180,7 +183,7 @@ class GroupedGemmKernel(GemmSm90):
                     mNumBands, mReady, mCounter, mEpoch, err, rank, cute.size(mA, mode=[0]),
                     cute.size(mC, mode=[0]), cute.size(mB, mode=[2]),
                     cute.size(mSchedule, mode=[0]), mGroupFirst, mGroupSize, mArrived,
-                    mFetch).launch(
+                    mFetch, mBandValid).launch(
             grid=[num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
             cluster=[self.cluster_n, 1, 1], min_blocks_per_mp=1, stream=stream)
 
@@ -347,7 +350,7 @@ class GroupedGemmKernel(GemmSm90):
                err: cutlass.Int64, rank: cutlass.Int32, x_rows: cutlass.Int32,
                y_rows: cutlass.Int32, n_experts: cutlass.Int32, band_cap: cutlass.Int32,
                mGroupFirst: cute.Tensor, mGroupSize: cute.Tensor, mArrived: cute.Tensor,
-               mFetch: cute.Tensor):
+               mFetch: cute.Tensor, mBandValid: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -517,17 +520,25 @@ class GroupedGemmKernel(GemmSm90):
                 read_state.reset_count()
                 release_state.reset_count()
                 accumulators.fill(0.0)
+                mma_on = cutlass.Int32(1)
+                if cutlass.const_expr(self.skip_padding):
+                    # b passed band_tile's bounds check: band_valid[b] is in bounds. The warps
+                    # still wait for and release every stage (the pipeline's counts stay).
+                    if warp_group_idx == 2 and mBandValid[b] <= cutlass.Int32(self.tile_m // 2):
+                        mma_on = cutlass.Int32(0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 # prologue: one k tile of WGMMAs in flight
                 mainloop_pipeline.consumer_wait(read_state)
-                self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
-                                num_k_blocks)
+                if mma_on != cutlass.Int32(0):
+                    self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
+                                    num_k_blocks)
                 read_state.advance()
                 for k_tile in range(1, k_tile_cnt):
                     mainloop_pipeline.consumer_wait(read_state)
-                    self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
-                                    num_k_blocks)
+                    if mma_on != cutlass.Int32(0):
+                        self.mma_k_tile(tiled_mma, accumulators, tCrA, tCrB, read_state.index,
+                                        num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     mainloop_pipeline.consumer_release(release_state)
                     release_state.advance()

@@ -391,9 +391,10 @@ class OverlapCombine:
         if self.producer_kind == "torch":
             self._torch_producer(h, w_down, plan, y_ext, band_ready, self.epoch)
         else:
-            self._gemm_for(ccta, flags)(h, w_down, y_ext[:h.shape[0]], plan.band_expert,
-                                 plan.band_src_row, plan.schedule, plan.num_bands, band_ready,
-                                 self.epoch, ccta=ccta, err=self.err, rank=self.rank)
+            gemm = self._gemm_for(ccta, flags)
+            gemm(h, w_down, y_ext[:h.shape[0]], plan.band_expert, plan.band_src_row,
+                 plan.schedule, plan.num_bands, band_ready, self.epoch, ccta=ccta, err=self.err,
+                 rank=self.rank, band_valid=plan.band_valid if gemm.skip_padding else None)
 
     # ---- checks ------------------------------------------------------------------------------
     def check_inputs(self, h, w_down, plan, topk_ids, topk_weights):
