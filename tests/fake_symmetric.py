@@ -40,9 +40,8 @@ def fake_runtime(monkeypatch, log=None, world=2, rank=0, heap_limit=None, patch_
                                    else torch.zeros_like(t))
     if patch_sync:  # (a test that records syncs patches them itself)
         monkeypatch.setattr(N.torch.cuda, "synchronize", lambda *a, **k: None)
-    from moe_overlap.combine import checks
     monkeypatch.setattr(N.dist, "barrier", lambda *a, **k: log.append("barrier"))
     # the runtime's barrier (bounded like the agreement) is the collective these tests log
-    monkeypatch.setattr(checks, "bounded_barrier", lambda *a, **k: log.append("barrier"))
+    monkeypatch.setattr(N.collectives, "bounded_barrier", lambda *a, **k: log.append("barrier"))
     rt.log, rt.heap_state = log, state
     return rt

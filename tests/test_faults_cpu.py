@@ -217,8 +217,7 @@ def _fake_runtime(monkeypatch, tensor_fn=None, peer_fn=None, world=2, rank=0):
     rt._nc = types.SimpleNamespace(tensor=tensor_fn, get_peer_tensor=peer_fn)
     monkeypatch.setattr(N.torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(N.dist, "barrier", lambda *a, **k: None)
-    from moe_overlap.combine import checks
-    monkeypatch.setattr(checks, "bounded_barrier", lambda *a, **k: None)
+    monkeypatch.setattr(N.collectives, "bounded_barrier", lambda *a, **k: None)
     return rt
 
 

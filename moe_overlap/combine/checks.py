@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import numbers
-import os
-import time
 import weakref
 
 import torch
 import torch.distributed as dist
+
+# the agreement's bounded all-reduce and its names (re-exported: users catch
+# AgreementTimeoutError from here and from moe_overlap.combine)
+from ..runtime.collectives import (AGREE_TIMEOUT_DEFAULT_S, AGREE_TIMEOUT_ENV,  # noqa: F401
+                                   AgreementTimeoutError, agree_timeout_s, bounded_barrier)
+from ..runtime.collectives import bounded_all_reduce as _exchange
 
 _MSG_BYTES = 400  # the failing rank's message, truncated, so the other ranks can print it
 
@@ -77,16 +81,7 @@ def check_routing_matches(mine: torch.Tensor, counts_row: torch.Tensor, what: st
                          f"assignments from topk_ids, {what} says {int(counts_row[e])} ({hint})")
 
 
-def _device(group) -> torch.device:
-    """Where the agreement's record lives: NCCL reduces CUDA tensors only."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 # ------------------------------------------------------------------------------- the agreement
-AGREE_TIMEOUT_ENV = "MOE_OVERLAP_AGREE_TIMEOUT_S"  # seconds; 0 or "none": no bound of its own
-AGREE_TIMEOUT_DEFAULT_S = 300.0
 _FIELDS = 24  # fields one call compares at most
 _TEXT = 24  # bytes of a field's value shown to the other ranks
 _LABEL = 96  # bytes of the call's name and sequence numbers, as shown in messages
@@ -106,11 +101,6 @@ class RankMismatchError(ValueError):
     """Raised on every rank when the ranks disagree on what they are about to do: another call
     (a rank skipped or added one), other options, shapes or dtypes, or counts of another
     routing."""
-
-
-class AgreementTimeoutError(RuntimeError):
-    """Raised on a rank whose agreement got no answer from every rank in time, or failed in the
-    process group (a rank skipped the call, is in another collective, or left)."""
 
 
 class _Counter:
@@ -172,62 +162,9 @@ def _get_text(row: torch.Tensor, at: int, nbytes: int) -> str:
     return raw.rstrip(b"\0").decode(errors="replace")
 
 
-def agree_timeout_s() -> float | None:
-    """The agreement's own bound (None: the process group's), from $MOE_OVERLAP_AGREE_TIMEOUT_S."""
-    raw = os.environ.get(AGREE_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return AGREE_TIMEOUT_DEFAULT_S
-    if raw.lower() == "none":
-        return None
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{AGREE_TIMEOUT_ENV}={raw!r}: a number of seconds or 'none'") from None
-    return v if v > 0 else None
-
-
 def _ranks(rs) -> str:
     rs = list(rs)
     return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
-
-
-def _exchange(rec: torch.Tensor, group, what: str) -> torch.Tensor:
-    """The one all-reduce of the agreement, bounded by agree_timeout_s()."""
-    dev = _device(group)
-    rec_d = rec.to(dev)
-    limit = agree_timeout_s()
-    try:
-        work = dist.all_reduce(rec_d, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        if limit is not None:
-            deadline, pause = time.monotonic() + limit, 5e-5
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise AgreementTimeoutError(
-                        f"{what}: no answer from every rank within {limit:g} s: a rank skipped "
-                        "this collective call, is in another one or left (every rank must make "
-                        "the same validated calls in the same order, loss.backward() too); "
-                        f"this process group is out of step now. {AGREE_TIMEOUT_ENV} sets the "
-                        "bound")
-                time.sleep(pause)
-                pause = min(2 * pause, 2e-3)
-        work.wait()
-    except AgreementTimeoutError:
-        raise
-    except RuntimeError as e:  # the process group's own timeout, or a peer that left
-        raise AgreementTimeoutError(
-            f"{what}: the agreement failed in the process group ({type(e).__name__}: "
-            f"{str(e)[:300]}): a rank skipped this collective call, is in another one or "
-            "left") from e
-    return rec_d.cpu()
-
-
-def bounded_barrier(group, what: str) -> None:
-    """Collective: a barrier over ``group`` bounded like the agreement (agree_timeout_s(), the
-    same all-reduce): a rank that never comes (it skipped the call that holds this barrier, is
-    in another collective or left) gives every waiting rank an AgreementTimeoutError naming
-    ``what`` instead of the process group's 30-minute hang. The library's runtime barriers (a
-    layer's first call, CommBuffer.reset and attach) go through it."""
-    _exchange(torch.zeros(1, dtype=torch.int64), group, what)
 
 
 def agree_on_call(call: str, fields: dict | None = None, err: BaseException | None = None,

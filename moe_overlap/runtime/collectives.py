@@ -13,6 +13,9 @@ Every function is collective over ``group`` (default: the world group), like the
 """
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -79,3 +82,75 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_splits, in_split
     with torch.no_grad():
         out.copy_(h_out)
     return out
+
+
+# ---------------------------------------------------------------- bounded: a named timeout, no hang
+AGREE_TIMEOUT_ENV = "MOE_OVERLAP_AGREE_TIMEOUT_S"  # seconds; 0 or "none": no bound of its own
+AGREE_TIMEOUT_DEFAULT_S = 300.0
+
+
+class AgreementTimeoutError(RuntimeError):
+    """Raised on a rank whose agreement got no answer from every rank in time, or failed in the
+    process group (a rank skipped the call, is in another collective, or left)."""
+
+
+def agree_timeout_s() -> float | None:
+    """The agreement's own bound (None: the process group's), from $MOE_OVERLAP_AGREE_TIMEOUT_S."""
+    raw = os.environ.get(AGREE_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return AGREE_TIMEOUT_DEFAULT_S
+    if raw.lower() == "none":
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{AGREE_TIMEOUT_ENV}={raw!r}: a number of seconds or 'none'") from None
+    return v if v > 0 else None
+
+
+def collective_device(group) -> torch.device:
+    """Where a bounded collective's tensor lives: NCCL reduces CUDA tensors only."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def bounded_all_reduce(rec: torch.Tensor, group, what: str) -> torch.Tensor:
+    """Collective: the sum of ``rec`` over ``group`` (on the host), bounded by agree_timeout_s():
+    the one all-reduce of the combine's agreement (``combine.checks``) and of bounded_barrier.
+    A rank that never joins gives every waiting rank an AgreementTimeoutError naming ``what``."""
+    dev = collective_device(group)
+    rec_d = rec.to(dev)
+    limit = agree_timeout_s()
+    try:
+        work = dist.all_reduce(rec_d, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        if limit is not None:
+            deadline, pause = time.monotonic() + limit, 5e-5
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise AgreementTimeoutError(
+                        f"{what}: no answer from every rank within {limit:g} s: a rank skipped "
+                        "this collective call, is in another one or left (every rank must make "
+                        "the same validated calls in the same order, loss.backward() too); "
+                        f"this process group is out of step now. {AGREE_TIMEOUT_ENV} sets the "
+                        "bound")
+                time.sleep(pause)
+                pause = min(2 * pause, 2e-3)
+        work.wait()
+    except AgreementTimeoutError:
+        raise
+    except RuntimeError as e:  # the process group's own timeout, or a peer that left
+        raise AgreementTimeoutError(
+            f"{what}: the agreement failed in the process group ({type(e).__name__}: "
+            f"{str(e)[:300]}): a rank skipped this collective call, is in another one or "
+            "left") from e
+    return rec_d.cpu()
+
+
+def bounded_barrier(group, what: str) -> None:
+    """Collective: a barrier over ``group`` bounded like the agreement (agree_timeout_s(), the
+    same all-reduce): a rank that never comes (it skipped the call that holds this barrier, is
+    in another collective or left) gives every waiting rank an AgreementTimeoutError naming
+    ``what`` instead of the process group's 30-minute hang. The library's runtime barriers (a
+    layer's first call, CommBuffer.reset and attach) go through it."""
+    bounded_all_reduce(torch.zeros(1, dtype=torch.int64), group, what)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 
 COMM_BLOCK_WORDS_PER_RANK = 3  # counters, slot-0 tags, slot-1 tags (moe_overlap/kernels/errors.py)
 
@@ -261,11 +263,10 @@ class NvshmemRuntime:
 
     def barrier(self, what: str = "NvshmemRuntime.barrier"):
         """Collective: synchronize this rank's device, then a barrier over the group, bounded
-        (``checks.bounded_barrier``: a rank that never comes raises a named error on the
+        (``collectives.bounded_barrier``: a rank that never comes raises a named error on the
         others). what: the call that holds it, for that error."""
-        from ..combine.checks import bounded_barrier
         torch.cuda.synchronize(self.device)
-        bounded_barrier(self.group, f"rank {self.rank}: {what}")
+        collectives.bounded_barrier(self.group, f"rank {self.rank}: {what}")
 
     # ---- teardown -------------------------------------------------------------------------
     def _check_live(self):
