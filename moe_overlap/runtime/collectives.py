@@ -10,6 +10,9 @@ staged collective cannot be captured in a CUDA graph: the one-GPU mode captures 
 (plan, prepare, the layers' kernels), as the captured paths of the library already do.
 
 Every function is collective over ``group`` (default: the world group), like the call it wraps.
+The bounded all-reduce and barrier at the end (the combine's agreement, the runtime's barriers)
+give a rank left waiting an AgreementTimeoutError naming its call after
+$MOE_OVERLAP_AGREE_TIMEOUT_S, not the process group's timeout.
 """
 from __future__ import annotations
 
