@@ -155,7 +155,7 @@ def describe(point: dict, counts: torch.Tensor, res: dict, plan=None) -> dict:
                gemm=dict(tile_m=g.tile_m, tile_n=g.tile_n, cluster_n=res["cluster_n"],
                          band_group=g.band_group, group_by=g.group_by, signal=g.signal,
                          wait_arrival=g.wait_arrival, swiglu=g.swiglu,
-                         arrival_scope=g.arrival_scope))
+                         arrival_scope=g.arrival_scope, tile_fetch=g.tile_fetch))
     if plan is not None:
         rows = int(plan.total_rows.item())
         rec.update(plan_rows=rows, padding=rows / max(n, 1), bands=int(plan.num_bands.item()),

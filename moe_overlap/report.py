@@ -212,11 +212,12 @@ def _producer_file(name, d):
         base = min((p[k], k[5:-3]) for k in ("base_grouped_mm_ms", "base_mm_loop_ms") if k in p)
         for vname, v in p["variants"].items():
             rows.append((p["label"], str(p["valid_rows"]), f"{base[0]:.3f} ({base[1]})", vname,
-                         str(v["ccta"]), f"{v['gemm']['cluster_n']}", f"{v['padding']:.2f}",
+                         str(v["ccta"]), f"{v['gemm']['cluster_n']}",
+                         v["gemm"].get("tile_fetch", "static"), f"{v['padding']:.2f}",
                          f"{v['ms']:.3f}", f"{v['ratio']:.3f}", f"{v['scaled_ratio']:.3f}",
                          str(v["correct"])))
     lines += _table(("point", "valid rows", "library ms (best)", "variant", "ccta", "cluster",
-                     "padding", "ours ms", "library / ours", "scaled by SMs", "correct"), rows)
+                     "tile walk", "padding", "ours ms", "library / ours", "scaled by SMs", "correct"), rows)
     lines.append("")
     for vname, b in d.get("beside_consumer", {}).items():
         lines.append(f"Beside the real consumer ({d['time_fields']['beside_consumer_ms']}), "
@@ -283,10 +284,12 @@ def upproj(root):
     lines = [_src(name, d, "upproj"), "", f"Method: {d['method']}.", ""]
     rows = [(p["label"], str(p["valid_rows"]), f"{p['base_ms']:.3f} ({p['base']})",
              f"{p['base_gemm_alone_ms']:.3f}", str(p["up_ccta"]), str(p["gemm"]["cluster_n"]),
+             # files before the up_tile_fetch option ran the static walk
+             p["gemm"].get("tile_fetch", "static"),
              f"{p['padding']:.2f}", f"{p['ms']:.3f}", f"{p['ratio']:.3f}",
              f"{p['scaled_ratio']:.3f}", str(p["correct"])) for p in d["points"]]
     lines += _table(("point", "valid rows", "library ms (GEMM + SwiGLU)", "library GEMM alone ms",
-                     "SMs left", "cluster", "padding", "ours ms", "library / ours",
+                     "SMs left", "cluster", "tile walk", "padding", "ours ms", "library / ours",
                      "scaled by SMs", "correct"), rows) + [""]
     scaled = [p["scaled_ratio"] for p in d["points"]]
     g = d["goals"]
