@@ -89,8 +89,7 @@ class MoELayerOptions:
     up_tile_fetch: how the up-projection's persistent CTAs find their next tile
         (``GroupedGemm(tile_fetch=)``). "dynamic": each next pair of tiles from a shared work
         counter, so CTAs that waited on an arrival or started late do not own a fixed share of
-        the tiles (on an H100 at 4096 tokens: 1.04-1.39x the static walk on 7 of 8 model
-        points, equal on mixtral W = 8; bench/NOTES.md, "Session 27"); "static": CTA i takes
+        the tiles (its measurements: bench/NOTES.md, "Session 27"); "static": CTA i takes
         tiles i, i + G, ... Same output bits.
     """
     send_ctas: int = 8
