@@ -19,12 +19,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_grouped_gemm_gpu import K, N, _model_plan  # noqa: E402
+from test_grouped_gemm_gpu import N  # noqa: E402
+from test_grouped_gemm_tile_fetch_gpu import TILE_M, TILE_N, _setup  # noqa: E402
 
 from moe_overlap.combine.grouped_gemm import GroupedGemm  # noqa: E402
 
 DEV = "cuda"
-TILE_M, TILE_N, HALF = 128, 256, 64
+HALF = TILE_M // 2  # the second MMA warpgroup's first row
 
 
 def _run(gemm, plan, x, w, rows, ccta):
@@ -47,11 +48,7 @@ CASES = [  # (plan, GroupedGemm options besides skip_padding, ccta)
 
 @pytest.mark.parametrize("name,extra,ccta", CASES)
 def test_short_bands_skip_their_second_half_and_keep_every_valid_row(name, extra, ccta):
-    plan, El = _model_plan(name, TILE_M)
-    rows = int(plan.total_rows.item()) + TILE_M
-    g = torch.Generator(device=DEV).manual_seed(5)
-    x = torch.randn(rows, K, device=DEV, generator=g).to(torch.bfloat16)
-    w = (torch.randn(El, K, N, device=DEV, generator=g) / K ** 0.5).to(torch.bfloat16)
+    plan, x, w, rows = _setup(name)  # x random on every row, padding rows too
     base = GroupedGemm(tile_m=TILE_M, tile_n=TILE_N, **extra)
     skip = GroupedGemm(tile_m=TILE_M, tile_n=TILE_N, skip_padding=True, **extra)
     y0, r0 = _run(base, plan, x, w, rows, ccta)
