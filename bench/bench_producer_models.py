@@ -19,7 +19,7 @@ Per point and variant, ours is the launch `MoECombine` makes on that plan: the o
 by the library (``CombineOptions(...).resolve`` for the layer's facts: ccta, mgb, order, layout;
 the tune cache where it holds the bucket, else the analytic choice; at W = 1 that is ccta 0, no
 consumer), the plan as ``MoECombine.plan`` makes it, the ``GroupedGemm`` of
-``options.producer_gemm_options`` (dynamic tile fetch beside a consumer, no band flags without one)
+``options.producer_gemm_options`` (the dynamic tile fetch; no band flags without a consumer)
 launched with the resolved ccta SMs left out of its grid (the consumer's SMs: at W = 1 on one GPU
 there is no consumer, so they stay idle, as the combine leaves them to it). Baseline: the faster
 of ``torch._grouped_mm`` and a per-expert ``torch.mm`` loop on the valid rows only (compact,

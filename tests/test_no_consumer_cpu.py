@@ -84,8 +84,11 @@ def test_one_rank_without_local_copy_resolves_to_no_consumer(tmp_path):
 
 def test_producer_options_beside_and_without_a_consumer():
     assert producer_gemm_options({}, 8) == {"tile_fetch": "dynamic"}  # the GEMM's clusters
-    assert producer_gemm_options({}, 0) == {"signal": False}  # every SM, its own clusters
-    assert producer_gemm_options({}, 0, flags=True) == {}
+    # every SM: the GEMM's clusters, the same fetch
+    assert producer_gemm_options({}, 0) == {"tile_fetch": "dynamic", "signal": False}
+    assert producer_gemm_options({}, 0, flags=True) == {"tile_fetch": "dynamic"}
+    assert producer_gemm_options({"tile_fetch": "static"}, 0) == {"tile_fetch": "static",
+                                                                  "signal": False}
     assert producer_gemm_options({"cluster_n": 2, "band_group": 4}, 8) == {"cluster_n": 2,
                                                                           "band_group": 4}
     # a tile walk the user names is kept as named, with no fetch of the library's added
@@ -98,7 +101,7 @@ def test_producer_options_beside_and_without_a_consumer():
     # flag_warp without signal)
     from moe_overlap.combine.grouped_gemm import GroupedGemm
     opts = producer_gemm_options({"flag_warp": True}, 0)
-    assert opts == {"signal": False}
+    assert opts == {"tile_fetch": "dynamic", "signal": False}
     GroupedGemm(**opts)
 
 

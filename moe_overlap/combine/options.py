@@ -336,17 +336,18 @@ def producer_tile_n(out_features: int) -> int | None:
 def producer_gemm_options(gemm_options, ccta: int, flags: bool | None = None) -> dict:
     """The keyword options (less tile_m / tile_n) of the producer ``GroupedGemm`` the overlapped
     combine launches beside ``ccta`` consumer SMs (``OverlapCombine._gemm_for``; benches read
-    them here to launch it alike). Beside a consumer (ccta > 0), where gemm_options say nothing of
-    the tile walk (cluster_n, cluster_slack, tile_fetch): the GEMM's clusters (2 where N's tiles
-    pair up) with tile_fetch="dynamic". Clusters of 2 share each A tile by multicast (the
-    deep-K tiles are L2-bound with clusters of 1), and the shared work counter keeps the cluster
-    that found no free pair of SMs until late (a second wave with static tiles) from owning a
-    fixed share of the tiles (bench/NOTES.md, "Session 26"). Every cluster size and fetch gives
-    the same bits. flags: whether the kernel writes the band flags (default: ccta > 0, a
-    consumer reads them; a call with no consumer, ccta 0, builds the kernel without the flag
-    epilogue, same bits)."""
+    them here to launch it alike). Where gemm_options say nothing of the tile walk (cluster_n,
+    cluster_slack, tile_fetch): the GEMM's clusters (2 where N's tiles pair up) with
+    tile_fetch="dynamic", beside a consumer and on every SM alike (ccta 0). Clusters of 2 share
+    each A tile by multicast (the deep-K tiles are L2-bound with clusters of 1); the shared work
+    counter keeps a cluster that starts late (a second wave beside the consumer) or a CTA whose
+    tiles cost more (an expert's weights out of L2) from owning a fixed share of the tiles
+    (bench/NOTES.md, "Session 26" and "Session 28"). Every cluster size and fetch gives the same
+    bits. flags: whether the kernel writes the band flags (default: ccta > 0, a consumer reads
+    them; a call with no consumer, ccta 0, builds the kernel without the flag epilogue, same
+    bits)."""
     opts = dict(gemm_options or {})
-    if ccta > 0 and not {"cluster_n", "cluster_slack", "tile_fetch"} & opts.keys():
+    if not {"cluster_n", "cluster_slack", "tile_fetch"} & opts.keys():
         opts["tile_fetch"] = "dynamic"  # cluster_n left to the GEMM: 2 where N's tiles pair up
     if not (ccta > 0 if flags is None else flags):
         opts["signal"] = False

@@ -364,9 +364,8 @@ class OverlapCombine:
 
     def _gemm_for(self, ccta: int, flags: bool = True):
         """The producer GEMM for a launch beside ``ccta`` consumer SMs (0: alone, every SM):
-        its options are ``options.producer_gemm_options`` (beside a consumer the dynamic tile
-        fetch unless gemm_options set the tile walk; flags=False: the build without band
-        flags)."""
+        its options are ``options.producer_gemm_options`` (the dynamic tile fetch unless
+        gemm_options set the tile walk; flags=False: the build without band flags)."""
         opts = producer_gemm_options(self.gemm_options, ccta, flags)
         key = tuple(sorted(opts.items()))
         gemm = self._gemms.get(key)
