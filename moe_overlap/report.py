@@ -45,7 +45,7 @@ from .provenance import DEPENDENCIES, Git, freshness
 # area -> (title, current headline files, in bench/results/)
 HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
-                 ("producer_models_h100_3efe759_full.json", "producer_models_h200_fc47bea_s23.json",
+                 ("producer_models_h100_a34a28f_full.json", "producer_models_h200_fc47bea_s23.json",
                   "producer_models_h100_3efe759_beside3.json")),
     "upproj": ("Arrival-gated SwiGLU up-projection as MoELayer launches it, every band arrived",
                ("upproj_models_h100_3efe759_fetch.json",)),
