@@ -6,10 +6,13 @@
 
 Both layers run router -> count exchange -> dispatch (NCCL / gloo all-to-all) -> up-projection
 (grouped GEMM + SwiGLU) -> combine (down-projection, return all-to-all, top-k weighted sum).
-- ours: the plan (`MoECombine.plan`, the CuTe DSL planner on CUDA) and `prepare` run on a side
-  stream while the dispatch all-to-all moves the tokens (the plan needs only the counts); the
-  received rows are then placed in the plan layout (`dispatch_to_plan`'s placement) and the
-  up-projection feeds `MoECombine` (backend `--backend`, "overlap" on Hopper GPUs).
+- ours: the plan (`MoECombine.plan`, the CuTe DSL planner on CUDA), `prepare` and the plan
+  rows' gather index (`plan_gather_index`) run on a side stream while the dispatch all-to-all
+  moves the tokens (they need only the counts); the received rows are then placed in the plan
+  layout with one gather (`dispatch_to_plan`'s placement) and the up-projection feeds
+  `MoECombine` (backend `--backend`, "overlap" on Hopper GPUs). `--up`: that up-projection is the
+  library's (torch._grouped_mm + SwiGLU on the plan rows) or, the default on the overlap
+  backend, the fused SwiGLU GroupedGemm `MoELayer` launches (on every SM, no arrival wait).
 - base: the dispatch into the compact layout, library grouped GEMMs and
   `SameScaleBaseline` (library GEMM, one NCCL all_to_all_single, our scale kernel; on the CPU
   `SequentialBaseline`), in one stream.
@@ -48,6 +51,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_results import result_header, write_result  # noqa: E402
 from moe_overlap.combine import MoECombine, dispatch_to_plan, exchange_counts  # noqa: E402
+from moe_overlap.combine.dispatch import plan_gather_index  # noqa: E402
 from moe_overlap.combine.baseline import SameScaleBaseline, SequentialBaseline  # noqa: E402
 from moe_overlap.combine.options import CombineOptions  # noqa: E402
 from moe_overlap.combine.reference import (all_gather_counts, grouped_matmul,  # noqa: E402
@@ -58,9 +62,11 @@ from moe_overlap.runtime import collectives  # noqa: E402
 from moe_overlap.timing import sleep_cycles_per_ms  # noqa: E402
 
 # in the order they are queued (on the CPU, the order they run)
-PARTS_OURS = ("router", "counts", "plan", "prepare", "dispatch_a2a", "place", "up", "combine")
+PARTS_OURS = ("router", "counts", "plan", "prepare", "place_index", "dispatch_a2a", "place", "up",
+              "combine")
 PARTS_BASE = ("router", "counts", "dispatch_a2a", "permute", "up", "combine")
-SIDE = ("plan", "prepare")  # ours: on the side stream
+SIDE = ("plan", "prepare", "place_index")  # ours: on the side stream
+UPS = ("auto", "library", "swiglu")
 LEAD_MS = 20.0  # GPU sleep ahead of the timeline's eager call (its host enqueue time is less)
 
 
@@ -79,6 +85,7 @@ class Options:
     order: str = "remote_first"  # the plans' schedule (CombineOptions.order)
     scale: str = "plain"  # ours' owner scale (MoECombine(scale=)): "plain" or "ordered"
     profile: int = 0  # CUDA only: the N longest kernels of one eager call of each layer
+    up: str = "library"  # ours' up-projection (resolved: "library" or "swiglu")
 
     @property
     def dtype(self):
@@ -111,6 +118,11 @@ def parse_options(argv=None) -> tuple[Options, int]:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="CUDA: also list the N kernels of longest total device time in one "
                          "eager call of each layer (torch.profiler; rows' profile_*)")
+    ap.add_argument("--up", default="auto", choices=UPS,
+                    help="ours' up-projection on the plan rows: library = torch._grouped_mm + "
+                         "SwiGLU (the base's calls); swiglu = MoELayer's fused SwiGLU GroupedGemm "
+                         "(CuTe DSL, every SM, no arrival wait); auto = swiglu on CUDA with the "
+                         "overlap backend, else library")
     ap.add_argument("--spawn", type=int, default=0,
                     help="run on this many local processes (moe_overlap.launch.spawn) "
                          "instead of under torchrun")
@@ -141,8 +153,12 @@ def parse_options(argv=None) -> tuple[Options, int]:
         ap.error("--scale ordered needs --device cuda (the overlap backend's scale)")
     if a.scale == "ordered" and not a.tag:
         tag += "_ordered"
+    if a.up == "swiglu" and (a.device != "cuda" or a.backend != "overlap"):
+        ap.error("--up swiglu needs --device cuda --backend overlap (the CuTe DSL GEMM)")
+    up = a.up if a.up != "auto" else \
+        "swiglu" if a.device == "cuda" and a.backend == "overlap" else "library"
     return Options(a.device, a.backend, tuple(shapes), a.calls, a.tol, tag, a.out, a.wrong,
-                   a.seed, a.order, a.scale, a.profile), a.spawn
+                   a.seed, a.order, a.scale, a.profile, up), a.spawn
 
 
 # ------------------------------------------------------------------------------ the device
@@ -267,24 +283,6 @@ def dispatch_a2a(x, ids, rt: Routing, group, zero_row=False):
     return recv
 
 
-def place_rows(recv, counts, plan, x_plan, rank, rt: Routing):
-    """The received rows at their plan rows (`dispatch_to_plan`'s placement, with the received
-    row count from the host so that it needs no sync), as a gather: every plan row reads its
-    received row, padding rows read recv's trailing zero row (index_copy_ of the rows measured
-    3-4x the base's index_select permutation, bench/NOTES.md session 12)."""
-    El = plan.experts_per_rank
-    n = counts[:, rank * El:(rank + 1) * El].reshape(-1)
-    start = torch.cumsum(n, 0) - n
-    blk = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n,
-                                  output_size=rt.recv_rows)
-    j = torch.arange(rt.recv_rows, device=n.device) - start[blk]
-    s, e = blk // El, blk % El
-    dest = plan.expert_row_start.long()[e] + plan.group_row_start.long()[e, s] + j
-    src = torch.full((x_plan.shape[0],), rt.recv_rows, dtype=torch.long, device=n.device)
-    src.index_copy_(0, dest, torch.arange(rt.recv_rows, device=n.device))
-    return torch.index_select(recv, 0, src, out=x_plan)
-
-
 def up_projection(x, w_up, offs=None, rows_e=None):
     """Grouped GEMM + SwiGLU: torch._grouped_mm with device offsets on CUDA, else the per-expert
     reference product."""
@@ -295,13 +293,48 @@ def up_projection(x, w_up, offs=None, rows_e=None):
     return swiglu(y)
 
 
+class SwigluUp:
+    """Ours' up-projection with ``--up swiglu``: the fused SwiGLU GroupedGemm that
+    ``MoELayer(backend="overlap")`` launches (``moe_layer.up_projection_gemm``, the layer's
+    options), here without the arrival wait (the rows are placed before it) and on every SM
+    (ccta 0: no dispatch kernel beside it), walking the plan's schedule. Its weights are the
+    bench's w_up [El, N, 2K] (gate half first) in the kernel's interleaved layout, made once
+    (a layer's parameter is stored so). Output h [plan rows, K] bf16, the combine's input."""
+
+    def __init__(self, s, data, combine: MoECombine, rt: Routing, dev: Device):
+        from moe_overlap.combine.grouped_gemm import interleave_gate_up
+        from moe_overlap.moe_layer import MoELayerOptions, up_projection_gemm
+        opts = MoELayerOptions()
+        self.gemm = up_projection_gemm(opts, combine.tile_m, wait_arrival=False)
+        self.w = interleave_gate_up(data["w_up"], opts.up_tile_n)
+        self.h = torch.empty(rt.plan_rows, s["K"], dtype=data["w_up"].dtype, device=dev.dev)
+        self.epoch = torch.ones(1, dtype=torch.int32, device=dev.dev)
+        self.err = torch.zeros(8, dtype=torch.int64, device=dev.dev)
+        self.ready = None
+
+    def __call__(self, x_plan, plan):
+        if self.ready is None or self.ready.numel() != plan.band_capacity:
+            self.ready = torch.zeros(plan.band_capacity, dtype=torch.int32, device=x_plan.device)
+        self.gemm(x_plan, self.w, self.h, plan.band_expert, plan.band_src_row, plan.schedule,
+                  plan.num_bands, self.ready, self.epoch, ccta=0, err=self.err, rank=0)
+        return self.h
+
+    def check_errors(self):
+        from moe_overlap.kernels.errors import describe_error
+        msg = describe_error(self.err.tolist())
+        if msg:
+            raise RuntimeError(f"the SwiGLU up-projection's error word: {msg}")
+
+
 # ------------------------------------------------------------------------------ the two layers
 class OursLayer:
     """Our layer: plan and prepare on the side stream under the dispatch all-to-all."""
 
-    def __init__(self, s, data, combine: MoECombine, dev: Device, rt: Routing, wrong: bool):
+    def __init__(self, s, data, combine: MoECombine, dev: Device, rt: Routing, wrong: bool,
+                 up: str = "library"):
         self.s, self.d, self.c, self.dev, self.rt, self.wrong = s, data, combine, dev, rt, wrong
         self.x_plan = torch.zeros(rt.plan_rows, s["N"], dtype=data["x"].dtype, device=dev.dev)
+        self.up = SwigluUp(s, data, combine, rt, dev) if up == "swiglu" else None
         self.marks = {}
 
     def __call__(self, timeline: bool = False):
@@ -320,14 +353,20 @@ class OursLayer:
             mark("plan", True)
             routes = c.prepare(plan, ids)
             mark("prepare", True)
+            # the received row of every plan row: it needs only the counts and the plan
+            src = plan_gather_index(plan, counts, c.rank, self.rt.recv_rows, self.rt.plan_rows)
+            mark("place_index", True)
         recv = dispatch_a2a(d["x"], ids, self.rt, c.group, zero_row=True)
         mark("dispatch_a2a")
         dv.join_side()
-        x_plan = place_rows(recv, counts, plan, self.x_plan, c.rank, self.rt)
+        x_plan = torch.index_select(recv, 0, src, out=self.x_plan)
         mark("place")
-        offs = torch.cumsum(plan.expert_rows, 0, dtype=torch.int32) if dv.cuda else None
-        rows_e = None if dv.cuda else plan.expert_rows.tolist()
-        h = up_projection(x_plan, d["w_up"], offs, rows_e)
+        if self.up is not None:
+            h = self.up(x_plan, plan)
+        else:
+            offs = torch.cumsum(plan.expert_rows, 0, dtype=torch.int32) if dv.cuda else None
+            rows_e = None if dv.cuda else plan.expert_rows.tolist()
+            h = up_projection(x_plan, d["w_up"], offs, rows_e)
         mark("up")
         out = c(h, d["w_down"], plan, ids, w, routes=routes)
         if self.wrong:
@@ -470,7 +509,7 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
     combine.prepare(plan0, ids)  # starts the overlap backend here, on the main stream
     plan_rows = int(plan0.total_rows.item())
     rt = host_routing(counts, rank, s["experts"] // W, plan_rows, dev.dev)
-    ours = OursLayer(s, data, combine, dev, rt, opts.wrong)
+    ours = OursLayer(s, data, combine, dev, rt, opts.wrong, opts.up)
     base = BaseLayer(s, data, group, dev, rt, counts, ids)
     backend = combine.backend_for(dev.dev)
     # the reference backend reads plan values on the host: not capturable, timed eagerly; so
@@ -494,7 +533,7 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
             t_b.append(ms_b)
             check_routing(ids, ids_o, ids_b)  # outside the timing, as the agreement
             errs.append(max_over_ranks(rel_err(out_o, out_b), dev))
-        check_devices(combine, base.combine)
+        check_devices(combine, base.combine, *([ours.up] if ours.up else []))
     ours_ms = max_over_ranks(statistics.median(t_o), dev)
     base_ms = max_over_ranks(statistics.median(t_b), dev)
     side_end = max(tl_o[p]["end_ms"] for p in SIDE)
@@ -505,7 +544,8 @@ def run_shape(s, opts: Options, rank, W, dev: Device) -> dict:
                 timing="cuda graph replays" if graph else "eager",
                 ours_ms=ours_ms, base_ms=base_ms, speedup=base_ms / ours_ms,
                 ours_times_ms=t_o, base_times_ms=t_b, timeline_ours=tl_o, timeline_base=tl_b,
-                plan_prepare_ms=sum(tl_o[p]["ms"] for p in SIDE),
+                plan_prepare_ms=sum(tl_o[p]["ms"] for p in ("plan", "prepare")),
+                side_ms=sum(tl_o[p]["ms"] for p in SIDE),
                 plan_exposed_ms=exposed if dev.cuda else None,
                 plan_hidden=(exposed <= 0.0) if dev.cuda else None,
                 plan_rows=plan_rows, recv_rows=rt.recv_rows,
@@ -604,6 +644,7 @@ def run_rank(rank: int, W: int, opts: Options) -> dict:
     doc = dict(result_header("moe_layer", cuda=dev.cuda), world_size=W, tol=opts.tol,
                ranks_per_gpu=ranks_per_gpu(), timings_are_speedups=not shared,
                wrong=opts.wrong, calls=opts.calls, order=opts.order, scale=opts.scale,
+               up=opts.up,
                method=("one layer call per timed call (a CUDA graph replay with the overlap "
                        "backend, else eager: rows' timing), ours and base interleaved, median, "
                        "the slowest rank (the per-call lists: rank 0's); timeline: rank 0's eager "

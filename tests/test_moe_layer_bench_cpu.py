@@ -44,8 +44,8 @@ def test_json_fields(good):
         assert len(r["ours_times_ms"]) == len(r["base_times_ms"]) == len(r["rel_errs"]) == 3
         assert r["ours_ms"] > 0 and r["base_ms"] > 0
         assert r["speedup"] == pytest.approx(r["base_ms"] / r["ours_ms"])
-        assert set(r["timeline_ours"]) == {"router", "counts", "plan", "prepare", "dispatch_a2a",
-                                           "place", "up", "combine"}
+        assert set(r["timeline_ours"]) == {"router", "counts", "plan", "prepare", "place_index",
+                                           "dispatch_a2a", "place", "up", "combine"}
         assert set(r["timeline_base"]) == {"router", "counts", "dispatch_a2a", "permute", "up",
                                            "combine"}
         for tl in (r["timeline_ours"], r["timeline_base"]):
@@ -55,11 +55,14 @@ def test_json_fields(good):
                 assert v["ms"] >= 0 and v["end_ms"] == pytest.approx(v["start_ms"] + v["ms"])
         assert r["plan_prepare_ms"] == pytest.approx(
             r["timeline_ours"]["plan"]["ms"] + r["timeline_ours"]["prepare"]["ms"])
+        assert r["side_ms"] == pytest.approx(
+            r["plan_prepare_ms"] + r["timeline_ours"]["place_index"]["ms"])
         assert r["plan_hidden"] is None  # no side stream on the CPU: nothing is claimed
         assert r["max_rel_err"] == max(r["rel_errs"]) <= 8e-3 and r["agree"]
         # every rank's received rows land in the plan layout: within the plan's padded rows
         assert 0 < r["recv_rows"] <= r["plan_rows"]
         assert r["plan_order"] == "remote_first"
+    assert doc["up"] == "library"  # --up auto without the overlap backend
 
 
 def test_png_or_message(good):

@@ -98,6 +98,34 @@ def _check_dispatch(x, topk_ids, plan, expert_counts, group, rows):
                   x.requires_grad}
 
 
+def plan_gather_index(plan: CombinePlan, expert_counts: torch.Tensor, rank: int, n_recv: int,
+                      rows: int) -> torch.Tensor:
+    """The received row each plan row reads, int64 [rows]: the dispatch's received rows
+    (source-major, then this rank's local expert, then arrival order; n_recv of them, the
+    exchange's split sizes summed) at their plan rows, and n_recv (the zero row placed after
+    the received ones) at every padding row. It needs only the counts and the plan, so a layer
+    can make it beside the exchange (bench/bench_moe_layer.py does, on the plan's side stream);
+    the placement is then one ``recv.index_select(0, index)``.
+
+    expert_counts: [W, E] int, every rank's routing counts (the plan's). Device-only (n_recv
+    and rows from the host, so no sync)."""
+    El = plan.experts_per_rank
+    dev = plan.expert_row_start.device
+    local = expert_counts[:, rank * El:(rank + 1) * El].to(dev, torch.int64)  # [W, El]
+    n = local.reshape(-1)
+    block_start = torch.cumsum(n, 0) - n
+    blk = torch.repeat_interleave(torch.arange(n.numel(), device=dev), n, output_size=n_recv)
+    j = torch.arange(n_recv, device=dev) - block_start[blk]
+    s, e = blk // El, blk % El
+    dest = plan.expert_row_start.long()[e] + plan.group_row_start.long()[e, s] + j
+    # a gather (every plan row reads its received row or the zero row): a scatter of the rows
+    # into a zeroed buffer is a zero fill plus an indexed write, several times one
+    # permutation's time on the GPU (bench/NOTES.md, the row placement)
+    src = torch.full((rows,), n_recv, dtype=torch.long, device=dev)
+    src.index_copy_(0, dest, torch.arange(n_recv, device=dev))
+    return src
+
+
 def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
                      expert_counts: torch.Tensor, group=None, rows: int | None = None,
                      validate: bool = True) -> torch.Tensor:
@@ -139,20 +167,7 @@ def dispatch_to_plan(x: torch.Tensor, topk_ids: torch.Tensor, plan: CombinePlan,
     recv = exchange(send, out_splits, in_splits, group, zero_rows=1,
                     backward_check=backward_agreement("backward of dispatch_to_plan", group)
                     if validate else None)
-    # destination row of every received row: source-major, then local expert, then arrival order
-    local = counts[:, rank * El:(rank + 1) * El].to(x.device)  # [W, El]
-    n = local.reshape(-1)
-    block_start = torch.cumsum(n, 0) - n
-    blk = torch.repeat_interleave(torch.arange(n.numel(), device=x.device), n,
-                                  output_size=n_recv)
-    j = torch.arange(n_recv, device=x.device) - block_start[blk]
-    s, e = blk // El, blk % El
-    dest = (plan.expert_row_start.long()[e] + plan.group_row_start.long()[e, s] + j)
     if rows is None:
         rows = host[-1]
-    # placed as a gather (every plan row reads its received row or the zero row): a scatter of
-    # the rows into a zeroed buffer is a zero fill plus an indexed write, several times one
-    # permutation's time on the GPU (bench/NOTES.md, the row placement)
-    src = torch.full((int(rows),), n_recv, dtype=torch.long, device=x.device)
-    src.index_copy_(0, dest, torch.arange(n_recv, device=x.device))
+    src = plan_gather_index(plan, counts, rank, n_recv, int(rows))
     return recv.index_select(0, src)
