@@ -20,8 +20,12 @@
 #                 grouped GEMMs (one GPU; "t8192" / "t8192b": only the 8192-token orders
 #                 under the activation cap, sustained: bench/NOTES.md, session 16)
 #        layer    one MoE layer end to end, ours vs the same-scale sequential layer
-#                 (bench_moe_layer; 2 GPUs for the overlap backend; "expert": also with the
-#                 plans expert by expert)
+#                 (bench_moe_layer, overlap backend, one rank per GPU: W = 1 on one GPU; four
+#                 models at 4096 and 16384 tokens; "expert": also with the plans expert by
+#                 expert; "library": also with the library's up-projection, --up library)
+#        producer the producer grid as MoECombine launches it (bench_producer_models, the
+#                 consumer beside it, one process per model, merged into one JSON; "quick": W
+#                 = 2 at 4096 tokens only; $PRODUCER_VARIANTS: --variants, default "default")
 #        scale    the token-ordered scale alone (tests + bench_ordered_scale; one GPU) and,
 #                 with 2 GPUs, scale="ordered" in the combine (tests/test_ordered_wire_gpu.py)
 #        ranks    every two_gpus test module with W ranks as processes sharing one GPU (MPS
@@ -35,7 +39,7 @@
 # Logs and JSON go to $OUT (the device tool brings them back); a short summary is printed last.
 # NVLink multicast stays off whatever the caller's environment says.
 set -uo pipefail
-area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn|chained|layer|scale|ranks [quick [part]]}
+area=${1:?usage: gpu_check.sh gemm|plan|combine|ffn|chained|layer|producer|scale|ranks [quick [part]]}
 quick=${2:-}
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export CUDA_MODULE_LOADING=EAGER
@@ -160,11 +164,29 @@ chained)
     fi
     ;;
 layer)
+    # --backend overlap: "auto" picks the reference backend at W = 1 (one GPU)
+    layer_args=(--backend overlap --shapes models --tokens 4096,16384)
     run layer_bench 590 torchrun --nproc-per-node "$ngpu" bench/bench_moe_layer.py \
-        --shapes models --tokens 4096 --out "$OUT"
+        "${layer_args[@]}" --tag "${ngpu}x_${gpu_tag}_${GIT_COMMIT}" --out "$OUT"
     [ "$quick" = expert ] && run layer_bench_expert 590 torchrun --nproc-per-node "$ngpu" \
-        bench/bench_moe_layer.py --shapes models --tokens 4096 --order expert --tag expert \
-        --out "$OUT"
+        bench/bench_moe_layer.py "${layer_args[@]}" --order expert \
+        --tag "${ngpu}x_${gpu_tag}_expert_${GIT_COMMIT}" --out "$OUT"
+    [ "$quick" = library ] && run layer_bench_library 590 torchrun --nproc-per-node "$ngpu" \
+        bench/bench_moe_layer.py "${layer_args[@]}" --up library \
+        --tag "${ngpu}x_${gpu_tag}_library_${GIT_COMMIT}" --out "$OUT"
+    ;;
+producer)
+    # one process per model (a model's weights and plans freed before the next), then merged
+    pargs=(--rounds 5 --beside consumer --variants "${PRODUCER_VARIANTS:-default}")
+    [ "$quick" = quick ] && pargs+=(--worlds 2 --tokens 4096)
+    parts=()
+    for m in deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b mixtral-8x7b; do
+        run "producer_$m" "${PRODUCER_MODEL_TIMEOUT_S:-140}" python bench/bench_producer_models.py \
+            --models "$m" "${pargs[@]}" --tag "grid_$m" --out "$OUT"
+        parts+=("$(ls "$OUT"/producer_models_*_grid_"$m".json* 2>/dev/null | head -1)")
+    done
+    run producer_merge 60 python bench/bench_producer_models.py merge "${parts[@]}" \
+        --out "$OUT/producer_models_${gpu_tag}_${GIT_COMMIT}_grid.json"
     ;;
 scale)
     run ordered_scale_tests 300 python -m pytest -q -p no:cacheprovider \
@@ -232,7 +254,7 @@ ranks)
     summary+=("ranks mode: $(cut -d' ' -f2 "$OUT/ranks_mode.txt"); $(tail -1 "$OUT/ranks_report.log")")
     ;;
 *)
-    echo "unknown area $area (gemm | plan | combine | ffn | chained | layer | scale | ranks)" >&2
+    echo "unknown area $area (gemm | plan | combine | ffn | chained | layer | producer | scale | ranks)" >&2
     exit 2
     ;;
 esac
