@@ -90,11 +90,11 @@ def test_a_pair_tuned_for_one_path_is_not_read_for_another(tmp_path):
     rows = FACTS.rows
     want = analytic_choice(rows, rows * 3 // 4, FACTS.out_features, FACTS.hidden_size, 128)
     assert want != (20, 4)
-    base = CombineOptions(producer="torch")
+    base = CombineOptions(producer="torch", order="remote_first")
     cache.put(base.tune_key(FACTS), 20, 4)
     others = [base.replace(transport="nvshmem"), base.replace(scale="ordered"),
               base.replace(layout="packed"), base.replace(copy="ldst"),
-              base.replace(order="expert"),
+              base.replace(order="expert"), base.replace(order="auto"),
               base.replace(producer="grouped_gemm")]
     keys = {base.tune_key(FACTS)} | {o.tune_key(FACTS) for o in others}
     assert len(keys) == 1 + len(others)

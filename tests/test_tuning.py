@@ -112,3 +112,40 @@ def test_tune_cache_round_trip(tmp_path):
 def test_shape_key_buckets_rows_by_power_of_two():
     assert shape_key("d", 2, 1, 1, 1, 128, 9000) == shape_key("d", 2, 1, 1, 1, 128, 16384)
     assert shape_key("d", 2, 1, 1, 1, 128, 9000) != shape_key("d", 2, 1, 1, 1, 128, 17000)
+
+
+def test_analytic_order_keeps_remote_first_where_nothing_leaves_or_the_transfer_bounds():
+    from moe_overlap.combine.tuning import CostModel, analytic_order, predict
+    rows, N = 32768, 4096
+    assert analytic_order(rows, 0, N, 14336, 128, 0, 1) == "remote_first"  # W = 1: same plans
+    for K in (256, 512, 1024, 2048, 4096, 8192, 14336):
+        got = analytic_order(rows, rows // 2, N, K, 128, 8, 2)
+        t = predict(CostModel(), rows, rows // 2, N, K, 128, 8, 2)
+        assert got == ("expert" if t["t_gemm"] >= t["t_comm"] else "remote_first")
+    # deep K: the GEMM bounds the call; shallow K, wide rows: the transfer does
+    assert analytic_order(rows, rows // 2, N, 14336, 128, 8, 2) == "expert"
+    assert analytic_order(rows, rows // 2, N, 256, 128, 8, 2) == "remote_first"
+
+
+def test_analytic_order_flips_once_as_the_gemm_deepens():
+    """More K per moved byte never turns expert order back into remote_first."""
+    from moe_overlap.combine.tuning import analytic_order
+    seen = [analytic_order(16384, 14336, 7168, K, 128, 12, 2) for K in range(64, 16384, 64)]
+    first = seen.index("expert")
+    assert set(seen[:first]) == {"remote_first"} and set(seen[first:]) == {"expert"}
+
+
+def test_order_auto_resolves_per_shape_and_explicit_orders_stay():
+    from moe_overlap.combine.options import CombineFacts, CombineOptions
+    from moe_overlap.combine.tuning import TuneCache
+
+    def facts(W, K):
+        return CombineFacts(world_size=W, hidden_size=K, out_features=4096,
+                            experts_per_rank=8, tile_m=128, rows=32768, num_sms=132)
+    cache = TuneCache("/nonexistent/tune.json")
+    o = CombineOptions(producer="torch", order="auto")
+    assert o.resolve(facts(1, 14336), cache=cache).order == "remote_first"
+    assert o.resolve(facts(2, 14336), cache=cache).order == "expert"
+    assert o.resolve(facts(8, 256), cache=cache).order == "remote_first"
+    for order in ("remote_first", "expert"):
+        assert o.replace(order=order).resolve(facts(2, 14336), cache=cache).order == order

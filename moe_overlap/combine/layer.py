@@ -17,7 +17,7 @@ import torch
 from ..kernels.host_checks import require_tensors
 from .checks import (agree_on_call, as_int, backward_agreement, check_routing_matches,
                      error_of)
-from .options import ORDER_DEFAULT, ORDERS, CombineFacts, CombineOptions, options_from_kwargs
+from .options import ORDERS, CombineFacts, CombineOptions, options_from_kwargs
 from .plan import SUPPORTED_TILE_M, CombinePlan, count_assignments, plan_combine
 from .reference import reference_combine, world
 from ..runtime.device import num_sms
@@ -462,7 +462,7 @@ class MoECombine(torch.nn.Module):
 
         hit = cache.entry(self.tune_key)
         if hit is not None:  # read as a layer's construction reads it (options.resolve)
-            order = hit.get("order", ORDER_DEFAULT) if len(orders) > 1 else orders[0]
+            order = (hit.get("order") or self.options.order) if len(orders) > 1 else orders[0]
             if order not in ORDERS:
                 raise ValueError(f"tune cache {cache.path}: entry {self.tune_key!r} has "
                                  f"order={order!r}; expected one of {ORDERS}")

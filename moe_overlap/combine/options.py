@@ -32,7 +32,6 @@ PRODUCERS = ("auto", "torch", "grouped_gemm")
 ERROR_CHECKS = ("async", "off")  # error_check: see CombineOptions
 SCALES = ("plain", "ordered")  # scale: see CombineOptions
 ORDERS = ("remote_first", "expert")  # moe_overlap.combine.plan.ORDERS
-ORDER_DEFAULT = "remote_first"  # order="auto" without a tuned entry
 PRODUCER_ENV = "MOE_OVERLAP_PRODUCER"  # default of producer="auto" (tests select the stand-in)
 
 
@@ -123,8 +122,11 @@ class CombineOptions:
         each expert's rows local, e.g. W=2; the timings: bench/NOTES.md, the producer in expert
         order); the remote rows come later, so it suits shapes the GEMM bounds, not the
         transfer. "auto": the order ``MoECombine.autotune`` measured faster for this bucket
-        (it times both), else "remote_first". Either planner builds both
-        (``plan_combine(impl=)``); the overlapped call in expert order has not run on two GPUs.
+        (it times both), else ``tuning.analytic_order``: "expert" where the cost model puts the
+        GEMM at or above the transfer for the expected load at the resolved ccta, else
+        "remote_first" (and at W = 1, where the two plans are the same). Either planner builds
+        both (``plan_combine(impl=)``); the overlapped call has not run on two GPUs in either
+        order since the first days (the one-GPU multi-rank checks run both).
     gemm_options (dict or None): keyword options of the producer ``GroupedGemm`` (e.g.
         ``cluster_n``, ``band_group``; ``tile_m`` / ``tile_n`` / ``signal`` are the combine's).
     """
@@ -261,8 +263,10 @@ class CombineOptions:
             if self.mgb == AUTO:
                 ch["mgb"] = int(choice[1])
             if self.order == AUTO:
-                ch["order"] = (entry or {}).get("order", ORDER_DEFAULT)
-                if ch["order"] not in ORDERS:
+                tuned = (entry or {}).get("order")  # untuned: analytic_order, below
+                if tuned is not None:
+                    ch["order"] = tuned
+                if tuned is not None and tuned not in ORDERS:
                     raise ValueError(f"tune cache {cache.path}: entry {self.tune_key(facts)!r} "
                                      f"has order={ch['order']!r}; expected one of {ORDERS}")
         if self.consumer_stages == AUTO:
@@ -278,6 +282,12 @@ class CombineOptions:
                              + (NO_CONSUMER_NOTE if out.ccta == 0 else ""))
         check_options(out.transport, out.copy, out.consumer_stages, out.consumer_chunk,
                       out.consumer_lookahead)
+        if out.order == AUTO:  # nothing tuned: the cost model's order at the resolved ccta
+            from .tuning import CostModel, analytic_order
+            moved = facts.rows * (facts.world_size - 1) // facts.world_size
+            out = dataclasses.replace(out, order=analytic_order(
+                facts.rows, moved, facts.out_features, facts.hidden_size, facts.tile_m,
+                out.ccta, out.mgb, CostModel(num_sms=facts.num_sms) if facts.num_sms else None))
         return out
 
     def resolved_producer(self, facts: CombineFacts) -> str:

@@ -107,6 +107,23 @@ def analytic_choice(rows: int, remote_rows: int, N: int, K: int, tile_m: int = 1
     return best[1], best[2]
 
 
+def analytic_order(rows: int, remote_rows: int, N: int, K: int, tile_m: int, ccta: int,
+                   mgb: int, model: CostModel | None = None) -> str:
+    """The plan's schedule where nothing is tuned (``CombineOptions(order="auto")``): "expert"
+    where the predicted GEMM time at this (ccta, mgb) is at least the transfer's, else
+    "remote_first". Why: remote_first runs every expert's remote bands before any local one, so
+    an expert with rows of both kinds has its weights read from DRAM twice (most experts at
+    W = 2); expert order reads them about once and measured 1.04-1.10x remote_first's producer
+    at W = 2 (bench/NOTES.md, "the producer in expert order"). Its remote rows finish with the
+    GEMM instead of before its local part: where the GEMM bounds the call that costs the last
+    segment's transfer, which both orders pay; where the transfer bounds it, remote_first's
+    early start is kept. No row remote: "remote_first" (the two plans are the same)."""
+    if remote_rows <= 0:
+        return "remote_first"
+    t = predict(model or CostModel(), rows, remote_rows, N, K, tile_m, ccta, mgb)
+    return "expert" if t["t_gemm"] >= t["t_comm"] else "remote_first"
+
+
 def shape_key(device_name: str, world_size: int, N: int, K: int, experts_per_rank: int,
               tile_m: int, rows: int) -> str:
     bucket = 1 << max(0, math.ceil(math.log2(max(rows, 1))))
