@@ -59,6 +59,9 @@ def test_json_fields(good):
             r["plan_prepare_ms"] + r["timeline_ours"]["place_index"]["ms"])
         assert r["plan_hidden"] is None  # no side stream on the CPU: nothing is claimed
         assert r["max_rel_err"] == max(r["rel_errs"]) <= 8e-3 and r["agree"]
+        # both layers against the fp32 reference on each rank's first tokens (fp32 on the CPU)
+        assert r["ref_tokens"] > 0 and r["ours_err_vs_fp32"] <= 1e-5
+        assert r["base_err_vs_fp32"] <= 1e-5
         # every rank's received rows land in the plan layout: within the plan's padded rows
         assert 0 < r["recv_rows"] <= r["plan_rows"]
         assert r["plan_order"] == "remote_first"
@@ -81,6 +84,7 @@ def test_wrong_layer_is_caught(tmp_path):
     with open(tmp_path / "moe_layer_t.json") as f:
         doc = json.load(f)
     assert doc["wrong"] is True and doc["agree"] is False
+    assert all(r["ours_err_vs_fp32"] > 8e-3 for r in doc["rows"])  # caught by the reference too
     assert all(not r["agree"] and min(r["rel_errs"]) > 8e-3 for r in doc["rows"])
 
 
