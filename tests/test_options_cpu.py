@@ -356,7 +356,7 @@ def test_autotune_order_auto_times_both_orders_and_caches_the_faster(tmp_path, m
     cache = TuneCache(str(tmp_path / "t.json"))
     layer = MoECombine(4, 16, 8, 2, 8, tile_m=64, backend="reference", ccta=4, mgb=2,
                        options=CombineOptions(order="auto"))
-    assert layer.options.order == "remote_first"  # nothing tuned yet: the default
+    assert layer.options.order == "remote_first"  # untuned, one rank: analytic_order
     assert "|order=auto|" in layer.tune_key  # the requested order keys the entry
     monkeypatch.setattr(layer, "_overlap_impl", lambda device: fake)
     assert layer.autotune(*_tune_inputs(layer), cache=cache) == (8, 4)

@@ -146,7 +146,7 @@ class CombineOptions:
     gemm_options: dict | None = None
     error_check: str = "async"
     scale: str = "plain"
-    order: str = "remote_first"
+    order: str = AUTO
 
     def __post_init__(self):
         self.validate()
