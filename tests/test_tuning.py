@@ -115,13 +115,9 @@ def test_shape_key_buckets_rows_by_power_of_two():
 
 
 def test_analytic_order_keeps_remote_first_where_nothing_leaves_or_the_transfer_bounds():
-    from moe_overlap.combine.tuning import CostModel, analytic_order, predict
+    from moe_overlap.combine.tuning import analytic_order
     rows, N = 32768, 4096
     assert analytic_order(rows, 0, N, 14336, 128, 0, 1) == "remote_first"  # W = 1: same plans
-    for K in (256, 512, 1024, 2048, 4096, 8192, 14336):
-        got = analytic_order(rows, rows // 2, N, K, 128, 8, 2)
-        t = predict(CostModel(), rows, rows // 2, N, K, 128, 8, 2)
-        assert got == ("expert" if t["t_gemm"] >= t["t_comm"] else "remote_first")
     # deep K: the GEMM bounds the call; shallow K, wide rows: the transfer does
     assert analytic_order(rows, rows // 2, N, 14336, 128, 8, 2) == "expert"
     assert analytic_order(rows, rows // 2, N, 256, 128, 8, 2) == "remote_first"

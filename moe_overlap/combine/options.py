@@ -262,11 +262,9 @@ class CombineOptions:
                     ch["ccta"] = min(ch["ccta"], facts.num_sms - 1)
             if self.mgb == AUTO:
                 ch["mgb"] = int(choice[1])
-            if self.order == AUTO:
-                tuned = (entry or {}).get("order")  # untuned: analytic_order, below
-                if tuned is not None:
-                    ch["order"] = tuned
-                if tuned is not None and tuned not in ORDERS:
+            if self.order == AUTO and (entry or {}).get("order") is not None:
+                ch["order"] = entry["order"]  # untuned: analytic_order, below
+                if ch["order"] not in ORDERS:
                     raise ValueError(f"tune cache {cache.path}: entry {self.tune_key(facts)!r} "
                                      f"has order={ch['order']!r}; expected one of {ORDERS}")
         if self.consumer_stages == AUTO:

@@ -113,8 +113,8 @@ def analytic_order(rows: int, remote_rows: int, N: int, K: int, tile_m: int, cct
     where the predicted GEMM time at this (ccta, mgb) is at least the transfer's, else
     "remote_first". Why: remote_first runs every expert's remote bands before any local one, so
     an expert with rows of both kinds has its weights read from DRAM twice (most experts at
-    W = 2); expert order reads them about once and measured 1.04-1.10x remote_first's producer
-    at W = 2 (bench/NOTES.md, "the producer in expert order"). Its remote rows finish with the
+    W = 2); expert order reads them about once (its timings: bench/NOTES.md, "the producer in
+    expert order" and session 29). Its remote rows finish with the
     GEMM instead of before its local part: where the GEMM bounds the call that costs the last
     segment's transfer, which both orders pay; where the transfer bounds it, remote_first's
     early start is kept. No row remote: "remote_first" (the two plans are the same)."""
