@@ -25,7 +25,9 @@
 #                 expert; "library": also with the library's up-projection, --up library)
 #        producer the producer grid as MoECombine launches it (bench_producer_models, the
 #                 consumer beside it, one process per model, merged into one JSON; "quick": W
-#                 = 2 at 4096 tokens only; $PRODUCER_VARIANTS: --variants, default "default")
+#                 = 2 at 4096 tokens only; $PRODUCER_VARIANTS: --variants, default "default";
+#                 $PRODUCER_MODELS: a space-separated subset, one call each within a call's
+#                 limit, merged after with bench_producer_models.py merge)
 #        scale    the token-ordered scale alone (tests + bench_ordered_scale; one GPU) and,
 #                 with 2 GPUs, scale="ordered" in the combine (tests/test_ordered_wire_gpu.py)
 #        ranks    every two_gpus test module with W ranks as processes sharing one GPU (MPS
@@ -180,7 +182,7 @@ producer)
     pargs=(--rounds 5 --beside consumer --variants "${PRODUCER_VARIANTS:-default}")
     [ "$quick" = quick ] && pargs+=(--worlds 2 --tokens 4096)
     parts=()
-    for m in deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b mixtral-8x7b; do
+    for m in ${PRODUCER_MODELS:-deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b mixtral-8x7b}; do
         run "producer_$m" "${PRODUCER_MODEL_TIMEOUT_S:-140}" python bench/bench_producer_models.py \
             --models "$m" "${pargs[@]}" --tag "grid_$m" --out "$OUT"
         parts+=("$(ls "$OUT"/producer_models_*_grid_"$m".json* 2>/dev/null | head -1)")
