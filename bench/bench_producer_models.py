@@ -73,9 +73,7 @@ what each time is; ``beside_consumer`` per variant: geomean / max of the over-al
 
 Variants (--variants, comma-separated): "default" (the library's options) or key=value pairs
 joined by "+": keys of ``CombineOptions`` (ccta, mgb, order, layout, ...) change the options
-resolved, tile_m (64 or 128) the layer's band height (plan and GEMM), tile_n (64, 128 or 256)
-the producer's N tile width (a lab setting: ``MoECombine`` takes the widest that divides N,
-``producer_tile_n``; the band flag counts a band's N tiles inside the GEMM), any other key is a
+resolved, tile_m (64 or 128) the layer's band height (plan and GEMM), any other key is a
 producer GEMM option (``GroupedGemm``'s keywords, e.g. band_group,
 cluster_n; checked by ``CombineOptions.check_gemm_options``). --gemm-option key=value applies
 to every variant (as ``CombineOptions(gemm_options=...)``).
@@ -111,7 +109,6 @@ GOAL_GEOMEAN = 1.0  # geometric mean of the SM-scaled ratios
 TOL = 1e-2  # relative norm error against the per-expert loop (bf16 outputs)
 TILE_M = 128  # MoECombine's default
 TILE_MS = (64, 128)  # the band heights a variant may ask for (tile_m=64: less padding)
-TILE_NS = (64, 128, 256)  # the N tile widths a variant may ask for (lab only, see the doc)
 LEAD_MS = 2.0  # GPU sleep before each timed call (time_interleaved)
 LOOPBACK_HEADROOM = 4 << 30  # free bytes left beside the loopback buffers (graphs, checks)
 BESIDE = ("none", "consumer")  # --beside
@@ -173,17 +170,13 @@ def parse_variants(text: str, gemm_options: dict | None = None) -> list[dict]:
         tile_m = pairs.pop("tile_m", TILE_M)  # the layer's (MoECombine's) band height
         if tile_m not in TILE_MS:
             raise ValueError(f"--variants {name!r}: tile_m must be one of {TILE_MS}")
-        tile_n = pairs.pop("tile_n", None)
-        if tile_n is not None and tile_n not in TILE_NS:
-            raise ValueError(f"--variants {name!r}: tile_n must be one of {TILE_NS}")
         opts = {k: v for k, v in pairs.items() if k in OPTION_FIELDS}
         gemm = dict(gemm_options or {}, **{k: v for k, v in pairs.items()
                                            if k not in OPTION_FIELDS})
         if name in names:
             raise ValueError(f"--variants: {name!r} given twice")
         names.add(name)
-        out.append(dict(name=name, options=opts, gemm_options=gemm, tile_m=tile_m,
-                        **({} if tile_n is None else dict(tile_n=tile_n))))
+        out.append(dict(name=name, options=opts, gemm_options=gemm, tile_m=tile_m))
     if not out:
         raise ValueError("--variants: none given")
     return out
@@ -463,12 +456,11 @@ def loopback_bytes(layers, world_size: int) -> int:
 
 
 def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, seed: int,
-              beside: str = "none", tile_ns: dict | None = None):
+              beside: str = "none"):
     """One point: every variant's launch and both baselines checked, then timed in the same
     interleaved rounds. resolved: {variant name: (requested, resolved options, tuned, tile_m)}.
     beside="consumer": each variant with ccta > 0 is also launched and timed with the real
-    consumer beside it (``beside_consumer``), checked first (``check_loopback``). tile_ns:
-    {variant name: N tile width} where a variant asks for one (lab only), else the layer's."""
+    consumer beside it (``beside_consumer``), checked first (``check_loopback``)."""
     from moe_overlap.combine.baseline import plan_to_compact_rows
     from moe_overlap.combine.grouped_gemm import GroupedGemm
     from moe_overlap.combine.options import producer_gemm_options, producer_tile_n
@@ -512,10 +504,7 @@ def run_point(point: dict, counts: torch.Tensor, resolved: dict, rounds: int, se
         x[idx] = x_c
         y = torch.empty(max(rows, 1), N, device=dev, dtype=torch.bfloat16)
         kw = producer_gemm_options(opts.gemm_options, opts.ccta)
-        tile_n = (tile_ns or {}).get(name) or producer_tile_n(N)
-        if N % tile_n:
-            raise ValueError(f"{name}: tile_n {tile_n} does not divide N {N}")
-        gemm = GroupedGemm(tile_m=tile_m, tile_n=tile_n, **kw)
+        gemm = GroupedGemm(tile_m=tile_m, tile_n=producer_tile_n(N), **kw)
         ready = torch.zeros(plan.band_capacity, dtype=torch.int32, device=dev)
         err = torch.zeros(8, dtype=torch.int64, device=dev)
         fns[name] = (lambda gemm=gemm, x=x, y=y, p=plan, ready=ready, err=err, c=opts.ccta:
@@ -869,8 +858,7 @@ def main(argv=None) -> int:
             counts_cache[key] = routing_counts_for(p["model"], p["tokens"], p["routing"], w_max)
             doc["routings"]["{}@{}/{}".format(*key)] = dict(counts_cache[key][1], ranks=w_max)
         counts, info = counts_cache[key]
-        rec = run_point(p, counts, resolved[p["label"]], a.rounds, a.seed + i, a.beside,
-                        {v["name"]: v["tile_n"] for v in variants if "tile_n" in v})
+        rec = run_point(p, counts, resolved[p["label"]], a.rounds, a.seed + i, a.beside)
         torch.cuda.empty_cache()  # the point's tensors and graphs went with run_point's frame
         rec["routing_mode"], rec["routing_seed"] = info["mode"], info["seed"]
         doc["points"].append(rec)
