@@ -44,6 +44,11 @@ DEPENDENCIES = {
               _C + "dispatch_index.py", "moe_overlap/moe_layer.py", "moe_overlap/ffn/layers.py",
               "moe_overlap/ffn/band_allreduce.py")
              + _PRODUCER + ("tests/conftest.py", "scripts/ranks_report.py"),
+    "layer": _PRODUCER + _PLANNER + (
+        _C + "band_groups.py", _C + "options.py", _C + "tuning.py", _C + "overlap.py",
+        _C + "consumer.py", _C + "scale.py", _C + "comm_buffer.py", _C + "baseline.py",
+        _C + "dispatch.py", _C + "reference.py", "moe_overlap/moe_layer.py",
+        "bench/bench_moe_layer.py", "moe_overlap/timing.py"),
     "dispatch_bytes": (_C + "dispatch_dedup.py", "moe_overlap/routing.py",
                        "bench/bench_dispatch_bytes.py"),
     "consumer": (_C + "consumer.py", "moe_overlap/runtime/nvshmem.py", _K + "primitives.py",

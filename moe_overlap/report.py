@@ -45,10 +45,11 @@ from .provenance import DEPENDENCIES, Git, freshness
 # area -> (title, current headline files, in bench/results/)
 HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
-                 ("producer_models_h100_a34a28f_full.json", "producer_models_h200_fc47bea_s23.json",
-                  "producer_models_h100_3efe759_beside3.json")),
+                 ("producer_models_h100_fffb23c_grid.json", "producer_models_h200_fc47bea_s23.json")),
     "upproj": ("Arrival-gated SwiGLU up-projection as MoELayer launches it, every band arrived",
                ("upproj_models_h100_3efe759_fetch.json",)),
+    "layer": ("One MoE layer end to end on one GPU (W = 1), ours against the same-scale base",
+              ("moe_layer_1x_h100_fffb23c.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
               ("ranks_onegpu_h100_3efe759.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
@@ -276,6 +277,29 @@ def _losses(ratios) -> str:
     """"a loss on n of m" for speed ratios (ours / theirs, below 1: ours slower)."""
     n = sum(r < 1 for r in ratios)
     return f"a loss on {n} of {len(ratios)}" if n else f"no loss on {len(ratios)}"
+
+
+def layer(root):
+    (name,) = HEADLINE["layer"][1]
+    d = _load(root, name)
+    lines = [_src(name, d, "layer"), "", f"Method: {d['method']}.", ""]
+    rows = [(r["name"], f"{r['base_ms']:.3f}", f"{r['ours_ms']:.3f}", f"{r['speedup']:.3f}",
+             f"{r['ours_err_vs_fp32']:.2e}", f"{r['base_err_vs_fp32']:.2e}",
+             str(r["plan_hidden"]), str(r["agree"])) for r in d["rows"]]
+    lines += _table(("shape", "base ms", "ours ms", "base / ours", "ours vs fp32",
+                     "base vs fp32", "plan hidden", "agrees"), rows) + [""]
+    speed = [r["speedup"] for r in d["rows"]]
+    below = [r["name"] for r in d["rows"] if r["speedup"] < 1.0]
+    cell = (f"{_card(d.get('device', '?'))}, W = {d['world_size']} (nothing leaves the rank), "
+            f"up-projection {d.get('up', 'library')}, {len(speed)} shapes "
+            f"({', '.join(r['name'] for r in d['rows'])}): {_rng(speed, '{:.2f}')}x the base "
+            f"layer ({_losses(speed)}{': ' + ', '.join(below) if below else ''}; goal >= 1.00 "
+            f"on every shape: {'met' if not below else 'not met'}); against an fp32 "
+            f"reference on each rank's first tokens, ours at most "
+            f"{max(r['ours_err_vs_fp32'] for r in d['rows']):.1e}, the base at most "
+            f"{max(r['base_err_vs_fp32'] for r in d['rows']):.1e} (tolerance {d['tol']:g}); "
+            f"every shape agrees: {all(r['agree'] for r in d['rows'])}")
+    return lines, cell, [(name, d)]
 
 
 def upproj(root):
@@ -673,7 +697,7 @@ def chained(root):
     return lines, cell, [(name, d)]
 
 
-AREAS = {"producer": producer, "upproj": upproj, "ranks": ranks, "dispatch_bytes": dispatch_bytes,
+AREAS = {"producer": producer, "layer": layer, "upproj": upproj, "ranks": ranks, "dispatch_bytes": dispatch_bytes,
          "consumer": consumer, "combine": combine, "ffn": ffn,
          "scale": scale, "packed": packed, "chained": chained, "plan": plan,
          "ordered_tables": ordered_tables}
@@ -687,6 +711,7 @@ def _src(name, doc, area):
 
 # ------------------------------------------------------------------------------ outputs
 ROW_OF = {"producer": "producer grouped GEMM as `MoECombine` launches it (CuTe DSL)",
+          "layer": "one MoE layer on one GPU (`bench_moe_layer`, overlap backend)",
           "upproj": "arrival-gated SwiGLU up-projection as `MoELayer` launches it (CuTe DSL)",
           "ranks": "multi-rank correctness, ranks sharing one GPU",
           "dispatch_bytes": "dispatch bytes (`MoEDispatch`, counted; no GPU)",
