@@ -206,7 +206,9 @@ ranks)
     # quick = a comma-separated list of test files (default: every module marked two_gpus);
     # "grid <part>" = the combine's validation grid, soak and broken-ordering check for part
     # w2 | w4 | w8 (scripts/ranks_grid.py: one part per device call, within its budget);
-    # "faults" = tests/test_ranks_faults_gpu.py under MPS, then time-sliced (in $OUT/time_sliced)
+    # "faults" = tests/test_ranks_faults_gpu.py under MPS, then time-sliced (in $OUT/time_sliced);
+    # $RANKS_K: a pytest -k expression, $RANKS_TAG: a suffix of the check's name (a module too
+    # long for one call in two parts, merged after with scripts/ranks_report.py --merge)
     export MOE_OVERLAP_SHARE_GPU=1
     mode=time-sliced
     if [ "${MOE_RANKS_NO_MPS:-0}" != 1 ] && mps_env=$(bash scripts/mps.sh start); then
@@ -216,10 +218,13 @@ ranks)
     modules() {  # modules <out dir> <test files...>: one pytest run (and junit file) per module
         local d=$1 m name
         shift
+        local sel=()
+        [ -n "${RANKS_K:-}" ] && sel=(-k "$RANKS_K")
         for m in "$@"; do
             name=$(basename "$m" .py)
-            OUT=$d run "ranks_${name#test_}" "${RANKS_TIMEOUT_S:-540}" python -m pytest -q \
-                -p no:cacheprovider -rs -m two_gpus --junitxml "$d/junit_${name#test_}.xml" "$m"
+            name=${name#test_}${RANKS_TAG:+_$RANKS_TAG}
+            OUT=$d run "ranks_$name" "${RANKS_TIMEOUT_S:-540}" python -m pytest -q \
+                -p no:cacheprovider -rs -m two_gpus "${sel[@]}" --junitxml "$d/junit_$name.xml" "$m"
         done
     }
     if [ "$quick" = grid ]; then
