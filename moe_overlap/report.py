@@ -54,7 +54,7 @@ HEADLINE = {
               ("ranks_onegpu_h100_3efe759.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
                        "assignment (counted from routings, no GPU)",
-                       ("dispatch_bytes_30cb093.json",)),
+                       ("dispatch_bytes_1bbb111.json",)),
     "consumer": ("Consumer (band shipping, nvlink TMA)", ("consumer_run5_large_2xh200.json",)),
     "combine": ("Combine sweep (overlapped MoE combine)",
                 ("combine_sweep_2xh200_v7.json", "combine_sweep_2xh200_v7_k14336.json",

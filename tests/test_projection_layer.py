@@ -62,11 +62,11 @@ def test_dispatch_bytes_are_dispatch_wire_bytes_for_every_rank():
 
 def test_bytes_equal_the_counted_file():
     rows = project_layer(models=("qwen3-235b-a22b",), worlds=(2, 8), tokens=(4096,))
-    chk = check_bytes(rows, _load("dispatch_bytes_30cb093.json"))
+    chk = check_bytes(rows, _load("dispatch_bytes_1bbb111.json"))
     assert chk["points"] == 2 and chk["equal"], chk
     bad = [dict(r, rows=dict(r["rows"], once_sent_nvlink=r["rows"]["once_sent_nvlink"] + 1))
            for r in rows]
-    assert not check_bytes(bad, _load("dispatch_bytes_30cb093.json"))["equal"]
+    assert not check_bytes(bad, _load("dispatch_bytes_1bbb111.json"))["equal"]
 
 
 @pytest.mark.parametrize("W", [2, 16])

@@ -64,7 +64,7 @@ from .shapes import MODELS
 from .tuning import CCTA_CHOICES, CostModel
 
 PLAN_FILE = "plan_kernel2_h200_1622057.json"
-BYTES_FILE = "dispatch_bytes_30cb093.json"
+BYTES_FILE = "dispatch_bytes_1bbb111.json"
 ARRIVALS = ("designed", "built")
 UP_GOAL = 0.95  # issue 39: the arrival-gated up-projection >= 0.95x the library (SM-scaled)
 CLASSES = ("local", "nvlink", "ib")
