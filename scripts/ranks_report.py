@@ -38,7 +38,10 @@ def junit_check(path: str) -> dict:
         cases.append(name)
         bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
         skip = tc.find("skipped")
-        if bad is not None:
+        if tc.get("name") is None:  # pytest's record of the test a SIGINT stopped
+            failures.append(dict(test=f"test {len(cases)} of the file (no name recorded)",
+                                 reason="interrupted before it finished (the run was cut)"))
+        elif bad is not None:
             failures.append(dict(test=name, reason=_reason(bad)))
         elif skip is not None:
             skipped.append(dict(test=name, reason=(skip.get("message") or "")[:300]))

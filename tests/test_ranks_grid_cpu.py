@@ -375,3 +375,25 @@ def test_merging_a_merged_file_keeps_each_checks_own_run(tmp_path):
     assert d["checks"]["grid"]["commit"] == "ccc" and d["checks"]["grid"]["passed"] == 2
     assert d["commits"] == ["aaa", "ccc"] and d["modes"] == ["mps", "time-sliced"]
 
+
+
+def test_a_pytest_run_cut_by_the_limit_counts_its_interrupted_test_as_failed(tmp_path):
+    # gpu_check.sh stops a module at its limit with SIGINT (timeout -s INT): pytest still writes
+    # the junit file, where the test it stopped has no name; that test must not read as passed
+    import shutil
+    import subprocess
+    if shutil.which("timeout") is None:
+        pytest.fail("coreutils timeout is needed (gpu_check.sh uses it)")
+    (tmp_path / "test_cut.py").write_text(
+        "import time\n"
+        "def test_done():\n    pass\n"
+        "def test_stopped():\n    time.sleep(60)\n"
+        "def test_never():\n    pass\n")
+    junit = tmp_path / "junit_cut.xml"
+    r = subprocess.run(["timeout", "-s", "INT", "-k", "30", "15", sys.executable, "-m", "pytest",
+                        "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                        str(tmp_path / "test_cut.py")], cwd=tmp_path, capture_output=True)
+    assert r.returncode == 124, r.stdout[-2000:]
+    c = REPORT.junit_check(str(junit))
+    assert c["passed"] == 1 and len(c["failures"]) == 1, c
+    assert "interrupted" in c["failures"][0]["reason"]
