@@ -45,7 +45,8 @@ from .provenance import DEPENDENCIES, Git, freshness
 # area -> (title, current headline files, in bench/results/)
 HEADLINE = {
     "producer": ("Producer grouped GEMM as MoECombine launches it, on model-shaped plans",
-                 ("producer_models_h100_fffb23c_grid.json", "producer_models_h200_fc47bea_s23.json")),
+                 ("producer_models_h100_fffb23c_grid.json",
+                  "producer_models_h200_fc47bea_s23.json")),
     "upproj": ("Arrival-gated SwiGLU up-projection as MoELayer launches it, every band arrived",
                ("upproj_models_h100_3efe759_fetch.json",)),
     "layer": ("One MoE layer end to end on one GPU (W = 1), ours against the same-scale base",
@@ -697,8 +698,8 @@ def chained(root):
     return lines, cell, [(name, d)]
 
 
-AREAS = {"producer": producer, "layer": layer, "upproj": upproj, "ranks": ranks, "dispatch_bytes": dispatch_bytes,
-         "consumer": consumer, "combine": combine, "ffn": ffn,
+AREAS = {"producer": producer, "layer": layer, "upproj": upproj, "ranks": ranks,
+         "dispatch_bytes": dispatch_bytes, "consumer": consumer, "combine": combine, "ffn": ffn,
          "scale": scale, "packed": packed, "chained": chained, "plan": plan,
          "ordered_tables": ordered_tables}
 
