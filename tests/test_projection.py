@@ -72,6 +72,17 @@ def test_error_on_held_out_sweep_points_is_within_15_percent_per_point():
     assert check["t_overlap"]["max_abs"] <= 0.15, check["t_overlap"]
 
 
+def test_error_on_the_held_out_shape_alone_is_within_15_percent_per_point():
+    """The ccta 12 points of HELD_OUT share their shapes with the fit (only ccta is between
+    fitted ones), so the K 14336 points, which share no shape with it, must hold on their own."""
+    (name, _), = [h for h in HELD_OUT if "k14336" in h[0]]
+    with open(os.path.join(ROOT, "bench/results", name)) as f:
+        points = [p for p in json.load(f)["points"] if p["mode"] == "balanced"]
+    assert len(points) == 3 and {p["shape"]["K"] for p in points} == {14336}, points
+    check = check_against_sweep(points)
+    assert check["t_overlap"]["n"] == 3 and check["t_overlap"]["max_abs"] <= 0.15, check
+
+
 def test_project_command_writes_table_json_and_refuses_bad_models(tmp_path):
     import subprocess
     import sys
