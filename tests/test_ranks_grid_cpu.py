@@ -413,3 +413,24 @@ def test_a_pytest_run_cut_by_the_limit_counts_its_interrupted_test_as_failed(tmp
     c = REPORT.junit_check(str(junit))
     assert c["passed"] == 1 and len(c["failures"]) == 1, c
     assert "interrupted" in c["failures"][0]["reason"]
+
+
+def test_the_time_model_is_not_below_the_grid_runs_recorded_after_it_was_set():
+    """Held out: the time model's constants were set from session 21's sweeps (f088e61,
+    2026-12-06 17:53); the grid runs recorded in ranks_onegpu_h100_3efe759.json are later (the
+    evening of 12-06 and the morning of 12-07). Each sweep's estimate must be at or above its
+    measured time, or a part's budget could cut it."""
+    name = "ranks_onegpu_h100_3efe759.json"
+    path = next((p for p in (REPO / "bench" / "results" / name,
+                             REPO / "bench" / "results" / "archive" / name) if p.exists()), None)
+    assert path is not None, name
+    checks = json.loads(path.read_text())["checks"]
+    seen = 0
+    for part in ("w2", "w4", "w8"):
+        for inv in RG.plan(part):
+            c = checks.get(f"validate_{inv.name}")
+            if c is None or c.get("mode", "mps") != "mps" or c.get("date", "") < "2026-12-06T18":
+                continue
+            seen += 1
+            assert RG.estimate_s(inv) >= c["meta"]["seconds"], (inv.name, c["meta"]["seconds"])
+    assert seen == 10, seen  # the ten sweeps of the three parts, each recorded once
