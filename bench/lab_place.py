@@ -9,14 +9,13 @@ by expert, [n, D] bf16) are placed in the plan layout (``plan_combine`` at tile_
 - scatter: ``x_plan.index_copy_(0, dest, recv)``, the received rows only, padding rows left as
   they are (the GEMMs compute them, nothing reads them);
 - permute: ``x.index_select(0, perm)`` of n rows (the base layer's permutation).
-Each timed as a CUDA graph of 20 calls, median of 15 replays; results printed, and checked: the
-scattered and gathered layouts equal on every valid row.
+Each timed as a CUDA graph of 20 calls, median of 15 replays (``timing.time_calls``); results
+printed, and checked: the scattered and gathered layouts equal on every valid row.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -26,24 +25,7 @@ from moe_overlap.combine.dispatch import plan_gather_index  # noqa: E402
 from moe_overlap.combine.plan import plan_combine  # noqa: E402
 from moe_overlap.combine.shapes import MODELS  # noqa: E402
 from moe_overlap.routing import routing_counts  # noqa: E402
-
-
-def graph_ms(fn, calls=20, replays=15):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / calls)
-    return statistics.median(ts)
+from moe_overlap.timing import time_calls  # noqa: E402
 
 
 def main(argv=None):
@@ -52,22 +34,20 @@ def main(argv=None):
     ap.add_argument("--models", default="qwen3-235b-a22b,qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cpu":  # a dry run of the layout arithmetic; times are not meaningful
-        global graph_ms
-        graph_ms = lambda fn, **_: (fn(), 0.0)[1]  # noqa: E731
+    # off CUDA a dry run of the layout arithmetic: the calls run once, no times
+    timed = ((lambda fn: time_calls(fn, reps=20, replays=15)[0]) if dev.type == "cuda"
+             else (lambda fn: (fn(), float("nan"))[1]))
     for name in a.models.split(","):
         E, topk, _, D = MODELS[name]  # D: the hidden size the dispatched tokens have
         counts = routing_counts(1, a.tokens, E, topk, mode="balanced", seed=1).to(dev)
         plan = plan_combine(counts, 0, tile_m=128, max_rows=a.tokens * topk, validate=False)
         rows = int(plan.total_rows.item())
         n = int(counts.sum())
-        ce = counts[0].long()
-        j = torch.arange(n, device=dev) - torch.repeat_interleave(torch.cumsum(ce, 0) - ce, ce)
-        e = torch.repeat_interleave(torch.arange(E, device=dev), ce)
-        dest = plan.expert_row_start.long()[e] + plan.group_row_start.long()[e, 0] + j
-        src = torch.full((rows,), n, dtype=torch.long, device=dev)
-        src.index_copy_(0, dest, torch.arange(n, device=dev))
-        assert torch.equal(src, plan_gather_index(plan, counts, 0, n, rows))  # the bench's
+        src = plan_gather_index(plan, counts, 0, n, rows)  # the bench's gather index
+        valid = src < n
+        assert int(valid.sum()) == n  # each received row at one plan row
+        dest = torch.empty(n, dtype=torch.long, device=dev)  # its inverse: received -> plan row
+        dest[src[valid]] = valid.nonzero().squeeze(1)
         recv_z = torch.randn(n + 1, D, device=dev, dtype=torch.bfloat16)
         recv_z[n] = 0
         recv = recv_z[:n]
@@ -75,9 +55,9 @@ def main(argv=None):
         x_g = torch.empty(rows, D, device=dev, dtype=torch.bfloat16)
         x_s = torch.empty(rows, D, device=dev, dtype=torch.bfloat16)
         x_p = torch.empty(n, D, device=dev, dtype=torch.bfloat16)
-        t = dict(gather=graph_ms(lambda: torch.index_select(recv_z, 0, src, out=x_g)),
-                 scatter=graph_ms(lambda: x_s.index_copy_(0, dest, recv)),
-                 permute=graph_ms(lambda: torch.index_select(recv, 0, perm, out=x_p)))
+        t = dict(gather=timed(lambda: torch.index_select(recv_z, 0, src, out=x_g)),
+                 scatter=timed(lambda: x_s.index_copy_(0, dest, recv)),
+                 permute=timed(lambda: torch.index_select(recv, 0, perm, out=x_p)))
         same = bool(torch.equal(x_g[dest], x_s[dest]))
         print(f"{name}@{a.tokens} W1: n {n} plan rows {rows} D {D}: "
               + " ".join(f"{k} {v:.4f} ms" for k, v in t.items()) + f"; valid rows equal {same}",
