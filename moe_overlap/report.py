@@ -48,11 +48,11 @@ HEADLINE = {
                  ("producer_models_h100_fffb23c_grid.json",
                   "producer_models_h200_fc47bea_s23.json")),
     "upproj": ("Arrival-gated SwiGLU up-projection as MoELayer launches it, every band arrived",
-               ("upproj_models_h100_3efe759_fetch.json",)),
+               ("upproj_models_h100_4b575ea.json",)),
     "layer": ("One MoE layer end to end on one GPU (W = 1), ours against the same-scale base",
               ("moe_layer_1x_h100_fffb23c.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
-              ("ranks_onegpu_h100_3efe759.json",)),
+              ("ranks_onegpu_h100_4b575ea.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
                        "assignment (counted from routings, no GPU)",
                        ("dispatch_bytes_1bbb111.json",)),
@@ -271,7 +271,15 @@ def ranks(root):
             f"{t['passed']} of {t['points']} checks passed; passing: {', '.join(ok)}; "
             f"failing: {', '.join(bad) or 'none'} (reasons in docs/RESULTS.md); timings of this "
             "mode are not speedups")
-    return lines, cell, [(name, d)]
+    # a merged file's checks ran at several commits: each commit speaks for its own checks, so
+    # the row is as fresh as its oldest check, not as the file's last run
+    by_commit = {}
+    for c in d["checks"].values():
+        k = c.get("commit", d["commit"])
+        by_commit[k] = max(by_commit.get(k, ""), c.get("date", d["date"]))
+    docs = [(name, dict(d, commit=k, date=by_commit[k]))
+            for k in sorted(by_commit, key=by_commit.get, reverse=True)]
+    return lines, cell, docs
 
 
 def _losses(ratios) -> str:
@@ -740,7 +748,7 @@ def _row(area, cell, docs):
     return (ROW_OF[area], cell, uniq(_card(m[0]) for m in metas),
             uniq(str(_gpus(area, d)) for _, d in docs), uniq(m[1] for m in metas),
             uniq(m[2] for m in metas), _fresh_text(worst[0], worst[1], area),
-            ", ".join(f"`{n}`" for n, _ in docs))
+            ", ".join(dict.fromkeys(f"`{n}`" for n, _ in docs)))
 
 
 def build(root=".", unknown_as=None):
