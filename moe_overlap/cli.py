@@ -396,26 +396,29 @@ def cmd_project_ffn(args) -> int:
 
 def cmd_project_layer(args) -> int:
     from .combine.projection import PRODUCER_FILE, Fabric, ProducerRates, check_producer
-    from .combine.projection_layer import (BYTES_FILE, LayerRates, check_bytes, format_table,
-                                           input_sources, plot, project_layer, summary, write)
+    from .combine.projection_layer import (BYTES_FILE, UPPROJ_FILE, LayerRates, UpRates,
+                                           check_bytes, format_table, input_sources, plot,
+                                           project_layer, summary, write)
     from .combine.projection import format_sources
     from .combine.tuning import CostModel
     cost = CostModel()
     fabric = Fabric(gpus_per_node=args.gpus_per_node, ib_gbps=args.ib_gbps,
                     ib_latency_us=args.ib_latency_us)
     root = checkout_root()
-    producer = producer_check = bytes_doc = None
+    producer = producer_check = bytes_doc = up = None
     if root:
         with open(os.path.join(root, RESULTS, PRODUCER_FILE)) as f:
             pdoc = json.load(f)
         producer, producer_check = ProducerRates.from_doc(pdoc), check_producer(pdoc)
         with open(os.path.join(root, RESULTS, BYTES_FILE)) as f:
             bytes_doc = json.load(f)
+        with open(os.path.join(root, RESULTS, UPPROJ_FILE)) as f:
+            up = UpRates.from_doc(json.load(f))
     rates = LayerRates.from_results(root)
-    inputs = input_sources(root, cost, fabric, rates, producer)
+    inputs = input_sources(root, cost, fabric, rates, producer, up=up)
     rows = project_layer(models=args.models, worlds=args.world_sizes, tokens=args.tokens,
                          mode=args.mode, cost=cost, fabric=fabric, rates=rates,
-                         producer=producer,
+                         producer=producer, up=up,
                          progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
     bcheck = check_bytes(rows, bytes_doc) if bytes_doc else None
     print(f"Projection of the MoE layer (not a measurement): {args.mode} routing, rank 0; times "

@@ -13,8 +13,9 @@ import pytest
 
 from moe_overlap.combine.dispatch_dedup import dispatch_wire_bytes
 from moe_overlap.combine.projection import Fabric, ProducerRates
-from moe_overlap.combine.projection_layer import (LayerRates, best_layer, check_bytes, draw_ids,
-                                                  layer_rows, predict_layer, project_layer)
+from moe_overlap.combine.projection_layer import (UPPROJ_FILE, LayerRates, UpRates, best_layer,
+                                                  check_bytes, draw_ids, layer_rows,
+                                                  predict_layer, project_layer)
 from moe_overlap.combine.shapes import MODELS
 from moe_overlap.combine.tuning import CostModel
 
@@ -142,6 +143,51 @@ def test_a_planted_defect_in_a_stage_moves_the_result(rates, rows16):
     assert slow["t_seq"] == pytest.approx(good["t_seq"])
 
 
+def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection(rates, rows16):
+    """UpRates reads the up-projection file's times back (ours: the plan's rows on its grid's
+    SMs; the library: the valid rows on every SM), picks the routing before W before tokens,
+    and in predict_layer moves the up-projection stages and nothing of the combine."""
+    ours, lib, lr = rates
+    doc = _load(UPPROJ_FILE)
+    up = UpRates.from_doc(doc)
+    pts = [p for p in doc["points"] if p["world_size"] > 1]
+    assert pts and len(up.points) == len(pts)
+    for p in pts:
+        o, b, label = up.points[(p["model"], p["tokens"], p["world_size"], p["routing"])]
+        assert label == p["label"]
+        flops = 2.0 * p["D"] * p["two_k"]
+        # the time back from the rate, as CostModel.gemm_s runs it on the grid's SMs
+        assert flops * p["plan_rows"] / (o * 1e12 * p["grid"] / p["num_sms"]) * 1e3 == \
+            pytest.approx(p["ms"], rel=1e-12)
+        assert flops * p["valid_rows"] / (b * 1e12) * 1e3 == pytest.approx(
+            p["base_gemm_alone_ms"], rel=1e-12)
+    table = UpRates({("m", 4096, 8, "skewed"): (1.0, 1.0, "a"),
+                     ("m", 4096, 2, "balanced"): (2.0, 2.0, "b"),
+                     ("m", 16384, 8, "balanced"): (3.0, 3.0, "c")})
+    assert table.nearest("m", 4096, 8, "balanced")[2] == "c"  # the routing first
+    assert table.nearest("m", 4096, 4, "skewed")[2] == "a"
+    assert table.nearest("m", 4096, 4, "balanced")[2] == "b"  # then W: 2 and 8 tie on log, b
+    assert table.nearest("other", 4096, 8, "balanced") is None
+    # the down-projection's own rates given as up_rates: the same prediction
+    same = predict_layer(rows16, MODEL, ours, lib, Fabric(), lr,
+                         up_rates=(ours.gemm_tflops, lib.gemm_tflops))
+    base = predict_layer(rows16, MODEL, ours, lib, Fabric(), lr)
+    for k, v in base.items():
+        if k.startswith("t_"):
+            assert same[k] == pytest.approx(v, rel=1e-12), k
+    half = predict_layer(rows16, MODEL, ours, lib, Fabric(), lr,
+                         up_rates=(ours.gemm_tflops / 2, lib.gemm_tflops / 2))
+    assert half["t_up"] == pytest.approx(2 * base["t_up"])
+    assert half["t_up_lib"] == pytest.approx(2 * base["t_up_lib"])
+    for k in ("t_down", "t_combine", "t_a2a_dispatch", "t_down_lib"):
+        assert half[k] == pytest.approx(base[k], rel=1e-12), k
+
+
+def test_the_up_projection_file_is_the_reports_headline():
+    from moe_overlap.report import HEADLINE
+    assert HEADLINE["upproj"][1] == (UPPROJ_FILE,)
+
+
 def test_cli_names_every_input(tmp_path):
     out = tmp_path / "p" / "layer.json"
     r = subprocess.run([sys.executable, "-m", "moe_overlap", "project", "--layer", "--models",
@@ -159,7 +205,8 @@ def test_cli_names_every_input(tmp_path):
         else:
             assert src.get("stated"), name
     # the stages never run on a GPU say what they assume
-    for name in ("up_tflops", "dispatch_send_gbps", "dispatch_ib", "expand_gbps_per_sm"):
+    for name in ("up_tflops", "up_measured_tflops", "dispatch_send_gbps", "dispatch_ib",
+                 "expand_gbps_per_sm"):
         assert doc["inputs"][name].get("assumption"), name
     assert "not a measurement" in doc["assumptions_text"]
 

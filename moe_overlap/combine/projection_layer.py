@@ -49,8 +49,9 @@ kernel's measured HBM rate per SM. A projection, not a measurement.
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -65,6 +66,7 @@ from .tuning import CCTA_CHOICES, CostModel
 
 PLAN_FILE = "plan_kernel2_h200_1622057.json"
 BYTES_FILE = "dispatch_bytes_1bbb111.json"
+UPPROJ_FILE = "upproj_models_h100_4b575ea.json"  # the up-projection's measured rates
 ARRIVALS = ("designed", "built")
 UP_GOAL = 0.95  # issue 39: the arrival-gated up-projection >= 0.95x the library (SM-scaled)
 CLASSES = ("local", "nvlink", "ib")
@@ -90,6 +92,9 @@ ASSUMPTIONS = {
                          "parallel; a band goes once every source of its rows is expanded",
     "rank0": "rank 0 stands for every rank (balanced routing: the ranks differ by sampling "
              "noise; skewed routings would need the slowest rank)",
+    "up_rate_nearest": "up_measured: the up-projection (ours and the library's GEMM) at a model's "
+                       "W, tokens and routing not measured runs at the rate of the nearest "
+                       "measured point of that model (the routing first, then W, then tokens)",
     "nccl_rate_any_w": "NCCL's all-to-all over NVLink keeps its 2-GPU rate at every W in a node",
     "baseline_passes": "the baselines' gather, placement and SwiGLU are one pass each at the "
                        "HBM rate (torch's silu(g) * u is two)",
@@ -112,6 +117,41 @@ class LayerRates:
         with open(os.path.join(root, "bench", "results", PLAN_FILE)) as f:
             rows = json.load(f)["rows"]
         return cls(plan_prepare_us=max(r["plan_us"] + r["prepare_us"] for r in rows))
+
+
+@dataclass
+class UpRates:
+    """The arrival-gated SwiGLU up-projection's rates as bench/bench_upproj.py measures them
+    (the layer's options and band order, every band arrived), per measured point (model,
+    tokens, W, routing) with W > 1: ours in TFLOP/s on the plan's rows per SM of its grid times
+    num_sms (CostModel.gemm_tflops' unit, as `ProducerRates`), and the library's GEMM alone (the
+    faster of grouped_mm and a per-expert loop, without the SwiGLU pass the baselines add) on
+    the valid rows on every SM."""
+    points: dict = field(default_factory=dict)  # (model, T, W, routing) -> (ours, lib, label)
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> "UpRates":
+        pts = {}
+        for p in doc["points"]:
+            if p["world_size"] < 2 or not p.get("correct"):
+                continue
+            flops_row = 2.0 * p["D"] * p["two_k"]
+            ours = flops_row * p["plan_rows"] / (p["ms"] * 1e-3) / p["grid"] * p["num_sms"]
+            lib = flops_row * p["valid_rows"] / (p["base_gemm_alone_ms"] * 1e-3)
+            pts[(p["model"], p["tokens"], p["world_size"], p["routing"])] = (
+                ours / 1e12, lib / 1e12, p["label"])
+        return cls(pts)
+
+    def nearest(self, model: str, tokens: int, W: int, mode: str):
+        """(ours, library, label) of the measured point of this model nearest the asked one:
+        the same routing mode first, then W, then tokens nearest in log scale; None where the
+        model has none."""
+        cands = [k for k in self.points if k[0] == model]
+        if not cands:
+            return None
+        k = min(cands, key=lambda k: (k[3] != mode, abs(math.log(k[2] / W)),
+                                      abs(math.log(k[1] / tokens))))
+        return self.points[k]
 
 
 def draw_ids(model: str, W: int, tokens: int, mode: str = "balanced", seed: int = 0) -> list:
@@ -189,11 +229,14 @@ def _link(sent: int, recv: int, row_bytes: int) -> int:
 
 def predict_layer(lr: dict, model: str, ours: CostModel, lib: CostModel, fabric: Fabric,
                   rates: LayerRates, tile_m: int = 128, mgb: int = 2, dctas: int = 16,
-                  ccta: int = 16, arrival: str = "designed", up_goal: float | None = None) -> dict:
+                  ccta: int = 16, arrival: str = "designed", up_goal: float | None = None,
+                  up_rates: tuple | None = None) -> dict:
     """Stage times (seconds) of one call of rank lr's layer and of both baselines (module
     docstring). ours / lib: CostModels with our and the library's GEMM rate. up_goal: the
     up-projection at least at this fraction of the library's speed on the valid rows, scaled
-    by its SMs (issue 39's goal 0.95), where the producer's measured rate is below it."""
+    by its SMs (issue 39's goal 0.95), where the producer's measured rate is below it.
+    up_rates: (ours, library) TFLOP/s of the up-projection (`UpRates`) in place of ours' and
+    lib's GEMM rates for that GEMM, ours' and the baselines' alike."""
     if arrival not in ARRIVALS:
         raise ValueError(f"arrival={arrival!r}: one of {ARRIVALS}")
     E, k, K, D = MODELS[model]
@@ -234,8 +277,13 @@ def predict_layer(lr: dict, model: str, ours: CostModel, lib: CostModel, fabric:
     x_s[order[-1]] += (rows - valid) * tok_b / x_bw
     t_expand = sum(x_s)
     up_flops_row = 2.0 * D * 2 * K
-    up = ours if up_goal is None else replace(ours, gemm_tflops=max(
-        ours.gemm_tflops, up_goal * lib.gemm_tflops * valid / max(rows, 1)))
+    up, up_lib = ours, lib
+    if up_rates is not None:
+        up, up_lib = (replace(ours, gemm_tflops=up_rates[0]),
+                      replace(lib, gemm_tflops=up_rates[1]))
+    if up_goal is not None:
+        up = replace(up, gemm_tflops=max(
+            up.gemm_tflops, up_goal * up_lib.gemm_tflops * valid / max(rows, 1)))
     t_band = up.gemm_s(up_flops_row * tile_m, dctas)
     t_up = up.gemm_s(up_flops_row * rows, dctas)
     El = g_rows.shape[0]
@@ -270,8 +318,8 @@ def predict_layer(lr: dict, model: str, ours: CostModel, lib: CostModel, fabric:
     t_place_compact = 2 * valid * tok_b / hbm
     t_place_plan = (valid + rows) * tok_b / hbm
     t_act = lambda r: r * 3 * K * 2 / hbm  # noqa: E731  reads [r, 2K], writes [r, K]
-    t_up_lib = lib.gemm_s(up_flops_row * valid, 0)
-    t_up_lib_plan = lib.gemm_s(up_flops_row * rows, 0)
+    t_up_lib = up_lib.gemm_s(up_flops_row * valid, 0)
+    t_up_lib_plan = up_lib.gemm_s(up_flops_row * rows, 0)
     t_seq = (t_gather + t_a2a_dispatch + t_place_compact + t_up_lib + t_act(valid)
              + comb["t_seq_same_scale"])
     t_combine_only = (t_gather + t_a2a_dispatch + t_place_plan + t_up_lib_plan + t_act(rows)
@@ -292,12 +340,13 @@ def predict_layer(lr: dict, model: str, ours: CostModel, lib: CostModel, fabric:
 
 def best_layer(lr: dict, model: str, ours: CostModel, lib: CostModel, fabric: Fabric,
                rates: LayerRates, tile_m: int = 128, mgb: int = 2,
-               arrival: str = "designed", up_goal: float | None = None) -> dict:
+               arrival: str = "designed", up_goal: float | None = None,
+               up_rates: tuple | None = None) -> dict:
     """predict_layer at the best dctas (dispatch || up) and the best ccta (combine) of
     CCTA_CHOICES, each chosen for its own half; the combine-only baseline takes its best ccta
     too (the same as ours: the combine half is the same model)."""
     choices = [c for c in CCTA_CHOICES if c < ours.num_sms]
-    kw = dict(tile_m=tile_m, mgb=mgb, arrival=arrival, up_goal=up_goal)
+    kw = dict(tile_m=tile_m, mgb=mgb, arrival=arrival, up_goal=up_goal, up_rates=up_rates)
     d = min(choices, key=lambda c: predict_layer(lr, model, ours, lib, fabric, rates, dctas=c,
                                                  ccta=choices[0], **kw)["t_dispatch_up"])
     c = min(choices, key=lambda c: predict_layer(lr, model, ours, lib, fabric, rates, dctas=d,
@@ -310,9 +359,11 @@ def project_layer(models=("deepseek-v3", "qwen3-235b-a22b"), worlds=(2, 4, 8, 16
                   tokens=(4096, 16384), mode="balanced", tile_m=128, mgb=2, layout="packed",
                   cost: CostModel | None = None, fabric: Fabric | None = None,
                   rates: LayerRates | None = None, producer: ProducerRates | None = None,
-                  seed: int = 0, progress=None) -> list[dict]:
+                  up: UpRates | None = None, seed: int = 0, progress=None) -> list[dict]:
     """One row per (model, tokens, W) the experts divide: the rows and bytes (`layer_rows`), the
-    layer as designed and as built and both baselines at their best SM splits, times in ms."""
+    layer as designed and as built and both baselines at their best SM splits, times in ms;
+    with up, also "up_measured": the same with the up-projection's measured rates (ours' and
+    the library's, the nearest measured point) in place of the down-projection's."""
     cost, fabric, rates = cost or CostModel(), fabric or Fabric(), rates or LayerRates()
     out = []
     for model in models:
@@ -346,6 +397,17 @@ def project_layer(models=("deepseek-v3", "qwen3-235b-a22b"), worlds=(2, 4, 8, 16
                                     t_layer=g["t_layer"] * 1e3, dctas=g["dctas"],
                                     speedup_vs_seq=g["speedup_vs_seq"],
                                     speedup_vs_combine_only=g["speedup_vs_combine_only"])))
+                near = up.nearest(model, T, W, mode) if up is not None else None
+                if near is not None:
+                    u = best_layer(lr, model, ours, lib, fabric, rates, tile_m, mgb, "designed",
+                                   up_rates=near[:2])
+                    out[-1]["up_measured"] = dict(
+                        point=near[2], up_tflops=near[0], library_up_tflops=near[1],
+                        t_up=u["t_up"] * 1e3, t_dispatch_up=u["t_dispatch_up"] * 1e3,
+                        t_layer=u["t_layer"] * 1e3, t_seq=u["t_seq"] * 1e3,
+                        t_combine_only=u["t_combine_only"] * 1e3, dctas=u["dctas"],
+                        speedup_vs_seq=u["speedup_vs_seq"],
+                        speedup_vs_combine_only=u["speedup_vs_combine_only"])
     return out
 
 
@@ -372,7 +434,8 @@ def check_bytes(rows: list[dict], doc: dict) -> dict:
 
 
 def input_sources(root: str | None, cost: CostModel, fabric: Fabric, rates: LayerRates,
-                  producer: ProducerRates | None, git: Git | None = None) -> dict:
+                  producer: ProducerRates | None, git: Git | None = None,
+                  up: UpRates | None = None) -> dict:
     """The combine projection's inputs (`projection.input_sources`) and the layer's own: the
     up-projection's rates (the producer file, an assumption), the plan + prepare time, the
     expand's and the baselines' HBM rates, the dispatch's send rate (an assumption)."""
@@ -398,6 +461,14 @@ def input_sources(root: str | None, cost: CostModel, fabric: Fabric, rates: Laye
         out["up_library_tflops"] = entry(producer.library_tflops, "TFLOP/s",
                                          "the baselines' up-projection rate (library)",
                                          out["library_tflops"]["source"], "up_gemm_rate")
+    if up is not None:
+        up_src = src(UPPROJ_FILE, "upproj", 1, "points[]: plan_rows, ms, grid (ours); "
+                     "valid_rows, base_gemm_alone_ms (library)")
+        for key, i, what in (("up_measured_tflops", 0, "ours"),
+                             ("up_measured_library_tflops", 1, "the library's GEMM alone")):
+            out[key] = entry({f"{m}@{t}/W{w}/{r}": v[i] for (m, t, w, r), v in up.points.items()},
+                             "TFLOP/s", f"up_measured: the up-projection's measured rate, {what}, "
+                             "per point", up_src, "up_rate_nearest")
     out["plan_prepare_us"] = entry(rates.plan_prepare_us, "us", "plan + prepare kernels before "
                                    "the first expand (the largest of W = 2..64)",
                                    src(PLAN_FILE, "plan", 1, "rows[].plan_us + prepare_us (max)"))
@@ -429,6 +500,10 @@ def assumptions_text(fabric: Fabric, rates: LayerRates, inputs: dict | None = No
     if inputs and "up_tflops" in inputs:
         parts.append("GEMM rates (ours, library; up-projection assumed at the down-projection's "
                      "rate): " + _short_src(inputs["up_tflops"]["source"]) + ".")
+    if inputs and "up_measured_tflops" in inputs:
+        parts.append("Dashed: the up-projection at its measured rate in the layer's band order "
+                     "(ours and the library's GEMM, nearest measured point): "
+                     + _short_src(inputs["up_measured_tflops"]["source"]) + ".")
     parts.append(f"Dispatch never run on a GPU: send at the consumer's rate by SMs (2-GPU "
                  f"H200), IB transport not built (stated {fabric.ib_gbps:.0f} GB/s, "
                  f"{fabric.ib_latency_us:.0f} us), expand at {rates.expand_gbps_per_sm:.0f} GB/s "
@@ -444,7 +519,7 @@ def assumptions_text(fabric: Fabric, rates: LayerRates, inputs: dict | None = No
 def format_table(rows: list[dict]) -> str:
     hdr = (f"{'model':<16}{'T':>6}{'W':>4}{'dcta':>5}{'ccta':>5}{'send':>7}{'up':>7}"
            f"{'disp||up':>9}{'combine':>8}{'layer':>8}{'built':>8}{'seq(a)':>8}{'comb(b)':>8}"
-           f"{'x(a)':>6}{'x(b)':>6}")
+           f"{'x(a)':>6}{'x(b)':>6}{'up meas':>8}{'x(a)m':>6}{'x(b)m':>6}")
     lines = [hdr, "-" * len(hdr)]
     for r in rows:
         lines.append(
@@ -452,7 +527,10 @@ def format_table(rows: list[dict]) -> str:
             f"{r['ccta']:>5}{r['t_send']:>7.2f}{r['t_up']:>7.2f}{r['t_dispatch_up']:>9.2f}"
             f"{r['t_combine']:>8.2f}{r['t_layer']:>8.2f}{r['built']['t_layer']:>8.2f}"
             f"{r['t_seq']:>8.2f}{r['t_combine_only']:>8.2f}{r['speedup_vs_seq']:>6.2f}"
-            f"{r['speedup_vs_combine_only']:>6.2f}")
+            f"{r['speedup_vs_combine_only']:>6.2f}"
+            + (f"{r['up_measured']['t_up']:>8.2f}{r['up_measured']['speedup_vs_seq']:>6.2f}"
+               f"{r['up_measured']['speedup_vs_combine_only']:>6.2f}" if "up_measured" in r
+               else f"{'-':>8}{'-':>6}{'-':>6}"))
     return "\n".join(lines)
 
 
@@ -475,6 +553,9 @@ def plot(rows: list[dict], path: str, fabric: Fabric, rates: LayerRates,
                 label="vs (b) combine-only overlap")
         ax.plot(Ws, [r["built"]["speedup_vs_combine_only"] for _, r in pts], ":^",
                 label="as built vs (b)")
+        if all("up_measured" in r for _, r in pts):
+            ax.plot(Ws, [r["up_measured"]["speedup_vs_combine_only"] for _, r in pts], "--v",
+                    label="vs (b), up-projection at its measured rate")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{m} @ {T}")
@@ -506,16 +587,22 @@ def write(rows, path_json, fabric, cost, rates, meta, inputs=None, bytes_check=N
 
 def summary(rows: list[dict]) -> dict:
     """Per model@tokens: the W at which the layer is projected faster than each baseline, and
-    the speedups by W (the prediction NOTES states)."""
+    the speedups by W (the prediction NOTES states); with the up-projection's measured rates
+    too where the rows have them."""
     out = {}
     for r in rows:
         s = out.setdefault(f"{r['model']}@{r['tokens_per_rank']}", dict(vs_seq={}, vs_combine_only={}))
         s["vs_seq"][r["world_size"]] = round(r["speedup_vs_seq"], 3)
         s["vs_combine_only"][r["world_size"]] = round(r["speedup_vs_combine_only"], 3)
+        if "up_measured" in r:
+            m = s.setdefault("up_measured", dict(vs_seq={}, vs_combine_only={}))
+            m["vs_seq"][r["world_size"]] = round(r["up_measured"]["speedup_vs_seq"], 3)
+            m["vs_combine_only"][r["world_size"]] = round(
+                r["up_measured"]["speedup_vs_combine_only"], 3)
     return out
 
 
-__all__ = ["ASSUMPTIONS", "LayerRates", "best_layer", "check_bytes", "draw_ids", "input_sources",
+__all__ = ["ASSUMPTIONS", "LayerRates", "UPPROJ_FILE", "UpRates", "best_layer", "check_bytes", "draw_ids", "input_sources",
            "format_table", "layer_rows", "plot", "predict_layer", "project_layer", "band_ready",
            "gemm_finish",
            "summary", "write"]
