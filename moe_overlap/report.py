@@ -101,6 +101,7 @@ READ_BY = {
     "projection_combine_w2_64.json": ("README.md",),
     "projection_combine_w2_64.png": ("README.md",),
     "projection_layer.json": ("README.md", "tests/test_projection_layer.py"),
+    "upproj_models_h100_4b575ea_diag.json": ("moe_overlap/combine/projection_layer.py",),
     "projection_layer.png": ("README.md",),
     "packed_gemm_h200_expert_order_70a95b6.json": ("README.md",),
     "producer_models_h100_f213944_s1.json": ("moe_overlap/combine/projection.py",

@@ -13,7 +13,8 @@ import pytest
 
 from moe_overlap.combine.dispatch_dedup import dispatch_wire_bytes
 from moe_overlap.combine.projection import Fabric, ProducerRates
-from moe_overlap.combine.projection_layer import (UPPROJ_FILE, LayerRates, UpRates, best_layer,
+from moe_overlap.combine.projection_layer import (UPPROJ_EXTRA, UPPROJ_FILE, LayerRates, UpRates,
+                                                  best_layer,
                                                   check_bytes, draw_ids, layer_rows,
                                                   predict_layer, project_layer)
 from moe_overlap.combine.shapes import MODELS
@@ -152,6 +153,11 @@ def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection
     up = UpRates.from_doc(doc)
     pts = [p for p in doc["points"] if p["world_size"] > 1]
     assert pts and len(up.points) == len(pts)
+    extra = [_load(name) for name in UPPROJ_EXTRA]
+    both = UpRates.from_doc(*extra, doc)  # the headline last: its points win
+    for p in pts:
+        assert both.points[(p["model"], p["tokens"], p["world_size"], p["routing"])] == \
+            up.points[(p["model"], p["tokens"], p["world_size"], p["routing"])]
     for p in pts:
         o, b, label = up.points[(p["model"], p["tokens"], p["world_size"], p["routing"])]
         assert label == p["label"]

@@ -67,6 +67,9 @@ from .tuning import CCTA_CHOICES, CostModel
 PLAN_FILE = "plan_kernel2_h200_1622057.json"
 BYTES_FILE = "dispatch_bytes_1bbb111.json"
 UPPROJ_FILE = "upproj_models_h100_4b575ea.json"  # the up-projection's measured rates
+# more points of the same code and options (read first: where both measured a point, the
+# headline's is kept)
+UPPROJ_EXTRA = ("upproj_models_h100_4b575ea_diag.json",)
 ARRIVALS = ("designed", "built")
 UP_GOAL = 0.95  # issue 39: the arrival-gated up-projection >= 0.95x the library (SM-scaled)
 CLASSES = ("local", "nvlink", "ib")
@@ -130,9 +133,10 @@ class UpRates:
     points: dict = field(default_factory=dict)  # (model, T, W, routing) -> (ours, lib, label)
 
     @classmethod
-    def from_doc(cls, doc: dict) -> "UpRates":
+    def from_doc(cls, *docs: dict) -> "UpRates":
+        """The points of every doc; where two measured the same point, the later doc's."""
         pts = {}
-        for p in doc["points"]:
+        for p in (p for doc in docs for p in doc["points"]):
             if p["world_size"] < 2 or not p.get("correct"):
                 continue
             flops_row = 2.0 * p["D"] * p["two_k"]
@@ -461,14 +465,19 @@ def input_sources(root: str | None, cost: CostModel, fabric: Fabric, rates: Laye
         out["up_library_tflops"] = entry(producer.library_tflops, "TFLOP/s",
                                          "the baselines' up-projection rate (library)",
                                          out["library_tflops"]["source"], "up_gemm_rate")
-    if up is not None:
-        up_src = src(UPPROJ_FILE, "upproj", 1, "points[]: plan_rows, ms, grid (ours); "
-                     "valid_rows, base_gemm_alone_ms (library)")
-        for key, i, what in (("up_measured_tflops", 0, "ours"),
-                             ("up_measured_library_tflops", 1, "the library's GEMM alone")):
-            out[key] = entry({f"{m}@{t}/W{w}/{r}": v[i] for (m, t, w, r), v in up.points.items()},
-                             "TFLOP/s", f"up_measured: the up-projection's measured rate, {what}, "
-                             "per point", up_src, "up_rate_nearest")
+    if up is not None and root is not None:
+        # one entry per file and rate, each with its file as the source
+        for i, name in enumerate((UPPROJ_FILE,) + UPPROJ_EXTRA):
+            with open(os.path.join(root, "bench", "results", name)) as f:
+                own = UpRates.from_doc(json.load(f)).points
+            sfx = f"_{i}" if i else ""
+            for key, j, what in (("up_measured_tflops", 0, "ours"),
+                                 ("up_measured_library_tflops", 1, "the library's GEMM alone")):
+                out[key + sfx] = entry(
+                    {f"{m}@{t}/W{w}/{r}": v[j] for (m, t, w, r), v in own.items()}, "TFLOP/s",
+                    f"up_measured: the up-projection's measured rate, {what}, per point",
+                    src(name, "upproj", 1, "points[]: plan_rows, ms, grid (ours); valid_rows, "
+                        "base_gemm_alone_ms (library)"), "up_rate_nearest")
     out["plan_prepare_us"] = entry(rates.plan_prepare_us, "us", "plan + prepare kernels before "
                                    "the first expand (the largest of W = 2..64)",
                                    src(PLAN_FILE, "plan", 1, "rows[].plan_us + prepare_us (max)"))
@@ -500,10 +509,12 @@ def assumptions_text(fabric: Fabric, rates: LayerRates, inputs: dict | None = No
     if inputs and "up_tflops" in inputs:
         parts.append("GEMM rates (ours, library; up-projection assumed at the down-projection's "
                      "rate): " + _short_src(inputs["up_tflops"]["source"]) + ".")
-    if inputs and "up_measured_tflops" in inputs:
+    measured = [e["source"] for k, e in (inputs or {}).items()
+                if k.startswith("up_measured_tflops")]
+    if measured:
         parts.append("Dashed: the up-projection at its measured rate in the layer's band order "
                      "(ours and the library's GEMM, nearest measured point): "
-                     + _short_src(inputs["up_measured_tflops"]["source"]) + ".")
+                     + "; ".join(_short_src(m) for m in measured) + ".")
     parts.append(f"Dispatch never run on a GPU: send at the consumer's rate by SMs (2-GPU "
                  f"H200), IB transport not built (stated {fabric.ib_gbps:.0f} GB/s, "
                  f"{fabric.ib_latency_us:.0f} us), expand at {rates.expand_gbps_per_sm:.0f} GB/s "
@@ -602,7 +613,7 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-__all__ = ["ASSUMPTIONS", "LayerRates", "UPPROJ_FILE", "UpRates", "best_layer", "check_bytes", "draw_ids", "input_sources",
+__all__ = ["ASSUMPTIONS", "LayerRates", "UPPROJ_EXTRA", "UPPROJ_FILE", "UpRates", "best_layer", "check_bytes", "draw_ids", "input_sources",
            "format_table", "layer_rows", "plot", "predict_layer", "project_layer", "band_ready",
            "gemm_finish",
            "summary", "write"]
