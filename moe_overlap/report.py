@@ -104,8 +104,7 @@ READ_BY = {
     "upproj_models_h100_4b575ea_diag.json": ("moe_overlap/combine/projection_layer.py",),
     "projection_layer.png": ("README.md",),
     "packed_gemm_h200_expert_order_70a95b6.json": ("README.md",),
-    "producer_models_h100_f213944_s1.json": ("moe_overlap/combine/projection.py",
-                                             "tests/test_projection_layer.py"),
+    "producer_models_h100_fffb23c_grid.json": ("moe_overlap/combine/projection.py",),
 }
 
 BEGIN, END = "<!-- report:status:begin -->", "<!-- report:status:end -->"

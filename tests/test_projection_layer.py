@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from moe_overlap.combine.dispatch_dedup import dispatch_wire_bytes
-from moe_overlap.combine.projection import Fabric, ProducerRates
+from moe_overlap.combine.projection import PRODUCER_FILE, Fabric, ProducerRates
 from moe_overlap.combine.projection_layer import (UPPROJ_EXTRA, UPPROJ_FILE, LayerRates, UpRates,
                                                   best_layer,
                                                   check_bytes, draw_ids, layer_rows,
@@ -32,7 +32,7 @@ def _load(name):
 
 @pytest.fixture(scope="module")
 def rates():
-    prod = ProducerRates.from_doc(_load("producer_models_h100_f213944_s1.json"))
+    prod = ProducerRates.from_doc(_load(PRODUCER_FILE))
     ours, lib = prod.cost_models(MODEL, 1024, CostModel())
     return ours, lib, LayerRates.from_results(ROOT)
 

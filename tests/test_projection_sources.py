@@ -67,8 +67,8 @@ def test_combine_json_and_printout_name_every_input(combine_run):
         assert f"  {name} = " in stdout, name  # printed too
     src = inputs["producer_tflops"]["source"]
     assert (src["file"], src["card"], src["gpus"], src["date"], src["commit"]) == (
-        "bench/results/" + cp.PRODUCER_FILE, "H100", 1, "2026-12-06", "f213944")
-    assert cp.PRODUCER_FILE + " (H100, 1 GPU, 2026-12-06, f213944; " in stdout
+        "bench/results/" + cp.PRODUCER_FILE, "H100", 1, "2026-12-07", "fffb23c")
+    assert cp.PRODUCER_FILE + " (H100, 1 GPU, 2026-12-07, fffb23c; " in stdout
     # the link rates from the last 2-GPU runs, dated
     for k in ("copy_gbps", "nvlink_gbps"):
         s = inputs[k]["source"]

@@ -52,7 +52,11 @@ from ..provenance import Git, result_source, source_text
 from ..routing import routing_counts
 
 # bench/results/ files the rates come from (relative to it)
-PRODUCER_FILE = "producer_models_h100_f213944_s1.json"
+PRODUCER_FILE = "producer_models_h100_fffb23c_grid.json"  # the producer row's H100 headline
+# the points of PRODUCER_FILE the rates come from: one per model@tokens, rank 0's plan at W = 8
+# of a skewed routing (the slower of the grid's two routings for the combine: its rank 0 holds
+# more rows than the mean)
+PRODUCER_POINT = dict(world_size=8, routing="skewed")
 CONSUMER_FILE = "combine_split_2xh200_pieces.json"
 LINK_FILE = "consumer_run5_large_2xh200.json"
 SCALE_FILE = "scale_bench_h200.json"
@@ -92,13 +96,23 @@ def _nearest(table: dict, model: str, tokens: int):
     return pts[min(pts, key=lambda t: abs(math.log(t / max(tokens, 1))))]
 
 
+def _producer_points(doc: dict) -> list:
+    """The points of a producer file the rates come from (`PRODUCER_POINT`), at most one per
+    model@tokens."""
+    pts = [p for p in doc["points"] if all(p.get(k) == v for k, v in PRODUCER_POINT.items())]
+    keys = [f"{p['model']}@{p['tokens']}" for p in pts]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"two {PRODUCER_POINT} points of one model@tokens in the producer file")
+    return pts
+
+
 @dataclass
 class ProducerRates:
-    """The GEMM rates per model@tokens (TFLOP/s) from the producer bench's W > 1 points (the
-    combine's case: packed plans, ccta SMs left to the consumer): ours on the plan's rows
-    (padding included) per SM of its grid, times num_sms (CostModel.gemm_tflops' unit), and the
-    library (the faster of torch._grouped_mm and a per-expert mm loop) on the valid rows on every
-    SM. The bench's routing is skewed; the projection's may not be."""
+    """The GEMM rates per model@tokens (TFLOP/s) from the producer bench's points of
+    `PRODUCER_POINT` (the combine's case: ccta SMs left to the consumer): ours on the plan's
+    rows (padding included) per SM of its grid, times num_sms (CostModel.gemm_tflops' unit), and
+    the library (the faster of torch._grouped_mm and a per-expert mm loop) on the valid rows on
+    every SM. The bench's routing is skewed; the projection's may not be."""
     producer_tflops: dict = field(default_factory=dict)
     library_tflops: dict = field(default_factory=dict)
     world_size: int = 8  # the W of the points read
@@ -106,13 +120,12 @@ class ProducerRates:
 
     @classmethod
     def from_doc(cls, doc: dict, tokens=None) -> "ProducerRates":
-        """Rates of the W > 1 points of a bench_producer_models result (its "ours_variant");
-        tokens: only these token counts (None: all)."""
+        """Rates of the `PRODUCER_POINT` points of a bench_producer_models result (its
+        "ours_variant"); tokens: only these token counts (None: all)."""
         ours = doc.get("ours_variant", "default")
-        pts = [p for p in doc["points"] if p["world_size"] > 1
-               and (tokens is None or p["tokens"] in tokens)]
+        pts = [p for p in _producer_points(doc) if tokens is None or p["tokens"] in tokens]
         if not pts:
-            raise ValueError("no W > 1 point in the producer file")
+            raise ValueError(f"no {PRODUCER_POINT} point in the producer file")
         Ws = {p["world_size"] for p in pts}
         prod, lib = {}, {}
         for p in pts:
@@ -133,13 +146,13 @@ class ProducerRates:
 
 
 def check_producer(doc: dict) -> dict:
-    """The GEMM rates of one measured token count predicting the other: per W > 1 point of the
-    producer file, the producer's and the library's time and their ratio from the rates of the
+    """The GEMM rates of one measured token count predicting the other: per `PRODUCER_POINT`
+    point of the producer file, the producer's and the library's time and their ratio from the rates of the
     same model at the nearest other token count (predicted / measured - 1). Summary: mean and
     max |error| of "producer_ms", "library_ms" and "ratio" (ours / library, the GEMM part of the
     speedup), and the points."""
     ours = doc.get("ours_variant", "default")
-    pts = [p for p in doc["points"] if p["world_size"] > 1]
+    pts = _producer_points(doc)
     per = []
     for p in pts:
         other = sorted({q["tokens"] for q in pts if q["model"] == p["model"]} - {p["tokens"]})
@@ -189,7 +202,7 @@ def input_sources(root: str | None, cost: CostModel, fabric: Fabric,
     git = git or (Git(root) if root else None)
     out = {}
     if producer is not None:
-        s = src(PRODUCER_FILE, "producer", 1, "points[W > 1]: variants[ours_variant].plan_rows, "
+        s = src(PRODUCER_FILE, "producer", 1, "points[W 8, skewed]: variants[ours_variant].plan_rows, "
                 ".ms, .grid; base_ms, gflop")
         out["producer_tflops"] = entry(producer.producer_tflops, "TFLOP/s (per SM of its grid x num_sms)",
                                        "our producer as MoECombine launches it at W = "
