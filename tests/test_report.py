@@ -88,3 +88,24 @@ def test_in_place_baseline_figure_is_the_ffn_model():
     from moe_overlap.report import in_place_baseline_bytes
     for M, hidden, N in ((8192, 7168, 4096), (32768, 9216, 7168), (4096, 1024, 7168)):
         assert in_place_baseline_bytes(M, hidden, N) == baseline_activation_bytes(M, hidden, N)
+
+
+def test_the_ranks_row_names_every_checks_commit_and_is_no_fresher_than_any():
+    """The ranks headline merges runs of several commits: its status row names the commit of
+    every check, and its freshness is the least fresh of theirs (a module that last ran before
+    a dependency changed keeps the row stale, whatever the file's last run)."""
+    import json
+    (name,) = report.HEADLINE["ranks"][1]
+    with open(os.path.join(ROOT, "bench", "results", name)) as f:
+        d = json.load(f)
+    commits = {c.get("commit", d["commit"]) for c in d["checks"].values()}
+    assert len(commits) > 1  # a merged file: else this checks nothing
+    line = next(ln for ln in report.build(ROOT)["README.md"].splitlines()
+                if ln.startswith("| " + report.ROW_OF["ranks"] + " |"))
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    assert set(cells[5].split(", ")) == commits
+    rank = {"current": 0, "unknown": 1, "stale": 2}
+    states = [report.freshness(ROOT, "ranks", dict(d, commit=c))["state"] for c in commits]
+    shown = ("stale" if cells[6].startswith("**stale**") else
+             "current" if cells[6].startswith("current") else "unknown")
+    assert rank[shown] == max(rank[s] for s in states), (cells[6], states)

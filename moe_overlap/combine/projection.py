@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import statistics
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -147,10 +145,10 @@ class ProducerRates:
 
 def check_producer(doc: dict) -> dict:
     """The GEMM rates of one measured token count predicting the other: per `PRODUCER_POINT`
-    point of the producer file, the producer's and the library's time and their ratio from the rates of the
-    same model at the nearest other token count (predicted / measured - 1). Summary: mean and
-    max |error| of "producer_ms", "library_ms" and "ratio" (ours / library, the GEMM part of the
-    speedup), and the points."""
+    point of the producer file, the producer's and the library's time and their ratio from the
+    rates of the same model at the nearest other token count (predicted / measured - 1). Summary:
+    mean and max |error| of "producer_ms", "library_ms" and "ratio" (ours / library, the GEMM
+    part of the speedup), and the points."""
     ours = doc.get("ours_variant", "default")
     pts = _producer_points(doc)
     per = []
@@ -202,8 +200,8 @@ def input_sources(root: str | None, cost: CostModel, fabric: Fabric,
     git = git or (Git(root) if root else None)
     out = {}
     if producer is not None:
-        s = src(PRODUCER_FILE, "producer", 1, "points[W 8, skewed]: variants[ours_variant].plan_rows, "
-                ".ms, .grid; base_ms, gflop")
+        s = src(PRODUCER_FILE, "producer", 1, "points[W 8, skewed]: "
+                "variants[ours_variant].plan_rows, .ms, .grid; base_ms, gflop")
         out["producer_tflops"] = entry(producer.producer_tflops, "TFLOP/s (per SM of its grid x num_sms)",
                                        "our producer as MoECombine launches it at W = "
                                        f"{producer.world_size}, on the plan's rows, per model@tokens",

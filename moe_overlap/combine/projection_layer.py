@@ -613,7 +613,6 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-__all__ = ["ASSUMPTIONS", "LayerRates", "UPPROJ_EXTRA", "UPPROJ_FILE", "UpRates", "best_layer", "check_bytes", "draw_ids", "input_sources",
-           "format_table", "layer_rows", "plot", "predict_layer", "project_layer", "band_ready",
-           "gemm_finish",
-           "summary", "write"]
+__all__ = ["ASSUMPTIONS", "UPPROJ_EXTRA", "UPPROJ_FILE", "band_ready", "best_layer", "check_bytes",
+           "draw_ids", "format_table", "gemm_finish", "input_sources", "layer_rows", "LayerRates",
+           "plot", "predict_layer", "project_layer", "summary", "UpRates", "write"]
