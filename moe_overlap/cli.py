@@ -396,9 +396,9 @@ def cmd_project_ffn(args) -> int:
 
 def cmd_project_layer(args) -> int:
     from .combine.projection import PRODUCER_FILE, Fabric, ProducerRates, check_producer
-    from .combine.projection_layer import (BYTES_FILE, UPPROJ_EXTRA, UPPROJ_FILE, LayerRates,
-                                           UpRates, check_bytes, format_table, input_sources,
-                                           plot, project_layer, summary, write)
+    from .combine.projection_layer import (BYTES_FILE, LayerRates, UpRates, check_bytes,
+                                           format_table, input_sources, plot, project_layer,
+                                           summary, write)
     from .combine.projection import format_sources
     from .combine.tuning import CostModel
     cost = CostModel()
@@ -412,11 +412,7 @@ def cmd_project_layer(args) -> int:
         producer, producer_check = ProducerRates.from_doc(pdoc), check_producer(pdoc)
         with open(os.path.join(root, RESULTS, BYTES_FILE)) as f:
             bytes_doc = json.load(f)
-        up_docs = []
-        for name in UPPROJ_EXTRA + (UPPROJ_FILE,):  # the headline's points last: they win
-            with open(os.path.join(root, RESULTS, name)) as f:
-                up_docs.append(json.load(f))
-        up = UpRates.from_doc(*up_docs)
+        up = UpRates.from_files(root)
     rates = LayerRates.from_results(root)
     inputs = input_sources(root, cost, fabric, rates, producer, up=up)
     rows = project_layer(models=args.models, worlds=args.world_sizes, tokens=args.tokens,

@@ -14,8 +14,7 @@ import pytest
 from moe_overlap.combine.dispatch_dedup import dispatch_wire_bytes
 from moe_overlap.combine.projection import PRODUCER_FILE, Fabric, ProducerRates
 from moe_overlap.combine.projection_layer import (UPPROJ_EXTRA, UPPROJ_FILE, LayerRates, UpRates,
-                                                  best_layer,
-                                                  check_bytes, draw_ids, layer_rows,
+                                                  best_layer, check_bytes, draw_ids, layer_rows,
                                                   predict_layer, project_layer)
 from moe_overlap.combine.shapes import MODELS
 from moe_overlap.combine.tuning import CostModel
@@ -153,13 +152,13 @@ def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection
     up = UpRates.from_doc(doc)
     pts = [p for p in doc["points"] if p["world_size"] > 1]
     assert pts and len(up.points) == len(pts)
-    extra = [_load(name) for name in UPPROJ_EXTRA]
-    both = UpRates.from_doc(*extra, doc)  # the headline last: its points win
+    both = UpRates.from_files(ROOT)  # the headline and UPPROJ_EXTRA: the headline's points win
+    assert both.files == (UPPROJ_FILE,) + UPPROJ_EXTRA
+    assert set(both.points) > set(up.points)  # the extra files add points
     for p in pts:
-        assert both.points[(p["model"], p["tokens"], p["world_size"], p["routing"])] == \
-            up.points[(p["model"], p["tokens"], p["world_size"], p["routing"])]
-    for p in pts:
-        o, b, label = up.points[(p["model"], p["tokens"], p["world_size"], p["routing"])]
+        key = (p["model"], p["tokens"], p["world_size"], p["routing"])
+        assert both.points[key] == up.points[key] and both.source[key] == UPPROJ_FILE
+        o, b, label = up.points[key]
         assert label == p["label"]
         flops = 2.0 * p["D"] * p["two_k"]
         # the time back from the rate, as CostModel.gemm_s runs it on the grid's SMs

@@ -67,8 +67,7 @@ from .tuning import CCTA_CHOICES, CostModel
 PLAN_FILE = "plan_kernel2_h200_1622057.json"
 BYTES_FILE = "dispatch_bytes_1bbb111.json"
 UPPROJ_FILE = "upproj_models_h100_4b575ea.json"  # the up-projection's measured rates
-# more points of the same code and options (read first: where both measured a point, the
-# headline's is kept)
+# more points of the same code and options (where both measured a point, the headline's is kept)
 UPPROJ_EXTRA = ("upproj_models_h100_4b575ea_diag.json",)
 ARRIVALS = ("designed", "built")
 UP_GOAL = 0.95  # issue 39: the arrival-gated up-projection >= 0.95x the library (SM-scaled)
@@ -131,6 +130,9 @@ class UpRates:
     faster of grouped_mm and a per-expert loop, without the SwiGLU pass the baselines add) on
     the valid rows on every SM."""
     points: dict = field(default_factory=dict)  # (model, T, W, routing) -> (ours, lib, label)
+    source: dict = field(default_factory=dict)  # the same keys -> the file it was read from
+    files: tuple = ()  # the files read (`from_files`), in their order of precedence
+
 
     @classmethod
     def from_doc(cls, *docs: dict) -> "UpRates":
@@ -145,6 +147,18 @@ class UpRates:
             pts[(p["model"], p["tokens"], p["world_size"], p["routing"])] = (
                 ours / 1e12, lib / 1e12, p["label"])
         return cls(pts)
+
+    @classmethod
+    def from_files(cls, root: str, names=(UPPROJ_FILE,) + UPPROJ_EXTRA) -> "UpRates":
+        """The points of these bench/results files; where two measured the same point, the
+        earlier file's."""
+        up = cls(files=tuple(names))
+        for name in reversed(names):
+            with open(os.path.join(root, "bench", "results", name)) as f:
+                pts = cls.from_doc(json.load(f)).points
+            up.points.update(pts)
+            up.source.update(dict.fromkeys(pts, name))
+        return up
 
     def nearest(self, model: str, tokens: int, W: int, mode: str):
         """(ours, library, label) of the measured point of this model nearest the asked one:
@@ -465,11 +479,10 @@ def input_sources(root: str | None, cost: CostModel, fabric: Fabric, rates: Laye
         out["up_library_tflops"] = entry(producer.library_tflops, "TFLOP/s",
                                          "the baselines' up-projection rate (library)",
                                          out["library_tflops"]["source"], "up_gemm_rate")
-    if up is not None and root is not None:
-        # one entry per file and rate, each with its file as the source
-        for i, name in enumerate((UPPROJ_FILE,) + UPPROJ_EXTRA):
-            with open(os.path.join(root, "bench", "results", name)) as f:
-                own = UpRates.from_doc(json.load(f)).points
+    if up is not None:
+        # one entry per file and rate: the points read from that file, it as their source
+        for i, name in enumerate(up.files):
+            own = {k: v for k, v in up.points.items() if up.source[k] == name}
             sfx = f"_{i}" if i else ""
             for key, j, what in (("up_measured_tflops", 0, "ours"),
                                  ("up_measured_library_tflops", 1, "the library's GEMM alone")):
