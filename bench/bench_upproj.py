@@ -38,6 +38,11 @@ reference; the two baseline GEMMs within 1e-2 (relative norm) of each other. Goa
 goal 3): scaled ratio >= 0.95 on every point; the geometric mean is stated, not a goal. The run
 fails (``failed`` in the JSON, exit status 1) on a wrong output or a missed goal.
 JSON: ``upproj_models_<card>_<commit>[_<tag>].json`` in --out.
+
+    python bench/bench_upproj.py merge RUN.json [RUN.json.partial ...] --out FILE
+
+merges runs of one card, commit and method (a grid split by routing, or a cut run and the
+points after its cut) into one file, summarized as one run.
 """
 from __future__ import annotations
 
@@ -191,8 +196,15 @@ def summarize(doc: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ the GPU part
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+def _rel(a, b, chunk_rows: int = 8192) -> float:
+    """||a - b|| / ||b|| in fp32, a chunk of rows at a time: the largest points' outputs are
+    ~7 GB in bf16, and a whole fp32 difference does not fit beside them."""
+    num = den = 0.0
+    for i in range(0, a.shape[0], chunk_rows):
+        x, y = a[i:i + chunk_rows].float(), b[i:i + chunk_rows].float()
+        num += float((x - y).square().sum())
+        den += float(y.square().sum())
+    return (num ** 0.5) / max(den ** 0.5, 1e-30)
 
 
 def run_point(point: dict, counts: torch.Tensor, res: dict, rounds: int, seed: int) -> dict:
@@ -357,7 +369,57 @@ def dry_run(points, worlds, num_sms: int, device_name: str, cache, plans: bool,
     return out
 
 
+def merge_runs(docs: list, names: list) -> dict:
+    """One document from runs of one card, commit, method and rounds: their points in run
+    order, the routings, each run's name and, for a run cut short (a ``.partial``), how many of
+    its points it finished; a point in two runs is an error."""
+    keys = {(d["device"], d["git_commit"], d["method"], d["rounds"]) for d in docs}
+    if len(keys) != 1:
+        raise ValueError(f"runs differ in card, commit, method or rounds: {sorted(keys)}")
+    out = dict(docs[0], points=[], routings={}, date=max(d["date"] for d in docs),
+               merged_from=[], skipped_points=[])
+    out.pop("partial", None)
+    labels = set()
+    for d, name in zip(docs, names):
+        for p in d["points"]:
+            if p["label"] in labels:
+                raise ValueError(f"point {p['label']} is in two runs")
+            labels.add(p["label"])
+        out["points"] += d["points"]
+        out["routings"].update(d["routings"])
+        out["skipped_points"] += [s for s in d["skipped_points"]
+                                  if s not in out["skipped_points"]]
+        out["merged_from"].append(dict(name=name, points=len(d["points"]),
+                                       **({"partial": d["partial"]} if "partial" in d else {})))
+    return summarize(out)
+
+
+def merge_main(argv) -> int:
+    """``bench_upproj.py merge RUN.json [RUN.json.partial ...] --out FILE``."""
+    import json
+    ap = argparse.ArgumentParser(prog="bench_upproj.py merge",
+                                 description=merge_runs.__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="result files (.json, or .partial of a cut run)")
+    ap.add_argument("--out", required=True, help="the merged file")
+    a = ap.parse_args(argv)
+    try:
+        doc = merge_runs([json.load(open(r)) for r in a.runs],
+                         [os.path.basename(r) for r in a.runs])
+    except ValueError as e:
+        ap.error(str(e))
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    g = doc["goals"]
+    print(f"{a.out}: {len(doc['points'])} points, scaled min {g['min_scaled']:.3f}, geomean "
+          f"{g['geomean_scaled']:.3f}; all correct {doc['all_correct']}")
+    return 0
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     P.add_point_arguments(ap)

@@ -48,11 +48,11 @@ HEADLINE = {
                  ("producer_models_h100_fffb23c_grid.json",
                   "producer_models_h200_fc47bea_s23.json")),
     "upproj": ("Arrival-gated SwiGLU up-projection as MoELayer launches it, every band arrived",
-               ("upproj_models_h100_4b575ea.json",)),
+               ("upproj_models_h100_486caa4.json",)),
     "layer": ("One MoE layer end to end on one GPU (W = 1), ours against the same-scale base",
               ("moe_layer_1x_h100_fffb23c.json",)),
     "ranks": ("Multi-rank checks with the ranks sharing one GPU (correctness only)",
-              ("ranks_onegpu_h100_4b575ea.json",)),
+              ("ranks_onegpu_h100_486caa4.json",)),
     "dispatch_bytes": ("Dispatch bytes on the wire: once per destination rank vs once per "
                        "assignment (counted from routings, no GPU)",
                        ("dispatch_bytes_1bbb111.json",)),
@@ -101,7 +101,6 @@ READ_BY = {
     "projection_combine_w2_64.json": ("README.md",),
     "projection_combine_w2_64.png": ("README.md",),
     "projection_layer.json": ("README.md", "tests/test_projection_layer.py"),
-    "upproj_models_h100_4b575ea_diag.json": ("moe_overlap/combine/projection_layer.py",),
     "projection_layer.png": ("README.md",),
     "packed_gemm_h200_expert_order_70a95b6.json": ("README.md",),
     "producer_models_h100_fffb23c_grid.json": ("moe_overlap/combine/projection.py",),
@@ -329,7 +328,8 @@ def upproj(root):
     cell = (f"{_card(d.get('device', '?'))}: our fused SwiGLU GEMM / the faster of "
             f"torch._grouped_mm and a per-expert loop plus SwiGLU on the unpadded rows, "
             f"{len(scaled)} points ({', '.join(sorted({p['model'] for p in d['points']}))}; "
-            f"W {sorted({p['world_size'] for p in d['points']})}; skewed): "
+            f"W {sorted({p['world_size'] for p in d['points']})}; "
+            f"{', '.join(sorted({p['routing'] for p in d['points']}))}): "
             f"{_rng(scaled, '{:.2f}')}x scaled by SMs, geometric mean {g['geomean_scaled']:.3f} "
             f"({_losses(scaled)}; goal >= {g['goal_scaled']} everywhere: "
             f"{'met' if g['met'] else 'not met'}); every output correct: {d['all_correct']}")

@@ -13,7 +13,7 @@ import pytest
 
 from moe_overlap.combine.dispatch_dedup import dispatch_wire_bytes
 from moe_overlap.combine.projection import PRODUCER_FILE, Fabric, ProducerRates
-from moe_overlap.combine.projection_layer import (UPPROJ_EXTRA, UPPROJ_FILE, LayerRates, UpRates,
+from moe_overlap.combine.projection_layer import (UPPROJ_FILE, LayerRates, UpRates,
                                                   best_layer, check_bytes, draw_ids, layer_rows,
                                                   predict_layer, project_layer)
 from moe_overlap.combine.shapes import MODELS
@@ -143,7 +143,8 @@ def test_a_planted_defect_in_a_stage_moves_the_result(rates, rows16):
     assert slow["t_seq"] == pytest.approx(good["t_seq"])
 
 
-def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection(rates, rows16):
+def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection(rates, rows16,
+                                                                                 tmp_path):
     """UpRates reads the up-projection file's times back (ours: the plan's rows on its grid's
     SMs; the library: the valid rows on every SM), picks the routing before W before tokens,
     and in predict_layer moves the up-projection stages and nothing of the combine."""
@@ -152,12 +153,24 @@ def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection
     up = UpRates.from_doc(doc)
     pts = [p for p in doc["points"] if p["world_size"] > 1]
     assert pts and len(up.points) == len(pts)
-    both = UpRates.from_files(ROOT)  # the headline and UPPROJ_EXTRA: the headline's points win
-    assert both.files == (UPPROJ_FILE,) + UPPROJ_EXTRA
-    assert set(both.points) > set(up.points)  # the extra files add points
+    assert UpRates.from_files(ROOT).points == up.points
+    # precedence: a second file's points add where the first has none, and lose where both do
+    res = tmp_path / "bench" / "results"
+    res.mkdir(parents=True)
+    (res / "a.json").write_text(json.dumps(doc))
+    other = json.loads(json.dumps(doc))
+    for q in other["points"]:
+        q["ms"] *= 2.0
+    added = dict(other["points"][-1], tokens=12345, label="added")
+    other["points"].append(added)
+    (res / "b.json").write_text(json.dumps(other))
+    both = UpRates.from_files(str(tmp_path), ("a.json", "b.json"))
+    assert both.files == ("a.json", "b.json")
+    add_key = (added["model"], 12345, added["world_size"], added["routing"])
+    assert set(both.points) == set(up.points) | {add_key} and both.source[add_key] == "b.json"
     for p in pts:
         key = (p["model"], p["tokens"], p["world_size"], p["routing"])
-        assert both.points[key] == up.points[key] and both.source[key] == UPPROJ_FILE
+        assert both.points[key] == up.points[key] and both.source[key] == "a.json"
         o, b, label = up.points[key]
         assert label == p["label"]
         flops = 2.0 * p["D"] * p["two_k"]
@@ -173,6 +186,9 @@ def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection
     assert table.nearest("m", 4096, 4, "skewed")[2] == "a"
     assert table.nearest("m", 4096, 4, "balanced")[2] == "b"  # then W: 2 and 8 tie on log, b
     assert table.nearest("other", 4096, 8, "balanced") is None
+    table.points[("m", 4096, 8, "balanced")] = (4.0, 4.0, "d")
+    assert table.nearest("m", 4096, 4, "balanced")[2] == "d"  # W 2 and 8 tie: the larger
+    assert table.nearest("m", 4096, 3, "balanced")[2] == "b"  # 2 is nearer in log scale
     # the down-projection's own rates given as up_rates: the same prediction
     same = predict_layer(rows16, MODEL, ours, lib, Fabric(), lr,
                          up_rates=(ours.gemm_tflops, lib.gemm_tflops))

@@ -264,3 +264,49 @@ def test_a_run_cut_mid_way_keeps_the_points_it_finished(monkeypatch, tmp_path):
     assert [f.name.endswith(".json.partial") for f in files] == [True]
     doc = json.load(open(files[0]))
     assert doc["partial"] == dict(done=1, of=2) and [p["label"] for p in doc["points"]] == done
+
+
+def _run(scaled, commit="abc1234", routing="r1", date="2026-12-07T10:00", skipped=("s",)):
+    return dict(_doc(scaled), device="NVIDIA H100 80GB HBM3", git_commit=commit, rounds=8,
+                method="m", date=date, skipped_points=list(skipped),
+                routings={routing: {}})
+
+
+def test_merged_runs_are_summarized_over_all_their_points(tmp_path):
+    a = _run([1.2, 1.1])
+    b = _run([0.9], routing="r2", date="2026-12-07T11:00")
+    for p in b["points"]:
+        p["label"] = "q" + p["label"]
+    b["partial"] = dict(done=1, of=2)
+    merged = U.merge_runs([a, b], ["a.json", "b.json.partial"])
+    assert [p["label"] for p in merged["points"]] == ["p0", "p1", "qp0"]
+    g = merged["goals"]
+    assert g["below"] == ["qp0"] and g["geomean_scaled"] == pytest.approx((1.2 * 1.1 * 0.9) ** (1 / 3))
+    assert merged["failed"] and "partial" not in merged
+    assert merged["merged_from"][1] == dict(name="b.json.partial", points=1,
+                                            partial=dict(done=1, of=2))
+    assert merged["date"] == b["date"] and set(merged["routings"]) == {"r1", "r2"}
+    assert merged["skipped_points"] == ["s"]  # the same skipped point named once
+    # the command line writes the same document
+    for name, d in (("a.json", a), ("b.json.partial", b)):
+        (tmp_path / name).write_text(json.dumps(d))
+    assert U.main(["merge", str(tmp_path / "a.json"), str(tmp_path / "b.json.partial"),
+                   "--out", str(tmp_path / "m.json")]) == 0
+    assert json.loads((tmp_path / "m.json").read_text()) == json.loads(json.dumps(merged))
+
+
+def test_runs_of_other_commits_or_with_a_common_point_are_not_merged():
+    with pytest.raises(ValueError, match="differ"):
+        U.merge_runs([_run([1.0]), _run([1.0], commit="def5678")], ["a", "b"])
+    with pytest.raises(ValueError, match="two runs"):
+        U.merge_runs([_run([1.0]), _run([1.0])], ["a", "b"])
+
+
+def test_relative_error_in_row_chunks_is_the_whole_tensors():
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(1000, 37, generator=g)
+    a = b + 1e-3 * torch.randn(1000, 37, generator=g)
+    want = float((a - b).norm() / b.norm())
+    for chunk in (1, 7, 1000, 5000):
+        assert U._rel(a, b, chunk_rows=chunk) == pytest.approx(want, rel=1e-5)
+    assert U._rel(b, b) == 0.0

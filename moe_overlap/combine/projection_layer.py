@@ -66,9 +66,10 @@ from .tuning import CCTA_CHOICES, CostModel
 
 PLAN_FILE = "plan_kernel2_h200_1622057.json"
 BYTES_FILE = "dispatch_bytes_1bbb111.json"
-UPPROJ_FILE = "upproj_models_h100_4b575ea.json"  # the up-projection's measured rates
-# more points of the same code and options (where both measured a point, the headline's is kept)
-UPPROJ_EXTRA = ("upproj_models_h100_4b575ea_diag.json",)
+UPPROJ_FILE = "upproj_models_h100_486caa4.json"  # the up-projection's measured rates
+# more points of the same code and options (where both measured a point, the headline's is kept);
+# none since the headline holds the full grid
+UPPROJ_EXTRA = ()
 ARRIVALS = ("designed", "built")
 UP_GOAL = 0.95  # issue 39: the arrival-gated up-projection >= 0.95x the library (SM-scaled)
 CLASSES = ("local", "nvlink", "ib")
@@ -96,7 +97,8 @@ ASSUMPTIONS = {
              "noise; skewed routings would need the slowest rank)",
     "up_rate_nearest": "up_measured: the up-projection (ours and the library's GEMM) at a model's "
                        "W, tokens and routing not measured runs at the rate of the nearest "
-                       "measured point of that model (the routing first, then W, then tokens)",
+                       "measured point of that model (the routing first, then W, then tokens, "
+                       "then the larger W of two equally near)",
     "nccl_rate_any_w": "NCCL's all-to-all over NVLink keeps its 2-GPU rate at every W in a node",
     "baseline_passes": "the baselines' gather, placement and SwiGLU are one pass each at the "
                        "HBM rate (torch's silu(g) * u is two)",
@@ -162,13 +164,15 @@ class UpRates:
 
     def nearest(self, model: str, tokens: int, W: int, mode: str):
         """(ours, library, label) of the measured point of this model nearest the asked one:
-        the same routing mode first, then W, then tokens nearest in log scale; None where the
-        model has none."""
+        the same routing mode first, then W, then tokens nearest in log scale, then (W between
+        two measured, e.g. 4 between 2 and 8) the larger W: more sources leave fewer bands per
+        (expert, source) group, so the arrival order's weight traffic only grows with W. None
+        where the model has none."""
         cands = [k for k in self.points if k[0] == model]
         if not cands:
             return None
         k = min(cands, key=lambda k: (k[3] != mode, abs(math.log(k[2] / W)),
-                                      abs(math.log(k[1] / tokens))))
+                                      abs(math.log(k[1] / tokens)), -k[2]))
         return self.points[k]
 
 
