@@ -13,6 +13,10 @@ together, expert by expert inside the window, so an expert's bands of w sources 
 side while the first band waits for w - 1 remote sources, not W - 1. w = 1 is
 ``arrival_schedule(order="arrival")``, w >= W its ``order="expert"`` (a CPU test holds both).
 
+window_schedule repeats arrival_schedule's farthest-source count: combine/dispatch_index.py is
+one of the files the README's multi-rank row depends on, left unchanged until that row has been
+rerun; the window becomes an order of arrival_schedule then, if it is worth one.
+
 Each window is one run of bench_upproj over the selected points, in one process (one compile),
 its file tagged ``w<window>`` and recording ``lab_window``; compare ratios within a run and
 windows only on the same machine.
