@@ -14,8 +14,9 @@ import pytest
 from moe_overlap.combine.dispatch_dedup import dispatch_wire_bytes
 from moe_overlap.combine.projection import PRODUCER_FILE, Fabric, ProducerRates
 from moe_overlap.combine.projection_layer import (UPPROJ_FILE, LayerRates, UpRates,
-                                                  best_layer, check_bytes, draw_ids, layer_rows,
-                                                  predict_layer, project_layer)
+                                                  best_layer, check_bytes, draw_ids, gemm_finish,
+                                                  layer_rows, predict_layer, project_layer,
+                                                  window_order)
 from moe_overlap.combine.shapes import MODELS
 from moe_overlap.combine.tuning import CostModel
 
@@ -141,6 +142,62 @@ def test_a_planted_defect_in_a_stage_moves_the_result(rates, rows16):
     assert slow["t_up"] == pytest.approx(2 * good["t_up"])
     assert slow["t_dispatch_up"] > good["t_dispatch_up"]
     assert slow["t_seq"] == pytest.approx(good["t_seq"])
+
+
+@pytest.mark.parametrize("layout", ["aligned", "packed"])
+@pytest.mark.parametrize("W,window", [(2, 1), (2, 2), (4, 1), (4, 2), (8, 3), (8, 8)])
+def test_window_order_is_the_labs_schedule(W, window, layout):
+    """window_order, from the groups' rows and starts as the projection has them, walks the
+    plan's bands as bench/lab_upproj_window.py's window_schedule (from the plan's bands)."""
+    import torch
+    from conftest import load_bench
+    from moe_overlap.combine.plan import plan_combine
+    lab = load_bench("lab_upproj_window")
+    El, tm = 3, 64
+    g = torch.Generator().manual_seed(W * 10 + window)
+    for trial in range(3):
+        counts = torch.randint(0, 150, (W, El * W), generator=g)
+        if trial == 1:
+            counts = counts * (torch.rand(W, El * W, generator=g) < 0.3)
+        for r in (0, W - 1):
+            p = plan_combine(counts, r, tile_m=tm, layout=layout)
+            n, rows = int(p.num_bands), int(p.total_rows)
+            assert n == -(-rows // tm)
+            starts = p.expert_row_start[:, None] + p.group_row_start
+            got = window_order(starts, counts[:, r * El:(r + 1) * El].T, r, rows, tm, window)
+            assert got.tolist() == lab.window_schedule(p, counts, window)[:n].tolist()
+    with pytest.raises(ValueError, match="window"):
+        window_order(starts, counts[:, :El].T, 0, rows, tm, 0)
+
+
+def test_a_static_band_walk_is_never_faster_than_the_ready_order(rates, rows16):
+    """gemm_finish in a static order is the ready order's finish where the order is the ready
+    order and never earlier otherwise; predict_layer's window moves the dispatch half only."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    ready = torch.rand(50, generator=g, dtype=torch.float64)
+    assert gemm_finish(ready, 0.01, ready.argsort()) == pytest.approx(gemm_finish(ready, 0.01))
+    for _ in range(20):
+        perm = torch.randperm(50, generator=g)
+        assert gemm_finish(ready, 0.01, perm) >= gemm_finish(ready, 0.01) - 1e-15
+    assert gemm_finish(ready, 0.01, ready.argsort(descending=True)) == pytest.approx(
+        float(ready.max()) + 50 * 0.01)  # the last-ready band first: every band after it
+    ours, lib, lrates = rates
+    base = predict_layer(rows16, MODEL, ours, lib, Fabric(), lrates)
+    W = len(rows16["source_class"])
+    for w in (1, 4, W):
+        win = predict_layer(rows16, MODEL, ours, lib, Fabric(), lrates, window=w)
+        assert str(w) in win["expand_order"]
+        # the same rates: no static walk beats the better of the ready order and "built"
+        assert win["t_dispatch_up"] >= base["t_dispatch_up"] - 1e-12
+        for k in ("t_up", "t_expand", "t_combine", "t_seq", "t_combine_only", "t_send"):
+            assert win[k] == pytest.approx(base[k], rel=1e-12), k
+    # the expert order (one window of every source) waits for the farthest source first
+    one = predict_layer(rows16, MODEL, ours, lib, Fabric(), lrates, window=1)
+    every = predict_layer(rows16, MODEL, ours, lib, Fabric(), lrates, window=W)
+    assert every["t_dispatch_up"] > one["t_dispatch_up"]
+    with pytest.raises(ValueError, match="designed"):
+        predict_layer(rows16, MODEL, ours, lib, Fabric(), lrates, arrival="built", window=2)
 
 
 def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection(rates, rows16,

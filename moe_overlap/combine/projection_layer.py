@@ -199,15 +199,37 @@ def band_ready(group_start, group_rows, group_ready, rows: int, tile_m: int,
     return ready
 
 
-def gemm_finish(ready: torch.Tensor, t_band: float) -> float:
+def gemm_finish(ready: torch.Tensor, t_band: float, order: torch.Tensor | None = None) -> float:
     """When a GEMM at t_band per band (the whole grid's throughput) that takes each band once
-    it is ready, in ready order, ends: max over i of ready_sorted[i] + (bands from i on) x
-    t_band."""
+    it is ready ends: in ready order (order None), max over i of ready_sorted[i] + (bands from
+    i on) x t_band; in a static order (the kernel's schedule: a band waits for every band
+    before it), the same over the running maximum of the ready times in that order."""
     if not ready.numel():
         return 0.0
-    r = ready.sort().values
+    r = ready.sort().values if order is None else torch.cummax(ready[order], 0).values
     left = torch.arange(r.numel(), 0, -1, dtype=torch.float64)
     return float((r + left * t_band).max())
+
+
+def window_order(group_start, group_rows, rank: int, rows: int, tile_m: int,
+                 window: int) -> torch.Tensor:
+    """[bands] the up-projection's static band order in windows of ``window`` rank distances
+    (bench/lab_upproj_window.py's order): by the window of the band's farthest source's
+    distance (s - rank) mod W, then its first expert, then that distance, then band id.
+    group_start / group_rows: [El, W] as `band_ready` takes them."""
+    if window < 1:
+        raise ValueError(f"window={window}: at least 1")
+    g_rows = torch.as_tensor(group_rows)
+    El, W = g_rows.shape
+    nb = -(-rows // tile_m)
+    dist = ((torch.arange(W) - rank) % W).to(torch.float64).expand(El, W)
+    far = band_ready(group_start, g_rows, dist, rows, tile_m).long()
+    # the band's first (lowest) expert: the largest of -e, where a band holds no group's row El
+    neg_e = -torch.arange(El, dtype=torch.float64)[:, None].expand(El, W)
+    first_e = -band_ready(group_start, g_rows, neg_e, rows, tile_m, floor=-El).long()
+    b = torch.arange(nb)
+    key = ((far // window) * (El + 1) + first_e) * (W * nb) + far * nb + b
+    return torch.argsort(key)
 
 
 def layer_rows(model: str, W: int, tokens: int, mode: str = "balanced", seed: int = 0,
@@ -252,15 +274,20 @@ def _link(sent: int, recv: int, row_bytes: int) -> int:
 def predict_layer(lr: dict, model: str, ours: CostModel, lib: CostModel, fabric: Fabric,
                   rates: LayerRates, tile_m: int = 128, mgb: int = 2, dctas: int = 16,
                   ccta: int = 16, arrival: str = "designed", up_goal: float | None = None,
-                  up_rates: tuple | None = None) -> dict:
+                  up_rates: tuple | None = None, window: int | None = None) -> dict:
     """Stage times (seconds) of one call of rank lr's layer and of both baselines (module
     docstring). ours / lib: CostModels with our and the library's GEMM rate. up_goal: the
     up-projection at least at this fraction of the library's speed on the valid rows, scaled
     by its SMs (issue 39's goal 0.95), where the producer's measured rate is below it.
     up_rates: (ours, library) TFLOP/s of the up-projection (`UpRates`) in place of ours' and
-    lib's GEMM rates for that GEMM, ours' and the baselines' alike."""
+    lib's GEMM rates for that GEMM, ours' and the baselines' alike.
+    window: the up-projection walks its bands in `window_order` (static: each band after the
+    ones before it) over the per-source expand's ready times, in place of "designed"'s choice
+    (give up_rates measured in that order)."""
     if arrival not in ARRIVALS:
         raise ValueError(f"arrival={arrival!r}: one of {ARRIVALS}")
+    if window is not None and arrival != "designed":
+        raise ValueError("window walks the per-source expand: arrival='designed'")
     E, k, K, D = MODELS[model]
     rows, valid, T = lr["rows"], lr["valid_rows"], lr["tokens"]
     tok_b, idx_b = 2 * D, k * IDS_DTYPE.itemsize  # a token row, its ids
@@ -321,10 +348,16 @@ def predict_layer(lr: dict, model: str, ours: CostModel, lib: CostModel, fabric:
         for s in order:
             start[s] = max(a_s[s], x_end)
             x_end = float(start[s]) + x_s[s]
-        by_source = gemm_finish(band_ready(lr["group_start"], g_rows, start + dur * frac, rows,
-                                           tile_m, floor=arrive["local"]), t_band)
-        if by_source < built:  # the layer takes the better order for the shape (static)
-            t_dispatch_up, expand_order = by_source, "each source as it lands"
+        ready = band_ready(lr["group_start"], g_rows, start + dur * frac, rows, tile_m,
+                           floor=arrive["local"])
+        if window is not None:
+            walk = window_order(lr["group_start"], g_rows, cls.index(0), rows, tile_m, window)
+            t_dispatch_up = gemm_finish(ready, t_band, walk)
+            expand_order = f"each source as it lands, bands in windows of {window}"
+        else:
+            by_source = gemm_finish(ready, t_band)
+            if by_source < built:  # the layer takes the better order for the shape (static)
+                t_dispatch_up, expand_order = by_source, "each source as it lands"
     t_send = max(arrive.values())
     # ----------------------------------------------------------- down-projection || combine
     comb = predict_call(rows, valid, lr["assign_recv_nvlink"], lr["assign_recv_ib"], T, k, K, D,
@@ -363,12 +396,13 @@ def predict_layer(lr: dict, model: str, ours: CostModel, lib: CostModel, fabric:
 def best_layer(lr: dict, model: str, ours: CostModel, lib: CostModel, fabric: Fabric,
                rates: LayerRates, tile_m: int = 128, mgb: int = 2,
                arrival: str = "designed", up_goal: float | None = None,
-               up_rates: tuple | None = None) -> dict:
+               up_rates: tuple | None = None, window: int | None = None) -> dict:
     """predict_layer at the best dctas (dispatch || up) and the best ccta (combine) of
     CCTA_CHOICES, each chosen for its own half; the combine-only baseline takes its best ccta
     too (the same as ours: the combine half is the same model)."""
     choices = [c for c in CCTA_CHOICES if c < ours.num_sms]
-    kw = dict(tile_m=tile_m, mgb=mgb, arrival=arrival, up_goal=up_goal, up_rates=up_rates)
+    kw = dict(tile_m=tile_m, mgb=mgb, arrival=arrival, up_goal=up_goal, up_rates=up_rates,
+              window=window)
     d = min(choices, key=lambda c: predict_layer(lr, model, ours, lib, fabric, rates, dctas=c,
                                                  ccta=choices[0], **kw)["t_dispatch_up"])
     c = min(choices, key=lambda c: predict_layer(lr, model, ours, lib, fabric, rates, dctas=d,
@@ -632,4 +666,4 @@ def summary(rows: list[dict]) -> dict:
 
 __all__ = ["ASSUMPTIONS", "UPPROJ_EXTRA", "UPPROJ_FILE", "band_ready", "best_layer", "check_bytes",
            "draw_ids", "format_table", "gemm_finish", "input_sources", "layer_rows", "LayerRates",
-           "plot", "predict_layer", "project_layer", "summary", "UpRates", "write"]
+           "plot", "predict_layer", "project_layer", "summary", "UpRates", "window_order", "write"]
