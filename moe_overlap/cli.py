@@ -396,9 +396,9 @@ def cmd_project_ffn(args) -> int:
 
 def cmd_project_layer(args) -> int:
     from .combine.projection import PRODUCER_FILE, Fabric, ProducerRates, check_producer
-    from .combine.projection_layer import (BYTES_FILE, LayerRates, UpRates, check_bytes,
-                                           format_table, input_sources, plot, project_layer,
-                                           summary, write)
+    from .combine.projection_layer import (BYTES_FILE, UPPROJ_WINDOW_FILES, LayerRates, UpRates,
+                                           check_bytes, format_table, input_sources, plot,
+                                           project_layer, summary, write)
     from .combine.projection import format_sources
     from .combine.tuning import CostModel
     cost = CostModel()
@@ -406,6 +406,7 @@ def cmd_project_layer(args) -> int:
                     ib_latency_us=args.ib_latency_us)
     root = checkout_root()
     producer = producer_check = bytes_doc = up = None
+    up_windows = ()
     if root:
         with open(os.path.join(root, RESULTS, PRODUCER_FILE)) as f:
             pdoc = json.load(f)
@@ -413,11 +414,12 @@ def cmd_project_layer(args) -> int:
         with open(os.path.join(root, RESULTS, BYTES_FILE)) as f:
             bytes_doc = json.load(f)
         up = UpRates.from_files(root)
+        up_windows = tuple(UpRates.from_files(root, (n,)) for n in UPPROJ_WINDOW_FILES)
     rates = LayerRates.from_results(root)
-    inputs = input_sources(root, cost, fabric, rates, producer, up=up)
+    inputs = input_sources(root, cost, fabric, rates, producer, up=up, up_windows=up_windows)
     rows = project_layer(models=args.models, worlds=args.world_sizes, tokens=args.tokens,
                          mode=args.mode, cost=cost, fabric=fabric, rates=rates,
-                         producer=producer, up=up,
+                         producer=producer, up=up, up_windows=up_windows,
                          progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
     bcheck = check_bytes(rows, bytes_doc) if bytes_doc else None
     print(f"Projection of the MoE layer (not a measurement): {args.mode} routing, rank 0; times "

@@ -14,8 +14,9 @@ import pytest
 from moe_overlap.combine.dispatch_dedup import dispatch_wire_bytes
 from moe_overlap.combine.projection import PRODUCER_FILE, Fabric, ProducerRates
 from moe_overlap.combine.projection_layer import (UPPROJ_FILE, LayerRates, UpRates,
-                                                  best_layer, check_bytes, draw_ids, gemm_finish,
-                                                  layer_rows, predict_layer, project_layer,
+                                                  best_layer, check_bytes, draw_ids,
+                                                  format_table, gemm_finish, layer_rows,
+                                                  predict_layer, project_layer, summary,
                                                   window_order)
 from moe_overlap.combine.shapes import MODELS
 from moe_overlap.combine.tuning import CostModel
@@ -198,6 +199,39 @@ def test_a_static_band_walk_is_never_faster_than_the_ready_order(rates, rows16):
     assert every["t_dispatch_up"] > one["t_dispatch_up"]
     with pytest.raises(ValueError, match="designed"):
         predict_layer(rows16, MODEL, ours, lib, Fabric(), lrates, arrival="built", window=2)
+
+
+def test_the_fastest_measured_band_window_is_taken(rates, tmp_path):
+    """up_windows: one UpRates per lab file (its lab_window), every window tried at its own
+    measured rate, the fastest layer kept; a window 4x faster wins; window 1's static walk is
+    never faster than up_measured's ready order at the same rates; files of two windows do not
+    mix."""
+    doc = _load(UPPROJ_FILE)
+    res = tmp_path / "bench" / "results"
+    res.mkdir(parents=True)
+    for w, speed in ((1, 1.0), (2, 4.0)):
+        d = json.loads(json.dumps(doc))
+        d["lab_window"] = w
+        for q in d["points"]:
+            q["ms"] /= speed
+        (res / f"w{w}.json").write_text(json.dumps(d))
+    u1, u2 = (UpRates.from_files(str(tmp_path), (f"w{w}.json",)) for w in (1, 2))
+    assert (u1.window, u2.window) == (1, 2)
+    with pytest.raises(ValueError, match="windows"):
+        UpRates.from_files(str(tmp_path), ("w1.json", "w2.json"))
+    prod = ProducerRates.from_doc(_load(PRODUCER_FILE))
+    rows = project_layer(models=(MODEL,), worlds=(8,), tokens=(1024,), producer=prod,
+                         up=UpRates.from_doc(doc), up_windows=(u1, u2))
+    (r,) = rows
+    uw = r["up_window"]
+    assert uw["window"] == 2 and set(uw["by_window"]) == {"1", "2"}
+    assert uw["by_window"]["2"] > uw["by_window"]["1"]
+    assert uw["speedup_vs_combine_only"] == pytest.approx(uw["by_window"]["2"], abs=1e-4)
+    assert r["up_measured"]["speedup_vs_combine_only"] >= uw["by_window"]["1"] - 1e-4
+    assert "win" in format_table(rows) and 8 in summary(rows)[f"{MODEL}@1024"]["up_window"][
+        "vs_combine_only"]
+    assert "up_window" not in project_layer(models=(MODEL,), worlds=(8,), tokens=(1024,),
+                                            producer=prod)[0]
 
 
 def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection(rates, rows16,

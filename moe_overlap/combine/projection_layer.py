@@ -70,6 +70,9 @@ UPPROJ_FILE = "upproj_models_h100_486caa4.json"  # the up-projection's measured 
 # more points of the same code and options (where both measured a point, the headline's is kept);
 # none since the headline holds the full grid
 UPPROJ_EXTRA = ()
+# bench/lab_upproj_window.py runs, one file per window of source distances (none measured yet):
+# project_layer's "up_window" takes the best window per row at that window's measured rate
+UPPROJ_WINDOW_FILES = ()
 ARRIVALS = ("designed", "built")
 UP_GOAL = 0.95  # issue 39: the arrival-gated up-projection >= 0.95x the library (SM-scaled)
 CLASSES = ("local", "nvlink", "ib")
@@ -134,11 +137,21 @@ class UpRates:
     points: dict = field(default_factory=dict)  # (model, T, W, routing) -> (ours, lib, label)
     source: dict = field(default_factory=dict)  # the same keys -> the file it was read from
     files: tuple = ()  # the files read (`from_files`), in their order of precedence
+    window: int = 1  # the band order's window of source distances (1: the layer's arrival order)
 
+    @staticmethod
+    def window_of(*docs: dict) -> int:
+        """The docs' window (``lab_window`` of bench/lab_upproj_window.py; 1 where absent: the
+        layer's arrival order); docs of two windows raise."""
+        ws = {int(d.get("lab_window", 1)) for d in docs}
+        if len(ws) != 1:
+            raise ValueError(f"up-projection runs of different band windows: {sorted(ws)}")
+        return ws.pop()
 
     @classmethod
     def from_doc(cls, *docs: dict) -> "UpRates":
         """The points of every doc; where two measured the same point, the later doc's."""
+        window = cls.window_of(*docs) if docs else 1
         pts = {}
         for p in (p for doc in docs for p in doc["points"]):
             if p["world_size"] < 2 or not p.get("correct"):
@@ -148,16 +161,19 @@ class UpRates:
             lib = flops_row * p["valid_rows"] / (p["base_gemm_alone_ms"] * 1e-3)
             pts[(p["model"], p["tokens"], p["world_size"], p["routing"])] = (
                 ours / 1e12, lib / 1e12, p["label"])
-        return cls(pts)
+        return cls(pts, window=window)
 
     @classmethod
     def from_files(cls, root: str, names=(UPPROJ_FILE,) + UPPROJ_EXTRA) -> "UpRates":
         """The points of these bench/results files; where two measured the same point, the
         earlier file's."""
-        up = cls(files=tuple(names))
-        for name in reversed(names):
+        docs = {}
+        for name in names:
             with open(os.path.join(root, "bench", "results", name)) as f:
-                pts = cls.from_doc(json.load(f)).points
+                docs[name] = json.load(f)
+        up = cls(files=tuple(names), window=cls.window_of(*docs.values()))
+        for name in reversed(names):
+            pts = cls.from_doc(docs[name]).points
             up.points.update(pts)
             up.source.update(dict.fromkeys(pts, name))
         return up
@@ -415,11 +431,15 @@ def project_layer(models=("deepseek-v3", "qwen3-235b-a22b"), worlds=(2, 4, 8, 16
                   tokens=(4096, 16384), mode="balanced", tile_m=128, mgb=2, layout="packed",
                   cost: CostModel | None = None, fabric: Fabric | None = None,
                   rates: LayerRates | None = None, producer: ProducerRates | None = None,
-                  up: UpRates | None = None, seed: int = 0, progress=None) -> list[dict]:
+                  up: UpRates | None = None, up_windows=(), seed: int = 0,
+                  progress=None) -> list[dict]:
     """One row per (model, tokens, W) the experts divide: the rows and bytes (`layer_rows`), the
     layer as designed and as built and both baselines at their best SM splits, times in ms;
     with up, also "up_measured": the same with the up-projection's measured rates (ours' and
-    the library's, the nearest measured point) in place of the down-projection's."""
+    the library's, the nearest measured point) in place of the down-projection's; with
+    up_windows (UpRates of windowed band orders, one window each), also "up_window": the layer
+    with its bands walked in each window (`predict_layer(window=)`) at that window's measured
+    rate, the fastest of them and every window's speedup against combine-only."""
     cost, fabric, rates = cost or CostModel(), fabric or Fabric(), rates or LayerRates()
     out = []
     for model in models:
@@ -464,6 +484,23 @@ def project_layer(models=("deepseek-v3", "qwen3-235b-a22b"), worlds=(2, 4, 8, 16
                         t_combine_only=u["t_combine_only"] * 1e3, dctas=u["dctas"],
                         speedup_vs_seq=u["speedup_vs_seq"],
                         speedup_vs_combine_only=u["speedup_vs_combine_only"])
+                tried = []
+                for uw in up_windows:
+                    nw = uw.nearest(model, T, W, mode)
+                    if nw is not None:
+                        tried.append((uw.window, nw, best_layer(
+                            lr, model, ours, lib, fabric, rates, tile_m, mgb, "designed",
+                            up_rates=nw[:2], window=uw.window)))
+                if tried:
+                    w, nw, v = min(tried, key=lambda t: (t[2]["t_layer"], t[0]))
+                    out[-1]["up_window"] = dict(
+                        window=w, point=nw[2], up_tflops=nw[0], library_up_tflops=nw[1],
+                        t_up=v["t_up"] * 1e3, t_dispatch_up=v["t_dispatch_up"] * 1e3,
+                        t_layer=v["t_layer"] * 1e3, dctas=v["dctas"],
+                        speedup_vs_seq=v["speedup_vs_seq"],
+                        speedup_vs_combine_only=v["speedup_vs_combine_only"],
+                        by_window={str(t[0]): round(t[2]["speedup_vs_combine_only"], 4)
+                                   for t in tried})
     return out
 
 
@@ -491,7 +528,7 @@ def check_bytes(rows: list[dict], doc: dict) -> dict:
 
 def input_sources(root: str | None, cost: CostModel, fabric: Fabric, rates: LayerRates,
                   producer: ProducerRates | None, git: Git | None = None,
-                  up: UpRates | None = None) -> dict:
+                  up: UpRates | None = None, up_windows=()) -> dict:
     """The combine projection's inputs (`projection.input_sources`) and the layer's own: the
     up-projection's rates (the producer file, an assumption), the plan + prepare time, the
     expand's and the baselines' HBM rates, the dispatch's send rate (an assumption)."""
@@ -529,6 +566,14 @@ def input_sources(root: str | None, cost: CostModel, fabric: Fabric, rates: Laye
                     f"up_measured: the up-projection's measured rate, {what}, per point",
                     src(name, "upproj", 1, "points[]: plan_rows, ms, grid (ours); valid_rows, "
                         "base_gemm_alone_ms (library)"), "up_rate_nearest")
+    for uw in up_windows:  # lab runs (no README row): the file's own commit and date
+        for name in uw.files:
+            own = {k: v for k, v in uw.points.items() if uw.source[k] == name}
+            out[f"up_window_{uw.window}_tflops"] = entry(
+                {f"{m}@{t}/W{w}/{r}": v[0] for (m, t, w, r), v in own.items()}, "TFLOP/s",
+                f"up_window: the up-projection's measured rate, ours, bands in windows of "
+                f"{uw.window} source distances (bench/lab_upproj_window.py)",
+                src(name, "upproj", 1, "points[]: plan_rows, ms, grid"), "up_rate_nearest")
     out["plan_prepare_us"] = entry(rates.plan_prepare_us, "us", "plan + prepare kernels before "
                                    "the first expand (the largest of W = 2..64)",
                                    src(PLAN_FILE, "plan", 1, "rows[].plan_us + prepare_us (max)"))
@@ -592,7 +637,12 @@ def format_table(rows: list[dict]) -> str:
             f"{r['speedup_vs_combine_only']:>6.2f}"
             + (f"{r['up_measured']['t_up']:>8.2f}{r['up_measured']['speedup_vs_seq']:>6.2f}"
                f"{r['up_measured']['speedup_vs_combine_only']:>6.2f}" if "up_measured" in r
-               else f"{'-':>8}{'-':>6}{'-':>6}"))
+               else f"{'-':>8}{'-':>6}{'-':>6}")
+            + (f"{r['up_window']['window']:>4}{r['up_window']['speedup_vs_combine_only']:>6.2f}"
+               if "up_window" in r else ""))
+    if any("up_window" in r for r in rows):
+        lines[0] += f"{'win':>4}{'x(b)w':>6}"
+        lines[1] = "-" * len(lines[0])
     return "\n".join(lines)
 
 
@@ -618,6 +668,9 @@ def plot(rows: list[dict], path: str, fabric: Fabric, rates: LayerRates,
         if all("up_measured" in r for _, r in pts):
             ax.plot(Ws, [r["up_measured"]["speedup_vs_combine_only"] for _, r in pts], "--v",
                     label="vs (b), up-projection at its measured rate")
+        if all("up_window" in r for _, r in pts):
+            ax.plot(Ws, [r["up_window"]["speedup_vs_combine_only"] for _, r in pts], "-.D",
+                    label="vs (b), the best measured band window")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{m} @ {T}")
@@ -656,14 +709,15 @@ def summary(rows: list[dict]) -> dict:
         s = out.setdefault(f"{r['model']}@{r['tokens_per_rank']}", dict(vs_seq={}, vs_combine_only={}))
         s["vs_seq"][r["world_size"]] = round(r["speedup_vs_seq"], 3)
         s["vs_combine_only"][r["world_size"]] = round(r["speedup_vs_combine_only"], 3)
-        if "up_measured" in r:
-            m = s.setdefault("up_measured", dict(vs_seq={}, vs_combine_only={}))
-            m["vs_seq"][r["world_size"]] = round(r["up_measured"]["speedup_vs_seq"], 3)
-            m["vs_combine_only"][r["world_size"]] = round(
-                r["up_measured"]["speedup_vs_combine_only"], 3)
+        for col in ("up_measured", "up_window"):
+            if col in r:
+                m = s.setdefault(col, dict(vs_seq={}, vs_combine_only={}))
+                m["vs_seq"][r["world_size"]] = round(r[col]["speedup_vs_seq"], 3)
+                m["vs_combine_only"][r["world_size"]] = round(r[col]["speedup_vs_combine_only"],
+                                                              3)
     return out
 
 
-__all__ = ["ASSUMPTIONS", "UPPROJ_EXTRA", "UPPROJ_FILE", "band_ready", "best_layer", "check_bytes",
-           "draw_ids", "format_table", "gemm_finish", "input_sources", "layer_rows", "LayerRates",
+__all__ = ["ASSUMPTIONS", "UPPROJ_EXTRA", "UPPROJ_FILE", "UPPROJ_WINDOW_FILES", "band_ready",
+           "best_layer", "check_bytes", "draw_ids", "format_table", "gemm_finish", "input_sources", "layer_rows", "LayerRates",
            "plot", "predict_layer", "project_layer", "summary", "UpRates", "window_order", "write"]
