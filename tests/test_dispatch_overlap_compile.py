@@ -129,6 +129,37 @@ def test_expand_compiles_with_a_bounded_sys_acquire_wait(W, topk):
         assert ".local" not in e
 
 
+def _loads_then_stores(body: str, load: str, unroll: int):
+    """The row copy's `unroll` 16-byte loads (PTX `load`) come before any 16-byte store, and
+    each loaded vector is stored after the last of them."""
+    loads = [m.start() for m in re.finditer(re.escape(load) + r" \{", body)]
+    assert unroll >= 2 and len(loads) == unroll
+    assert "st.global.v4.u32" not in body[loads[0]:loads[-1]]  # no store between them
+    after = body[loads[-1]:]
+    for m in re.finditer(re.escape(load) + r" \{(%r\d+),", body):
+        assert re.search(rf"st\.global\.v4\.u32 \[[^]]+\], \{{{m.group(1)},", after), m.group(1)
+
+
+@pytest.mark.parametrize("wait", ["all", "per_source"])
+def test_expand_copies_with_its_loads_in_flight_before_their_stores(wait):
+    """The row copy issues COPY_UNROLL 16-byte slot loads, then their stores: one load at a
+    time would leave it bound by the load latency (bench/NOTES.md, session 32)."""
+    from moe_overlap.combine.dispatch_expand import (COPY_UNROLL, build_dispatch_expand,
+                                                     expand_example_args)
+    ptx = _ptx(build_dispatch_expand(8, 8, wait=wait), *expand_example_args(wait=wait))
+    expand = next(e for e in ptx.split(".entry")[1:] if "ld.global.cg.v4.u32" in e)
+    _loads_then_stores(expand, "ld.global.cg.v4.u32", COPY_UNROLL)
+
+
+def test_send_copies_with_its_loads_in_flight_before_their_stores():
+    """The nvlink send's row copy likewise: COPY_UNROLL token-row loads, then their stores to
+    the owner's slot."""
+    from moe_overlap.combine.dispatch_send import (COPY_UNROLL, build_dispatch_send,
+                                                   send_example_args)
+    body = ptx_body(_ptx(build_dispatch_send(8, 8, 256), *send_example_args()))
+    _loads_then_stores(body, "ld.global.v4.u32", COPY_UNROLL)
+
+
 @pytest.mark.parametrize("W,topk", [(2, 2), (8, 8)])
 def test_expand_signal_arrival_releases_the_flags_after_the_rows(W, topk):
     """signal_arrival: every row / gap store of an item, then bar.sync, then thread 0's

@@ -69,6 +69,7 @@ waits (W one-warp CTAs do) and then expands on every SM; its flags need El count
 band. Both stay (``WAITS``).
 """
 DEFAULT_THREADS = 256
+COPY_UNROLL = 4  # 16-byte vectors in flight per thread in the expand's row copy
 WAITS = ("all", "per_source")  # build_dispatch_expand(wait=): MoEDispatch(expand_wait=)
 DEFAULT_CTAS_PER_SM = 2
 DEFAULT_TIMEOUT_NS = 10_000_000_000
@@ -201,31 +202,52 @@ def build_dispatch_expand(world_size: int, topk: int, threads: int = DEFAULT_THR
                     sts(LR, ex + kk, run + ex + kk)
                     kk = kk + Int32(1)
             P.block_sync()
-            p = Int64(tidx)
-            while p < Int64(tot) * n_ch:
-                u = p // n_ch
-                ch = p - u * n_ch
-                r = lds(LR, Int32(u))
-                row = a + r
-                ok = Int32(1)
-                if r >= c:
+            # a batch's (row, chunk) pairs count in 32 bits (tot <= NT * K rows of n_ch
+            # chunks; DispatchExpand.launch checks NT * K * n_ch < 2^31): 32-bit division
+            lim = Int32(tot) * Int32(n_ch)
+            p = tidx
+            while p < lim:
+                # COPY_UNROLL vectors per thread in flight: every load of the group, then its
+                # stores (one load at a time leaves the copy bound by the load latency)
+                oks, dsts, vals = [], [], []
+                for vec in cutlass.range_constexpr(COPY_UNROLL):
+                    at = p + Int32(vec * NT)
                     ok = Int32(0)
-                    if ch == Int64(0):
-                        P.record_error(err, Int32(ERR_DISPATCH_BAD_ROUTE), rank, s,
-                                       Int32(DF_ROW_PAST_GROUP), Int64(r), Int64(c),
-                                       Int64(g))
-                elif row >= out_rows:
-                    ok = Int32(0)
-                    if ch == Int64(0):
-                        P.record_error(err, Int32(ERR_DISPATCH_BAD_ROUTE), rank, s,
-                                       Int32(DF_ROW_PAST_OUT), Int64(row),
-                                       Int64(out_rows), Int64(g))
-                if ok != Int32(0):
-                    src = slot + (Int64(s) * Int64(tmax)
-                                  + Int64(lds(LI, Int32(u)))) * row_bytes
-                    P.st_v4(out + Int64(row) * row_bytes + ch * Int64(16),
-                            P.ld_v4_cg(src + ch * Int64(16)))
-                p = p + Int64(NT)
+                    dst = Int64(0)
+                    w0 = Int32(0)
+                    w1 = Int32(0)
+                    w2 = Int32(0)
+                    w3 = Int32(0)
+                    if at < lim:
+                        u = at // Int32(n_ch)
+                        ch = Int64(at - u * Int32(n_ch))
+                        r = lds(LR, u)
+                        row = a + r
+                        ok = Int32(1)
+                        if r >= c:
+                            ok = Int32(0)
+                            if ch == Int64(0):
+                                P.record_error(err, Int32(ERR_DISPATCH_BAD_ROUTE), rank, s,
+                                               Int32(DF_ROW_PAST_GROUP), Int64(r), Int64(c),
+                                               Int64(g))
+                        elif row >= out_rows:
+                            ok = Int32(0)
+                            if ch == Int64(0):
+                                P.record_error(err, Int32(ERR_DISPATCH_BAD_ROUTE), rank, s,
+                                               Int32(DF_ROW_PAST_OUT), Int64(row),
+                                               Int64(out_rows), Int64(g))
+                        if ok != Int32(0):
+                            src = slot + (Int64(s) * Int64(tmax)
+                                          + Int64(lds(LI, u))) * row_bytes
+                            dst = out + Int64(row) * row_bytes + ch * Int64(16)
+                            w0, w1, w2, w3 = P.ld_v4_cg(src + ch * Int64(16))
+                    oks.append(ok)
+                    dsts.append(dst)
+                    vals.append([w0, w1, w2, w3])
+                for vec in cutlass.range_constexpr(COPY_UNROLL):
+                    if oks[vec] != Int32(0):
+                        P.st_v4(dsts[vec], vals[vec])
+                p = p + Int32(NT * COPY_UNROLL)
             run = run + tot
             P.block_sync()  # the lists are read before the next batch writes them
             i0 = i0 + Int32(NT)
@@ -612,6 +634,10 @@ class DispatchExpand:
         signal_arrival: band_arrived int32 [rows // tile_m], tile_m the plan's."""
         import torch
         from ..kernels.primitives import LaunchCache
+        if self.threads * self.topk * (layout["row_bytes"] // 16) >= 2 ** 31:
+            raise ValueError(f"row_bytes={layout['row_bytes']}: a batch of {self.threads} "
+                             f"tokens x topk {self.topk} rows of it overflows the expand's "
+                             "32-bit chunk count")
         fn = self.compile()
         if self._launcher is None:
             self._launcher = LaunchCache(fn)

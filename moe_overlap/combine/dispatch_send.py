@@ -73,6 +73,7 @@ from .options import TRANSPORTS
 
 DEFAULT_THREADS = 256
 DEFAULT_CTAS = 8
+COPY_UNROLL = 4  # 16-byte vectors in flight per thread in the nvlink row copy
 
 
 def check_transport(transport: str):
@@ -202,14 +203,35 @@ def build_dispatch_send(world_size: int, topk: int, threads: int = DEFAULT_THREA
                                      + (base + Int64(tidx)) * Int64(K * 4), K),
                                 gmem(cutlass.Int32, ids + tok * Int64(K * 4), K), d)
                     else:
-                        i = Int64(tidx)
-                        while i < Int64(n) * n_ch:
-                            r = i // n_ch
-                            c = i - r * n_ch
-                            tok = Int64(b * Int32(NT) + lds(LIST, Int32(r)))
-                            P.st_v4(dst0 + (base + r) * row_bytes + c * Int64(16),
-                                    P.ld_v4(x + tok * row_bytes + c * Int64(16)))
-                            i = i + Int64(NT)
+                        # COPY_UNROLL vectors per thread in flight: the group's loads, then
+                        # its stores (n <= NT rows of n_ch chunks: 32-bit counts, checked by
+                        # DispatchSend.launch)
+                        lim = n * Int32(n_ch)
+                        iv = tidx
+                        while iv < lim:
+                            oks, dsts, vals = [], [], []
+                            for vec in cutlass.range_constexpr(COPY_UNROLL):
+                                at = iv + Int32(vec * NT)
+                                ok = Int32(0)
+                                dst = Int64(0)
+                                w0 = Int32(0)
+                                w1 = Int32(0)
+                                w2 = Int32(0)
+                                w3 = Int32(0)
+                                if at < lim:
+                                    ri = at // Int32(n_ch)
+                                    ci = Int64(at - ri * Int32(n_ch))
+                                    ti = Int64(b * Int32(NT) + lds(LIST, ri))
+                                    ok = Int32(1)
+                                    dst = dst0 + (base + Int64(ri)) * row_bytes + ci * Int64(16)
+                                    w0, w1, w2, w3 = P.ld_v4(x + ti * row_bytes + ci * Int64(16))
+                                oks.append(ok)
+                                dsts.append(dst)
+                                vals.append([w0, w1, w2, w3])
+                            for vec in cutlass.range_constexpr(COPY_UNROLL):
+                                if oks[vec] != Int32(0):
+                                    P.st_v4(dsts[vec], vals[vec])
+                            iv = iv + Int32(NT * COPY_UNROLL)
                         i = Int64(tidx)
                         while i < Int64(n) * Int64(K):
                             r = i // Int64(K)
@@ -348,6 +370,9 @@ class DispatchSend:
         [1]."""
         import torch
         from ..kernels.primitives import LaunchCache
+        if self.threads * (layout["row_bytes"] // 16) >= 2 ** 31:
+            raise ValueError(f"row_bytes={layout['row_bytes']}: a batch of {self.threads} rows "
+                             "of it overflows the send's 32-bit chunk count")
         fn = self.compile()
         if self._launcher is None:
             self._launcher = LaunchCache(fn)
