@@ -232,6 +232,15 @@ def test_the_fastest_measured_band_window_is_taken(rates, tmp_path):
         "vs_combine_only"]
     assert "up_window" not in project_layer(models=(MODEL,), worlds=(8,), tokens=(1024,),
                                             producer=prod)[0]
+    # every rate the windows' rows use is a named input: ours and the library's, per window
+    from moe_overlap.combine.projection_layer import input_sources
+    inputs = input_sources(None, CostModel(), Fabric(), LayerRates(), None, up_windows=(u1, u2))
+    for w, u in ((1, u1), (2, u2)):
+        for key, j in ((f"up_window_{w}_tflops", 0), (f"up_window_{w}_library_tflops", 1)):
+            got = inputs[key]["value"]
+            assert got and got == {f"{m}@{t}/W{ww}/{r}": v[j]
+                                   for (m, t, ww, r), v in u.points.items()}, key
+            assert f"windows of {w} " in inputs[key]["what"]
 
 
 def test_measured_up_rates_are_the_files_times_and_change_only_the_up_projection(rates, rows16,

@@ -554,26 +554,27 @@ def input_sources(root: str | None, cost: CostModel, fabric: Fabric, rates: Laye
         out["up_library_tflops"] = entry(producer.library_tflops, "TFLOP/s",
                                          "the baselines' up-projection rate (library)",
                                          out["library_tflops"]["source"], "up_gemm_rate")
-    if up is not None:
-        # one entry per file and rate: the points read from that file, it as their source
-        for i, name in enumerate(up.files):
-            own = {k: v for k, v in up.points.items() if up.source[k] == name}
+    def measured(u: UpRates, prefix: str, what_of: str):
+        """One entry per file of u and rate (ours, the library's): the points read from that
+        file, it as their source."""
+        for i, name in enumerate(u.files):
+            own = {k: v for k, v in u.points.items() if u.source[k] == name}
             sfx = f"_{i}" if i else ""
-            for key, j, what in (("up_measured_tflops", 0, "ours"),
-                                 ("up_measured_library_tflops", 1, "the library's GEMM alone")):
+            for key, j, what in ((f"{prefix}_tflops", 0, "ours"),
+                                 (f"{prefix}_library_tflops", 1, "the library's GEMM alone")):
                 out[key + sfx] = entry(
                     {f"{m}@{t}/W{w}/{r}": v[j] for (m, t, w, r), v in own.items()}, "TFLOP/s",
-                    f"up_measured: the up-projection's measured rate, {what}, per point",
+                    what_of.format(what=what),
                     src(name, "upproj", 1, "points[]: plan_rows, ms, grid (ours); valid_rows, "
                         "base_gemm_alone_ms (library)"), "up_rate_nearest")
+
+    if up is not None:
+        measured(up, "up_measured",
+                 "up_measured: the up-projection's measured rate, {what}, per point")
     for uw in up_windows:  # lab runs (no README row): the file's own commit and date
-        for name in uw.files:
-            own = {k: v for k, v in uw.points.items() if uw.source[k] == name}
-            out[f"up_window_{uw.window}_tflops"] = entry(
-                {f"{m}@{t}/W{w}/{r}": v[0] for (m, t, w, r), v in own.items()}, "TFLOP/s",
-                f"up_window: the up-projection's measured rate, ours, bands in windows of "
-                f"{uw.window} source distances (bench/lab_upproj_window.py)",
-                src(name, "upproj", 1, "points[]: plan_rows, ms, grid"), "up_rate_nearest")
+        measured(uw, f"up_window_{uw.window}",
+                 "up_window: the up-projection's measured rate, {what}, bands in windows of "
+                 f"{uw.window} source distances (bench/lab_upproj_window.py)")
     out["plan_prepare_us"] = entry(rates.plan_prepare_us, "us", "plan + prepare kernels before "
                                    "the first expand (the largest of W = 2..64)",
                                    src(PLAN_FILE, "plan", 1, "rows[].plan_us + prepare_us (max)"))
