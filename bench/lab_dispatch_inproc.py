@@ -16,8 +16,9 @@ in (token, k) order, zero elsewhere), every error word 0, every band flag raised
 Then rank 0's recorded launches are replayed alone in CUDA graphs, timed with
 moe_overlap.timing.time_interleaved: the expand (every source already landed) at several grid
 sizes (its CTAs, 2 per SM in the layer) and the send, each built with the module's COPY_UNROLL
-and with 1 (the copy before session 32: one 16-byte load in flight per thread), their outputs
-bitwise equal. Rates: bytes moved (rows read + written, padding zeroed) per second and per CTA.
+and with 1 (one 16-byte load in flight per thread: the latency-bound copy), the expand's
+outputs bitwise equal. Rates: bytes moved (the expand: valid rows read, every output row
+written; the send: each (token, owner) row read and stored) per second and per CTA.
 On one GPU the send's peer stores are local: its NVLink rate is not measured here.
 """
 from __future__ import annotations
@@ -199,37 +200,38 @@ def main(argv=None) -> int:
     exp0 = next(x for x in done if x[0] == 0 and x[1] == "expand")
     plan0 = plans[0]
     valid = int(plan0.valid_rows)
-    rows = int(plan0.total_rows)
+    rows = plan0.row_capacity  # the output's rows: every one written (tokens, padding, zeros)
     row_bytes = 2 * D
-    exp_bytes = (2 * valid + (rows - valid)) * row_bytes  # read + write, padding written
+    exp_bytes = (valid + rows) * row_bytes  # the valid rows read, every output row written
     dest = (ids[0] // El)  # [T, K] owner ranks of rank 0's tokens
     per_dest = torch.zeros(T, W, dtype=torch.bool, device=dev).scatter_(1, dest, True)
     send_bytes = 2 * int(per_dest.sum()) * row_bytes  # every (token, owner) row read + stored
 
-    def variant(cls_mod, unroll, builder_obj):
-        old = cls_mod.COPY_UNROLL
-        cls_mod.COPY_UNROLL = unroll
+    def kernels(unroll: int):
+        """(send, expand) launchers of the layers' options, both copies at ``unroll`` vectors
+        in flight (the modules' COPY_UNROLL is read when the kernels are built)."""
+        old = DS.COPY_UNROLL, DE.COPY_UNROLL
+        DS.COPY_UNROLL = DE.COPY_UNROLL = unroll
         try:
-            obj = builder_obj()
-            fn = obj.compile()
+            objs = DD.MoEDispatch.overlap_kernels(W, K, a.send_ctas, 5.0, True, "per_source")
+            return tuple(q.real(o.compile()) for o in objs)
         finally:
-            cls_mod.COPY_UNROLL = old
-        return q.real(fn)
+            DS.COPY_UNROLL, DE.COPY_UNROLL = old
 
     U_E, U_S = DE.COPY_UNROLL, DS.COPY_UNROLL
-    ex = {f"expand_u{u}": variant(DE, u, lambda: DE.DispatchExpand(
-        W, K, timeout_ns=5_000_000_000, signal_arrival=True, wait="per_source"))
-        for u in sorted({1, U_E})}
-    se = {f"send_u{u}": variant(DS, u, lambda: DS.DispatchSend(W, K, ctas=a.send_ctas))
-          for u in sorted({1, U_S})}
-    fns = {}
+    fns, meta = {}, {}  # name -> the launch; name -> (bytes moved, CTAs)
     grids = [int(v) for v in a.grids.split(",") if v]
-    for name, launcher in ex.items():
-        for gr in grids:
-            ints = exp0[3][:-1] + (min(gr, El * W + 1),)
-            fns[f"{name}_g{gr}"] = (lambda ln=launcher, it=ints: ln(it, _stream()))
-    for name, launcher in se.items():
-        fns[name] = (lambda ln=launcher, it=send0[3]: ln(it, _stream()))
+    for u in sorted({1, U_E, U_S}):
+        send_ln, exp_ln = kernels(u)
+        if u in (1, U_S):
+            fns[f"send_u{u}"] = (lambda ln=send_ln, it=send0[3]: ln(it, _stream()))
+            meta[f"send_u{u}"] = (send_bytes, a.send_ctas)
+        if u in (1, U_E):
+            for gr in grids:
+                ctas = min(gr, El * W + 1)
+                it = exp0[3][:-1] + (ctas,)  # the launcher's last int is the grid
+                fns[f"expand_u{u}_g{gr}"] = (lambda ln=exp_ln, it=it: ln(it, _stream()))
+                meta[f"expand_u{u}_g{gr}"] = (exp_bytes, ctas)
     # every variant's expand output bitwise the first's (the replays rewrite rank 0's rows)
     out0 = outs[0]
     first = out0.clone()
@@ -245,11 +247,8 @@ def main(argv=None) -> int:
     t = timing.time_interleaved({k: gr.replay for k, gr in graphs.items()}, rounds=a.rounds,
                                 lead_ms=1.0, shuffle_seed=0)
     res = {}
-    for name in fns:
+    for name, (nbytes, ctas) in meta.items():
         ms = t[name]["median_ms"]
-        nbytes = exp_bytes if name.startswith("expand") else send_bytes
-        ctas = (min(int(name.rsplit("_g", 1)[1]), El * W + 1) if name.startswith("expand")
-                else a.send_ctas)
         res[name] = dict(ms=ms, gbps=nbytes / ms / 1e6, ctas=ctas,
                          gbps_per_cta=nbytes / ms / 1e6 / ctas)
         print(f"{name:<22} {ms:8.3f} ms {res[name]['gbps']:8.1f} GB/s on {ctas:3d} CTAs "

@@ -143,7 +143,7 @@ def _loads_then_stores(body: str, load: str, unroll: int):
 @pytest.mark.parametrize("wait", ["all", "per_source"])
 def test_expand_copies_with_its_loads_in_flight_before_their_stores(wait):
     """The row copy issues COPY_UNROLL 16-byte slot loads, then their stores: one load at a
-    time would leave it bound by the load latency (bench/NOTES.md, session 32)."""
+    time would leave it bound by the load latency."""
     from moe_overlap.combine.dispatch_expand import (COPY_UNROLL, build_dispatch_expand,
                                                      expand_example_args)
     ptx = _ptx(build_dispatch_expand(8, 8, wait=wait), *expand_example_args(wait=wait))
